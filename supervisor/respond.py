@@ -1,0 +1,86 @@
+"""The way back to the HTTP client: an ASGI ``send`` with the JSON error envelope and first-byte timing.
+
+Every error onebit answers has one shape, and says who produced it:
+
+    {"error": {"message": "...", "type": "invalid_request_error", "code": "bad_json", "source": "onebitd"}}
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import trio
+
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+def error_body(status: int, code: str, message: str, *, source: str = "onebitd", type_: str = "") -> bytes:
+    if not type_:
+        type_ = "invalid_request_error" if status < 500 else "server_error"
+        if status == 401:
+            type_ = "authentication_error"
+    envelope = {"error": {"message": message, "type": type_, "code": code, "source": source}}
+    return json.dumps(envelope).encode()
+
+
+class Responder:
+    """Wraps ASGI ``send``: remembers whether the response started and when the first byte left."""
+
+    def __init__(self, send: Send, started_at: float) -> None:
+        self._send = send
+        self._started_at = started_at
+        self.status: int | None = None
+        self.first_byte_ms: float | None = None
+        self.finished = False
+
+    @property
+    def started(self) -> bool:
+        return self.status is not None
+
+    async def start(self, status: int, headers: Iterable[tuple[str, str]] = ()) -> None:
+        self.status = status
+        await self._send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers],
+            }
+        )
+
+    async def body(self, chunk: bytes, *, more: bool) -> None:
+        if self.first_byte_ms is None and chunk:
+            self.first_byte_ms = (trio.current_time() - self._started_at) * 1000
+        await self._send({"type": "http.response.body", "body": chunk, "more_body": more})
+        if not more:
+            self.finished = True
+
+    async def whole(
+        self, status: int, body: bytes, content_type: str, headers: Iterable[tuple[str, str]] = ()
+    ) -> None:
+        await self.start(
+            status, [("content-type", content_type), ("content-length", str(len(body))), *headers]
+        )
+        await self.body(body, more=False)
+
+    async def json(self, status: int, data: Any, headers: Iterable[tuple[str, str]] = ()) -> None:
+        await self.whole(status, json.dumps(data).encode(), "application/json", headers)
+
+    async def error(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        *,
+        source: str = "onebitd",
+        retry_after: int | None = None,
+        type_: str = "",
+    ) -> None:
+        headers = [("retry-after", str(retry_after))] if retry_after is not None else []
+        await self.whole(
+            status,
+            error_body(status, code, message, source=source, type_=type_),
+            "application/json",
+            headers,
+        )

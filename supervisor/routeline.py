@@ -1,0 +1,79 @@
+"""The route line: exactly one structured line per request, the same fields on every route.
+
+    route=plain req=7f3a status=200 outcome=ok fallback=- prompt_tokens=47 prefill_ms=0 restore_ms=0
+    share_ms=0.000 first_byte_ms=12.4 total_ms=388.0 decoder_prompt_n=47 decoder_prompt_ms=31.2 slot=0
+
+The field set is fixed so that every route fills the same columns; a value that does not apply is
+``-`` (logfmt) or ``null`` (JSON).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import attrs
+
+FIELDS = (
+    "route",
+    "req",
+    "endpoint",
+    "status",
+    "outcome",
+    "fallback",
+    "prompt_tokens",
+    "prefill_ms",
+    "restore_ms",
+    "share_ms",
+    "first_byte_ms",
+    "total_ms",
+    "decoder_prompt_n",
+    "decoder_prompt_ms",
+    "slot",
+    "error",
+)
+
+
+@attrs.define
+class RouteLine:
+    """Filled in as the request goes; rendered once, when it ends."""
+
+    req: str
+    endpoint: str
+    route: str = "plain"
+    status: int = 0
+    outcome: str = "ok"  # ok | cancelled | error
+    fallback: str | None = None
+    prompt_tokens: int | None = None
+    prefill_ms: float = 0.0
+    restore_ms: float = 0.0
+    share_ms: float = 0.0
+    first_byte_ms: float | None = None
+    total_ms: float | None = None
+    decoder_prompt_n: int | None = None
+    decoder_prompt_ms: float | None = None
+    slot: int | None = None
+    error: str | None = None
+
+    def fields(self) -> dict[str, Any]:
+        values = attrs.asdict(self)
+        return {name: values[name] for name in FIELDS}
+
+    def logfmt(self) -> str:
+        return " ".join(f"{name}={_logfmt_value(name, value)}" for name, value in self.fields().items())
+
+    def json(self) -> str:
+        return json.dumps(self.fields(), separators=(",", ":"))
+
+
+def _logfmt_value(name: str, value: Any) -> str:
+    if value is None:
+        return "-"
+    if name == "share_ms":
+        return f"{value:.3f}"
+    if isinstance(value, float):
+        return f"{value:.1f}" if value else "0"
+    text = str(value)
+    if not text or any(c in text for c in ' "=\\') or any(ord(c) < 32 for c in text):
+        return json.dumps(text)
+    return text
