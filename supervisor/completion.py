@@ -9,14 +9,23 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from typing import Any
+
+import attrs
 
 from .child import Child, ChildState
 from .decoder import DecoderClient
 from .errors import DecoderError, DecoderUnavailable
+from .handoff import FileHandoff
+from .prompt import handoff_unsupported, tokens_for
+from .provider import Provider, Providers
 from .respond import Responder
 from .routeline import RouteLine
+from .routes import Choice, Reason, Route, choose, restore_used
 from .slots import SlotPool
+
+log = logging.getLogger("onebit.hybrid")
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/completion")
 
@@ -92,11 +101,32 @@ def sse_error(message: str) -> bytes:
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
 
+@attrs.define
+class HybridSettings:
+    """What the hybrid routes need beyond the plain one (absent: hybrid off)."""
+
+    providers: Providers
+    handoff: FileHandoff
+    min_prompt_tokens: int
+    restore_check_tokens: int
+    share: bool = False
+
+
 class Completions:
-    def __init__(self, *, decoder: Child, client: DecoderClient, slots: SlotPool) -> None:
+    def __init__(
+        self,
+        *,
+        decoder: Child,
+        client: DecoderClient,
+        slots: SlotPool,
+        hybrid: HybridSettings | None = None,
+    ) -> None:
         self.decoder = decoder
         self.client = client
         self.slots = slots
+        self.hybrid = hybrid
+        # Hybrid requests whose decoder re-evaluated the prompt although the restore succeeded.
+        self.restore_unused = 0
 
     def check_ready(self) -> None:
         state = self.decoder.state
@@ -108,16 +138,72 @@ class Completions:
             )
         raise DecoderUnavailable(f"the decoder is {state.value}; try again shortly")
 
+    async def _plan(
+        self, endpoint: str, body: dict[str, Any], line: RouteLine
+    ) -> tuple[Choice, list[int], Provider | None]:
+        """Pick the route; tokenizes the prompt only when a hybrid route is possible at all."""
+        hybrid = self.hybrid
+        if hybrid is None:
+            return Choice(Route.PLAIN, Reason.DISABLED), [], None
+        provider = hybrid.providers.pick()
+        tokens: list[int] | None = None
+        if provider is not None:
+            why = handoff_unsupported(endpoint, body)
+            if why is not None:
+                log.info("hybrid: %s cannot be handed over (%s); the backend prefills it", line.req, why)
+                return Choice(Route.PLAIN, Reason.UNSUPPORTED), [], None
+            try:
+                tokens = await tokens_for(self.client, endpoint, body)
+            except DecoderError as exc:
+                log.warning(
+                    "hybrid: tokenizing %s failed (%s); the backend prefills it", line.req, exc.message
+                )
+            else:
+                line.prompt_tokens = len(tokens)
+        choice = choose(
+            enabled=True,
+            share=hybrid.share,
+            provider_ready=provider is not None,
+            prompt_tokens=None if tokens is None else len(tokens),
+            min_prompt_tokens=hybrid.min_prompt_tokens,
+            share_refused=False,
+        )
+        return choice, tokens or [], provider
+
     async def serve(self, endpoint: str, body: dict[str, Any], out: Responder, line: RouteLine) -> None:
         self.check_ready()
+        choice, tokens, provider = await self._plan(endpoint, body, line)
+        if choice.reason is not None and choice.reason is not Reason.DISABLED:
+            line.fallback = choice.reason.value
         async with self.slots.hold() as slot:
             line.slot = slot
             self.check_ready()  # it may have died while we queued
             forwarded = {**body, "id_slot": slot}
+            if choice.route is not Route.PLAIN and provider is not None and self.hybrid is not None:
+                if await self.hybrid.handoff.run(
+                    req=line.req, slot=slot, tokens=tokens, provider=provider, line=line
+                ):
+                    line.route = Route.FILE.value
+                    # The restored cells are only reused by a request that may use its slot's cache.
+                    forwarded["cache_prompt"] = True
             if body.get("stream") is True:
                 await self._relay_stream(endpoint, forwarded, out, line)
             else:
                 await self._relay_whole(endpoint, forwarded, out, line)
+        self._verify_handoff(line)
+
+    def _verify_handoff(self, line: RouteLine) -> None:
+        """llama.cpp's restore can answer success and still re-prefill everything (#26676)."""
+        if line.route == Route.PLAIN.value or self.hybrid is None:
+            return
+        if not restore_used(line.decoder_prompt_n, self.hybrid.restore_check_tokens):
+            self.restore_unused += 1
+            log.warning(
+                "hybrid: restore was not used by the decoder: it evaluated %s of %s prompt tokens (%s)",
+                line.decoder_prompt_n,
+                line.prompt_tokens,
+                line.req,
+            )
 
     async def _relay_whole(
         self, endpoint: str, body: dict[str, Any], out: Responder, line: RouteLine

@@ -19,34 +19,53 @@ import attrs
 import cattrs
 from attrs import field, frozen
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
+from cattrs.gen import make_dict_unstructure_fn
 
 from .errors import ConfigError
 
 T = TypeVar("T")
 
 
+class _FieldError(ValueError):
+    """An impossible value, raised by an attrs validator: rendered at ``<table>.<field>``."""
+
+    def __init__(self, attribute: attrs.Attribute[Any], message: str) -> None:
+        self.field = attribute.name
+        super().__init__(message)
+
+
 def _at_least(low: float) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
-    def check(_inst: Any, _attr: attrs.Attribute[Any], value: Any) -> None:
+    def check(_inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
         if value < low:
-            raise ValueError(f"must be at least {low:g}, got {value!r}")
+            raise _FieldError(attr, f"must be at least {low:g}, got {value!r}")
 
     return check
 
 
 def _between(low: int, high: int) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
-    def check(_inst: Any, _attr: attrs.Attribute[Any], value: Any) -> None:
+    def check(_inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
         if not low <= value <= high:
-            raise ValueError(f"must be between {low} and {high}, got {value!r}")
+            raise _FieldError(attr, f"must be between {low} and {high}, got {value!r}")
 
     return check
 
 
 def _one_of(*choices: str) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
-    def check(_inst: Any, _attr: attrs.Attribute[Any], value: Any) -> None:
+    def check(_inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
         if value not in choices:
-            raise ValueError(f"expected one of {', '.join(choices)}, got {json.dumps(value)}")
+            raise _FieldError(attr, f"expected one of {', '.join(choices)}, got {json.dumps(value)}")
 
     return check
+
+
+def _name(_inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+    if not value or not all(c.isalnum() or c in "-_" for c in value):
+        raise _FieldError(attr, f"expected a name of letters, digits, - and _, got {json.dumps(value)}")
+
+
+def _non_empty(_inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+    if not value:
+        raise _FieldError(attr, "must not be empty")
 
 
 @frozen
@@ -121,6 +140,68 @@ class DecoderConfig:
 
 
 @frozen
+class HybridConfig:
+    """The hybrid routes: a provider prefills, the decoder only decodes."""
+
+    enabled: bool = False
+    # "file": a slot state file; "share": the decoder's KV region over fds (opt-in;
+    # ONEBIT_KV_SHARE=1 in the environment wins over this key).
+    mode: str = field(default="file", validator=_one_of("file", "share"))
+    # Below this many prompt tokens the decoder prefills faster than a handoff costs.
+    min_prompt_tokens: int = field(default=256, validator=_at_least(1))
+    # A provider job that takes longer is a failed prefill: the request goes plain.
+    prefill_timeout_s: float = field(default=120.0, validator=_at_least(0.1))
+    # A hybrid request whose decoder evaluated more prompt tokens than this did not use the restore
+    # (llama.cpp can answer a restore with success and re-prefill anyway: ggml-org/llama.cpp#26676).
+    restore_check_tokens: int = field(default=2, validator=_at_least(1))
+
+
+@frozen
+class LlamaServerProvider:
+    """A second llama-server used only for prefill; same [model] parameters as the decoder."""
+
+    name: str = field(validator=_name)
+    binary: str = ""  # empty: the same lookup as decoder.binary
+    threads: int = field(default=0, validator=_at_least(0))
+    cpu_affinity: tuple[int, ...] = ()
+    extra_args: tuple[str, ...] = ()
+    health: HealthPolicy = HealthPolicy()
+    restart: RestartPolicy = RestartPolicy()
+
+
+@frozen
+class ExecProvider:
+    """A program started per job: the job as JSON on stdin, its claim as the last stdout line."""
+
+    name: str = field(validator=_name)
+    command: tuple[str, ...] = field(validator=_non_empty)
+    cpu_affinity: tuple[int, ...] = ()
+    # SIGTERM, then this long, then SIGKILL of its group, when a job is cancelled or times out.
+    kill_grace_s: float = field(default=0.0, validator=_at_least(0))
+
+
+@frozen
+class WorkerProvider:
+    """A long-lived program taking jobs as JSON lines over a socketpair (ONEBIT_PROVIDER_FD)."""
+
+    name: str = field(validator=_name)
+    command: tuple[str, ...] = field(validator=_non_empty)
+    cpu_affinity: tuple[int, ...] = ()
+    # Jobs one worker runs at once; more wait for it.
+    concurrency: int = field(default=1, validator=_at_least(1))
+    health: HealthPolicy = HealthPolicy()
+    restart: RestartPolicy = RestartPolicy()
+
+
+ProviderConfig = LlamaServerProvider | ExecProvider | WorkerProvider
+PROVIDER_KINDS: dict[type, str] = {
+    LlamaServerProvider: "llama-server",
+    ExecProvider: "exec",
+    WorkerProvider: "worker",
+}
+
+
+@frozen
 class LogConfig:
     format: str = field(default="logfmt", validator=_one_of("logfmt", "json"))
     level: str = field(default="info", validator=_one_of("debug", "info", "warning", "error"))
@@ -131,6 +212,8 @@ class Config:
     server: ServerConfig = ServerConfig()
     model: ModelConfig = ModelConfig()
     decoder: DecoderConfig = DecoderConfig()
+    hybrid: HybridConfig = HybridConfig()
+    provider: tuple[ProviderConfig, ...] = ()
     log: LogConfig = LogConfig()
 
 
@@ -171,7 +254,34 @@ def _make_converter() -> cattrs.Converter:
         return tuple(items)
 
     conv.register_structure_hook_func(lambda t: getattr(t, "__origin__", None) is tuple, structure_tuple)
+
+    # [[provider]] tables are a tagged union on `kind`.
+    by_kind = {kind: cls for cls, kind in PROVIDER_KINDS.items()}
+
+    def structure_provider(value: Any, _type: Any) -> ProviderConfig:
+        if not isinstance(value, dict):
+            raise TypeError(f"expected a table, got {_show(value)}")
+        kind = value.get("kind")
+        if kind is None:
+            raise _KindError(f"required key missing (one of {', '.join(by_kind)})")
+        if kind not in by_kind:
+            raise _KindError(f"expected one of {', '.join(by_kind)}, got {_show(kind)}")
+        rest = {k: v for k, v in value.items() if k != "kind"}
+        provider: ProviderConfig = conv.structure(rest, by_kind[kind])
+        return provider
+
+    conv.register_structure_hook(ProviderConfig, structure_provider)
+    for cls, kind in PROVIDER_KINDS.items():
+        conv.register_unstructure_hook(cls, _tagged(make_dict_unstructure_fn(cls, conv), kind))
     return conv
+
+
+def _tagged(plain: Callable[[Any], dict[str, Any]], kind: str) -> Callable[[Any], dict[str, Any]]:
+    return lambda value: {"kind": kind, **plain(value)}
+
+
+class _KindError(ValueError):
+    """A [[provider]] table whose ``kind`` is missing or unknown: reported at ``provider[i].kind``."""
 
 
 converter = _make_converter()
@@ -199,6 +309,10 @@ def _render(exc: BaseException, path: str) -> list[str]:
         return [f"{path + '.' if path else ''}{key}: unknown key" for key in sorted(exc.extra_fields)]
     if isinstance(exc, KeyError):
         return [f"{path}: required key missing"]
+    if isinstance(exc, _FieldError):
+        return [f"{path + '.' if path else ''}{exc.field}: {exc}"]
+    if isinstance(exc, _KindError):
+        return [f"{path}.kind: {exc}"]
     if isinstance(exc, TypeError | ValueError):
         message = str(exc)
         # attrs' own messages for a dataclass given a non-table ("... object is not a mapping").
@@ -252,6 +366,16 @@ def check(config: Config, source: str) -> None:
     for index, cpu in enumerate(config.decoder.cpu_affinity):
         if cpu < 0 or cpu >= (os.cpu_count() or 1):
             errors.append(f"{source}: decoder.cpu_affinity[{index}]: no such CPU {cpu}")
+    seen: set[str] = set()
+    for index, provider in enumerate(config.provider):
+        if provider.name in seen:
+            errors.append(f"{source}: provider[{index}].name: {provider.name!r} is used twice")
+        seen.add(provider.name)
+        for i, cpu in enumerate(provider.cpu_affinity):
+            if cpu < 0 or cpu >= (os.cpu_count() or 1):
+                errors.append(f"{source}: provider[{index}].cpu_affinity[{i}]: no such CPU {cpu}")
+    if config.hybrid.enabled and not config.provider:
+        errors.append(f"{source}: hybrid.enabled: true, but no [[provider]] is configured")
     from . import locate  # the file-system checks live with the lookups they check
 
     errors += [f"{source}: {line}" for line in locate.problems(config)]

@@ -28,11 +28,17 @@ import trio
 from . import __version__, locate, logs
 from . import config as configuration
 from .child import Child
-from .completion import Completions
-from .config import Config
+from .completion import Completions, HybridSettings
+from .config import Config, ProviderConfig
+from .config import ExecProvider as ExecProviderConfig
+from .config import LlamaServerProvider as LlamaServerProviderConfig
+from .handoff import FileHandoff
+from .provider import Provider, Providers
+from .provider_exec import ExecProvider
+from .provider_llama import LlamaServerProvider
 from .errors import ConfigError
 from .front import Front
-from .llama_server import LlamaServerLauncher
+from .llama_server import LlamaServerLauncher, model_alias
 from .slots import SlotPool
 
 log = logging.getLogger("onebit.daemon")
@@ -76,11 +82,36 @@ class Daemon:
             cpu_affinity=config.decoder.cpu_affinity,
         )
         self.slots = SlotPool(config.model.parallel, config.server.queue_limit)
-        self.completions = Completions(decoder=self.decoder, client=self.launcher.client, slots=self.slots)
+        self.state_dir = self.runtime_dir / "state"
+        self.providers = Providers([self._provider(spec) for spec in config.provider])
+        hybrid = None
+        if config.hybrid.enabled and self.providers.all:
+            hybrid = HybridSettings(
+                providers=self.providers,
+                handoff=FileHandoff(
+                    client=self.launcher.client,
+                    state_dir=self.state_dir,
+                    model=model_alias(config),
+                    n_ctx=config.model.ctx_size,
+                    prefill_timeout_s=config.hybrid.prefill_timeout_s,
+                ),
+                min_prompt_tokens=config.hybrid.min_prompt_tokens,
+                restore_check_tokens=config.hybrid.restore_check_tokens,
+            )
+        self.completions = Completions(
+            decoder=self.decoder, client=self.launcher.client, slots=self.slots, hybrid=hybrid
+        )
         self.front = Front(
             config.server, decoder=self.decoder, client=self.launcher.client, completions=self.completions
         )
         self._stop = trio.Event()
+
+    def _provider(self, spec: ProviderConfig) -> Provider:
+        if isinstance(spec, LlamaServerProviderConfig):
+            return LlamaServerProvider(spec, self.config, runtime_dir=self.runtime_dir, state_dir=self.state_dir)
+        if isinstance(spec, ExecProviderConfig):
+            return ExecProvider(spec)
+        raise NotImplementedError(f"provider kind {type(spec).__name__}")
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -90,6 +121,8 @@ class Daemon:
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.decoder.run)
+                for provider in self.providers.all:
+                    await nursery.start(provider.run)
                 async with trio.open_nursery() as front_nursery:
                     binds: list[str] = await front_nursery.start(self.front.run)
                     log.info("onebitd %s listening on %s", __version__, ", ".join(binds))

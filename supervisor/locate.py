@@ -98,4 +98,16 @@ def problems(config: Config) -> list[str]:
         llama_server(config.decoder.binary),
         "empty, and no llama-server was found (run scripts/setup, or set decoder.binary)",
     )
+    for index, provider in enumerate(config.provider):
+        key = f"provider[{index}]"
+        command = getattr(provider, "command", None)
+        if command:
+            program = command[0]
+            found = shutil.which(program) if "/" not in program else program
+            lines += _executable_problem(f"{key}.command[0]", Path(found) if found else None, f"not found: {program}")
+        else:
+            binary = getattr(provider, "binary", "") or config.decoder.binary
+            lines += _executable_problem(
+                f"{key}.binary", llama_server(binary), "empty, and no llama-server was found (run scripts/setup)"
+            )
     return lines

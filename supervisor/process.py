@@ -1,11 +1,12 @@
 """One OS process: spawned in its own process group, tied to our life, its output logged, reaped.
 
-This is the only module that knows subprocess details; ``OSError`` from spawning becomes
-:class:`~supervisor.errors.ChildError` here.
+This is the only module that knows subprocess details; ``OSError`` (and ``SubprocessError``, when
+the pre-exec step fails) from spawning becomes :class:`~supervisor.errors.ChildError` here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -20,14 +21,19 @@ from .errors import ChildError
 log = logging.getLogger("onebit.child")
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# Resolved here, not in the forked child: dlopen there can deadlock on a lock another thread held.
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def _tie_to_parent(parent_pid: int, cpus: Sequence[int]) -> Callable[[], None]:
-    """preexec_fn: the kernel SIGKILLs the child when we die, even when we are SIGKILLed."""
+    """preexec_fn: the kernel SIGKILLs the child when we die, even when we are SIGKILLed.
+
+    The signal is sent when the *thread* that forked the child exits, so the fork must happen on the
+    trio thread (see :func:`_open_process`), never on a worker thread that may retire.
+    """
 
     def preexec() -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         # We may have died between fork and prctl: then nobody would ever send the signal.
         if os.getppid() != parent_pid:
             os._exit(1)
@@ -37,10 +43,112 @@ def _tie_to_parent(parent_pid: int, cpus: Sequence[int]) -> Callable[[], None]:
     return preexec
 
 
+class _Process:
+    """The part of ``trio.Process`` we use, over a Popen forked by the trio thread itself.
+
+    ``trio.lowlevel.open_process`` forks on a worker thread, and trio retires idle workers after
+    10 s: PR_SET_PDEATHSIG then killed every child 10 s after its start.  The trio thread lives as
+    long as the daemon.  Exit is seen on a pidfd, which (unlike waitpid) leaves the zombie unreaped.
+    """
+
+    def __init__(
+        self,
+        popen: subprocess.Popen[bytes],
+        stdin: trio.lowlevel.FdStream | None,
+        stdout: trio.lowlevel.FdStream,
+        stderr: trio.lowlevel.FdStream | None,
+    ) -> None:
+        self._popen = popen
+        self.pid = popen.pid
+        self.stdin = stdin
+        self.stdout = stdout
+        self.stderr = stderr
+        self._pidfd = os.pidfd_open(popen.pid)  # Linux 5.3; readable once the process has exited
+        self._wait_lock = trio.Lock()  # one task at a time may wait on an fd
+
+    @property
+    def returncode(self) -> int | None:
+        """None until reaped."""
+        return self._popen.returncode
+
+    def poll(self) -> int | None:
+        """Reap it if it has exited."""
+        code = self._popen.poll()
+        if code is not None and self._pidfd >= 0:
+            trio.lowlevel.notify_closing(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = -1
+        return code
+
+    async def wait_exited(self) -> None:
+        """Until it exits, without reaping it: a zombie's pid, and so its group id, stays ours."""
+        async with self._wait_lock:
+            if self._pidfd >= 0:
+                with contextlib.suppress(trio.ClosedResourceError):  # reaped meanwhile
+                    await trio.lowlevel.wait_readable(self._pidfd)
+
+    async def wait(self) -> int:
+        """Until it exits; reap it."""
+        while (code := self.poll()) is None:
+            await self.wait_exited()
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        self._popen.send_signal(sig)
+
+
+def _open_process(
+    argv: Sequence[str],
+    *,
+    stdin: int | None,
+    separate_stderr: bool,
+    env: Mapping[str, str] | None,
+    preexec_fn: Callable[[], None],
+    pass_fds: Sequence[int],
+) -> _Process:
+    """Popen on the trio thread, its pipes as trio streams.
+
+    The fork and exec block the event loop for a few milliseconds; a supervisor spawns rarely.
+    """
+    with contextlib.ExitStack() as child_ends, contextlib.ExitStack() as on_failure:
+
+        def pipe(*, to_child: bool) -> tuple[trio.lowlevel.FdStream, int]:
+            read, write = os.pipe()  # close-on-exec; Popen dup2s the child's end onto 0, 1 or 2
+            ours, theirs = (write, read) if to_child else (read, write)
+            child_ends.callback(os.close, theirs)
+            stream = trio.lowlevel.FdStream(ours)
+            on_failure.callback(stream.close)
+            return stream, theirs
+
+        trio_stdin = None
+        if stdin == subprocess.PIPE:
+            trio_stdin, stdin = pipe(to_child=True)
+        trio_stdout, stdout = pipe(to_child=False)
+        trio_stderr, stderr = pipe(to_child=False) if separate_stderr else (None, stdout)
+        popen = subprocess.Popen(
+            list(argv),
+            stdin=stdin,
+            stdout=stdout,
+            stderr=stderr,
+            env=dict(env) if env is not None else None,
+            start_new_session=True,  # its own process group, so stop() reaches its children too
+            preexec_fn=preexec_fn,
+            pass_fds=tuple(pass_fds),
+        )
+        try:
+            process = _Process(popen, trio_stdin, trio_stdout, trio_stderr)
+        except OSError:  # no pidfd: we could not wait for it
+            popen.kill()
+            popen.wait()
+            raise
+        on_failure.pop_all()
+    return process
+
+
 class ChildProcess:
     """A running child.  Create with :meth:`spawn`; always finish with :meth:`stop`."""
 
-    def __init__(self, name: str, process: trio.Process) -> None:
+    def __init__(self, name: str, process: _Process) -> None:
         self.name = name
         self._process = process
         self.returncode: int | None = None
@@ -55,20 +163,23 @@ class ChildProcess:
         cpu_affinity: Sequence[int] = (),
         stdin: int | None = subprocess.DEVNULL,
         pass_fds: Sequence[int] = (),
+        separate_stderr: bool = False,
     ) -> ChildProcess:
+        """``separate_stderr``: stdout is the caller's to read (a provider's claim line) and stderr is
+        logged by :meth:`pump_stderr`; otherwise both are one stream for :meth:`pump_output`."""
         try:
-            process = await trio.lowlevel.open_process(
-                list(argv),
+            process = _open_process(
+                argv,
                 stdin=stdin,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                env=dict(env) if env is not None else None,
-                start_new_session=True,  # its own process group, so stop() reaches its children too
+                separate_stderr=separate_stderr,
+                env=env,
                 preexec_fn=_tie_to_parent(os.getpid(), tuple(cpu_affinity)),
-                pass_fds=tuple(pass_fds),
+                pass_fds=pass_fds,
             )
         except OSError as exc:
             raise ChildError(f"{name}: cannot start {argv[0]}: {exc.strerror or exc}") from exc
+        except subprocess.SubprocessError as exc:  # the preexec step failed (an affinity refused)
+            raise ChildError(f"{name}: cannot start {argv[0]}: {exc}") from exc
         log.info("%s: started pid %d: %s", name, process.pid, " ".join(argv))
         return cls(name, process)
 
@@ -84,6 +195,15 @@ class ChildProcess:
         """Log the child's output line by line, prefixed with its name, until it closes."""
         stream = self._process.stdout
         assert stream is not None
+        await self._pump(stream, on_line)
+
+    async def pump_stderr(self) -> None:
+        """Log the child's stderr (spawned with ``separate_stderr``) line by line until it closes."""
+        stream = self._process.stderr
+        assert stream is not None
+        await self._pump(stream, None)
+
+    async def _pump(self, stream: trio.abc.ReceiveStream, on_line: Callable[[str], None] | None) -> None:
         buffer = b""
         async with stream:
             async for chunk in stream:
@@ -118,22 +238,22 @@ class ChildProcess:
     async def stop(self, grace: float) -> int:
         """Stop and reap, whatever happens around us.
 
-        1. If it already exited, reap it and we are done.
+        1. If it was already reaped, we are done.
         2. SIGTERM the process group, so llama-server can close its sockets.
-        3. Wait up to ``grace`` seconds.
-        4. SIGKILL the process group.
+        3. Wait up to ``grace`` seconds for the leader to exit (not reaping it).
+        4. SIGKILL the process group: the leader if it ignored SIGTERM, and whatever it left behind.
         5. Reap: no child is ever left a zombie.  The group is signalled only while the leader is
            unreaped, so its pid (and so the group id) cannot have been reused by another process.
         All under a shielded scope, so a cancelled caller still reaps.
         """
         with trio.CancelScope(shield=True):
-            if self._process.poll() is None:
+            if self._process.returncode is None:
                 self._signal_group(signal.SIGTERM)
-                with trio.move_on_after(grace):
-                    await self._process.wait()
-                if self._process.poll() is None:
+                with trio.move_on_after(grace) as grace_scope:
+                    await self._process.wait_exited()
+                if grace_scope.cancelled_caught:
                     log.warning("%s: pid %d ignored SIGTERM for %gs; killing", self.name, self.pid, grace)
-                    self._signal_group(signal.SIGKILL)
+                self._signal_group(signal.SIGKILL)
             # Reap.  No signal after this point: once reaped, its pid may belong to someone else.
             code: int = await self.wait()
         return code

@@ -52,9 +52,11 @@ class Responder:
     async def body(self, chunk: bytes, *, more: bool) -> None:
         if self.first_byte_ms is None and chunk:
             self.first_byte_ms = (trio.current_time() - self._started_at) * 1000
-        await self._send({"type": "http.response.body", "body": chunk, "more_body": more})
         if not more:
+            # Set before sending: hypercorn may report the client's disconnect (and so cancel us)
+            # while the last chunk is being handed over, and that is a finished response.
             self.finished = True
+        await self._send({"type": "http.response.body", "body": chunk, "more_body": more})
 
     async def whole(
         self, status: int, body: bytes, content_type: str, headers: Iterable[tuple[str, str]] = ()

@@ -1,0 +1,111 @@
+"""Prefill providers: what a provider is to the rest of onebit, and how one is picked.
+
+A provider takes a :class:`PrefillJob` (the prompt's exact tokens and where to put their KV) and
+answers a :class:`Claim` (how many tokens it says it prefilled, in how long).  Three kinds implement
+the :class:`Provider` protocol: ``llama-server`` (provider_llama.py), ``exec`` (provider_exec.py)
+and ``worker`` (provider_worker.py).  The wire contract a vendor implements is docs/protocol.md.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Protocol
+
+import attrs
+import trio
+
+
+@attrs.frozen
+class PrefillJob:
+    id: str
+    model: str
+    n_ctx: int
+    tokens: tuple[int, ...]
+    state_file: Path  # absolute; the name is onebitd's, never the client's
+
+    def wire(self) -> dict[str, Any]:
+        """The job as the exec/worker contract sends it."""
+        return {
+            "id": self.id,
+            "route": "file",
+            "model": self.model,
+            "n_ctx": self.n_ctx,
+            "tokens": list(self.tokens),
+            "state_file": str(self.state_file),
+        }
+
+
+@attrs.frozen
+class Claim:
+    """What a provider says it did.  ``None`` fields: its last line did not say (not an error)."""
+
+    n_tokens: int | None = None
+    prefill_ms: float | None = None
+
+
+def parse_claim(line: str) -> Claim:
+    """The claim from a provider's last stdout line; a line that does not parse claims nothing."""
+    try:
+        data = json.loads(line)
+    except ValueError:
+        return Claim()
+    if not isinstance(data, dict):
+        return Claim()
+    n_tokens = data.get("n_tokens")
+    prefill_ms = data.get("prefill_ms")
+    return Claim(
+        n_tokens=n_tokens if isinstance(n_tokens, int) and not isinstance(n_tokens, bool) else None,
+        prefill_ms=float(prefill_ms)
+        if isinstance(prefill_ms, int | float) and not isinstance(prefill_ms, bool)
+        else None,
+    )
+
+
+@attrs.frozen
+class ProviderStatistics:
+    name: str
+    kind: str
+    ready: bool
+    busy: int
+    jobs: int
+    failures: int
+    child: dict[str, Any] | None  # the supervised child's statistics, for kinds that have one
+
+
+class Provider(Protocol):
+    name: str
+    kind: str
+
+    @property
+    def ready(self) -> bool:
+        """Can take a job now (its child is healthy, or it needs none)."""
+
+    @property
+    def busy(self) -> int:
+        """Jobs in progress."""
+
+    async def run(self, *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
+        """Supervise whatever the provider needs for as long as the daemon runs."""
+
+    async def prefill(self, job: PrefillJob) -> Claim:
+        """Prefill ``job.tokens`` and write ``job.state_file``.  Raises ProviderError on failure;
+        cancelling it cancels the job (and kills or tells whatever runs it)."""
+
+    def statistics(self) -> ProviderStatistics: ...
+
+
+class Providers:
+    """The configured providers; :meth:`pick` chooses a ready one with the fewest jobs."""
+
+    def __init__(self, providers: list[Provider]) -> None:
+        self.all = providers
+
+    def pick(self) -> Provider | None:
+        ready = [p for p in self.all if p.ready]
+        if not ready:
+            return None
+        return min(ready, key=lambda p: p.busy)
+
+    def statistics(self) -> list[ProviderStatistics]:
+        return [p.statistics() for p in self.all]

@@ -1,0 +1,101 @@
+"""The ``exec`` provider: one program run per job, the contract an NPU vendor implements.
+
+The job is one JSON object on the program's stdin; it writes the state file, logs on stderr, and its
+last stdout line is its claim ``{"n_tokens": N, "prefill_ms": X}``; exit status 0 means done.
+Cancelling a job kills the program's process group.  See docs/protocol.md.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from typing import Any
+
+import trio
+
+from .config import ExecProvider as ExecProviderConfig
+from .errors import ChildError, ProviderError
+from .process import ChildProcess, describe_exit
+from .provider import Claim, PrefillJob, ProviderStatistics, parse_claim
+
+
+class ExecProvider:
+    kind = "exec"
+
+    def __init__(self, spec: ExecProviderConfig) -> None:
+        self.name = spec.name
+        self.spec = spec
+        self._busy = 0
+        self._jobs = 0
+        self._failures = 0
+
+    @property
+    def ready(self) -> bool:
+        return True  # nothing runs between jobs; a program that cannot start fails its job
+
+    @property
+    def busy(self) -> int:
+        return self._busy
+
+    async def run(self, *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started(self)
+        await trio.sleep_forever()
+
+    async def prefill(self, job: PrefillJob) -> Claim:
+        self._busy += 1
+        self._jobs += 1
+        try:
+            return await self._run_job(job)
+        except ProviderError:
+            self._failures += 1
+            raise
+        finally:
+            self._busy -= 1
+
+    async def _run_job(self, job: PrefillJob) -> Claim:
+        try:
+            process = await ChildProcess.spawn(
+                f"provider-{self.name}[{job.id}]",
+                self.spec.command,
+                stdin=subprocess.PIPE,
+                cpu_affinity=self.spec.cpu_affinity,
+                separate_stderr=True,
+            )
+        except ChildError as exc:
+            raise ProviderError(str(exc)) from exc
+        last = ""
+
+        def remember(line: str) -> None:
+            nonlocal last
+            if line.strip():
+                last = line
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(process.pump_output, remember)
+                nursery.start_soon(process.pump_stderr)
+                stdin = process.stdin
+                assert stdin is not None
+                try:
+                    await stdin.send_all(json.dumps(job.wire()).encode() + b"\n")
+                    await stdin.aclose()
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass  # it exited without reading its job: its exit status says why
+                code = await process.wait()
+        finally:
+            # Cancelled (client gone, timeout): its whole process group goes.  Always reaped.
+            code = await process.stop(self.spec.kill_grace_s)
+        if code != 0:
+            raise ProviderError(f"{self.name}: job {job.id}: {describe_exit(code)}")
+        return parse_claim(last)
+
+    def statistics(self) -> ProviderStatistics:
+        return ProviderStatistics(
+            name=self.name,
+            kind=self.kind,
+            ready=True,
+            busy=self._busy,
+            jobs=self._jobs,
+            failures=self._failures,
+            child=None,
+        )

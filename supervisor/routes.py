@@ -1,0 +1,103 @@
+"""Which route a request takes, and what a failure on the way degrades it to.  Pure decisions.
+
+    route   who prefills                          handoff
+    plain   the decoder                           none
+    file    a provider, into a slot state file     POST /slots/S?action=restore
+    share   a provider, into the decoder's KV      ?action=share, then ?action=adopt
+
+The fallback boundary (from the upstream hybrid-route change): a failure *before* any provider wrote
+anything degrades to the next hybrid route that still keeps the prompt off the decoder; a failure
+*after* a provider did its prefill degrades to plain, because retrying another hybrid route there
+would pay for the prefill twice.  ``DEGRADE`` below is that table; nothing else decides it.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+
+class Route(enum.Enum):
+    PLAIN = "plain"
+    FILE = "file"
+    SHARE = "share"
+
+
+class Reason(enum.Enum):
+    """Why a request did not take (or did not stay on) the route it could have taken.
+
+    Values are the route line's ``fallback=`` field."""
+
+    DISABLED = "disabled"  # hybrid off: not logged as a fallback
+    SHORT_PROMPT = "short-prompt"
+    NO_PROVIDER = "no-provider"
+    UNSUPPORTED = "unsupported-request"  # a prompt shape we cannot hand over (several prompts, ...)
+    TOKENIZE_FAILED = "tokenize-failed"
+    PROVIDER_FAILED = "provider-failed"
+    SHORT_CLAIM = "short-claim"
+    RESTORE_REFUSED = "restore-refused"
+    SHARE_REFUSED = "share-refused"
+    SHARE_REMEMBERED = "share-refused-earlier"
+    ADOPT_REFUSED = "adopt-refused"
+
+
+class Step(enum.Enum):
+    """Where on a hybrid route a failure happened."""
+
+    FILE_PREFILL = "file-prefill"  # the provider failed or claimed the wrong count
+    RESTORE = "restore"  # the decoder refused the state file
+    SHARE_HANDSHAKE = "share-handshake"  # listen, ?action=share, the decoder's connect + header
+    SHARE_PREFILL = "share-prefill"  # the provider failed after it may have written the region
+    ADOPT = "adopt"  # the decoder refused to adopt the cells
+
+
+# A handshake failure happens before any prefill: the file route still spares the decoder the
+# prompt.  Everything after a provider ran goes plain: never pay for a prefill twice.
+DEGRADE: dict[Step, Route] = {
+    Step.FILE_PREFILL: Route.PLAIN,
+    Step.RESTORE: Route.PLAIN,
+    Step.SHARE_HANDSHAKE: Route.FILE,
+    Step.SHARE_PREFILL: Route.PLAIN,
+    Step.ADOPT: Route.PLAIN,
+}
+
+
+@attrs.frozen
+class Choice:
+    route: Route
+    reason: Reason | None = None  # set when a cheaper-for-the-decoder route was not taken
+
+
+def choose(
+    *,
+    enabled: bool,
+    share: bool,
+    provider_ready: bool,
+    prompt_tokens: int | None,
+    min_prompt_tokens: int,
+    share_refused: bool,
+) -> Choice:
+    """The route a request starts on.  ``prompt_tokens`` None: the prompt could not be tokenized."""
+    if not enabled:
+        return Choice(Route.PLAIN, Reason.DISABLED)
+    if not provider_ready:
+        return Choice(Route.PLAIN, Reason.NO_PROVIDER)
+    if prompt_tokens is None:
+        return Choice(Route.PLAIN, Reason.TOKENIZE_FAILED)
+    if prompt_tokens < min_prompt_tokens:
+        return Choice(Route.PLAIN, Reason.SHORT_PROMPT)
+    if share and share_refused:
+        # This decoder process refused to share before: asking again costs a round trip per request.
+        return Choice(Route.FILE, Reason.SHARE_REMEMBERED)
+    return Choice(Route.SHARE if share else Route.FILE)
+
+
+def claim_matches(claimed: int | None, expected: int) -> bool:
+    """A claim that does not say is not an error (the state is the result); a wrong count is."""
+    return claimed is None or claimed == expected
+
+
+def restore_used(decoder_prompt_n: int | None, check_tokens: int) -> bool:
+    """On a hybrid route the decoder should evaluate about one prompt token, not the prompt."""
+    return decoder_prompt_n is None or decoder_prompt_n <= check_tokens
