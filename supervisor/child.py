@@ -58,6 +58,9 @@ class Launcher(Protocol):
     async def healthy(self) -> bool:
         """One health check; False for anything but a clear yes."""
 
+    # Optional, read with getattr: ``env`` (a mapping), ``pass_fds`` (a sequence of fds to inherit)
+    # and ``spawned()`` (called right after every spawn attempt, to close the parent's copies).
+
 
 @attrs.frozen
 class ChildStatistics:
@@ -179,13 +182,22 @@ class Child:
         self.launcher.prepare()
         try:
             process = await ChildProcess.spawn(
-                self.name, self.launcher.argv(), cpu_affinity=self.cpu_affinity
+                self.name,
+                self.launcher.argv(),
+                cpu_affinity=self.cpu_affinity,
+                # Optional launcher extras (a worker provider hands its socketpair end over).
+                env=getattr(self.launcher, "env", None),
+                pass_fds=getattr(self.launcher, "pass_fds", ()),
             )
         except ChildError as exc:
             if task_status is not None:
                 task_status.started(self)
             self._last_exit = str(exc)
             return str(exc)
+        finally:
+            spawned = getattr(self.launcher, "spawned", None)
+            if spawned is not None:
+                spawned()
         self._process = process
         if task_status is not None:
             task_status.started(self)

@@ -8,7 +8,9 @@ and raises one :class:`~supervisor.errors.ConfigError`.
 
 from __future__ import annotations
 
+import datetime
 import json
+import math
 import os
 import tomllib
 from collections.abc import Callable
@@ -18,7 +20,12 @@ from typing import Any, TypeVar
 import attrs
 import cattrs
 from attrs import field, frozen
-from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
+from cattrs.errors import (
+    AttributeValidationNote,
+    ClassValidationError,
+    ForbiddenExtraKeysError,
+    IterableValidationError,
+)
 from cattrs.gen import make_dict_unstructure_fn
 
 from .errors import ConfigError
@@ -227,16 +234,76 @@ def _strict(kind: type[T], name: str, accept: tuple[type, ...]) -> Callable[[Any
             raise TypeError(f"expected {name}, got {json.dumps(value)}")
         if not isinstance(value, accept):
             raise TypeError(f"expected {name}, got {_show(value)}")
-        return kind(value)  # type: ignore[call-arg]
+        try:
+            result = kind(value)  # type: ignore[call-arg]
+        except OverflowError:  # an int too large for a float
+            raise ValueError(f"expected {name}, got {value} (too large)") from None
+        # TOML has nan; no duration, size or count is one (and trio refuses a nan timeout).
+        if isinstance(result, float) and math.isnan(result):
+            raise ValueError(f"expected {name}, got nan")
+        return result
 
     return structure
 
 
 def _show(value: Any) -> str:
+    """A value near enough to how the file spells it."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # inf, -inf, nan
+    if isinstance(value, datetime.date | datetime.time):
+        return value.isoformat()
     try:
-        return json.dumps(value)
-    except TypeError:
+        return json.dumps(value, default=str)
+    except (TypeError, ValueError):
         return repr(value)
+
+
+def _structure_table(conv: cattrs.Converter, cls: type) -> Callable[[Any, type], Any]:
+    """Structure one table, reporting every problem in it at once.
+
+    cattrs' generated hook runs the attrs validators only once every key is known and every type
+    right, and attrs stops at the first failing validator: a file with an unknown key and two values
+    out of range would take three rounds to fix.
+    """
+    fields = attrs.fields(attrs.resolve_types(cls))
+    known = {a.name for a in fields}
+
+    def structure_table(value: Any, _type: type) -> Any:
+        if not isinstance(value, dict):
+            raise TypeError(f"expected a table, got {_show(value)}")
+        errors: list[Exception] = []
+        kwargs: dict[str, Any] = {}
+        for a in fields:
+            if a.name not in value:
+                if a.default is attrs.NOTHING:
+                    errors.append(_at(KeyError(a.name), cls, a))
+                continue
+            try:
+                item = conv.structure(value[a.name], a.type)
+                if a.validator is not None:
+                    a.validator(None, a, item)
+            except _FieldError as exc:
+                errors.append(exc)  # it names its field itself
+            except Exception as exc:  # what a value provokes in a hook: cattrs collects it the same way
+                errors.append(_at(exc, cls, a))
+            else:
+                kwargs[a.alias] = item
+        if extra := value.keys() - known:
+            errors.append(ForbiddenExtraKeysError(None, cls, set(extra)))
+        if errors:
+            raise ClassValidationError(f"While structuring {cls.__name__}", errors, cls)
+        return cls(**kwargs)
+
+    return structure_table
+
+
+def _at(exc: Exception, cls: type, a: attrs.Attribute[Any]) -> Exception:
+    """Mark ``exc`` as raised at attribute ``a``, as cattrs does, so :func:`_render` finds the path."""
+    note = AttributeValidationNote(
+        f"Structuring class {cls.__qualname__} @ attribute {a.name}", a.name, a.type
+    )
+    exc.__notes__ = [*getattr(exc, "__notes__", []), note]
+    return exc
 
 
 def _make_converter() -> cattrs.Converter:
@@ -254,6 +321,7 @@ def _make_converter() -> cattrs.Converter:
         return tuple(items)
 
     conv.register_structure_hook_func(lambda t: getattr(t, "__origin__", None) is tuple, structure_tuple)
+    conv.register_structure_hook_factory(attrs.has, lambda cls: _structure_table(conv, cls))
 
     # [[provider]] tables are a tagged union on `kind`.
     by_kind = {kind: cls for cls, kind in PROVIDER_KINDS.items()}

@@ -36,6 +36,7 @@ from .handoff import FileHandoff
 from .provider import Provider, Providers
 from .provider_exec import ExecProvider
 from .provider_llama import LlamaServerProvider
+from .provider_worker import WorkerProvider
 from .errors import ConfigError
 from .front import Front
 from .llama_server import LlamaServerLauncher, model_alias
@@ -111,7 +112,7 @@ class Daemon:
             return LlamaServerProvider(spec, self.config, runtime_dir=self.runtime_dir, state_dir=self.state_dir)
         if isinstance(spec, ExecProviderConfig):
             return ExecProvider(spec)
-        raise NotImplementedError(f"provider kind {type(spec).__name__}")
+        return WorkerProvider(spec)
 
     def request_stop(self) -> None:
         self._stop.set()

@@ -1,0 +1,231 @@
+"""The ``worker`` provider: a long-lived program (the model loads once) taking jobs over a socketpair.
+
+Wire (docs/protocol.md has the full contract):
+- onebitd makes a unix socketpair per life of the worker and passes one end; its fd number is in
+  ``ONEBIT_PROVIDER_FD``.  Everything on it is UTF-8 JSON, one object per line.
+- The worker's first line is ``{"ready": true}``: until then it is not healthy.
+- onebitd sends a job line (the exec job: ``{"id", "route", "model", "n_ctx", "tokens", "state_file"}``);
+  the worker answers one line per job: ``{"id", "n_tokens", "prefill_ms"}``, or ``{"id", "error"}``.
+- A job onebitd no longer wants (client gone, timeout) is told with ``{"cancel": "<id>"}``; no answer
+  is expected, and a late answer for it is dropped.
+The worker exiting, or closing its end, fails every job in flight; it is restarted like any child.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import trio
+
+from .child import Child, ChildState
+from .config import WorkerProvider as WorkerProviderConfig
+from .config import converter
+from .errors import ProviderError
+from .provider import Claim, PrefillJob, ProviderStatistics, parse_claim
+
+log = logging.getLogger("onebit.provider")
+
+# A claim line is small; a worker sending more than this on one line is broken.
+_MAX_LINE = 1 << 20
+
+
+@attrs.define
+class _Pending:
+    done: trio.Event = attrs.Factory(trio.Event)
+    line: str = ""
+    error: str | None = None
+
+
+@attrs.define(eq=False)
+class _Life:
+    """One run of the worker program: our end of its socket, what it has said, what waits on it."""
+
+    stream: trio.SocketStream
+    ready: bool = False
+    dead: bool = False
+    pending: dict[str, _Pending] = attrs.Factory(dict)
+    send_lock: trio.Lock = attrs.Factory(trio.Lock)
+
+    async def send(self, data: dict[str, Any]) -> None:
+        async with self.send_lock:
+            await self.stream.send_all(json.dumps(data).encode() + b"\n")
+
+    def fail_all(self, why: str) -> None:
+        self.dead = True
+        for pending in self.pending.values():
+            pending.error = why
+            pending.done.set()
+
+
+class _WorkerLauncher:
+    def __init__(self, provider: WorkerProvider) -> None:
+        self.provider = provider
+        self.name = f"provider-{provider.name}"
+        self.env: dict[str, str] | None = None
+        self.pass_fds: Sequence[int] = ()
+        self._theirs: socket.socket | None = None
+
+    def argv(self) -> Sequence[str]:
+        return self.provider.spec.command
+
+    def prepare(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        theirs.set_inheritable(True)
+        self._theirs = theirs
+        self.pass_fds = (theirs.fileno(),)
+        self.env = {**os.environ, "ONEBIT_PROVIDER_FD": str(theirs.fileno())}
+        self.provider._begin_life(ours)
+
+    def spawned(self) -> None:
+        # The child has its copy (or never started): ours must go, or EOF never comes when it dies.
+        if self._theirs is not None:
+            self._theirs.close()
+            self._theirs = None
+
+    async def healthy(self) -> bool:
+        life = self.provider._life
+        return life is not None and life.ready and not life.dead
+
+
+class WorkerProvider:
+    kind = "worker"
+
+    def __init__(self, spec: WorkerProviderConfig) -> None:
+        self.name = spec.name
+        self.spec = spec
+        self.launcher = _WorkerLauncher(self)
+        self.child = Child(self.launcher, spec.health, spec.restart, cpu_affinity=spec.cpu_affinity)
+        self._capacity = trio.Semaphore(spec.concurrency)
+        self._life: _Life | None = None
+        self._lives_send, self._lives_receive = trio.open_memory_channel[_Life](16)
+        self._busy = 0
+        self._jobs = 0
+        self._failures = 0
+
+    @property
+    def ready(self) -> bool:
+        return self.child.state is ChildState.READY
+
+    @property
+    def busy(self) -> int:
+        return self._busy
+
+    def _begin_life(self, ours: socket.socket) -> None:
+        if self._life is not None:
+            self._life.fail_all("the worker was restarted")
+        life = _Life(trio.SocketStream(trio.socket.from_stdlib_socket(ours)))
+        self._life = life
+        self._lives_send.send_nowait(life)
+
+    async def run(self, *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._read_lives, nursery)
+            await nursery.start(self.child.run)
+            task_status.started(self)
+
+    async def _read_lives(self, nursery: trio.Nursery) -> None:
+        async for life in self._lives_receive:
+            nursery.start_soon(self._read, life)
+
+    async def _read(self, life: _Life) -> None:
+        buffer = b""
+        try:
+            async with life.stream:
+                while True:
+                    try:
+                        chunk = await life.stream.receive_some(65536)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        break
+                    if not chunk:
+                        break
+                    buffer += chunk
+                    if len(buffer) > _MAX_LINE and b"\n" not in buffer:
+                        log.warning("%s: a line over %d bytes; dropping the connection", self.name, _MAX_LINE)
+                        break
+                    *lines, buffer = buffer.split(b"\n")
+                    for raw in lines:
+                        self._on_line(life, raw.decode("utf-8", "replace").strip())
+        finally:
+            life.fail_all(f"worker {self.name} closed its socket")
+
+    def _on_line(self, life: _Life, line: str) -> None:
+        if not line:
+            return
+        try:
+            data = json.loads(line)
+        except ValueError:
+            data = None
+        if not isinstance(data, dict):
+            log.warning("%s: not a JSON object: %.200s", self.name, line)
+            return
+        if data.get("ready") is True and not life.ready:
+            life.ready = True
+            return
+        job_id = data.get("id")
+        if job_id is None and len(life.pending) == 1:
+            job_id = next(iter(life.pending))  # one job in flight: an answer without an id is its
+        pending = life.pending.get(str(job_id))
+        if pending is None:
+            return  # a cancelled job's late answer
+        error = data.get("error")
+        if error is not None:
+            pending.error = str(error)
+        pending.line = line
+        pending.done.set()
+
+    async def prefill(self, job: PrefillJob) -> Claim:
+        self._busy += 1
+        self._jobs += 1
+        try:
+            async with self._capacity:
+                return await self._run_job(job)
+        except ProviderError:
+            self._failures += 1
+            raise
+        finally:
+            self._busy -= 1
+
+    async def _run_job(self, job: PrefillJob) -> Claim:
+        life = self._life
+        if life is None or not life.ready or life.dead:
+            raise ProviderError(f"{self.name}: no ready worker")
+        pending = _Pending()
+        life.pending[job.id] = pending
+        try:
+            try:
+                await life.send(job.wire())
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                raise ProviderError(f"{self.name}: the worker's socket is closed") from exc
+            await pending.done.wait()
+        finally:
+            del life.pending[job.id]
+            if not pending.done.is_set() and not life.dead:
+                await self._cancel(life, job.id)
+        if pending.error is not None:
+            raise ProviderError(f"{self.name}: job {job.id}: {pending.error}")
+        return parse_claim(pending.line)
+
+    async def _cancel(self, life: _Life, job_id: str) -> None:
+        # We are being cancelled: tell the worker, briefly and shielded, then let the cancel go on.
+        with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+            try:
+                await life.send({"cancel": job_id})
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+
+    def statistics(self) -> ProviderStatistics:
+        return ProviderStatistics(
+            name=self.name,
+            kind=self.kind,
+            ready=self.ready,
+            busy=self._busy,
+            jobs=self._jobs,
+            failures=self._failures,
+            child=converter.unstructure(self.child.statistics()),
+        )

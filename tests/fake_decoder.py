@@ -1,0 +1,891 @@
+"""A stand-in for llama-server, for fault injection.  Standard library only; one thread per connection.
+
+It is started exactly like llama-server (``tests/conftest.py``'s ``fake_decoder_config`` wraps it in a
+shell script set as ``decoder.binary``), takes the arguments onebitd passes (``-m -c -np -b -ub -ctk
+-ctv --host --port --slot-save-path --alias --no-webui -t``), ignores any other, and listens on the unix
+socket given by ``--host`` (a host ending in ``.sock``, as llama-server does) or on TCP otherwise.
+
+Endpoints answer with llama-server's JSON shapes (checked against build 11434): ``GET /health``,
+``/v1/models``, ``/models``, ``/props``, ``/slots``; ``POST /tokenize`` (one token per whitespace-separated
+word, its id a stable hash), ``/detokenize``, ``/apply-template`` (ChatML), and the completions
+``/completion``, ``/v1/completions`` and ``/v1/chat/completions``.  A completion's reply is its prompt's
+words echoed (for chat, the last message's), ``n_predict``/``max_tokens`` of them (16 when unbounded),
+with ``timings`` (``cache_n`` from a per-slot prefix cache) and ``usage`` where llama-server puts them.
+``stream: true`` sends one ``data: {...}`` event per token, the last one with ``timings``; the OpenAI
+endpoints end with ``data: [DONE]``, llama.cpp's native ``/completion`` does not.  An invalid body gets
+400 in llama-server's error shape ``{"error": {"code", "message", "type"}}``; while loading, every
+endpoint but ``/health`` gets 503.
+
+Fault modes.  Each is an environment variable, or the same key (lower case, no prefix) in the JSON
+file named by ``FAKE_DECODER_CONTROL``; the file wins, and is read again whenever a mode matters, so a
+test can change the behaviour of a running fake or between restarts.  Write it atomically (a temporary
+file, then ``os.replace``); a file that cannot be read or parsed counts as absent.
+
+    FAKE_DECODER_LOAD_S           load_s           /health says "Loading model" (503) for this many
+                                                   seconds after start (default 0)
+    -                             loading          true: loading until the control file says otherwise
+    FAKE_DECODER_EXIT             exit             exit with this status right after start (a crash)
+    -                             exit_starts      with ``exit``: only the first N starts exit; starts are
+                                                   counted in ``<control file>.starts``
+    FAKE_DECODER_UNHEALTHY_AFTER  unhealthy_after  after N health checks, /health answers 503 forever
+    FAKE_DECODER_TOKEN_DELAY_S    token_delay_s    seconds between streamed tokens (default 0)
+    FAKE_DECODER_HANG             hang             completions never answer (until the client leaves)
+    FAKE_DECODER_HOLD             hold             true: a completion pauses after its first streamed
+                                                   token (a whole reply: before answering) while this
+                                                   holds; a list of strings holds only the requests
+                                                   whose prompt contains one of them
+    FAKE_DECODER_IGNORE_SIGTERM   ignore_sigterm   ignore SIGTERM, so only SIGKILL stops it
+    FAKE_DECODER_LOG              log              a file: one JSON line per completion request, and one
+                                                   per start
+
+A log line for a completion, written when the request ends::
+
+    {"event": "completion", "pid": 4242, "seq": 3, "path": "/v1/chat/completions",
+     "id_slot": 1, "slot": 1, "slot_busy": false, "stream": true, "prompt": "...",
+     "n_predict": 8, "sent": 8, "finished": true, "disconnected": false}
+
+``seq`` numbers requests in the order they arrived; ``id_slot`` is what the body asked for (null when
+absent), ``slot`` the one used; ``slot_busy`` says another request was in flight on that slot when this
+one arrived (llama-server would have made it wait: a client that pins slots must never cause it);
+``disconnected`` says the client closed the connection before the reply ended.  A start writes
+``{"event": "start", "pid": ..., "argv": [...]}``.
+
+Booleans in the environment: empty, ``0``, ``false`` and ``no`` are false.
+
+Extending: every endpoint is a function registered with ``@route(method, path)`` (``prefix=True`` to
+match a path prefix, as ``/slots/<id>`` does); it gets an :class:`Exchange` and raises
+:class:`HttpError` for an error reply.  Slot actions (``POST /slots/<id>?action=...``) dispatch through
+``SLOT_ACTIONS``, empty here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import socket
+import socketserver
+import sys
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+N_VOCAB = 49152  # SmolLM2's vocabulary size, so token ids look plausible
+DEFAULT_PREDICT = 16  # n_predict -1 (unbounded) would never end without an EOS token
+PROMPT_MS_PER_TOKEN = 0.5
+PREDICT_MS_PER_TOKEN = 1.0
+POLL_S = 0.01  # how often a held or hung request looks at its client and at the control file
+
+
+# -- modes ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Modes:
+    load_s: float = 0.0
+    loading: bool = False
+    exit: int | None = None
+    exit_starts: int | None = None
+    unhealthy_after: int | None = None
+    token_delay_s: float = 0.0
+    hang: bool = False
+    hold: bool | list[str] = False
+    ignore_sigterm: bool = False
+    log: str | None = None
+
+
+def _parse_env(name: str, raw: str) -> Any:
+    if name in ("loading", "hang", "hold", "ignore_sigterm"):
+        return raw.strip().lower() not in ("", "0", "false", "no")
+    if name in ("load_s", "token_delay_s"):
+        return float(raw)
+    if name in ("exit", "exit_starts", "unhealthy_after"):
+        return int(raw)
+    return raw
+
+
+def modes_from_env() -> Modes:
+    values: dict[str, Any] = {}
+    for f in fields(Modes):
+        raw = os.environ.get(f"FAKE_DECODER_{f.name.upper()}")
+        if raw is not None:
+            values[f.name] = _parse_env(f.name, raw)
+    return Modes(**values)
+
+
+class ModeSource:
+    """The environment's modes, overlaid with the control file each time they are asked for."""
+
+    def __init__(self) -> None:
+        self.base = modes_from_env()
+        control = os.environ.get("FAKE_DECODER_CONTROL")
+        self.control = Path(control) if control else None
+
+    def current(self) -> Modes:
+        if self.control is None:
+            return self.base
+        try:
+            data = json.loads(self.control.read_text())
+        except (OSError, ValueError):
+            return self.base
+        if not isinstance(data, dict):
+            return self.base
+        known = {f.name for f in fields(Modes)}
+        return replace(self.base, **{k: v for k, v in data.items() if k in known})
+
+
+# -- the model, such as it is -----------------------------------------------------------------------
+
+
+def token_id(word: str) -> int:
+    return zlib.crc32(word.encode()) % N_VOCAB
+
+
+def chatml(messages: Any) -> str:
+    if not isinstance(messages, list) or not messages:
+        raise HttpError(400, "'messages' is required")
+    parts: list[str] = []
+    for message in messages:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise HttpError(400, "each message must be an object with a 'role'")
+        parts.append(f"<|im_start|>{message['role']}\n{content_text(message.get('content'))}<|im_end|>\n")
+    return "".join(parts) + "<|im_start|>assistant\n"
+
+
+def content_text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        return "".join(str(t) for t in texts)
+    raise HttpError(400, "'content' must be a string or an array of parts")
+
+
+def timings(cache_n: int, prompt_n: int, predicted_n: int) -> dict[str, Any]:
+    prompt_ms = prompt_n * PROMPT_MS_PER_TOKEN
+    predicted_ms = predicted_n * PREDICT_MS_PER_TOKEN
+    return {
+        "cache_n": cache_n,
+        "prompt_n": prompt_n,
+        "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": PROMPT_MS_PER_TOKEN,
+        "prompt_per_second": 1000 / PROMPT_MS_PER_TOKEN,
+        "predicted_n": predicted_n,
+        "predicted_ms": predicted_ms,
+        "predicted_per_token_ms": PREDICT_MS_PER_TOKEN,
+        "predicted_per_second": 1000 / PREDICT_MS_PER_TOKEN,
+    }
+
+
+# -- the server's state -----------------------------------------------------------------------------
+
+
+@dataclass
+class Settings:
+    model: str = ""
+    ctx_size: int = 4096
+    parallel: int = 1
+    host: str = "127.0.0.1"
+    port: int = 8080
+    alias: str = ""
+    slot_save_path: str = ""
+    argv: list[str] = field(default_factory=list)
+
+
+class Fake:
+    """Everything the handler threads share; ``lock`` guards the mutable parts."""
+
+    def __init__(self, settings: Settings, modes: ModeSource) -> None:
+        self.settings = settings
+        self.modes = modes
+        self.lock = threading.Lock()
+        self.started = time.monotonic()
+        self.health_checks = 0
+        self.seq = 0
+        self.processing = [0] * settings.parallel  # requests in flight per slot
+        self.cache: list[list[int]] = [[] for _ in range(settings.parallel)]  # each slot's KV, as tokens
+        self.vocab: dict[int, str] = {}
+        self.alias = settings.alias or Path(settings.model).stem or "model"
+
+    def loading(self) -> bool:
+        modes = self.modes.current()
+        return modes.loading or time.monotonic() - self.started < modes.load_s
+
+    def tokenize(self, text: str) -> list[int]:
+        ids = []
+        with self.lock:
+            for word in text.split():
+                tid = token_id(word)
+                self.vocab[tid] = word
+                ids.append(tid)
+        return ids
+
+    def log(self, record: dict[str, Any]) -> None:
+        path = self.modes.current().log
+        if not path:
+            return
+        line = json.dumps({**record, "pid": os.getpid()}) + "\n"
+        with self.lock, open(path, "a", encoding="utf-8") as f:
+            f.write(line)
+
+    def claim(self, asked: Any, prompt: list[int]) -> tuple[int, bool, int, int]:
+        """Take a slot for a request: ``(slot, was_busy, seq, cache_n)``."""
+        with self.lock:
+            self.seq += 1
+            n = self.settings.parallel
+            if isinstance(asked, int) and not isinstance(asked, bool) and 0 <= asked < n:
+                slot = asked
+            else:  # llama-server ignores an id_slot it does not have, as it does -1
+                idle = [i for i in range(n) if not self.processing[i]]
+                slot = idle[0] if idle else 0
+            busy = self.processing[slot] > 0
+            self.processing[slot] += 1
+            common = 0
+            for a, b in zip(self.cache[slot], prompt, strict=False):
+                if a != b:
+                    break
+                common += 1
+            # llama-server evaluates at least the prompt's last token again, to get its logits.
+            cache_n = max(0, min(common, len(prompt) - 1))
+            return slot, busy, self.seq, cache_n
+
+    def release(self, slot: int, tokens: list[int]) -> None:
+        with self.lock:
+            self.processing[slot] -= 1
+            self.cache[slot] = tokens
+
+
+ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 501: "not_supported_error"}
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_ or ERROR_TYPES.get(status, "unavailable_error" if status == 503 else "server_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"code": self.status, "message": self.message, "type": self.type}}
+
+
+class ClientGone(Exception):
+    """The client closed the connection while we were answering."""
+
+
+# -- one request ------------------------------------------------------------------------------------
+
+
+class Exchange:
+    """One request and the means to answer it, as endpoint functions see it."""
+
+    def __init__(self, handler: Handler, fake: Fake, method: str) -> None:
+        self.handler = handler
+        self.fake = fake
+        self.method = method
+        parts = urlsplit(handler.path)
+        self.path = parts.path
+        self.query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+        self.raw = handler.read_body()
+        self.replied = False
+
+    def json(self) -> dict[str, Any]:
+        try:
+            data = json.loads(self.raw or b"{}")
+        except ValueError as exc:
+            raise HttpError(400, f"[json.exception.parse_error.101] parse error: {exc}") from None
+        if not isinstance(data, dict):
+            raise HttpError(400, "[json.exception.type_error.304] cannot use at() with array")
+        return data
+
+    def reply(self, status: int, data: Any) -> None:
+        body = json.dumps(data, separators=(",", ":")).encode()
+        h = self.handler
+        h.send_response(status)
+        h.send_header("Content-Type", "application/json; charset=utf-8")
+        h.send_header("Content-Length", str(len(body)))
+        h.end_headers()
+        h.wfile.write(body)
+        self.replied = True
+
+    def start_stream(self) -> None:
+        h = self.handler
+        h.send_response(200)
+        h.send_header("Content-Type", "text/event-stream")
+        h.send_header("X-Accel-Buffering", "no")
+        h.send_header("Transfer-Encoding", "chunked")
+        h.end_headers()
+        self.replied = True
+
+    def send_chunk(self, data: bytes) -> None:
+        try:
+            self.handler.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        except OSError as exc:  # BrokenPipeError, ConnectionResetError
+            raise ClientGone() from exc
+
+    def send_event(self, data: Any) -> None:
+        text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+        self.send_chunk(f"data: {text}\n\n".encode())
+
+    def end_stream(self) -> None:
+        self.send_chunk(b"")
+
+    def gone(self, seconds: float) -> bool:
+        """Wait up to ``seconds``; True as soon as the client has closed its end."""
+        sock = self.handler.connection
+        deadline = time.monotonic() + seconds
+        while True:
+            left = max(0.0, deadline - time.monotonic())
+            readable, _, _ = select.select([sock], [], [], left)
+            if readable:
+                try:
+                    peek = sock.recv(1, socket.MSG_PEEK)
+                except OSError:
+                    return True
+                if not peek:
+                    return True
+                # A pipelined next request: not gone, and select would not block; just wait.
+                time.sleep(left)
+                return False
+            if time.monotonic() >= deadline:
+                return False
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "llama.cpp"
+    fake: Fake  # set on the subclass made in main()
+
+    def version_string(self) -> str:
+        return self.server_version
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # onebitd logs our output: one line per health check would drown it
+
+    def read_body(self) -> bytes:
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            chunks: list[bytes] = []
+            while True:
+                size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+                if size == 0:
+                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                        pass
+                    return b"".join(chunks)
+                chunks.append(self.rfile.read(size))
+                self.rfile.readline()
+        length = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(length) if length else b""
+
+    def do_GET(self) -> None:
+        self.dispatch("GET")
+
+    def do_POST(self) -> None:
+        self.dispatch("POST")
+
+    def do_DELETE(self) -> None:
+        self.dispatch("DELETE")
+
+    def dispatch(self, method: str) -> None:
+        ex = Exchange(self, self.fake, method)
+        try:
+            endpoint = find_route(method, ex.path)
+            if endpoint is None:
+                raise HttpError(404, "File Not Found")
+            if ex.path != "/health" and self.fake.loading():
+                raise HttpError(503, "Loading model")
+            endpoint(ex)
+        except HttpError as exc:
+            if not ex.replied:
+                ex.reply(exc.status, exc.body())
+                self.close_connection = True  # as llama-server does after an error
+        except ClientGone:
+            self.close_connection = True
+
+
+# -- endpoints --------------------------------------------------------------------------------------
+
+Endpoint = Callable[[Exchange], None]
+ROUTES: dict[tuple[str, str], Endpoint] = {}
+PREFIX_ROUTES: list[tuple[str, str, Endpoint]] = []
+
+
+def route(method: str, path: str, *, prefix: bool = False) -> Callable[[Endpoint], Endpoint]:
+    def register(fn: Endpoint) -> Endpoint:
+        if prefix:
+            PREFIX_ROUTES.append((method, path, fn))
+        else:
+            ROUTES[(method, path)] = fn
+        return fn
+
+    return register
+
+
+def find_route(method: str, path: str) -> Endpoint | None:
+    found = ROUTES.get((method, path))
+    if found is not None:
+        return found
+    for m, p, fn in PREFIX_ROUTES:
+        if m == method and path.startswith(p):
+            return fn
+    return None
+
+
+@route("GET", "/health")
+def health(ex: Exchange) -> None:
+    fake = ex.fake
+    with fake.lock:
+        fake.health_checks += 1
+        checks = fake.health_checks
+    limit = fake.modes.current().unhealthy_after
+    if limit is not None and checks > limit:
+        raise HttpError(503, "fake decoder: unhealthy (FAKE_DECODER_UNHEALTHY_AFTER)")
+    if fake.loading():
+        raise HttpError(503, "Loading model")
+    ex.reply(200, {"status": "ok"})
+
+
+@route("GET", "/v1/models")
+@route("GET", "/models")
+def models(ex: Exchange) -> None:
+    alias = ex.fake.alias
+    ex.reply(
+        200,
+        {
+            "models": [{"name": alias, "model": alias, "type": "model", "capabilities": ["completion"]}],
+            "object": "list",
+            "data": [
+                {
+                    "id": alias,
+                    "aliases": [alias],
+                    "tags": [],
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "llamacpp",
+                    "meta": {"n_vocab": N_VOCAB, "n_ctx": ex.fake.settings.ctx_size},
+                }
+            ],
+        },
+    )
+
+
+@route("GET", "/props")
+def props(ex: Exchange) -> None:
+    s = ex.fake.settings
+    ex.reply(
+        200,
+        {
+            "default_generation_settings": {"n_ctx": s.ctx_size // s.parallel},
+            "total_slots": s.parallel,
+            "model_path": s.model,
+            "model_alias": ex.fake.alias,
+            "build_info": "fake_decoder",
+        },
+    )
+
+
+@route("GET", "/slots")
+def slots(ex: Exchange) -> None:
+    s = ex.fake.settings
+    with ex.fake.lock:
+        busy = list(ex.fake.processing)
+    ex.reply(
+        200,
+        [
+            {"id": i, "n_ctx": s.ctx_size // s.parallel, "speculative": False, "is_processing": busy[i] > 0}
+            for i in range(s.parallel)
+        ],
+    )
+
+
+SlotAction = Callable[[Exchange, int], None]
+SLOT_ACTIONS: dict[str, SlotAction] = {}
+
+
+@route("POST", "/slots/", prefix=True)
+def slot_action(ex: Exchange) -> None:
+    try:
+        slot = int(ex.path.removeprefix("/slots/"))
+    except ValueError:
+        raise HttpError(400, "Invalid slot ID") from None
+    if not 0 <= slot < ex.fake.settings.parallel:
+        raise HttpError(400, "Invalid slot ID")
+    action = ex.query.get("action", "")
+    handler = SLOT_ACTIONS.get(action)
+    if handler is None:
+        if action in ("save", "restore", "erase"):
+            raise HttpError(501, f"fake decoder: slot action {action!r} is not implemented")
+        raise HttpError(400, "Invalid action")
+    handler(ex, slot)
+
+
+@route("POST", "/tokenize")
+def tokenize(ex: Exchange) -> None:
+    body = ex.json()
+    content = body.get("content", "")
+    if not isinstance(content, str):
+        raise HttpError(400, "'content' must be a string")
+    ids = ex.fake.tokenize(content)
+    if body.get("with_pieces") is True:
+        with ex.fake.lock:
+            ex.reply(200, {"tokens": [{"id": i, "piece": ex.fake.vocab[i]} for i in ids]})
+        return
+    ex.reply(200, {"tokens": ids})
+
+
+@route("POST", "/detokenize")
+def detokenize(ex: Exchange) -> None:
+    tokens = ex.json().get("tokens", [])
+    if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+        raise HttpError(400, "'tokens' must be an array of integers")
+    with ex.fake.lock:
+        words = [ex.fake.vocab.get(t, f"<{t}>") for t in tokens]
+    ex.reply(200, {"content": " ".join(words)})
+
+
+@route("POST", "/apply-template")
+def apply_template(ex: Exchange) -> None:
+    ex.reply(200, {"prompt": chatml(ex.json().get("messages"))})
+
+
+# -- completions ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Job:
+    """A completion request, validated: what to say and how to frame it."""
+
+    path: str
+    body: dict[str, Any]
+    prompt: str  # what is tokenized (for chat: the templated conversation)
+    echo: list[str]  # the words the reply repeats
+    n_predict: int
+    stream: bool
+    seq: int = 0
+    slot: int = 0
+    id: str = ""
+
+    @property
+    def openai(self) -> bool:
+        return self.path != "/completion"
+
+    @property
+    def chat(self) -> bool:
+        return self.path == "/v1/chat/completions"
+
+
+def _n_predict(body: dict[str, Any], *names: str) -> int:
+    for name in names:
+        if name in body and body[name] is not None:
+            value = body[name]
+            if not isinstance(value, int) or isinstance(value, bool) or value < -1:
+                raise HttpError(
+                    400, f"Field '{name}': Value must be between -1 <= value <= 2147483647, got {value!r}"
+                )
+            return DEFAULT_PREDICT if value == -1 else value
+    return DEFAULT_PREDICT
+
+
+def parse_job(path: str, body: dict[str, Any]) -> Job:
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise HttpError(400, "'stream' must be a boolean")
+    if path == "/v1/chat/completions":
+        prompt = chatml(body.get("messages"))
+        echo = content_text(body["messages"][-1].get("content")).split()
+        n = _n_predict(body, "max_completion_tokens", "max_tokens", "n_predict")
+    else:
+        raw = body.get("prompt")
+        if path == "/v1/completions" and isinstance(raw, list) and raw and isinstance(raw[0], str):
+            raw = raw[0]
+        if raw is None:
+            raise HttpError(400, "[json.exception.out_of_range.403] key 'prompt' not found")
+        if not isinstance(raw, str):
+            raise HttpError(400, '"prompt" must be a string')
+        prompt, echo = raw, raw.split()
+        names = ("n_predict",) if path == "/completion" else ("max_tokens", "n_predict")
+        n = _n_predict(body, *names)
+    return Job(path, body, prompt, echo or ["ok"], n, stream)
+
+
+def _held(fake: Fake, job: Job) -> bool:
+    hold = fake.modes.current().hold
+    if isinstance(hold, list):
+        return any(isinstance(h, str) and h in job.prompt for h in hold)
+    return bool(hold)
+
+
+@route("POST", "/completion")
+@route("POST", "/v1/completions")
+@route("POST", "/v1/chat/completions")
+def completion(ex: Exchange) -> None:
+    body = ex.json()
+    job = parse_job(ex.path, body)
+    fake = ex.fake
+    prompt_tokens = fake.tokenize(job.prompt)
+    job.slot, slot_busy, job.seq, cache_n = fake.claim(body.get("id_slot"), prompt_tokens)
+    job.id = f"{'chatcmpl' if job.chat else 'cmpl'}-fake{os.getpid()}x{job.seq}"
+    words = [job.echo[i % len(job.echo)] for i in range(job.n_predict)]
+    sent = 0
+    finished = disconnected = False
+    try:
+        modes = fake.modes.current()
+        if modes.hang:
+            while not ex.gone(POLL_S * 5):
+                pass
+            raise ClientGone()
+        if job.stream:
+            ex.start_stream()
+            if job.chat:
+                ex.send_event(_chat_chunk(fake, job, {"role": "assistant", "content": None}, None))
+            for i, word in enumerate(words):
+                if i and modes.token_delay_s and ex.gone(modes.token_delay_s):
+                    raise ClientGone()
+                ex.send_event(_token_event(fake, job, word, i, len(prompt_tokens)))
+                sent += 1
+                _wait_while_held(ex, job)
+            ex.send_event(_final(fake, job, "", cache_n, len(prompt_tokens), len(words)))
+            if job.openai:
+                ex.send_event("[DONE]")
+            ex.end_stream()
+        else:
+            _wait_while_held(ex, job)
+            text = _join(job, words)
+            ex.reply(200, _final(fake, job, text, cache_n, len(prompt_tokens), len(words)))
+            sent = len(words)
+        finished = True
+    except ClientGone:
+        disconnected = True
+        raise
+    finally:
+        generated = [token_id(w) for w in words[:sent]]
+        fake.release(job.slot, prompt_tokens + generated)
+        fake.log(
+            {
+                "event": "completion",
+                "seq": job.seq,
+                "path": job.path,
+                "id_slot": body.get("id_slot"),
+                "slot": job.slot,
+                "slot_busy": slot_busy,
+                "stream": job.stream,
+                "prompt": job.prompt,
+                "n_predict": job.n_predict,
+                "sent": sent,
+                "finished": finished,
+                "disconnected": disconnected,
+            }
+        )
+
+
+def _wait_while_held(ex: Exchange, job: Job) -> None:
+    while _held(ex.fake, job):
+        if ex.gone(POLL_S):
+            raise ClientGone()
+
+
+def _join(job: Job, words: list[str]) -> str:
+    text = " ".join(words)
+    return text if job.chat else " " + text
+
+
+def _piece(job: Job, word: str, index: int) -> str:
+    return word if job.chat and index == 0 else " " + word
+
+
+def _chat_chunk(fake: Fake, job: Job, delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
+    return {
+        "choices": [{"finish_reason": finish, "index": 0, "delta": delta}],
+        "created": int(time.time()),
+        "id": job.id,
+        "model": fake.alias,
+        "system_fingerprint": "b0-fake",
+        "object": "chat.completion.chunk",
+    }
+
+
+def _token_event(fake: Fake, job: Job, word: str, index: int, n_prompt: int) -> dict[str, Any]:
+    piece = _piece(job, word, index)
+    if job.chat:
+        return _chat_chunk(fake, job, {"content": piece}, None)
+    if job.openai:
+        return {
+            "choices": [{"text": piece, "index": 0, "logprobs": None, "finish_reason": None}],
+            "created": int(time.time()),
+            "model": fake.alias,
+            "system_fingerprint": "b0-fake",
+            "object": "text_completion",
+            "id": job.id,
+        }
+    return {
+        "index": 0,
+        "content": piece,
+        "tokens": [token_id(word)],
+        "stop": False,
+        "id_slot": -1,
+        "tokens_predicted": index + 1,
+        "tokens_evaluated": n_prompt,
+    }
+
+
+def _final(fake: Fake, job: Job, text: str, cache_n: int, n_prompt: int, n_out: int) -> dict[str, Any]:
+    """The whole reply, or (``text`` empty) a stream's last event: both carry ``timings``."""
+    t = timings(cache_n, n_prompt - cache_n, n_out)
+    usage = {
+        "completion_tokens": n_out,
+        "prompt_tokens": n_prompt,
+        "total_tokens": n_prompt + n_out,
+        "prompt_tokens_details": {"cached_tokens": cache_n},
+    }
+    if not job.openai:
+        return {
+            "index": 0,
+            "content": text,
+            "tokens": [],
+            "id_slot": job.slot,
+            "stop": True,
+            "model": fake.alias,
+            "tokens_predicted": n_out,
+            "tokens_evaluated": n_prompt,
+            "generation_settings": {"n_predict": job.n_predict, "stream": job.stream},
+            "prompt": job.prompt,
+            "has_new_line": "\n" in text,
+            "truncated": False,
+            "stop_type": "limit",
+            "stopping_word": "",
+            "tokens_cached": n_prompt + n_out,
+            "timings": t,
+        }
+    if job.chat and job.stream:
+        chunk = _chat_chunk(fake, job, {}, "length")
+        options = job.body.get("stream_options")
+        if isinstance(options, dict) and options.get("include_usage") is True:
+            chunk["usage"] = usage
+        chunk["timings"] = t
+        return chunk
+    common = {
+        "created": int(time.time()),
+        "model": fake.alias,
+        "system_fingerprint": "b0-fake",
+    }
+    if job.chat:
+        message = {"role": "assistant", "content": text}
+        choice: dict[str, Any] = {"finish_reason": "length", "index": 0, "message": message}
+        return {
+            "choices": [choice],
+            **common,
+            "object": "chat.completion",
+            "usage": usage,
+            "id": job.id,
+            "timings": t,
+        }
+    choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": "length"}
+    return {
+        "choices": [choice],
+        **common,
+        "object": "text_completion",
+        "usage": usage,
+        "id": job.id,
+        "timings": t,
+    }
+
+
+# -- start ------------------------------------------------------------------------------------------
+
+
+# The options we use, by every spelling llama-server accepts; any other argument is skipped.  argparse
+# will not do: it reads llama-server's "-ctk f16" as "-c tk".
+OPTIONS = {
+    "-m": "model",
+    "--model": "model",
+    "-c": "ctx_size",
+    "--ctx-size": "ctx_size",
+    "-np": "parallel",
+    "--parallel": "parallel",
+    "--host": "host",
+    "--port": "port",
+    "-a": "alias",
+    "--alias": "alias",
+    "--slot-save-path": "slot_save_path",
+}
+
+
+def parse_args(argv: list[str]) -> Settings:
+    settings = Settings(argv=list(argv))
+    args = iter(argv)
+    for arg in args:
+        name, eq, inline = arg.partition("=")
+        key = OPTIONS.get(name if eq else arg)
+        if key is None:
+            continue
+        value = inline if eq else next(args, "")
+        setattr(settings, key, int(value) if key in ("ctx_size", "parallel", "port") else value)
+    settings.parallel = max(1, settings.parallel)
+    return settings
+
+
+class UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True  # a held request must not keep a SIGTERMed fake alive
+    block_on_close = False
+
+
+def _count_start(modes: ModeSource) -> int:
+    """This start's number, 1 for the first; counted next to the control file."""
+    if modes.control is None:
+        return 1
+    counter = modes.control.with_name(modes.control.name + ".starts")
+    try:
+        n = int(counter.read_text()) + 1
+    except (OSError, ValueError):
+        n = 1
+    counter.write_text(str(n))
+    return n
+
+
+def main(argv: list[str]) -> int:
+    settings = parse_args(argv)
+    source = ModeSource()
+    modes = source.current()
+    start = _count_start(source)
+    fake = Fake(settings, source)
+    fake.log({"event": "start", "start": start, "argv": argv})
+    if modes.exit is not None and (modes.exit_starts is None or start <= modes.exit_starts):
+        print(f"fake_decoder: exiting with status {modes.exit} as told", flush=True)
+        return modes.exit
+    if modes.ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    else:
+        signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit(0))
+
+    handler = type("BoundHandler", (Handler,), {"fake": fake})
+    server: socketserver.BaseServer
+    if settings.host.endswith(".sock"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(settings.host)
+        server = UnixHTTPServer(settings.host, handler)
+        where = settings.host
+    else:
+        server = ThreadingHTTPServer((settings.host, settings.port), handler)
+        where = f"http://{settings.host}:{settings.port}"
+    print(f"fake_decoder: pid {os.getpid()} listening on {where} with {settings.parallel} slots", flush=True)
+    try:
+        server.serve_forever(poll_interval=0.05)
+    finally:
+        server.server_close()
+        if settings.host.endswith(".sock"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(settings.host)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
