@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging
 import secrets
 from pathlib import Path
+from typing import Any, Protocol
 
 import trio
 
-from .decoder import DecoderClient
 from .errors import DecoderError, ProviderError
 from .provider import PrefillJob, Provider
 from .routeline import RouteLine
@@ -23,11 +23,17 @@ from .routes import Reason, claim_matches
 log = logging.getLogger("onebit.hybrid")
 
 
+class SlotClient(Protocol):
+    """The part of the decoder the handoff uses (DecoderClient; a fake in tests)."""
+
+    async def post_json(self, path: str, body: Any) -> tuple[int, Any]: ...
+
+
 class FileHandoff:
     def __init__(
         self,
         *,
-        client: DecoderClient,
+        client: SlotClient,
         state_dir: Path,
         model: str,
         n_ctx: int,

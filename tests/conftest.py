@@ -45,7 +45,7 @@ def real_llama_server() -> Path:
     return found
 
 
-def make_config(runtime_dir: Path, text: str = "", **sections: dict[str, Any]) -> Config:
+def make_config(runtime_dir: Path, text: str = "", **sections: Any) -> Config:
     """A config on port 0 with its runtime directory at ``runtime_dir``; ``sections`` override keys."""
     base = configuration.loads(text, "test.toml") if text else Config()
     data = configuration.unstructure(base)
@@ -53,6 +53,9 @@ def make_config(runtime_dir: Path, text: str = "", **sections: dict[str, Any]) -
     data["server"]["runtime_dir"] = str(runtime_dir)
     data["server"]["shutdown_grace_s"] = 10.0
     for section, values in sections.items():
+        if not isinstance(values, dict):  # a list of tables ([[provider]]) replaces the whole key
+            data[section] = values
+            continue
         target = data.setdefault(section, {})
         for key, value in values.items():
             if isinstance(value, dict) and isinstance(target.get(key), dict):

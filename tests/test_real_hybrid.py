@@ -1,0 +1,192 @@
+"""The file route against the real parts: a llama-server decoder, a llama-server (or exec) provider,
+SmolLM2.  The reply through the file route must equal the plain route's, and the decoder must
+evaluate about one prompt token instead of the prompt."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from supervisor import locate
+from supervisor.child import ChildState
+from supervisor.config import Config
+from supervisor.llama_server import model_args
+
+from .conftest import TESTS, make_config, real_llama_server, run_daemon
+
+pytestmark = pytest.mark.real
+
+QUESTION = "Tell me about the moon in one sentence, please, and mention its phases."
+PROMPT = "The moon is Earth's only natural satellite. Write one sentence about its phases:"
+
+
+class RouteLines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[dict[str, Any]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        fields = getattr(record, "route_fields", None)
+        if isinstance(fields, dict):
+            self.lines.append(fields)
+
+
+@pytest.fixture
+def route_lines() -> Iterator[RouteLines]:
+    handler = RouteLines()
+    logger = logging.getLogger("onebit.route")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+
+
+def hybrid_config(runtime: Path, provider: dict[str, Any] | None = None) -> Config:
+    real_llama_server()
+    return make_config(
+        runtime,
+        model={"parallel": 4, "ctx_size": 2048},
+        decoder={"threads": 1},
+        hybrid={"enabled": True, "min_prompt_tokens": 16},
+        provider=[provider or {"kind": "llama-server", "name": "p0", "threads": 1}],
+    )
+
+
+def body_for(endpoint: str, stream: bool, text: str = "") -> dict[str, Any]:
+    common = {"max_tokens": 24, "temperature": 0, "seed": 1, "stream": stream}
+    if endpoint == "/v1/chat/completions":
+        return {"messages": [{"role": "user", "content": text or QUESTION}], **common}
+    if endpoint == "/v1/completions":
+        return {"prompt": text or PROMPT, **common}
+    return {"prompt": text or PROMPT, "n_predict": 24, "temperature": 0, "seed": 1, "stream": stream}
+
+
+def text_of(endpoint: str, data: dict[str, Any]) -> str:
+    if endpoint == "/v1/chat/completions":
+        choice = data["choices"][0]
+        return str(choice.get("message", choice.get("delta", {})).get("content") or "")
+    if endpoint == "/v1/completions":
+        return str(data["choices"][0].get("text") or "")
+    return str(data.get("content") or "")
+
+
+async def ask(client: httpx.AsyncClient, endpoint: str, body: dict[str, Any]) -> str:
+    """The reply's text, streamed or not."""
+    if not body.get("stream"):
+        reply = await client.post(endpoint, json=body)
+        assert reply.status_code == 200, reply.text
+        return text_of(endpoint, reply.json())
+    pieces: list[str] = []
+    async with client.stream("POST", endpoint, json=body) as reply:
+        assert reply.status_code == 200
+        async for line in reply.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                import json
+
+                pieces.append(text_of(endpoint, json.loads(line[6:])))
+    return "".join(pieces)
+
+
+async def plain_reply(socket: Path, endpoint: str, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """Straight to the decoder, no slot cache: what the plain route computes."""
+    transport = httpx.AsyncHTTPTransport(uds=str(socket))
+    async with httpx.AsyncClient(transport=transport, base_url="http://decoder", timeout=120) as direct:
+        reply = await direct.post(endpoint, json={**body, "stream": False, "cache_prompt": False})
+        assert reply.status_code == 200, reply.text
+        data = reply.json()
+        return text_of(endpoint, data), data["timings"]
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/chat/completions", "/v1/completions", "/completion"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_the_file_route_gives_the_plain_routes_greedy_reply_with_one_prompt_token_evaluated(
+    short_dir: Path, route_lines: RouteLines, endpoint: str, stream: bool
+) -> None:
+    with trio.fail_after(180):
+        async with run_daemon(hybrid_config(short_dir)) as running:
+            provider = running.daemon.providers.all[0]
+            await provider.child.wait_state(ChildState.READY)  # type: ignore[attr-defined]
+            body = body_for(endpoint, stream)
+            expected, plain_timings = await plain_reply(running.daemon.launcher.socket, endpoint, body)
+            async with httpx.AsyncClient(base_url=running.url, timeout=120) as client:
+                got = await ask(client, endpoint, body)
+    assert got == expected
+    (line,) = route_lines.lines
+    assert line["route"] == "file"
+    assert line["fallback"] is None
+    assert line["outcome"] == "ok"
+    assert line["decoder_prompt_n"] <= 2
+    # The plain route evaluates every prompt token; the file route handed them all over.
+    assert plain_timings["prompt_n"] == line["prompt_tokens"]
+    assert line["prompt_tokens"] >= 16
+    assert line["share_ms"] == 0.0
+    assert line["restore_ms"] > 0
+    assert list((short_dir / "state").iterdir()) == []
+
+
+async def test_eight_concurrent_hybrid_requests_over_four_slots_are_all_correct(
+    short_dir: Path, route_lines: RouteLines
+) -> None:
+    questions = [f"Question {i}: name one fact about the number {i * 7}, in a short sentence." for i in range(8)]
+    endpoint = "/v1/chat/completions"
+    with trio.fail_after(300):
+        async with run_daemon(hybrid_config(short_dir)) as running:
+            provider = running.daemon.providers.all[0]
+            await provider.child.wait_state(ChildState.READY)  # type: ignore[attr-defined]
+            expected = [
+                (await plain_reply(running.daemon.launcher.socket, endpoint, body_for(endpoint, False, q)))[0]
+                for q in questions
+            ]
+            got: dict[int, str] = {}
+            async with httpx.AsyncClient(base_url=running.url, timeout=240) as client:
+
+                async def one(i: int) -> None:
+                    got[i] = await ask(client, endpoint, body_for(endpoint, i % 2 == 1, questions[i]))
+
+                async with trio.open_nursery() as nursery:
+                    for i in range(8):
+                        nursery.start_soon(one, i)
+    assert [got[i] for i in range(8)] == expected
+    assert len(route_lines.lines) == 8
+    assert {line["route"] for line in route_lines.lines} == {"file"}
+    assert all(line["decoder_prompt_n"] <= 2 for line in route_lines.lines)
+    assert {line["slot"] for line in route_lines.lines} <= {0, 1, 2, 3}
+    assert list((short_dir / "state").iterdir()) == []
+
+
+async def test_an_exec_provider_that_writes_a_real_state_file_serves_the_file_route(
+    short_dir: Path, route_lines: RouteLines
+) -> None:
+    base = hybrid_config(short_dir)
+    model = locate.model_path(base)
+    assert model is not None
+    command = [
+        sys.executable,
+        str(TESTS / "llama_exec_provider.py"),
+        str(real_llama_server()),
+        *model_args(base.model, model),
+        "-t",
+        "1",
+    ]
+    config = hybrid_config(short_dir, {"kind": "exec", "name": "npu", "command": command})
+    endpoint = "/v1/chat/completions"
+    body = body_for(endpoint, False)
+    with trio.fail_after(180):
+        async with run_daemon(config) as running:
+            expected, _ = await plain_reply(running.daemon.launcher.socket, endpoint, body)
+            async with httpx.AsyncClient(base_url=running.url, timeout=120) as client:
+                got = await ask(client, endpoint, body)
+    assert got == expected
+    (line,) = route_lines.lines
+    assert line["route"] == "file"
+    assert line["decoder_prompt_n"] <= 2
+    assert list((short_dir / "state").iterdir()) == []
