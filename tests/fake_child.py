@@ -1,0 +1,63 @@
+"""A stand-in for a supervised program, driven by its command line.  Standard library only.
+
+    python tests/fake_child.py HEALTH_FILE MODE [EXIT_STATUS]
+
+``HEALTH_FILE`` is this program's whole health API: it writes its pid there (atomically) when it is
+healthy, and never touches it again, so a test makes it unhealthy by deleting the file.
+
+    serve      healthy, then wait for a signal (SIGTERM's default action ends it)
+    stubborn   ignore SIGTERM first, then as serve: only SIGKILL ends it
+    family     start a stubborn grandchild in our process group (its pid in HEALTH_FILE.family), then
+               ignore SIGTERM and serve: stopping it needs the group SIGKILLed
+    exit       print a last line on stdout and one on stderr, then exit with EXIT_STATUS; never healthy
+    hang       never healthy; wait for a signal
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+
+def publish(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so that a reader never sees it half written."""
+    scratch = path.with_name(path.name + ".tmp")
+    scratch.write_text(text)
+    os.replace(scratch, path)
+
+
+def wait_for_signals() -> None:
+    while True:
+        signal.pause()
+
+
+def main(argv: list[str]) -> int:
+    health, mode = Path(argv[0]), argv[1]
+    if mode == "exit":
+        status = int(argv[2]) if len(argv) > 2 else 0
+        print(f"fake_child: pid {os.getpid()} exiting with status {status}", flush=True)
+        print(f"fake_child: last words of pid {os.getpid()}", file=sys.stderr, flush=True)
+        return status
+    if mode == "hang":
+        wait_for_signals()
+    if mode in ("stubborn", "family"):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if mode == "family":
+        # No start_new_session: the grandchild stays in our process group, and outlives our SIGTERM.
+        grandchild = subprocess.Popen(
+            [sys.executable, __file__, f"{health}.grandchild", "stubborn"], stdout=subprocess.PIPE
+        )
+        assert grandchild.stdout is not None
+        grandchild.stdout.readline()  # its "healthy" line: it ignores SIGTERM by now
+        publish(Path(f"{health}.family"), str(grandchild.pid))
+    print(f"fake_child: pid {os.getpid()} healthy", flush=True)
+    publish(health, str(os.getpid()))
+    wait_for_signals()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

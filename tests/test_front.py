@@ -1,0 +1,701 @@
+"""The HTTP front and the plain route, end to end against tests/fake_decoder.py.
+
+Each test runs onebitd in-process (``run_daemon``) with the fake decoder as its child, talks to it with
+httpx, and steers the fake through its control file: ``hold`` pauses a completion after its first
+streamed token until the test lets go, so every "while it is in flight" below is an event, not a delay.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
+from contextlib import aclosing, asynccontextmanager
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import attrs
+import httpx
+import pytest
+import trio
+import trio.testing
+
+from supervisor.child import ChildState
+from supervisor.config import Config
+from supervisor.logs import ROUTE_LOGGER
+from supervisor.slots import SlotPool
+
+from .conftest import Running, fake_decoder_config, run_daemon
+
+TIMEOUT = 20  # seconds; a test that needs more is stuck, not slow
+CHAT = "/v1/chat/completions"
+
+
+# -- helpers ----------------------------------------------------------------------------------------
+
+
+class Control:
+    """The fake decoder's control file and its request log."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / "control.json"
+        self.log = directory / "fake-decoder.log"
+        self.set()
+
+    def set(self, **modes: Any) -> None:
+        # Atomically: the fake reads this file while we write it.
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(modes))
+        os.replace(tmp, self.path)
+
+    def entries(self, event: str = "completion") -> list[dict[str, Any]]:
+        if not self.log.exists():
+            return []
+        lines = self.log.read_text().splitlines()
+        return [entry for entry in map(json.loads, lines) if entry["event"] == event]
+
+    async def wait_entries(self, n: int) -> list[dict[str, Any]]:
+        """The fake writes a line when a request ends, in its own process: poll its file."""
+        while len(found := self.entries()) < n:  # noqa: ASYNC110  # another process: no event to wait on
+            await trio.sleep(0.01)
+        return found
+
+
+class RouteLines(logging.Handler):
+    """Collects the fields of every route line."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[dict[str, Any]] = []
+        self._changed = trio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        fields = getattr(record, "route_fields", None)
+        assert isinstance(fields, dict), f"a route line without its fields: {record.getMessage()}"
+        self.lines.append(fields)
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait(self, n: int) -> list[dict[str, Any]]:
+        while len(self.lines) < n:
+            await self._changed.wait()
+        return self.lines
+
+
+@pytest.fixture
+def control(short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Control:
+    for name in list(os.environ):
+        if name.startswith("FAKE_DECODER_"):
+            monkeypatch.delenv(name)
+    made = Control(short_dir)
+    # The daemon's children inherit our environment.
+    monkeypatch.setenv("FAKE_DECODER_CONTROL", str(made.path))
+    monkeypatch.setenv("FAKE_DECODER_LOG", str(made.log))
+    return made
+
+
+@pytest.fixture
+def route_lines() -> Iterator[RouteLines]:
+    handler = RouteLines()
+    logger = logging.getLogger(ROUTE_LOGGER)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def with_model(config: Config, **changes: Any) -> Config:
+    # fake_decoder_config's ``model`` parameter is the model file, so its [model] section is set here.
+    return attrs.evolve(config, model=attrs.evolve(config.model, **changes))
+
+
+def assert_envelope(reply: httpx.Response, status: int, source: str = "onebitd") -> dict[str, Any]:
+    assert reply.status_code == status, reply.text
+    assert reply.headers["content-type"].startswith("application/json")
+    body = reply.json()
+    assert set(body) == {"error"}
+    error: dict[str, Any] = body["error"]
+    assert set(error) == {"message", "type", "code", "source"}
+    assert all(isinstance(error[key], str) and error[key] for key in ("message", "type", "code"))
+    assert error["source"] == source
+    return error
+
+
+def client_for(running: Running, **kwargs: Any) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=running.url, **kwargs)
+
+
+async def sse_data(response: httpx.Response) -> AsyncGenerator[str, None]:
+    """The ``data:`` payloads of an event stream, as they arrive."""
+    async for line in response.aiter_lines():
+        if line.startswith("data:"):
+            yield line[5:].strip()
+
+
+@asynccontextmanager
+async def open_events(
+    client: httpx.AsyncClient, path: str, body: dict[str, Any]
+) -> AsyncIterator[tuple[httpx.Response, AsyncGenerator[str, None]]]:
+    """POST, and read the reply's events one by one; leaving the block hangs up."""
+    async with client.stream("POST", path, json=body) as reply, aclosing(sse_data(reply)) as events:
+        yield reply, events
+
+
+def chat(text: str, *, stream: bool = False, max_tokens: int = 4, **extra: Any) -> dict[str, Any]:
+    return {
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+        **extra,
+    }
+
+
+def streamed_text(events: list[str]) -> str:
+    text = ""
+    for data in events:
+        if data != "[DONE]":
+            for choice in json.loads(data)["choices"]:
+                text += choice.get("delta", {}).get("content") or ""
+    return text
+
+
+async def wait_until(condition: Callable[[], bool]) -> None:
+    """For state that no event announces; callers run under ``fail_after``."""
+    while not condition():  # noqa: ASYNC110
+        await trio.sleep(0.01)
+
+
+async def wait_queued(slots: SlotPool, n: int) -> None:
+    await wait_until(lambda: slots.statistics().queued == n)
+
+
+class HeldStream:
+    """A chat stream that the fake holds after its first token, read from a task of its own."""
+
+    def __init__(self, client: httpx.AsyncClient, text: str, max_tokens: int = 4) -> None:
+        self.client = client
+        self.body = chat(text, stream=True, max_tokens=max_tokens)
+        self.first = trio.Event()
+        self.status: int | None = None
+        self.events: list[str] = []
+
+    async def run(self) -> None:
+        async with open_events(self.client, CHAT, self.body) as (reply, events):
+            self.status = reply.status_code
+            async for data in events:
+                self.events.append(data)
+                if data == "[DONE]" or json.loads(data)["choices"][0]["delta"].get("content"):
+                    self.first.set()  # the role chunk, before the first token, does not count
+        self.first.set()  # an error reply has no token at all
+
+
+# -- bad requests -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("body", [b"this is not json", b"[1, 2, 3]", b'"a string"'])
+async def test_a_body_that_is_not_a_json_object_is_refused_with_400(
+    short_dir: Path, control: Control, body: bytes
+) -> None:
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(fake_decoder_config(short_dir)) as running, client_for(running) as client:
+            reply = await client.post(CHAT, content=body, headers={"content-type": "application/json"})
+            error = assert_envelope(reply, 400)
+            assert error["code"] == "bad_json"
+    assert control.entries() == []
+
+
+async def _chunks(data: bytes, size: int = 256) -> AsyncIterator[bytes]:
+    for start in range(0, len(data), size):
+        yield data[start : start + size]
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content_length", "chunked"])
+async def test_a_body_over_max_body_bytes_is_refused_with_413(
+    short_dir: Path, control: Control, chunked: bool
+) -> None:
+    config = fake_decoder_config(short_dir, server={"max_body_bytes": 1024})
+    # Valid JSON that the decoder would gladly answer: only its size is wrong.
+    body = json.dumps(chat("word " * 400)).encode()
+    assert len(body) > 1024
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(config) as running, client_for(running) as client:
+            content: bytes | AsyncIterator[bytes] = _chunks(body) if chunked else body
+            reply = await client.post(CHAT, content=content)
+            error = assert_envelope(reply, 413)
+            assert error["code"] == "body_too_large"
+            # Just under the limit is fine.
+            small = await client.post(CHAT, json=chat("word " * 100))
+            assert small.status_code == 200
+    assert len(control.entries()) == 1
+
+
+async def test_a_declared_oversized_body_is_refused_before_it_is_sent(
+    short_dir: Path, control: Control
+) -> None:
+    config = fake_decoder_config(short_dir, server={"max_body_bytes": 1024})
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(config) as running:
+            url = urlsplit(running.url)
+            assert url.hostname is not None
+            assert url.port is not None
+            stream = await trio.open_tcp_stream(url.hostname, url.port)
+            async with stream:
+                # Headers only: were onebitd to wait for a gigabyte, fail_after would end the test.
+                await stream.send_all(
+                    b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
+                    b"Content-Type: application/json\r\nContent-Length: 1000000000\r\n\r\n"
+                )
+                received = b""
+                while b"\r\n\r\n" not in received:
+                    received += await stream.receive_some()
+                head, _, rest = received.partition(b"\r\n\r\n")
+                assert head.split(b"\r\n")[0].split(b" ")[1] == b"413"
+                length = next(
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                )
+                while len(rest) < length:
+                    rest += await stream.receive_some()
+            assert json.loads(rest)["error"]["code"] == "body_too_large"
+
+
+async def test_an_unknown_path_is_404_and_a_wrong_method_is_405(short_dir: Path, control: Control) -> None:
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(fake_decoder_config(short_dir)) as running, client_for(running) as client:
+            assert assert_envelope(await client.get("/no/such/thing"), 404)["code"] == "not_found"
+            assert assert_envelope(await client.post("/v2/chat"), 404)["code"] == "not_found"
+            for method, path in [
+                ("GET", CHAT),
+                ("POST", "/health"),
+                ("POST", "/v1/models"),
+                ("GET", "/tokenize"),
+            ]:
+                reply = await client.request(method, path)
+                assert assert_envelope(reply, 405)["code"] == "method_not_allowed", (method, path)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_a_decoder_400_is_relayed_with_source_decoder(
+    short_dir: Path, control: Control, route_lines: RouteLines, stream: bool
+) -> None:
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(fake_decoder_config(short_dir)) as running, client_for(running) as client:
+            # llama.cpp's native endpoint requires "prompt": only the decoder knows that.
+            reply = await client.post("/completion", json={"n_predict": 3, "stream": stream})
+            error = assert_envelope(reply, 400, source="decoder")
+            assert "prompt" in error["message"]
+            assert error["code"] == "decoder_http_400"
+            assert error["type"] == "invalid_request_error"
+    [line] = route_lines.lines
+    assert (line["status"], line["outcome"]) == (400, "error")
+
+
+# -- who may ask ------------------------------------------------------------------------------------
+
+
+async def test_a_loopback_bind_refuses_a_foreign_host_and_accepts_loopback_names(
+    short_dir: Path, control: Control
+) -> None:
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(fake_decoder_config(short_dir)) as running, client_for(running) as client:
+            port = urlsplit(running.url).port
+            for host in ("evil.example", f"evil.example:{port}", "10.1.2.3", "[2001:db8::1]:80"):
+                reply = await client.get("/v1/models", headers={"host": host})
+                assert assert_envelope(reply, 403)["code"] == "forbidden_host", host
+                # /health too: a rebinding page must not even learn that onebitd is there.
+                assert (await client.get("/health", headers={"host": host})).status_code == 403
+            for host in ("localhost", f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}", "[::1]"):
+                reply = await client.get("/v1/models", headers={"host": host})
+                assert reply.status_code == 200, host
+
+
+async def test_a_loopback_bind_refuses_a_cross_site_origin_on_post(short_dir: Path, control: Control) -> None:
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(fake_decoder_config(short_dir)) as running, client_for(running) as client:
+            for origin in ("https://evil.example", "http://evil.example:8080"):
+                reply = await client.post(CHAT, json=chat("hi"), headers={"origin": origin})
+                assert assert_envelope(reply, 403)["code"] == "cross_origin", origin
+            for origin in ("http://localhost:5173", "http://127.0.0.1:8080", "http://[::1]:3000"):
+                reply = await client.post(CHAT, json=chat("hi"), headers={"origin": origin})
+                assert reply.status_code == 200, origin
+    assert len(control.entries()) == 3
+
+
+async def test_api_keys_are_required_everywhere_but_health(short_dir: Path, control: Control) -> None:
+    config = fake_decoder_config(short_dir, server={"api_keys": ["first-key", "second-key"]})
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(config) as running, client_for(running) as client:
+            for headers in ({}, {"authorization": "Bearer wrong-key"}, {"authorization": "first-key"}):
+                reply = await client.post(CHAT, json=chat("hi"), headers=headers)
+                error = assert_envelope(reply, 401)
+                assert (error["code"], error["type"]) == ("invalid_api_key", "authentication_error")
+                assert (await client.get("/v1/models", headers=headers)).status_code == 401
+            for key in ("first-key", "second-key"):
+                reply = await client.post(CHAT, json=chat("hi"), headers={"authorization": f"Bearer {key}"})
+                assert reply.status_code == 200
+            health = await client.get("/health")
+            assert (health.status_code, health.json()) == (200, {"status": "ok"})
+    assert len(control.entries()) == 2
+
+
+# -- the decoder's state ----------------------------------------------------------------------------
+
+
+async def test_health_says_loading_with_retry_after_until_the_decoder_is_ready(
+    short_dir: Path, control: Control, route_lines: RouteLines
+) -> None:
+    control.set(loading=True)
+    config = fake_decoder_config(short_dir, server={"retry_after_s": 7})
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(config, wait_ready=False) as running, client_for(running) as client:
+            # The fake is up and answering "Loading model", not merely not started yet.
+            await wait_until(lambda: bool(control.entries("start")))
+            health = await client.get("/health")
+            assert (health.status_code, health.json()) == (503, {"status": "loading"})
+            assert health.headers["retry-after"] == "7"
+            reply = await client.post(CHAT, json=chat("hi"))
+            error = assert_envelope(reply, 503)
+            assert error["code"] == "decoder_unavailable"
+            assert reply.headers["retry-after"] == "7"
+            control.set(loading=False)
+            await running.daemon.decoder.wait_state(ChildState.READY)
+            health = await client.get("/health")
+            assert (health.status_code, health.json()) == (200, {"status": "ok"})
+            assert "retry-after" not in health.headers
+            assert (await client.post(CHAT, json=chat("hi"))).status_code == 200
+    assert [line["status"] for line in route_lines.lines] == [503, 200]
+
+
+async def test_a_failed_decoder_makes_health_say_failed_and_completions_fail_at_once(
+    short_dir: Path, control: Control
+) -> None:
+    control.set(exit=3)
+    config = fake_decoder_config(
+        short_dir, decoder={"restart": {"max_failures": 2, "backoff_initial_s": 0.01, "backoff_max_s": 0.01}}
+    )
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(config, wait_ready=False) as running, client_for(running) as client:
+            await running.daemon.decoder.wait_state(ChildState.FAILED)
+            assert len(control.entries("start")) == 2
+            health = await client.get("/health")
+            assert (health.status_code, health.json()) == (503, {"status": "failed"})
+            assert "retry-after" in health.headers
+            reply = await client.post(CHAT, json=chat("hi"))
+            error = assert_envelope(reply, 503)
+            assert "failed" in error["message"]
+            assert "exit status 3" in error["message"]
+            # Nothing restarts a failed decoder behind our back.
+            assert len(control.entries("start")) == 2
+
+
+# -- slots ------------------------------------------------------------------------------------------
+
+
+async def test_every_request_is_pinned_to_a_slot_onebitd_allocated(
+    short_dir: Path, control: Control, route_lines: RouteLines
+) -> None:
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(fake_decoder_config(short_dir)) as running, client_for(running) as client:
+            for endpoint, body in [
+                (CHAT, chat("one")),
+                ("/v1/completions", {"prompt": "two", "max_tokens": 2}),
+                # A client's own id_slot is not trusted: onebitd owns the slots.
+                ("/completion", {"prompt": "three", "n_predict": 2, "id_slot": 5}),
+                (CHAT, chat("four", stream=True)),
+            ]:
+                assert (await client.post(endpoint, json=body)).status_code == 200
+    entries = control.entries()
+    assert len(entries) == 4
+    assert [entry["id_slot"] for entry in entries] == [line["slot"] for line in route_lines.lines]
+    assert all(entry["id_slot"] in (0, 1) for entry in entries)
+
+
+async def test_concurrent_streams_never_share_a_slot_and_overflow_gets_503(
+    short_dir: Path, control: Control, route_lines: RouteLines
+) -> None:
+    control.set(hold=True)
+    config = with_model(fake_decoder_config(short_dir, server={"queue_limit": 2}), parallel=2)
+    with trio.fail_after(TIMEOUT):
+        async with (
+            run_daemon(config) as running,
+            client_for(running) as client,
+            trio.open_nursery() as nursery,
+        ):
+            slots = running.daemon.slots
+            streams = [HeldStream(client, f"stream {i}") for i in range(4)]
+            for stream in streams[:2]:
+                nursery.start_soon(stream.run)
+                await stream.first.wait()
+            assert slots.statistics().busy == 2
+            for queued, stream in enumerate(streams[2:], start=1):
+                nursery.start_soon(stream.run)
+                await wait_queued(slots, queued)
+            reply = await client.post(CHAT, json=chat("one too many"))
+            error = assert_envelope(reply, 503)
+            assert error["code"] == "overloaded"
+            assert reply.headers["retry-after"] == "1"
+            control.set(hold=False)
+    assert all(stream.status == 200 for stream in streams)
+    assert all(stream.events[-1] == "[DONE]" for stream in streams)
+    entries = sorted(control.entries(), key=lambda entry: entry["seq"])
+    assert len(entries) == 4
+    assert not any(entry["slot_busy"] for entry in entries)
+    assert {entry["id_slot"] for entry in entries[:2]} == {0, 1}
+    assert sorted(line["status"] for line in route_lines.lines) == [200, 200, 200, 200, 503]
+
+
+async def test_queued_requests_are_served_in_arrival_order(short_dir: Path, control: Control) -> None:
+    # Two held streams fill both slots; releasing one serves the queue one by one on the slot it frees.
+    control.set(hold=["held-a", "held-b"])
+    config = with_model(fake_decoder_config(short_dir, server={"queue_limit": 8}), parallel=2)
+    with trio.fail_after(TIMEOUT):
+        async with (
+            run_daemon(config) as running,
+            client_for(running) as client,
+            trio.open_nursery() as nursery,
+        ):
+            slots = running.daemon.slots
+            held = [HeldStream(client, "held-a"), HeldStream(client, "held-b")]
+            for stream in held:
+                nursery.start_soon(stream.run)
+                await stream.first.wait()
+            names = ["queued-1", "queued-2", "queued-3", "queued-4"]
+            done = trio.Semaphore(0)
+
+            async def ask(text: str) -> None:
+                reply = await client.post(CHAT, json=chat(text))
+                assert reply.status_code == 200
+                done.release()
+
+            for queued, name in enumerate(names, start=1):
+                nursery.start_soon(ask, name)
+                await wait_queued(slots, queued)
+            control.set(hold=["held-b"])
+            for _ in names:
+                await done.acquire()
+            control.set(hold=False)
+    by_arrival = sorted(control.entries(), key=lambda entry: entry["seq"])
+    served = [name for entry in by_arrival for name in names if name in entry["prompt"]]
+    assert served == names
+    # One after the other, on the slot "held-a" freed.
+    assert len({entry["slot"] for entry in by_arrival if "queued" in entry["prompt"]}) == 1
+
+
+# -- streaming --------------------------------------------------------------------------------------
+
+
+async def test_a_stream_is_relayed_chunk_by_chunk(short_dir: Path, control: Control) -> None:
+    control.set(hold=True)
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(fake_decoder_config(short_dir)) as running, client_for(running) as client:
+            body = chat("alpha beta gamma", stream=True, max_tokens=3)
+            async with open_events(client, CHAT, body) as (reply, events):
+                assert reply.status_code == 200
+                assert reply.headers["content-type"].startswith("text/event-stream")
+                role = json.loads(await anext(events))
+                assert role["choices"][0]["delta"]["role"] == "assistant"
+                # The fake is holding its remaining tokens: this one came through on its own.
+                first = json.loads(await anext(events))
+                assert first["choices"][0]["delta"]["content"] == "alpha"
+                assert control.entries() == []
+                control.set(hold=False)
+                rest = [data async for data in events]
+    assert streamed_text([json.dumps(first), *rest]) == "alpha beta gamma"
+    assert rest[-1] == "[DONE]"
+    assert "timings" in json.loads(rest[-2])
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "text"),
+    [
+        (CHAT, chat("red green", max_tokens=3), "red green red"),
+        ("/v1/completions", {"prompt": "red green", "max_tokens": 3}, " red green red"),
+        ("/completion", {"prompt": "red green", "n_predict": 3}, " red green red"),
+    ],
+    ids=["chat", "completions", "native"],
+)
+async def test_a_whole_reply_is_relayed_as_the_decoder_sent_it(
+    short_dir: Path, control: Control, endpoint: str, body: dict[str, Any], text: str
+) -> None:
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(fake_decoder_config(short_dir)) as running, client_for(running) as client:
+            reply = await client.post(endpoint, json=body)
+    assert reply.status_code == 200
+    data = reply.json()
+    if endpoint == CHAT:
+        assert data["choices"][0]["message"]["content"] == text
+    elif endpoint == "/v1/completions":
+        assert data["choices"][0]["text"] == text
+    else:
+        assert data["content"] == text
+    assert data["timings"]["predicted_n"] == 3
+
+
+async def test_pass_through_endpoints_reach_the_decoder(short_dir: Path, control: Control) -> None:
+    config = with_model(fake_decoder_config(short_dir), alias="fake-model")
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(config) as running, client_for(running) as client:
+            models = await client.get("/v1/models")
+            assert [model["id"] for model in models.json()["data"]] == ["fake-model"]
+            tokens = (await client.post("/tokenize", json={"content": "hello there"})).json()["tokens"]
+            assert len(tokens) == 2
+            text = await client.post("/detokenize", json={"tokens": tokens})
+            assert text.json() == {"content": "hello there"}
+            template = await client.post(
+                "/apply-template", json={"messages": [{"role": "user", "content": "hi"}]}
+            )
+            assert "hi" in template.json()["prompt"]
+            bad = await client.post("/detokenize", json={"tokens": "not a list"})
+            assert_envelope(bad, 400, source="decoder")
+    assert control.entries() == []  # none of these is a completion: no slot was taken
+
+
+# -- route lines ------------------------------------------------------------------------------------
+
+
+async def test_each_completion_logs_exactly_one_route_line(
+    short_dir: Path, control: Control, route_lines: RouteLines
+) -> None:
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(fake_decoder_config(short_dir)) as running, client_for(running) as client:
+            assert (await client.post(CHAT, json=chat("one two three"))).status_code == 200
+            async with client.stream(
+                "POST", "/v1/completions", json={"prompt": "a b", "stream": True}
+            ) as reply:
+                assert reply.status_code == 200
+                await reply.aread()
+            assert (await client.get("/health")).status_code == 200  # not a completion: no line
+    entries = control.entries()
+    lines = route_lines.lines
+    assert [line["endpoint"] for line in lines] == [CHAT, "/v1/completions"]
+    for line, entry in zip(lines, entries, strict=True):
+        assert (line["route"], line["status"], line["outcome"], line["error"]) == ("plain", 200, "ok", None)
+        assert line["slot"] == entry["id_slot"]
+        assert line["req"]
+        assert line["first_byte_ms"] is not None
+        assert line["total_ms"] is not None
+    # The numbers come from the decoder's own timings, streamed or whole.
+    chat_tokens = len(entries[0]["prompt"].split())
+    assert (lines[0]["decoder_prompt_n"], lines[0]["prompt_tokens"]) == (chat_tokens, chat_tokens)
+    assert (lines[1]["decoder_prompt_n"], lines[1]["prompt_tokens"]) == (2, 2)
+    assert lines[0]["req"] != lines[1]["req"]
+
+
+async def test_a_client_that_disconnects_mid_stream_closes_the_upstream_request_and_frees_its_slot(
+    short_dir: Path, control: Control, route_lines: RouteLines
+) -> None:
+    control.set(hold=True)
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(fake_decoder_config(short_dir)) as running, client_for(running) as client:
+            async with open_events(client, CHAT, chat("going going gone", stream=True)) as (_reply, events):
+                await anext(events)  # the role
+                await anext(events)  # the first token
+                assert running.daemon.slots.statistics().busy == 1
+            # Leaving the block closed the connection mid-stream.
+            [line] = await route_lines.wait(1)
+            assert (line["route"], line["outcome"], line["status"]) == ("plain", "cancelled", 200)
+            assert running.daemon.slots.statistics().busy == 0
+            [entry] = await control.wait_entries(1)
+            assert entry["disconnected"] is True
+            assert entry["finished"] is False
+            control.set(hold=False)
+            # The slot really is free: the next request gets it at once.
+            assert (await client.post(CHAT, json=chat("next"))).status_code == 200
+    assert len(route_lines.lines) == 2
+
+
+async def test_a_client_that_leaves_the_queue_is_cancelled_without_reaching_the_decoder(
+    short_dir: Path, control: Control, route_lines: RouteLines
+) -> None:
+    control.set(hold=True)
+    config = with_model(fake_decoder_config(short_dir), parallel=1)
+    with trio.fail_after(TIMEOUT):
+        async with (
+            run_daemon(config) as running,
+            client_for(running) as client,
+            trio.open_nursery() as nursery,
+        ):
+            slots = running.daemon.slots
+            held = HeldStream(client, "holding the only slot")
+            nursery.start_soon(held.run)
+            await held.first.wait()
+            waiting = trio.CancelScope()
+
+            async def wait_in_queue() -> None:
+                with waiting:
+                    await client.post(CHAT, json=chat("impatient"))
+
+            nursery.start_soon(wait_in_queue)
+            await wait_queued(slots, 1)
+            waiting.cancel()  # the client hangs up
+            [line] = await route_lines.wait(1)
+            assert (line["outcome"], line["status"], line["slot"]) == ("cancelled", 499, None)
+            assert slots.statistics().queued == 0
+            control.set(hold=False)
+    [entry] = control.entries()
+    assert "impatient" not in entry["prompt"]
+
+
+# -- the decoder dies, onebitd stops ---------------------------------------------------------------
+
+
+async def test_a_decoder_killed_mid_stream_ends_the_stream_with_an_error_event_and_is_restarted(
+    short_dir: Path, control: Control, route_lines: RouteLines
+) -> None:
+    control.set(hold=True)
+    config = fake_decoder_config(short_dir, decoder={"restart": {"backoff_initial_s": 0.01}})
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(config) as running, client_for(running) as client:
+            decoder = running.daemon.decoder
+            pid = decoder.pid
+            assert pid is not None
+            async with open_events(client, CHAT, chat("doomed", stream=True)) as (_reply, events):
+                await anext(events)  # the role
+                await anext(events)  # the first token
+                control.set(hold=False)  # for the decoder that comes next
+                os.kill(pid, signal.SIGKILL)
+                rest = [data async for data in events]
+            error = json.loads(rest[-1])["error"]
+            assert (error["source"], error["code"]) == ("decoder", "decoder_lost")
+            assert "[DONE]" not in rest
+            [line] = await route_lines.wait(1)
+            assert (line["outcome"], line["status"]) == ("error", 200)
+            assert running.daemon.slots.statistics().busy == 0
+
+            await wait_until(lambda: decoder.statistics().restarts == 1 and decoder.state is ChildState.READY)
+            assert decoder.pid not in (None, pid)
+            reply = await client.post(CHAT, json=chat("again"))
+            assert reply.status_code == 200
+            assert reply.json()["choices"][0]["message"]["content"] == "again again again again"
+    assert [line["outcome"] for line in route_lines.lines] == ["error", "ok"]
+
+
+async def test_a_stream_in_flight_at_shutdown_finishes_its_reply(
+    short_dir: Path, control: Control, route_lines: RouteLines
+) -> None:
+    control.set(hold=True)
+    with trio.fail_after(TIMEOUT):
+        async with (
+            run_daemon(fake_decoder_config(short_dir)) as running,
+            client_for(running) as client,
+            open_events(client, CHAT, chat("last words", stream=True)) as (_reply, events),
+        ):
+            await anext(events)  # the role
+            first = await anext(events)
+            running.daemon.request_stop()
+            await wait_until(lambda: running.daemon.front.draining)
+            await trio.testing.wait_all_tasks_blocked()
+            control.set(hold=False)
+            rest = [data async for data in events]
+    assert streamed_text([first, *rest]) == "last words last words"
+    assert rest[-1] == "[DONE]"
+    [line] = route_lines.lines
+    assert (line["outcome"], line["status"]) == ("ok", 200)
