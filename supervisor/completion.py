@@ -23,6 +23,7 @@ from .provider import Provider, Providers
 from .respond import Responder
 from .routeline import RouteLine
 from .routes import Choice, Reason, Route, choose, restore_used
+from .share import ShareHandoff
 from .slots import SlotPool
 
 log = logging.getLogger("onebit.hybrid")
@@ -95,9 +96,7 @@ def decoder_error_envelope(status: int, body: bytes) -> tuple[str, str, str]:
 
 
 def sse_error(message: str) -> bytes:
-    payload = {
-        "error": {"message": message, "type": "server_error", "code": "decoder_lost", "source": "decoder"}
-    }
+    payload = {"error": {"message": message, "type": "server_error", "code": "decoder_lost", "source": "decoder"}}
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
 
@@ -109,7 +108,7 @@ class HybridSettings:
     handoff: FileHandoff
     min_prompt_tokens: int
     restore_check_tokens: int
-    share: bool = False
+    share: ShareHandoff | None = None  # set when the share route is on (hybrid.mode / ONEBIT_KV_SHARE)
 
 
 class Completions:
@@ -155,18 +154,16 @@ class Completions:
             try:
                 tokens = await tokens_for(self.client, endpoint, body)
             except DecoderError as exc:
-                log.warning(
-                    "hybrid: tokenizing %s failed (%s); the backend prefills it", line.req, exc.message
-                )
+                log.warning("hybrid: tokenizing %s failed (%s); the backend prefills it", line.req, exc.message)
             else:
                 line.prompt_tokens = len(tokens)
         choice = choose(
             enabled=True,
-            share=hybrid.share,
+            share=hybrid.share is not None,
             provider_ready=provider is not None,
             prompt_tokens=None if tokens is None else len(tokens),
             min_prompt_tokens=hybrid.min_prompt_tokens,
-            share_refused=False,
+            share_refused=hybrid.share is not None and hybrid.share.refused_by(self.decoder.generation),
         )
         return choice, tokens or [], provider
 
@@ -179,18 +176,37 @@ class Completions:
             line.slot = slot
             self.check_ready()  # it may have died while we queued
             forwarded = {**body, "id_slot": slot}
-            if choice.route is not Route.PLAIN and provider is not None and self.hybrid is not None:
-                if await self.hybrid.handoff.run(
-                    req=line.req, slot=slot, tokens=tokens, provider=provider, line=line
-                ):
-                    line.route = Route.FILE.value
-                    # The restored cells are only reused by a request that may use its slot's cache.
+            if provider is not None and self.hybrid is not None:
+                route = await self._hand_over(choice.route, slot, tokens, provider, line)
+                line.route = route.value
+                if route is not Route.PLAIN:
+                    # The handed-over cells are only reused by a request that may use its slot's cache.
                     forwarded["cache_prompt"] = True
             if body.get("stream") is True:
                 await self._relay_stream(endpoint, forwarded, out, line)
             else:
                 await self._relay_whole(endpoint, forwarded, out, line)
         self._verify_handoff(line)
+
+    async def _hand_over(
+        self, route: Route, slot: int, tokens: list[int], provider: Provider, line: RouteLine
+    ) -> Route:
+        """Run the hybrid route, degrading as routes.DEGRADE says; the route the request ends on."""
+        hybrid = self.hybrid
+        assert hybrid is not None
+        if route is Route.SHARE and hybrid.share is not None:
+            route = await hybrid.share.run(
+                req=line.req,
+                slot=slot,
+                tokens=tokens,
+                provider=provider,
+                line=line,
+                generation=self.decoder.generation,
+            )
+        if route is Route.FILE:
+            done = await hybrid.handoff.run(req=line.req, slot=slot, tokens=tokens, provider=provider, line=line)
+            route = Route.FILE if done else Route.PLAIN
+        return route
 
     def _verify_handoff(self, line: RouteLine) -> None:
         """llama.cpp's restore can answer success and still re-prefill everything (#26676)."""
@@ -205,9 +221,7 @@ class Completions:
                 line.req,
             )
 
-    async def _relay_whole(
-        self, endpoint: str, body: dict[str, Any], out: Responder, line: RouteLine
-    ) -> None:
+    async def _relay_whole(self, endpoint: str, body: dict[str, Any], out: Responder, line: RouteLine) -> None:
         reply = await self.client.request("POST", endpoint, body)
         if 200 <= reply.status < 300:
             with contextlib.suppress(ValueError):
@@ -223,9 +237,7 @@ class Completions:
         line.error = f"decoder answered {status}: {message}"
         await out.error(status, code, message, source="decoder", type_=type_)
 
-    async def _relay_stream(
-        self, endpoint: str, body: dict[str, Any], out: Responder, line: RouteLine
-    ) -> None:
+    async def _relay_stream(self, endpoint: str, body: dict[str, Any], out: Responder, line: RouteLine) -> None:
         async with self.client.stream(endpoint, body) as upstream:
             if upstream.status != 200:
                 chunks = [chunk async for chunk in upstream.chunks]

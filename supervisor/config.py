@@ -299,9 +299,7 @@ def _structure_table(conv: cattrs.Converter, cls: type) -> Callable[[Any, type],
 
 def _at(exc: Exception, cls: type, a: attrs.Attribute[Any]) -> Exception:
     """Mark ``exc`` as raised at attribute ``a``, as cattrs does, so :func:`_render` finds the path."""
-    note = AttributeValidationNote(
-        f"Structuring class {cls.__qualname__} @ attribute {a.name}", a.name, a.type
-    )
+    note = AttributeValidationNote(f"Structuring class {cls.__qualname__} @ attribute {a.name}", a.name, a.type)
     exc.__notes__ = [*getattr(exc, "__notes__", []), note]
     return exc
 

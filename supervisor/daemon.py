@@ -32,19 +32,33 @@ from .completion import Completions, HybridSettings
 from .config import Config, ProviderConfig
 from .config import ExecProvider as ExecProviderConfig
 from .config import LlamaServerProvider as LlamaServerProviderConfig
+from .errors import ConfigError
+from .front import Front
 from .handoff import FileHandoff
+from .llama_server import LlamaServerLauncher, model_alias
 from .provider import Provider, Providers
 from .provider_exec import ExecProvider
 from .provider_llama import LlamaServerProvider
 from .provider_worker import WorkerProvider
-from .errors import ConfigError
-from .front import Front
-from .llama_server import LlamaServerLauncher, model_alias
+from .share import ShareHandoff, ShareHandshake
 from .slots import SlotPool
 
 log = logging.getLogger("onebit.daemon")
 
 DEFAULT_CONFIG = "/etc/onebit/onebit.toml"
+
+
+# The decoder connects back to our share socket right after answering ?action=share; a local
+# connect that takes longer than this will not come.
+SHARE_CONNECT_TIMEOUT_S = 5.0
+
+
+def share_enabled(config: Config) -> bool:
+    """``ONEBIT_KV_SHARE`` (1 or 0), when set, wins over ``hybrid.mode``."""
+    env = os.environ.get("ONEBIT_KV_SHARE")
+    if env is not None and env.strip() != "":
+        return env.strip() not in ("0", "false", "no", "off")
+    return config.hybrid.mode == "share"
 
 
 @attrs.frozen
@@ -98,6 +112,7 @@ class Daemon:
                 ),
                 min_prompt_tokens=config.hybrid.min_prompt_tokens,
                 restore_check_tokens=config.hybrid.restore_check_tokens,
+                share=self._share_handoff() if share_enabled(config) else None,
             )
         self.completions = Completions(
             decoder=self.decoder, client=self.launcher.client, slots=self.slots, hybrid=hybrid
@@ -106,6 +121,19 @@ class Daemon:
             config.server, decoder=self.decoder, client=self.launcher.client, completions=self.completions
         )
         self._stop = trio.Event()
+
+    def _share_handoff(self) -> ShareHandoff:
+        return ShareHandoff(
+            client=self.launcher.client,
+            handshake=ShareHandshake(
+                client=self.launcher.client,
+                runtime_dir=self.runtime_dir,
+                connect_timeout_s=SHARE_CONNECT_TIMEOUT_S,
+            ),
+            model=model_alias(self.config),
+            n_ctx=self.config.model.ctx_size,
+            prefill_timeout_s=self.config.hybrid.prefill_timeout_s,
+        )
 
     def _provider(self, spec: ProviderConfig) -> Provider:
         if isinstance(spec, LlamaServerProviderConfig):

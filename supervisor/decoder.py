@@ -54,9 +54,7 @@ class DecoderClient:
     def __init__(self, socket: Path, *, max_connections: int = 64) -> None:
         self.socket = socket
         self._client = httpx.AsyncClient(
-            transport=httpx.AsyncHTTPTransport(
-                uds=str(socket), limits=httpx.Limits(max_connections=max_connections)
-            ),
+            transport=httpx.AsyncHTTPTransport(uds=str(socket), limits=httpx.Limits(max_connections=max_connections)),
             base_url="http://decoder",
             timeout=_TIMEOUT,
         )

@@ -193,9 +193,7 @@ class Front:
     @staticmethod
     def _allow(method: str, *allowed: str) -> None:
         if method not in allowed:
-            raise ClientError(
-                405, "method_not_allowed", f"{method} is not allowed here; use {', '.join(allowed)}"
-            )
+            raise ClientError(405, "method_not_allowed", f"{method} is not allowed here; use {', '.join(allowed)}")
 
     def _check_caller(self, method: str, path: str, headers: dict[str, str]) -> None:
         if self._loopback_only:
@@ -214,9 +212,7 @@ class Front:
             for key in self._keys:
                 matched |= hmac.compare_digest(token, key)
             if not matched:
-                raise ClientError(
-                    401, "invalid_api_key", "missing or wrong API key (Authorization: Bearer ...)"
-                )
+                raise ClientError(401, "invalid_api_key", "missing or wrong API key (Authorization: Bearer ...)")
 
     async def _read_json(self, receive: Receive, headers: dict[str, str]) -> dict[str, Any]:
         limit = self.server.max_body_bytes

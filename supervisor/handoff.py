@@ -49,9 +49,7 @@ class FileHandoff:
         # Our name, never the client's; random so a retried request id cannot collide.
         return self.state_dir / f"{req}-{secrets.token_hex(4)}.state"
 
-    async def run(
-        self, *, req: str, slot: int, tokens: list[int], provider: Provider, line: RouteLine
-    ) -> bool:
+    async def run(self, *, req: str, slot: int, tokens: list[int], provider: Provider, line: RouteLine) -> bool:
         path = self.state_file(req)
         expected = len(tokens)
         try:
@@ -75,10 +73,8 @@ class FileHandoff:
                 return self._fall_back(
                     line, Reason.SHORT_CLAIM, f"provider prefilled {claim.n_tokens} of {expected} tokens"
                 )
-            if not path.is_file():
-                return self._fall_back(
-                    line, Reason.PROVIDER_FAILED, f"provider {provider.name} wrote no state file"
-                )
+            if not await trio.Path(path).is_file():
+                return self._fall_back(line, Reason.PROVIDER_FAILED, f"provider {provider.name} wrote no state file")
             return await self._restore(slot, path, expected, line)
         finally:
             path.unlink(missing_ok=True)
@@ -86,21 +82,18 @@ class FileHandoff:
     async def _restore(self, slot: int, path: Path, expected: int, line: RouteLine) -> bool:
         started = trio.current_time()
         try:
-            status, data = await self.client.post_json(
-                f"/slots/{slot}?action=restore", {"filename": path.name}
-            )
+            status, data = await self.client.post_json(f"/slots/{slot}?action=restore", {"filename": path.name})
         except DecoderError as exc:
             status, data = 0, {"error": {"message": exc.message}}
         finally:
             line.restore_ms = (trio.current_time() - started) * 1000
-            path.unlink(missing_ok=True)
+            # Synchronous on purpose: an await here could be cancelled and leave the file behind.
+            path.unlink(missing_ok=True)  # noqa: ASYNC240
         n_restored = data.get("n_restored") if isinstance(data, dict) else None
         if status == 200 and n_restored == expected:
             return True
         await self._erase(slot)
-        what = (
-            f"restore answered {status}" if status != 200 else f"restored {n_restored} of {expected} tokens"
-        )
+        what = f"restore answered {status}" if status != 200 else f"restored {n_restored} of {expected} tokens"
         return self._fall_back(line, Reason.RESTORE_REFUSED, f"{what}: {_message(data)}")
 
     async def _erase(self, slot: int) -> None:

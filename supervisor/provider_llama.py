@@ -19,16 +19,15 @@ from .config import Config
 from .config import LlamaServerProvider as LlamaServerProviderConfig
 from .errors import DecoderError, ProviderError
 from .llama_server import LlamaServerLauncher
-from .provider import Claim, PrefillJob, ProviderStatistics
+from .provider import Claim, Job, PrefillJob, ProviderStatistics
 from .slots import SlotPool
 
 
 class LlamaServerProvider:
     kind = "llama-server"
+    supports_share = False  # it prefills into its own cache, not into someone else's region
 
-    def __init__(
-        self, spec: LlamaServerProviderConfig, config: Config, *, runtime_dir: Path, state_dir: Path
-    ) -> None:
+    def __init__(self, spec: LlamaServerProviderConfig, config: Config, *, runtime_dir: Path, state_dir: Path) -> None:
         self.name = spec.name
         self.state_dir = state_dir
         self.launcher = LlamaServerLauncher(
@@ -62,7 +61,9 @@ class LlamaServerProvider:
             with trio.CancelScope(shield=True):
                 await self.launcher.client.aclose()
 
-    async def prefill(self, job: PrefillJob) -> Claim:
+    async def prefill(self, job: Job) -> Claim:
+        if not isinstance(job, PrefillJob):
+            raise ProviderError(f"{self.name}: a llama-server provider cannot write a shared region")
         if job.state_file.parent != self.state_dir:
             raise ProviderError(f"{self.name}: state file {job.state_file} is outside {self.state_dir}")
         self._busy += 1
@@ -87,9 +88,7 @@ class LlamaServerProvider:
                 raise ProviderError(f"{self.name}: prefill answered {status}: {_message(data)}")
             timings = data.get("timings") if isinstance(data, dict) else None
             prompt_ms = timings.get("prompt_ms") if isinstance(timings, dict) else None
-            status, saved = await client.post_json(
-                f"/slots/{slot}?action=save", {"filename": job.state_file.name}
-            )
+            status, saved = await client.post_json(f"/slots/{slot}?action=save", {"filename": job.state_file.name})
             if status != 200:
                 raise ProviderError(f"{self.name}: save answered {status}: {_message(saved)}")
         except DecoderError as exc:

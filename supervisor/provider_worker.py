@@ -13,6 +13,8 @@ The worker exiting, or closing its end, fails every job in flight; it is restart
 
 from __future__ import annotations
 
+import array
+import contextlib
 import json
 import logging
 import os
@@ -27,7 +29,7 @@ from .child import Child, ChildState
 from .config import WorkerProvider as WorkerProviderConfig
 from .config import converter
 from .errors import ProviderError
-from .provider import Claim, PrefillJob, ProviderStatistics, parse_claim
+from .provider import Claim, Job, ProviderStatistics, ShareJob, parse_claim
 
 log = logging.getLogger("onebit.provider")
 
@@ -52,9 +54,16 @@ class _Life:
     pending: dict[str, _Pending] = attrs.Factory(dict)
     send_lock: trio.Lock = attrs.Factory(trio.Lock)
 
-    async def send(self, data: dict[str, Any]) -> None:
+    async def send(self, data: dict[str, Any], fds: Sequence[int] = ()) -> None:
+        """One line; ``fds`` ride along with its first byte (SCM_RIGHTS), in order."""
+        payload = json.dumps(data).encode() + b"\n"
         async with self.send_lock:
-            await self.stream.send_all(json.dumps(data).encode() + b"\n")
+            if fds:
+                rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
+                sent = await self.stream.socket.sendmsg([payload], rights)
+                payload = payload[sent:]
+            if payload:
+                await self.stream.send_all(payload)
 
     def fail_all(self, why: str) -> None:
         self.dead = True
@@ -95,6 +104,7 @@ class _WorkerLauncher:
 
 class WorkerProvider:
     kind = "worker"
+    supports_share = True  # the region fds are sent with the job line (SCM_RIGHTS)
 
     def __init__(self, spec: WorkerProviderConfig) -> None:
         self.name = spec.name
@@ -179,7 +189,7 @@ class WorkerProvider:
         pending.line = line
         pending.done.set()
 
-    async def prefill(self, job: PrefillJob) -> Claim:
+    async def prefill(self, job: Job) -> Claim:
         self._busy += 1
         self._jobs += 1
         try:
@@ -191,7 +201,7 @@ class WorkerProvider:
         finally:
             self._busy -= 1
 
-    async def _run_job(self, job: PrefillJob) -> Claim:
+    async def _run_job(self, job: Job) -> Claim:
         life = self._life
         if life is None or not life.ready or life.dead:
             raise ProviderError(f"{self.name}: no ready worker")
@@ -199,7 +209,11 @@ class WorkerProvider:
         life.pending[job.id] = pending
         try:
             try:
-                await life.send(job.wire())
+                if isinstance(job, ShareJob):
+                    # The worker's numbers for the fds are its own: "fds" gives their order only.
+                    await life.send(job.wire(list(range(len(job.fds)))), job.fds)
+                else:
+                    await life.send(job.wire())
             except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                 raise ProviderError(f"{self.name}: the worker's socket is closed") from exc
             await pending.done.wait()
@@ -213,11 +227,12 @@ class WorkerProvider:
 
     async def _cancel(self, life: _Life, job_id: str) -> None:
         # We are being cancelled: tell the worker, briefly and shielded, then let the cancel go on.
-        with trio.CancelScope(shield=True), trio.move_on_after(1.0):
-            try:
-                await life.send({"cancel": job_id})
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
+        with (
+            trio.CancelScope(shield=True),
+            trio.move_on_after(1.0),
+            contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError),
+        ):
+            await life.send({"cancel": job_id})
 
     def statistics(self) -> ProviderStatistics:
         return ProviderStatistics(

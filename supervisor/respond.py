@@ -58,12 +58,8 @@ class Responder:
             self.finished = True
         await self._send({"type": "http.response.body", "body": chunk, "more_body": more})
 
-    async def whole(
-        self, status: int, body: bytes, content_type: str, headers: Iterable[tuple[str, str]] = ()
-    ) -> None:
-        await self.start(
-            status, [("content-type", content_type), ("content-length", str(len(body))), *headers]
-        )
+    async def whole(self, status: int, body: bytes, content_type: str, headers: Iterable[tuple[str, str]] = ()) -> None:
+        await self.start(status, [("content-type", content_type), ("content-length", str(len(body))), *headers])
         await self.body(body, more=False)
 
     async def json(self, status: int, data: Any, headers: Iterable[tuple[str, str]] = ()) -> None:

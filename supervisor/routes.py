@@ -39,6 +39,7 @@ class Reason(enum.Enum):
     RESTORE_REFUSED = "restore-refused"
     SHARE_REFUSED = "share-refused"
     SHARE_REMEMBERED = "share-refused-earlier"
+    SHARE_UNSUPPORTED = "share-unsupported"  # the provider cannot write a shared region
     ADOPT_REFUSED = "adopt-refused"
 
 

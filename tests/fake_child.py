@@ -11,6 +11,8 @@ healthy, and never touches it again, so a test makes it unhealthy by deleting th
                ignore SIGTERM and serve: stopping it needs the group SIGKILLed
     exit       print a last line on stdout and one on stderr, then exit with EXIT_STATUS; never healthy
     hang       never healthy; wait for a signal
+
+Tests import :func:`running` from here.
 """
 
 from __future__ import annotations
@@ -20,6 +22,20 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` is a live process, for tests; a zombie is not (it has exited, unreaped).
+
+    Our own children are reaped by the code under test; an orphaned grandchild is reaped by pid 1,
+    which in a container may never do it.
+    """
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    state = stat.rpartition(")")[2].split()[0]  # the name in parentheses may hold spaces
+    return state not in ("Z", "X")
 
 
 def publish(path: Path, text: str) -> None:

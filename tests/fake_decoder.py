@@ -38,7 +38,8 @@ file, then ``os.replace``); a file that cannot be read or parsed counts as absen
     FAKE_DECODER_LOG              log              a file: one JSON line per completion request, and one
                                                    per start
 
-A log line for a completion, written when the request ends::
+A log line for a completion, written when the request ends (when it ends well: before the reply's last
+bytes leave, so a client holding the whole reply can count on the line being there)::
 
     {"event": "completion", "pid": 4242, "seq": 3, "path": "/v1/chat/completions",
      "id_slot": 1, "slot": 1, "slot_busy": false, "stream": true, "prompt": "...",
@@ -408,7 +409,7 @@ class Handler(BaseHTTPRequestHandler):
             if not ex.replied:
                 ex.reply(exc.status, exc.body())
                 self.close_connection = True  # as llama-server does after an error
-        except ClientGone:
+        except (ClientGone, OSError):  # OSError: the client left while we wrote
             self.close_connection = True
 
 
@@ -588,9 +589,7 @@ def _n_predict(body: dict[str, Any], *names: str) -> int:
         if name in body and body[name] is not None:
             value = body[name]
             if not isinstance(value, int) or isinstance(value, bool) or value < -1:
-                raise HttpError(
-                    400, f"Field '{name}': Value must be between -1 <= value <= 2147483647, got {value!r}"
-                )
+                raise HttpError(400, f"Field '{name}': Value must be between -1 <= value <= 2147483647, got {value!r}")
             return DEFAULT_PREDICT if value == -1 else value
     return DEFAULT_PREDICT
 
@@ -636,7 +635,34 @@ def completion(ex: Exchange) -> None:
     job.id = f"{'chatcmpl' if job.chat else 'cmpl'}-fake{os.getpid()}x{job.seq}"
     words = [job.echo[i % len(job.echo)] for i in range(job.n_predict)]
     sent = 0
-    finished = disconnected = False
+    logged = False
+
+    def done(*, finished: bool, disconnected: bool) -> None:
+        """Free the slot and log the request, once.  A reply that ends well does this before its
+        last bytes leave, so a client that has the whole reply can count on the log line (and a
+        fake stopped right after cannot lose it)."""
+        nonlocal logged
+        if logged:
+            return
+        logged = True
+        fake.release(job.slot, prompt_tokens + [token_id(w) for w in words[:sent]])
+        fake.log(
+            {
+                "event": "completion",
+                "seq": job.seq,
+                "path": job.path,
+                "id_slot": body.get("id_slot"),
+                "slot": job.slot,
+                "slot_busy": slot_busy,
+                "stream": job.stream,
+                "prompt": job.prompt,
+                "n_predict": job.n_predict,
+                "sent": sent,
+                "finished": finished,
+                "disconnected": disconnected,
+            }
+        )
+
     try:
         modes = fake.modes.current()
         if modes.hang:
@@ -656,35 +682,19 @@ def completion(ex: Exchange) -> None:
             ex.send_event(_final(fake, job, "", cache_n, len(prompt_tokens), len(words)))
             if job.openai:
                 ex.send_event("[DONE]")
+            done(finished=True, disconnected=False)
             ex.end_stream()
         else:
             _wait_while_held(ex, job)
             text = _join(job, words)
-            ex.reply(200, _final(fake, job, text, cache_n, len(prompt_tokens), len(words)))
             sent = len(words)
-        finished = True
+            done(finished=True, disconnected=False)
+            ex.reply(200, _final(fake, job, text, cache_n, len(prompt_tokens), len(words)))
     except ClientGone:
-        disconnected = True
+        done(finished=False, disconnected=True)
         raise
     finally:
-        generated = [token_id(w) for w in words[:sent]]
-        fake.release(job.slot, prompt_tokens + generated)
-        fake.log(
-            {
-                "event": "completion",
-                "seq": job.seq,
-                "path": job.path,
-                "id_slot": body.get("id_slot"),
-                "slot": job.slot,
-                "slot_busy": slot_busy,
-                "stream": job.stream,
-                "prompt": job.prompt,
-                "n_predict": job.n_predict,
-                "sent": sent,
-                "finished": finished,
-                "disconnected": disconnected,
-            }
-        )
+        done(finished=False, disconnected=False)
 
 
 def _wait_while_held(ex: Exchange, job: Job) -> None:

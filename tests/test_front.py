@@ -111,6 +111,27 @@ def route_lines() -> Iterator[RouteLines]:
         logger.setLevel(level)
 
 
+async def open_raw(running: Running) -> trio.SocketStream:
+    """A bare connection, for what httpx will not do: send headers only, hang up mid-reply."""
+    url = urlsplit(running.url)
+    assert url.hostname is not None
+    assert url.port is not None
+    return await trio.open_tcp_stream(url.hostname, url.port)
+
+
+def request_head(path: str, length: int) -> bytes:
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {length}\r\n\r\n"
+    ).encode()
+
+
+async def receive_until(stream: trio.SocketStream, buffer: bytearray, marker: bytes) -> None:
+    while marker not in buffer:
+        data = await stream.receive_some()
+        assert data, f"connection closed before {marker!r}; got {bytes(buffer)!r}"
+        buffer += data
+
+
 def with_model(config: Config, **changes: Any) -> Config:
     # fake_decoder_config's ``model`` parameter is the model file, so its [model] section is set here.
     return attrs.evolve(config, model=attrs.evolve(config.model, **changes))
@@ -217,9 +238,7 @@ async def _chunks(data: bytes, size: int = 256) -> AsyncIterator[bytes]:
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["content_length", "chunked"])
-async def test_a_body_over_max_body_bytes_is_refused_with_413(
-    short_dir: Path, control: Control, chunked: bool
-) -> None:
+async def test_a_body_over_max_body_bytes_is_refused_with_413(short_dir: Path, control: Control, chunked: bool) -> None:
     config = fake_decoder_config(short_dir, server={"max_body_bytes": 1024})
     # Valid JSON that the decoder would gladly answer: only its size is wrong.
     body = json.dumps(chat("word " * 400)).encode()
@@ -236,35 +255,22 @@ async def test_a_body_over_max_body_bytes_is_refused_with_413(
     assert len(control.entries()) == 1
 
 
-async def test_a_declared_oversized_body_is_refused_before_it_is_sent(
-    short_dir: Path, control: Control
-) -> None:
+async def test_a_declared_oversized_body_is_refused_before_it_is_sent(short_dir: Path, control: Control) -> None:
     config = fake_decoder_config(short_dir, server={"max_body_bytes": 1024})
     with trio.fail_after(TIMEOUT):
-        async with run_daemon(config) as running:
-            url = urlsplit(running.url)
-            assert url.hostname is not None
-            assert url.port is not None
-            stream = await trio.open_tcp_stream(url.hostname, url.port)
-            async with stream:
-                # Headers only: were onebitd to wait for a gigabyte, fail_after would end the test.
-                await stream.send_all(
-                    b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
-                    b"Content-Type: application/json\r\nContent-Length: 1000000000\r\n\r\n"
-                )
-                received = b""
-                while b"\r\n\r\n" not in received:
-                    received += await stream.receive_some()
-                head, _, rest = received.partition(b"\r\n\r\n")
-                assert head.split(b"\r\n")[0].split(b" ")[1] == b"413"
-                length = next(
-                    int(line.split(b":")[1])
-                    for line in head.split(b"\r\n")
-                    if line.lower().startswith(b"content-length:")
-                )
-                while len(rest) < length:
-                    rest += await stream.receive_some()
-            assert json.loads(rest)["error"]["code"] == "body_too_large"
+        async with run_daemon(config) as running, await open_raw(running) as raw:
+            # Headers only: were onebitd to wait for a gigabyte, fail_after would end the test.
+            await raw.send_all(request_head(CHAT, 1_000_000_000))
+            received = bytearray()
+            await receive_until(raw, received, b"\r\n\r\n")
+            head, _, rest = bytes(received).partition(b"\r\n\r\n")
+            status_line, *header_lines = head.decode().split("\r\n")
+            assert status_line.split(" ")[1] == "413"
+            headers = dict(line.lower().split(": ", 1) for line in header_lines)
+            received = bytearray(rest)
+            while len(received) < int(headers["content-length"]):
+                received += await raw.receive_some()
+    assert json.loads(received)["error"]["code"] == "body_too_large"
 
 
 async def test_an_unknown_path_is_404_and_a_wrong_method_is_405(short_dir: Path, control: Control) -> None:
@@ -549,9 +555,7 @@ async def test_pass_through_endpoints_reach_the_decoder(short_dir: Path, control
             assert len(tokens) == 2
             text = await client.post("/detokenize", json={"tokens": tokens})
             assert text.json() == {"content": "hello there"}
-            template = await client.post(
-                "/apply-template", json={"messages": [{"role": "user", "content": "hi"}]}
-            )
+            template = await client.post("/apply-template", json={"messages": [{"role": "user", "content": "hi"}]})
             assert "hi" in template.json()["prompt"]
             bad = await client.post("/detokenize", json={"tokens": "not a list"})
             assert_envelope(bad, 400, source="decoder")
@@ -567,9 +571,7 @@ async def test_each_completion_logs_exactly_one_route_line(
     with trio.fail_after(TIMEOUT):
         async with run_daemon(fake_decoder_config(short_dir)) as running, client_for(running) as client:
             assert (await client.post(CHAT, json=chat("one two three"))).status_code == 200
-            async with client.stream(
-                "POST", "/v1/completions", json={"prompt": "a b", "stream": True}
-            ) as reply:
+            async with client.stream("POST", "/v1/completions", json={"prompt": "a b", "stream": True}) as reply:
                 assert reply.status_code == 200
                 await reply.aread()
             assert (await client.get("/health")).status_code == 200  # not a completion: no line
@@ -589,15 +591,44 @@ async def test_each_completion_logs_exactly_one_route_line(
     assert lines[0]["req"] != lines[1]["req"]
 
 
+async def test_a_completion_request_refused_before_it_starts_still_logs_one_route_line(
+    short_dir: Path, control: Control, route_lines: RouteLines
+) -> None:
+    config = fake_decoder_config(short_dir, server={"api_keys": ["key"], "max_body_bytes": 1024})
+    key = {"authorization": "Bearer key"}
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(config) as running, client_for(running) as client:
+            refused = [
+                await client.post(CHAT, content=b"not json", headers=key),
+                await client.post("/v1/completions", json={"prompt": "x" * 2000}, headers=key),
+                await client.post("/completion", json={"prompt": "no key"}),
+                await client.get(CHAT, headers=key),
+            ]
+            assert [reply.status_code for reply in refused] == [400, 413, 401, 405]
+            await client.get("/v1/models", headers=key)  # not a completion: no line
+    lines = route_lines.lines
+    assert [(line["endpoint"], line["status"], line["outcome"]) for line in lines] == [
+        (CHAT, 400, "error"),
+        ("/v1/completions", 413, "error"),
+        ("/completion", 401, "error"),
+        (CHAT, 405, "error"),
+    ]
+    assert all(line["route"] == "plain" and line["error"] and line["slot"] is None for line in lines)
+    assert len({line["req"] for line in lines}) == 4
+    assert control.entries() == []
+
+
 async def test_a_client_that_disconnects_mid_stream_closes_the_upstream_request_and_frees_its_slot(
     short_dir: Path, control: Control, route_lines: RouteLines
 ) -> None:
     control.set(hold=True)
     with trio.fail_after(TIMEOUT):
         async with run_daemon(fake_decoder_config(short_dir)) as running, client_for(running) as client:
-            async with open_events(client, CHAT, chat("going going gone", stream=True)) as (_reply, events):
-                await anext(events)  # the role
-                await anext(events)  # the first token
+            # A bare socket: httpx leaves unclosed generators behind when a stream is abandoned.
+            body = json.dumps(chat("going going gone", stream=True)).encode()
+            async with await open_raw(running) as raw:
+                await raw.send_all(request_head(CHAT, len(body)) + body)
+                await receive_until(raw, bytearray(), b'"content":"going"')
                 assert running.daemon.slots.statistics().busy == 1
             # Leaving the block closed the connection mid-stream.
             [line] = await route_lines.wait(1)

@@ -1,0 +1,281 @@
+"""The share route's handshake: the decoder lends its KV region to us as file descriptors.
+
+Per request (slot S, M prompt tokens):
+
+1. We listen on a fresh unix socket in the runtime directory (mode 0600).
+2. ``POST /slots/S?action=share {"socket": <path>, "n_tokens": M}``; the reply must be 2xx JSON with
+   a string ``share_id``.
+3. The decoder connects and sends one message: a 4-byte big-endian length, then a UTF-8 JSON header,
+   with the region fds attached (SCM_RIGHTS) in the order of ``regions``.
+
+Any failure here is a :class:`ShareRefused`: nothing was written into the region yet, so the request
+may still take the file route.  :class:`SharedRegion` owns the received fds; closing it closes them,
+and the socket file is removed on every path.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import json
+import logging
+import os
+import secrets
+import socket
+import struct
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+from .errors import DecoderError, OnebitError, ProviderError
+from .handoff import SlotClient
+from .provider import Provider, ShareJob
+from .routeline import RouteLine
+from .routes import DEGRADE, Reason, Route, Step, claim_matches
+
+log = logging.getLogger("onebit.hybrid")
+
+# A header describes every layer's K and V tensors: a few KB for any model we know of.
+_MAX_HEADER = 1 << 20
+# Regions per share: one per backend buffer; more than this is not a layout, it is a bug.
+_MAX_FDS = 64
+
+
+class ShareRefused(OnebitError):
+    """The handshake failed; ``reason`` is in the decoder's words where it said any."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(reason)
+
+
+@attrs.define
+class SharedRegion:
+    share_id: str
+    layout: dict[str, Any]
+    fds: list[int]
+
+    def close(self) -> None:
+        fds, self.fds = self.fds, []
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _error_text(status: int, data: Any) -> str:
+    return json.dumps(data) if data is not None else f"status {status}"
+
+
+async def _receive_header(conn: trio.socket.SocketType) -> tuple[bytes, list[int]]:
+    """Read the length-prefixed header, collecting every fd that arrives with it."""
+    data = b""
+    fds: list[int] = []
+    try:
+        need = 4
+        while len(data) < need:
+            chunk, ancdata, _flags, _addr = await conn.recvmsg(
+                65536, socket.CMSG_SPACE(_MAX_FDS * array.array("i").itemsize)
+            )
+            for level, kind, payload in ancdata:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    received = array.array("i")
+                    received.frombytes(payload[: len(payload) - len(payload) % received.itemsize])
+                    fds.extend(received)
+            if not chunk:
+                raise ShareRefused(f"the decoder closed the share socket after {len(data)} bytes")
+            data += chunk
+            if len(data) >= 4:
+                (length,) = struct.unpack(">I", data[:4])
+                if length > _MAX_HEADER:
+                    raise ShareRefused(f"share header of {length} bytes is over {_MAX_HEADER}")
+                need = 4 + length
+        return data[4:need], fds
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+
+
+def parse_header(raw: bytes, fds: list[int]) -> dict[str, Any]:
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ShareRefused(f"the share header does not parse: {exc}") from None
+    if not isinstance(header, dict):
+        raise ShareRefused("the share header is not a JSON object")
+    regions = header.get("regions")
+    if not isinstance(regions, list) or not regions:
+        raise ShareRefused("the share header has no regions")
+    if len(fds) != len(regions):
+        raise ShareRefused(f"the share header lists {len(regions)} regions but {len(fds)} fds came with it")
+    tensors = header.get("tensors")
+    if not isinstance(tensors, list):
+        raise ShareRefused("the share header has no tensors")
+    for tensor in tensors:
+        if not isinstance(tensor, dict) or not all(
+            isinstance(tensor.get(k), int) for k in ("region", "offset", "row_bytes")
+        ):
+            raise ShareRefused(f"a share tensor is malformed: {tensor!r:.200}")
+        if not 0 <= tensor["region"] < len(regions):
+            raise ShareRefused(f"a share tensor names region {tensor['region']} of {len(regions)}")
+    return header
+
+
+class ShareHandshake:
+    def __init__(self, *, client: SlotClient, runtime_dir: Path, connect_timeout_s: float) -> None:
+        self.client = client
+        self.runtime_dir = runtime_dir
+        self.connect_timeout_s = connect_timeout_s
+
+    async def open(self, *, req: str, slot: int, n_tokens: int) -> SharedRegion:
+        """Steps 1-3; raises ShareRefused (or Cancelled) with nothing left open behind it."""
+        path = self.runtime_dir / f"share-{req}-{secrets.token_hex(4)}.sock"
+        listener = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            try:
+                await listener.bind(str(path))
+                os.chmod(path, 0o600)
+                listener.listen(1)
+            except OSError as exc:
+                raise ShareRefused(f"cannot listen on {path}: {exc.strerror or exc}") from None
+            try:
+                status, data = await self.client.post_json(
+                    f"/slots/{slot}?action=share", {"socket": str(path), "n_tokens": n_tokens}
+                )
+            except DecoderError as exc:
+                raise ShareRefused(f"share failed: {exc.message}") from None
+            if not 200 <= status < 300:
+                raise ShareRefused(f"share answered {status}: {_error_text(status, data)}")
+            share_id = data.get("share_id") if isinstance(data, dict) else None
+            if not isinstance(share_id, str):
+                raise ShareRefused(f"share answered {status} without a share_id: {_error_text(status, data)}")
+            with trio.move_on_after(self.connect_timeout_s) as waited:
+                conn, _ = await listener.accept()
+            if waited.cancelled_caught:
+                raise ShareRefused(f"the decoder did not connect within {self.connect_timeout_s:g}s")
+            with conn:
+                with trio.move_on_after(self.connect_timeout_s) as read:
+                    raw, fds = await _receive_header(conn)
+                if read.cancelled_caught:
+                    raise ShareRefused(f"the decoder sent no header within {self.connect_timeout_s:g}s")
+            try:
+                header = parse_header(raw, fds)
+            except ShareRefused:
+                for fd in fds:
+                    os.close(fd)
+                raise
+            if header.get("share_id", share_id) != share_id:
+                for fd in fds:
+                    os.close(fd)
+                raise ShareRefused(f"the header is for share {header.get('share_id')!r}, not {share_id!r}")
+            return SharedRegion(share_id, header, fds)
+        finally:
+            listener.close()
+            path.unlink(missing_ok=True)
+
+
+class ShareHandoff:
+    """The share route's effects, and the fallback boundary between its steps.
+
+    ``run`` returns the route the request continues on: ``SHARE`` (the slot holds the prompt),
+    ``FILE`` (the handshake failed before any provider ran: the caller runs the file route), or
+    ``PLAIN`` (a provider ran, or may have: never pay for the prefill twice).
+    """
+
+    def __init__(
+        self,
+        *,
+        client: SlotClient,
+        handshake: ShareHandshake,
+        model: str,
+        n_ctx: int,
+        prefill_timeout_s: float,
+    ) -> None:
+        self.client = client
+        self.handshake = handshake
+        self.model = model
+        self.n_ctx = n_ctx
+        self.prefill_timeout_s = prefill_timeout_s
+        # The decoder generation that refused to share: until it restarts, do not ask again.
+        self.refused_generation: int | None = None
+        self._told_remembered = False
+
+    def refused_by(self, generation: int) -> bool:
+        if self.refused_generation != generation:
+            return False
+        if not self._told_remembered:
+            self._told_remembered = True
+            log.info("hybrid: this decoder refused to share its KV; the state-file route is used until it restarts")
+        return True
+
+    async def run(
+        self, *, req: str, slot: int, tokens: list[int], provider: Provider, line: RouteLine, generation: int
+    ) -> Route:
+        expected = len(tokens)
+        started = trio.current_time()
+        try:
+            region = await self.handshake.open(req=req, slot=slot, n_tokens=expected)
+        except ShareRefused as exc:
+            self.refused_generation = generation
+            self._told_remembered = False
+            log.warning("hybrid: %s; this decoder cannot share its KV, so the state-file route is used", exc.reason)
+            line.fallback = Reason.SHARE_REFUSED.value
+            line.share_ms = 0.0
+            return DEGRADE[Step.SHARE_HANDSHAKE]
+        line.share_ms = (trio.current_time() - started) * 1000
+        try:
+            if not provider.supports_share:
+                # Nothing was written into the region: the file route costs no second prefill.
+                await self._erase(slot)
+                log.info(
+                    "hybrid: provider %s cannot write a shared region; the state-file route is used", provider.name
+                )
+                line.fallback = Reason.SHARE_UNSUPPORTED.value
+                return DEGRADE[Step.SHARE_HANDSHAKE]
+            job = ShareJob(
+                req, self.model, self.n_ctx, tuple(tokens), region.share_id, region.layout, tuple(region.fds)
+            )
+            prefill_started = trio.current_time()
+            try:
+                with trio.fail_after(self.prefill_timeout_s):
+                    claim = await provider.prefill(job)
+            except (ProviderError, trio.TooSlowError) as exc:
+                why = str(exc) or f"took over {self.prefill_timeout_s:g}s"
+                return await self._give_up(slot, line, Reason.PROVIDER_FAILED, f"provider failed: {why}")
+            measured_ms = (trio.current_time() - prefill_started) * 1000
+            line.prefill_ms = claim.prefill_ms if claim.prefill_ms is not None else measured_ms
+            if not claim_matches(claim.n_tokens, expected):
+                return await self._give_up(
+                    slot,
+                    line,
+                    Reason.SHORT_CLAIM,
+                    f"provider prefilled {claim.n_tokens} of {expected} tokens into the shared region",
+                )
+            try:
+                status, data = await self.client.post_json(
+                    f"/slots/{slot}?action=adopt", {"share_id": region.share_id, "n_tokens": expected}
+                )
+            except DecoderError as exc:
+                status, data = 0, {"error": {"message": exc.message}}
+            if not 200 <= status < 300:
+                return await self._give_up(
+                    slot, line, Reason.ADOPT_REFUSED, f"adopt answered {status}: {_error_text(status, data)}"
+                )
+            return Route.SHARE
+        finally:
+            region.close()
+
+    async def _give_up(self, slot: int, line: RouteLine, reason: Reason, why: str) -> Route:
+        await self._erase(slot)
+        log.warning("hybrid: %s; the backend prefills this request itself", why)
+        line.fallback = reason.value
+        return Route.PLAIN
+
+    async def _erase(self, slot: int) -> None:
+        # The decoder lent this slot's cells; whatever a provider left there must not be decoded from.
+        try:
+            await self.client.post_json(f"/slots/{slot}?action=erase", {})
+        except DecoderError as exc:
+            log.warning("hybrid: erasing slot %d after a failed share failed: %s", slot, exc.message)
