@@ -24,6 +24,9 @@ from .process import ChildProcess, describe_exit
 
 log = logging.getLogger("onebit.child")
 
+# How long the output of a dead child may take to reach EOF: the pipe holds at most 64 KiB.
+_DRAIN_S = 1.0
+
 
 class ChildState(enum.Enum):
     STOPPED = "stopped"
@@ -202,29 +205,30 @@ class Child:
         if task_status is not None:
             task_status.started(self)
         why = ""
-        ended = False
+        code: int | None = None
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(process.pump_output)
                 why = await self._live(process)
-                nursery.cancel_scope.cancel()
-            ended = True
+                code = await process.stop(self.health.stop_grace_s)
+                # Its group is dead, so the output reaches EOF once the last lines (often why it died)
+                # are logged; a grandchild that left the group could hold the pipe open: bounded.
+                nursery.cancel_scope.deadline = trio.current_time() + _DRAIN_S
         finally:
-            if not ended:  # we are being cancelled: the daemon is stopping
+            if code is None:  # we are being cancelled: the daemon is stopping
                 self._set(ChildState.STOPPING, f"stopping pid {process.pid}")
-            code = await process.stop(self.health.stop_grace_s)
+                code = await process.stop(self.health.stop_grace_s)
             self._last_exit = describe_exit(code)
             self._process = None
-        return why or self._last_exit
+        return why or f"pid {process.pid} exited: {self._last_exit}"
 
     async def _live(self, process: ChildProcess) -> str:
+        """Gate on health, then watch; return why it must be stopped, or "" when it exited."""
         exited = trio.Event()
-        result = ""
 
         async def watch_exit() -> None:
-            nonlocal result
-            code = await process.wait()
-            result = f"pid {process.pid} exited: {describe_exit(code)}"
+            # Not reaped yet: stop() can still reach whatever the process left in its group.
+            await process.wait_exited()
             exited.set()
 
         async with trio.open_nursery() as nursery:
@@ -233,7 +237,7 @@ class Child:
                 while not await self._check(exited):
                     if exited.is_set():
                         nursery.cancel_scope.cancel()
-                        return result
+                        return ""
                     # Loading a model takes from a second to minutes; poll often so READY is prompt.
                     await self._wait_or_exit(exited, min(0.05, self.health.interval_s))
             if start_scope.cancelled_caught:
@@ -257,7 +261,7 @@ class Child:
                     nursery.cancel_scope.cancel()
                     return f"{misses} health checks failed in a row"
             nursery.cancel_scope.cancel()
-        return result
+        return ""
 
     async def _check(self, exited: trio.Event) -> bool:
         if exited.is_set():

@@ -19,27 +19,34 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
 import trio
 
 from . import __version__, locate, logs
 from . import config as configuration
-from .child import Child
+from .admin import AdminServer
+from .child import Child, ChildState
 from .completion import Completions, HybridSettings
-from .config import Config, ProviderConfig
+from .config import Config, ProviderConfig, converter
 from .config import ExecProvider as ExecProviderConfig
 from .config import LlamaServerProvider as LlamaServerProviderConfig
 from .errors import ConfigError
 from .front import Front
 from .handoff import FileHandoff
 from .llama_server import LlamaServerLauncher, model_alias
+from .metrics import Metrics
+from .notify import Notifier, run_watchdog, watchdog_interval
 from .provider import Provider, Providers
 from .provider_exec import ExecProvider
 from .provider_llama import LlamaServerProvider
 from .provider_worker import WorkerProvider
+from .routeline import RouteLine
+from .routestats import RouteStats
 from .share import ShareHandoff, ShareHandshake
 from .slots import SlotPool
 
@@ -77,9 +84,46 @@ def prepare_runtime_dir(path: Path) -> None:
                 leftover.unlink(missing_ok=True)
 
 
+# Keys `onebitctl reload` applies to a running daemon; any other change needs a restart.
+LIVE_KEYS = (
+    "server.api_keys",
+    "server.max_body_bytes",
+    "server.queue_limit",
+    "server.retry_after_s",
+    "server.shutdown_grace_s",
+    "hybrid.min_prompt_tokens",
+    "hybrid.prefill_timeout_s",
+    "hybrid.restore_check_tokens",
+    "log.level",
+    "log.format",
+)
+# How often STATUS= is refreshed for `systemctl status`.
+STATUS_INTERVAL_S = 5.0
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(_flatten(value, path + "."))
+        else:
+            flat[path] = value
+    return flat
+
+
+def _set(data: dict[str, Any], path: str, value: Any) -> None:
+    *parents, last = path.split(".")
+    for key in parents:
+        data = data[key]
+    data[last] = value
+
+
 class Daemon:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, *, config_path: str | None = None, notifier: Notifier | None = None) -> None:
         self.config = config
+        self.config_path = config_path
+        self.notifier = notifier or Notifier("")
         self.runtime_dir = locate.runtime_dir(config.server.runtime_dir)
         self.launcher = LlamaServerLauncher(
             "decoder",
@@ -99,9 +143,9 @@ class Daemon:
         self.slots = SlotPool(config.model.parallel, config.server.queue_limit)
         self.state_dir = self.runtime_dir / "state"
         self.providers = Providers([self._provider(spec) for spec in config.provider])
-        hybrid = None
+        self.hybrid: HybridSettings | None = None
         if config.hybrid.enabled and self.providers.all:
-            hybrid = HybridSettings(
+            self.hybrid = HybridSettings(
                 providers=self.providers,
                 handoff=FileHandoff(
                     client=self.launcher.client,
@@ -115,12 +159,24 @@ class Daemon:
                 share=self._share_handoff() if share_enabled(config) else None,
             )
         self.completions = Completions(
-            decoder=self.decoder, client=self.launcher.client, slots=self.slots, hybrid=hybrid
+            decoder=self.decoder, client=self.launcher.client, slots=self.slots, hybrid=self.hybrid
         )
+        self.route_stats = RouteStats()
+        self.metrics = Metrics(self._metrics_snapshot)
         self.front = Front(
-            config.server, decoder=self.decoder, client=self.launcher.client, completions=self.completions
+            config.server,
+            decoder=self.decoder,
+            client=self.launcher.client,
+            completions=self.completions,
+            emit=self._on_route_line,
+            metrics=self.metrics.render,
         )
+        self.admin = AdminServer(self, self.runtime_dir / "admin.sock")
         self._stop = trio.Event()
+        self._started_at = time.time()
+        self._started_clock = 0.0
+        self.stopping = False
+        self._binds: list[str] = []
 
     def _share_handoff(self) -> ShareHandoff:
         return ShareHandoff(
@@ -142,23 +198,141 @@ class Daemon:
             return ExecProvider(spec)
         return WorkerProvider(spec)
 
+    # -- what the admin verbs and the metrics read -------------------------------------------------
+
+    def _on_route_line(self, line: RouteLine) -> None:
+        self.route_stats.record(line)
+        self.metrics.observe(line)
+
+    def children(self) -> list[Child]:
+        kids = [self.decoder]
+        kids += [p.child for p in self.providers.all if isinstance(p, LlamaServerProvider | WorkerProvider)]
+        return kids
+
+    def state(self) -> str:
+        if self.stopping:
+            return "stopping"
+        if self.front.draining:
+            return "draining"
+        decoder = self.decoder.state
+        if decoder is ChildState.READY:
+            return "serving"
+        if decoder is ChildState.FAILED:
+            return "failed"
+        return "loading"
+
+    def statistics(self) -> dict[str, Any]:
+        now = trio.current_time()
+        return {
+            "daemon": {
+                "state": self.state(),
+                "pid": os.getpid(),
+                "version": __version__,
+                "started_at": self._started_at,
+                "uptime_s": round(time.time() - self._started_at, 3),
+                "config": self.config_path,
+                "runtime_dir": str(self.runtime_dir),
+                "binds": list(self._binds),
+            },
+            "children": [converter.unstructure(child.statistics()) for child in self.children()],
+            "providers": [converter.unstructure(p) for p in self.providers.statistics()],
+            "slots": converter.unstructure(self.slots.statistics()),
+            "inflight": [request.describe(now) for request in self.front.inflight.values()],
+            "restore_unused": self.completions.restore_unused,
+            **self.route_stats.snapshot(),
+        }
+
+    def _metrics_snapshot(self) -> dict[str, Any]:
+        return {
+            "children": [converter.unstructure(child.statistics()) for child in self.children()],
+            "slots": converter.unstructure(self.slots.statistics()),
+            "inflight": len(self.front.inflight),
+            "draining": self.front.draining,
+            "restore_unused": self.completions.restore_unused,
+        }
+
+    def inflight_count(self) -> int:
+        return len(self.front.inflight)
+
+    async def wait_inflight_changed(self) -> None:
+        await self.front.wait_inflight_changed()
+
+    def start_drain(self) -> None:
+        if not self.front.draining:
+            log.info("draining: %d request(s) in flight", self.inflight_count())
+        self.front.draining = True
+        self._update_status()
+
+    def resume(self) -> None:
+        if self.front.draining and not self.stopping:
+            log.info("resuming: taking new requests again")
+            self.front.draining = False
+        self._update_status()
+
+    def reload(self) -> dict[str, Any]:
+        """Re-read the config file; apply what can change live; name the rest.  Raises ConfigError."""
+        if self.config_path is None:
+            raise ConfigError(["reload: this daemon was not started from a config file"])
+        self.notifier.reloading()
+        try:
+            new = configuration.load(self.config_path)
+            old_flat = _flatten(configuration.unstructure(self.config))
+            new_flat = _flatten(configuration.unstructure(new))
+            changed = sorted(k for k in old_flat.keys() | new_flat.keys() if old_flat.get(k) != new_flat.get(k))
+            applied = [k for k in changed if k in LIVE_KEYS]
+            restart = [k for k in changed if k not in LIVE_KEYS]
+            merged = configuration.unstructure(self.config)
+            for key in applied:
+                _set(merged, key, new_flat[key])
+            self._apply(configuration.structure(merged, self.config_path))
+        finally:
+            self._update_status()
+        log.info("reload: applied %s; needs a restart: %s", applied or "nothing", restart or "nothing")
+        return {"applied": applied, "restart_needed": restart}
+
+    def _apply(self, config: Config) -> None:
+        self.config = config
+        self.front.configure(config.server)
+        self.slots.queue_limit = config.server.queue_limit
+        if self.hybrid is not None:
+            self.hybrid.min_prompt_tokens = config.hybrid.min_prompt_tokens
+            self.hybrid.restore_check_tokens = config.hybrid.restore_check_tokens
+            self.hybrid.handoff.prefill_timeout_s = config.hybrid.prefill_timeout_s
+            if self.hybrid.share is not None:
+                self.hybrid.share.prefill_timeout_s = config.hybrid.prefill_timeout_s
+        logs.setup(config.log.format, config.log.level)
+
+    def _update_status(self) -> None:
+        state = self.state()
+        if state == "draining":
+            self.notifier.status(f"draining: {self.inflight_count()} in flight")
+        elif state == "serving":
+            counts = ", ".join(f"{route} {n}" for route, n in sorted(self.route_stats.routes.items())) or "none yet"
+            self.notifier.status(f"serving: {self.inflight_count()} in flight; requests: {counts}")
+        else:
+            self.notifier.status(f"{state}: decoder {self.decoder.state.value}")
+
+    # -- the tree ----------------------------------------------------------------------------------
+
     def request_stop(self) -> None:
         self._stop.set()
 
     async def run(self, *, task_status: trio.TaskStatus[Started] = trio.TASK_STATUS_IGNORED) -> None:
         prepare_runtime_dir(self.runtime_dir)
+        self._started_clock = trio.current_time()
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.decoder.run)
                 for provider in self.providers.all:
                     await nursery.start(provider.run)
+                await nursery.start(self.admin.run)
                 async with trio.open_nursery() as front_nursery:
-                    binds: list[str] = await front_nursery.start(self.front.run)
-                    log.info("onebitd %s listening on %s", __version__, ", ".join(binds))
-                    task_status.started(Started(binds, self.runtime_dir))
+                    self._binds = await front_nursery.start(self.front.run)
+                    log.info("onebitd %s listening on %s", __version__, ", ".join(self._binds))
+                    nursery.start_soon(self._announce)
+                    task_status.started(Started(self._binds, self.runtime_dir))
                     await self._stop.wait()
-                    log.info("stopping: %d request(s) in flight", len(self.front.inflight))
-                    self.front.draining = True
+                    await self._drain_for_stop()
                     self.front.stop()
                 # The front returned: in-flight requests are done (or past the grace period).
                 nursery.cancel_scope.cancel()
@@ -167,22 +341,61 @@ class Daemon:
                 await self.launcher.client.aclose()
             log.info("stopped")
 
+    async def _drain_for_stop(self) -> None:
+        """SIGTERM is a drain with server.shutdown_grace_s, then the stop."""
+        self.notifier.stopping()
+        self.start_drain()
+        self.stopping = True
+        log.info(
+            "stopping: %d request(s) in flight, up to %gs", self.inflight_count(), self.config.server.shutdown_grace_s
+        )
+        with trio.move_on_after(self.config.server.shutdown_grace_s):
+            await self.front.wait_idle()
+        if self.inflight_count():
+            log.warning("stopping with %d request(s) still in flight after the grace period", self.inflight_count())
 
-async def _serve(config: Config) -> None:
-    daemon = Daemon(config)
+    async def _announce(self) -> None:
+        """READY=1 once the decoder is healthy and the front is bound; then STATUS= and the watchdog."""
+        await self.decoder.wait_state(ChildState.READY)
+        self.notifier.ready(f"serving on {', '.join(self._binds)}")
+        interval = watchdog_interval()
+        async with trio.open_nursery() as nursery:
+            if interval is not None:
+                nursery.start_soon(
+                    run_watchdog,
+                    self.notifier,
+                    interval,
+                    lambda: self.decoder.state in (ChildState.STARTING, ChildState.READY),
+                )
+            while True:
+                await trio.sleep(STATUS_INTERVAL_S)
+                self._update_status()
+
+
+async def _serve(config: Config, config_path: str) -> None:
+    notifier = Notifier()
+    daemon = Daemon(config, config_path=config_path, notifier=notifier)
     async with trio.open_nursery() as nursery:
 
         async def on_signals() -> None:
-            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
                 async for signum in signals:
                     log.info("received %s", signal.Signals(signum).name)
-                    daemon.request_stop()
+                    if signum == signal.SIGHUP:
+                        try:
+                            daemon.reload()
+                        except ConfigError as exc:
+                            for line in exc.lines:
+                                log.error("reload refused: %s", line)
+                    else:
+                        daemon.request_stop()
 
         nursery.start_soon(on_signals)
-        await nursery.start(daemon.run)
-        await daemon._stop.wait()
-        # daemon.run returns once it has drained and stopped its children.
-    return None
+        try:
+            await daemon.run()
+        finally:
+            nursery.cancel_scope.cancel()
+            notifier.close()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -207,7 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{path}: ok")
         return 0
     logs.setup(args.log_format or config.log.format, config.log.level)
-    trio.run(_serve, config)
+    trio.run(_serve, config, path)
     return 0
 
 

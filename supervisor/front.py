@@ -39,6 +39,7 @@ route_log = logging.getLogger(ROUTE_LOGGER)
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PASS_THROUGH = ("/tokenize", "/detokenize", "/apply-template")
 LOOPBACK_NAMES = {"localhost", "localhost.", "ip6-localhost"}
 
@@ -49,6 +50,16 @@ class InflightRequest:
     endpoint: str
     started: float  # trio clock
     wall_started: float
+    line: RouteLine  # filled in as the request goes: its route so far
+
+    def describe(self, now: float) -> dict[str, Any]:
+        return {
+            "req": self.req,
+            "endpoint": self.endpoint,
+            "route": self.line.route,
+            "slot": self.line.slot,
+            "age_s": round(now - self.started, 3),
+        }
 
 
 def _is_loopback(host: str) -> bool:
@@ -79,12 +90,14 @@ class Front:
         client: DecoderClient,
         completions: Completions,
         emit: Callable[[RouteLine], None] | None = None,
+        metrics: Callable[[], bytes] | None = None,
     ) -> None:
         self.server = server
         self.decoder = decoder
         self.client = client
         self.completions = completions
         self._emit_hook = emit
+        self.metrics = metrics
         self._shutdown = trio.Event()
         self._ids = itertools.count(1)
         self._prefix = f"{os.getpid():x}"
@@ -113,6 +126,14 @@ class Front:
             task_status=task_status,
             mode="asgi",
         )
+
+    def configure(self, server: ServerConfig) -> None:
+        """Take the settings `onebitctl reload` may change live (bind address and port stay)."""
+        self.server = attrs.evolve(server, host=self.server.host, port=self.server.port)
+        self._keys = [key.encode() for key in server.api_keys]
+
+    async def wait_inflight_changed(self) -> None:
+        await self._inflight_changed.wait()
 
     def stop(self) -> None:
         """Stop accepting; hypercorn lets in-flight requests finish within the grace period."""
@@ -156,13 +177,17 @@ class Front:
         return 503, "loading"
 
     async def _http(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
-        out = Responder(send, trio.current_time())
+        started = trio.current_time()
+        out = Responder(send, started)
         method: str = scope["method"]
         path: str = scope["path"]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         try:
             self._check_caller(method, path, headers)
-            if path == "/health":
+            if path == "/metrics" and self.metrics is not None:
+                self._allow(method, "GET")
+                await out.whole(200, self.metrics(), METRICS_CONTENT_TYPE)
+            elif path == "/health":
                 self._allow(method, "GET", "HEAD")
                 status, word = self.health()
                 retry = [("retry-after", str(self.server.retry_after_s))] if status != 200 else []
@@ -176,6 +201,13 @@ class Front:
                 await self._pass_through(out, "POST", path, body)
             elif path in ENDPOINTS:
                 self._allow(method, "POST")
+                if self.draining:
+                    raise ClientError(
+                        503,
+                        "draining",
+                        "onebitd is draining: not taking new requests",
+                        retry_after=self.server.retry_after_s,
+                    )
                 body = await self._read_json(receive, headers)
                 await self._completion(path, body, receive, out)
             else:
@@ -183,9 +215,20 @@ class Front:
         except ClientError as exc:
             if not out.started:
                 await out.error(exc.status, exc.code, exc.message, retry_after=exc.retry_after)
+            if path in ENDPOINTS:
+                # Refused before _completion (caller, method, body): it logs its own line otherwise.
+                self._refused(path, exc, out, started)
         except DecoderError as exc:
             if not out.started:
                 await out.error(exc.status, exc.code, exc.message, retry_after=self._retry_after(exc))
+
+    def _refused(self, path: str, exc: ClientError, out: Responder, started: float) -> None:
+        """A completion request refused before it began still gets its one route line."""
+        line = RouteLine(req=f"{self._prefix}-{next(self._ids)}", endpoint=path, outcome="error", error=exc.message)
+        line.status = out.status or exc.status
+        line.first_byte_ms = out.first_byte_ms
+        line.total_ms = (trio.current_time() - started) * 1000
+        self.emit(line)
 
     def _retry_after(self, exc: DecoderError) -> int | None:
         return self.server.retry_after_s if exc.status == 503 else None
@@ -204,7 +247,7 @@ class Front:
             origin = headers.get("origin")
             if method == "POST" and origin and origin != "null" and not _is_loopback(_host_of(origin)):
                 raise ClientError(403, "cross_origin", f"cross-site request from {origin!r} refused")
-        if self._keys and path != "/health":
+        if self._keys and path not in ("/health", "/metrics"):
             given = headers.get("authorization", "")
             token = given[7:].strip().encode() if given[:7].lower() == "bearer " else b""
             # Compare against every key, so the time taken does not say which one nearly matched.
@@ -256,7 +299,7 @@ class Front:
         req = f"{self._prefix}-{next(self._ids)}"
         line = RouteLine(req=req, endpoint=path)
         started = trio.current_time()
-        self.inflight[req] = InflightRequest(req, path, started, time.time())
+        self.inflight[req] = InflightRequest(req, path, started, time.time(), line)
         self._changed()
         gone = trio.Event()
         try:

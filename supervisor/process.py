@@ -222,9 +222,14 @@ class ChildProcess:
             log.info("%s| %s", self.name, line)
 
     async def wait(self) -> int:
+        """Until it exits; reap it."""
         code = await self._process.wait()
         self.returncode = code
         return code
+
+    async def wait_exited(self) -> None:
+        """Until it exits, unreaped: :meth:`stop` can then still kill what is left of its group."""
+        await self._process.wait_exited()
 
     def _signal_group(self, sig: int) -> None:
         try:

@@ -34,6 +34,9 @@ Environment:
     FAKE_PROVIDER_PREFILL_MS the claimed prefill_ms (default 7.25)
     FAKE_PROVIDER_READY      worker: ``signal`` holds the {"ready": true} line until SIGUSR1 arrives
                              (logged as {"event": "waiting", "pid"} once the signal is awaited)
+
+Only file-route jobs (``"route": "file"``) are understood.  The tests that run this program import
+``PATH``, ``events``, ``reaped`` and ``gone`` from it (the program itself needs none of them).
 """
 
 from __future__ import annotations
@@ -189,6 +192,11 @@ def events(log: Path, event: str | None = None) -> list[dict[str, Any]]:
         return []
     found = [json.loads(raw) for raw in log.read_text().splitlines()]
     return [e for e in found if event is None or e["event"] == event]
+
+
+def reaped(pid: int) -> bool:
+    """No such process, not even a zombie: whoever started it has waited for it."""
+    return not Path(f"/proc/{pid}").exists()
 
 
 def gone(pid: int) -> bool:

@@ -6,6 +6,7 @@ so a health check is an atomic look at the file system.  Backoff sleeps are reco
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import re
@@ -22,7 +23,7 @@ import trio.testing
 from supervisor.child import TRANSITIONS, Child, ChildState
 from supervisor.config import HealthPolicy, RestartPolicy
 
-from .fake_child import running
+from .fake_child import grandchild, kill_grandchild, running, wait_gone
 
 FAKE_CHILD = Path(__file__).parent / "fake_child.py"
 
@@ -40,6 +41,7 @@ class FakeLauncher:
         self.spawns = 0
         self.checks: list[bool] = []
         self.transitions: list[tuple[ChildState, ChildState, str]] = []
+        self.checks_at: list[int] = []  # len(checks) at each transition
         self._changed = trio.Event()
 
     # -- the Launcher protocol
@@ -64,11 +66,16 @@ class FakeLauncher:
 
     def on_transition(self, _child: Child, old: ChildState, new: ChildState, why: str) -> None:
         self.transitions.append((old, new, why))
+        self.checks_at.append(len(self.checks))
         self._poke()
 
     def path(self) -> list[ChildState]:
         """Every state the child went through, in order."""
         return [S.STOPPED] + [new for _old, new, _why in self.transitions]
+
+    def entered(self, state: ChildState) -> bool:
+        """Whether the child ever was in ``state`` (wait_state can miss a state already left)."""
+        return state in self.path()
 
     def served_pid(self) -> int:
         """The pid the fake child wrote when it became healthy."""
@@ -108,9 +115,7 @@ class Backoffs:
         await trio.lowlevel.checkpoint()
 
 
-FAST_HEALTH = HealthPolicy(
-    interval_s=0.01, timeout_s=10.0, failures=3, start_timeout_s=30.0, stop_grace_s=5.0
-)
+FAST_HEALTH = HealthPolicy(interval_s=0.01, timeout_s=10.0, failures=3, start_timeout_s=30.0, stop_grace_s=5.0)
 PATIENT_RESTART = RestartPolicy(backoff_initial_s=0.5, backoff_max_s=4.0, max_failures=100, window_s=300.0)
 
 
@@ -126,14 +131,9 @@ def supervised(
 def assert_legal(launcher: FakeLauncher) -> None:
     """Every transition is in TRANSITIONS, and each starts where the previous one ended."""
     path = launcher.path()
-    for old, new in zip(path, path[1:], strict=False):
+    for old, new in itertools.pairwise(path):
         assert new in TRANSITIONS[old], f"{old.value} -> {new.value}"
     assert [old for old, _new, _why in launcher.transitions] == path[:-1]
-
-
-async def wait_gone(pid: int) -> None:
-    while running(pid):
-        await trio.sleep(0.01)
 
 
 async def test_a_healthy_child_goes_from_stopped_through_ready_and_back_to_stopped(short_dir: Path) -> None:
@@ -197,15 +197,15 @@ async def test_a_child_that_fails_its_health_check_n_times_in_a_row_is_restarted
             first = launcher.served_pid()
             sick_from = len(launcher.checks)
             launcher.sicken()
-            await child.wait_state(S.BACKOFF)
+            await launcher.until(lambda: launcher.entered(S.BACKOFF))
             # stop() reaped it before the child left READY.
             assert not running(first)
-            assert launcher.checks[sick_from:] == [False, False, False]
             await launcher.until(lambda: child.generation == 2)
             assert launcher.served_pid() != first
             nursery.cancel_scope.cancel()
-    (why,) = [why for old, new, why in launcher.transitions if (old, new) == (S.READY, S.BACKOFF)]
-    assert why.startswith("3 health checks failed in a row")
+    (restart,) = [i for i, (old, new, _why) in enumerate(launcher.transitions) if (old, new) == (S.READY, S.BACKOFF)]
+    assert launcher.transitions[restart][2].startswith("3 health checks failed in a row")
+    assert launcher.checks[sick_from : launcher.checks_at[restart]] == [False, False, False]
     assert_legal(launcher)
 
 
@@ -224,9 +224,10 @@ async def test_failed_health_checks_count_only_when_in_a_row(short_dir: Path) ->
             await launcher.until(lambda: launcher.checks[-1])
             assert child.state is S.READY
             launcher.sicken()
-            await child.wait_state(S.BACKOFF)
+            await launcher.until(lambda: launcher.entered(S.BACKOFF))
             nursery.cancel_scope.cancel()
-    seen = "".join("T" if ok else "F" for ok in launcher.checks[sick_from:])
+    restart = launcher.path().index(S.BACKOFF) - 1
+    seen = "".join("T" if ok else "F" for ok in launcher.checks[sick_from : launcher.checks_at[restart]])
     assert re.fullmatch("FFT+FFF", seen), seen
     assert_legal(launcher)
 
@@ -380,3 +381,20 @@ async def test_the_last_lines_of_a_child_that_exits_are_logged(
         "fake| fake_child: pid N exiting with status 3",
         "fake| fake_child: last words of pid N",
     ]
+
+
+async def test_what_an_exited_child_left_in_its_process_group_is_killed(short_dir: Path) -> None:
+    launcher = FakeLauncher(short_dir, "orphan 1", "serve")
+    child = supervised(launcher, Backoffs())
+    try:
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(child.run)
+                await child.wait_state(S.READY)
+                # The grandchild ignores SIGTERM and has no parent-death signal: only stop()'s
+                # SIGKILL of the group, sent while the exited leader was still unreaped, ends it.
+                await wait_gone(grandchild(launcher.health_file))
+                nursery.cancel_scope.cancel()
+    finally:
+        kill_grandchild(launcher.health_file)
+    assert re.fullmatch(r"pid \d+ exited: exit status 1; next start in 0.5s", launcher.transitions[1][2])

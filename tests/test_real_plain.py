@@ -305,10 +305,11 @@ async def test_a_client_that_hangs_up_mid_stream_frees_the_decoders_slot(
     assert statistics.busy == 0
     (line,) = route_lines(captured)
     assert line["outcome"] == "cancelled"
-    # Idle alone would also follow from the decoder finishing all 400 tokens by itself.
+    # Idle alone would also follow from the decoder finishing all 400 tokens by itself; a task run
+    # to its end releases about prompt + max_tokens cells, a cancelled one a handful past the prompt.
     released = released_tokens(captured, slot["id_task"])
     assert released is not None, "the decoder logged no release of the task"
-    assert released < slot["n_prompt_tokens"] + body["max_tokens"] - 1
+    assert released < slot["n_prompt_tokens"] + body["max_tokens"] // 2, "the decoder ran on"
 
 
 async def test_a_client_that_hangs_up_during_prefill_frees_the_decoders_slot(
@@ -339,7 +340,7 @@ async def test_a_client_that_hangs_up_during_prefill_frees_the_decoders_slot(
     assert line["first_byte_ms"] is None, "a token reached the client: it hung up after prefill"
     released = released_tokens(captured, slot["id_task"])
     assert released is not None, "the decoder logged no release of the task"
-    assert released < slot["n_prompt_tokens"] + body["max_tokens"] - 1
+    assert released < slot["n_prompt_tokens"] + body["max_tokens"] // 2, "the decoder ran on"
 
 
 # -- a decoder that dies mid-stream ----------------------------------------------------------------

@@ -1,0 +1,222 @@
+"""The admin API: a WebSocket on a unix socket in the runtime directory (mode 0660, never TCP).
+
+One connection per command.  The client sends one JSON object ``{"verb": NAME, "args": {...}}``;
+the daemon answers with zero or more event objects (``{"event": ...}``) and ends with exactly one
+``{"ok": true, "result": ...}`` or ``{"ok": false, "error": "..."}``, then closes.  ``watch`` never
+ends on its own: the client closes it.
+
+Verbs are the ``VERBS`` registry below; each handler's docstring gives its wire format, and
+``onebitctl`` uses the same names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import trio
+from trio_websocket import (
+    ConnectionClosed,
+    HandshakeError,
+    WebSocketConnection,
+    wrap_client_stream,
+    wrap_server_stream,
+)
+
+from .errors import ConfigError, OnebitError
+from .routestats import RouteStats
+
+log = logging.getLogger("onebit.admin")
+
+
+class Managed(Protocol):
+    """What the verbs need of the daemon."""
+
+    route_stats: RouteStats
+
+    def statistics(self) -> dict[str, Any]: ...
+
+    def inflight_count(self) -> int: ...
+
+    def start_drain(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+    async def wait_inflight_changed(self) -> None: ...
+
+    def reload(self) -> dict[str, Any]: ...
+
+
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+Handler = Callable[[Managed, dict[str, Any], Send], Awaitable[Any]]
+
+
+async def verb_status(daemon: Managed, args: dict[str, Any], send: Send) -> Any:
+    """``{"verb": "status"}`` -> ``{"ok": true, "result": <statistics>}``: daemon state, uptime,
+    children, providers, slots, queue, in-flight requests, counts per route and fallback, first-byte
+    median and p95 over the last requests.  Answers in every daemon state."""
+    return daemon.statistics()
+
+
+async def verb_drain(daemon: Managed, args: dict[str, Any], send: Send) -> Any:
+    """``{"verb": "drain", "args": {"timeout": S}}``: new requests get 503, in-flight ones finish.
+    Events ``{"event": "progress", "inflight": N}`` on every change; the result is
+    ``{"drained": true}``, or ``{"ok": false, "error": "...", "remaining": [...]}`` at the timeout."""
+    timeout = args.get("timeout")
+    if timeout is not None and (not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout < 0):
+        raise AdminError("drain: timeout must be a number of seconds >= 0")
+    daemon.start_drain()
+    with trio.move_on_after(float("inf") if timeout is None else float(timeout)):
+        while True:
+            count = daemon.inflight_count()
+            await send({"event": "progress", "inflight": count})
+            if count == 0:
+                return {"drained": True}
+            await daemon.wait_inflight_changed()
+    remaining = daemon.statistics()["inflight"]
+    raise AdminError(f"drain timed out with {len(remaining)} in flight", remaining=remaining)
+
+
+async def verb_resume(daemon: Managed, args: dict[str, Any], send: Send) -> Any:
+    """``{"verb": "resume"}`` -> ``{"ok": true, "result": {"draining": false}}``: undo a drain."""
+    daemon.resume()
+    return {"draining": False}
+
+
+async def verb_watch(daemon: Managed, args: dict[str, Any], send: Send) -> Any:
+    """``{"verb": "watch"}``: ``{"event": "line", "line": {<route line fields>}}`` per request, as
+    each one ends, until the client closes."""
+    async with daemon.route_stats.watch() as feed:
+        await send({"event": "watching"})
+        async for fields in feed:
+            await send({"event": "line", "line": fields})
+    return None
+
+
+async def verb_reload(daemon: Managed, args: dict[str, Any], send: Send) -> Any:
+    """``{"verb": "reload"}``: re-read the config file.  Result ``{"applied": [keys], "restart_needed":
+    [keys]}``; a config with errors is refused (``ok: false`` with the error lines) and the running
+    one stays."""
+    try:
+        return daemon.reload()
+    except ConfigError as exc:
+        raise AdminError("the new config has errors; the running one stays", lines=exc.lines) from None
+
+
+VERBS: dict[str, Handler] = {
+    "status": verb_status,
+    "drain": verb_drain,
+    "resume": verb_resume,
+    "watch": verb_watch,
+    "reload": verb_reload,
+}
+
+
+class AdminError(OnebitError):
+    def __init__(self, message: str, **extra: Any) -> None:
+        self.message = message
+        self.extra = extra
+        super().__init__(message)
+
+
+class AdminServer:
+    def __init__(self, daemon: Managed, path: Path) -> None:
+        self.daemon = daemon
+        self.path = path
+
+    async def run(self, *, task_status: trio.TaskStatus[Path] = trio.TASK_STATUS_IGNORED) -> None:
+        self.path.unlink(missing_ok=True)
+        sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        await sock.bind(str(self.path))
+        # Group-writable so an operators' group can be given onebitctl; never world-accessible.
+        os.chmod(self.path, 0o660)
+        sock.listen(16)
+        try:
+            async with trio.open_nursery() as nursery:
+                # trio-websocket's WebSocketServer assumes an IP listener; a unix one is served by hand.
+                await nursery.start(trio.serve_listeners, self._handle, [trio.SocketListener(sock)])
+                task_status.started(self.path)
+        finally:
+            self.path.unlink(missing_ok=True)
+
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        with contextlib.suppress(ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError):
+            async with trio.open_nursery() as nursery:
+                request = await wrap_server_stream(nursery, stream)
+                ws = await request.accept()
+                await self._serve(ws)
+
+    async def _serve(self, ws: WebSocketConnection) -> None:
+        async def send(data: dict[str, Any]) -> None:
+            await ws.send_message(json.dumps(data))
+
+        try:
+            raw = await ws.get_message()
+            request = json.loads(raw)
+            if not isinstance(request, dict) or not isinstance(request.get("verb"), str):
+                raise AdminError('expected {"verb": NAME, "args": {...}}')
+            handler = VERBS.get(request["verb"])
+            if handler is None:
+                raise AdminError(f"unknown verb {request['verb']!r}; known: {', '.join(VERBS)}")
+            args = request.get("args") or {}
+            if not isinstance(args, dict):
+                raise AdminError("args must be an object")
+            async with trio.open_nursery() as nursery:
+                # A client that goes away ends its verb (watch, drain) instead of leaking it.
+                nursery.start_soon(_cancel_on_close, ws, nursery.cancel_scope)
+                result = await handler(self.daemon, args, send)
+                nursery.cancel_scope.cancel()
+            await send({"ok": True, "result": result})
+        except AdminError as exc:
+            await send({"ok": False, "error": exc.message, **exc.extra})
+        except ValueError:
+            await send({"ok": False, "error": "the request is not JSON"})
+        await ws.aclose()
+
+
+async def _cancel_on_close(ws: WebSocketConnection, scope: trio.CancelScope) -> None:
+    try:
+        while True:
+            await ws.get_message()
+    except ConnectionClosed:
+        scope.cancel()
+
+
+class AdminUnavailable(OnebitError):
+    """No daemon answers on the admin socket (not running, or the socket is not ours)."""
+
+
+async def call(
+    path: Path, verb: str, args: dict[str, Any] | None = None, on_event: Callable[[dict[str, Any]], None] | None = None
+) -> dict[str, Any]:
+    """The client side: run one verb, pass events to ``on_event``, return the final object."""
+    try:
+        stream = await trio.open_unix_socket(str(path))
+    except OSError as exc:
+        raise AdminUnavailable(f"cannot connect to {path}: {exc.strerror or exc} (is onebitd running?)") from None
+    try:
+        async with trio.open_nursery() as nursery:
+            try:
+                ws = await wrap_client_stream(nursery, stream, "localhost", "/")
+            except HandshakeError as exc:
+                raise AdminUnavailable(f"{path} is not an onebitd admin socket ({exc})") from None
+            try:
+                await ws.send_message(json.dumps({"verb": verb, "args": args or {}}))
+                while True:
+                    message = json.loads(await ws.get_message())
+                    if "ok" in message:
+                        await ws.aclose()
+                        result: dict[str, Any] = message
+                        return result
+                    if on_event is not None:
+                        on_event(message)
+            except (ConnectionClosed, ValueError) as exc:
+                raise AdminUnavailable(f"{path}: the daemon closed the connection ({exc})") from None
+    finally:
+        await stream.aclose()

@@ -1,0 +1,125 @@
+"""``GET /metrics``: Prometheus text format, from the route lines and live statistics.
+
+Per-request numbers are taken from the route line when it is emitted, so the metrics and the logs
+can never disagree.  Live numbers (children, slots, queue, drain) are read when scraped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from .routeline import RouteLine
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# The *_created series double every counter's output and tell an operator nothing here.
+disable_created_metrics()  # type: ignore[no-untyped-call]
+
+# From a cached one-token reply (a few ms) to a long prompt on a slow CPU (a minute).
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# A restore or a share handshake is a memory copy or a few syscalls: far under a second.
+_HANDOFF_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+Snapshot = Callable[[], dict[str, Any]]
+
+
+class _Live(Collector):
+    def __init__(self, snapshot: Snapshot) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Any]:
+        stats = self._snapshot()
+        restarts = CounterMetricFamily("onebit_child_restarts", "Restarts of a supervised child", labels=["child"])
+        state = GaugeMetricFamily(
+            "onebit_child_state", "1 for the state a supervised child is in", labels=["child", "state"]
+        )
+        for child in stats["children"]:
+            restarts.add_metric([child["name"]], child["restarts"])
+            for name in ("stopped", "starting", "ready", "backoff", "failed", "stopping"):
+                state.add_metric([child["name"], name], 1.0 if child["state"] == name else 0.0)
+        yield restarts
+        yield state
+        slots = stats["slots"]
+        yield GaugeMetricFamily("onebit_slots_busy", "Decoder slots held by requests", value=slots["busy"])
+        yield GaugeMetricFamily("onebit_slots_total", "Decoder slots", value=slots["total"])
+        yield GaugeMetricFamily("onebit_queue_depth", "Requests waiting for a slot", value=slots["queued"])
+        yield GaugeMetricFamily("onebit_inflight_requests", "Completion requests in flight", value=stats["inflight"])
+        yield GaugeMetricFamily("onebit_draining", "1 while draining", value=1.0 if stats["draining"] else 0.0)
+        yield CounterMetricFamily(
+            "onebit_restore_unused",
+            "Hybrid requests whose decoder re-evaluated the prompt despite a successful handoff",
+            value=stats["restore_unused"],
+        )
+
+
+class Metrics:
+    def __init__(self, snapshot: Snapshot) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "onebit_requests",
+            "Completion requests by route, outcome and fallback reason",
+            ["route", "outcome", "fallback"],
+            registry=self.registry,
+        )
+        self.first_byte = Histogram(
+            "onebit_first_byte_seconds",
+            "Time from a request's arrival to its first response byte",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.prefill = Histogram(
+            "onebit_provider_prefill_seconds",
+            "A provider's own prefill time (its claim)",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.restore = Histogram(
+            "onebit_restore_seconds",
+            "Time around the decoder's slot restore",
+            buckets=_HANDOFF_BUCKETS,
+            registry=self.registry,
+        )
+        self.share = Histogram(
+            "onebit_share_seconds",
+            "Time of the share handshake",
+            buckets=_HANDOFF_BUCKETS,
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "onebit_prompt_tokens",
+            "Prompt tokens of completion requests, by route",
+            ["route"],
+            registry=self.registry,
+        )
+        self.decoder_prompt_tokens = Counter(
+            "onebit_decoder_prompt_tokens",
+            "Prompt tokens the decoder evaluated itself (timings.prompt_n), by route",
+            ["route"],
+            registry=self.registry,
+        )
+        self.registry.register(_Live(snapshot))
+
+    def observe(self, line: RouteLine) -> None:
+        self.requests.labels(line.route, line.outcome, line.fallback or "-").inc()
+        if line.first_byte_ms is not None:
+            self.first_byte.labels(line.route).observe(line.first_byte_ms / 1000)
+        if line.route != "plain" and line.prefill_ms:
+            self.prefill.labels(line.route).observe(line.prefill_ms / 1000)
+        if line.restore_ms:
+            self.restore.observe(line.restore_ms / 1000)
+        if line.share_ms:
+            self.share.observe(line.share_ms / 1000)
+        if line.prompt_tokens is not None:
+            self.prompt_tokens.labels(line.route).inc(line.prompt_tokens)
+        if line.decoder_prompt_n is not None:
+            self.decoder_prompt_tokens.labels(line.route).inc(line.decoder_prompt_n)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,280 @@
+"""The config loader: every shipped example loads, and every mistake is one line naming file and key."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import tomli_w
+import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from supervisor import config as configuration
+from supervisor.config import Config
+from supervisor.errors import ConfigError
+
+REPO = Path(__file__).parent.parent
+EXAMPLES = sorted((REPO / "config").glob("*.toml"))
+SOURCE = "site.toml"
+
+
+@pytest.fixture
+def site(tmp_path: Path) -> dict[str, Any]:
+    """A document that passes every check on any machine: its model file and binary are in tmp_path."""
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF")
+    binary = tmp_path / "llama-server"
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    return {"model": {"path": str(model)}, "decoder": {"binary": str(binary)}}
+
+
+def merged(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    result = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(result.get(key), dict):
+            result[key] = merged(result[key], value)
+        else:
+            result[key] = value
+    return result
+
+
+def problems(text: str) -> list[str]:
+    """The lines of the ConfigError that loading ``text`` raises."""
+    with pytest.raises(ConfigError) as caught:
+        configuration.loads(text, SOURCE)
+    assert str(caught.value) == "\n".join(caught.value.lines)
+    return caught.value.lines
+
+
+def problems_with(site: dict[str, Any], **sections: Any) -> list[str]:
+    return problems(tomli_w.dumps(merged(site, sections)))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[path.name for path in EXAMPLES])
+def test_every_example_config_loads(path: Path) -> None:
+    assert isinstance(configuration.load(path), Config)
+
+
+def test_the_config_directory_ships_an_example() -> None:
+    assert REPO / "config" / "onebit.toml" in EXAMPLES
+
+
+def test_a_document_with_only_the_required_paths_gets_every_default(site: dict[str, Any]) -> None:
+    config = configuration.loads(tomli_w.dumps(site), SOURCE)
+    defaults = configuration.unstructure(Config())
+    assert configuration.unstructure(config) == merged(defaults, site)
+
+
+def test_an_unknown_section_names_the_file_and_the_key(site: dict[str, Any]) -> None:
+    assert problems_with(site, bogus={"x": 1}) == ["site.toml: bogus: unknown key"]
+
+
+def test_an_unknown_nested_key_names_its_whole_path(site: dict[str, Any]) -> None:
+    lines = problems_with(site, decoder={"health": {"bogus": 1}})
+    assert lines == ["site.toml: decoder.health.bogus: unknown key"]
+
+
+def test_a_string_is_not_coerced_into_an_int(site: dict[str, Any]) -> None:
+    assert problems_with(site, model={"ctx_size": "4k"}) == ['site.toml: model.ctx_size: expected int, got "4k"']
+
+
+def test_a_bool_is_not_an_int(site: dict[str, Any]) -> None:
+    assert problems_with(site, model={"parallel": True}) == ["site.toml: model.parallel: expected int, got true"]
+
+
+def test_a_float_is_not_an_int(site: dict[str, Any]) -> None:
+    assert problems_with(site, server={"port": 80.0}) == ["site.toml: server.port: expected int, got 80.0"]
+
+
+def test_an_int_is_not_a_string(site: dict[str, Any]) -> None:
+    assert problems_with(site, server={"host": 5}) == ["site.toml: server.host: expected string, got 5"]
+
+
+def test_a_table_is_not_a_list(site: dict[str, Any]) -> None:
+    lines = problems_with(site, decoder={"extra_args": {"a": "b"}})
+    assert lines == ['site.toml: decoder.extra_args: expected a list, got {"a": "b"}']
+
+
+def test_a_list_item_of_the_wrong_type_names_its_index(site: dict[str, Any]) -> None:
+    lines = problems_with(site, server={"api_keys": ["good", 7]})
+    assert lines == ["site.toml: server.api_keys[1]: expected string, got 7"]
+
+
+def test_a_value_where_a_table_belongs_is_refused() -> None:
+    assert problems("decoder = 3\n") == ["site.toml: decoder: expected a table, got 3"]
+    assert problems("[decoder]\nhealth = [1]\n") == ["site.toml: decoder.health: expected a table, got [1]"]
+
+
+def test_a_date_is_shown_as_the_file_spells_it() -> None:
+    assert problems("[server]\nhost = 2024-01-31\n") == ["site.toml: server.host: expected string, got 2024-01-31"]
+
+
+def test_a_port_out_of_range_names_the_key(site: dict[str, Any]) -> None:
+    lines = problems_with(site, server={"port": 70000})
+    assert lines == ["site.toml: server.port: must be between 0 and 65535, got 70000"]
+
+
+def test_a_value_not_among_the_choices_lists_them(site: dict[str, Any]) -> None:
+    lines = problems_with(site, log={"level": "loud"})
+    assert lines == ['site.toml: log.level: expected one of debug, info, warning, error, got "loud"']
+
+
+def test_nan_is_no_duration(site: dict[str, Any]) -> None:
+    lines = problems_with(site, decoder={"health": {"interval_s": float("nan")}})
+    assert lines == ["site.toml: decoder.health.interval_s: expected number, got nan"]
+
+
+def test_an_int_too_large_for_a_float_is_refused() -> None:
+    lines = problems(f"[decoder.restart]\nwindow_s = {10**400}\n")
+    assert lines == [f"site.toml: decoder.restart.window_s: expected number, got {10**400} (too large)"]
+
+
+def test_a_model_file_that_does_not_exist_is_named(site: dict[str, Any], tmp_path: Path) -> None:
+    missing = tmp_path / "gone.gguf"
+    assert problems_with(site, model={"path": str(missing)}) == [f"site.toml: model.path: no such file: {missing}"]
+
+
+def test_a_path_under_an_unknown_users_home_is_no_such_file(site: dict[str, Any]) -> None:
+    lines = problems_with(site, model={"path": "~no-such-user-here/model.gguf"})
+    assert lines == ["site.toml: model.path: no such file: ~no-such-user-here/model.gguf"]
+
+
+def test_a_binary_that_is_not_executable_is_named(site: dict[str, Any], tmp_path: Path) -> None:
+    plain = tmp_path / "not-a-program"
+    plain.write_text("")
+    lines = problems_with(site, decoder={"binary": str(plain)})
+    assert lines == [f"site.toml: decoder.binary: not executable: {plain}"]
+
+
+def test_a_cpu_that_does_not_exist_is_named(site: dict[str, Any]) -> None:
+    cpus = os.cpu_count() or 1
+    lines = problems_with(site, decoder={"cpu_affinity": [0, cpus]})
+    assert lines == [f"site.toml: decoder.cpu_affinity[1]: no such CPU {cpus}"]
+
+
+def test_invalid_toml_names_the_file_and_the_place() -> None:
+    (line,) = problems("[model\npath = 1\n")
+    assert line.startswith("site.toml: not valid TOML: ")
+    assert "line 1" in line
+
+
+def test_a_backoff_cap_below_the_initial_backoff_is_refused(site: dict[str, Any]) -> None:
+    lines = problems_with(site, decoder={"restart": {"backoff_initial_s": 2.0, "backoff_max_s": 1.0}})
+    assert lines == ["site.toml: decoder.restart.backoff_max_s: must be at least backoff_initial_s"]
+
+
+def test_every_problem_in_a_table_is_reported_at_once(site: dict[str, Any]) -> None:
+    # attrs stops at the first failing validator and cattrs runs none while a key is unknown.
+    lines = problems_with(
+        site,
+        server={"port": 70000, "queue_limit": -1, "host": 5, "bogus": True},
+        decoder={"health": {"failures": 0, "typo": 1}},
+    )
+    assert sorted(lines) == [
+        "site.toml: decoder.health.failures: must be at least 1, got 0",
+        "site.toml: decoder.health.typo: unknown key",
+        "site.toml: server.bogus: unknown key",
+        "site.toml: server.host: expected string, got 5",
+        "site.toml: server.port: must be between 0 and 65535, got 70000",
+        "site.toml: server.queue_limit: must be at least 0, got -1",
+    ]
+
+
+def test_a_file_that_cannot_be_read_is_named(tmp_path: Path) -> None:
+    missing = tmp_path / "absent.toml"
+    with pytest.raises(ConfigError) as caught:
+        configuration.load(missing)
+    (line,) = caught.value.lines
+    assert line.startswith(f"{missing}: cannot read: ")
+
+
+# -- fuzz -----------------------------------------------------------------------------------------
+
+
+def _key_names(cls: type) -> set[str]:
+    names: set[str] = set()
+    for attribute in attrs.fields(cls):
+        names.add(attribute.name)
+        if isinstance(attribute.type, type) and attrs.has(attribute.type):
+            names |= _key_names(attribute.type)
+    return names
+
+
+# Real key names half the time, so that the fuzz gets past "unknown key" into the values.
+KEYS = st.sampled_from(sorted(_key_names(attrs.resolve_types(Config)))) | st.text(max_size=8)
+SCALARS = (
+    st.booleans()
+    | st.integers()
+    | st.floats()
+    | st.text(max_size=20)
+    | st.dates()
+    | st.datetimes()
+    | st.times()
+    | st.sampled_from(["", "~", "~nobody-at-all/x", "/", "json", "debug", "llama-server", "x" * 300])
+)
+VALUES = st.recursive(
+    SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(KEYS, inner, max_size=4), max_leaves=12
+)
+DOCUMENTS = st.dictionaries(KEYS, VALUES, max_size=6)
+
+
+def assert_only_config_errors(text: str) -> None:
+    try:
+        configuration.loads(text, SOURCE)
+    except ConfigError as exc:
+        assert exc.lines
+        assert all(line.startswith(f"{SOURCE}: ") for line in exc.lines), exc.lines
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(DOCUMENTS)
+def test_any_toml_document_loads_or_raises_only_config_error_lines(document: dict[str, Any]) -> None:
+    assert_only_config_errors(tomli_w.dumps(document))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text())
+def test_any_text_loads_or_raises_only_config_error_lines(text: str) -> None:
+    assert_only_config_errors(text)
+
+
+# -- onebitd --check-config -----------------------------------------------------------------------
+
+
+async def check_config(path: Path) -> subprocess.CompletedProcess[bytes]:
+    return await trio.run_process(
+        [sys.executable, "-m", "supervisor.daemon", "--check-config", str(path)],
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+        cwd=REPO,
+    )
+
+
+async def test_check_config_exits_0_on_a_good_file(site: dict[str, Any], tmp_path: Path) -> None:
+    path = tmp_path / "good.toml"
+    path.write_text(tomli_w.dumps(site))
+    with trio.fail_after(30):
+        result = await check_config(path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.decode() == f"{path}: ok\n"
+
+
+async def test_check_config_exits_non_zero_with_the_lines_on_stderr(site: dict[str, Any], tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(tomli_w.dumps(merged(site, {"model": {"ctx_size": "4k"}, "server": {"port": 70000}})))
+    with trio.fail_after(30):
+        result = await check_config(path)
+    assert result.returncode != 0
+    assert result.stdout == b""
+    assert sorted(result.stderr.decode().splitlines()) == [
+        f'onebitd: {path}: model.ctx_size: expected int, got "4k"',
+        f"onebitd: {path}: server.port: must be between 0 and 65535, got 70000",
+    ]
