@@ -167,12 +167,22 @@ class AdminServer:
             args = request.get("args") or {}
             if not isinstance(args, dict):
                 raise AdminError("args must be an object")
+            outcome: list[Any] = []
+
+            async def run_verb() -> None:
+                try:
+                    outcome.append({"ok": True, "result": await handler(self.daemon, args, send)})
+                except AdminError as exc:
+                    outcome.append({"ok": False, "error": exc.message, **exc.extra})
+
             async with trio.open_nursery() as nursery:
                 # A client that goes away ends its verb (watch, drain) instead of leaking it.
                 nursery.start_soon(_cancel_on_close, ws, nursery.cancel_scope)
-                result = await handler(self.daemon, args, send)
+                await run_verb()
                 nursery.cancel_scope.cancel()
-            await send({"ok": True, "result": result})
+            if not outcome:
+                return  # the client left: nobody to answer
+            await send(outcome[0])
         except AdminError as exc:
             await send({"ok": False, "error": exc.message, **exc.extra})
         except ValueError:
@@ -200,23 +210,22 @@ async def call(
         stream = await trio.open_unix_socket(str(path))
     except OSError as exc:
         raise AdminUnavailable(f"cannot connect to {path}: {exc.strerror or exc} (is onebitd running?)") from None
+    result: dict[str, Any] = {}
     try:
         async with trio.open_nursery() as nursery:
-            try:
-                ws = await wrap_client_stream(nursery, stream, "localhost", "/")
-            except HandshakeError as exc:
-                raise AdminUnavailable(f"{path} is not an onebitd admin socket ({exc})") from None
-            try:
-                await ws.send_message(json.dumps({"verb": verb, "args": args or {}}))
-                while True:
-                    message = json.loads(await ws.get_message())
-                    if "ok" in message:
-                        await ws.aclose()
-                        result: dict[str, Any] = message
-                        return result
-                    if on_event is not None:
-                        on_event(message)
-            except (ConnectionClosed, ValueError) as exc:
-                raise AdminUnavailable(f"{path}: the daemon closed the connection ({exc})") from None
+            ws = await wrap_client_stream(nursery, stream, "localhost", "/")
+            await ws.send_message(json.dumps({"verb": verb, "args": args or {}}))
+            while not result:
+                message = json.loads(await ws.get_message())
+                if "ok" in message:
+                    result = message
+                elif on_event is not None:
+                    on_event(message)
+            await ws.aclose()
+    except* HandshakeError as group:
+        raise AdminUnavailable(f"{path} is not an onebitd admin socket ({group.exceptions[0]!r})") from None
+    except* (ConnectionClosed, ValueError) as group:
+        raise AdminUnavailable(f"{path}: the daemon closed the connection ({group.exceptions[0]!r})") from None
     finally:
         await stream.aclose()
+    return result

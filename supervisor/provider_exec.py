@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from collections.abc import Awaitable
 from typing import Any
 
 import trio
@@ -17,6 +18,14 @@ from .config import ExecProvider as ExecProviderConfig
 from .errors import ChildError, ProviderError
 from .process import ChildProcess, describe_exit
 from .provider import Claim, Job, ProviderStatistics, ShareJob, parse_claim
+
+# After the program exited, how long its last stdout bytes may take to arrive through the pipe.
+_DRAIN_S = 1.0
+
+
+async def pump_then_set(pump: Awaitable[None], done: trio.Event) -> None:
+    await pump
+    done.set()
 
 
 class ExecProvider:
@@ -72,9 +81,10 @@ class ExecProvider:
             if line.strip():
                 last = line
 
+        output_closed = trio.Event()
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(process.pump_output, remember)
+                nursery.start_soon(pump_then_set, process.pump_output(remember), output_closed)
                 nursery.start_soon(process.pump_stderr)
                 stdin = process.stdin
                 assert stdin is not None
@@ -84,6 +94,11 @@ class ExecProvider:
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     pass  # it exited without reading its job: its exit status says why
                 code = await process.wait()
+                # A helper it left behind may hold stdout open: the leader's exit ends the job.
+                process.kill_leftovers()
+                with trio.move_on_after(_DRAIN_S):
+                    await output_closed.wait()
+                nursery.cancel_scope.cancel()
         finally:
             # Cancelled (client gone, timeout): its whole process group goes.  Always reaped.
             code = await process.stop(self.spec.kill_grace_s)

@@ -52,6 +52,8 @@ class _Life:
     ready: bool = False
     dead: bool = False
     pending: dict[str, _Pending] = attrs.Factory(dict)
+    # Jobs we cancelled that may still answer without an id (see _on_line).
+    cancelled_unanswered: int = 0
     send_lock: trio.Lock = attrs.Factory(trio.Lock)
 
     async def send(self, data: dict[str, Any], fds: Sequence[int] = ()) -> None:
@@ -174,12 +176,17 @@ class WorkerProvider:
         if not isinstance(data, dict):
             log.warning("%s: not a JSON object: %.200s", self.name, line)
             return
-        if data.get("ready") is True and not life.ready:
-            life.ready = True
+        if "ready" in data:  # said once at start; a repeat is not anybody's answer
+            life.ready = life.ready or data["ready"] is True
             return
         job_id = data.get("id")
-        if job_id is None and len(life.pending) == 1:
-            job_id = next(iter(life.pending))  # one job in flight: an answer without an id is its
+        if job_id is None:
+            if life.cancelled_unanswered:
+                # A cancelled job's late answer, without an id: not the next job's.
+                life.cancelled_unanswered -= 1
+                return
+            if len(life.pending) == 1:
+                job_id = next(iter(life.pending))  # one job in flight: an answer without an id is its
         pending = life.pending.get(str(job_id))
         if pending is None:
             return  # a cancelled job's late answer
@@ -220,6 +227,7 @@ class WorkerProvider:
         finally:
             del life.pending[job.id]
             if not pending.done.is_set() and not life.dead:
+                life.cancelled_unanswered += 1
                 await self._cancel(life, job.id)
         if pending.error is not None:
             raise ProviderError(f"{self.name}: job {job.id}: {pending.error}")

@@ -6,6 +6,8 @@ runtime directories are short ``mkdtemp`` directories under /tmp, removed after 
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import shutil
 import sys
@@ -23,6 +25,7 @@ from supervisor import config as configuration
 from supervisor import locate
 from supervisor.config import Config
 from supervisor.daemon import Daemon, Started
+from supervisor.logs import ROUTE_LOGGER
 
 TESTS = Path(__file__).parent
 FAKE_DECODER = TESTS / "fake_decoder.py"
@@ -45,7 +48,7 @@ def real_llama_server() -> Path:
     return found
 
 
-def make_config(runtime_dir: Path, text: str = "", **sections: Any) -> Config:
+def make_config(runtime_dir: Path, *, text: str = "", **sections: Any) -> Config:
     """A config on port 0 with its runtime directory at ``runtime_dir``; ``sections`` override keys."""
     base = configuration.loads(text, "test.toml") if text else Config()
     data = configuration.unstructure(base)
@@ -65,8 +68,9 @@ def make_config(runtime_dir: Path, text: str = "", **sections: Any) -> Config:
     return configuration.structure(data, "test.toml")
 
 
-def fake_decoder_config(runtime_dir: Path, model: Path | None = None, **sections: dict[str, Any]) -> Config:
+def fake_decoder_config(runtime_dir: Path, *, model_file: Path | None = None, **sections: Any) -> Config:
     """A config whose decoder is tests/fake_decoder.py (run by this interpreter)."""
+    model = model_file
     if model is None:
         model = runtime_dir / "fake.gguf"
         model.write_bytes(b"GGUF fake model for tests\n")
@@ -108,3 +112,80 @@ async def run_daemon(config: Config, *, wait_ready: bool = True) -> AsyncIterato
 
 def env_without(*names: str) -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in names}
+
+
+# -- the fake decoder's control file and the route lines, shared by the daemon-level tests ------------
+
+
+class Control:
+    """The fake decoder's control file and its request log."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / "control.json"
+        self.log = directory / "fake-decoder.log"
+        self.set()
+
+    def set(self, **modes: Any) -> None:
+        # Atomically: the fake reads this file while we write it.
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(modes))
+        os.replace(tmp, self.path)
+
+    def entries(self, event: str = "completion") -> list[dict[str, Any]]:
+        if not self.log.exists():
+            return []
+        lines = self.log.read_text().splitlines()
+        return [entry for entry in map(json.loads, lines) if entry["event"] == event]
+
+    async def wait_entries(self, n: int) -> list[dict[str, Any]]:
+        """The fake writes a line when a request ends, in its own process: poll its file."""
+        while len(found := self.entries()) < n:  # noqa: ASYNC110  # another process: no event to wait on
+            await trio.sleep(0.01)
+        return found
+
+
+class RouteLines(logging.Handler):
+    """Collects the fields of every route line."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[dict[str, Any]] = []
+        self._changed = trio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        fields = getattr(record, "route_fields", None)
+        assert isinstance(fields, dict), f"a route line without its fields: {record.getMessage()}"
+        self.lines.append(fields)
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait(self, n: int) -> list[dict[str, Any]]:
+        while len(self.lines) < n:
+            await self._changed.wait()
+        return self.lines
+
+
+@pytest.fixture
+def control(short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Control:
+    for name in list(os.environ):
+        if name.startswith("FAKE_DECODER_"):
+            monkeypatch.delenv(name)
+    made = Control(short_dir)
+    # The daemon's children inherit our environment.
+    monkeypatch.setenv("FAKE_DECODER_CONTROL", str(made.path))
+    monkeypatch.setenv("FAKE_DECODER_LOG", str(made.log))
+    return made
+
+
+@pytest.fixture
+def route_lines() -> Iterator[RouteLines]:
+    handler = RouteLines()
+    logger = logging.getLogger(ROUTE_LOGGER)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)

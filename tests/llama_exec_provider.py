@@ -75,7 +75,8 @@ def main() -> int:
             if status != 200:
                 print(f"save answered {status}: {saved}", file=sys.stderr)
                 return 1
-            assert isinstance(done, dict) and isinstance(saved, dict)
+            assert isinstance(done, dict)
+            assert isinstance(saved, dict)
             print(json.dumps({"n_tokens": saved["n_saved"], "prefill_ms": done["timings"]["prompt_ms"]}))
             return 0
         finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ import attrs
 import pytest
 import tomli_w
 import trio
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from supervisor import config as configuration
@@ -198,43 +199,77 @@ def test_a_file_that_cannot_be_read_is_named(tmp_path: Path) -> None:
 # -- fuzz -----------------------------------------------------------------------------------------
 
 
-def _key_names(cls: type) -> set[str]:
-    names: set[str] = set()
-    for attribute in attrs.fields(cls):
-        names.add(attribute.name)
+# Paths and names the checks look at twice: a home that does not exist, a name too long, a device.
+AWKWARD_STRINGS = st.sampled_from(["", "~", "~nobody-at-all/x", "/", "/dev/null", "x" * 300, "a\x00b"])
+
+
+def _typed(tp: Any) -> st.SearchStrategy[Any]:
+    """Values of the right type for a key, in and out of range: they get past the type checks."""
+    if tp is bool:
+        return st.booleans()
+    if tp is int:
+        return st.integers(-2, 70000)
+    if tp is float:
+        return st.floats() | st.integers(-2, 1000)
+    if tp is str:
+        return AWKWARD_STRINGS | st.text(max_size=20)
+    if typing.get_origin(tp) is tuple:
+        return st.lists(_typed(typing.get_args(tp)[0]), max_size=3)
+    return st.dictionaries(st.text(max_size=4), st.integers(), max_size=1)  # a table, or a union of them
+
+
+def _leaves(cls: type, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
+    """Every key path of the schema, tables included, with its type."""
+    leaves = []
+    for attribute in attrs.fields(attrs.resolve_types(cls)):
+        path = (*prefix, attribute.name)
+        leaves.append((path, attribute.type))
         if isinstance(attribute.type, type) and attrs.has(attribute.type):
-            names |= _key_names(attribute.type)
-    return names
+            leaves += _leaves(attribute.type, path)
+    return leaves
 
 
-# Real key names half the time, so that the fuzz gets past "unknown key" into the values.
-KEYS = st.sampled_from(sorted(_key_names(attrs.resolve_types(Config)))) | st.text(max_size=8)
-SCALARS = (
-    st.booleans()
-    | st.integers()
-    | st.floats()
-    | st.text(max_size=20)
-    | st.dates()
-    | st.datetimes()
-    | st.times()
-    | st.sampled_from(["", "~", "~nobody-at-all/x", "/", "json", "debug", "llama-server", "x" * 300])
-)
+def _nested(edits: list[tuple[tuple[str, ...], Any]]) -> dict[str, Any]:
+    document: dict[str, Any] = {}
+    for path, value in edits:
+        table = document
+        for key in path[:-1]:
+            if not isinstance(table.get(key), dict):
+                table[key] = {}
+            table = table[key]
+        table[path[-1]] = value
+    return document
+
+
+LEAVES = _leaves(Config)
+KEYS = st.sampled_from(sorted({path[-1] for path, _type in LEAVES})) | st.text(max_size=8)
+SCALARS = st.booleans() | st.integers() | st.floats() | st.text(max_size=20) | st.dates() | st.datetimes() | st.times()
 VALUES = st.recursive(
     SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(KEYS, inner, max_size=4), max_leaves=12
 )
-DOCUMENTS = st.dictionaries(KEYS, VALUES, max_size=6)
+EDIT = st.sampled_from(LEAVES).flatmap(lambda leaf: st.tuples(st.just(leaf[0]), _typed(leaf[1]) | VALUES))
+# Arbitrary documents rarely get past "unknown key"; a few edits of real keys, mostly well typed,
+# reach the range checks and the file-system checks behind them.
+DOCUMENTS = st.dictionaries(KEYS, VALUES, max_size=6) | st.lists(EDIT, min_size=1, max_size=3).map(_nested)
 
 
 def assert_only_config_errors(text: str) -> None:
+    """Loading ``text`` succeeds, or raises ConfigError whose every line names the source."""
     try:
         configuration.loads(text, SOURCE)
     except ConfigError as exc:
-        assert exc.lines
-        assert all(line.startswith(f"{SOURCE}: ") for line in exc.lines), exc.lines
+        lines = exc.lines
+    else:
+        return
+    assert lines
+    assert all(line.startswith(f"{SOURCE}: ") for line in lines), lines
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(DOCUMENTS)
+# Found by this fuzz once: pathlib raised RuntimeError (no such user) and OSError (name too long).
+@example({"model": {"path": "~nobody-at-all/x"}})
+@example({"decoder": {"binary": "x" * 300}})
 def test_any_toml_document_loads_or_raises_only_config_error_lines(document: dict[str, Any]) -> None:
     assert_only_config_errors(tomli_w.dumps(document))
 

@@ -8,213 +8,37 @@ streamed token until the test lets go, so every "while it is in flight" below is
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
-from contextlib import aclosing, asynccontextmanager
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import attrs
-import httpx
 import pytest
 import trio
 import trio.testing
 
 from supervisor.child import ChildState
-from supervisor.config import Config
-from supervisor.logs import ROUTE_LOGGER
-from supervisor.slots import SlotPool
 
-from .conftest import Running, fake_decoder_config, run_daemon
+from .conftest import Control, RouteLines, fake_decoder_config, run_daemon
+from .helpers import (
+    CHAT,
+    HeldStream,
+    assert_envelope,
+    chat,
+    client_for,
+    open_events,
+    open_raw,
+    receive_until,
+    request_head,
+    streamed_text,
+    wait_queued,
+    wait_until,
+    with_model,
+)
 
 TIMEOUT = 20  # seconds; a test that needs more is stuck, not slow
-CHAT = "/v1/chat/completions"
-
-
-# -- helpers ----------------------------------------------------------------------------------------
-
-
-class Control:
-    """The fake decoder's control file and its request log."""
-
-    def __init__(self, directory: Path) -> None:
-        self.path = directory / "control.json"
-        self.log = directory / "fake-decoder.log"
-        self.set()
-
-    def set(self, **modes: Any) -> None:
-        # Atomically: the fake reads this file while we write it.
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(modes))
-        os.replace(tmp, self.path)
-
-    def entries(self, event: str = "completion") -> list[dict[str, Any]]:
-        if not self.log.exists():
-            return []
-        lines = self.log.read_text().splitlines()
-        return [entry for entry in map(json.loads, lines) if entry["event"] == event]
-
-    async def wait_entries(self, n: int) -> list[dict[str, Any]]:
-        """The fake writes a line when a request ends, in its own process: poll its file."""
-        while len(found := self.entries()) < n:  # noqa: ASYNC110  # another process: no event to wait on
-            await trio.sleep(0.01)
-        return found
-
-
-class RouteLines(logging.Handler):
-    """Collects the fields of every route line."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[dict[str, Any]] = []
-        self._changed = trio.Event()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        fields = getattr(record, "route_fields", None)
-        assert isinstance(fields, dict), f"a route line without its fields: {record.getMessage()}"
-        self.lines.append(fields)
-        self._changed.set()
-        self._changed = trio.Event()
-
-    async def wait(self, n: int) -> list[dict[str, Any]]:
-        while len(self.lines) < n:
-            await self._changed.wait()
-        return self.lines
-
-
-@pytest.fixture
-def control(short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Control:
-    for name in list(os.environ):
-        if name.startswith("FAKE_DECODER_"):
-            monkeypatch.delenv(name)
-    made = Control(short_dir)
-    # The daemon's children inherit our environment.
-    monkeypatch.setenv("FAKE_DECODER_CONTROL", str(made.path))
-    monkeypatch.setenv("FAKE_DECODER_LOG", str(made.log))
-    return made
-
-
-@pytest.fixture
-def route_lines() -> Iterator[RouteLines]:
-    handler = RouteLines()
-    logger = logging.getLogger(ROUTE_LOGGER)
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    logger.addHandler(handler)
-    try:
-        yield handler
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-
-
-async def open_raw(running: Running) -> trio.SocketStream:
-    """A bare connection, for what httpx will not do: send headers only, hang up mid-reply."""
-    url = urlsplit(running.url)
-    assert url.hostname is not None
-    assert url.port is not None
-    return await trio.open_tcp_stream(url.hostname, url.port)
-
-
-def request_head(path: str, length: int) -> bytes:
-    return (
-        f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {length}\r\n\r\n"
-    ).encode()
-
-
-async def receive_until(stream: trio.SocketStream, buffer: bytearray, marker: bytes) -> None:
-    while marker not in buffer:
-        data = await stream.receive_some()
-        assert data, f"connection closed before {marker!r}; got {bytes(buffer)!r}"
-        buffer += data
-
-
-def with_model(config: Config, **changes: Any) -> Config:
-    # fake_decoder_config's ``model`` parameter is the model file, so its [model] section is set here.
-    return attrs.evolve(config, model=attrs.evolve(config.model, **changes))
-
-
-def assert_envelope(reply: httpx.Response, status: int, source: str = "onebitd") -> dict[str, Any]:
-    assert reply.status_code == status, reply.text
-    assert reply.headers["content-type"].startswith("application/json")
-    body = reply.json()
-    assert set(body) == {"error"}
-    error: dict[str, Any] = body["error"]
-    assert set(error) == {"message", "type", "code", "source"}
-    assert all(isinstance(error[key], str) and error[key] for key in ("message", "type", "code"))
-    assert error["source"] == source
-    return error
-
-
-def client_for(running: Running, **kwargs: Any) -> httpx.AsyncClient:
-    return httpx.AsyncClient(base_url=running.url, **kwargs)
-
-
-async def sse_data(response: httpx.Response) -> AsyncGenerator[str, None]:
-    """The ``data:`` payloads of an event stream, as they arrive."""
-    async for line in response.aiter_lines():
-        if line.startswith("data:"):
-            yield line[5:].strip()
-
-
-@asynccontextmanager
-async def open_events(
-    client: httpx.AsyncClient, path: str, body: dict[str, Any]
-) -> AsyncIterator[tuple[httpx.Response, AsyncGenerator[str, None]]]:
-    """POST, and read the reply's events one by one; leaving the block hangs up."""
-    async with client.stream("POST", path, json=body) as reply, aclosing(sse_data(reply)) as events:
-        yield reply, events
-
-
-def chat(text: str, *, stream: bool = False, max_tokens: int = 4, **extra: Any) -> dict[str, Any]:
-    return {
-        "messages": [{"role": "user", "content": text}],
-        "max_tokens": max_tokens,
-        "stream": stream,
-        **extra,
-    }
-
-
-def streamed_text(events: list[str]) -> str:
-    text = ""
-    for data in events:
-        if data != "[DONE]":
-            for choice in json.loads(data)["choices"]:
-                text += choice.get("delta", {}).get("content") or ""
-    return text
-
-
-async def wait_until(condition: Callable[[], bool]) -> None:
-    """For state that no event announces; callers run under ``fail_after``."""
-    while not condition():  # noqa: ASYNC110
-        await trio.sleep(0.01)
-
-
-async def wait_queued(slots: SlotPool, n: int) -> None:
-    await wait_until(lambda: slots.statistics().queued == n)
-
-
-class HeldStream:
-    """A chat stream that the fake holds after its first token, read from a task of its own."""
-
-    def __init__(self, client: httpx.AsyncClient, text: str, max_tokens: int = 4) -> None:
-        self.client = client
-        self.body = chat(text, stream=True, max_tokens=max_tokens)
-        self.first = trio.Event()
-        self.status: int | None = None
-        self.events: list[str] = []
-
-    async def run(self) -> None:
-        async with open_events(self.client, CHAT, self.body) as (reply, events):
-            self.status = reply.status_code
-            async for data in events:
-                self.events.append(data)
-                if data == "[DONE]" or json.loads(data)["choices"][0]["delta"].get("content"):
-                    self.first.set()  # the role chunk, before the first token, does not count
-        self.first.set()  # an error reply has no token at all
 
 
 # -- bad requests -----------------------------------------------------------------------------------

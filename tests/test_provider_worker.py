@@ -35,13 +35,13 @@ def log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return path
 
 
-def worker_provider() -> WorkerProvider:
+def worker_provider(*, backoff_s: float = 0.0) -> WorkerProvider:
     return WorkerProvider(
         WorkerProviderConfig(
             name="npu0",
             command=(sys.executable, str(FAKE_PROVIDER), "--worker"),
             health=HealthPolicy(start_timeout_s=DEADLINE_S, stop_grace_s=2.0),
-            restart=RestartPolicy(backoff_initial_s=0.0),
+            restart=RestartPolicy(backoff_initial_s=backoff_s),
         )
     )
 
@@ -176,3 +176,17 @@ async def test_a_worker_that_dies_fails_its_job_and_is_restarted_by_its_child(
     first, second = events(log, "job")
     assert first["pid"] != second["pid"]
     assert [e["pid"] for e in events(log, "start")] == [first["pid"], second["pid"]]
+
+
+async def test_a_worker_that_dies_fails_its_job_at_once_not_at_its_restart(
+    tmp_path: Path, log: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_PROVIDER_MODE", "crash")
+    # A restart this far off is never reached: only the closed socket can fail the job in time.
+    with trio.fail_after(DEADLINE_S):
+        async with running(worker_provider(backoff_s=DEADLINE_S * 10)) as provider:
+            with pytest.raises(ProviderError, match="closed its socket"):
+                await provider.prefill(job(tmp_path))
+            await provider.child.wait_state(ChildState.BACKOFF)
+            assert not provider.ready
+            assert provider.child.statistics().restarts == 0

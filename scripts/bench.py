@@ -1,0 +1,377 @@
+"""onebit's benchmarks: what onebitd costs on top of the llama-server it supervises.
+
+    scripts/bench overhead [--quick]   latency and token rate: through onebitd vs straight to llama-server
+
+Every subcommand runs onebitd in this process (port 0, a runtime directory under /tmp), waits until
+its decoder is ready, measures, then stops the daemon, which stops and reaps its children, whatever
+happened (an error, Ctrl-C, SIGTERM).  Figures are ratios against the same llama-server reached
+directly in the same run, so that the machine's speed, and most of its noise, cancels out; nothing
+here passes or fails on speed.  Exit status: 0 when every request succeeded, 1 otherwise, 2 for a
+set-up problem.
+
+Adding a subcommand: write an ``arguments(parser)`` function and an ``async run(args) -> int``
+coroutine (use :func:`open_onebitd` for the daemon and its two clients) and add one
+:class:`Subcommand` line to ``SUBCOMMANDS`` at the bottom.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+import trio
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # measure the tree this script sits in, whatever is installed
+
+from supervisor import config as configuration  # noqa: E402
+from supervisor import locate, logs  # noqa: E402
+from supervisor.child import ChildState  # noqa: E402
+from supervisor.config import Config  # noqa: E402
+from supervisor.daemon import Daemon  # noqa: E402
+from supervisor.errors import ConfigError  # noqa: E402
+
+# Loading SmolLM2 takes about a second; a busy 2-core machine can take far longer.
+READY_TIMEOUT_S = 300
+# One request never takes this long on this model; past it, something is stuck, not slow.
+REQUEST_TIMEOUT_S = 300
+
+
+class BenchError(Exception):
+    """A request failed or the daemon did not come up: the figures would mean nothing."""
+
+
+# -- the daemon and its two clients ----------------------------------------------------------------
+
+
+def bench_config(runtime_dir: Path, *, parallel: int, ctx_size: int, threads: int) -> Config:
+    """onebitd's defaults (the embedded model, the plain route) on port 0 under ``runtime_dir``."""
+    data = configuration.unstructure(Config())
+    data["server"].update(port=0, runtime_dir=str(runtime_dir), shutdown_grace_s=10.0)
+    data["model"].update(parallel=parallel, ctx_size=ctx_size)
+    data["decoder"]["threads"] = threads
+    data["hybrid"]["enabled"] = False  # the plain route: what is measured is the relay itself
+    config = configuration.structure(data, "bench")
+    configuration.check(config, "bench")
+    return config
+
+
+@attrs.frozen
+class Onebitd:
+    """A running onebitd, an HTTP client for it, and a client straight to its decoder's socket."""
+
+    daemon: Daemon
+    url: str
+    front: httpx.AsyncClient
+    direct: httpx.AsyncClient
+
+
+@asynccontextmanager
+async def open_onebitd(config: Config) -> AsyncIterator[Onebitd]:
+    """Run onebitd in this trio run until the block ends; then stop it and reap its children."""
+    daemon = Daemon(config)
+    async with trio.open_nursery() as nursery:
+        started = await nursery.start(daemon.run)
+        try:
+            with trio.fail_after(READY_TIMEOUT_S):
+                state = await daemon.decoder.wait_state(ChildState.READY, ChildState.FAILED)
+            if state is ChildState.FAILED:
+                raise BenchError(f"the decoder failed to start: {daemon.decoder.statistics().last_exit}")
+            timeout = httpx.Timeout(REQUEST_TIMEOUT_S)
+            # Enough connections that concurrent streams never queue inside the client.
+            limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+            transport = httpx.AsyncHTTPTransport(uds=str(daemon.launcher.socket), limits=limits)
+            async with (
+                httpx.AsyncClient(base_url=started.binds[0], timeout=timeout, limits=limits) as front,
+                httpx.AsyncClient(transport=transport, base_url="http://decoder", timeout=timeout) as direct,
+            ):
+                yield Onebitd(daemon, started.binds[0], front, direct)
+        finally:
+            daemon.request_stop()
+
+
+async def decoder_version() -> str:
+    binary = locate.llama_server("")
+    if binary is None:
+        return "llama-server (not found)"
+    result = await trio.run_process([str(binary), "--version"], capture_stdout=True, capture_stderr=True)
+    words = (result.stdout + result.stderr).decode(errors="replace").split()
+    version = words[words.index("version:") + 1] if "version:" in words else "unknown"
+    return f"llama-server {version} ({locate.LLAMA_CPP_VERSION} from scripts/setup): {binary}"
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    usable = len(os.sched_getaffinity(0))
+    return f"{usable} CPUs ({cpu}), {platform.system()} {platform.release()}, Python {platform.python_version()}"
+
+
+# -- numbers ---------------------------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile: a value that was actually measured."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+def print_table(rows: Sequence[tuple[str, float, float]], unit_width: int = 12) -> None:
+    """``measure  direct  onebitd  onebitd/direct``, one row per measure."""
+    label_width = max(len(label) for label, _, _ in rows) + 2
+    print(f"{'measure':<{label_width}}{'direct':>{unit_width}}{'onebitd':>{unit_width}}{'onebitd/direct':>16}")
+    for label, direct, front in rows:
+        ratio = front / direct if direct else float("nan")
+        print(f"{label:<{label_width}}{direct:>{unit_width}.2f}{front:>{unit_width}.2f}{ratio:>16.3f}")
+
+
+# -- overhead --------------------------------------------------------------------------------------
+
+PROMPT = "The capital of France is"
+
+
+def overhead_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="a handful of requests: checks it runs, not speed")
+    parser.add_argument("--pairs", type=int, default=200, help="alternating request pairs for (a)")
+    parser.add_argument("--warmup", type=int, default=10, help="pairs for (a) before measuring")
+    parser.add_argument("--max-tokens", type=int, default=2, help="tokens per short completion in (a)")
+    parser.add_argument("--streams", type=int, default=8, help="concurrent streams in (b)")
+    parser.add_argument("--stream-tokens", type=int, default=128, help="tokens per stream in (b)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds per side for (b)")
+    parser.add_argument("--parallel", type=int, default=8, help="decoder slots (model.parallel)")
+    parser.add_argument("--ctx-size", type=int, default=2048, help="decoder context, shared by the slots")
+    parser.add_argument("--threads", type=int, default=0, help="decoder threads (0: llama-server's default)")
+    parser.add_argument("--log", metavar="FILE", help="keep onebitd's log here (default: discarded)")
+
+
+@attrs.define
+class Side:
+    """What one side (direct, or through onebitd) measured."""
+
+    latencies: list[float] = attrs.Factory(list)  # seconds per short completion
+    tokens: int = 0  # streamed tokens, all rounds
+    seconds: float = 0.0  # wall time of the stream rounds
+    first_tokens: list[float] = attrs.Factory(list)  # seconds to each stream's first token
+
+    @property
+    def token_rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+async def short_completion(client: httpx.AsyncClient, body: dict[str, Any]) -> float:
+    start = time.perf_counter()
+    reply = await client.post("/v1/completions", json=body)
+    elapsed = time.perf_counter() - start
+    if reply.status_code != 200:
+        raise BenchError(f"{client.base_url} answered {reply.status_code}: {reply.text[:300]}")
+    return elapsed
+
+
+async def one_stream(client: httpx.AsyncClient, body: dict[str, Any], start: float, side: Side) -> None:
+    tokens = 0
+    counted: int | None = None
+    async with client.stream("POST", "/v1/completions", json=body) as reply:
+        if reply.status_code != 200:
+            raise BenchError(f"{client.base_url} answered {reply.status_code} to a stream")
+        async for line in reply.aiter_lines():
+            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                continue
+            event = json.loads(line[5:])
+            if "error" in event:
+                raise BenchError(f"{client.base_url} ended a stream with an error: {event['error']}")
+            if tokens == 0:
+                side.first_tokens.append(time.perf_counter() - start)
+            tokens += 1
+            usage = event.get("usage")
+            if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+                counted = usage["completion_tokens"]
+    # The decoder's own count; the events are a fallback (the last one carries no token).
+    side.tokens += counted if counted is not None else tokens
+
+
+async def stream_round(client: httpx.AsyncClient, bodies: Sequence[dict[str, Any]], side: Side) -> None:
+    start = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for body in bodies:
+            nursery.start_soon(one_stream, client, body, start, side)
+    side.seconds += time.perf_counter() - start
+
+
+async def overhead(args: argparse.Namespace) -> int:
+    if args.quick:
+        args.pairs, args.warmup, args.rounds, args.stream_tokens = 10, 2, 1, 16
+    short = {"prompt": PROMPT, "max_tokens": args.max_tokens, "temperature": 0, "seed": 42}
+    # ignore_eos: every stream produces exactly stream_tokens tokens, on both sides.
+    streams = [
+        {
+            "prompt": f"Story number {i}. Once upon a time",
+            "max_tokens": args.stream_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        for i in range(args.streams)
+    ]
+    runtime_dir = Path(tempfile.mkdtemp(prefix="ob-bench-", dir="/tmp"))
+    try:
+        config = bench_config(runtime_dir, parallel=args.parallel, ctx_size=args.ctx_size, threads=args.threads)
+        model = locate.model_path(config)
+        print("onebit overhead: onebitd over HTTP vs the same llama-server straight over its unix socket")
+        print(f"machine: {machine()}")
+        print(f"decoder: {await decoder_version()}")
+        print(
+            f"model: {model.name if model else '?'}, ctx_size {args.ctx_size}, parallel {args.parallel}, "
+            f"threads {args.threads or 'default'}"
+        )
+        print(
+            f"(a) short completions, not streamed: {args.pairs} alternating pairs after {args.warmup} warm-up, "
+            f"max_tokens {args.max_tokens}"
+        )
+        print(
+            f"(b) {args.streams} concurrent streams x {args.stream_tokens} tokens, "
+            f"{args.rounds} alternating round(s) per side after 1 warm-up"
+        )
+        sys.stdout.flush()
+        log_path = Path(args.log) if args.log else runtime_dir / "onebitd.log"
+        with log_path.open("w") as log:
+            # onebitd logs as it does in service (route lines, the decoder's output): that work counts.
+            logs.setup("logfmt", "info", stream=log)
+            direct, front = Side(), Side()
+            async with open_onebitd(config) as onebitd:
+                for i in range(args.warmup + args.pairs):
+                    # Alternate who goes first, so neither side always meets a just-warmed decoder.
+                    first, second = (onebitd.front, onebitd.direct) if i % 2 else (onebitd.direct, onebitd.front)
+                    a, b = await short_completion(first, short), await short_completion(second, short)
+                    if i >= args.warmup:
+                        front.latencies.append(a if first is onebitd.front else b)
+                        direct.latencies.append(b if first is onebitd.front else a)
+                await stream_round(onebitd.direct, streams, Side())
+                await stream_round(onebitd.front, streams, Side())
+                for r in range(args.rounds):
+                    order = [(onebitd.front, front), (onebitd.direct, direct)]
+                    for client, side in order if r % 2 else order[::-1]:
+                        await stream_round(client, streams, side)
+    finally:
+        logs.setup("logfmt", "warning")  # off the log file before it goes
+        shutil.rmtree(runtime_dir, ignore_errors=True)
+
+    direct_median, front_median = statistics.median(direct.latencies), statistics.median(front.latencies)
+    print()
+    print_table(
+        [
+            ("(a) latency median, ms", direct_median * 1000, front_median * 1000),
+            ("(a) latency p99, ms", percentile(direct.latencies, 99) * 1000, percentile(front.latencies, 99) * 1000),
+            ("(b) aggregate tokens/s", direct.token_rate, front.token_rate),
+            (
+                "(b) first token median, ms",
+                statistics.median(direct.first_tokens) * 1000,
+                statistics.median(front.first_tokens) * 1000,
+            ),
+        ]
+    )
+    added_ms = (front_median - direct_median) * 1000
+    rate = front.token_rate / direct.token_rate
+    print()
+    print(f"added at the median: {added_ms:+.2f} ms   (aim: at most 2 ms; {'met' if added_ms <= 2 else 'not met'})")
+    print(f"token rate: {rate:.3f}x direct   (aim: at least 0.98x; {'met' if rate >= 0.98 else 'not met'})")
+    return 0
+
+
+# -- the command line ------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Subcommand:
+    name: str
+    help: str
+    arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], Awaitable[int]]
+
+
+SUBCOMMANDS = [
+    Subcommand(
+        name="overhead",
+        help="latency and token rate through onebitd vs straight to llama-server",
+        arguments=overhead_arguments,
+        run=overhead,
+    ),
+]
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="scripts/bench", description=(__doc__ or "").split("\n\n")[0])
+    commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for command in SUBCOMMANDS:
+        sub = commands.add_parser(command.name, help=command.help, description=command.help)
+        command.arguments(sub)
+        sub.set_defaults(subcommand=command)
+    return top
+
+
+async def run(args: argparse.Namespace) -> int:
+    """The chosen subcommand, cut short by SIGTERM as by Ctrl-C: the daemon still stops and reaps."""
+    subcommand: Subcommand = args.subcommand
+    status = 143  # 128 + SIGTERM, unless the subcommand finishes
+    async with trio.open_nursery() as nursery:
+
+        async def on_sigterm() -> None:
+            with trio.open_signal_receiver(signal.SIGTERM) as signals:
+                async for _ in signals:
+                    print("scripts/bench: SIGTERM: stopping", file=sys.stderr)
+                    nursery.cancel_scope.cancel()
+
+        nursery.start_soon(on_sigterm)
+        status = await subcommand.run(args)
+        nursery.cancel_scope.cancel()
+    return status
+
+
+def leaves(group: BaseExceptionGroup[Any]) -> list[BaseException]:
+    found: list[BaseException] = []
+    for exc in group.exceptions:
+        found += leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc]
+    return found
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    status = 1
+    # The subcommand runs inside nurseries: what it raises arrives as an exception group.
+    try:
+        status = trio.run(run, args)
+    except* ConfigError as group:
+        for exc in leaves(group):
+            for line in exc.lines if isinstance(exc, ConfigError) else [str(exc)]:
+                print(f"scripts/bench: {line}", file=sys.stderr)
+        status = 2
+    except* BenchError as group:
+        for exc in leaves(group):
+            print(f"scripts/bench: {exc}", file=sys.stderr)
+        status = 1
+    except* KeyboardInterrupt:
+        status = 130
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""scripts/bench.py runs end to end in quick mode: it measures, prints its ratios, and exits 0.
+
+Speed is not checked: a quick run's figures are noise.  What is checked is that the benchmark can
+still start onebitd, talk to both sides, and report, so docs/benchmarks.md can be rerun.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+
+from .conftest import real_llama_server
+
+BENCH = Path(__file__).parent.parent / "scripts" / "bench.py"
+NUMBER = r"[-+]?\d+\.\d+"
+
+
+@pytest.mark.real
+async def test_the_overhead_benchmark_in_quick_mode_exits_0_and_prints_its_ratios() -> None:
+    real_llama_server()
+    # The benchmark starts (and reaps) its own onebitd and llama-server; run_process reaps it.
+    with trio.fail_after(180):
+        result = await trio.run_process(
+            [sys.executable, str(BENCH), "overhead", "--quick"], capture_stdout=True, capture_stderr=True, check=False
+        )
+    out = result.stdout.decode()
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    for measure in ("(a) latency median, ms", "(a) latency p99, ms", "(b) aggregate tokens/s"):
+        # measure, direct, onebitd, onebitd/direct
+        row = rf"^{re.escape(measure)}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}$"
+        assert re.search(row, out, re.MULTILINE), f"no {measure!r} row in:\n{out}"
+    assert re.search(rf"^added at the median: {NUMBER} ms", out, re.MULTILINE), out
+    assert re.search(rf"^token rate: {NUMBER}x direct", out, re.MULTILINE), out
