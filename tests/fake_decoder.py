@@ -10,7 +10,7 @@ Endpoints answer with llama-server's JSON shapes (checked against build 11434): 
 word, its id a stable hash), ``/detokenize``, ``/apply-template`` (ChatML), and the completions
 ``/completion``, ``/v1/completions`` and ``/v1/chat/completions``.  A completion's reply is its prompt's
 words echoed (for chat, the last message's), ``n_predict``/``max_tokens`` of them (16 when unbounded),
-with ``timings`` (``cache_n`` from a per-slot prefix cache) and ``usage`` where llama-server puts them.
+with ``timings`` (``cache_n`` from the slot's cache, below) and ``usage`` where llama-server puts them.
 ``stream: true`` sends one ``data: {...}`` event per token, the last one with ``timings``; the OpenAI
 endpoints end with ``data: [DONE]``, llama.cpp's native ``/completion`` does not.  An invalid body gets
 400 in llama-server's error shape ``{"error": {"code", "message", "type"}}``; while loading, every
@@ -35,8 +35,19 @@ file, then ``os.replace``); a file that cannot be read or parsed counts as absen
                                                    holds; a list of strings holds only the requests
                                                    whose prompt contains one of them
     FAKE_DECODER_IGNORE_SIGTERM   ignore_sigterm   ignore SIGTERM, so only SIGKILL stops it
-    FAKE_DECODER_LOG              log              a file: one JSON line per completion request, and one
-                                                   per start
+    FAKE_DECODER_LOG              log              a file: one JSON line per completion request, per
+                                                   slot action, and per start
+    FAKE_DECODER_HOLD_RESTORE     hold_restore     true: a restore waits while this holds (logs
+                                                   ``restore-held`` once), giving up if the client leaves
+    FAKE_DECODER_RESTORE_REFUSE   restore_refuse   restores answer 400, as for a file saved elsewhere
+    FAKE_DECODER_RESTORE_WRONG_N  restore_wrong_n  a restore loads the file but answers one token short
+    FAKE_KVSHARE_REFUSE           kvshare_refuse   ?action=share answers 400, as llama-server does for a
+                                                   hybrid model's cache
+    FAKE_KVSHARE_NO_ID            kvshare_no_id    ?action=share answers 200 without a share_id
+    FAKE_KVSHARE_NO_CONNECT       kvshare_no_connect  ... answers a share_id but never connects
+    FAKE_KVSHARE_BAD_HEADER       kvshare_bad_header  ... sends a header with one fd fewer than regions
+    FAKE_KVSHARE_ADOPT_REFUSE     kvshare_adopt_refuse  ?action=adopt answers 400 "Cannot adopt ..."
+    FAKE_KVSHARE_REGIONS          kvshare_regions  how many regions a share lends (1 or 2, default 2)
 
 A log line for a completion, written when the request ends (when it ends well: before the reply's last
 bytes leave, so a client holding the whole reply can count on the line being there)::
@@ -49,25 +60,53 @@ bytes leave, so a client holding the whole reply can count on the line being the
 absent), ``slot`` the one used; ``slot_busy`` says another request was in flight on that slot when this
 one arrived (llama-server would have made it wait: a client that pins slots must never cause it);
 ``disconnected`` says the client closed the connection before the reply ended.  A start writes
-``{"event": "start", "pid": ..., "argv": [...]}``.
+``{"event": "start", "pid": ..., "argv": [...]}``; a completion also writes ``{"event": "arrived", "seq",
+"id_slot", "slot"}`` as soon as it has its slot, so a test can see which requests are in flight where.
+
+The slot cache.  Each slot holds the tokens of its KV cells.  A completion on a slot whose cells hold a
+prefix of its prompt evaluates only the rest (``prompt_n`` = prompt - cached, at least 1, as llama-server
+re-evaluates the last token for its logits; ``cache_n`` = cached), and its reply is the same as from an
+empty slot.  Cells that came from a handoff (a restore or an adopt) are taken as the prompt's, for as
+many positions as they cover, without comparing tokens, as the real decoder does with a state it was
+handed: when they hold other tokens than the prompt's, the reply is derived from them (its first word
+``stale-kv``), so a broken handoff shows as a wrong answer and not only as a slow one.
+
+Slot actions, ``POST /slots/<id>?action=...`` (a filename with a path separator is refused with 400
+"Invalid filename", as llama-server's validation does):
+
+    save     {"filename"}          writes {"fake_state": true, "tokens": [...]} into --slot-save-path
+    restore  {"filename"}          reads such a file into the slot; 400 if it is missing or not one
+    erase                          empties the slot
+    share    {"socket", "n_tokens"}  lends the slot's KV (see docs/protocol.md): answers {"share_id"},
+                                   connects to ``socket`` and sends a 4-byte big-endian length, the JSON
+                                   header and, by SCM_RIGHTS, one memfd per region.  The layout: n_layer
+                                   2, tensors cache_k_l<L> and cache_v_l<L>, row_bytes 16, align 4096,
+                                   n_ctx the slot's context
+    adopt    {"share_id", "n_tokens"}  reads the rows back: the slot then holds the tokens of the rows
+                                   that are right (:func:`expected_row`) from position 0 up to the first
+                                   wrong or missing one, so a short region makes the next completion
+                                   evaluate the rest.  Logs ``n_adopted``
 
 Booleans in the environment: empty, ``0``, ``false`` and ``no`` are false.
 
 Extending: every endpoint is a function registered with ``@route(method, path)`` (``prefix=True`` to
 match a path prefix, as ``/slots/<id>`` does); it gets an :class:`Exchange` and raises
-:class:`HttpError` for an error reply.  Slot actions (``POST /slots/<id>?action=...``) dispatch through
-``SLOT_ACTIONS``, empty here.
+:class:`HttpError` for an error reply.  Slot actions dispatch through ``SLOT_ACTIONS``.
 """
 
 from __future__ import annotations
 
+import array
 import contextlib
+import hashlib
 import json
+import mmap
 import os
 import select
 import signal
 import socket
 import socketserver
+import struct
 import sys
 import threading
 import time
@@ -101,22 +140,39 @@ class Modes:
     hold: bool | list[str] = False
     ignore_sigterm: bool = False
     log: str | None = None
+    hold_restore: bool = False
+    restore_refuse: bool = False
+    restore_wrong_n: bool = False
+    kvshare_refuse: bool = False
+    kvshare_no_id: bool = False
+    kvshare_no_connect: bool = False
+    kvshare_bad_header: bool = False
+    kvshare_adopt_refuse: bool = False
+    kvshare_regions: int = 2
 
 
 def _parse_env(name: str, raw: str) -> Any:
-    if name in ("loading", "hang", "hold", "ignore_sigterm"):
-        return raw.strip().lower() not in ("", "0", "false", "no")
+    if name in ("loading", "hang", "hold", "ignore_sigterm", "hold_restore") or name.startswith(
+        ("restore_", "kvshare_")
+    ):
+        if name != "kvshare_regions":
+            return raw.strip().lower() not in ("", "0", "false", "no")
     if name in ("load_s", "token_delay_s"):
         return float(raw)
-    if name in ("exit", "exit_starts", "unhealthy_after"):
+    if name in ("exit", "exit_starts", "unhealthy_after", "kvshare_regions"):
         return int(raw)
     return raw
+
+
+def env_name(mode: str) -> str:
+    # The share modes keep the names the upstream fake gave them (FAKE_KVSHARE_REFUSE, ...).
+    return f"FAKE_{mode.upper()}" if mode.startswith("kvshare_") else f"FAKE_DECODER_{mode.upper()}"
 
 
 def modes_from_env() -> Modes:
     values: dict[str, Any] = {}
     for f in fields(Modes):
-        raw = os.environ.get(f"FAKE_DECODER_{f.name.upper()}")
+        raw = os.environ.get(env_name(f.name))
         if raw is not None:
             values[f.name] = _parse_env(f.name, raw)
     return Modes(**values)
@@ -148,6 +204,16 @@ class ModeSource:
 
 def token_id(word: str) -> int:
     return zlib.crc32(word.encode()) % N_VOCAB
+
+
+def expected_row(token: int, pos: int, tensor: str, row_bytes: int) -> bytes:
+    """The bytes a provider writes for ``token`` at ``pos`` in ``tensor``: the token id, big-endian,
+    then a hash of all three.  tests/fake_share_provider.py has the same function; they must agree."""
+    seed = f"{tensor}:{pos}:{token}".encode()
+    digest = b""
+    while len(digest) < row_bytes - 4:
+        digest += hashlib.sha256(seed + len(digest).to_bytes(4, "big")).digest()
+    return token.to_bytes(4, "big") + digest[: row_bytes - 4]
 
 
 def chatml(messages: Any) -> str:
@@ -203,6 +269,94 @@ class Settings:
     argv: list[str] = field(default_factory=list)
 
 
+# The share layout: small, so a region is a few pages.  Alignment as llama.cpp's (4 KiB).
+SHARE_LAYERS = 2
+SHARE_ROW_BYTES = 16
+SHARE_ALIGN = 4096
+
+
+def _align(n: int) -> int:
+    return -(-n // SHARE_ALIGN) * SHARE_ALIGN
+
+
+class Share:
+    """A slot's KV lent out: one memfd per region, mapped here so an adopt can read the rows back."""
+
+    def __init__(self, share_id: str, slot: int, n_ctx: int, n_regions: int) -> None:
+        self.share_id = share_id
+        self.slot = slot
+        self.tensors: list[dict[str, Any]] = []
+        tensor_size = _align(n_ctx * SHARE_ROW_BYTES)
+        sizes = [0] * n_regions
+        for layer in range(SHARE_LAYERS):
+            for kind in ("k", "v"):
+                region = 0 if n_regions == 1 or kind == "k" else 1
+                self.tensors.append(
+                    {
+                        "name": f"cache_{kind}_l{layer}",
+                        "region": region,
+                        "offset": sizes[region],
+                        "row_bytes": SHARE_ROW_BYTES,
+                    }
+                )
+                sizes[region] += tensor_size
+        self.header = {
+            "share_id": share_id,
+            "n_ctx": n_ctx,
+            "n_layer": SHARE_LAYERS,
+            "align": SHARE_ALIGN,
+            "regions": [{"size": size} for size in sizes],
+            "tensors": self.tensors,
+        }
+        self.fds: list[int] = []
+        self.maps: list[mmap.mmap] = []
+        try:
+            for i, size in enumerate(sizes):
+                fd = os.memfd_create(f"fake-kv-{share_id}-{i}", os.MFD_CLOEXEC)
+                self.fds.append(fd)
+                os.ftruncate(fd, size)
+                self.maps.append(mmap.mmap(fd, size))
+        except BaseException:
+            self.close()
+            raise
+
+    def valid_tokens(self, n_tokens: int) -> list[int]:
+        """The tokens whose rows are right in every tensor, from position 0 to the first that is not."""
+        tokens: list[int] = []
+        for pos in range(n_tokens):
+            token = None
+            for tensor in self.tensors:
+                start = tensor["offset"] + pos * SHARE_ROW_BYTES
+                row = self.maps[tensor["region"]][start : start + SHARE_ROW_BYTES]
+                if len(row) < SHARE_ROW_BYTES:
+                    return tokens
+                if token is None:
+                    token = int.from_bytes(row[:4], "big")
+                if row != expected_row(token, pos, tensor["name"], SHARE_ROW_BYTES):
+                    return tokens
+            assert token is not None
+            tokens.append(token)
+        return tokens
+
+    def close(self) -> None:
+        for m in self.maps:
+            m.close()
+        for fd in self.fds:
+            os.close(fd)
+        self.maps, self.fds = [], []
+
+
+@dataclass
+class Claimed:
+    """A completion's slot, as :meth:`Fake.claim` hands it out."""
+
+    slot: int
+    busy: bool
+    seq: int
+    cache_n: int
+    stale: list[int] | None  # handed-over cells that hold other tokens than the prompt's
+
+
 class Fake:
     """Everything the handler threads share; ``lock`` guards the mutable parts."""
 
@@ -215,6 +369,10 @@ class Fake:
         self.seq = 0
         self.processing = [0] * settings.parallel  # requests in flight per slot
         self.cache: list[list[int]] = [[] for _ in range(settings.parallel)]  # each slot's KV, as tokens
+        # The slot's cells came from a restore or an adopt: the next completion takes them as given.
+        self.handed = [False] * settings.parallel
+        self.shares: dict[str, Share] = {}
+        self.share_seq = 0
         self.vocab: dict[int, str] = {}
         self.alias = settings.alias or Path(settings.model).stem or "model"
 
@@ -239,8 +397,8 @@ class Fake:
         with self.lock, open(path, "a", encoding="utf-8") as f:
             f.write(line)
 
-    def claim(self, asked: Any, prompt: list[int]) -> tuple[int, bool, int, int]:
-        """Take a slot for a request: ``(slot, was_busy, seq, cache_n)``."""
+    def claim(self, asked: Any, prompt: list[int]) -> Claimed:
+        """Take a slot for a request, and see what its cache holds of the prompt."""
         with self.lock:
             self.seq += 1
             n = self.settings.parallel
@@ -251,19 +409,47 @@ class Fake:
                 slot = idle[0] if idle else 0
             busy = self.processing[slot] > 0
             self.processing[slot] += 1
-            common = 0
-            for a, b in zip(self.cache[slot], prompt, strict=False):
-                if a != b:
-                    break
-                common += 1
+            cached = self.cache[slot]
+            if self.handed[slot]:
+                # A handed-over state is taken as the prompt's own: nothing compares its tokens.
+                common = len(cached)
+            else:
+                common = 0
+                for a, b in zip(cached, prompt, strict=False):
+                    if a != b:
+                        break
+                    common += 1
             # llama-server evaluates at least the prompt's last token again, to get its logits.
             cache_n = max(0, min(common, len(prompt) - 1))
-            return slot, busy, self.seq, cache_n
+            stale = list(cached[:cache_n]) if cached[:cache_n] != prompt[:cache_n] else None
+            return Claimed(slot, busy, self.seq, cache_n, stale)
 
     def release(self, slot: int, tokens: list[int]) -> None:
         with self.lock:
             self.processing[slot] -= 1
             self.cache[slot] = tokens
+            self.handed[slot] = False
+
+    def hand_over(self, slot: int, tokens: list[int]) -> None:
+        with self.lock:
+            self.cache[slot] = list(tokens)
+            self.handed[slot] = True
+
+    def erase(self, slot: int) -> int:
+        with self.lock:
+            n = len(self.cache[slot])
+            self.cache[slot] = []
+            self.handed[slot] = False
+            dropped = [share for share in self.shares.values() if share.slot == slot]
+            for share in dropped:
+                del self.shares[share.share_id]
+        for share in dropped:
+            share.close()
+        return n
+
+    def word(self, token: int) -> str:
+        with self.lock:
+            return self.vocab.get(token, f"<{token}>")
 
 
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 501: "not_supported_error"}

@@ -5,6 +5,7 @@ evaluate about one prompt token instead of the prompt."""
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -189,4 +190,43 @@ async def test_an_exec_provider_that_writes_a_real_state_file_serves_the_file_ro
     (line,) = route_lines.lines
     assert line["route"] == "file"
     assert line["decoder_prompt_n"] <= 2
+    assert list((short_dir / "state").iterdir()) == []
+
+
+async def test_a_worker_provider_with_its_own_llama_server_serves_the_file_route(
+    short_dir: Path, route_lines: RouteLines
+) -> None:
+    base = hybrid_config(short_dir)
+    model = locate.model_path(base)
+    assert model is not None
+    command = [
+        sys.executable,
+        str(TESTS / "llama_worker_provider.py"),
+        str(real_llama_server()),
+        str(short_dir / "state"),
+        *model_args(base.model, model),
+        "-t",
+        "1",
+    ]
+    config = hybrid_config(short_dir, {"kind": "worker", "name": "npu", "command": command})
+    endpoint = "/v1/chat/completions"
+    with trio.fail_after(180):
+        async with run_daemon(config) as running:
+            worker = running.daemon.providers.all[0]
+            await worker.child.wait_state(ChildState.READY)  # type: ignore[attr-defined]
+            expected = [
+                (await plain_reply(running.daemon.launcher.socket, endpoint, body_for(endpoint, False, q)))[0]
+                for q in (QUESTION, QUESTION + " Be brief.")
+            ]
+            async with httpx.AsyncClient(base_url=running.url, timeout=120) as client:
+                got = [
+                    await ask(client, endpoint, body_for(endpoint, False, q))
+                    for q in (QUESTION, QUESTION + " Be brief.")
+                ]
+            worker_pid = worker.child.pid  # type: ignore[attr-defined]
+    assert got == expected
+    assert [line["route"] for line in route_lines.lines] == ["file", "file"]
+    assert all(line["decoder_prompt_n"] <= 2 for line in route_lines.lines)
+    assert worker_pid is not None
+    assert not os.path.exists(f"/proc/{worker_pid}")  # noqa: ASYNC240  # reaped: its /proc entry is gone
     assert list((short_dir / "state").iterdir()) == []
