@@ -240,16 +240,6 @@ class ChildProcess:
             # The group leader exited and its pgid could be reused by now: signal only the pid we own.
             self._process.send_signal(sig)
 
-    def kill_leftovers(self) -> None:
-        """SIGKILL what the exited (and reaped) leader left in its process group.
-
-        Safe after the reap: Linux does not reuse a pid while a process group of that id still has
-        a member, so the group either is the one we started or is empty (ESRCH, ignored).
-        """
-        if self._process.poll() is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self._process.pid, signal.SIGKILL)
-
     async def stop(self, grace: float) -> int:
         """Stop and reap, whatever happens around us.
 

@@ -93,9 +93,9 @@ class ExecProvider:
                     await stdin.aclose()
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     pass  # it exited without reading its job: its exit status says why
-                code = await process.wait()
-                # A helper it left behind may hold stdout open: the leader's exit ends the job.
-                process.kill_leftovers()
+                # Unreaped, so stop() below can still kill what it left in its process group (a
+                # helper holding stdout open must not keep the job alive: the leader's exit ends it).
+                await process.wait_exited()
                 with trio.move_on_after(_DRAIN_S):
                     await output_closed.wait()
                 nursery.cancel_scope.cancel()

@@ -283,7 +283,9 @@ async def test_only_failures_within_the_window_count_towards_failed(
 
 async def test_a_child_not_healthy_within_start_timeout_is_stopped_and_restarted(short_dir: Path) -> None:
     launcher = FakeLauncher(short_dir, "hang", "serve")
-    health = attrs.evolve(FAST_HEALTH, start_timeout_s=0.2)
+    # Every life gets the same timeout; the fake child is healthy within it unless a loaded machine
+    # delays its start, which costs another life, not the test.
+    health = attrs.evolve(FAST_HEALTH, start_timeout_s=0.5)
     child = supervised(launcher, Backoffs(), health=health)
     with trio.fail_after(20):
         async with trio.open_nursery() as nursery:
@@ -291,8 +293,8 @@ async def test_a_child_not_healthy_within_start_timeout_is_stopped_and_restarted
             await child.wait_state(S.READY)
             assert child.statistics().last_exit == "killed by SIGTERM"  # the first, hung life
             nursery.cancel_scope.cancel()
-    assert launcher.path()[:5] == [S.STOPPED, S.STARTING, S.BACKOFF, S.STARTING, S.READY]
-    assert launcher.transitions[1][2].startswith("not healthy within 0.2s")
+    assert launcher.path()[:4] == [S.STOPPED, S.STARTING, S.BACKOFF, S.STARTING]
+    assert launcher.transitions[1][2].startswith("not healthy within 0.5s")
     assert_legal(launcher)
 
 

@@ -67,7 +67,7 @@ def test_the_config_directory_ships_an_example() -> None:
     assert REPO / "config" / "onebit.toml" in EXAMPLES
 
 
-def test_a_document_with_only_the_required_paths_gets_every_default(site: dict[str, Any]) -> None:
+def test_a_document_that_sets_only_the_paths_gets_every_other_default(site: dict[str, Any]) -> None:
     config = configuration.loads(tomli_w.dumps(site), SOURCE)
     defaults = configuration.unstructure(Config())
     assert configuration.unstructure(config) == merged(defaults, site)

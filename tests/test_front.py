@@ -515,8 +515,9 @@ async def test_a_decoder_killed_mid_stream_ends_the_stream_with_an_error_event_a
             async with open_events(client, CHAT, chat("doomed", stream=True)) as (_reply, events):
                 await anext(events)  # the role
                 await anext(events)  # the first token
-                control.set(hold=False)  # for the decoder that comes next
                 os.kill(pid, signal.SIGKILL)
+                # After the kill, not before: a decoder that saw hold=False first would finish the stream.
+                control.set(hold=False)
                 rest = [data async for data in events]
             error = json.loads(rest[-1])["error"]
             assert (error["source"], error["code"]) == ("decoder", "decoder_lost")
