@@ -15,6 +15,7 @@ cancelled and every child is stopped and reaped under a shielded scope.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import logging
 import os
 import signal
@@ -35,7 +36,7 @@ from .completion import Completions, HybridSettings
 from .config import Config, ProviderConfig, converter
 from .config import ExecProvider as ExecProviderConfig
 from .config import LlamaServerProvider as LlamaServerProviderConfig
-from .errors import ConfigError
+from .errors import ChildError, ConfigError
 from .front import Front
 from .handoff import FileHandoff
 from .llama_server import LlamaServerLauncher, model_alias
@@ -74,6 +75,22 @@ class Started:
     runtime_dir: Path
 
 
+def lock_runtime_dir(path: Path) -> int:
+    """Hold ``onebitd.lock`` for our lifetime: a second daemon on the same directory would remove
+    the first one's state files and sockets.  Returns the fd (the lock goes with the process)."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(path / "onebitd.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise ChildError(f"another onebitd (pid {holder}) is using the runtime directory {path}") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
 def prepare_runtime_dir(path: Path) -> None:
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     # Whatever a crashed daemon left here (sockets, state files) belongs to no live request.
@@ -82,6 +99,8 @@ def prepare_runtime_dir(path: Path) -> None:
         for leftover in state.iterdir():
             if leftover.is_file():
                 leftover.unlink(missing_ok=True)
+    for leftover in path.glob("share-*.sock"):
+        leftover.unlink(missing_ok=True)
 
 
 # Keys `onebitctl reload` applies to a running daemon; any other change needs a restart.
@@ -318,6 +337,7 @@ class Daemon:
         self._stop.set()
 
     async def run(self, *, task_status: trio.TaskStatus[Started] = trio.TASK_STATUS_IGNORED) -> None:
+        lock = lock_runtime_dir(self.runtime_dir)
         prepare_runtime_dir(self.runtime_dir)
         self._started_clock = trio.current_time()
         try:
@@ -339,6 +359,7 @@ class Daemon:
         finally:
             with trio.CancelScope(shield=True):
                 await self.launcher.client.aclose()
+            os.close(lock)
             log.info("stopped")
 
     async def _drain_for_stop(self) -> None:
@@ -420,8 +441,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{path}: ok")
         return 0
     logs.setup(args.log_format or config.log.format, config.log.level)
-    trio.run(_serve, config, path)
-    return 0
+    status = 0
+    try:
+        trio.run(_serve, config, path)
+    except* ChildError as group:
+        for refused in group.exceptions:
+            print(f"onebitd: {refused}", file=sys.stderr)
+        status = 1
+    return status
 
 
 if __name__ == "__main__":

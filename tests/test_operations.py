@@ -23,6 +23,7 @@ from supervisor import admin
 from supervisor import config as configuration
 from supervisor.child import ChildState
 from supervisor.daemon import Daemon
+from supervisor.errors import ChildError
 from supervisor.notify import Notifier
 
 from .conftest import Control, RouteLines, fake_decoder_config, run_daemon
@@ -411,3 +412,28 @@ def test_every_config_file_in_config_loads() -> None:
     for path in files:
         configuration.load(path)
     assert json.dumps(configuration.unstructure(configuration.load(ROOT / "config" / "onebit.toml")))
+
+
+# -- the runtime directory --------------------------------------------------------------------------
+
+
+async def test_leftovers_of_a_crashed_daemon_are_removed_at_start(short_dir: Path, control: Control) -> None:
+    state = short_dir / "state"
+    state.mkdir()
+    (state / "dead-request.state").write_bytes(b"stale")
+    (short_dir / "share-dead-1.sock").write_bytes(b"")
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(fake_decoder_config(short_dir)):
+            left = os.listdir(state) + [n for n in os.listdir(short_dir) if n.startswith("share-")]
+    assert left == []
+
+
+async def test_a_second_daemon_on_the_same_runtime_directory_is_refused(short_dir: Path, control: Control) -> None:
+    config = fake_decoder_config(short_dir)
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(config) as running:
+            second = Daemon(config)
+            with pytest.RaisesGroup(pytest.RaisesExc(ChildError, match=f"pid {os.getpid()}")):
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(second.run)
+            assert running.daemon.admin.path.exists()
