@@ -73,12 +73,16 @@ async def verb_drain(daemon: Managed, args: dict[str, Any], send: Send) -> Any:
         raise AdminError("drain: timeout must be a number of seconds >= 0")
     daemon.start_drain()
     with trio.move_on_after(float("inf") if timeout is None else float(timeout)):
+        count = daemon.inflight_count()
         while True:
-            count = daemon.inflight_count()
             await send({"event": "progress", "inflight": count})
             if count == 0:
                 return {"drained": True}
-            await daemon.wait_inflight_changed()
+            # Checked again right before waiting: a request that ended while the event above was
+            # being sent set the previous event, which nobody waits on any more.
+            while daemon.inflight_count() == count:
+                await daemon.wait_inflight_changed()
+            count = daemon.inflight_count()
     remaining = daemon.statistics()["inflight"]
     raise AdminError(f"drain timed out with {len(remaining)} in flight", remaining=remaining)
 

@@ -1,36 +1,51 @@
 """onebitctl: the operator's command line.
 
+    onebitctl status [--json]               what onebitd is doing, as a table (or its statistics as JSON)
+    onebitctl drain [--timeout S]           refuse new requests, wait for those in flight
+    onebitctl resume                        undo a drain
+    onebitctl watch [--json]                the route lines, live
+    onebitctl reload                        re-read the config file
     onebitctl config show [--config FILE]   the effective configuration, defaults filled in, as TOML
     onebitctl config check FILE             "FILE: ok", or its error lines
 
 Verbs are the :data:`VERBS` registry: a name (its words are nested subcommands, so ``"config show"``
 is ``onebitctl config show``), the arguments it takes, and a handler whose docstring is its help.
 A verb that talks to onebitd goes through :func:`supervisor.admin.call` under the daemon's own name
-for it.
+for it, on ``--socket PATH`` or else the admin socket in the runtime directory of onebitd's config.
 
-Exit status: 0 done; 1 onebitd refused or could not be reached; 2 a usage or configuration error.
-Errors go to stderr as ``onebitctl: <file>: <key.path>: <what>`` lines.
+Exit status: 0 done; 1 onebitd refused or could not be reached; 2 a usage or configuration error;
+130 interrupted (Ctrl-C; ``watch`` ends that way with 0).  Errors go to stderr as
+``onebitctl: <file>: <key.path>: <what>`` lines.
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
+import json
+import math
 import os
 import sys
-from collections.abc import Callable, Sequence
+import tomllib
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
 import tomli_w
+import trio
 
-from . import __version__
+from . import __version__, admin, locate
 from . import config as configuration
 from .errors import ConfigError, OnebitError
+from .routeline import RouteLine
 
 # onebitd's default too (daemon.DEFAULT_CONFIG; a test keeps them equal): importing the daemon here
 # would load the whole server stack for a command that reads one file.
 DEFAULT_CONFIG = "/etc/onebit/onebit.toml"
+# The name onebitd gives its admin socket in its runtime directory (Daemon.admin.path; a test keeps
+# them equal).
+ADMIN_SOCKET = "admin.sock"
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -71,7 +86,10 @@ def default_config() -> str:
 
 
 def _config_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", metavar="FILE", help="default: $ONEBIT_CONFIG, else " + DEFAULT_CONFIG)
+    # SUPPRESS: not given here, it does not hide a --config given before the verb.
+    parser.add_argument(
+        "--config", metavar="FILE", default=argparse.SUPPRESS, help="default: $ONEBIT_CONFIG, else " + DEFAULT_CONFIG
+    )
 
 
 def _file_argument(parser: argparse.ArgumentParser) -> None:
@@ -100,12 +118,316 @@ def config_check(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- talking to onebitd ---------------------------------------------------------------------------
+
+
+def admin_socket(args: argparse.Namespace) -> Path:
+    """--socket PATH, else ``admin.sock`` in the runtime directory of the config onebitd reads.
+
+    Only ``server.runtime_dir`` is read from that file, without onebitd's checks: a config the
+    daemon would refuse (the one ``reload`` is about to report) still leads to the daemon.  The
+    built-in default may be absent (the runtime directory is then the default one); a file named
+    by --config or $ONEBIT_CONFIG must be there.
+    """
+    if args.socket:
+        return Path(args.socket)
+    named = args.config or os.environ.get("ONEBIT_CONFIG")
+    path = Path(named or DEFAULT_CONFIG)
+    hint = "; --socket PATH reaches onebitd without it"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError as exc:
+        if not named:
+            return locate.runtime_dir("") / ADMIN_SOCKET
+        raise ConfigError([f"{path}: cannot read: {exc}{hint}"]) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError([f"{path}: cannot read: {exc}{hint}"]) from None
+    try:
+        server = tomllib.loads(text).get("server", {})
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([f"{path}: not valid TOML: {exc}{hint}"]) from None
+    configured = server.get("runtime_dir", "") if isinstance(server, dict) else ""
+    if not isinstance(configured, str):
+        raise ConfigError([f"{path}: server.runtime_dir: expected a string, got {configured!r}{hint}"])
+    return locate.runtime_dir(configured) / ADMIN_SOCKET
+
+
+def _run(async_fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+    """``trio.run``, with Ctrl-C and a closed stdout raised as themselves.
+
+    They reach us wrapped in a group by every nursery they passed through (trio-websocket's, the
+    admin client's); the verbs, and ``main``, handle the exception itself.
+    """
+    try:
+        return trio.run(async_fn, *args)
+    except BaseExceptionGroup as group:
+        for kind in (KeyboardInterrupt, BrokenPipeError):
+            if group.split(kind)[1] is None:
+                raise kind() from None
+        raise
+
+
+def _call(
+    args: argparse.Namespace,
+    name: str,
+    params: dict[str, Any] | None = None,
+    on_event: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    reply: dict[str, Any] = _run(admin.call, admin_socket(args), name, params, on_event)
+    return reply
+
+
+def _refused(reply: dict[str, Any]) -> int:
+    """onebitd's ``ok: false``: its error, then its lines, on stderr; exit 1."""
+    print(f"onebitctl: {reply.get('error', 'refused')}", file=sys.stderr)
+    for line in reply.get("lines", []):
+        print(f"onebitctl: {line}", file=sys.stderr)
+    return 1
+
+
+def _daemon_options(parser: argparse.ArgumentParser) -> None:
+    # Also accepted before the verb; SUPPRESS keeps an absent one from hiding that.
+    parser.add_argument(
+        "--socket", metavar="PATH", default=argparse.SUPPRESS, help="onebitd's admin socket (default: from the config)"
+    )
+    _config_option(parser)
+
+
+def _json_option(parser: argparse.ArgumentParser, what: str) -> None:
+    _daemon_options(parser)
+    parser.add_argument("--json", action="store_true", help=what)
+
+
+# -- status ---------------------------------------------------------------------------------------
+
+
+def duration(seconds: float) -> str:
+    """A span a person reads at a glance, to its two largest units: 42s, 5m03s, 1h02m, 3d04h."""
+    whole = int(seconds)
+    if whole < 60:
+        return f"{whole}s"
+    minutes, secs = divmod(whole, 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 24:
+        return f"{hours}h{minutes:02d}m"
+    days, hours = divmod(hours, 24)
+    return f"{days}d{hours:02d}h"
+
+
+def age(seconds: float) -> str:
+    """A request's age: tenths of a second while that still means something."""
+    return f"{seconds:.1f}s" if seconds < 60 else duration(seconds)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return str(value)
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+    cells = [list(headers), *([_cell(value) for value in row] for row in rows)]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    return ["  ".join(text.ljust(width) for text, width in zip(row, widths, strict=True)).rstrip() for row in cells]
+
+
+def _counts(counts: dict[str, int]) -> str:
+    return ", ".join(f"{name} {n}" for name, n in sorted(counts.items()))
+
+
+def render_status(stats: dict[str, Any]) -> str:
+    """The status table: what onebitd is doing, for a person."""
+    daemon = stats["daemon"]
+    lines = [f"onebitd {daemon['version']}: {daemon['state']}, pid {daemon['pid']}, up {duration(daemon['uptime_s'])}"]
+    where = [f"config {daemon['config']}"] if daemon.get("config") else []
+    where.append(f"runtime {daemon['runtime_dir']}")
+    if daemon.get("binds"):
+        where.append("listening on " + ", ".join(daemon["binds"]))
+    lines += ["; ".join(where), ""]
+    lines += _table(
+        ("CHILD", "STATE", "PID", "RESTARTS", "LAST EXIT"),
+        [(c["name"], c["state"], c["pid"], c["restarts"], c["last_exit"]) for c in stats["children"]],
+    )
+    lines.append("")
+    if stats["providers"]:
+        lines += _table(
+            ("PROVIDER", "KIND", "READY", "BUSY", "JOBS", "FAILURES"),
+            [(p["name"], p["kind"], p["ready"], p["busy"], p["jobs"], p["failures"]) for p in stats["providers"]],
+        )
+    else:
+        lines.append("providers: none")
+    slots = stats["slots"]
+    lines += [
+        "",
+        f"slots: {slots['busy']} busy, {slots['free']} free of {slots['total']}; "
+        f"queue: {slots['queued']} waiting (limit {slots['queue_limit']})",
+        "",
+    ]
+    if stats["inflight"]:
+        lines += _table(
+            ("IN FLIGHT", "ROUTE", "ENDPOINT", "AGE"),
+            [(r["req"], r["route"], r["endpoint"], age(r["age_s"])) for r in stats["inflight"]],
+        )
+    else:
+        lines.append("in flight: none")
+    requests = _counts(stats["routes"]) or "none yet"
+    if stats["outcomes"]:
+        requests += f" (outcomes: {_counts(stats['outcomes'])})"
+    if stats.get("restore_unused"):
+        requests += f"; restore unused {stats['restore_unused']}"
+    first = stats["first_byte"]
+    if first["n"]:
+        over = f"the last {first['n']} request{'s' if first['n'] != 1 else ''}"
+        first_byte = f"median {first['median_ms']:.1f} ms, p95 {first['p95_ms']:.1f} ms over {over}"
+    else:
+        first_byte = "no requests yet"
+    lines += [
+        "",
+        f"requests: {requests}",
+        f"fallbacks: {_counts(stats['fallbacks']) or 'none'}",
+        f"first byte: {first_byte}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+@verb("status", lambda parser: _json_option(parser, "the raw statistics object, for scripts"))
+def status(args: argparse.Namespace) -> int:
+    """Show what onebitd is doing: its state, children, providers, slots, requests, first-byte times.
+
+    The table is for people.  --json prints onebitd's statistics object (sorted keys) for scripts;
+    supervisor/admin.py's status verb documents it.  Answers in every daemon state.
+    """
+    reply = _call(args, "status")
+    if not reply["ok"]:
+        return _refused(reply)
+    if args.json:
+        print(json.dumps(reply["result"], sort_keys=True))
+    else:
+        sys.stdout.write(render_status(reply["result"]))
+    return 0
+
+
+# -- drain and resume -----------------------------------------------------------------------------
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
+    return value
+
+
+def _drain_options(parser: argparse.ArgumentParser) -> None:
+    _daemon_options(parser)
+    parser.add_argument("--timeout", metavar="S", type=_seconds, help="give up after S seconds (default: wait)")
+
+
+@verb("drain", _drain_options)
+def drain(args: argparse.Namespace) -> int:
+    """Refuse new requests (503, /health says draining) and wait for those in flight to finish.
+
+    Prints "draining: N in flight" as the number changes, then "drained" and exits 0.  With
+    --timeout S it gives up after S seconds: exit 1, naming each request still in flight.  The
+    daemon stays draining either way, until "onebitctl resume" (or a restart).
+    """
+
+    def progress(event: dict[str, Any]) -> None:
+        if event.get("event") == "progress":
+            print(f"draining: {event['inflight']} in flight", flush=True)
+
+    reply = _call(args, "drain", {} if args.timeout is None else {"timeout": args.timeout}, progress)
+    if reply["ok"]:
+        print("drained")
+        return 0
+    _refused(reply)
+    for request in reply.get("remaining", []):
+        print(
+            f"onebitctl: in flight: req={request['req']} route={request['route']} "
+            f"endpoint={request['endpoint']} age={age(request['age_s'])}",
+            file=sys.stderr,
+        )
+    return 1
+
+
+@verb("resume", _daemon_options)
+def resume(args: argparse.Namespace) -> int:
+    """Undo a drain: take new requests again.  Prints "resumed"."""
+    reply = _call(args, "resume")
+    if not reply["ok"]:
+        return _refused(reply)
+    print("resumed")
+    return 0
+
+
+# -- watch ----------------------------------------------------------------------------------------
+
+_ROUTE_FIELDS = frozenset(a.name for a in attrs.fields(RouteLine))
+
+
+def route_logfmt(fields: dict[str, Any]) -> str:
+    """The route line as onebitd logs it (``-`` for what does not apply)."""
+    # Fields a newer daemon added are left out rather than refused.
+    return RouteLine(**{k: v for k, v in fields.items() if k in _ROUTE_FIELDS}).logfmt()
+
+
+@verb("watch", lambda parser: _json_option(parser, "one JSON object per line"))
+def watch(args: argparse.Namespace) -> int:
+    """Print each request's route line as the request ends, until Ctrl-C or onebitd goes away.
+
+    logfmt as onebitd logs it; --json: one JSON object per line (null for what does not apply).
+    Ctrl-C ends it with exit 0; onebitd stopping ends it with exit 1.
+    """
+
+    def show(event: dict[str, Any]) -> None:
+        if event.get("event") == "line":
+            fields = event["line"]
+            print(json.dumps(fields, separators=(",", ":")) if args.json else route_logfmt(fields), flush=True)
+
+    try:
+        reply = _call(args, "watch", None, show)
+    except KeyboardInterrupt:
+        return 0  # Ctrl-C is how a watch ends
+    return 0 if reply["ok"] else _refused(reply)
+
+
+# -- reload ---------------------------------------------------------------------------------------
+
+
+@verb("reload", _daemon_options)
+def reload(args: argparse.Namespace) -> int:
+    """Have onebitd re-read its config file (as SIGHUP does).
+
+    Prints the keys applied live and those that need a restart.  A file with errors is refused:
+    onebitd's error and one line per problem, exit 1; the running config stays.
+    """
+    reply = _call(args, "reload")
+    if not reply["ok"]:
+        return _refused(reply)
+    result = reply["result"]
+    print(f"applied: {', '.join(result['applied']) or 'nothing'}")
+    print(f"needs a restart: {', '.join(result['restart_needed']) or 'nothing'}")
+    return 0
+
+
 # -- the command line ---------------------------------------------------------------------------
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="onebitctl", description="control and inspect onebitd")
     parser.add_argument("--version", action="version", version=f"onebitctl {__version__}")
+    parser.add_argument(
+        "--socket", metavar="PATH", help=f"onebitd's admin socket (default: {ADMIN_SOCKET} in the config's runtime dir)"
+    )
+    parser.add_argument(
+        "--config", metavar="FILE", help="onebitd's config (default: $ONEBIT_CONFIG, else " + DEFAULT_CONFIG + ")"
+    )
     groups: dict[tuple[str, ...], Any] = {(): parser.add_subparsers(metavar="VERB", required=True)}
     for name, entry in VERBS.items():
         words = tuple(name.split())
@@ -138,6 +460,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OnebitError as exc:
         print(f"onebitctl: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        # Whoever read our output stopped (onebitctl watch | head): so do we, quietly, and so does
+        # the interpreter's last flush of stdout.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

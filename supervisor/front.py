@@ -114,7 +114,9 @@ class Front:
         config = HypercornConfig()
         host = self.server.host
         config.bind = [f"[{host}]:{self.server.port}" if ":" in host else f"{host}:{self.server.port}"]
-        config.graceful_timeout = self.server.shutdown_grace_s
+        # The daemon drains in-flight completions itself (up to server.shutdown_grace_s) before it
+        # stops the front; what hypercorn still waits for then is idle keep-alive connections.
+        config.graceful_timeout = 2.0
         config.accesslog = None
         config.errorlog = logging.getLogger("onebit.hypercorn")
         # A slow client may legitimately hold a stream for minutes; idle keep-alive sockets need not.
