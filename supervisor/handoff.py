@@ -75,7 +75,7 @@ class FileHandoff:
                 )
             # A stat of a local file, synchronously: a worker thread here would be a checkpoint that
             # lets the clock run (and costs more than the stat).
-            if not path.is_file():  # noqa: ASYNC240
+            if not path.is_file():
                 return self._fall_back(line, Reason.PROVIDER_FAILED, f"provider {provider.name} wrote no state file")
             return await self._restore(slot, path, expected, line)
         finally:

@@ -41,6 +41,9 @@ log = logging.getLogger("onebit.hybrid")
 _MAX_HEADER = 1 << 20
 # Regions per share: one per backend buffer; more than this is not a layout, it is a bug.
 _MAX_FDS = 64
+# The erase after a cancelled share runs shielded; a local erase answers in milliseconds, and a hung
+# decoder must not hold a cancellation (a client gone, a shutdown) for longer than this.
+_ERASE_ON_CANCEL_S = 2.0
 
 
 class ShareRefused(OnebitError):
@@ -264,6 +267,13 @@ class ShareHandoff:
                     slot, line, Reason.ADOPT_REFUSED, f"adopt answered {status}: {_error_text(status, data)}"
                 )
             return Route.SHARE
+        except BaseException:
+            # Abandoned after the handshake (the client left, so Cancelled, often in the group the
+            # provider's nursery wraps it in): the provider may have written rows over the slot's cells,
+            # which the next request with a matching prefix would decode from.  Re-raised unchanged.
+            with trio.CancelScope(shield=True), trio.move_on_after(_ERASE_ON_CANCEL_S):
+                await self._erase(slot)
+            raise
         finally:
             region.close()
 

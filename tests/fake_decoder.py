@@ -41,7 +41,7 @@ file, then ``os.replace``); a file that cannot be read or parsed counts as absen
                                                    ``restore-held`` once), giving up if the client leaves
     FAKE_DECODER_RESTORE_REFUSE   restore_refuse   restores answer 400, as for a file saved elsewhere
     FAKE_DECODER_RESTORE_WRONG_N  restore_wrong_n  a restore loads the file but answers one token short
-    FAKE_KVSHARE_REFUSE           kvshare_refuse   ?action=share answers 400, as llama-server does for a
+    FAKE_KVSHARE_REFUSE           kvshare_refuse   ?action=share answers 400, as the NPU fork does for a
                                                    hybrid model's cache
     FAKE_KVSHARE_NO_ID            kvshare_no_id    ?action=share answers 200 without a share_id
     FAKE_KVSHARE_NO_CONNECT       kvshare_no_connect  ... answers a share_id but never connects
@@ -62,14 +62,17 @@ one arrived (llama-server would have made it wait: a client that pins slots must
 ``disconnected`` says the client closed the connection before the reply ended.  A start writes
 ``{"event": "start", "pid": ..., "argv": [...]}``; a completion also writes ``{"event": "arrived", "seq",
 "id_slot", "slot"}`` as soon as it has its slot, so a test can see which requests are in flight where.
+Each slot action writes ``{"event": "<action>", "slot", ...}`` with what it did (``n_restored``,
+``n_adopted``, ``refused``, ``disconnected``), and a held restore ``{"event": "restore-held"}``.
 
 The slot cache.  Each slot holds the tokens of its KV cells.  A completion on a slot whose cells hold a
 prefix of its prompt evaluates only the rest (``prompt_n`` = prompt - cached, at least 1, as llama-server
 re-evaluates the last token for its logits; ``cache_n`` = cached), and its reply is the same as from an
 empty slot.  Cells that came from a handoff (a restore or an adopt) are taken as the prompt's, for as
-many positions as they cover, without comparing tokens, as the real decoder does with a state it was
-handed: when they hold other tokens than the prompt's, the reply is derived from them (its first word
-``stale-kv``), so a broken handoff shows as a wrong answer and not only as a slow one.
+many positions as they cover, without comparing tokens: a handed-over state's token ids are only labels
+on its KV, and KV computed for other tokens decodes to a wrong answer.  So when they hold other tokens
+than the prompt's, the reply is derived from them (its first word ``stale-kv``), and a broken handoff
+shows as a wrong answer, not only as a slow one.
 
 Slot actions, ``POST /slots/<id>?action=...`` (a filename with a path separator is refused with 400
 "Invalid filename", as llama-server's validation does):
@@ -86,6 +89,9 @@ Slot actions, ``POST /slots/<id>?action=...`` (a filename with a path separator 
                                    that are right (:func:`expected_row`) from position 0 up to the first
                                    wrong or missing one, so a short region makes the next completion
                                    evaluate the rest.  Logs ``n_adopted``
+
+A lent region is the slot's own KV: until an adopt or an erase ends the share, rows written into it
+have overwritten the slot's cells, and a completion that reuses those cells answers from the rows.
 
 Booleans in the environment: empty, ``0``, ``false`` and ``no`` are false.
 
@@ -151,17 +157,18 @@ class Modes:
     kvshare_regions: int = 2
 
 
+_FLOAT_MODES = ("load_s", "token_delay_s")
+_INT_MODES = ("exit", "exit_starts", "unhealthy_after", "kvshare_regions")
+
+
 def _parse_env(name: str, raw: str) -> Any:
-    if name in ("loading", "hang", "hold", "ignore_sigterm", "hold_restore") or name.startswith(
-        ("restore_", "kvshare_")
-    ):
-        if name != "kvshare_regions":
-            return raw.strip().lower() not in ("", "0", "false", "no")
-    if name in ("load_s", "token_delay_s"):
+    if name in _FLOAT_MODES:
         return float(raw)
-    if name in ("exit", "exit_starts", "unhealthy_after", "kvshare_regions"):
+    if name in _INT_MODES:
         return int(raw)
-    return raw
+    if name == "log":
+        return raw
+    return raw.strip().lower() not in ("", "0", "false", "no")
 
 
 def env_name(mode: str) -> str:
@@ -285,6 +292,7 @@ class Share:
     def __init__(self, share_id: str, slot: int, n_ctx: int, n_regions: int) -> None:
         self.share_id = share_id
         self.slot = slot
+        self.n_ctx = n_ctx
         self.tensors: list[dict[str, Any]] = []
         tensor_size = _align(n_ctx * SHARE_ROW_BYTES)
         sizes = [0] * n_regions
@@ -319,6 +327,22 @@ class Share:
         except BaseException:
             self.close()
             raise
+
+    def written(self, pos: int) -> int | None:
+        """What a provider wrote at ``pos``: its token (-1 for rows that are not a token's), or None."""
+        rows = []
+        for tensor in self.tensors:
+            start = tensor["offset"] + pos * SHARE_ROW_BYTES
+            rows.append(self.maps[tensor["region"]][start : start + SHARE_ROW_BYTES])
+        if not any(any(row) for row in rows) or len(rows[0]) < SHARE_ROW_BYTES:
+            return None
+        token = int.from_bytes(rows[0][:4], "big")
+        if all(
+            row == expected_row(token, pos, t["name"], SHARE_ROW_BYTES)
+            for row, t in zip(rows, self.tensors, strict=True)
+        ):
+            return token
+        return -1
 
     def valid_tokens(self, n_tokens: int) -> list[int]:
         """The tokens whose rows are right in every tensor, from position 0 to the first that is not."""
@@ -421,8 +445,21 @@ class Fake:
                     common += 1
             # llama-server evaluates at least the prompt's last token again, to get its logits.
             cache_n = max(0, min(common, len(prompt) - 1))
-            stale = list(cached[:cache_n]) if cached[:cache_n] != prompt[:cache_n] else None
+            content = self.content(slot)
+            stale = content[:cache_n] if content[:cache_n] != prompt[:cache_n] else None
             return Claimed(slot, busy, self.seq, cache_n, stale)
+
+    def content(self, slot: int) -> list[int]:
+        """What the slot's cells really hold: a lent region is the slot's KV, so rows a provider wrote
+        into a share that was neither adopted nor erased have overwritten the cells under their tokens."""
+        content = list(self.cache[slot])
+        for share in self.shares.values():
+            if share.slot == slot:
+                for pos in range(min(len(content), share.n_ctx)):
+                    written = share.written(pos)
+                    if written is not None:
+                        content[pos] = written
+        return content
 
     def release(self, slot: int, tokens: list[int]) -> None:
         with self.lock:
@@ -698,6 +735,14 @@ SlotAction = Callable[[Exchange, int], None]
 SLOT_ACTIONS: dict[str, SlotAction] = {}
 
 
+def slot_action_named(name: str) -> Callable[[SlotAction], SlotAction]:
+    def register(fn: SlotAction) -> SlotAction:
+        SLOT_ACTIONS[name] = fn
+        return fn
+
+    return register
+
+
 @route("POST", "/slots/", prefix=True)
 def slot_action(ex: Exchange) -> None:
     try:
@@ -709,10 +754,187 @@ def slot_action(ex: Exchange) -> None:
     action = ex.query.get("action", "")
     handler = SLOT_ACTIONS.get(action)
     if handler is None:
-        if action in ("save", "restore", "erase"):
-            raise HttpError(501, f"fake decoder: slot action {action!r} is not implemented")
         raise HttpError(400, "Invalid action")
     handler(ex, slot)
+
+
+# llama-server's own words for a restore that could not load the file.
+RESTORE_FAILED = "Unable to restore slot, no available space in KV cache or invalid slot save file"
+# The refusal the NPU fork answers for a hybrid model's cache (hybrid-route PR #1203).
+SHARE_REFUSED = "the KV cache of a hybrid model cannot be shared"
+
+
+def _state_path(ex: Exchange) -> tuple[str, Path]:
+    """The request's filename and where it lives; refused as llama-server's fs_validate_filename does."""
+    save_path = ex.fake.settings.slot_save_path
+    if not save_path:
+        raise HttpError(501, "This server does not support slots action. Start it with `--slot-save-path`")
+    name = ex.json().get("filename")
+    if not isinstance(name, str) or not name or name in (".", "..") or any(c in name for c in "/\\\0"):
+        raise HttpError(400, "Invalid filename")
+    return name, Path(save_path) / name
+
+
+def _is_token_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _elapsed_ms(started: float) -> float:
+    return round((time.monotonic() - started) * 1000, 3)
+
+
+@slot_action_named("save")
+def slot_save(ex: Exchange, slot: int) -> None:
+    started = time.monotonic()
+    name, path = _state_path(ex)
+    with ex.fake.lock:
+        tokens = list(ex.fake.cache[slot])
+    data = json.dumps({"fake_state": True, "tokens": tokens}).encode()
+    path.write_bytes(data)
+    ex.fake.log({"event": "save", "slot": slot, "filename": name, "n_saved": len(tokens)})
+    ex.reply(
+        200,
+        {
+            "id_slot": slot,
+            "filename": name,
+            "n_saved": len(tokens),
+            "n_written": len(data),
+            "timings": {"save_ms": _elapsed_ms(started)},
+        },
+    )
+
+
+@slot_action_named("restore")
+def slot_restore(ex: Exchange, slot: int) -> None:
+    started = time.monotonic()
+    name, path = _state_path(ex)
+    fake = ex.fake
+    held = False
+    while fake.modes.current().hold_restore:
+        if not held:
+            held = True
+            fake.log({"event": "restore-held", "slot": slot, "filename": name})
+        if ex.gone(POLL_S):
+            fake.log({"event": "restore", "slot": slot, "filename": name, "disconnected": True})
+            raise ClientGone()
+    try:
+        raw = path.read_bytes()
+        state = json.loads(raw)
+    except (OSError, ValueError):
+        raw, state = b"", None
+    tokens = state.get("tokens") if isinstance(state, dict) and state.get("fake_state") is True else None
+    modes = fake.modes.current()
+    if modes.restore_refuse or not _is_token_list(tokens):
+        fake.log({"event": "restore", "slot": slot, "filename": name, "refused": True})
+        raise HttpError(400, RESTORE_FAILED)
+    assert isinstance(tokens, list)
+    fake.hand_over(slot, tokens)
+    n_restored = len(tokens) - 1 if modes.restore_wrong_n else len(tokens)
+    fake.log({"event": "restore", "slot": slot, "filename": name, "n_restored": n_restored, "tokens": tokens})
+    ex.reply(
+        200,
+        {
+            "id_slot": slot,
+            "filename": name,
+            "n_restored": n_restored,
+            "n_read": len(raw),
+            "timings": {"restore_ms": _elapsed_ms(started)},
+        },
+    )
+
+
+@slot_action_named("erase")
+def slot_erase(ex: Exchange, slot: int) -> None:
+    n_erased = ex.fake.erase(slot)
+    ex.fake.log({"event": "erase", "slot": slot, "n_erased": n_erased})
+    ex.reply(200, {"id_slot": slot, "n_erased": n_erased})
+
+
+@slot_action_named("share")
+def slot_share(ex: Exchange, slot: int) -> None:
+    body = ex.json()
+    fake = ex.fake
+    modes = fake.modes.current()
+    path = body.get("socket")
+    n_tokens = body.get("n_tokens")
+    n_ctx = fake.settings.ctx_size // fake.settings.parallel
+    fake.log({"event": "share", "slot": slot, "n_tokens": n_tokens})
+    if modes.kvshare_refuse:
+        # Exactly the fork's body, which onebitd quotes in its log line.
+        ex.reply(400, {"error": {"message": SHARE_REFUSED}})
+        return
+    if not isinstance(path, str) or not path:
+        raise HttpError(400, "'socket' must be a path")
+    if not isinstance(n_tokens, int) or isinstance(n_tokens, bool) or not 0 < n_tokens <= n_ctx:
+        raise HttpError(400, f"'n_tokens' must be between 1 and {n_ctx}")
+    if modes.kvshare_no_id:
+        ex.reply(200, {"id_slot": slot, "n_tokens": n_tokens})
+        return
+    with fake.lock:
+        fake.share_seq += 1
+        share_id = f"s-{os.getpid()}-{fake.share_seq}"
+    share = Share(share_id, slot, n_ctx, 1 if modes.kvshare_regions == 1 else 2)
+    with fake.lock:
+        # A slot lends its cells once: a share nobody adopted is dropped by the next.
+        replaced = [s for s in fake.shares.values() if s.slot == slot]
+        for old in replaced:
+            del fake.shares[old.share_id]
+        fake.shares[share_id] = share
+    for old in replaced:
+        old.close()
+    ex.reply(200, {"id_slot": slot, "share_id": share_id, "n_tokens": n_tokens})
+    if modes.kvshare_no_connect:
+        return
+    # The fds are the header's regions, in order; a bad header leaves one out.
+    _send_header(path, share.header, share.fds[:-1] if modes.kvshare_bad_header else share.fds)
+
+
+def _send_header(path: str, header: dict[str, Any], fds: list[int]) -> None:
+    payload = json.dumps(header).encode()
+    message = struct.pack(">I", len(payload)) + payload
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(5.0)  # onebitd accepts at once or has given up on the share
+        try:
+            sock.connect(path)
+            rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
+            sent = sock.sendmsg([message], rights)
+            sock.sendall(message[sent:])
+        except OSError:
+            pass  # it went away (the request was cancelled): the share is simply never adopted
+
+
+@slot_action_named("adopt")
+def slot_adopt(ex: Exchange, slot: int) -> None:
+    body = ex.json()
+    fake = ex.fake
+    share_id = body.get("share_id")
+    n_tokens = body.get("n_tokens")
+    record: dict[str, Any] = {"event": "adopt", "slot": slot, "share_id": share_id, "n_tokens": n_tokens}
+    with fake.lock:
+        share = fake.shares.get(share_id) if isinstance(share_id, str) else None
+        if share is not None and share.slot == slot:
+            del fake.shares[share.share_id]
+        else:
+            share = None
+    try:
+        if share is None:
+            refusal = f"Cannot adopt the shared cells: slot {slot} lent no share {share_id!r}"
+        elif fake.modes.current().kvshare_adopt_refuse:
+            refusal = "Cannot adopt the shared cells: another sequence holds them"
+        elif not isinstance(n_tokens, int) or isinstance(n_tokens, bool) or n_tokens < 0:
+            refusal = "Cannot adopt the shared cells: 'n_tokens' must be a count"
+        else:
+            refusal = None
+            tokens = share.valid_tokens(n_tokens)
+    finally:
+        if share is not None:
+            share.close()
+    if refusal is not None:
+        fake.log({**record, "refused": refusal})
+        raise HttpError(400, refusal)
+    fake.hand_over(slot, tokens)
+    fake.log({**record, "n_adopted": len(tokens)})
+    ex.reply(200, {"id_slot": slot, "share_id": share_id, "n_adopted": len(tokens)})
 
 
 @route("POST", "/tokenize")
@@ -817,8 +1039,13 @@ def completion(ex: Exchange) -> None:
     job = parse_job(ex.path, body)
     fake = ex.fake
     prompt_tokens = fake.tokenize(job.prompt)
-    job.slot, slot_busy, job.seq, cache_n = fake.claim(body.get("id_slot"), prompt_tokens)
+    claimed = fake.claim(body.get("id_slot"), prompt_tokens)
+    job.slot, slot_busy, job.seq, cache_n = claimed.slot, claimed.busy, claimed.seq, claimed.cache_n
     job.id = f"{'chatcmpl' if job.chat else 'cmpl'}-fake{os.getpid()}x{job.seq}"
+    fake.log({"event": "arrived", "seq": job.seq, "id_slot": body.get("id_slot"), "slot": job.slot})
+    if claimed.stale is not None:
+        # Decoding from cells that hold another prompt: a wrong answer, as the real decoder gives.
+        job.echo = ["stale-kv", *(fake.word(t) for t in claimed.stale)]
     words = [job.echo[i % len(job.echo)] for i in range(job.n_predict)]
     sent = 0
     logged = False
@@ -846,6 +1073,8 @@ def completion(ex: Exchange) -> None:
                 "sent": sent,
                 "finished": finished,
                 "disconnected": disconnected,
+                "cache_n": cache_n,
+                "prompt_n": len(prompt_tokens) - cache_n,
             }
         )
 

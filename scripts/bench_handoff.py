@@ -1,0 +1,255 @@
+"""``scripts/bench handoff``: what the file route costs and what it buys, measured side by side.
+
+Part 1, per prompt size (about 256, 1024 and 2048 tokens): the provider's prefill, its save, the
+decoder's restore, the state file's size, the decoder's own prompt evaluation on each route, and the
+time to first byte of the plain route (the decoder prefills) against the file route (through
+onebitd: tokenize, provider prefill, save, restore, decode).  Plain and hybrid requests alternate.
+
+Part 2, decode isolation: one stream is decoding when a 2k-token prompt arrives; the stream's
+longest gap between two tokens with that prompt on the plain route (the decoder prefills it between
+the stream's tokens) against the file route (a provider on another core prefills it).  Decoder and
+provider are pinned to different cores (``cpu_affinity``).
+
+Figures are ratios between the two routes in the same run, on the same processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+import trio
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from supervisor import config as configuration  # noqa: E402
+from supervisor.child import ChildState  # noqa: E402
+from supervisor.config import Config  # noqa: E402
+from supervisor.daemon import Daemon  # noqa: E402
+from supervisor.provider_llama import LlamaServerProvider  # noqa: E402
+
+TIMEOUT_S = 600  # one 2k-token prefill on a loaded 2-core machine is seconds, not minutes
+SIZES = (256, 1024, 2048)
+
+
+def arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rounds", type=int, default=3, help="alternating plain/hybrid rounds per size (3)")
+    parser.add_argument("--quick", action="store_true", help="one round, 256 and 1024 tokens, a short stream")
+
+
+def handoff_config(runtime_dir: Path) -> Config:
+    cpus = sorted(os.sched_getaffinity(0))
+    decoder_cpus, provider_cpus = ([cpus[0]], [cpus[1]]) if len(cpus) >= 2 else (cpus, cpus)
+    data = configuration.unstructure(Config())
+    data["server"].update(port=0, runtime_dir=str(runtime_dir), shutdown_grace_s=10.0)
+    # Two slots of 4096 tokens: a 2048-token prompt and its reply fit one.
+    data["model"].update(parallel=2, ctx_size=8192)
+    data["decoder"].update(threads=len(decoder_cpus), cpu_affinity=decoder_cpus)
+    data["hybrid"].update(enabled=True, min_prompt_tokens=64)
+    data["provider"] = [
+        {"kind": "llama-server", "name": "bench", "threads": len(provider_cpus), "cpu_affinity": provider_cpus}
+    ]
+    config = configuration.structure(data, "bench")
+    configuration.check(config, "bench")
+    return config
+
+
+@attrs.frozen
+class Rig:
+    daemon: Daemon
+    front: httpx.AsyncClient
+    decoder: httpx.AsyncClient
+    provider: httpx.AsyncClient
+
+
+@asynccontextmanager
+async def open_rig(config: Config) -> AsyncIterator[Rig]:
+    daemon = Daemon(config)
+    async with trio.open_nursery() as nursery:
+        started = await nursery.start(daemon.run)
+        try:
+            (provider,) = daemon.providers.all
+            assert isinstance(provider, LlamaServerProvider)
+            with trio.fail_after(TIMEOUT_S):
+                await daemon.decoder.wait_state(ChildState.READY)
+                await provider.child.wait_state(ChildState.READY)
+            timeout = httpx.Timeout(TIMEOUT_S)
+            decoder_t = httpx.AsyncHTTPTransport(uds=str(daemon.launcher.socket))
+            provider_t = httpx.AsyncHTTPTransport(uds=str(provider.launcher.socket))
+            async with (
+                httpx.AsyncClient(base_url=started.binds[0], timeout=timeout) as front,
+                httpx.AsyncClient(transport=decoder_t, base_url="http://d", timeout=timeout) as decoder,
+                httpx.AsyncClient(transport=provider_t, base_url="http://p", timeout=timeout) as provider_client,
+            ):
+                yield Rig(daemon, front, decoder, provider_client)
+        finally:
+            daemon.request_stop()
+
+
+async def prompt_of(decoder: httpx.AsyncClient, n_tokens: int, salt: int) -> tuple[str, int]:
+    """A text prompt of about ``n_tokens`` tokens (by the decoder's tokenizer), different per salt."""
+    words = " ".join(f"item {salt}-{i} is {i * 7 % 101} units;" for i in range(n_tokens))
+    tokens = (await decoder.post("/tokenize", json={"content": words})).json()["tokens"][:n_tokens]
+    text = (await decoder.post("/detokenize", json={"tokens": tokens})).json()["content"]
+    count = len((await decoder.post("/tokenize", json={"content": text, "add_special": True})).json()["tokens"])
+    return text, count
+
+
+async def first_byte_ms(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    """Time to the first streamed token, and the last chunk's timings."""
+    start = trio.current_time()
+    first: float | None = None
+    timings: dict[str, Any] = {}
+    async with client.stream("POST", path, json=body) as reply:
+        if reply.status_code != 200:
+            raise RuntimeError(f"{path} answered {reply.status_code}: {(await reply.aread())[:300]!r}")
+        async for line in reply.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if first is None and data.get("content"):
+                first = trio.current_time()
+            timings = data.get("timings", timings)
+    assert first is not None, "no token came"
+    return (first - start) * 1000, timings
+
+
+async def direct_handoff(rig: Rig, prompt: str, slot: int, name: str) -> dict[str, float]:
+    """The file route's steps by hand, to time save and restore apart from the rest."""
+    tokens = (await rig.decoder.post("/tokenize", json={"content": prompt, "add_special": True})).json()["tokens"]
+    done = (await rig.provider.post("/completion", json={"prompt": tokens, "n_predict": 0, "id_slot": 0})).json()
+    saved = (await rig.provider.post("/slots/0?action=save", json={"filename": name})).json()
+    restored = (await rig.decoder.post(f"/slots/{slot}?action=restore", json={"filename": name})).json()
+    (rig.daemon.state_dir / name).unlink(missing_ok=True)
+    await rig.decoder.post(f"/slots/{slot}?action=erase", json={})
+    return {
+        "prefill_ms": done["timings"]["prompt_ms"],
+        "save_ms": saved["timings"]["save_ms"],
+        "restore_ms": restored["timings"]["restore_ms"],
+        "bytes": saved["n_written"],
+    }
+
+
+async def sizes(rig: Rig, rounds: int, chosen: tuple[int, ...]) -> list[dict[str, Any]]:
+    rows = []
+    for size in chosen:
+        plain_fb: list[float] = []
+        hybrid_fb: list[float] = []
+        plain_prompt_ms: list[float] = []
+        plain_n: list[int] = []
+        hybrid_n: list[int] = []
+        steps: list[dict[str, float]] = []
+        count = 0
+        for r in range(rounds):
+            prompt, count = await prompt_of(rig.decoder, size, salt=size * 100 + r)
+            body = {"prompt": prompt, "n_predict": 4, "temperature": 0, "stream": True}
+            # Plain: the decoder prefills, no cache to help it.
+            ms, timings = await first_byte_ms(rig.decoder, "/completion", {**body, "cache_prompt": False, "id_slot": 1})
+            plain_fb.append(ms)
+            plain_prompt_ms.append(timings["prompt_ms"])
+            plain_n.append(timings["prompt_n"])
+            # Hybrid, through onebitd: a fresh prompt (a new salt) so nothing is cached anywhere.
+            prompt2, _ = await prompt_of(rig.decoder, size, salt=size * 100 + r + 50)
+            ms, timings = await first_byte_ms(rig.front, "/completion", {**body, "prompt": prompt2})
+            hybrid_fb.append(ms)
+            hybrid_n.append(timings["prompt_n"])
+            prompt3, _ = await prompt_of(rig.decoder, size, salt=size * 100 + r + 90)
+            steps.append(await direct_handoff(rig, prompt3, slot=1, name=f"bench-{size}-{r}.state"))
+        median = statistics.median
+        rows.append(
+            {
+                "tokens": count,
+                "provider_prefill_ms": median(s["prefill_ms"] for s in steps),
+                "save_ms": median(s["save_ms"] for s in steps),
+                "restore_ms": median(s["restore_ms"] for s in steps),
+                "state_bytes": int(median(s["bytes"] for s in steps)),
+                "decoder_prefill_ms": median(plain_prompt_ms),
+                "plain_prompt_n": int(median(plain_n)),
+                "hybrid_prompt_n": int(median(hybrid_n)),
+                "plain_first_byte_ms": median(plain_fb),
+                "hybrid_first_byte_ms": median(hybrid_fb),
+            }
+        )
+    return rows
+
+
+async def longest_gap(
+    rig: Rig, stream_client: httpx.AsyncClient, intruder: httpx.AsyncClient, plain: bool, n: int
+) -> float:
+    """A stream decodes; after its 8th token a 2k-token prompt arrives; its longest inter-token gap."""
+    prompt, _ = await prompt_of(rig.decoder, 2048, salt=7000 + (0 if plain else 1))
+    gaps: list[float] = []
+    arrived = trio.Event()
+
+    async def stream() -> None:
+        body = {"prompt": "Count slowly: one, two, three,", "n_predict": n, "temperature": 0, "stream": True}
+        last: float | None = None
+        tokens = 0
+        async with stream_client.stream("POST", "/completion", json={**body, "ignore_eos": True}) as reply:
+            async for line in reply.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                now = trio.current_time()
+                if last is not None and arrived.is_set():
+                    gaps.append(now - last)
+                last = now
+                tokens += 1
+                if tokens == 8:
+                    arrived.set()
+
+    async def intrude() -> None:
+        await arrived.wait()
+        extra = {"cache_prompt": False} if plain else {}
+        reply = await intruder.post("/completion", json={"prompt": prompt, "n_predict": 1, **extra})
+        reply.raise_for_status()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stream)
+        nursery.start_soon(intrude)
+    return max(gaps) * 1000
+
+
+async def run(args: argparse.Namespace) -> int:
+    chosen = (256, 1024) if args.quick else SIZES
+    rounds = 1 if args.quick else args.rounds
+    stream_tokens = 64 if args.quick else 160
+    with tempfile.TemporaryDirectory(prefix="ob-bench-", dir="/tmp") as tmp:
+        config = handoff_config(Path(tmp))
+        print(f"cpus: decoder {config.decoder.cpu_affinity}, provider {config.provider[0].cpu_affinity}")
+        async with open_rig(config) as rig:
+            rows = await sizes(rig, rounds, chosen)
+            plain_gaps, hybrid_gaps = [], []
+            for _ in range(rounds):
+                # The stream goes straight to the decoder both times; only the intruder's route differs.
+                plain_gaps.append(await longest_gap(rig, rig.decoder, rig.decoder, True, stream_tokens))
+                hybrid_gaps.append(await longest_gap(rig, rig.decoder, rig.front, False, stream_tokens))
+    print()
+    print("prompt  provider   save   restore  state    decoder   decoder prompt_n  first byte ms     (save+restore)")
+    print("tokens  prefill    ms     ms       MiB      prefill   plain  hybrid     plain   hybrid    / decoder prefill")
+    for row in rows:
+        share = (row["save_ms"] + row["restore_ms"]) / row["decoder_prefill_ms"]
+        print(
+            f"{row['tokens']:>6}  {row['provider_prefill_ms']:>7.1f}  {row['save_ms']:>6.2f}  {row['restore_ms']:>6.2f}"
+            f"  {row['state_bytes'] / 2**20:>7.2f}  {row['decoder_prefill_ms']:>7.1f}  {row['plain_prompt_n']:>6}"
+            f"  {row['hybrid_prompt_n']:>6}  {row['plain_first_byte_ms']:>8.1f} {row['hybrid_first_byte_ms']:>8.1f}"
+            f"    {share:>6.2%}"
+        )
+    plain_gap = statistics.median(plain_gaps)
+    hybrid_gap = statistics.median(hybrid_gaps)
+    print()
+    print("decode isolation: a stream's longest inter-token gap while a 2k-token prompt arrives")
+    print(f"  plain route  {plain_gap:8.1f} ms")
+    print(f"  file route   {hybrid_gap:8.1f} ms")
+    print(f"  ratio file/plain: {hybrid_gap / plain_gap:.3f}")
+    return 0

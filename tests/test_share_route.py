@@ -1,0 +1,515 @@
+"""The share route end to end: onebitd, tests/fake_decoder.py lending its KV as memfds, and
+tests/fake_share_provider.py writing the rows into them.
+
+Every test runs onebitd in-process with the share route on, and checks what the decoder and the
+provider saw (their logs), what onebitd said (its hybrid log and the route line), and what the client
+got.  The fake decoder's slot cache behaves like llama-server's: a slot that holds the prompt evaluates
+one token, a slot that does not evaluates the whole prompt, so ``decoder_prompt_n`` says who prefilled.
+The fallback boundary under test is docs/protocol.md's: a handshake failure takes the state-file route,
+anything after the provider ran goes plain.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+import pytest
+import trio
+
+from supervisor.child import ChildState
+from supervisor.config import Config
+
+from . import fake_decoder, fake_share_provider
+from .conftest import Control, RouteLines, Running, fake_decoder_config, run_daemon
+from .fake_provider import reaped
+from .fake_share_provider import PATH as FAKE_SHARE_PROVIDER
+from .fake_share_provider import events
+
+# Starting Python a few times on two busy cores; nothing here waits for anything slower.
+TIMEOUT = 30
+# Nine tokens with the fake's one-word-one-token tokenizer; min_prompt_tokens is 4.
+PROMPT = "the quick brown fox jumps over the lazy dog"
+M = len(PROMPT.split())
+N_PREDICT = 3
+TAIL = "; the backend prefills this request itself"
+CANNOT_SHARE = "this decoder cannot share its KV, so the state-file route is used"
+
+
+def plain_reply(prompt: str = PROMPT, n: int = N_PREDICT) -> str:
+    """What the fake decoder answers on /completion when it prefills the prompt itself."""
+    words = prompt.split()
+    return " " + " ".join(words[i % len(words)] for i in range(n))
+
+
+@attrs.define
+class Rig:
+    """The files a test reads: the provider's log, its marker, its control file, the runtime dir."""
+
+    runtime: Path
+    control: Control
+    route_lines: RouteLines
+    caplog: pytest.LogCaptureFixture
+    provider_log: Path
+    marker: Path
+    provider_control: Path
+
+    def config(self, *, kind: str = "exec", mode: str = "share", health_interval_s: float = 0.2) -> Config:
+        command = [sys.executable, str(FAKE_SHARE_PROVIDER), *(["--worker"] if kind == "worker" else [])]
+        return fake_decoder_config(
+            self.runtime,
+            hybrid={"enabled": True, "mode": mode, "min_prompt_tokens": 4},
+            provider=[{"kind": kind, "name": "npu0", "command": command}],
+            decoder={
+                "restart": {"backoff_initial_s": 0.01},
+                "health": {"interval_s": health_interval_s, "stop_grace_s": 2.0},
+            },
+        )
+
+    def provider_modes(self, *modes: str) -> None:
+        tmp = self.provider_control.with_suffix(".tmp")
+        tmp.write_text(json.dumps(dict.fromkeys(fake_share_provider.MODES, False) | dict.fromkeys(modes, True)))
+        os.replace(tmp, self.provider_control)
+
+    def jobs(self) -> list[dict[str, Any]]:
+        return events(self.provider_log, "job")
+
+    def written(self) -> list[str]:
+        """The marker's lines: one per job that wrote its region or its state file."""
+        return self.marker.read_text().splitlines() if self.marker.exists() else []
+
+    def decoder(self, event: str) -> list[dict[str, Any]]:
+        return self.control.entries(event)
+
+    def hybrid(self) -> list[str]:
+        return [r.getMessage() for r in self.caplog.records if r.name == "onebit.hybrid"]
+
+    def warnings(self) -> list[str]:
+        return [r.getMessage() for r in self.caplog.records if r.name == "onebit.hybrid" and r.levelno >= 30]
+
+    def leftovers(self) -> list[str]:
+        """Sockets of a share and state files: nothing of a request may outlive it."""
+        found = [p.name for p in self.runtime.glob("share-*")]
+        state = self.runtime / "state"
+        return found + ([p.name for p in state.iterdir()] if state.is_dir() else [])
+
+
+@pytest.fixture
+def rig(
+    short_dir: Path,
+    control: Control,
+    route_lines: RouteLines,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> Rig:
+    for name in list(os.environ):
+        if name.startswith("FAKE_KVSHARE_") or name == "ONEBIT_KV_SHARE":
+            monkeypatch.delenv(name)
+    made = Rig(
+        short_dir,
+        control,
+        route_lines,
+        caplog,
+        short_dir / "provider.log",
+        short_dir / "provider.marker",
+        short_dir / "provider.json",
+    )
+    # The provider inherits onebitd's environment, which is ours.
+    monkeypatch.setenv("FAKE_KVSHARE_LOG", str(made.provider_log))
+    monkeypatch.setenv("FAKE_KVSHARE_MARKER", str(made.marker))
+    monkeypatch.setenv("FAKE_KVSHARE_CONTROL", str(made.provider_control))
+    caplog.set_level(logging.INFO, logger="onebit.hybrid")
+    return made
+
+
+@pytest.fixture
+def fast_connect_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A decoder that never connects is waited for this long; the daemon reads it when it starts.
+    monkeypatch.setattr("supervisor.daemon.SHARE_CONNECT_TIMEOUT_S", 0.5)
+
+
+async def complete(client: httpx.AsyncClient, prompt: str = PROMPT, n: int = N_PREDICT) -> str:
+    reply = await client.post("/completion", json={"prompt": prompt, "n_predict": n})
+    assert reply.status_code == 200, reply.text
+    content: str = reply.json()["content"]
+    return content
+
+
+def client_for(running: Running) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=running.url, timeout=TIMEOUT)
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """For another process's doing, which no trio event announces; callers run under fail_after."""
+    while not condition():  # noqa: ASYNC110
+        await trio.sleep(0.01)
+
+
+async def ready(running: Running, kind: str) -> None:
+    """A worker takes jobs once its ready line came; an exec provider needs nothing."""
+    if kind == "worker":
+        await running.daemon.providers.all[0].child.wait_state(ChildState.READY)  # type: ignore[attr-defined]
+
+
+async def hang_up_when(running: Running, condition: Callable[[], bool]) -> None:
+    """Send a share-route request on a bare socket and close it once ``condition`` holds.
+
+    A bare socket, because httpx leaves unclosed async generators behind when a stream is abandoned."""
+    body = json.dumps({"prompt": PROMPT, "n_predict": N_PREDICT}).encode()
+    host, port = running.url.removeprefix("http://").rsplit(":", 1)
+    async with await trio.open_tcp_stream(host, int(port)) as raw:
+        head = f"POST /completion HTTP/1.1\r\nHost: localhost\r\nContent-Length: {len(body)}\r\n\r\n"
+        await raw.send_all(head.encode() + body)
+        await until(condition)
+
+
+def open_fds() -> list[str]:
+    """What this process's (onebitd's) fds are open on, without inode numbers: a socket by its
+    family and addresses, a pipe as ``pipe``.  Equal lists mean nothing was left open."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except FileNotFoundError:
+            continue  # the directory's own fd, gone by now
+        if target.startswith("socket:"):
+            with socket.socket(fileno=os.dup(int(fd))) as sock:
+                try:
+                    peer = sock.getpeername()
+                except OSError:
+                    peer = None
+                target = f"socket {sock.family.name} {sock.getsockname()!r} -> {peer!r}"
+        elif target.startswith("pipe:"):
+            target = "pipe"
+        found.append(target)
+    return sorted(found)
+
+
+def assert_pinned(rig: Rig, line: dict[str, Any]) -> dict[str, Any]:
+    """The decoder's record of the request: pinned to the slot onebitd held."""
+    [completion] = rig.decoder("completion")[-1:]
+    assert completion["id_slot"] == line["slot"] == completion["slot"]
+    return completion
+
+
+# -- the share route ------------------------------------------------------------------------------
+
+
+def test_the_fake_decoder_and_the_fake_provider_agree_on_every_row() -> None:
+    for token, pos, tensor, row_bytes in [(0, 0, "cache_k_l0", 16), (49151, 4095, "cache_v_l1", 16), (7, 3, "x", 80)]:
+        row = fake_decoder.expected_row(token, pos, tensor, row_bytes)
+        assert row == fake_share_provider.expected_row(token, pos, tensor, row_bytes)
+        assert len(row) == row_bytes
+        assert row[:4] == token.to_bytes(4, "big")
+    # A row for another position or tensor differs: a row written in the wrong place is caught.
+    assert fake_decoder.expected_row(5, 1, "cache_k_l0", 16) != fake_decoder.expected_row(5, 2, "cache_k_l0", 16)
+    assert fake_decoder.expected_row(5, 1, "cache_k_l0", 16) != fake_decoder.expected_row(5, 1, "cache_v_l0", 16)
+
+
+@pytest.mark.parametrize(
+    ("kind", "enable", "regions"),
+    [("exec", "config", 2), ("exec", "env", 2), ("worker", "config", 2), ("exec", "config", 1)],
+    ids=["exec-hybrid.mode", "exec-ONEBIT_KV_SHARE", "worker-hybrid.mode", "exec-one-region"],
+)
+async def test_a_shared_prompt_is_adopted_into_the_pinned_slot_and_the_decoder_evaluates_one_token(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch, kind: str, enable: str, regions: int
+) -> None:
+    if enable == "env":
+        monkeypatch.setenv("ONEBIT_KV_SHARE", "1")
+    rig.control.set(kvshare_regions=regions)
+    config = rig.config(kind=kind, mode="share" if enable == "config" else "file")
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(config) as running, client_for(running) as client:
+            await ready(running, kind)
+            assert await complete(client) == plain_reply()
+            [line] = await rig.route_lines.wait(1)
+    assert (line["route"], line["fallback"], line["outcome"]) == ("share", None, "ok")
+    assert line["share_ms"] > 0
+    assert line["prefill_ms"] == 3.5  # the provider's own number
+    assert line["decoder_prompt_n"] <= 2
+    completion = assert_pinned(rig, line)
+    assert completion["prompt_n"] == 1
+    [share] = rig.decoder("share")
+    [adopt] = rig.decoder("adopt")
+    assert share["slot"] == adopt["slot"] == line["slot"]
+    assert (share["n_tokens"], adopt["n_tokens"], adopt["n_adopted"]) == (M, M, M)
+    [job] = rig.jobs()
+    assert (job["route"], job["n_tokens"]) == ("share", M)
+    assert len(job["fds"]) == regions  # every region the decoder lent reached the provider
+    assert len(rig.written()) == 1
+    assert rig.decoder("restore") == []
+    assert rig.warnings() == []
+    assert rig.leftovers() == []
+
+
+async def test_a_refused_share_takes_the_state_file_route_and_says_so(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("FAKE_KVSHARE_REFUSE", "1")
+    caplog.set_level(logging.INFO, logger="onebit.route")
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(rig.config()) as running, client_for(running) as client:
+            assert await complete(client) == plain_reply()
+            [line] = await rig.route_lines.wait(1)
+    refusal = json.dumps({"error": {"message": fake_decoder.SHARE_REFUSED}})
+    assert rig.warnings() == [f"hybrid: share answered 400: {refusal}; {CANNOT_SHARE}"]
+    assert (line["route"], line["fallback"], line["share_ms"]) == ("file", "share-refused", 0.0)
+    [logfmt] = [r.getMessage() for r in caplog.records if r.name == "onebit.route"]
+    assert " share_ms=0.000 " in logfmt
+    # The provider ran once, on the file route, and its state file is what the decoder restored.
+    [job] = rig.jobs()
+    assert job["route"] == "file"
+    [restore] = rig.decoder("restore")
+    assert restore["filename"] == Path(job["state_file"]).name
+    assert (restore["slot"], restore["n_restored"]) == (line["slot"], M)
+    # The decoder did not prefill the prompt itself.
+    assert line["decoder_prompt_n"] <= 2
+    assert assert_pinned(rig, line)["prompt_n"] == 1
+    assert rig.decoder("adopt") == []
+    assert rig.leftovers() == []
+
+
+@pytest.mark.parametrize(
+    ("mode", "why"),
+    [
+        ("kvshare_no_id", "share answered 200 without a share_id: "),
+        ("kvshare_no_connect", "the decoder did not connect within 0.5s"),
+        ("kvshare_bad_header", "the share header lists 2 regions but 1 fds came with it"),
+    ],
+    ids=["no-share-id", "never-connects", "bad-header"],
+)
+async def test_every_handshake_failure_takes_the_state_file_route(
+    rig: Rig, fast_connect_timeout: None, mode: str, why: str
+) -> None:
+    rig.control.set(**{mode: True})
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(rig.config()) as running, client_for(running) as client:
+            assert await complete(client) == plain_reply()
+            [line] = await rig.route_lines.wait(1)
+            fds = open_fds()
+    [warning] = rig.warnings()
+    assert warning.startswith(f"hybrid: {why}")
+    assert warning.endswith(f"; {CANNOT_SHARE}")
+    assert (line["route"], line["fallback"], line["share_ms"]) == ("file", "share-refused", 0.0)
+    assert [job["route"] for job in rig.jobs()] == ["file"]
+    [restore] = rig.decoder("restore")
+    assert restore["n_restored"] == M
+    assert line["decoder_prompt_n"] <= 2
+    assert not any("memfd:" in target for target in fds)  # a region that came with a bad header was closed
+    assert rig.leftovers() == []
+
+
+async def test_an_adopt_refusal_goes_plain_and_never_takes_the_state_file_route(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_KVSHARE_ADOPT_REFUSE", "1")
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(rig.config()) as running, client_for(running) as client:
+            assert await complete(client) == plain_reply()
+            [line] = await rig.route_lines.wait(1)
+    # The provider did run and write: a file-route retry would pay for the prefill twice.
+    [job] = rig.jobs()
+    assert job["route"] == "share"
+    assert len(rig.written()) == 1
+    [warning] = rig.warnings()
+    assert warning.startswith("hybrid: adopt answered 400: ")
+    assert "Cannot adopt the shared cells" in warning
+    assert warning.endswith(TAIL)
+    assert not any(CANNOT_SHARE in message for message in rig.hybrid())
+    assert (line["route"], line["fallback"]) == ("plain", "adopt-refused")
+    assert rig.decoder("restore") == []
+    [erase] = rig.decoder("erase")
+    assert erase["slot"] == line["slot"]
+    assert line["decoder_prompt_n"] == M
+    assert rig.leftovers() == []
+
+
+async def test_a_short_claim_is_named_and_no_cells_are_adopted(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_KVSHARE_SHORT", "1")
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(rig.config()) as running, client_for(running) as client:
+            assert await complete(client) == plain_reply()
+            [line] = await rig.route_lines.wait(1)
+    assert rig.warnings() == [f"hybrid: provider prefilled {M - 1} of {M} tokens into the shared region{TAIL}"]
+    assert rig.decoder("adopt") == []
+    assert (line["route"], line["fallback"]) == ("plain", "short-claim")
+    # The decoder prefills the whole prompt itself.
+    assert line["decoder_prompt_n"] == M
+    assert assert_pinned(rig, line)["prompt_n"] == M
+    assert [job["route"] for job in rig.jobs()] == ["share"]
+    assert rig.decoder("restore") == []
+
+
+@pytest.mark.parametrize(
+    ("mode", "fallback", "warning"),
+    [
+        ("CRASH", "provider-failed", "hybrid: provider failed: npu0: job {req}: killed by SIGKILL" + TAIL),
+        ("NEGATIVE", "short-claim", f"hybrid: provider prefilled -1 of {M} tokens into the shared region{TAIL}"),
+    ],
+    ids=["crash-after-writing", "negative-claim"],
+)
+async def test_a_provider_that_wrote_the_region_and_then_failed_goes_plain(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch, mode: str, fallback: str, warning: str
+) -> None:
+    monkeypatch.setenv(f"FAKE_KVSHARE_{mode}", "1")
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(rig.config()) as running, client_for(running) as client:
+            assert await complete(client) == plain_reply()
+            [line] = await rig.route_lines.wait(1)
+    assert len(rig.written()) == 1
+    assert rig.warnings() == [warning.format(req=line["req"])]
+    assert (line["route"], line["fallback"]) == ("plain", fallback)
+    assert [job["route"] for job in rig.jobs()] == ["share"]
+    assert (rig.decoder("adopt"), rig.decoder("restore")) == ([], [])
+    assert line["decoder_prompt_n"] == M
+    assert rig.leftovers() == []
+
+
+async def test_a_last_line_that_is_not_a_claim_still_adopts_the_region(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_KVSHARE_GARBAGE", "1")
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(rig.config()) as running, client_for(running) as client:
+            assert await complete(client) == plain_reply()
+            [line] = await rig.route_lines.wait(1)
+    assert (line["route"], line["fallback"]) == ("share", None)
+    [adopt] = rig.decoder("adopt")
+    assert adopt["n_adopted"] == M
+    assert line["decoder_prompt_n"] <= 2
+    assert rig.warnings() == []
+
+
+async def test_a_remembered_refusal_asks_the_decoder_no_more_until_it_restarts(rig: Rig) -> None:
+    rig.control.set(kvshare_refuse=True)
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(rig.config()) as running, client_for(running) as client:
+            decoder = running.daemon.decoder
+            assert await complete(client) == plain_reply()
+            assert len(rig.decoder("share")) == 1
+            # The decoder would share now; the refusal is remembered for its process all the same.
+            rig.control.set()
+            for _ in range(2):
+                assert await complete(client) == plain_reply()
+            assert len(rig.decoder("share")) == 1
+            lines = await rig.route_lines.wait(3)
+            assert [(line["route"], line["fallback"]) for line in lines] == [
+                ("file", "share-refused"),
+                ("file", "share-refused-earlier"),
+                ("file", "share-refused-earlier"),
+            ]
+            assert all(line["decoder_prompt_n"] <= 2 for line in lines)
+            told = "hybrid: this decoder refused to share its KV; the state-file route is used until it restarts"
+            assert rig.hybrid().count(told) == 1
+
+            pid, generation = decoder.pid, decoder.generation
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
+            while not (decoder.generation > generation and decoder.state is ChildState.READY):
+                await decoder.wait_state(*(s for s in ChildState if s is not decoder.state))
+            assert await complete(client) == plain_reply()
+            line = (await rig.route_lines.wait(4))[3]
+    assert len(rig.decoder("share")) == 2
+    assert (line["route"], line["fallback"]) == ("share", None)
+
+
+async def test_a_client_gone_during_the_shared_prefill_kills_the_provider_and_leaves_nothing(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_KVSHARE_HANG", "1")
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(rig.config()) as running:
+            # Hang up once the provider wrote into the region, while it still holds it.
+            await hang_up_when(running, lambda: len(rig.written()) == 1)
+            [line] = await rig.route_lines.wait(1)
+            assert (line["outcome"], line["status"]) == ("cancelled", 499)
+            assert running.daemon.slots.statistics().busy == 0
+            assert running.daemon.providers.all[0].busy == 0
+            [start] = events(rig.provider_log, "start")
+            assert reaped(start["pid"])
+            assert rig.leftovers() == []
+            assert rig.decoder("adopt") == []
+            assert rig.decoder("completion") == []
+
+
+async def test_a_slot_whose_shared_prefill_was_abandoned_is_erased_before_it_serves_again(rig: Rig) -> None:
+    short = "pack my box"  # under min_prompt_tokens: the plain route, on the lowest free slot
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(rig.config()) as running, client_for(running) as client:
+            assert await complete(client, short) == plain_reply(short)
+            rig.provider_modes("hang")
+            await hang_up_when(running, lambda: len(rig.written()) == 1)
+            first, cancelled = await rig.route_lines.wait(2)
+            assert first["slot"] == cancelled["slot"]
+            assert cancelled["outcome"] == "cancelled"
+            # The provider's rows overwrote the cells the short prompt left in that slot; were they
+            # kept, the next request with that prefix would be answered from the abandoned prompt.
+            rig.provider_modes()
+            assert await complete(client, short) == plain_reply(short)
+    [erase] = rig.decoder("erase")
+    assert erase["slot"] == cancelled["slot"]
+    assert rig.decoder("adopt") == []
+
+
+# -- no leak --------------------------------------------------------------------------------------
+
+# One round of the mix: (the provider's modes, does the decoder adopt?), each step two requests.
+ROUND: list[tuple[tuple[str, ...], bool]] = [
+    ((), True),
+    (("short",), True),
+    ((), False),
+    (("negative",), True),
+    (("garbage",), True),
+    (("crash",), True),
+    ((), True),
+    ((), True),
+]
+
+
+async def test_two_hundred_share_requests_with_mixed_failures_leave_no_fd_and_no_file_behind(rig: Rig) -> None:
+    async def one_round(client: httpx.AsyncClient, *, handshake_fails: bool = False) -> None:
+        for modes, adopts in ROUND:
+            rig.provider_modes(*modes)
+            rig.control.set(kvshare_adopt_refuse=not adopts, kvshare_bad_header=handshake_fails)
+            # Two at a time, one per decoder slot: two cores start two providers at once.
+            async with trio.open_nursery() as nursery:
+                for _ in range(2):
+                    nursery.start_soon(one, client)
+
+    async def one(client: httpx.AsyncClient) -> None:
+        assert await complete(client, PROMPT, 1) == plain_reply(PROMPT, 1)
+
+    with trio.fail_after(120):
+        # No health check during the run: it would add a connection to the decoder now and then.
+        config = rig.config(health_interval_s=3600)
+        async with run_daemon(config) as running, client_for(running) as client:
+            await one_round(client)
+            fds_before, files_before = open_fds(), sorted(os.listdir(rig.runtime))
+            for i in range(13):
+                # Halfway, a handshake fails: the rest go the state-file route, which must not leak either.
+                await one_round(client, handshake_fails=i == 6)
+            fds_after, files_after = open_fds(), sorted(os.listdir(rig.runtime))
+            lines = await rig.route_lines.wait(16 * 14)
+    routes = {(line["route"], line["fallback"]) for line in lines}
+    assert {("share", None), ("plain", "adopt-refused"), ("file", "share-refused-earlier")} <= routes
+
+    def pooled(fds: list[str]) -> list[str]:
+        # onebitd's keep-alive connections to the decoder: httpx's pool keeps one per request that
+        # ran at the same time as another (two slots here), however the requests interleaved.
+        return [fd for fd in fds if fd.endswith(f"-> {str(rig.runtime / 'decoder.sock')!r}")]
+
+    assert [fd for fd in fds_after if fd not in pooled(fds_after)] == [
+        fd for fd in fds_before if fd not in pooled(fds_before)
+    ]
+    assert 1 <= len(pooled(fds_after)) <= 2
+    assert files_after == files_before
+    assert rig.leftovers() == []
