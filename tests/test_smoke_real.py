@@ -14,7 +14,7 @@ async def test_a_chat_completion_goes_through_onebitd_to_the_real_decoder(short_
     real_llama_server()
     config = make_config(short_dir, model={"parallel": 2, "ctx_size": 1024})
     with trio.fail_after(120):
-        async with run_daemon(config) as running, httpx.AsyncClient(base_url=running.url) as client:
+        async with run_daemon(config) as running, httpx.AsyncClient(base_url=running.url, timeout=120) as client:
             reply = await client.post(
                 "/v1/chat/completions",
                 json={"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 8, "temperature": 0},
