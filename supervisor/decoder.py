@@ -54,7 +54,14 @@ class DecoderClient:
     def __init__(self, socket: Path, *, max_connections: int = 64) -> None:
         self.socket = socket
         self._client = httpx.AsyncClient(
-            transport=httpx.AsyncHTTPTransport(uds=str(socket), limits=httpx.Limits(max_connections=max_connections)),
+            transport=httpx.AsyncHTTPTransport(
+                uds=str(socket),
+                # llama-server closes an idle keep-alive connection after 5 s (cpp-httplib's
+                # default); reusing one at that moment fails the request.  Retire ours sooner.
+                limits=httpx.Limits(max_connections=max_connections, keepalive_expiry=2.0),
+                # A failed connect (the socket not there yet, a restart) is tried once more.
+                retries=1,
+            ),
             base_url="http://decoder",
             timeout=_TIMEOUT,
         )
