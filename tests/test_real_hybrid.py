@@ -230,3 +230,34 @@ async def test_a_worker_provider_with_its_own_llama_server_serves_the_file_route
     assert worker_pid is not None
     assert not os.path.exists(f"/proc/{worker_pid}")  # noqa: ASYNC240  # reaped: its /proc entry is gone
     assert list((short_dir / "state").iterdir()) == []
+
+
+async def test_with_kv_share_on_a_stock_llama_server_refuses_and_every_request_takes_the_file_route(
+    short_dir: Path, route_lines: RouteLines, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("ONEBIT_KV_SHARE", "1")
+    endpoint = "/v1/chat/completions"
+    questions = (QUESTION, QUESTION + " Be brief.")
+    with caplog.at_level(logging.INFO, logger="onebit.hybrid"), trio.fail_after(180):
+        async with run_daemon(hybrid_config(short_dir)) as running:
+            provider = running.daemon.providers.all[0]
+            await provider.child.wait_state(ChildState.READY)  # type: ignore[attr-defined]
+            expected = [
+                (await plain_reply(running.daemon.launcher.socket, endpoint, body_for(endpoint, False, q)))[0]
+                for q in questions
+            ]
+            async with httpx.AsyncClient(base_url=running.url, timeout=120) as client:
+                got = [await ask(client, endpoint, body_for(endpoint, i == 1, q)) for i, q in enumerate(questions)]
+    assert got == expected
+    first, second = route_lines.lines
+    assert (first["route"], first["fallback"], first["share_ms"]) == ("file", "share-refused", 0.0)
+    assert (second["route"], second["fallback"]) == ("file", "share-refused-earlier")
+    assert first["decoder_prompt_n"] <= 2
+    assert second["decoder_prompt_n"] <= 2
+    refusals = [r.getMessage() for r in caplog.records if "cannot share its KV" in r.getMessage()]
+    # Asked once (the stock server says "Invalid action"), remembered for the second request.
+    assert len(refusals) == 1
+    assert "share answered 400" in refusals[0]
+    assert "Invalid action" in refusals[0]
+    assert list((short_dir / "state").iterdir()) == []
+    assert [n for n in os.listdir(short_dir) if n.startswith("share-")] == []
