@@ -8,12 +8,16 @@ and ``worker`` (provider_worker.py).  The wire contract a vendor implements is d
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
 import attrs
 import trio
+
+from .errors import ProviderError
 
 
 @attrs.frozen
@@ -89,6 +93,27 @@ def parse_claim(line: str) -> Claim:
         if isinstance(prefill_ms, int | float) and not isinstance(prefill_ms, bool)
         else None,
     )
+
+
+@attrs.define
+class JobCounts:
+    """Jobs in progress, started and failed: the same bookkeeping for every provider kind."""
+
+    busy: int = 0
+    jobs: int = 0
+    failures: int = 0
+
+    @contextlib.contextmanager
+    def track(self) -> Iterator[None]:
+        self.busy += 1
+        self.jobs += 1
+        try:
+            yield
+        except ProviderError:
+            self.failures += 1
+            raise
+        finally:
+            self.busy -= 1
 
 
 @attrs.frozen

@@ -17,7 +17,7 @@ import trio
 from .config import ExecProvider as ExecProviderConfig
 from .errors import ChildError, ProviderError
 from .process import ChildProcess, describe_exit
-from .provider import Claim, Job, ProviderStatistics, ShareJob, parse_claim
+from .provider import Claim, Job, JobCounts, ProviderStatistics, ShareJob, parse_claim
 
 # After the program exited, how long its last stdout bytes may take to arrive through the pipe.
 _DRAIN_S = 1.0
@@ -35,9 +35,7 @@ class ExecProvider:
     def __init__(self, spec: ExecProviderConfig) -> None:
         self.name = spec.name
         self.spec = spec
-        self._busy = 0
-        self._jobs = 0
-        self._failures = 0
+        self.counts = JobCounts()
 
     @property
     def ready(self) -> bool:
@@ -45,22 +43,15 @@ class ExecProvider:
 
     @property
     def busy(self) -> int:
-        return self._busy
+        return self.counts.busy
 
     async def run(self, *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started(self)
         await trio.sleep_forever()
 
     async def prefill(self, job: Job) -> Claim:
-        self._busy += 1
-        self._jobs += 1
-        try:
+        with self.counts.track():
             return await self._run_job(job)
-        except ProviderError:
-            self._failures += 1
-            raise
-        finally:
-            self._busy -= 1
 
     async def _run_job(self, job: Job) -> Claim:
         try:
@@ -111,8 +102,8 @@ class ExecProvider:
             name=self.name,
             kind=self.kind,
             ready=True,
-            busy=self._busy,
-            jobs=self._jobs,
-            failures=self._failures,
+            busy=self.counts.busy,
+            jobs=self.counts.jobs,
+            failures=self.counts.failures,
             child=None,
         )

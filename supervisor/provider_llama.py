@@ -19,7 +19,7 @@ from .config import Config
 from .config import LlamaServerProvider as LlamaServerProviderConfig
 from .errors import DecoderError, ProviderError
 from .llama_server import LlamaServerLauncher
-from .provider import Claim, Job, PrefillJob, ProviderStatistics
+from .provider import Claim, Job, JobCounts, PrefillJob, ProviderStatistics
 from .slots import SlotPool
 
 
@@ -42,9 +42,7 @@ class LlamaServerProvider:
         self.child = Child(self.launcher, spec.health, spec.restart, cpu_affinity=spec.cpu_affinity)
         # Its own slots, as many as the decoder's (-np is shared); jobs beyond that wait their turn.
         self.slots = SlotPool(config.model.parallel, queue_limit=1 << 16)
-        self._busy = 0
-        self._jobs = 0
-        self._failures = 0
+        self.counts = JobCounts()
 
     @property
     def ready(self) -> bool:
@@ -52,7 +50,7 @@ class LlamaServerProvider:
 
     @property
     def busy(self) -> int:
-        return self._busy
+        return self.counts.busy
 
     async def run(self, *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -66,16 +64,9 @@ class LlamaServerProvider:
             raise ProviderError(f"{self.name}: a llama-server provider cannot write a shared region")
         if job.state_file.parent != self.state_dir:
             raise ProviderError(f"{self.name}: state file {job.state_file} is outside {self.state_dir}")
-        self._busy += 1
-        self._jobs += 1
-        try:
+        with self.counts.track():
             async with self.slots.hold() as slot:
                 return await self._prefill_in(slot, job)
-        except ProviderError:
-            self._failures += 1
-            raise
-        finally:
-            self._busy -= 1
 
     async def _prefill_in(self, slot: int, job: PrefillJob) -> Claim:
         client = self.launcher.client
@@ -106,9 +97,9 @@ class LlamaServerProvider:
             name=self.name,
             kind=self.kind,
             ready=self.ready,
-            busy=self._busy,
-            jobs=self._jobs,
-            failures=self._failures,
+            busy=self.counts.busy,
+            jobs=self.counts.jobs,
+            failures=self.counts.failures,
             child=converter.unstructure(self.child.statistics()),
         )
 

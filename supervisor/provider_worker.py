@@ -29,7 +29,7 @@ from .child import Child, ChildState
 from .config import WorkerProvider as WorkerProviderConfig
 from .config import converter
 from .errors import ProviderError
-from .provider import Claim, Job, ProviderStatistics, ShareJob, parse_claim
+from .provider import Claim, Job, JobCounts, ProviderStatistics, ShareJob, parse_claim
 
 log = logging.getLogger("onebit.provider")
 
@@ -116,9 +116,7 @@ class WorkerProvider:
         self._capacity = trio.Semaphore(spec.concurrency)
         self._life: _Life | None = None
         self._lives_send, self._lives_receive = trio.open_memory_channel[_Life](16)
-        self._busy = 0
-        self._jobs = 0
-        self._failures = 0
+        self.counts = JobCounts()
 
     @property
     def ready(self) -> bool:
@@ -126,7 +124,7 @@ class WorkerProvider:
 
     @property
     def busy(self) -> int:
-        return self._busy
+        return self.counts.busy
 
     def _begin_life(self, ours: socket.socket) -> None:
         if self._life is not None:
@@ -197,16 +195,9 @@ class WorkerProvider:
         pending.done.set()
 
     async def prefill(self, job: Job) -> Claim:
-        self._busy += 1
-        self._jobs += 1
-        try:
+        with self.counts.track():
             async with self._capacity:
                 return await self._run_job(job)
-        except ProviderError:
-            self._failures += 1
-            raise
-        finally:
-            self._busy -= 1
 
     async def _run_job(self, job: Job) -> Claim:
         life = self._life
@@ -247,8 +238,8 @@ class WorkerProvider:
             name=self.name,
             kind=self.kind,
             ready=self.ready,
-            busy=self._busy,
-            jobs=self._jobs,
-            failures=self._failures,
+            busy=self.counts.busy,
+            jobs=self.counts.jobs,
+            failures=self.counts.failures,
             child=converter.unstructure(self.child.statistics()),
         )
