@@ -1,7 +1,7 @@
 """A real ``worker`` provider for tests: one long-lived llama-server prefills every job and saves a
 real llama.cpp slot state file, proving the worker contract end to end.
 
-    llama_worker_provider.py LLAMA_SERVER STATE_DIR [llama-server model args: -m ... -c ... -np ...]
+    llama_worker_provider.py LLAMA_SERVER STATE_DIR WORK_DIR [llama-server model args: -m ... -c ... -np ...]
 
 Reads jobs as JSON lines from the socket in ``ONEBIT_PROVIDER_FD``, answers one claim line per job
 (with its id), and says ``{"ready": true}`` once its llama-server is healthy.  Its llama-server is
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -25,9 +26,10 @@ from llama_exec_provider import call  # type: ignore[import-not-found]
 
 
 def main() -> int:
-    binary, state_dir, *model_args = sys.argv[1:]
+    binary, state_dir, work_dir, *model_args = sys.argv[1:]
     channel = socket.socket(fileno=int(os.environ["ONEBIT_PROVIDER_FD"]))
-    with tempfile.TemporaryDirectory(prefix="ob-wk-", dir="/tmp") as tmp:
+    # Under the test's own directory: whatever way this process ends, the test's clean-up removes it.
+    with tempfile.TemporaryDirectory(prefix="wk-", dir=work_dir) as tmp:
         sock = os.path.join(tmp, "w.sock")
         server = subprocess.Popen(
             [binary, *model_args, "--host", sock, "--slot-save-path", state_dir, "--no-webui"],
@@ -36,9 +38,15 @@ def main() -> int:
         )
 
         def stop(_signum: int, _frame: FrameType | None) -> None:
+            # Clean up here and leave at once: unwinding from inside a blocking read is not reliable.
             server.terminate()
-            server.wait()
-            sys.exit(0)
+            try:
+                server.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+            shutil.rmtree(tmp, ignore_errors=True)
+            os._exit(0)
 
         signal.signal(signal.SIGTERM, stop)
         try:

@@ -204,6 +204,7 @@ async def test_a_worker_provider_with_its_own_llama_server_serves_the_file_route
         str(TESTS / "llama_worker_provider.py"),
         str(real_llama_server()),
         str(short_dir / "state"),
+        str(short_dir),
         *model_args(base.model, model),
         "-t",
         "1",
