@@ -38,13 +38,9 @@ def main() -> int:
         )
 
         def stop(_signum: int, _frame: FrameType | None) -> None:
-            # Clean up here and leave at once: unwinding from inside a blocking read is not reliable.
-            server.terminate()
-            try:
-                server.wait(timeout=2)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
+            # No wait() here: the handler may run inside the main thread's own server.wait(), whose
+            # lock it would then wait for forever.  Kill, clean up, leave; onebitd reaps the group.
+            server.kill()
             shutil.rmtree(tmp, ignore_errors=True)
             os._exit(0)
 
@@ -78,7 +74,11 @@ def main() -> int:
             return 0
         finally:
             server.terminate()
-            server.wait()
+            try:
+                server.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
 
 
 if __name__ == "__main__":
