@@ -29,6 +29,19 @@ class SlotClient(Protocol):
     async def post_json(self, path: str, body: Any) -> tuple[int, Any]: ...
 
 
+async def erase_slot(client: SlotClient, slot: int, after: str) -> None:
+    """Empty a decoder slot a handoff left cells in.  Erasing is idempotent, so a pooled connection
+    the decoder closed under us is worth one retry; a failure is logged, not raised (the request
+    still goes on, and the decoder re-evaluates a prompt whose cells it does not trust)."""
+    for attempt in (1, 2):
+        try:
+            await client.post_json(f"/slots/{slot}?action=erase", {})
+            return
+        except DecoderError as exc:
+            if attempt == 2:
+                log.warning("hybrid: erasing slot %d after %s failed: %s", slot, after, exc.message)
+
+
 class FileHandoff:
     def __init__(
         self,
@@ -100,10 +113,7 @@ class FileHandoff:
 
     async def _erase(self, slot: int) -> None:
         # A half-restored slot must not leak its cells into the plain request that follows.
-        try:
-            await self.client.post_json(f"/slots/{slot}?action=erase", {})
-        except DecoderError as exc:
-            log.warning("hybrid: erasing slot %d after a refused restore failed: %s", slot, exc.message)
+        await erase_slot(self.client, slot, "a refused restore")
 
     @staticmethod
     def _fall_back(line: RouteLine, reason: Reason, why: str) -> bool:

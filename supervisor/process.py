@@ -256,7 +256,7 @@ class ChildProcess:
                 self._signal_group(signal.SIGTERM)
                 with trio.move_on_after(grace) as grace_scope:
                     await self._process.wait_exited()
-                if grace_scope.cancelled_caught:
+                if grace_scope.cancelled_caught and grace > 0:  # grace 0: the caller asked for a kill
                     log.warning("%s: pid %d ignored SIGTERM for %gs; killing", self.name, self.pid, grace)
                 self._signal_group(signal.SIGKILL)
             # Reap.  No signal after this point: once reaped, its pid may belong to someone else.

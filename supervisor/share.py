@@ -30,7 +30,7 @@ import attrs
 import trio
 
 from .errors import DecoderError, OnebitError, ProviderError
-from .handoff import SlotClient
+from .handoff import SlotClient, erase_slot
 from .provider import Provider, ShareJob
 from .routeline import RouteLine
 from .routes import DEGRADE, Reason, Route, Step, claim_matches
@@ -285,7 +285,4 @@ class ShareHandoff:
 
     async def _erase(self, slot: int) -> None:
         # The decoder lent this slot's cells; whatever a provider left there must not be decoded from.
-        try:
-            await self.client.post_json(f"/slots/{slot}?action=erase", {})
-        except DecoderError as exc:
-            log.warning("hybrid: erasing slot %d after a failed share failed: %s", slot, exc.message)
+        await erase_slot(self.client, slot, "a failed share")
