@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import attrs
 import trio
 
+from .config import converter
 from .errors import ProviderError
 
 
@@ -114,6 +115,18 @@ class JobCounts:
             raise
         finally:
             self.busy -= 1
+
+    def statistics(self, name: str, kind: str, *, ready: bool, child: Any = None) -> ProviderStatistics:
+        """A provider's snapshot; ``child``: its supervised child's statistics (attrs), if it has one."""
+        return ProviderStatistics(
+            name=name,
+            kind=kind,
+            ready=ready,
+            busy=self.busy,
+            jobs=self.jobs,
+            failures=self.failures,
+            child=None if child is None else converter.unstructure(child),
+        )
 
 
 @attrs.frozen

@@ -98,12 +98,4 @@ class ExecProvider:
         return parse_claim(last)
 
     def statistics(self) -> ProviderStatistics:
-        return ProviderStatistics(
-            name=self.name,
-            kind=self.kind,
-            ready=True,
-            busy=self.counts.busy,
-            jobs=self.counts.jobs,
-            failures=self.counts.failures,
-            child=None,
-        )
+        return self.counts.statistics(self.name, self.kind, ready=True)

@@ -91,17 +91,7 @@ class LlamaServerProvider:
         )
 
     def statistics(self) -> ProviderStatistics:
-        from .config import converter
-
-        return ProviderStatistics(
-            name=self.name,
-            kind=self.kind,
-            ready=self.ready,
-            busy=self.counts.busy,
-            jobs=self.counts.jobs,
-            failures=self.counts.failures,
-            child=converter.unstructure(self.child.statistics()),
-        )
+        return self.counts.statistics(self.name, self.kind, ready=self.ready, child=self.child.statistics())
 
 
 def _message(data: Any) -> str:

@@ -27,7 +27,6 @@ import trio
 
 from .child import Child, ChildState
 from .config import WorkerProvider as WorkerProviderConfig
-from .config import converter
 from .errors import ProviderError
 from .provider import Claim, Job, JobCounts, ProviderStatistics, ShareJob, parse_claim
 
@@ -234,12 +233,4 @@ class WorkerProvider:
             await life.send({"cancel": job_id})
 
     def statistics(self) -> ProviderStatistics:
-        return ProviderStatistics(
-            name=self.name,
-            kind=self.kind,
-            ready=self.ready,
-            busy=self.counts.busy,
-            jobs=self.counts.jobs,
-            failures=self.counts.failures,
-            child=converter.unstructure(self.child.statistics()),
-        )
+        return self.counts.statistics(self.name, self.kind, ready=self.ready, child=self.child.statistics())
