@@ -379,12 +379,6 @@ def _render(exc: BaseException, path: str) -> list[str]:
         return [f"{path + '.' if path else ''}{exc.field}: {exc}"]
     if isinstance(exc, _KindError):
         return [f"{path}.kind: {exc}"]
-    if isinstance(exc, TypeError | ValueError):
-        message = str(exc)
-        # attrs' own messages for a dataclass given a non-table ("... object is not a mapping").
-        if "argument after ** must be a mapping" in message or "not a mapping" in message:
-            message = "expected a table"
-        return [f"{path}: {message}"]
     return [f"{path}: {exc}"]
 
 
