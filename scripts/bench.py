@@ -285,7 +285,7 @@ async def overhead(args: argparse.Namespace) -> int:
     runtime_dir = Path(tempfile.mkdtemp(prefix="ob-bench-", dir="/tmp"))
     try:
         config = bench_config(runtime_dir, parallel=args.parallel, ctx_size=args.ctx_size, threads=args.threads)
-        model = locate.model_path(config)
+        model = locate.model_path(config.model.path)
         print("onebit overhead: onebitd over HTTP vs the same llama-server straight over its unix socket")
         print(f"machine: {machine()}")
         print(f"decoder: {await decoder_version(config)}")

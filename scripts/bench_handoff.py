@@ -37,7 +37,7 @@ from supervisor import config as configuration  # noqa: E402
 from supervisor.child import ChildState  # noqa: E402
 from supervisor.config import Config  # noqa: E402
 from supervisor.daemon import Daemon  # noqa: E402
-from supervisor.provider_llama import LlamaServerProvider  # noqa: E402
+from supervisor.providers.llama import LlamaServerProvider  # noqa: E402
 
 TIMEOUT_S = 600  # one 2k-token prefill on a loaded 2-core machine is seconds, not minutes
 SIZES = (256, 1024, 2048)

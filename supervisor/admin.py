@@ -29,7 +29,7 @@ from trio_websocket import (
     wrap_server_stream,
 )
 
-from .errors import ConfigError, OnebitError
+from .errors import AdminError, AdminUnavailable, ConfigError
 from .routestats import RouteStats
 
 log = logging.getLogger("onebit.admin")
@@ -122,13 +122,6 @@ VERBS: dict[str, Handler] = {
 }
 
 
-class AdminError(OnebitError):
-    def __init__(self, message: str, **extra: Any) -> None:
-        self.message = message
-        self.extra = extra
-        super().__init__(message)
-
-
 class AdminServer:
     def __init__(self, daemon: Managed, path: Path) -> None:
         self.daemon = daemon
@@ -200,10 +193,6 @@ async def _cancel_on_close(ws: WebSocketConnection, scope: trio.CancelScope) -> 
             await ws.get_message()
     except ConnectionClosed:
         scope.cancel()
-
-
-class AdminUnavailable(OnebitError):
-    """No daemon answers on the admin socket (not running, or the socket is not ours)."""
 
 
 async def call(

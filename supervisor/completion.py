@@ -17,13 +17,13 @@ import attrs
 from .child import Child, ChildState
 from .decoder import DecoderClient
 from .errors import DecoderError, DecoderUnavailable
-from .handoff import FileHandoff
-from .prompt import handoff_unsupported, tokens_for
-from .provider import Provider, Providers
+from .providers import Provider, Providers
 from .respond import Responder
 from .routeline import RouteLine
-from .routes import Choice, Reason, Route, choose, restore_used
-from .share import ShareHandoff
+from .routes.decision import Choice, Reason, Route, choose, restore_used
+from .routes.file import FileHandoff
+from .routes.prompt import handoff_unsupported, tokens_for
+from .routes.share import ShareHandoff
 from .slots import SlotPool
 
 log = logging.getLogger("onebit.hybrid")

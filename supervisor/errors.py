@@ -3,10 +3,14 @@
     OnebitError
     ├── ConfigError            our configuration: a file, a key path, what is wrong
     ├── ChildError             a supervised child process could not be started or kept alive
+    ├── RuntimeDirInUse        another onebitd holds the runtime directory's lock
     ├── DecoderError           the decoder (llama-server) misbehaved
     │   ├── DecoderUnavailable     not ready, failed, or could not be reached (HTTP 503)
     │   └── DecoderProtocolError   answered, but not with what its contract says (HTTP 502)
     ├── ProviderError          a prefill provider failed its job
+    ├── ShareRefused           the decoder would not lend its KV (the share handshake failed)
+    ├── AdminError             an admin verb refused (its message and extra fields go to onebitctl)
+    ├── AdminUnavailable       no onebitd answers on the admin socket
     └── ClientError            the HTTP client sent something we refuse (HTTP 4xx)
         └── Overloaded             every slot busy and the queue full (HTTP 503)
 
@@ -79,3 +83,29 @@ class Overloaded(ClientError):
 
     def __init__(self, message: str = "all decoder slots are busy and the queue is full") -> None:
         super().__init__(503, "overloaded", message, retry_after=1)
+
+
+class RuntimeDirInUse(OnebitError):
+    """Another onebitd holds the runtime directory: a second one would remove its sockets and files."""
+
+
+class ShareRefused(OnebitError):
+    """The share handshake failed; ``reason`` is in the decoder's words where it said any.  Nothing
+    was written into a region yet, so the request may still take the file route."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(reason)
+
+
+class AdminError(OnebitError):
+    """An admin verb refused; ``extra`` fields (``lines``, ``remaining``) go into its answer."""
+
+    def __init__(self, message: str, **extra: object) -> None:
+        self.message = message
+        self.extra = extra
+        super().__init__(message)
+
+
+class AdminUnavailable(OnebitError):
+    """No daemon answers on the admin socket (not running, or the socket is not ours)."""

@@ -31,7 +31,7 @@ def model_args(model: ModelConfig, model_path: Path) -> list[str]:
 def model_alias(config: Config) -> str:
     if config.model.alias:
         return config.model.alias
-    path = locate.model_path(config)
+    path = locate.model_path(config.model.path)
     return path.stem if path is not None else "model"
 
 
@@ -53,7 +53,7 @@ class LlamaServerLauncher:
         self.socket = socket
         self.slot_save_path = slot_save_path
         path = locate.llama_server(binary)
-        model = locate.model_path(config)
+        model = locate.model_path(config.model.path)
         if path is None or model is None:
             raise ChildError(f"{name}: no llama-server binary or model file (config.check() vets both)")
         self._argv = [

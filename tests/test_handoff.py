@@ -23,11 +23,11 @@ import trio
 
 from supervisor.config import ExecProvider as ExecProviderConfig
 from supervisor.errors import DecoderUnavailable, ProviderError
-from supervisor.handoff import FileHandoff
-from supervisor.provider import Claim, Job, PrefillJob, Provider, ProviderStatistics
-from supervisor.provider_exec import ExecProvider
+from supervisor.providers import Claim, Job, PrefillJob, Provider, ProviderStatistics
+from supervisor.providers.exec import ExecProvider
 from supervisor.routeline import RouteLine
-from supervisor.routes import Reason
+from supervisor.routes.decision import Reason
+from supervisor.routes.file import FileHandoff
 
 from .fake_provider import PATH as FAKE_PROVIDER
 from .fake_provider import events, gone, reaped

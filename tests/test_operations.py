@@ -23,7 +23,7 @@ from supervisor import admin
 from supervisor import config as configuration
 from supervisor.child import ChildState
 from supervisor.daemon import Daemon
-from supervisor.errors import ChildError
+from supervisor.errors import AdminUnavailable, RuntimeDirInUse
 from supervisor.notify import Notifier
 
 from .conftest import Control, RouteLines, fake_decoder_config, run_daemon
@@ -277,11 +277,11 @@ async def test_a_missing_daemon_or_a_foreign_socket_gets_a_clear_error(short_dir
             await conn.send(b"HTTP/1.1 500 Nope\r\ncontent-length: 0\r\n\r\n")
 
     with listener, trio.fail_after(TIMEOUT):
-        with pytest.raises(admin.AdminUnavailable, match="is onebitd running"):
+        with pytest.raises(AdminUnavailable, match="is onebitd running"):
             await admin.call(short_dir / "absent.sock", "status")
         async with trio.open_nursery() as nursery:
             nursery.start_soon(answer_nonsense)
-            with pytest.raises(admin.AdminUnavailable, match="not an onebitd admin socket"):
+            with pytest.raises(AdminUnavailable, match="not an onebitd admin socket"):
                 await admin.call(foreign, "status")
 
 
@@ -433,7 +433,7 @@ async def test_a_second_daemon_on_the_same_runtime_directory_is_refused(short_di
     with trio.fail_after(TIMEOUT):
         async with run_daemon(config) as running:
             second = Daemon(config)
-            with pytest.RaisesGroup(pytest.RaisesExc(ChildError, match=f"pid {os.getpid()}")):
+            with pytest.RaisesGroup(pytest.RaisesExc(RuntimeDirInUse, match=f"pid {os.getpid()}")):
                 async with trio.open_nursery() as nursery:
                     await nursery.start(second.run)
             assert running.daemon.admin.path.exists()

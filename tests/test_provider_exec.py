@@ -15,8 +15,8 @@ import trio
 
 from supervisor.config import ExecProvider as ExecProviderConfig
 from supervisor.errors import ProviderError
-from supervisor.provider import Claim, PrefillJob, parse_claim
-from supervisor.provider_exec import ExecProvider
+from supervisor.providers import Claim, PrefillJob, parse_claim
+from supervisor.providers.exec import ExecProvider
 
 from .fake_provider import PATH as FAKE_PROVIDER
 from .fake_provider import events, gone, reaped

@@ -17,8 +17,8 @@ from supervisor.child import Child, ChildState
 from supervisor.config import HealthPolicy, RestartPolicy
 from supervisor.config import WorkerProvider as WorkerProviderConfig
 from supervisor.errors import ProviderError
-from supervisor.provider import Claim, PrefillJob
-from supervisor.provider_worker import WorkerProvider
+from supervisor.providers import Claim, PrefillJob
+from supervisor.providers.worker import WorkerProvider
 
 from .fake_provider import PATH as FAKE_PROVIDER
 from .fake_provider import events

@@ -168,7 +168,7 @@ async def test_an_exec_provider_that_writes_a_real_state_file_serves_the_file_ro
     short_dir: Path, route_lines: RouteLines
 ) -> None:
     base = hybrid_config(short_dir)
-    model = locate.model_path(base)
+    model = locate.model_path(base.model.path)
     assert model is not None
     command = [
         sys.executable,
@@ -197,7 +197,7 @@ async def test_a_worker_provider_with_its_own_llama_server_serves_the_file_route
     short_dir: Path, route_lines: RouteLines
 ) -> None:
     base = hybrid_config(short_dir)
-    model = locate.model_path(base)
+    model = locate.model_path(base.model.path)
     assert model is not None
     command = [
         sys.executable,

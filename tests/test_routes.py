@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from supervisor.routes import DEGRADE, Choice, Reason, Route, Step, choose, claim_matches, restore_used
+from supervisor.routes.decision import DEGRADE, Choice, Reason, Route, Step, choose, claim_matches, restore_used
 
 # A request that could take a hybrid route: each test changes one input.
 HYBRID: dict[str, Any] = {

@@ -14,13 +14,13 @@ from typing import Any
 
 import trio
 
-from .child import Child, ChildState
-from .config import Config
-from .config import LlamaServerProvider as LlamaServerProviderConfig
-from .errors import DecoderError, ProviderError
-from .llama_server import LlamaServerLauncher
-from .provider import Claim, Job, JobCounts, PrefillJob, ProviderStatistics
-from .slots import SlotPool
+from ..child import Child, ChildState
+from ..config import Config
+from ..config import LlamaServerProvider as LlamaServerProviderConfig
+from ..errors import DecoderError, ProviderError
+from ..llama_server import LlamaServerLauncher
+from ..slots import SlotPool
+from .base import Claim, Job, JobCounts, PrefillJob, ProviderStatistics
 
 
 class LlamaServerProvider:

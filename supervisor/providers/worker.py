@@ -25,10 +25,10 @@ from typing import Any
 import attrs
 import trio
 
-from .child import Child, ChildState
-from .config import WorkerProvider as WorkerProviderConfig
-from .errors import ProviderError
-from .provider import Claim, Job, JobCounts, ProviderStatistics, ShareJob, parse_claim
+from ..child import Child, ChildState
+from ..config import WorkerProvider as WorkerProviderConfig
+from ..errors import ProviderError
+from .base import Claim, Job, JobCounts, ProviderStatistics, ShareJob, parse_claim
 
 log = logging.getLogger("onebit.provider")
 

@@ -2,8 +2,8 @@
 
 A provider takes a :class:`PrefillJob` (the prompt's exact tokens and where to put their KV) and
 answers a :class:`Claim` (how many tokens it says it prefilled, in how long).  Three kinds implement
-the :class:`Provider` protocol: ``llama-server`` (provider_llama.py), ``exec`` (provider_exec.py)
-and ``worker`` (provider_worker.py).  The wire contract a vendor implements is docs/protocol.md.
+the :class:`Provider` protocol: ``llama-server`` (llama.py), ``exec`` (exec.py) and ``worker``
+(worker.py).  The wire contract a vendor implements is docs/protocol.md.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any, Protocol
 import attrs
 import trio
 
-from .config import converter
-from .errors import ProviderError
+from ..config import converter
+from ..errors import ProviderError
 
 
 @attrs.frozen

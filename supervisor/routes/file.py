@@ -15,10 +15,10 @@ from typing import Any, Protocol
 
 import trio
 
-from .errors import DecoderError, ProviderError
-from .provider import PrefillJob, Provider
-from .routeline import RouteLine
-from .routes import Reason, claim_matches
+from ..errors import DecoderError, ProviderError
+from ..providers import PrefillJob, Provider
+from ..routeline import RouteLine
+from .decision import Reason, claim_matches
 
 log = logging.getLogger("onebit.hybrid")
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .decoder import DecoderClient
-from .errors import DecoderProtocolError
+from ..decoder import DecoderClient
+from ..errors import DecoderProtocolError
 
 CHAT = "/v1/chat/completions"
 

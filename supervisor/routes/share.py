@@ -29,11 +29,11 @@ from typing import Any
 import attrs
 import trio
 
-from .errors import DecoderError, OnebitError, ProviderError
-from .handoff import SlotClient, erase_slot
-from .provider import Provider, ShareJob
-from .routeline import RouteLine
-from .routes import DEGRADE, Reason, Route, Step, claim_matches
+from ..errors import DecoderError, ProviderError, ShareRefused
+from ..providers import Provider, ShareJob
+from ..routeline import RouteLine
+from .decision import DEGRADE, Reason, Route, Step, claim_matches
+from .file import SlotClient, erase_slot
 
 log = logging.getLogger("onebit.hybrid")
 
@@ -44,14 +44,6 @@ _MAX_FDS = 64
 # The erase after a cancelled share runs shielded; a local erase answers in milliseconds, and a hung
 # decoder must not hold a cancellation (a client gone, a shutdown) for longer than this.
 _ERASE_ON_CANCEL_S = 2.0
-
-
-class ShareRefused(OnebitError):
-    """The handshake failed; ``reason`` is in the decoder's words where it said any."""
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-        super().__init__(reason)
 
 
 @attrs.define
