@@ -15,12 +15,13 @@ from typing import Any
 import attrs
 
 from .child import Child, ChildState
+from .config import HybridConfig
 from .decoder import DecoderClient
 from .errors import DecoderError, DecoderUnavailable
 from .providers import Provider, Providers
 from .respond import Responder
 from .routeline import RouteLine
-from .routes.decision import Choice, Reason, Route, choose, restore_used
+from .routes.decision import Choice, Reason, Route, choose, degrade, restore_used
 from .routes.file import FileHandoff
 from .routes.prompt import handoff_unsupported, tokens_for
 from .routes.share import ShareHandoff
@@ -37,37 +38,57 @@ SSE_HEADERS = [
 ]
 
 
-def read_timings(data: Any, line: RouteLine) -> None:
-    """Copy what the decoder says it evaluated into the route line."""
-    if not isinstance(data, dict):
-        return
-    timings = data.get("timings")
-    if isinstance(timings, dict):
-        prompt_n = timings.get("prompt_n")
-        cache_n = timings.get("cache_n")
-        if isinstance(prompt_n, int):
-            line.decoder_prompt_n = prompt_n
-            if line.prompt_tokens is None:
-                line.prompt_tokens = prompt_n + (cache_n if isinstance(cache_n, int) else 0)
-        prompt_ms = timings.get("prompt_ms")
-        if isinstance(prompt_ms, int | float):
-            line.decoder_prompt_ms = float(prompt_ms)
-    usage = data.get("usage")
-    if line.prompt_tokens is None and isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
-        line.prompt_tokens = usage["prompt_tokens"]
+@attrs.define
+class Timings:
+    """What the decoder says it did for a request: from ``timings`` (and ``usage``) in its reply."""
+
+    prompt_n: int | None = None  # prompt tokens it evaluated
+    cache_n: int | None = None  # prompt tokens it reused from the slot's cache
+    prompt_ms: float | None = None
+    usage_prompt_tokens: int | None = None
+
+    def read(self, data: Any) -> None:
+        if not isinstance(data, dict):
+            return
+        timings = data.get("timings")
+        if isinstance(timings, dict):
+            prompt_n = timings.get("prompt_n")
+            cache_n = timings.get("cache_n")
+            prompt_ms = timings.get("prompt_ms")
+            if isinstance(prompt_n, int):
+                self.prompt_n = prompt_n
+            if isinstance(cache_n, int):
+                self.cache_n = cache_n
+            if isinstance(prompt_ms, int | float):
+                self.prompt_ms = float(prompt_ms)
+        usage = data.get("usage")
+        if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+            self.usage_prompt_tokens = usage["prompt_tokens"]
+
+    def prompt_tokens(self) -> int | None:
+        """The prompt's length as the decoder saw it, for a request we did not tokenize."""
+        if self.prompt_n is not None:
+            return self.prompt_n + (self.cache_n or 0)
+        return self.usage_prompt_tokens
 
 
 class SseScanner:
-    """Watches a relayed event stream for the chunk that carries ``timings``; changes nothing."""
+    """Watches a relayed event stream for the events that carry ``timings`` or ``usage``; changes
+    nothing.  Only those are parsed: llama-server puts them in the last event or two, and decoding
+    every token's JSON would cost the relay a parse per chunk."""
 
-    def __init__(self, line: RouteLine) -> None:
-        self._line = line
+    def __init__(self, timings: Timings) -> None:
+        self._timings = timings
         self._buffer = b""
 
     def feed(self, chunk: bytes) -> None:
-        self._buffer += chunk.replace(b"\r\n", b"\n")
-        *events, self._buffer = self._buffer.split(b"\n\n")
+        self._buffer += chunk
+        if b"\n\n" not in self._buffer and b"\r\n\r\n" not in self._buffer:
+            return
+        *events, self._buffer = self._buffer.replace(b"\r\n", b"\n").split(b"\n\n")
         for event in events:
+            if b'"timings"' not in event and b'"usage"' not in event:
+                continue
             for raw in event.split(b"\n"):
                 if not raw.startswith(b"data:"):
                     continue
@@ -75,7 +96,7 @@ class SseScanner:
                 if payload == b"[DONE]":
                     continue
                 try:
-                    read_timings(json.loads(payload), self._line)
+                    self._timings.read(json.loads(payload))
                 except ValueError:
                     continue
 
@@ -100,32 +121,59 @@ def sse_error(message: str) -> bytes:
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
 
-@attrs.define
-class HybridSettings:
+@attrs.frozen
+class Hybrid:
     """What the hybrid routes need beyond the plain one (absent: hybrid off)."""
 
     providers: Providers
-    handoff: FileHandoff
-    min_prompt_tokens: int
-    restore_check_tokens: int
+    file: FileHandoff
     share: ShareHandoff | None = None  # set when the share route is on (hybrid.mode / ONEBIT_KV_SHARE)
 
 
+@attrs.frozen
+class Plan:
+    choice: Choice
+    tokens: list[int]
+    provider: Provider | None
+
+
+# How a fallback is worded in the log, by the route the request goes on to.
+_GOES_ON = {
+    Route.PLAIN: "the backend prefills this request itself",
+    Route.FILE: "the state-file route is used",
+}
+
+
+def fallback_chain(reasons: list[Reason]) -> str | None:
+    """Every reason a request left a route, in order: ``share-refused>provider-failed``."""
+    return ">".join(reason.value for reason in reasons) or None
+
+
 class Completions:
+    """The owner of a completion request's story: it plans the route, walks ``DEGRADE`` with the
+    outcomes the handoffs return, relays the reply, and is the only writer of the route line's route
+    fields.  ``settings`` is one frozen value, swapped whole by a reload and read once per request."""
+
     def __init__(
         self,
         *,
         decoder: Child,
         client: DecoderClient,
         slots: SlotPool,
-        hybrid: HybridSettings | None = None,
+        settings: HybridConfig,
+        hybrid: Hybrid | None = None,
     ) -> None:
         self.decoder = decoder
         self.client = client
         self.slots = slots
+        self.settings = settings
         self.hybrid = hybrid
         # Hybrid requests whose decoder re-evaluated the prompt although the restore succeeded.
         self.restore_unused = 0
+
+    def configure(self, settings: HybridConfig) -> None:
+        """Swap in new settings; requests in flight keep the ones they started with."""
+        self.settings = settings
 
     def check_ready(self) -> None:
         state = self.decoder.state
@@ -137,95 +185,141 @@ class Completions:
             )
         raise DecoderUnavailable(f"the decoder is {state.value}; try again shortly")
 
-    async def _plan(
-        self, endpoint: str, body: dict[str, Any], line: RouteLine
-    ) -> tuple[Choice, list[int], Provider | None]:
+    async def _plan(self, endpoint: str, body: dict[str, Any], req: str, settings: HybridConfig) -> Plan:
         """Pick the route; tokenizes the prompt only when a hybrid route is possible at all."""
         hybrid = self.hybrid
         if hybrid is None:
-            return Choice(Route.PLAIN, Reason.DISABLED), [], None
+            return Plan(Choice(Route.PLAIN, Reason.DISABLED), [], None)
         provider = hybrid.providers.pick()
         tokens: list[int] | None = None
         if provider is not None:
             why = handoff_unsupported(endpoint, body)
             if why is not None:
-                log.info("hybrid: %s cannot be handed over (%s); the backend prefills it", line.req, why)
-                return Choice(Route.PLAIN, Reason.UNSUPPORTED), [], None
+                log.info("hybrid: %s cannot be handed over (%s); the backend prefills it", req, why)
+                return Plan(Choice(Route.PLAIN, Reason.UNSUPPORTED), [], None)
             try:
                 tokens = await tokens_for(self.client, endpoint, body)
             except DecoderError as exc:
-                log.warning("hybrid: tokenizing %s failed (%s); the backend prefills it", line.req, exc.message)
-            else:
-                line.prompt_tokens = len(tokens)
+                log.warning("hybrid: tokenizing %s failed (%s); the backend prefills it", req, exc.message)
         choice = choose(
             enabled=True,
             share=hybrid.share is not None,
             provider_ready=provider is not None,
             prompt_tokens=None if tokens is None else len(tokens),
-            min_prompt_tokens=hybrid.min_prompt_tokens,
+            min_prompt_tokens=settings.min_prompt_tokens,
             share_refused=hybrid.share is not None and hybrid.share.refused_by(self.decoder.generation),
         )
-        return choice, tokens or [], provider
+        return Plan(choice, tokens or [], provider if choice.route is not Route.PLAIN else None)
 
     async def serve(self, endpoint: str, body: dict[str, Any], out: Responder, line: RouteLine) -> None:
+        settings = self.settings
         self.check_ready()
-        choice, tokens, provider = await self._plan(endpoint, body, line)
-        if choice.reason is not None and choice.reason is not Reason.DISABLED:
-            line.fallback = choice.reason.value
+        plan = await self._plan(endpoint, body, line.req, settings)
+        if plan.tokens:
+            line.prompt_tokens = len(plan.tokens)
+        reasons: list[Reason] = []
+        if plan.choice.reason is not None and plan.choice.reason is not Reason.DISABLED:
+            reasons.append(plan.choice.reason)
+        line.fallback = fallback_chain(reasons)
+        timings = Timings()
         async with self.slots.hold() as slot:
             line.slot = slot
             self.check_ready()  # it may have died while we queued
             forwarded = {**body, "id_slot": slot}
-            if provider is not None and self.hybrid is not None:
-                route = await self._hand_over(choice.route, slot, tokens, provider, line)
-                line.route = route.value
-                if route is not Route.PLAIN:
-                    # The handed-over cells are only reused by a request that may use its slot's cache.
-                    forwarded["cache_prompt"] = True
-            if body.get("stream") is True:
-                await self._relay_stream(endpoint, forwarded, out, line)
-            else:
-                await self._relay_whole(endpoint, forwarded, out, line)
-        self._verify_handoff(line)
+            route = Route.PLAIN
+            if plan.provider is not None:
+                route = await self._hand_over(plan.choice.route, slot, plan, line, reasons, settings)
+                line.fallback = fallback_chain(reasons)
+            line.route = route.value
+            if route is not Route.PLAIN:
+                # The handed-over cells are only reused by a request that may use its slot's cache.
+                forwarded["cache_prompt"] = True
+            try:
+                if body.get("stream") is True:
+                    await self._relay_stream(endpoint, forwarded, out, line, timings)
+                else:
+                    await self._relay_whole(endpoint, forwarded, out, line, timings)
+            finally:
+                self._record(timings, line)
+        # After the last byte: this runs whether or not the client is still there (the front cancels
+        # a request only while its response is unfinished), and awaits nothing.
+        if route is not Route.PLAIN and out.finished and line.outcome == "ok":
+            self._verify_handoff(line, reasons, settings)
 
     async def _hand_over(
-        self, route: Route, slot: int, tokens: list[int], provider: Provider, line: RouteLine
+        self,
+        route: Route,
+        slot: int,
+        plan: Plan,
+        line: RouteLine,
+        reasons: list[Reason],
+        settings: HybridConfig,
     ) -> Route:
-        """Run the hybrid route, degrading as routes.DEGRADE says; the route the request ends on."""
+        """Try ``route``, then whatever ``DEGRADE`` says each failure leads to; the route reached."""
         hybrid = self.hybrid
         assert hybrid is not None
-        if route is Route.SHARE and hybrid.share is not None:
-            route = await hybrid.share.run(
-                req=line.req,
-                slot=slot,
-                tokens=tokens,
-                provider=provider,
-                line=line,
-                generation=self.decoder.generation,
-            )
-        if route is Route.FILE:
-            done = await hybrid.handoff.run(req=line.req, slot=slot, tokens=tokens, provider=provider, line=line)
-            route = Route.FILE if done else Route.PLAIN
+        assert plan.provider is not None
+        while route is not Route.PLAIN:
+            if route is Route.SHARE and hybrid.share is not None:
+                outcome = await hybrid.share.run(
+                    req=line.req,
+                    slot=slot,
+                    tokens=plan.tokens,
+                    provider=plan.provider,
+                    generation=self.decoder.generation,
+                    timeout_s=settings.prefill_timeout_s,
+                )
+            else:
+                outcome = await hybrid.file.run(
+                    req=line.req,
+                    slot=slot,
+                    tokens=plan.tokens,
+                    provider=plan.provider,
+                    timeout_s=settings.prefill_timeout_s,
+                )
+            if outcome.prefill_ms is not None:
+                line.prefill_ms = outcome.prefill_ms
+            if outcome.restore_ms is not None:
+                line.restore_ms = outcome.restore_ms
+            if outcome.share_ms is not None:
+                line.share_ms = outcome.share_ms
+            if outcome.ok:
+                return route
+            assert outcome.reason is not None
+            reasons.append(outcome.reason)
+            route = degrade(outcome)
+            level = logging.INFO if outcome.reason is Reason.SHARE_UNSUPPORTED else logging.WARNING
+            log.log(level, "hybrid: %s; %s", outcome.why, _GOES_ON[route])
         return route
 
-    def _verify_handoff(self, line: RouteLine) -> None:
-        """llama.cpp's restore can answer success and still re-prefill everything (#26676)."""
-        if line.route == Route.PLAIN.value or self.hybrid is None:
-            return
-        if not restore_used(line.decoder_prompt_n, self.hybrid.restore_check_tokens):
-            self.restore_unused += 1
-            log.warning(
-                "hybrid: restore was not used by the decoder: it evaluated %s of %s prompt tokens (%s)",
-                line.decoder_prompt_n,
-                line.prompt_tokens,
-                line.req,
-            )
+    @staticmethod
+    def _record(timings: Timings, line: RouteLine) -> None:
+        line.decoder_prompt_n = timings.prompt_n
+        line.decoder_prompt_ms = timings.prompt_ms
+        if line.prompt_tokens is None:
+            line.prompt_tokens = timings.prompt_tokens()
 
-    async def _relay_whole(self, endpoint: str, body: dict[str, Any], out: Responder, line: RouteLine) -> None:
+    def _verify_handoff(self, line: RouteLine, reasons: list[Reason], settings: HybridConfig) -> None:
+        """llama.cpp's restore can answer success and still re-prefill everything (#26676)."""
+        if restore_used(line.decoder_prompt_n, settings.restore_check_tokens):
+            return
+        self.restore_unused += 1
+        reasons.append(Reason.RESTORE_UNUSED)
+        line.fallback = fallback_chain(reasons)
+        log.warning(
+            "hybrid: restore was not used by the decoder: it evaluated %s of %s prompt tokens (%s)",
+            line.decoder_prompt_n,
+            line.prompt_tokens,
+            line.req,
+        )
+
+    async def _relay_whole(
+        self, endpoint: str, body: dict[str, Any], out: Responder, line: RouteLine, timings: Timings
+    ) -> None:
         reply = await self.client.request("POST", endpoint, body)
         if 200 <= reply.status < 300:
             with contextlib.suppress(ValueError):
-                read_timings(json.loads(reply.body), line)
+                timings.read(json.loads(reply.body))
             content_type = reply.headers.get("content-type", "application/json")
             await out.whole(reply.status, reply.body, content_type)
             return
@@ -237,14 +331,16 @@ class Completions:
         line.error = f"decoder answered {status}: {message}"
         await out.error(status, code, message, source="decoder", type_=type_)
 
-    async def _relay_stream(self, endpoint: str, body: dict[str, Any], out: Responder, line: RouteLine) -> None:
+    async def _relay_stream(
+        self, endpoint: str, body: dict[str, Any], out: Responder, line: RouteLine, timings: Timings
+    ) -> None:
         async with self.client.stream(endpoint, body) as upstream:
             if upstream.status != 200:
                 chunks = [chunk async for chunk in upstream.chunks]
                 await self._relay_error(upstream.status, b"".join(chunks), out, line)
                 return
             await out.start(200, SSE_HEADERS)
-            scanner = SseScanner(line)
+            scanner = SseScanner(timings)
             try:
                 async for chunk in upstream.chunks:
                     scanner.feed(chunk)

@@ -32,13 +32,14 @@ from . import __version__, locate, logs
 from . import config as configuration
 from .admin import AdminServer
 from .child import Child, ChildState
-from .completion import Completions, HybridSettings
+from .completion import Completions, Hybrid
 from .config import Config, ProviderConfig, converter
 from .config import ExecProvider as ExecProviderConfig
 from .config import LlamaServerProvider as LlamaServerProviderConfig
+from .decoder import DecoderClient
 from .errors import ChildError, ConfigError, RuntimeDirInUse
 from .front import Front
-from .llama_server import LlamaServerLauncher, model_alias
+from .llama_server import LlamaServerLauncher, connection_limit, model_alias
 from .metrics import Metrics
 from .notify import Notifier, run_watchdog, watchdog_interval
 from .providers import Provider, Providers
@@ -144,11 +145,16 @@ class Daemon:
         self.config_path = config_path
         self.notifier = notifier or Notifier("")
         self.runtime_dir = locate.runtime_dir(config.server.runtime_dir)
+        # The one client of the decoder: the launcher health-checks through it, and every request,
+        # handoff and pass-through uses it.
+        self.client = DecoderClient(
+            self.runtime_dir / "decoder.sock", max_connections=connection_limit(config.model.parallel)
+        )
         self.launcher = LlamaServerLauncher(
             "decoder",
             config,
             binary=config.decoder.binary,
-            socket=self.runtime_dir / "decoder.sock",
+            client=self.client,
             slot_save_path=self.runtime_dir / "state",
             threads=config.decoder.threads,
             extra_args=config.decoder.extra_args,
@@ -162,30 +168,27 @@ class Daemon:
         self.slots = SlotPool(config.model.parallel, config.server.queue_limit)
         self.state_dir = self.runtime_dir / "state"
         self.providers = Providers([self._provider(spec) for spec in config.provider])
-        self.hybrid: HybridSettings | None = None
+        self.hybrid: Hybrid | None = None
         if config.hybrid.enabled and self.providers.all:
-            self.hybrid = HybridSettings(
+            self.hybrid = Hybrid(
                 providers=self.providers,
-                handoff=FileHandoff(
-                    client=self.launcher.client,
+                file=FileHandoff(
+                    client=self.client,
                     state_dir=self.state_dir,
                     model=model_alias(config),
                     n_ctx=config.model.ctx_size,
-                    prefill_timeout_s=config.hybrid.prefill_timeout_s,
                 ),
-                min_prompt_tokens=config.hybrid.min_prompt_tokens,
-                restore_check_tokens=config.hybrid.restore_check_tokens,
                 share=self._share_handoff() if share_enabled(config) else None,
             )
         self.completions = Completions(
-            decoder=self.decoder, client=self.launcher.client, slots=self.slots, hybrid=self.hybrid
+            decoder=self.decoder, client=self.client, slots=self.slots, settings=config.hybrid, hybrid=self.hybrid
         )
         self.route_stats = RouteStats()
         self.metrics = Metrics(self._metrics_snapshot)
         self.front = Front(
             config.server,
             decoder=self.decoder,
-            client=self.launcher.client,
+            client=self.client,
             completions=self.completions,
             emit=self._on_route_line,
             metrics=self.metrics.render,
@@ -199,15 +202,14 @@ class Daemon:
 
     def _share_handoff(self) -> ShareHandoff:
         return ShareHandoff(
-            client=self.launcher.client,
+            client=self.client,
             handshake=ShareHandshake(
-                client=self.launcher.client,
+                client=self.client,
                 runtime_dir=self.runtime_dir,
                 connect_timeout_s=SHARE_CONNECT_TIMEOUT_S,
             ),
             model=model_alias(self.config),
             n_ctx=self.config.model.ctx_size,
-            prefill_timeout_s=self.config.hybrid.prefill_timeout_s,
         )
 
     def _provider(self, spec: ProviderConfig) -> Provider:
@@ -312,13 +314,8 @@ class Daemon:
     def _apply(self, config: Config) -> None:
         self.config = config
         self.front.configure(config.server)
-        self.slots.queue_limit = config.server.queue_limit
-        if self.hybrid is not None:
-            self.hybrid.min_prompt_tokens = config.hybrid.min_prompt_tokens
-            self.hybrid.restore_check_tokens = config.hybrid.restore_check_tokens
-            self.hybrid.handoff.prefill_timeout_s = config.hybrid.prefill_timeout_s
-            if self.hybrid.share is not None:
-                self.hybrid.share.prefill_timeout_s = config.hybrid.prefill_timeout_s
+        self.slots.configure(config.server.queue_limit)
+        self.completions.configure(config.hybrid)
         logs.setup(config.log.format, config.log.level)
 
     def _update_status(self) -> None:
@@ -358,7 +355,7 @@ class Daemon:
                 nursery.cancel_scope.cancel()
         finally:
             with trio.CancelScope(shield=True):
-                await self.launcher.client.aclose()
+                await self.client.aclose()
             os.close(lock)
             log.info("stopped")
 

@@ -48,20 +48,30 @@ def _translate(exc: httpx.HTTPError, what: str) -> DecoderUnavailable:
     return DecoderUnavailable(f"decoder {what}: {type(exc).__name__}: {exc}".rstrip(": "))
 
 
-class DecoderClient:
-    """Talks to one llama-server on ``socket``.  Close with :meth:`aclose`."""
+def unix_transport(socket: Path, *, max_connections: int = 64) -> httpx.AsyncBaseTransport:
+    """HTTP over llama-server's unix socket, with keep-alive connections retired in time."""
+    return httpx.AsyncHTTPTransport(
+        uds=str(socket),
+        # llama-server closes an idle keep-alive connection after 5 s (cpp-httplib's default);
+        # reusing one at that moment fails the request.  Retire ours sooner.
+        limits=httpx.Limits(max_connections=max_connections, keepalive_expiry=2.0),
+        # A failed connect (the socket not there yet, a restart) is tried once more.
+        retries=1,
+    )
 
-    def __init__(self, socket: Path, *, max_connections: int = 64) -> None:
+
+class DecoderClient:
+    """Talks to one llama-server on ``socket``.  Close with :meth:`aclose`.
+
+    ``transport`` replaces the unix-socket one (httpx's ``MockTransport`` style): the tests hand it
+    an in-process fake llama-server (tests/fake_llama.py) and need no process at all."""
+
+    def __init__(
+        self, socket: Path, *, max_connections: int = 64, transport: httpx.AsyncBaseTransport | None = None
+    ) -> None:
         self.socket = socket
         self._client = httpx.AsyncClient(
-            transport=httpx.AsyncHTTPTransport(
-                uds=str(socket),
-                # llama-server closes an idle keep-alive connection after 5 s (cpp-httplib's
-                # default); reusing one at that moment fails the request.  Retire ours sooner.
-                limits=httpx.Limits(max_connections=max_connections, keepalive_expiry=2.0),
-                # A failed connect (the socket not there yet, a restart) is tried once more.
-                retries=1,
-            ),
+            transport=transport or unix_transport(socket, max_connections=max_connections),
             base_url="http://decoder",
             timeout=_TIMEOUT,
         )

@@ -306,7 +306,7 @@ class Front:
         gone = trio.Event()
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._watch_disconnect, receive, nursery.cancel_scope, gone)
+                nursery.start_soon(self._watch_disconnect, receive, nursery.cancel_scope, gone, out)
                 try:
                     await self.completions.serve(path, body, out, line)
                 except ClientError as exc:
@@ -338,10 +338,14 @@ class Front:
             self._emit_hook(line)
 
     @staticmethod
-    async def _watch_disconnect(receive: Receive, scope: trio.CancelScope, gone: trio.Event) -> None:
+    async def _watch_disconnect(receive: Receive, scope: trio.CancelScope, gone: trio.Event, out: Responder) -> None:
+        """A client that hangs up cancels its request, but only while the response is unfinished:
+        hypercorn reports a disconnect after every finished response too, and what the request does
+        after its last byte (verification, bookkeeping) is the server's work, not the client's."""
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
                 gone.set()
-                scope.cancel()
+                if not out.finished:
+                    scope.cancel()
                 return

@@ -35,8 +35,16 @@ def model_alias(config: Config) -> str:
     return path.stem if path is not None else "model"
 
 
+def connection_limit(parallel: int) -> int:
+    """Connections to one llama-server: a stream and a slot action per slot at once, with room to spare."""
+    return 4 * parallel + 8
+
+
 class LlamaServerLauncher:
-    """A :class:`~supervisor.child.Launcher` for one llama-server listening on a unix socket."""
+    """A :class:`~supervisor.child.Launcher` for one llama-server listening on ``client.socket``.
+
+    The client is the caller's (the daemon builds the decoder's once and hands it out); the launcher
+    health-checks through it."""
 
     def __init__(
         self,
@@ -44,13 +52,14 @@ class LlamaServerLauncher:
         config: Config,
         *,
         binary: str,
-        socket: Path,
+        client: DecoderClient,
         slot_save_path: Path,
         threads: int,
         extra_args: Sequence[str],
     ) -> None:
         self.name = name
-        self.socket = socket
+        self.client = client
+        self.socket = socket = client.socket
         self.slot_save_path = slot_save_path
         path = locate.llama_server(binary)
         model = locate.model_path(config.model.path)
@@ -67,7 +76,6 @@ class LlamaServerLauncher:
         if threads:
             self._argv += ["-t", str(threads)]
         self._argv += list(extra_args)
-        self.client = DecoderClient(socket, max_connections=4 * config.model.parallel + 8)
 
     def argv(self) -> Sequence[str]:
         return self._argv

@@ -32,6 +32,10 @@ class SlotPool:
         self._semaphore = trio.Semaphore(n_slots)
         self._free = list(range(n_slots))
 
+    def configure(self, queue_limit: int) -> None:
+        """A reload's new ``server.queue_limit``: waiters already queued stay queued."""
+        self.queue_limit = queue_limit
+
     def statistics(self) -> SlotStatistics:
         queued = self._semaphore.statistics().tasks_waiting
         return SlotStatistics(

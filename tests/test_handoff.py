@@ -25,8 +25,7 @@ from supervisor.config import ExecProvider as ExecProviderConfig
 from supervisor.errors import DecoderUnavailable, ProviderError
 from supervisor.providers import Claim, Job, PrefillJob, Provider, ProviderStatistics
 from supervisor.providers.exec import ExecProvider
-from supervisor.routeline import RouteLine
-from supervisor.routes.decision import Reason
+from supervisor.routes.decision import Outcome, Reason
 from supervisor.routes.file import FileHandoff
 
 from .fake_provider import PATH as FAKE_PROVIDER
@@ -38,7 +37,6 @@ TOKENS = list(range(100, 130))
 SLOT = 1
 RESTORE = f"/slots/{SLOT}?action=restore"
 ERASE = f"/slots/{SLOT}?action=erase"
-TAIL = "; the backend prefills this request itself"
 
 
 @attrs.define
@@ -113,10 +111,19 @@ class Rig:
     state_dir: Path
     slots: FakeSlots
     handoff: FileHandoff
-    line: RouteLine
+    timeout_s: float = DEADLINE_S
+    outcome: Outcome | None = None
 
     async def run(self, provider: Provider) -> bool:
-        return await self.handoff.run(req="req-1", slot=SLOT, tokens=TOKENS, provider=provider, line=self.line)
+        self.outcome = await self.handoff.run(
+            req="req-1", slot=SLOT, tokens=TOKENS, provider=provider, timeout_s=self.timeout_s
+        )
+        return self.outcome.ok
+
+    @property
+    def done(self) -> Outcome:
+        assert self.outcome is not None, "the handoff returned no outcome"
+        return self.outcome
 
     def state_files(self) -> list[Path]:
         return sorted(self.state_dir.iterdir())
@@ -127,10 +134,8 @@ def rig(tmp_path: Path) -> Rig:
     state_dir = tmp_path / "state"
     state_dir.mkdir()
     slots = FakeSlots(state_dir)
-    handoff = FileHandoff(
-        client=slots, state_dir=state_dir, model="fake-model", n_ctx=4096, prefill_timeout_s=DEADLINE_S
-    )
-    return Rig(state_dir, slots, handoff, RouteLine(req="req-1", endpoint="/completion"))
+    handoff = FileHandoff(client=slots, state_dir=state_dir, model="fake-model", n_ctx=4096)
+    return Rig(state_dir, slots, handoff)
 
 
 @pytest.fixture
@@ -185,8 +190,8 @@ async def test_a_full_prefill_is_restored_into_the_slot_and_its_file_removed(
     [received] = events(log, "job")
     assert received["job"]["state_file"] == str(rig.state_dir / body["filename"])
     assert rig.slots.restored == [TOKENS]
-    assert rig.line.fallback is None
-    assert rig.line.prefill_ms == 7.25  # the provider's own claim
+    assert rig.done.reason is None
+    assert rig.done.prefill_ms == 7.25  # the provider's own claim
     assert rig.state_files() == []
     assert warnings() == []
 
@@ -197,8 +202,8 @@ async def test_the_providers_claimed_prefill_ms_wins_over_the_measured_time(
     rig.slots.restore_s = 0.25
     with trio.fail_after(DEADLINE_S):
         assert await rig.run(ScriptedProvider(prefill_s=1.0))
-    assert rig.line.prefill_ms == 7.25
-    assert rig.line.restore_ms == pytest.approx(250)
+    assert rig.done.prefill_ms == 7.25
+    assert rig.done.restore_ms == pytest.approx(250)
 
 
 async def test_without_a_claimed_prefill_ms_the_measured_prefill_time_is_reported(
@@ -206,7 +211,7 @@ async def test_without_a_claimed_prefill_ms_the_measured_prefill_time_is_reporte
 ) -> None:
     with trio.fail_after(DEADLINE_S):
         assert await rig.run(ScriptedProvider(claim=Claim(n_tokens=30), prefill_s=1.5))
-    assert rig.line.prefill_ms == pytest.approx(1500)
+    assert rig.done.prefill_ms == pytest.approx(1500)
 
 
 async def test_a_last_line_that_does_not_parse_still_hands_the_state_file_over(
@@ -216,7 +221,7 @@ async def test_a_last_line_that_does_not_parse_still_hands_the_state_file_over(
     with trio.fail_after(DEADLINE_S):
         assert await rig.run(exec_provider())
     assert rig.slots.restored == [TOKENS]
-    assert (rig.line.fallback, rig.state_files(), warnings()) == (None, [], [])
+    assert (rig.done.reason, rig.state_files(), warnings()) == (None, [], [])
 
 
 # -- the provider fails ---------------------------------------------------------------------------
@@ -225,8 +230,8 @@ async def test_a_last_line_that_does_not_parse_still_hands_the_state_file_over(
 async def test_a_provider_error_falls_back_as_provider_failed(rig: Rig, warnings: Callable[[], list[str]]) -> None:
     with trio.fail_after(DEADLINE_S):
         assert not await rig.run(ScriptedProvider(error="the NPU is on fire"))
-    assert rig.line.fallback == Reason.PROVIDER_FAILED.value
-    assert warnings() == [f"hybrid: provider failed: the NPU is on fire{TAIL}"]
+    assert rig.done.reason is Reason.PROVIDER_FAILED
+    assert (rig.done.why, warnings()) == ("provider failed: the NPU is on fire", [])
     assert (rig.slots.calls, rig.state_files()) == ([], [])
 
 
@@ -236,9 +241,9 @@ async def test_a_provider_that_crashes_after_writing_falls_back_and_its_file_is_
     monkeypatch.setenv("FAKE_PROVIDER_MODE", "crash")
     with trio.fail_after(DEADLINE_S):
         assert not await rig.run(exec_provider())
-    assert rig.line.fallback == Reason.PROVIDER_FAILED.value
-    [warning] = warnings()
-    assert warning.endswith(f"killed by SIGKILL{TAIL}")
+    assert rig.done.reason is Reason.PROVIDER_FAILED
+    assert rig.done.why.endswith("killed by SIGKILL")
+    assert warnings() == []
     assert (rig.slots.calls, rig.state_files()) == ([], [])
 
 
@@ -247,8 +252,8 @@ async def test_a_provider_that_writes_no_state_file_falls_back_as_provider_faile
 ) -> None:
     with trio.fail_after(DEADLINE_S):
         assert not await rig.run(ScriptedProvider(write_file=False))
-    assert rig.line.fallback == Reason.PROVIDER_FAILED.value
-    assert warnings() == [f"hybrid: provider scripted wrote no state file{TAIL}"]
+    assert rig.done.reason is Reason.PROVIDER_FAILED
+    assert (rig.done.why, warnings()) == ("provider scripted wrote no state file", [])
     assert (rig.slots.calls, rig.state_files()) == ([], [])
 
 
@@ -260,11 +265,11 @@ async def test_a_provider_past_the_prefill_timeout_is_killed_and_falls_back_as_p
     warnings: Callable[[], list[str]],
 ) -> None:
     monkeypatch.setenv("FAKE_PROVIDER_MODE", "hang")
-    rig.handoff.prefill_timeout_s = 0.3
+    rig.timeout_s = 0.3
     with trio.fail_after(DEADLINE_S):
         assert not await rig.run(exec_provider())
-    assert rig.line.fallback == Reason.PROVIDER_FAILED.value
-    assert warnings() == [f"hybrid: provider npu0 took over 0.3s{TAIL}"]
+    assert rig.done.reason is Reason.PROVIDER_FAILED
+    assert (rig.done.why, warnings()) == ("provider npu0 took over 0.3s", [])
     assert (rig.slots.calls, rig.state_files()) == ([], [])
     [start] = events(log, "start")
     assert reaped(start["pid"])
@@ -285,8 +290,8 @@ async def test_a_wrong_count_is_named_and_the_request_goes_plain_without_a_resto
     monkeypatch.setenv("FAKE_PROVIDER_MODE", mode)
     with trio.fail_after(DEADLINE_S):
         assert not await rig.run(exec_provider())
-    assert rig.line.fallback == Reason.SHORT_CLAIM.value
-    assert warnings() == [f"hybrid: provider prefilled {n_tokens} of 30 tokens{TAIL}"]
+    assert rig.done.reason is Reason.SHORT_CLAIM
+    assert (rig.done.why, warnings()) == (f"provider prefilled {n_tokens} of 30 tokens", [])
     assert (rig.slots.calls, rig.state_files()) == ([], [])
     assert len(events(log, "job")) == 1  # and the file it wrote is gone
 
@@ -300,9 +305,9 @@ async def test_a_refused_restore_erases_the_slot_and_falls_back_as_restore_refus
     rig.slots.restore_status = 400
     with trio.fail_after(DEADLINE_S):
         assert not await rig.run(ScriptedProvider())
-    assert rig.line.fallback == Reason.RESTORE_REFUSED.value
+    assert rig.done.reason is Reason.RESTORE_REFUSED
     assert rig.slots.paths == [RESTORE, ERASE]
-    assert warnings() == [f"hybrid: restore answered 400: failed to restore slot state{TAIL}"]
+    assert (rig.done.why, warnings()) == ("restore answered 400: failed to restore slot state", [])
     assert rig.state_files() == []
 
 
@@ -312,10 +317,10 @@ async def test_a_restore_of_fewer_tokens_than_the_prompt_erases_the_slot_and_fal
     rig.slots.restore_short_by = 1
     with trio.fail_after(DEADLINE_S):
         assert not await rig.run(ScriptedProvider())
-    assert rig.line.fallback == Reason.RESTORE_REFUSED.value
+    assert rig.done.reason is Reason.RESTORE_REFUSED
     assert rig.slots.paths == [RESTORE, ERASE]
-    [warning] = warnings()
-    assert warning.startswith("hybrid: restored 29 of 30 tokens: ")
+    assert rig.done.why.startswith("restored 29 of 30 tokens: ")
+    assert warnings() == []
     assert rig.state_files() == []
 
 
@@ -325,9 +330,9 @@ async def test_a_restore_the_decoder_never_answered_erases_the_slot_and_falls_ba
     rig.slots.restore_raises = True
     with trio.fail_after(DEADLINE_S):
         assert not await rig.run(ScriptedProvider())
-    assert rig.line.fallback == Reason.RESTORE_REFUSED.value
+    assert rig.done.reason is Reason.RESTORE_REFUSED
     assert rig.slots.paths == [RESTORE, ERASE]
-    assert warnings() == [f"hybrid: restore answered 0: the decoder did not answer{TAIL}"]
+    assert (rig.done.why, warnings()) == ("restore answered 0: the decoder did not answer", [])
     assert rig.state_files() == []
 
 
@@ -346,6 +351,6 @@ async def test_a_client_gone_during_the_prefill_kills_the_provider_and_removes_i
             nursery.cancel_scope.cancel()
     assert rig.state_files() == []
     assert rig.slots.calls == []
-    assert rig.line.fallback is None  # a cancelled request is not a fallback
+    assert rig.outcome is None  # a cancelled handoff returns nothing: no fallback to record
     [start] = events(log, "start")
     assert reaped(start["pid"])

@@ -42,7 +42,7 @@ PROMPT = "the quick brown fox jumps over the lazy dog"
 M = len(PROMPT.split())
 N_PREDICT = 3
 TAIL = "; the backend prefills this request itself"
-CANNOT_SHARE = "this decoder cannot share its KV, so the state-file route is used"
+CANNOT_SHARE = "this decoder cannot share its KV; the state-file route is used"
 
 
 def plain_reply(prompt: str = PROMPT, n: int = N_PREDICT) -> str:

@@ -17,8 +17,9 @@ import trio
 from ..child import Child, ChildState
 from ..config import Config
 from ..config import LlamaServerProvider as LlamaServerProviderConfig
+from ..decoder import DecoderClient
 from ..errors import DecoderError, ProviderError
-from ..llama_server import LlamaServerLauncher
+from ..llama_server import LlamaServerLauncher, connection_limit
 from ..slots import SlotPool
 from .base import Claim, Job, JobCounts, PrefillJob, ProviderStatistics
 
@@ -34,7 +35,9 @@ class LlamaServerProvider:
             f"provider-{spec.name}",
             config,
             binary=spec.binary or config.decoder.binary,
-            socket=runtime_dir / f"provider-{spec.name}.sock",
+            client=DecoderClient(
+                runtime_dir / f"provider-{spec.name}.sock", max_connections=connection_limit(config.model.parallel)
+            ),
             slot_save_path=state_dir,
             threads=spec.threads,
             extra_args=spec.extra_args,

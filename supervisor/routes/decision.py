@@ -8,7 +8,9 @@
 The fallback boundary (from the upstream hybrid-route change): a failure *before* any provider wrote
 anything degrades to the next hybrid route that still keeps the prompt off the decoder; a failure
 *after* a provider did its prefill degrades to plain, because retrying another hybrid route there
-would pay for the prefill twice.  ``DEGRADE`` below is that table; nothing else decides it.
+would pay for the prefill twice.  ``DEGRADE`` below is that table; nothing else decides it: a
+handoff returns an :class:`Outcome` naming the step that failed, and ``Completions`` looks the next
+route up here (:func:`degrade`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ class Reason(enum.Enum):
     SHARE_REMEMBERED = "share-refused-earlier"
     SHARE_UNSUPPORTED = "share-unsupported"  # the provider cannot write a shared region
     ADOPT_REFUSED = "adopt-refused"
+    # The handoff answered success but the decoder re-evaluated the prompt (ggml-org/llama.cpp#26676):
+    # the route stays what it was, and the chain says the work was done twice.
+    RESTORE_UNUSED = "restore-unused"
 
 
 class Step(enum.Enum):
@@ -62,6 +67,31 @@ DEGRADE: dict[Step, Route] = {
     Step.SHARE_PREFILL: Route.PLAIN,
     Step.ADOPT: Route.PLAIN,
 }
+
+
+@attrs.frozen
+class Outcome:
+    """What one hybrid route's effects did: the route reached, or the step that failed and why.
+
+    Handoffs return this and write nothing else: the owner of the request logs ``why`` once, records
+    the reason in the route line's fallback chain, and asks :func:`degrade` where to go next."""
+
+    route: Route  # the route that was tried
+    failed: Step | None = None  # None: the slot holds the prompt
+    reason: Reason | None = None
+    why: str = ""  # for the log: what happened, in the decoder's or the provider's words
+    prefill_ms: float | None = None  # the provider's own figure where it gave one, else measured
+    restore_ms: float | None = None
+    share_ms: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.failed is None
+
+
+def degrade(outcome: Outcome) -> Route:
+    """The route a request continues on after ``outcome``: itself when it worked, else DEGRADE's row."""
+    return outcome.route if outcome.failed is None else DEGRADE[outcome.failed]
 
 
 @attrs.frozen

@@ -1,9 +1,10 @@
 """The file route's effects: a provider prefills into a state file, the decoder restores it.
 
-``FileHandoff.run`` either leaves the prompt's KV in the decoder slot and returns True, or cleans up
-(the file removed, the slot erased when a restore was attempted), says why once in the log and in the
-route line's ``fallback``, and returns False: the request then goes plain.  The state file is removed
-as soon as the restore answered, and on every other path, cancellation included.
+``FileHandoff.run`` returns an :class:`~supervisor.routes.decision.Outcome`: ``ok`` when the decoder
+slot holds the prompt's KV, else the step that failed (the provider's prefill, or the restore), the
+reason and the words for the log, with the slot erased when a restore was attempted.  It logs nothing
+and writes no route line: ``Completions`` does both.  The state file is removed as soon as the
+restore answered, and on every other path, cancellation included.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ from typing import Any, Protocol
 
 import trio
 
-from ..errors import DecoderError, ProviderError
+from ..errors import DecoderError
 from ..providers import PrefillJob, Provider
-from ..routeline import RouteLine
-from .decision import Reason, claim_matches
+from .decision import Outcome, Reason, Route, Step
+from .prefill import prefill
 
 log = logging.getLogger("onebit.hybrid")
 
@@ -43,83 +44,61 @@ async def erase_slot(client: SlotClient, slot: int, after: str) -> None:
 
 
 class FileHandoff:
-    def __init__(
-        self,
-        *,
-        client: SlotClient,
-        state_dir: Path,
-        model: str,
-        n_ctx: int,
-        prefill_timeout_s: float,
-    ) -> None:
+    def __init__(self, *, client: SlotClient, state_dir: Path, model: str, n_ctx: int) -> None:
         self.client = client
         self.state_dir = state_dir
         self.model = model
         self.n_ctx = n_ctx
-        self.prefill_timeout_s = prefill_timeout_s
 
     def state_file(self, req: str) -> Path:
         # Our name, never the client's; random so a retried request id cannot collide.
         return self.state_dir / f"{req}-{secrets.token_hex(4)}.state"
 
-    async def run(self, *, req: str, slot: int, tokens: list[int], provider: Provider, line: RouteLine) -> bool:
+    async def run(self, *, req: str, slot: int, tokens: list[int], provider: Provider, timeout_s: float) -> Outcome:
         path = self.state_file(req)
-        expected = len(tokens)
         try:
             job = PrefillJob(req, self.model, self.n_ctx, tuple(tokens), path)
-            started = trio.current_time()
-            try:
-                with trio.fail_after(self.prefill_timeout_s):
-                    claim = await provider.prefill(job)
-            except trio.TooSlowError:
-                return self._fall_back(
-                    line,
-                    Reason.PROVIDER_FAILED,
-                    f"provider {provider.name} took over {self.prefill_timeout_s:g}s",
-                )
-            except ProviderError as exc:
-                return self._fall_back(line, Reason.PROVIDER_FAILED, f"provider failed: {exc}")
-            measured_ms = (trio.current_time() - started) * 1000
-            # The provider's own number, so both hybrid routes report the same figure for the same work.
-            line.prefill_ms = claim.prefill_ms if claim.prefill_ms is not None else measured_ms
-            if not claim_matches(claim.n_tokens, expected):
-                return self._fall_back(
-                    line, Reason.SHORT_CLAIM, f"provider prefilled {claim.n_tokens} of {expected} tokens"
-                )
+            done = await prefill(provider, job, timeout_s=timeout_s)
+            if done.reason is not None:
+                return Outcome(Route.FILE, Step.FILE_PREFILL, done.reason, done.why, prefill_ms=done.prefill_ms)
             # A stat of a local file, synchronously: a worker thread here would be a checkpoint that
             # lets the clock run (and costs more than the stat).
             if not path.is_file():
-                return self._fall_back(line, Reason.PROVIDER_FAILED, f"provider {provider.name} wrote no state file")
-            return await self._restore(slot, path, expected, line)
+                return Outcome(
+                    Route.FILE,
+                    Step.FILE_PREFILL,
+                    Reason.PROVIDER_FAILED,
+                    f"provider {provider.name} wrote no state file",
+                    prefill_ms=done.prefill_ms,
+                )
+            return await self._restore(slot, path, len(tokens), done.prefill_ms)
         finally:
             path.unlink(missing_ok=True)
 
-    async def _restore(self, slot: int, path: Path, expected: int, line: RouteLine) -> bool:
+    async def _restore(self, slot: int, path: Path, expected: int, prefill_ms: float | None) -> Outcome:
         started = trio.current_time()
         try:
             status, data = await self.client.post_json(f"/slots/{slot}?action=restore", {"filename": path.name})
         except DecoderError as exc:
             status, data = 0, {"error": {"message": exc.message}}
         finally:
-            line.restore_ms = (trio.current_time() - started) * 1000
+            restore_ms = (trio.current_time() - started) * 1000
             # Synchronous on purpose: an await here could be cancelled and leave the file behind.
             path.unlink(missing_ok=True)  # noqa: ASYNC240
         n_restored = data.get("n_restored") if isinstance(data, dict) else None
         if status == 200 and n_restored == expected:
-            return True
-        await self._erase(slot)
-        what = f"restore answered {status}" if status != 200 else f"restored {n_restored} of {expected} tokens"
-        return self._fall_back(line, Reason.RESTORE_REFUSED, f"{what}: {_message(data)}")
-
-    async def _erase(self, slot: int) -> None:
+            return Outcome(Route.FILE, prefill_ms=prefill_ms, restore_ms=restore_ms)
         # A half-restored slot must not leak its cells into the plain request that follows.
         await erase_slot(self.client, slot, "a refused restore")
-
-    @staticmethod
-    def _fall_back(line: RouteLine, reason: Reason, why: str) -> bool:
-        log.warning("hybrid: %s; the backend prefills this request itself", why)
-        line.fallback = reason.value
-        return False
+        what = f"restore answered {status}" if status != 200 else f"restored {n_restored} of {expected} tokens"
+        return Outcome(
+            Route.FILE,
+            Step.RESTORE,
+            Reason.RESTORE_REFUSED,
+            f"{what}: {_message(data)}",
+            prefill_ms=prefill_ms,
+            restore_ms=restore_ms,
+        )
 
 
 def _message(data: object) -> str:

@@ -29,11 +29,11 @@ from typing import Any
 import attrs
 import trio
 
-from ..errors import DecoderError, ProviderError, ShareRefused
+from ..errors import DecoderError, ShareRefused
 from ..providers import Provider, ShareJob
-from ..routeline import RouteLine
-from .decision import DEGRADE, Reason, Route, Step, claim_matches
+from .decision import Outcome, Reason, Route, Step
 from .file import SlotClient, erase_slot
+from .prefill import prefill
 
 log = logging.getLogger("onebit.hybrid")
 
@@ -172,27 +172,17 @@ class ShareHandshake:
 
 
 class ShareHandoff:
-    """The share route's effects, and the fallback boundary between its steps.
-
-    ``run`` returns the route the request continues on: ``SHARE`` (the slot holds the prompt),
-    ``FILE`` (the handshake failed before any provider ran: the caller runs the file route), or
-    ``PLAIN`` (a provider ran, or may have: never pay for the prefill twice).
+    """The share route's effects.  ``run`` returns an :class:`Outcome`: ``ok`` (the slot holds the
+    prompt), or the step that failed: ``SHARE_HANDSHAKE`` (nothing was written: the file route may
+    still run), ``SHARE_PREFILL`` or ``ADOPT`` (a provider ran, or may have).  Which route follows
+    is ``routes.DEGRADE``'s to say, not this class's.
     """
 
-    def __init__(
-        self,
-        *,
-        client: SlotClient,
-        handshake: ShareHandshake,
-        model: str,
-        n_ctx: int,
-        prefill_timeout_s: float,
-    ) -> None:
+    def __init__(self, *, client: SlotClient, handshake: ShareHandshake, model: str, n_ctx: int) -> None:
         self.client = client
         self.handshake = handshake
         self.model = model
         self.n_ctx = n_ctx
-        self.prefill_timeout_s = prefill_timeout_s
         # The decoder generation that refused to share: until it restarts, do not ask again.
         self.refused_generation: int | None = None
         self._told_remembered = False
@@ -206,8 +196,8 @@ class ShareHandoff:
         return True
 
     async def run(
-        self, *, req: str, slot: int, tokens: list[int], provider: Provider, line: RouteLine, generation: int
-    ) -> Route:
+        self, *, req: str, slot: int, tokens: list[int], provider: Provider, generation: int, timeout_s: float
+    ) -> Outcome:
         expected = len(tokens)
         started = trio.current_time()
         try:
@@ -215,38 +205,38 @@ class ShareHandoff:
         except ShareRefused as exc:
             self.refused_generation = generation
             self._told_remembered = False
-            log.warning("hybrid: %s; this decoder cannot share its KV, so the state-file route is used", exc.reason)
-            line.fallback = Reason.SHARE_REFUSED.value
-            line.share_ms = 0.0
-            return DEGRADE[Step.SHARE_HANDSHAKE]
-        line.share_ms = (trio.current_time() - started) * 1000
+            return Outcome(
+                Route.SHARE,
+                Step.SHARE_HANDSHAKE,
+                Reason.SHARE_REFUSED,
+                f"{exc.reason}; this decoder cannot share its KV",
+                share_ms=0.0,
+            )
+        share_ms = (trio.current_time() - started) * 1000
         try:
             if not provider.supports_share:
                 # Nothing was written into the region: the file route costs no second prefill.
                 await self._erase(slot)
-                log.info(
-                    "hybrid: provider %s cannot write a shared region; the state-file route is used", provider.name
+                return Outcome(
+                    Route.SHARE,
+                    Step.SHARE_HANDSHAKE,
+                    Reason.SHARE_UNSUPPORTED,
+                    f"provider {provider.name} cannot write a shared region",
+                    share_ms=share_ms,
                 )
-                line.fallback = Reason.SHARE_UNSUPPORTED.value
-                return DEGRADE[Step.SHARE_HANDSHAKE]
             job = ShareJob(
                 req, self.model, self.n_ctx, tuple(tokens), region.share_id, region.layout, tuple(region.fds)
             )
-            prefill_started = trio.current_time()
-            try:
-                with trio.fail_after(self.prefill_timeout_s):
-                    claim = await provider.prefill(job)
-            except (ProviderError, trio.TooSlowError) as exc:
-                why = str(exc) or f"took over {self.prefill_timeout_s:g}s"
-                return await self._give_up(slot, line, Reason.PROVIDER_FAILED, f"provider failed: {why}")
-            measured_ms = (trio.current_time() - prefill_started) * 1000
-            line.prefill_ms = claim.prefill_ms if claim.prefill_ms is not None else measured_ms
-            if not claim_matches(claim.n_tokens, expected):
-                return await self._give_up(
-                    slot,
-                    line,
-                    Reason.SHORT_CLAIM,
-                    f"provider prefilled {claim.n_tokens} of {expected} tokens into the shared region",
+            done = await prefill(provider, job, timeout_s=timeout_s, where=" into the shared region")
+            if done.reason is not None:
+                await self._erase(slot)
+                return Outcome(
+                    Route.SHARE,
+                    Step.SHARE_PREFILL,
+                    done.reason,
+                    done.why,
+                    prefill_ms=done.prefill_ms,
+                    share_ms=share_ms,
                 )
             try:
                 status, data = await self.client.post_json(
@@ -255,10 +245,16 @@ class ShareHandoff:
             except DecoderError as exc:
                 status, data = 0, {"error": {"message": exc.message}}
             if not 200 <= status < 300:
-                return await self._give_up(
-                    slot, line, Reason.ADOPT_REFUSED, f"adopt answered {status}: {_error_text(status, data)}"
+                await self._erase(slot)
+                return Outcome(
+                    Route.SHARE,
+                    Step.ADOPT,
+                    Reason.ADOPT_REFUSED,
+                    f"adopt answered {status}: {_error_text(status, data)}",
+                    prefill_ms=done.prefill_ms,
+                    share_ms=share_ms,
                 )
-            return Route.SHARE
+            return Outcome(Route.SHARE, prefill_ms=done.prefill_ms, share_ms=share_ms)
         except BaseException:
             # Abandoned after the handshake (the client left, so Cancelled, often in the group the
             # provider's nursery wraps it in): the provider may have written rows over the slot's cells,
@@ -268,12 +264,6 @@ class ShareHandoff:
             raise
         finally:
             region.close()
-
-    async def _give_up(self, slot: int, line: RouteLine, reason: Reason, why: str) -> Route:
-        await self._erase(slot)
-        log.warning("hybrid: %s; the backend prefills this request itself", why)
-        line.fallback = reason.value
-        return Route.PLAIN
 
     async def _erase(self, slot: int) -> None:
         # The decoder lent this slot's cells; whatever a provider left there must not be decoded from.

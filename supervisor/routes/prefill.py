@@ -1,0 +1,44 @@
+"""A provider's prefill under a deadline, its claim checked: the step both hybrid routes share.
+
+The result says how long the prefill took (the provider's own figure where it gave one, so both
+routes report the same number for the same work) and, when it failed, the reason and the words for
+the log.  A provider that does not say how many tokens it prefilled is taken at its word (the state
+it wrote is the result); a wrong count is a failure.
+"""
+
+from __future__ import annotations
+
+import attrs
+import trio
+
+from ..errors import ProviderError
+from ..providers import Job, Provider
+from .decision import Reason, claim_matches
+
+
+@attrs.frozen
+class Prefilled:
+    prefill_ms: float | None = None
+    reason: Reason | None = None  # None: the claim matches the job
+    why: str = ""
+
+
+async def prefill(provider: Provider, job: Job, *, timeout_s: float, where: str = "") -> Prefilled:
+    """Run ``job`` on ``provider`` for at most ``timeout_s``; ``where`` completes the short-claim words
+    (" into the shared region").  Cancelling it cancels the job."""
+    expected = len(job.tokens)
+    started = trio.current_time()
+    try:
+        with trio.fail_after(timeout_s):
+            claim = await provider.prefill(job)
+    except trio.TooSlowError:
+        return Prefilled(None, Reason.PROVIDER_FAILED, f"provider {provider.name} took over {timeout_s:g}s")
+    except ProviderError as exc:
+        return Prefilled(None, Reason.PROVIDER_FAILED, f"provider failed: {exc}")
+    measured_ms = (trio.current_time() - started) * 1000
+    prefill_ms = claim.prefill_ms if claim.prefill_ms is not None else measured_ms
+    if not claim_matches(claim.n_tokens, expected):
+        return Prefilled(
+            prefill_ms, Reason.SHORT_CLAIM, f"provider prefilled {claim.n_tokens} of {expected} tokens{where}"
+        )
+    return Prefilled(prefill_ms)
