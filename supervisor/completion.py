@@ -10,11 +10,11 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 
-from .child import Child, ChildState
+from .child import ChildState, ChildStatistics
 from .config import HybridConfig
 from .decoder import DecoderClient
 from .errors import DecoderError, DecoderUnavailable
@@ -121,6 +121,18 @@ def sse_error(message: str) -> bytes:
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
 
+class Decoder(Protocol):
+    """What a request asks of the supervised decoder: a :class:`~supervisor.child.Child`."""
+
+    @property
+    def state(self) -> ChildState: ...
+
+    @property
+    def generation(self) -> int: ...
+
+    def statistics(self) -> ChildStatistics: ...
+
+
 @attrs.frozen
 class Hybrid:
     """What the hybrid routes need beyond the plain one (absent: hybrid off)."""
@@ -157,7 +169,7 @@ class Completions:
     def __init__(
         self,
         *,
-        decoder: Child,
+        decoder: Decoder,
         client: DecoderClient,
         slots: SlotPool,
         settings: HybridConfig,

@@ -24,8 +24,8 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
-from .child import Child, ChildState
-from .completion import ENDPOINTS, Completions, decoder_error_envelope
+from .child import ChildState
+from .completion import ENDPOINTS, Completions, Decoder, decoder_error_envelope
 from .config import ServerConfig
 from .decoder import DecoderClient
 from .errors import ClientError, DecoderError, OnebitError
@@ -86,7 +86,7 @@ class Front:
         self,
         server: ServerConfig,
         *,
-        decoder: Child,
+        decoder: Decoder,
         client: DecoderClient,
         completions: Completions,
         emit: Callable[[RouteLine], None] | None = None,

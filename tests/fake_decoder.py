@@ -41,6 +41,9 @@ file, then ``os.replace``); a file that cannot be read or parsed counts as absen
                                                    ``restore-held`` once), giving up if the client leaves
     FAKE_DECODER_RESTORE_REFUSE   restore_refuse   restores answer 400, as for a file saved elsewhere
     FAKE_DECODER_RESTORE_WRONG_N  restore_wrong_n  a restore loads the file but answers one token short
+    FAKE_DECODER_RESTORE_UNUSED   restore_unused   a restore answers success but leaves the slot as it
+                                                   was, so the next completion re-evaluates the prompt
+                                                   (ggml-org/llama.cpp#26676)
     FAKE_KVSHARE_REFUSE           kvshare_refuse   ?action=share answers 400, as the NPU fork does for a
                                                    hybrid model's cache
     FAKE_KVSHARE_NO_ID            kvshare_no_id    ?action=share answers 200 without a share_id
@@ -149,6 +152,7 @@ class Modes:
     hold_restore: bool = False
     restore_refuse: bool = False
     restore_wrong_n: bool = False
+    restore_unused: bool = False
     kvshare_refuse: bool = False
     kvshare_no_id: bool = False
     kvshare_no_connect: bool = False
@@ -828,7 +832,8 @@ def slot_restore(ex: Exchange, slot: int) -> None:
         fake.log({"event": "restore", "slot": slot, "filename": name, "refused": True})
         raise HttpError(400, RESTORE_FAILED)
     assert isinstance(tokens, list)
-    fake.hand_over(slot, tokens)
+    if not modes.restore_unused:
+        fake.hand_over(slot, tokens)
     n_restored = len(tokens) - 1 if modes.restore_wrong_n else len(tokens)
     fake.log({"event": "restore", "slot": slot, "filename": name, "n_restored": n_restored, "tokens": tokens})
     ex.reply(

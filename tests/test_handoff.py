@@ -22,14 +22,15 @@ import pytest
 import trio
 
 from supervisor.config import ExecProvider as ExecProviderConfig
-from supervisor.errors import DecoderUnavailable, ProviderError
-from supervisor.providers import Claim, Job, PrefillJob, Provider, ProviderStatistics
+from supervisor.errors import DecoderUnavailable
+from supervisor.providers import Claim, Provider
 from supervisor.providers.exec import ExecProvider
 from supervisor.routes.decision import Outcome, Reason
 from supervisor.routes.file import FileHandoff
 
 from .fake_provider import PATH as FAKE_PROVIDER
 from .fake_provider import events, gone, reaped
+from .rig import ScriptedProvider
 
 # Starting Python a few times on two busy cores; nothing here waits for anything slower.
 DEADLINE_S = 30
@@ -72,38 +73,6 @@ class FakeSlots:
     @property
     def paths(self) -> list[str]:
         return [path for path, _ in self.calls]
-
-
-@attrs.define
-class ScriptedProvider:
-    """A provider that does, in virtual time, what a test tells it to."""
-
-    claim: Claim | None = None  # None: every token, prefill_ms 7.25
-    write_file: bool = True
-    error: str | None = None
-    prefill_s: float = 0.0
-    name: str = "scripted"
-    kind: str = "scripted"
-    supports_share: bool = False
-    ready: bool = True
-    busy: int = 0
-    jobs: list[PrefillJob] = attrs.Factory(list)
-
-    async def run(self, *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started(self)
-
-    async def prefill(self, job: Job) -> Claim:
-        assert isinstance(job, PrefillJob)
-        self.jobs.append(job)
-        if self.write_file:
-            job.state_file.write_text(json.dumps({"fake_state": True, "tokens": list(job.tokens)}))
-        await trio.sleep(self.prefill_s)
-        if self.error is not None:
-            raise ProviderError(self.error)
-        return self.claim if self.claim is not None else Claim(len(job.tokens), 7.25)
-
-    def statistics(self) -> ProviderStatistics:
-        return ProviderStatistics(self.name, self.kind, True, self.busy, len(self.jobs), 0, None)
 
 
 @attrs.define

@@ -1,0 +1,165 @@
+"""An in-process fake llama-server: an httpx transport, so ``DecoderClient`` talks to it without a
+process (httpx's ``MockTransport`` is the model).  ``Completions``, ``Front`` and the handoffs are
+tested against it; tests/fake_decoder.py stays for what only a process shows (crashes, restarts,
+signals, fd passing).
+
+It speaks the same dialect as tests/fake_decoder.py and reuses its pieces (tokens are words, a
+reply echoes the prompt's last words, ``timings`` and ``usage`` as llama-server puts them), and it is
+steered the same way: by that module's :class:`~tests.fake_decoder.Modes`, the one set of mode names
+every fake decoder understands (``fake.modes = Modes(restore_refuse=True)``).
+
+The slot cache is llama-server's: a slot holding a prefix of the prompt evaluates only the rest (at
+least one token), a restore fills the slot from a ``{"fake_state": true, "tokens": [...]}`` file in
+``state_dir``, an erase empties it.  ``?action=share`` answers 400 as a stock llama-server does.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, cast
+from urllib.parse import parse_qs
+
+import attrs
+import httpx
+import trio
+
+from supervisor.decoder import DecoderClient
+
+from . import fake_decoder
+from .fake_decoder import HttpError, Modes, chatml, parse_job, token_id
+
+COMPLETIONS = ("/completion", "/v1/completions", "/v1/chat/completions")
+
+
+@attrs.define
+class Request:
+    """One completion the fake served, for tests to read."""
+
+    path: str
+    slot: int
+    prompt: list[int]
+    prompt_n: int
+    cache_n: int
+
+
+@attrs.define
+class FakeLlama:
+    state_dir: Path
+    n_slots: int = 2
+    alias: str = "fake-model"
+    modes: Modes = attrs.Factory(Modes)
+    slots: list[list[int]] = attrs.field(init=False)
+    requests: list[Request] = attrs.Factory(list)
+    actions: list[tuple[str, int]] = attrs.Factory(list)  # (action, slot), in order
+    # Set while a streamed reply is paused after its first token (modes.hold).
+    release: trio.Event = attrs.Factory(trio.Event)
+
+    def __attrs_post_init__(self) -> None:
+        self.slots = [[] for _ in range(self.n_slots)]
+
+    def client(self) -> DecoderClient:
+        """A DecoderClient whose transport is this fake."""
+        return DecoderClient(self.state_dir / "unused.sock", transport=httpx.MockTransport(self.handle))
+
+    # -- the transport ------------------------------------------------------------------------------
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        body: Any = json.loads(request.content) if request.content else {}
+        path = request.url.path
+        try:
+            if path == "/health":
+                return httpx.Response(200, json={"status": "ok"})
+            if path == "/tokenize":
+                return httpx.Response(200, json={"tokens": self.tokenize(body.get("content"))})
+            if path == "/apply-template":
+                return httpx.Response(200, json={"prompt": chatml(body.get("messages"))})
+            if path.startswith("/slots/"):
+                return self.slot_action(int(path.split("/")[2]), parse_qs(request.url.query.decode()), body)
+            if path in COMPLETIONS:
+                return await self.completion(path, body)
+        except HttpError as exc:
+            return httpx.Response(exc.status, json=exc.body())
+        return httpx.Response(
+            404, json={"error": {"code": 404, "message": "File Not Found", "type": "not_found_error"}}
+        )
+
+    @staticmethod
+    def tokenize(content: Any) -> list[int]:
+        if isinstance(content, list):
+            return [int(t) for t in content]
+        return [token_id(word) for word in str(content).split()]
+
+    def slot_action(self, slot: int, query: dict[str, list[str]], body: dict[str, Any]) -> httpx.Response:
+        action = query.get("action", [""])[0]
+        self.actions.append((action, slot))
+        if action == "restore":
+            path = self.state_dir / str(body.get("filename"))
+            try:
+                state = json.loads(path.read_text())
+            except (OSError, ValueError):
+                state = None
+            if self.modes.restore_refuse or not isinstance(state, dict):
+                raise HttpError(400, fake_decoder.RESTORE_FAILED)
+            tokens = list(state["tokens"])
+            if not self.modes.restore_unused:
+                self.slots[slot] = tokens
+            n_restored = len(tokens) - 1 if self.modes.restore_wrong_n else len(tokens)
+            return httpx.Response(200, json={"id_slot": slot, "n_restored": n_restored})
+        if action == "erase":
+            n_erased, self.slots[slot] = len(self.slots[slot]), []
+            return httpx.Response(200, json={"id_slot": slot, "n_erased": n_erased})
+        if action == "save":
+            path = self.state_dir / str(body.get("filename"))
+            path.write_text(json.dumps({"fake_state": True, "tokens": self.slots[slot]}))
+            return httpx.Response(200, json={"id_slot": slot, "n_saved": len(self.slots[slot])})
+        raise HttpError(400, "Invalid action")
+
+    async def completion(self, path: str, body: dict[str, Any]) -> httpx.Response:
+        job = parse_job(path, body)
+        prompt = self.tokenize(job.prompt)
+        slot = body.get("id_slot", 0)
+        held = self.slots[slot]
+        common = 0
+        for a, b in zip(held, prompt, strict=False):
+            if a != b:
+                break
+            common += 1
+        cache_n = max(0, min(common, len(prompt) - 1)) if body.get("cache_prompt", True) else 0
+        self.slots[slot] = prompt
+        self.requests.append(Request(path, slot, prompt, len(prompt) - cache_n, cache_n))
+        words = [job.echo[i % len(job.echo)] for i in range(job.n_predict)]
+        me = cast(Any, self)  # fake_decoder's reply builders read only ``alias``
+        if not job.stream:
+            text = " ".join(words) if job.chat else " " + " ".join(words)
+            return httpx.Response(200, json=fake_decoder._final(me, job, text, cache_n, len(prompt), len(words)))
+
+        async def events() -> AsyncIterator[bytes]:
+            for index, word in enumerate(words):
+                yield _event(fake_decoder._token_event(me, job, word, index, len(prompt)))
+                if index == 0 and self.modes.hold:
+                    await self.release.wait()
+            yield _event(fake_decoder._final(me, job, "", cache_n, len(prompt), len(words)))
+            if job.openai:
+                yield b"data: [DONE]\n\n"
+
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=Events(events()))
+
+
+class Events(httpx.AsyncByteStream):
+    """A streamed reply whose close is a checkpoint, as releasing a real connection is."""
+
+    def __init__(self, events: AsyncIterator[bytes]) -> None:
+        self._events = events
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for event in self._events:
+            yield event
+
+    async def aclose(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+
+def _event(data: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(data).encode() + b"\n\n"

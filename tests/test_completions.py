@@ -1,0 +1,230 @@
+"""A request's story, in process: ``Front`` and ``Completions`` against tests/fake_llama.py (an httpx
+transport) and an in-test provider, driven through the ASGI interface the way hypercorn drives it.
+
+What only these tests can show without a process: the fallback chain keeps every reason in order,
+the walk follows ``DEGRADE``, and what a request does after its last byte is not cancelled by the
+disconnect hypercorn reports once a response has finished.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import trio
+
+from supervisor.child import ChildState, ChildStatistics
+from supervisor.completion import Completions, Hybrid
+from supervisor.config import HybridConfig, ServerConfig
+from supervisor.front import Front
+from supervisor.providers import Provider, Providers
+from supervisor.routeline import RouteLine
+from supervisor.routes.decision import DEGRADE, Step
+from supervisor.routes.file import FileHandoff
+from supervisor.routes.share import ShareHandoff, ShareHandshake
+from supervisor.slots import SlotPool
+
+from .fake_decoder import Modes
+from .fake_llama import FakeLlama
+from .rig import ScriptedProvider
+
+TIMEOUT = 10
+PROMPT = "the quick brown fox jumps over the lazy dog"
+M = len(PROMPT.split())
+SETTINGS = HybridConfig(enabled=True, min_prompt_tokens=4)
+
+
+@attrs.define
+class ReadyDecoder:
+    state: ChildState = ChildState.READY
+    generation: int = 1
+
+    def statistics(self) -> ChildStatistics:
+        raise AssertionError("a ready decoder is not asked why it failed")
+
+
+@attrs.define
+class Reply:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+@attrs.define
+class Rig:
+    fake: FakeLlama
+    completions: Completions
+    front: Front
+    lines: list[RouteLine]
+
+    async def post(self, path: str, body: dict[str, Any]) -> Reply:
+        """One request as hypercorn hands it over, and the client hanging up right after the reply
+        (hypercorn reports ``http.disconnect`` then, as it does after every finished response)."""
+        sent: list[dict[str, Any]] = []
+        finished = trio.Event()
+        asked = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal asked
+            if not asked:
+                asked = True
+                return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+            await finished.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                finished.set()
+            # hypercorn's send goes on awaiting (the stream's events, the socket write) after it queued
+            # the disconnect that follows a last body: a cancel can land inside it.
+            for _ in range(3):
+                await trio.lowlevel.checkpoint()
+
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": path,
+            "headers": [(b"host", b"localhost"), (b"content-type", b"application/json")],
+        }
+        await self.front(scope, receive, send)
+        [start, *bodies] = sent
+        headers = {k.decode(): v.decode() for k, v in start["headers"]}
+        return Reply(start["status"], headers, b"".join(m.get("body", b"") for m in bodies))
+
+
+def make_rig(tmp_path: Path, provider: Provider, *, share: bool = False) -> Rig:
+    fake = FakeLlama(tmp_path)
+    client = fake.client()
+    share_handoff = None
+    if share:
+        handshake = ShareHandshake(client=client, runtime_dir=tmp_path, connect_timeout_s=1.0)
+        share_handoff = ShareHandoff(client=client, handshake=handshake, model="fake-model", n_ctx=4096)
+    hybrid = Hybrid(
+        providers=Providers([provider]),
+        file=FileHandoff(client=client, state_dir=tmp_path, model="fake-model", n_ctx=4096),
+        share=share_handoff,
+    )
+    decoder = ReadyDecoder()
+    completions = Completions(decoder=decoder, client=client, slots=SlotPool(2, 8), settings=SETTINGS, hybrid=hybrid)
+    lines: list[RouteLine] = []
+    front = Front(ServerConfig(), decoder=decoder, client=client, completions=completions, emit=lines.append)
+    return Rig(fake, completions, front, lines)
+
+
+def body_for(stream: bool) -> dict[str, Any]:
+    return {"prompt": PROMPT, "n_predict": 3, "stream": stream}
+
+
+def state_files(directory: Path) -> list[Path]:
+    return sorted(directory.glob("*.state"))
+
+
+def hybrid_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "onebit.hybrid" and r.levelno >= logging.WARNING]
+
+
+@pytest.fixture(autouse=True)
+def _hybrid_log(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="onebit.hybrid")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_the_file_route_hands_the_prompt_over_and_the_decoder_evaluates_one_token(
+    tmp_path: Path, stream: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    rig = make_rig(tmp_path, ScriptedProvider())
+    with trio.fail_after(TIMEOUT):
+        reply = await rig.post("/completion", body_for(stream))
+    assert reply.status == 200
+    [line] = rig.lines
+    assert (line.route, line.fallback, line.prompt_tokens, line.decoder_prompt_n) == ("file", None, M, 1)
+    assert (line.prefill_ms, line.outcome, line.status) == (7.25, "ok", 200)
+    assert rig.fake.actions == [("restore", 0)]
+    assert state_files(tmp_path) == []
+    assert hybrid_warnings(caplog) == []
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_a_restore_the_decoder_did_not_use_is_warned_counted_and_chained_though_the_client_hung_up(
+    tmp_path: Path, stream: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    rig = make_rig(tmp_path, ScriptedProvider())
+    rig.fake.modes = Modes(restore_unused=True)
+    with trio.fail_after(TIMEOUT):
+        reply = await rig.post("/completion", body_for(stream))
+    assert reply.status == 200
+    [line] = rig.lines
+    assert (line.route, line.fallback, line.decoder_prompt_n, line.outcome) == ("file", "restore-unused", M, "ok")
+    assert rig.completions.restore_unused == 1
+    assert hybrid_warnings(caplog) == [
+        f"hybrid: restore was not used by the decoder: it evaluated {M} of {M} prompt tokens ({line.req})"
+    ]
+
+
+async def test_the_fallback_keeps_every_reason_in_order(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # The stock decoder refuses to share (the file route follows), then the provider fails (plain).
+    rig = make_rig(tmp_path, ScriptedProvider(error="the NPU is on fire"), share=True)
+    with trio.fail_after(TIMEOUT):
+        reply = await rig.post("/completion", body_for(False))
+    assert reply.status == 200
+    [line] = rig.lines
+    assert (line.route, line.fallback, line.decoder_prompt_n) == ("plain", "share-refused>provider-failed", M)
+    [refused, failed] = hybrid_warnings(caplog)
+    assert refused.startswith("hybrid: share answered 400: ")
+    assert refused.endswith("; this decoder cannot share its KV; the state-file route is used")
+    assert failed == "hybrid: provider failed: the NPU is on fire; the backend prefills this request itself"
+
+
+Scenario = Callable[[Rig], Awaitable[None]]
+
+
+async def _refuse_restores(rig: Rig) -> None:
+    rig.fake.modes = Modes(restore_refuse=True)
+
+
+async def _nothing(rig: Rig) -> None:
+    pass
+
+
+@pytest.mark.parametrize(
+    ("provider", "setup", "step", "fallback"),
+    [
+        (ScriptedProvider(error="boom"), _nothing, Step.FILE_PREFILL, "provider-failed"),
+        (ScriptedProvider(write_file=False), _nothing, Step.FILE_PREFILL, "provider-failed"),
+        (ScriptedProvider(), _refuse_restores, Step.RESTORE, "restore-refused"),
+    ],
+    ids=["provider-error", "no-state-file", "restore-refused"],
+)
+async def test_a_failed_file_route_goes_where_degrade_says(
+    tmp_path: Path, provider: ScriptedProvider, setup: Scenario, step: Step, fallback: str
+) -> None:
+    rig = make_rig(tmp_path, provider)
+    await setup(rig)
+    with trio.fail_after(TIMEOUT):
+        reply = await rig.post("/completion", body_for(True))
+    assert reply.status == 200
+    [line] = rig.lines
+    assert (line.route, line.fallback) == (DEGRADE[step].value, fallback)
+    assert line.decoder_prompt_n == M  # the decoder prefilled it itself, once
+    assert state_files(tmp_path) == []
+
+
+async def test_a_reload_swaps_the_settings_for_the_next_request_only(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path, ScriptedProvider())
+    with trio.fail_after(TIMEOUT):
+        await rig.post("/completion", body_for(False))
+        rig.completions.configure(attrs.evolve(SETTINGS, min_prompt_tokens=M + 1))
+        await rig.post("/completion", {**body_for(False), "prompt": PROMPT.upper()})
+    first, second = rig.lines
+    assert (first.route, first.fallback) == ("file", None)
+    assert (second.route, second.fallback) == ("plain", "short-prompt")
+    assert SETTINGS.min_prompt_tokens == 4  # the old value was swapped out, not changed
