@@ -19,13 +19,14 @@ from .config import HybridConfig
 from .decoder import DecoderClient
 from .errors import DecoderError, DecoderUnavailable
 from .providers import Provider, Providers
+from .rates import Rates
 from .respond import Responder
 from .routeline import RouteLine
-from .routes.decision import Choice, Reason, Route, choose, degrade, restore_used
+from .routes.decision import Choice, Costs, Policy, Reason, Route, choose, degrade, restore_used
 from .routes.file import FileHandoff
-from .routes.prompt import handoff_unsupported, tokens_for
+from .routes.prompt import CHAT, handoff_unsupported, tokens_for
 from .routes.share import ShareHandoff
-from .slots import SlotPool
+from .slots import PromptKey, SlotPool
 
 log = logging.getLogger("onebit.hybrid")
 
@@ -144,9 +145,26 @@ class Hybrid:
 
 @attrs.frozen
 class Plan:
-    choice: Choice
-    tokens: list[int]
+    """What is known before a slot is taken: the prompt's key, its tokens, a provider, and a reason
+    the request cannot be handed over at all (then plain, whatever the costs)."""
+
+    key: PromptKey
+    tokens: list[int] | None
     provider: Provider | None
+    reason: Reason | None = None
+
+
+# The state one prompt token takes in a slot state file, until a handoff measures it: SmolLM2-135M's
+# f16 cache (30 layers x K and V x 192 values x 2 bytes), about 22 KiB as measured.
+STATE_BYTES_PER_TOKEN = 23_040
+
+
+def prompt_text(endpoint: str, body: dict[str, Any]) -> str:
+    """A prompt's text for slot affinity, without a round trip to the tokenizer."""
+    if endpoint == CHAT:
+        return json.dumps(body.get("messages"), separators=(",", ":"), ensure_ascii=False)
+    prompt = body.get("prompt")
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, separators=(",", ":"))
 
 
 # How a fallback is worded in the log, by the route the request goes on to.
@@ -182,6 +200,14 @@ class Completions:
         self.hybrid = hybrid
         # Hybrid requests whose decoder re-evaluated the prompt although the restore succeeded.
         self.restore_unused = 0
+        self.rates = Rates(
+            decoder_ms_per_token=settings.decoder_ms_per_token,
+            provider_ms_per_token=settings.provider_ms_per_token,
+            handoff_ms_per_mib=settings.handoff_ms_per_mib,
+            state_bytes_per_token=STATE_BYTES_PER_TOKEN,
+        )
+        # Requests whose reply the decoder is generating now: a plain prefill would stall them.
+        self.decoding = 0
 
     def configure(self, settings: HybridConfig) -> None:
         """Swap in new settings; requests in flight keep the ones they started with."""
@@ -197,66 +223,94 @@ class Completions:
             )
         raise DecoderUnavailable(f"the decoder is {state.value}; try again shortly")
 
-    async def _plan(self, endpoint: str, body: dict[str, Any], req: str, settings: HybridConfig) -> Plan:
-        """Pick the route; tokenizes the prompt only when a hybrid route is possible at all."""
+    async def _plan(self, endpoint: str, body: dict[str, Any], req: str) -> Plan:
+        """Tokenize the prompt when a hybrid route is possible at all; the rest is decided once the
+        request has its slot (what the slot holds is part of the cost)."""
+        text = prompt_text(endpoint, body)
         hybrid = self.hybrid
         if hybrid is None:
-            return Plan(Choice(Route.PLAIN, Reason.DISABLED), [], None)
+            return Plan(PromptKey(text), None, None, Reason.DISABLED)
         provider = hybrid.providers.pick()
-        tokens: list[int] | None = None
-        if provider is not None:
-            why = handoff_unsupported(endpoint, body)
-            if why is not None:
-                log.info("hybrid: %s cannot be handed over (%s); the backend prefills it", req, why)
-                return Plan(Choice(Route.PLAIN, Reason.UNSUPPORTED), [], None)
-            try:
-                tokens = await tokens_for(self.client, endpoint, body)
-            except DecoderError as exc:
-                log.warning("hybrid: tokenizing %s failed (%s); the backend prefills it", req, exc.message)
-        choice = choose(
+        if provider is None:
+            return Plan(PromptKey(text), None, None, Reason.NO_PROVIDER)
+        why = handoff_unsupported(endpoint, body)
+        if why is not None:
+            log.info("hybrid: %s cannot be handed over (%s); the backend prefills it", req, why)
+            return Plan(PromptKey(text), None, None, Reason.UNSUPPORTED)
+        try:
+            tokens = await tokens_for(self.client, endpoint, body)
+        except DecoderError as exc:
+            log.warning("hybrid: tokenizing %s failed (%s); the backend prefills it", req, exc.message)
+            return Plan(PromptKey(text), None, None, Reason.TOKENIZE_FAILED)
+        return Plan(PromptKey(text, tuple(tokens)), tokens, provider)
+
+    def _choose(self, plan: Plan, slot: int, settings: HybridConfig) -> Choice:
+        hybrid = self.hybrid
+        if plan.reason is not None or hybrid is None or plan.provider is None or plan.tokens is None:
+            return Choice(Route.PLAIN, plan.reason)
+        generation = self.decoder.generation
+        n = len(plan.tokens)
+        costs = Costs(
+            decoder_cached=self.slots.cached(slot, plan.key),
+            provider_cached=plan.provider.cached_tokens(tuple(plan.tokens)),
+            decoder_ms_per_token=self.rates.decoder.get(generation),
+            provider_ms_per_token=self.rates.provider(plan.provider.name).get(0),
+            handoff_ms=self.rates.handoff_ms(n),
+            streams_decoding=self.decoding,
+        )
+        return choose(
             enabled=True,
             share=hybrid.share is not None,
-            provider_ready=provider is not None,
-            prompt_tokens=None if tokens is None else len(tokens),
+            provider_ready=plan.provider.ready,
+            prompt_tokens=n,
             min_prompt_tokens=settings.min_prompt_tokens,
-            share_refused=hybrid.share is not None and hybrid.share.refused_by(self.decoder.generation),
+            share_refused=hybrid.share is not None and hybrid.share.refused_by(generation),
+            costs=costs,
+            policy=Policy(prefer_margin=settings.prefer_margin, max_stall_ms=settings.max_stall_ms),
         )
-        return Plan(choice, tokens or [], provider if choice.route is not Route.PLAIN else None)
 
     async def serve(self, endpoint: str, body: dict[str, Any], out: Responder, line: RouteLine) -> None:
         settings = self.settings
         self.check_ready()
-        plan = await self._plan(endpoint, body, line.req, settings)
-        if plan.tokens:
+        plan = await self._plan(endpoint, body, line.req)
+        if plan.tokens is not None:
             line.prompt_tokens = len(plan.tokens)
         reasons: list[Reason] = []
-        if plan.choice.reason is not None and plan.choice.reason is not Reason.DISABLED:
-            reasons.append(plan.choice.reason)
-        line.fallback = fallback_chain(reasons)
         timings = Timings()
-        async with self.slots.hold() as slot:
+        async with self.slots.hold(plan.key) as slot:
             line.slot = slot
             self.check_ready()  # it may have died while we queued
+            choice = self._choose(plan, slot, settings)
+            if choice.reason is not None and choice.reason is not Reason.DISABLED:
+                reasons.append(choice.reason)
+            if choice.estimate is not None:
+                line.est_plain_ms = choice.estimate.plain_ms
+                line.est_hybrid_ms = choice.estimate.hybrid_ms
+            line.fallback = fallback_chain(reasons)
             forwarded = {**body, "id_slot": slot}
             route = Route.PLAIN
-            if plan.provider is not None:
-                route = await self._hand_over(plan.choice.route, slot, plan, line, reasons, settings)
+            if choice.route is not Route.PLAIN and plan.provider is not None:
+                route = await self._hand_over(choice.route, slot, plan, line, reasons, settings)
                 line.fallback = fallback_chain(reasons)
             line.route = route.value
             if route is not Route.PLAIN:
                 # The handed-over cells are only reused by a request that may use its slot's cache.
                 forwarded["cache_prompt"] = True
+            self.decoding += 1
             try:
                 if body.get("stream") is True:
                     await self._relay_stream(endpoint, forwarded, out, line, timings)
                 else:
                     await self._relay_whole(endpoint, forwarded, out, line, timings)
             finally:
+                self.decoding -= 1
                 self._record(timings, line)
         # After the last byte: this runs whether or not the client is still there (the front cancels
         # a request only while its response is unfinished), and awaits nothing.
-        if route is not Route.PLAIN and out.finished and line.outcome == "ok":
-            self._verify_handoff(line, reasons, settings)
+        if out.finished and line.outcome == "ok":
+            self.rates.observe_decoder(self.decoder.generation, timings.prompt_n, timings.prompt_ms)
+            if route is not Route.PLAIN:
+                self._verify_handoff(line, reasons, settings)
 
     async def _hand_over(
         self,
@@ -276,7 +330,7 @@ class Completions:
                 outcome = await hybrid.share.run(
                     req=line.req,
                     slot=slot,
-                    tokens=plan.tokens,
+                    tokens=plan.tokens or [],
                     provider=plan.provider,
                     generation=self.decoder.generation,
                     timeout_s=settings.prefill_timeout_s,
@@ -285,7 +339,7 @@ class Completions:
                 outcome = await hybrid.file.run(
                     req=line.req,
                     slot=slot,
-                    tokens=plan.tokens,
+                    tokens=plan.tokens or [],
                     provider=plan.provider,
                     timeout_s=settings.prefill_timeout_s,
                 )
@@ -296,6 +350,8 @@ class Completions:
             if outcome.share_ms is not None:
                 line.share_ms = outcome.share_ms
             if outcome.ok:
+                self.rates.observe_provider(plan.provider.name, outcome.evaluated, outcome.prefill_ms)
+                self.rates.observe_handoff(len(plan.tokens or ()), outcome.state_bytes, outcome.handoff_ms)
                 return route
             assert outcome.reason is not None
             reasons.append(outcome.reason)
@@ -308,6 +364,7 @@ class Completions:
     def _record(timings: Timings, line: RouteLine) -> None:
         line.decoder_prompt_n = timings.prompt_n
         line.decoder_prompt_ms = timings.prompt_ms
+        line.cached_tokens = timings.cache_n
         if line.prompt_tokens is None:
             line.prompt_tokens = timings.prompt_tokens()
 

@@ -1,7 +1,8 @@
 """The route line: exactly one structured line per request, the same fields on every route.
 
     route=plain req=7f3a status=200 outcome=ok fallback=- prompt_tokens=47 prefill_ms=0 restore_ms=0
-    share_ms=0.000 first_byte_ms=12.4 total_ms=388.0 decoder_prompt_n=47 decoder_prompt_ms=31.2 slot=0
+    share_ms=0.000 first_byte_ms=12.4 total_ms=388.0 decoder_prompt_n=47 decoder_prompt_ms=31.2
+    cached_tokens=0 est_plain_ms=235.0 est_hybrid_ms=290.1 slot=0
 
 The field set is fixed so that every route fills the same columns; a value that does not apply is
 ``-`` (logfmt) or ``null`` (JSON).
@@ -29,6 +30,9 @@ FIELDS = (
     "total_ms",
     "decoder_prompt_n",
     "decoder_prompt_ms",
+    "cached_tokens",
+    "est_plain_ms",
+    "est_hybrid_ms",
     "slot",
     "error",
 )
@@ -52,6 +56,9 @@ class RouteLine:
     total_ms: float | None = None
     decoder_prompt_n: int | None = None
     decoder_prompt_ms: float | None = None
+    cached_tokens: int | None = None  # prompt tokens the decoder reused from its cache (timings.cache_n)
+    est_plain_ms: float | None = None  # the cost decision's estimates, when it ran
+    est_hybrid_ms: float | None = None
     slot: int | None = None
     error: str | None = None
 

@@ -1,19 +1,57 @@
-"""The decoder's slots, owned by onebitd.
+"""The slots of a llama-server (the decoder's, or a llama-server provider's), owned by onebitd.
 
 Every request is pinned to a slot we handed out (``id_slot``), so a hybrid route can restore a
 prompt's state into a slot that nobody else will take.  Waiters queue in arrival order (trio's
 Semaphore is FIFO); past ``queue_limit`` waiters a request is refused at once with 503.
+
+Which free slot a request gets: the one whose last prompt shares the longest prefix with its own
+(llama-server reuses that prefix from the slot's cache: a chat's next turn evaluates only what is
+new), else the least recently used one, so warm prefixes live longest.  A prompt is known by its
+tokens where onebitd tokenized it, else by its text (the prompt, or the chat's messages as JSON),
+which is free and follows the tokens closely enough to keep a conversation on its slot.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import itertools
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 import attrs
 import trio
 
 from .errors import Overloaded
+
+# A shared prefix shorter than this says nothing about a conversation (every chat starts with the
+# same template tokens, every chat's JSON with the same characters): below it, the LRU slot is taken.
+USEFUL_TOKENS = 16
+USEFUL_CHARS = 64
+
+
+@attrs.frozen
+class PromptKey:
+    """What a slot is asked to hold: the prompt's text, and its tokens when they are known."""
+
+    text: str = ""
+    tokens: tuple[int, ...] | None = None
+
+
+def common_prefix(a: Sequence[object], b: Sequence[object]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def shared(held: PromptKey, wanted: PromptKey) -> tuple[int, bool]:
+    """How much of ``wanted`` the slot holding ``held`` has, and whether that counts as a match."""
+    if held.tokens is not None and wanted.tokens is not None:
+        n = common_prefix(held.tokens, wanted.tokens)
+        return n, n >= min(USEFUL_TOKENS, len(wanted.tokens))
+    n = common_prefix(held.text, wanted.text)
+    return n, n > 0 and n >= min(USEFUL_CHARS, len(wanted.text))
 
 
 @attrs.frozen
@@ -23,6 +61,9 @@ class SlotStatistics:
     free: int
     queued: int
     queue_limit: int
+    # Slots handed out to the free slot whose prompt matched, and to the least recently used one.
+    affinity_hits: int = 0
+    affinity_misses: int = 0
 
 
 class SlotPool:
@@ -30,33 +71,76 @@ class SlotPool:
         self.n_slots = n_slots
         self.queue_limit = queue_limit
         self._semaphore = trio.Semaphore(n_slots)
-        self._free = list(range(n_slots))
+        self._free = set(range(n_slots))
+        self._held = [PromptKey() for _ in range(n_slots)]
+        self._tick = itertools.count(1)
+        self._used = [0] * n_slots  # when each slot was last handed out, in hand-outs
+        self._hits = 0
+        self._misses = 0
 
     def configure(self, queue_limit: int) -> None:
         """A reload's new ``server.queue_limit``: waiters already queued stay queued."""
         self.queue_limit = queue_limit
 
     def statistics(self) -> SlotStatistics:
-        queued = self._semaphore.statistics().tasks_waiting
         return SlotStatistics(
             total=self.n_slots,
             busy=self.n_slots - len(self._free),
             free=len(self._free),
-            queued=queued,
+            queued=self._semaphore.statistics().tasks_waiting,
             queue_limit=self.queue_limit,
+            affinity_hits=self._hits,
+            affinity_misses=self._misses,
         )
 
+    def holds(self, slot: int) -> PromptKey:
+        """The prompt the slot was last given (what its cache holds, as far as we know)."""
+        return self._held[slot]
+
+    def cached(self, slot: int, key: PromptKey) -> int:
+        """Tokens of ``key`` the slot holds as a prefix (0 when the tokens are not known)."""
+        held = self._held[slot]
+        if held.tokens is None or key.tokens is None:
+            return 0
+        return common_prefix(held.tokens, key.tokens)
+
+    def best_cached(self, key: PromptKey) -> int:
+        """The most tokens of ``key`` any free slot holds: what a job would find if it came now."""
+        return max((self.cached(slot, key) for slot in self._free), default=0)
+
+    def forget(self, slot: int) -> None:
+        """The slot was erased: it holds nothing."""
+        self._held[slot] = PromptKey()
+
+    def _pick(self, key: PromptKey | None) -> int:
+        lru = min(self._free, key=lambda s: self._used[s])
+        if key is None:
+            return lru
+        best, best_n = lru, 0
+        for slot in sorted(self._free, key=lambda s: self._used[s]):
+            n, useful = shared(self._held[slot], key)
+            if useful and n > best_n:
+                best, best_n = slot, n
+        if best_n:
+            self._hits += 1
+        else:
+            self._misses += 1
+        return best
+
     @asynccontextmanager
-    async def hold(self) -> AsyncIterator[int]:
-        """Wait for a free slot, in arrival order, and hold it for the block."""
+    async def hold(self, key: PromptKey | None = None) -> AsyncIterator[int]:
+        """Wait for a free slot, in arrival order, and hold it for the block; the slot is then
+        taken to hold ``key``'s prompt."""
         if self._semaphore.value == 0 and self._semaphore.statistics().tasks_waiting >= self.queue_limit:
             raise Overloaded()
         await self._semaphore.acquire()
-        # The lowest free slot, so a lightly loaded decoder keeps reusing warm slots.
-        self._free.sort()
-        slot = self._free.pop(0)
+        slot = self._pick(key)
+        self._free.discard(slot)
+        self._used[slot] = next(self._tick)
         try:
             yield slot
         finally:
-            self._free.append(slot)
+            if key is not None:
+                self._held[slot] = key
+            self._free.add(slot)
             self._semaphore.release()

@@ -30,6 +30,9 @@ class ScriptedProvider:
     async def run(self, *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started(self)
 
+    def cached_tokens(self, tokens: tuple[int, ...]) -> int:
+        return 0
+
     async def prefill(self, job: Job) -> Claim:
         assert isinstance(job, PrefillJob)
         self.jobs.append(job)

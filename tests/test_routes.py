@@ -1,14 +1,30 @@
-"""Route decisions and the fallback table, without sockets or processes."""
+"""Route decisions, the fallback table, the cost decision and the slot choice, without sockets or processes."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import pytest
+import trio
+import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 
-from supervisor.routes.decision import DEGRADE, Choice, Reason, Route, Step, choose, claim_matches, restore_used
+from supervisor.routes.decision import (
+    DEGRADE,
+    Choice,
+    Costs,
+    Estimate,
+    Policy,
+    Reason,
+    Route,
+    Step,
+    choose,
+    claim_matches,
+    restore_used,
+)
+from supervisor.slots import PromptKey, SlotPool
 
 # A request that could take a hybrid route: each test changes one input.
 HYBRID: dict[str, Any] = {
@@ -141,3 +157,152 @@ def test_choose_gives_a_reason_whenever_it_does_not_take_the_configured_route(kw
     result = choose(**kwargs)
     configured = Route.SHARE if kwargs["share"] else Route.FILE
     assert (result.route is configured) == (result.reason is None)
+
+
+# -- the cost decision ------------------------------------------------------------------------------
+
+# A 600-token prompt on a decoder and a provider that prefill at the same rate (the test machine:
+# both are llama-server on the same CPU), with a handoff that costs 2% of the prefill.
+COLD = Costs(
+    decoder_cached=0,
+    provider_cached=0,
+    decoder_ms_per_token=5.0,
+    provider_ms_per_token=5.0,
+    handoff_ms=60.0,
+    streams_decoding=0,
+)
+
+
+def priced(costs: Costs = COLD, **changes: Any) -> Choice:
+    return choose(**{**HYBRID, "prompt_tokens": 600, **changes}, costs=costs, policy=Policy())
+
+
+def test_cold_priors_with_equal_rates_hand_a_long_prompt_over_as_a_near_tie() -> None:
+    picked = priced()
+    assert (picked.route, picked.reason) == (Route.FILE, None)
+    assert picked.estimate == Estimate(plain_ms=3000.0, hybrid_ms=3000.0 + 60.0 + 5.0)
+
+
+def test_a_prompt_the_decoder_already_holds_stays_plain_and_says_cached() -> None:
+    # A chat's next turn: the slot holds all but 17 tokens, the provider's cache nothing.
+    picked = priced(attrs.evolve(COLD, decoder_cached=583))
+    assert (picked.route, picked.reason) == (Route.PLAIN, Reason.CACHED)
+    assert picked.estimate is not None
+    assert picked.estimate.plain_ms == 17 * 5.0
+
+
+def test_a_provider_that_holds_the_prefix_too_still_loses_to_the_decoders_cache_by_the_handoff() -> None:
+    picked = priced(attrs.evolve(COLD, decoder_cached=583, provider_cached=583))
+    assert (picked.route, picked.reason) == (Route.PLAIN, Reason.CACHED)
+
+
+def test_a_much_faster_provider_wins_even_against_a_partly_warm_decoder() -> None:
+    # An NPU at 0.2 ms/token against a CPU at 5: holding a third of the prompt does not save plain.
+    picked = priced(attrs.evolve(COLD, decoder_cached=200, provider_ms_per_token=0.2))
+    assert (picked.route, picked.reason) == (Route.FILE, None)
+
+
+def test_a_slow_provider_loses_to_a_cold_decoder_and_says_plain_cheaper() -> None:
+    picked = priced(attrs.evolve(COLD, provider_ms_per_token=8.0))
+    assert (picked.route, picked.reason) == (Route.PLAIN, Reason.PLAIN_CHEAPER)
+
+
+def test_the_margin_decides_near_ties() -> None:
+    slower = attrs.evolve(COLD, provider_ms_per_token=5.7)  # hybrid 3485 ms against plain 3000
+    assert priced(slower).route is Route.PLAIN
+    wide = choose(**{**HYBRID, "prompt_tokens": 600}, costs=slower, policy=Policy(prefer_margin=0.2))
+    assert wide.route is Route.FILE
+
+
+def test_a_busy_decoder_hands_over_a_prefill_that_would_stall_its_streams() -> None:
+    slower = attrs.evolve(COLD, provider_ms_per_token=8.0, streams_decoding=3)
+    assert (priced(slower).route, priced(slower).reason) == (Route.FILE, None)
+    # ... but not one whose stall is short enough to bear.
+    short = attrs.evolve(slower, decoder_cached=550)  # 50 tokens: 250 ms < max_stall_ms 500
+    assert priced(short).route is Route.PLAIN
+
+
+def test_the_cost_decision_never_overrides_the_floor_or_a_missing_provider() -> None:
+    assert priced(prompt_tokens=100).reason is Reason.SHORT_PROMPT
+    assert priced(provider_ready=False).reason is Reason.NO_PROVIDER
+
+
+def test_a_remembered_share_refusal_still_applies_after_the_cost_decision() -> None:
+    picked = priced(share=True, share_refused=True)
+    assert (picked.route, picked.reason) == (Route.FILE, Reason.SHARE_REMEMBERED)
+
+
+# -- the slot choice --------------------------------------------------------------------------------
+
+
+def key(*tokens: int) -> PromptKey:
+    return PromptKey(text="", tokens=tuple(tokens))
+
+
+SYSTEM = tuple(range(100, 140))  # a 40-token system prompt
+
+
+async def test_a_request_gets_the_free_slot_holding_the_longest_prefix_of_its_prompt() -> None:
+    pool = SlotPool(3, queue_limit=8)
+    for prompt in (key(1, 2, 3), key(*SYSTEM, 7), key(9, 9, 9)):
+        async with pool.hold(prompt):
+            pass
+    async with pool.hold(key(*SYSTEM, 7, 8, 9)) as slot:
+        assert pool.holds(slot) == key(*SYSTEM, 7)
+        assert pool.cached(slot, key(*SYSTEM, 7, 8, 9)) == 41
+    assert pool.statistics().affinity_hits == 1
+
+
+async def test_without_a_useful_match_the_least_recently_used_free_slot_is_taken() -> None:
+    pool = SlotPool(3, queue_limit=8)
+    used = []
+    for prompt in (key(*SYSTEM), key(1), key(2)):
+        async with pool.hold(prompt) as slot:
+            used.append(slot)
+    assert sorted(used) == [0, 1, 2]  # three prompts, three slots: none was evicted
+    async with pool.hold(key(5, 5)) as slot:
+        assert slot == used[0]  # the oldest
+    # A prefix shorter than a template's worth of tokens is no match.
+    async with pool.hold(key(*SYSTEM[:8], 0)) as slot:
+        assert slot == used[1]
+
+
+async def test_interleaved_conversations_keep_their_slots() -> None:
+    pool = SlotPool(2, queue_limit=8)
+    a, b = tuple(range(200, 260)), tuple(range(300, 360))
+    seen: dict[str, set[int]] = {"a": set(), "b": set()}
+    for turn in range(4):
+        for name, system in (("a", a), ("b", b)):
+            async with pool.hold(key(*system, *range(turn))) as slot:
+                seen[name].add(slot)
+    assert len(seen["a"]) == len(seen["b"]) == 1
+    assert seen["a"] != seen["b"]
+
+
+async def test_text_keys_match_conversations_when_tokens_are_unknown() -> None:
+    pool = SlotPool(2, queue_limit=8)
+    first = PromptKey('[{"role":"system","content":"' + "You are a pirate. " * 10)
+    other = PromptKey('[{"role":"system","content":"' + "You are a lawyer. " * 10)
+    async with pool.hold(first) as slot_a:
+        pass
+    async with pool.hold(other) as slot_b:
+        assert slot_b != slot_a
+    async with pool.hold(PromptKey(first.text + '"},{"role":"user"}]')) as slot:
+        assert slot == slot_a
+
+
+async def test_waiters_still_get_slots_in_arrival_order() -> None:
+    pool = SlotPool(1, queue_limit=8)
+    order: list[str] = []
+
+    async def wait(name: str, prompt: PromptKey) -> None:
+        async with pool.hold(prompt):
+            order.append(name)
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery, pool.hold(key(*SYSTEM)):
+            nursery.start_soon(wait, "first", key(1))
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(wait, "second", key(*SYSTEM))  # matches the held slot's prompt
+            await trio.testing.wait_all_tasks_blocked()
+    assert order == ["first", "second"]

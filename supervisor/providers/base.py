@@ -76,6 +76,8 @@ class Claim:
 
     n_tokens: int | None = None
     prefill_ms: float | None = None
+    # Tokens it evaluated (a provider with a prompt cache evaluates only what it lacked); None: all.
+    evaluated: int | None = None
 
 
 def parse_claim(line: str) -> Claim:
@@ -156,6 +158,9 @@ class Provider(Protocol):
 
     async def run(self, *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
         """Supervise whatever the provider needs for as long as the daemon runs."""
+
+    def cached_tokens(self, tokens: tuple[int, ...]) -> int:
+        """Prompt tokens a job for ``tokens`` would find in the provider's own cache (0: none kept)."""
 
     async def prefill(self, job: Job) -> Claim:
         """Prefill ``job.tokens`` into ``job.state_file`` (or the shared region).  Raises ProviderError on failure;

@@ -49,6 +49,9 @@ class ExecProvider:
         task_status.started(self)
         await trio.sleep_forever()
 
+    def cached_tokens(self, tokens: tuple[int, ...]) -> int:
+        return 0  # a program's cache, if it keeps one, is its own business
+
     async def prefill(self, job: Job) -> Claim:
         with self.counts.track():
             return await self._run_job(job)

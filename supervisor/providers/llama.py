@@ -20,7 +20,7 @@ from ..config import LlamaServerProvider as LlamaServerProviderConfig
 from ..decoder import DecoderClient
 from ..errors import DecoderError, ProviderError
 from ..llama_server import LlamaServerLauncher, connection_limit
-from ..slots import SlotPool
+from ..slots import PromptKey, SlotPool
 from .base import Claim, Job, JobCounts, PrefillJob, ProviderStatistics
 
 
@@ -62,13 +62,17 @@ class LlamaServerProvider:
             with trio.CancelScope(shield=True):
                 await self.launcher.client.aclose()
 
+    def cached_tokens(self, tokens: tuple[int, ...]) -> int:
+        return self.slots.best_cached(PromptKey(tokens=tokens))
+
     async def prefill(self, job: Job) -> Claim:
         if not isinstance(job, PrefillJob):
             raise ProviderError(f"{self.name}: a llama-server provider cannot write a shared region")
         if job.state_file.parent != self.state_dir:
             raise ProviderError(f"{self.name}: state file {job.state_file} is outside {self.state_dir}")
         with self.counts.track():
-            async with self.slots.hold() as slot:
+            # Its slots keep their prompts too: a chat's next turn lands where its prefix is.
+            async with self.slots.hold(PromptKey(tokens=job.tokens)) as slot:
                 return await self._prefill_in(slot, job)
 
     async def _prefill_in(self, slot: int, job: PrefillJob) -> Claim:
@@ -88,9 +92,11 @@ class LlamaServerProvider:
         except DecoderError as exc:
             raise ProviderError(f"{self.name}: {exc.message}") from exc
         n_saved = saved.get("n_saved") if isinstance(saved, dict) else None
+        prompt_n = timings.get("prompt_n") if isinstance(timings, dict) else None
         return Claim(
             n_tokens=n_saved if isinstance(n_saved, int) else None,
             prefill_ms=float(prompt_ms) if isinstance(prompt_ms, int | float) else None,
+            evaluated=prompt_n if isinstance(prompt_n, int) else None,
         )
 
     def statistics(self) -> ProviderStatistics:

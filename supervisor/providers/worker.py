@@ -193,6 +193,9 @@ class WorkerProvider:
         pending.line = line
         pending.done.set()
 
+    def cached_tokens(self, tokens: tuple[int, ...]) -> int:
+        return 0  # a program's cache, if it keeps one, is its own business
+
     async def prefill(self, job: Job) -> Claim:
         with self.counts.track():
             async with self._capacity:

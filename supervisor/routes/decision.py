@@ -46,6 +46,10 @@ class Reason(enum.Enum):
     # The handoff answered success but the decoder re-evaluated the prompt (ggml-org/llama.cpp#26676):
     # the route stays what it was, and the chain says the work was done twice.
     RESTORE_UNUSED = "restore-unused"
+    # Plain because it is clearly cheaper: the decoder already holds most of the prompt (``cached``),
+    # or the handoff costs more than the prefill it spares (``plain-cheaper``).
+    CACHED = "cached"
+    PLAIN_CHEAPER = "plain-cheaper"
 
 
 class Step(enum.Enum):
@@ -83,6 +87,9 @@ class Outcome:
     prefill_ms: float | None = None  # the provider's own figure where it gave one, else measured
     restore_ms: float | None = None
     share_ms: float | None = None
+    evaluated: int | None = None  # prompt tokens the provider evaluated (its cache held the rest)
+    state_bytes: int | None = None  # the state moved (file route)
+    handoff_ms: float | None = None  # moving it: the job's time beyond the prefill, plus the restore
 
     @property
     def ok(self) -> bool:
@@ -95,9 +102,55 @@ def degrade(outcome: Outcome) -> Route:
 
 
 @attrs.frozen
+class Costs:
+    """What a route costs, as far as onebitd knows when the request has its slot.
+
+    Rates are moving averages of the children's own ``timings`` (configured priors until there are
+    measurements); the handoff's cost is the save and restore of the prompt's state."""
+
+    decoder_cached: int  # prompt tokens the chosen decoder slot already holds
+    provider_cached: int  # prompt tokens the provider's cache already holds
+    decoder_ms_per_token: float
+    provider_ms_per_token: float
+    handoff_ms: float  # saving and restoring (or sharing) the whole prompt's state
+    streams_decoding: int  # other requests the decoder is generating for right now
+
+
+@attrs.frozen
+class Policy:
+    """The knobs of the cost decision (``[hybrid]`` in the config)."""
+
+    # Near-ties go to the hybrid route: moving a prefill off the decoder keeps it free for the streams
+    # it decodes.  Hybrid is taken while its estimate is at most (1 + prefer_margin) x plain's.
+    prefer_margin: float = 0.15
+    # A plain prefill stalls the streams being decoded for about as long as it takes; longer than
+    # this and the prefill goes to a provider even when that is slower for this request.
+    max_stall_ms: float = 500.0
+
+
+@attrs.frozen
+class Estimate:
+    plain_ms: float
+    hybrid_ms: float
+
+
+def estimate(prompt_tokens: int, costs: Costs) -> Estimate:
+    """Time to the first token on each route, prefill only (the decode is the same on both)."""
+    plain = max(1, prompt_tokens - costs.decoder_cached) * costs.decoder_ms_per_token
+    # The provider prefills what its cache lacks, the state moves, the decoder evaluates one token.
+    hybrid = (
+        max(1, prompt_tokens - costs.provider_cached) * costs.provider_ms_per_token
+        + costs.handoff_ms
+        + costs.decoder_ms_per_token
+    )
+    return Estimate(plain_ms=plain, hybrid_ms=hybrid)
+
+
+@attrs.frozen
 class Choice:
     route: Route
     reason: Reason | None = None  # set when a cheaper-for-the-decoder route was not taken
+    estimate: Estimate | None = None  # set when the cost decision ran
 
 
 def choose(
@@ -108,8 +161,14 @@ def choose(
     prompt_tokens: int | None,
     min_prompt_tokens: int,
     share_refused: bool,
+    costs: Costs | None = None,
+    policy: Policy = Policy(),
 ) -> Choice:
-    """The route a request starts on.  ``prompt_tokens`` None: the prompt could not be tokenized."""
+    """The route a request starts on.  ``prompt_tokens`` None: the prompt could not be tokenized.
+
+    With ``costs`` the hybrid route must also pay: it is taken while its estimate is within the
+    policy's margin of plain's, or when a plain prefill would stall other streams too long; else
+    plain, ``cached`` when the decoder already holds most of the prompt."""
     if not enabled:
         return Choice(Route.PLAIN, Reason.DISABLED)
     if not provider_ready:
@@ -118,10 +177,18 @@ def choose(
         return Choice(Route.PLAIN, Reason.TOKENIZE_FAILED)
     if prompt_tokens < min_prompt_tokens:
         return Choice(Route.PLAIN, Reason.SHORT_PROMPT)
+    guess = None
+    if costs is not None:
+        guess = estimate(prompt_tokens, costs)
+        worth_it = guess.hybrid_ms <= guess.plain_ms * (1 + policy.prefer_margin)
+        spares_streams = costs.streams_decoding > 0 and guess.plain_ms > policy.max_stall_ms
+        if not (worth_it or spares_streams):
+            holds_most = 2 * costs.decoder_cached >= prompt_tokens
+            return Choice(Route.PLAIN, Reason.CACHED if holds_most else Reason.PLAIN_CHEAPER, guess)
     if share and share_refused:
         # This decoder process refused to share before: asking again costs a round trip per request.
-        return Choice(Route.FILE, Reason.SHARE_REMEMBERED)
-    return Choice(Route.SHARE if share else Route.FILE)
+        return Choice(Route.FILE, Reason.SHARE_REMEMBERED, guess)
+    return Choice(Route.SHARE if share else Route.FILE, None, guess)
 
 
 def claim_matches(claimed: int | None, expected: int) -> bool:

@@ -14,6 +14,7 @@ import secrets
 from pathlib import Path
 from typing import Any, Protocol
 
+import attrs
 import trio
 
 from ..errors import DecoderError
@@ -63,7 +64,9 @@ class FileHandoff:
                 return Outcome(Route.FILE, Step.FILE_PREFILL, done.reason, done.why, prefill_ms=done.prefill_ms)
             # A stat of a local file, synchronously: a worker thread here would be a checkpoint that
             # lets the clock run (and costs more than the stat).
-            if not path.is_file():
+            try:
+                state_bytes = path.stat().st_size
+            except OSError:
                 return Outcome(
                     Route.FILE,
                     Step.FILE_PREFILL,
@@ -71,7 +74,16 @@ class FileHandoff:
                     f"provider {provider.name} wrote no state file",
                     prefill_ms=done.prefill_ms,
                 )
-            return await self._restore(slot, path, len(tokens), done.prefill_ms)
+            restored = await self._restore(slot, path, len(tokens), done.prefill_ms)
+            if not restored.ok:
+                return restored
+            saving_ms = max(0.0, done.wall_ms - (done.prefill_ms or 0.0))
+            return attrs.evolve(
+                restored,
+                evaluated=done.evaluated,
+                state_bytes=state_bytes,
+                handoff_ms=saving_ms + (restored.restore_ms or 0.0),
+            )
         finally:
             path.unlink(missing_ok=True)
 

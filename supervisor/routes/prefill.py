@@ -21,6 +21,8 @@ class Prefilled:
     prefill_ms: float | None = None
     reason: Reason | None = None  # None: the claim matches the job
     why: str = ""
+    wall_ms: float = 0.0  # the whole job as we saw it: prefill, save and the round trips
+    evaluated: int | None = None  # tokens the provider evaluated
 
 
 async def prefill(provider: Provider, job: Job, *, timeout_s: float, where: str = "") -> Prefilled:
@@ -38,7 +40,7 @@ async def prefill(provider: Provider, job: Job, *, timeout_s: float, where: str 
     measured_ms = (trio.current_time() - started) * 1000
     prefill_ms = claim.prefill_ms if claim.prefill_ms is not None else measured_ms
     if not claim_matches(claim.n_tokens, expected):
-        return Prefilled(
-            prefill_ms, Reason.SHORT_CLAIM, f"provider prefilled {claim.n_tokens} of {expected} tokens{where}"
-        )
-    return Prefilled(prefill_ms)
+        why = f"provider prefilled {claim.n_tokens} of {expected} tokens{where}"
+        return Prefilled(prefill_ms, Reason.SHORT_CLAIM, why, measured_ms)
+    evaluated = claim.evaluated if claim.evaluated is not None else expected
+    return Prefilled(prefill_ms, wall_ms=measured_ms, evaluated=evaluated)

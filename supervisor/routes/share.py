@@ -254,7 +254,7 @@ class ShareHandoff:
                     prefill_ms=done.prefill_ms,
                     share_ms=share_ms,
                 )
-            return Outcome(Route.SHARE, prefill_ms=done.prefill_ms, share_ms=share_ms)
+            return Outcome(Route.SHARE, prefill_ms=done.prefill_ms, share_ms=share_ms, evaluated=done.evaluated)
         except BaseException:
             # Abandoned after the handshake (the client left, so Cancelled, often in the group the
             # provider's nursery wraps it in): the provider may have written rows over the slot's cells,
