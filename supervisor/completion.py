@@ -350,6 +350,7 @@ class Completions:
             if outcome.share_ms is not None:
                 line.share_ms = outcome.share_ms
             if outcome.ok:
+                line.provider_prompt_n = outcome.evaluated
                 self.rates.observe_provider(plan.provider.name, outcome.evaluated, outcome.prefill_ms)
                 self.rates.observe_handoff(len(plan.tokens or ()), outcome.state_bytes, outcome.handoff_ms)
                 return route

@@ -30,6 +30,7 @@ FIELDS = (
     "total_ms",
     "decoder_prompt_n",
     "decoder_prompt_ms",
+    "provider_prompt_n",
     "cached_tokens",
     "est_plain_ms",
     "est_hybrid_ms",
@@ -56,6 +57,7 @@ class RouteLine:
     total_ms: float | None = None
     decoder_prompt_n: int | None = None
     decoder_prompt_ms: float | None = None
+    provider_prompt_n: int | None = None  # prompt tokens the provider evaluated (its own cache held the rest)
     cached_tokens: int | None = None  # prompt tokens the decoder reused from its cache (timings.cache_n)
     est_plain_ms: float | None = None  # the cost decision's estimates, when it ran
     est_hybrid_ms: float | None = None

@@ -1,0 +1,126 @@
+"""Cache-aware routing against the real parts: a chat's later turns stay plain, because the decoder's
+slot already holds the conversation, and interleaved chats keep their slots.
+
+The reference for every reply is the same decoder, with the same flags, answering the same turns
+from its own prompt cache (onebitd with hybrid off): llama.cpp's greedy output can depend on how a
+prompt was split into batches, so a cold prefill is not the reference for a cached turn.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from supervisor.child import ChildState
+from supervisor.config import Config
+
+from .conftest import RouteLines, make_config, real_llama_server, run_daemon
+from .helpers import CHAT
+
+pytestmark = pytest.mark.real
+
+SYSTEMS = {
+    "pirate": "You are a cheerful pirate who answers every question about the sea. "
+    "You speak in short sentences, you never use more than twenty words, and you always mention "
+    "your ship, the Salty Gull, and her three masts, her red sails and her old brass bell. ",
+    "baker": "You are a patient baker who explains bread to beginners. "
+    "You speak plainly, you never use more than twenty words, and you always mention "
+    "flour, water, salt and yeast, and how long the dough should rest before it is baked. ",
+}
+QUESTIONS = ["Who are you?", "What do you like best?", "What did you do yesterday?", "Say goodbye."]
+
+
+@pytest.fixture
+def second_dir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="ob-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def config(runtime: Path, *, hybrid: bool) -> Config:
+    real_llama_server()
+    return make_config(
+        runtime,
+        model={"parallel": 2, "ctx_size": 2048},
+        decoder={"threads": 1},
+        hybrid={"enabled": hybrid, "min_prompt_tokens": 32},
+        provider=[{"kind": "llama-server", "name": "p0", "threads": 1}] if hybrid else [],
+    )
+
+
+async def converse(url: str, replies: dict[str, list[str]] | None) -> dict[str, list[str]]:
+    """Both chats, turn by turn, interleaved; each turn re-sends the whole conversation.  The history
+    is ``replies`` (the reference run's) when given, so both runs send the very same messages."""
+    got: dict[str, list[str]] = {name: [] for name in SYSTEMS}
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        for turn, question in enumerate(QUESTIONS):
+            for name, system in SYSTEMS.items():
+                history = (replies or got)[name]
+                messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
+                for asked, answer in zip(QUESTIONS[:turn], history, strict=False):
+                    messages += [{"role": "user", "content": asked}, {"role": "assistant", "content": answer}]
+                messages.append({"role": "user", "content": question})
+                body = {"messages": messages, "max_tokens": 12, "temperature": 0, "stream": turn % 2 == 1}
+                got[name].append(await ask(client, body))
+    return got
+
+
+async def ask(client: httpx.AsyncClient, body: dict[str, Any]) -> str:
+    if not body["stream"]:
+        reply = await client.post(CHAT, json=body)
+        assert reply.status_code == 200, reply.text
+        return str(reply.json()["choices"][0]["message"]["content"])
+    import json
+
+    text = ""
+    async with client.stream("POST", CHAT, json=body) as reply:
+        assert reply.status_code == 200
+        async for line in reply.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for choice in json.loads(line[6:])["choices"]:
+                    text += choice.get("delta", {}).get("content") or ""
+    return text
+
+
+async def test_a_chats_later_turns_stay_plain_because_the_decoder_holds_them_and_replies_equal_plain(
+    short_dir: Path, second_dir: Path, route_lines: RouteLines, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="onebit.hybrid")
+    with trio.fail_after(420):
+        async with run_daemon(config(second_dir, hybrid=False)) as running:
+            expected = await converse(running.url, None)
+        plain_lines = list(route_lines.lines)
+        route_lines.lines.clear()
+        async with run_daemon(config(short_dir, hybrid=True)) as running:
+            await running.daemon.providers.all[0].child.wait_state(ChildState.READY)  # type: ignore[attr-defined]
+            got = await converse(running.url, expected)
+    assert got == expected
+    lines = route_lines.lines
+    assert len(lines) == len(plain_lines) == 2 * len(QUESTIONS)
+    first, later = lines[:2], lines[2:]
+    # Turn 1 of each chat: nothing cached anywhere, so the provider prefills and hands it over.
+    assert [(line["route"], line["fallback"]) for line in first] == [("file", None)] * 2
+    assert all(line["decoder_prompt_n"] <= 2 for line in first)
+    # Turns 2..4: the slot holds the conversation so far; the handoff would only cost.
+    assert [(line["route"], line["fallback"]) for line in later] == [("plain", "cached")] * len(later)
+    for line in later:
+        assert line["est_plain_ms"] < line["est_hybrid_ms"]
+        assert line["cached_tokens"] >= line["prompt_tokens"] // 2
+        assert line["decoder_prompt_n"] < 40, line  # the new turn, not the conversation
+    # Interleaved chats keep their slots: each chat's turns on one slot, the two chats on two.
+    slots = {name: {line["slot"] for line in lines[i::2]} for i, name in enumerate(SYSTEMS)}
+    assert all(len(s) == 1 for s in slots.values()), slots
+    assert slots["pirate"] != slots["baker"]
+    # The plain reference evaluated the same small remainders: affinity works with hybrid off too.
+    assert all(line["decoder_prompt_n"] < 40 for line in plain_lines[2:]), plain_lines
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and r.name == "onebit.hybrid"]
