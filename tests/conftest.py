@@ -48,6 +48,11 @@ def real_llama_server() -> Path:
     return found
 
 
+# These tests exercise the handoffs themselves, sending the same prompt again and again: the cost
+# decision (tests/test_routes.py) would keep a prompt the decoder's slot already holds plain.
+HANDOFF_ALWAYS = {"prefer_margin": 1e9}
+
+
 def make_config(runtime_dir: Path, *, text: str = "", **sections: Any) -> Config:
     """A config on port 0 with its runtime directory at ``runtime_dir``; ``sections`` override keys."""
     base = configuration.loads(text, "test.toml") if text else Config()

@@ -27,7 +27,7 @@ from supervisor.child import ChildState
 from supervisor.config import Config
 
 from . import fake_decoder
-from .conftest import Control, RouteLines, Running, fake_decoder_config, run_daemon
+from .conftest import HANDOFF_ALWAYS, Control, RouteLines, Running, fake_decoder_config, run_daemon
 from .fake_provider import PATH as FAKE_PROVIDER
 from .fake_provider import events, gone, reaped
 
@@ -59,7 +59,7 @@ class Rig:
         command = [sys.executable, str(FAKE_PROVIDER), *(["--worker"] if kind == "worker" else [])]
         return fake_decoder_config(
             self.runtime,
-            hybrid={"enabled": True, "min_prompt_tokens": 4, "prefill_timeout_s": prefill_timeout_s},
+            hybrid={"enabled": True, "min_prompt_tokens": 4, "prefill_timeout_s": prefill_timeout_s, **HANDOFF_ALWAYS},
             provider=[{"kind": kind, "name": "npu0", "command": command}],
         )
 

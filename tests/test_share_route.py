@@ -30,10 +30,11 @@ from supervisor.child import ChildState
 from supervisor.config import Config
 
 from . import fake_decoder, fake_share_provider
-from .conftest import Control, RouteLines, Running, fake_decoder_config, run_daemon
+from .conftest import HANDOFF_ALWAYS, Control, RouteLines, Running, fake_decoder_config, run_daemon
 from .fake_provider import reaped
 from .fake_share_provider import PATH as FAKE_SHARE_PROVIDER
 from .fake_share_provider import events
+from .helpers import with_model
 
 # Starting Python a few times on two busy cores; nothing here waits for anything slower.
 TIMEOUT = 30
@@ -67,7 +68,7 @@ class Rig:
         command = [sys.executable, str(FAKE_SHARE_PROVIDER), *(["--worker"] if kind == "worker" else [])]
         return fake_decoder_config(
             self.runtime,
-            hybrid={"enabled": True, "mode": mode, "min_prompt_tokens": 4},
+            hybrid={"enabled": True, "mode": mode, "min_prompt_tokens": 4, **HANDOFF_ALWAYS},
             provider=[{"kind": kind, "name": "npu0", "command": command}],
             decoder={
                 "restart": {"backoff_initial_s": 0.01},
@@ -442,9 +443,10 @@ async def test_a_client_gone_during_the_shared_prefill_kills_the_provider_and_le
 
 
 async def test_a_slot_whose_shared_prefill_was_abandoned_is_erased_before_it_serves_again(rig: Rig) -> None:
-    short = "pack my box"  # under min_prompt_tokens: the plain route, on the lowest free slot
+    short = "pack my box"  # under min_prompt_tokens: the plain route
+    # One slot: the abandoned share lands on the slot the short prompt left its cells in.
     with trio.fail_after(TIMEOUT):
-        async with run_daemon(rig.config()) as running, client_for(running) as client:
+        async with run_daemon(with_model(rig.config(), parallel=1)) as running, client_for(running) as client:
             assert await complete(client, short) == plain_reply(short)
             rig.provider_modes("hang")
             await hang_up_when(running, lambda: len(rig.written()) == 1)
