@@ -134,28 +134,27 @@ async def wait_queued(slots: SlotPool, n: int) -> None:
 
 
 class HeldStream:
-    """A chat stream that the fake holds after its first token, read from a task of its own."""
+    """A chat stream that the fake holds after its first token, read from a task of its own: started
+    (``await nursery.start(stream.run)``) once that token came, or once an error reply, which has none,
+    ended."""
 
     def __init__(self, client: httpx.AsyncClient, text: str, max_tokens: int = 4) -> None:
         self.client = client
         self.body = chat(text, stream=True, max_tokens=max_tokens)
-        self.first = trio.Event()
         self.status: int | None = None
         self.events: list[str] = []
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Started (``nursery.start``) once the first token came."""
+        started = False
         async with open_events(self.client, CHAT, self.body) as (reply, events):
             self.status = reply.status_code
             async for data in events:
                 self.events.append(data)
-                if not self.first.is_set() and (
-                    data == "[DONE]" or json.loads(data)["choices"][0]["delta"].get("content")
-                ):
-                    self.first.set()  # the role chunk, before the first token, does not count
+                # The role chunk, before the first token, does not count.
+                if not started and (data == "[DONE]" or json.loads(data)["choices"][0]["delta"].get("content")):
+                    started = True
                     task_status.started()
-        if not self.first.is_set():
-            self.first.set()  # an error reply has no token at all
+        if not started:
             task_status.started()
 
 

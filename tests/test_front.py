@@ -262,8 +262,7 @@ async def test_concurrent_streams_never_share_a_slot_and_overflow_gets_503(
             slots = running.daemon.slots
             streams = [HeldStream(client, f"stream {i}") for i in range(4)]
             for stream in streams[:2]:
-                nursery.start_soon(stream.run)
-                await stream.first.wait()
+                await nursery.start(stream.run)
             assert slots.statistics().busy == 2
             for queued, stream in enumerate(streams[2:], start=1):
                 nursery.start_soon(stream.run)
@@ -295,8 +294,7 @@ async def test_queued_requests_are_served_in_arrival_order(short_dir: Path, cont
             slots = running.daemon.slots
             held = [HeldStream(client, "held-a"), HeldStream(client, "held-b")]
             for stream in held:
-                nursery.start_soon(stream.run)
-                await stream.first.wait()
+                await nursery.start(stream.run)
             names = ["queued-1", "queued-2", "queued-3", "queued-4"]
             done = trio.Semaphore(0)
 
@@ -480,8 +478,7 @@ async def test_a_client_that_leaves_the_queue_is_cancelled_without_reaching_the_
         ):
             slots = running.daemon.slots
             held = HeldStream(client, "holding the only slot")
-            nursery.start_soon(held.run)
-            await held.first.wait()
+            await nursery.start(held.run)
             waiting = trio.CancelScope()
 
             async def wait_in_queue() -> None:
