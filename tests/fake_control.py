@@ -14,7 +14,7 @@ parsed counts as empty.  Without ``FAKE_CONTROL`` every fake runs with its defau
 
 The fakes' logs and the files they leave for a test live in the control file's folder: ``<section>.log``
 (one JSON line per event, appended by :func:`append`, read back by :func:`events`) and the few files a
-fake's docstring names (``grandchild.pid``, ``share.marker``, ``control.json.starts``).
+fake's docstring names (``grandchild.pid``, ``share.marker``, ``<control file>.starts``).
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ from typing import Any, TypeVar
 
 ENV = "FAKE_CONTROL"
 SECTIONS = ("decoder", "provider", "share")
+# Beside the control file, besides each section's log:
+PIDFILE = "grandchild.pid"  # a hanging exec fake_provider's own child
+MARKER = "share.marker"  # fake_share_provider: one line per job that wrote
 
 T = TypeVar("T")
 
@@ -44,7 +47,12 @@ def beside(name: str) -> Path | None:
 
 
 def log_path(section: str) -> Path | None:
-    return beside(f"{section}.log")
+    return beside(log_name(section))
+
+
+def log_name(section: str) -> str:
+    assert section in SECTIONS, section
+    return f"{section}.log"
 
 
 def section(name: str) -> dict[str, Any]:

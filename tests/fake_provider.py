@@ -134,7 +134,7 @@ def run_exec() -> int:
     if mode == "hang":
         # Same process group (we lead it); stdio inherited, like a helper a real provider might start.
         sleeper = subprocess.Popen(["sleep", str(GRANDCHILD_S)])
-        pidfile = fake_control.beside("grandchild.pid")
+        pidfile = fake_control.beside(fake_control.PIDFILE)
         if pidfile is not None:
             write_atomically(pidfile, str(sleeper.pid))
         while True:

@@ -111,7 +111,7 @@ def prefill(job: dict[str, Any], fds: list[int], modes: Modes) -> dict[str, Any]
         write_region(job, fds, tokens)
     else:
         Path(job["state_file"]).write_text(json.dumps({"fake_state": True, "tokens": tokens}))
-    marker = fake_control.beside("share.marker")
+    marker = fake_control.beside(fake_control.MARKER)
     if marker is not None:
         fake_control.append_line(marker, f"{os.getpid()} {job['id']} {job.get('route')} {len(tokens)}")
     return {"n_tokens": -1 if modes.negative else len(tokens), "prefill_ms": modes.prefill_ms}

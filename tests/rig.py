@@ -33,11 +33,11 @@ from supervisor.providers import Claim, Job, PrefillJob, ProviderStatistics
 from . import fake_control, fake_decoder, fake_provider, fake_share_provider
 
 TESTS = Path(__file__).parent
+FAKE_DECODER = TESTS / "fake_decoder.py"
 # Each fake's modes, by the names the tests give them (tests/fake_llama.py takes the decoder's too).
 DecoderModes = fake_decoder.Modes
 ProviderModes = fake_provider.Modes
 ShareModes = fake_share_provider.Modes
-FAKE_DECODER = TESTS / "fake_decoder.py"
 
 
 def real_llama_server() -> Path:
@@ -123,8 +123,8 @@ class Control:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self.path = directory / "control.json"
-        self.pidfile = directory / "grandchild.pid"  # a hanging exec fake_provider's own child
-        self.marker = directory / "share.marker"
+        self.pidfile = directory / fake_control.PIDFILE
+        self.marker = directory / fake_control.MARKER
         self._sections: dict[str, dict[str, Any]] = {}
         self.set()
 
@@ -144,8 +144,7 @@ class Control:
 
     def log(self, fake: str) -> Path:
         """Where ``fake`` (``decoder``, ``provider`` or ``share``) logs its events."""
-        assert fake in fake_control.SECTIONS, fake
-        return self.directory / f"{fake}.log"
+        return self.directory / fake_control.log_name(fake)
 
     def events(self, fake: str, event: str | None = None) -> list[dict[str, Any]]:
         return fake_control.events(self.log(fake), event)
