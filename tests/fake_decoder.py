@@ -16,44 +16,40 @@ endpoints end with ``data: [DONE]``, llama.cpp's native ``/completion`` does not
 400 in llama-server's error shape ``{"error": {"code", "message", "type"}}``; while loading, every
 endpoint but ``/health`` gets 503.
 
-Fault modes.  Each is an environment variable, or the same key (lower case, no prefix) in the JSON
-file named by ``FAKE_DECODER_CONTROL``; the file wins, and is read again whenever a mode matters, so a
-test can change the behaviour of a running fake or between restarts.  Write it atomically (a temporary
-file, then ``os.replace``); a file that cannot be read or parsed counts as absent.
+Fault modes: the fields of :class:`Modes`, read from the ``decoder`` section of the control file
+(tests/fake_control.py: ``FAKE_CONTROL`` names it, tests write it with ``Control.set(decoder=Modes(...))``)
+whenever a mode matters, so a test can change the behaviour of a running fake or between restarts.
+tests/fake_llama.py, the in-process fake, takes the same :class:`Modes`.
 
-    FAKE_DECODER_LOAD_S           load_s           /health says "Loading model" (503) for this many
-                                                   seconds after start (default 0)
-    -                             loading          true: loading until the control file says otherwise
-    FAKE_DECODER_EXIT             exit             exit with this status right after start (a crash)
-    -                             exit_starts      with ``exit``: only the first N starts exit; starts are
-                                                   counted in ``<control file>.starts``
-    FAKE_DECODER_UNHEALTHY_AFTER  unhealthy_after  after N health checks, /health answers 503 forever
-    FAKE_DECODER_TOKEN_DELAY_S    token_delay_s    seconds between streamed tokens (default 0)
-    FAKE_DECODER_HANG             hang             completions never answer (until the client leaves)
-    FAKE_DECODER_HOLD             hold             true: a completion pauses after its first streamed
-                                                   token (a whole reply: before answering) while this
-                                                   holds; a list of strings holds only the requests
-                                                   whose prompt contains one of them
-    FAKE_DECODER_IGNORE_SIGTERM   ignore_sigterm   ignore SIGTERM, so only SIGKILL stops it
-    FAKE_DECODER_LOG              log              a file: one JSON line per completion request, per
-                                                   slot action, and per start
-    FAKE_DECODER_HOLD_RESTORE     hold_restore     true: a restore waits while this holds (logs
-                                                   ``restore-held`` once), giving up if the client leaves
-    FAKE_DECODER_RESTORE_REFUSE   restore_refuse   restores answer 400, as for a file saved elsewhere
-    FAKE_DECODER_RESTORE_WRONG_N  restore_wrong_n  a restore loads the file but answers one token short
-    FAKE_DECODER_RESTORE_UNUSED   restore_unused   a restore answers success but leaves the slot as it
-                                                   was, so the next completion re-evaluates the prompt
-                                                   (ggml-org/llama.cpp#26676)
-    FAKE_KVSHARE_REFUSE           kvshare_refuse   ?action=share answers 400, as the NPU fork does for a
-                                                   hybrid model's cache
-    FAKE_KVSHARE_NO_ID            kvshare_no_id    ?action=share answers 200 without a share_id
-    FAKE_KVSHARE_NO_CONNECT       kvshare_no_connect  ... answers a share_id but never connects
-    FAKE_KVSHARE_BAD_HEADER       kvshare_bad_header  ... sends a header with one fd fewer than regions
-    FAKE_KVSHARE_ADOPT_REFUSE     kvshare_adopt_refuse  ?action=adopt answers 400 "Cannot adopt ..."
-    FAKE_KVSHARE_REGIONS          kvshare_regions  how many regions a share lends (1 or 2, default 2)
+    load_s                /health says "Loading model" (503) for this many seconds after start (default 0)
+    loading               true: loading until the control file says otherwise
+    exit                  exit with this status right after start (a crash)
+    exit_starts           with ``exit``: only the first N starts exit; starts are counted in
+                          ``<control file>.starts``
+    unhealthy_after       after N health checks, /health answers 503 forever
+    token_delay_s         seconds between streamed tokens (default 0)
+    hang                  completions never answer (until the client leaves)
+    hold                  true: a completion pauses after its first streamed token (a whole reply: before
+                          answering) while this holds; a list of strings holds only the requests whose
+                          prompt contains one of them
+    ignore_sigterm        ignore SIGTERM, so only SIGKILL stops it
+    hold_restore          true: a restore waits while this holds (logs ``restore-held`` once), giving up
+                          if the client leaves
+    restore_refuse        restores answer 400, as for a file saved elsewhere
+    restore_wrong_n       a restore loads the file but answers one token short
+    restore_unused        a restore answers success but leaves the slot as it was, so the next completion
+                          re-evaluates the prompt (ggml-org/llama.cpp#26676)
+    kvshare_refuse        ?action=share answers 400, as the NPU fork does for a hybrid model's cache
+    kvshare_no_id         ?action=share answers 200 without a share_id
+    kvshare_no_connect    ... answers a share_id but never connects
+    kvshare_bad_header    ... sends a header with one fd fewer than regions
+    kvshare_adopt_refuse  ?action=adopt answers 400 "Cannot adopt ..."
+    kvshare_regions       how many regions a share lends (1 or 2, default 2)
 
-A log line for a completion, written when the request ends (when it ends well: before the reply's last
-bytes leave, so a client holding the whole reply can count on the line being there)::
+The log, ``decoder.log`` beside the control file (none without one), has one JSON line per completion
+request, per slot action, and per start.  A line for a completion, written when the request ends (when
+it ends well: before the reply's last bytes leave, so a client holding the whole reply can count on the
+line being there)::
 
     {"event": "completion", "pid": 4242, "seq": 3, "path": "/v1/chat/completions",
      "id_slot": 1, "slot": 1, "slot_busy": false, "stream": true, "prompt": "...",
@@ -96,8 +92,6 @@ Slot actions, ``POST /slots/<id>?action=...`` (a filename with a path separator 
 A lent region is the slot's own KV: until an adopt or an erase ends the share, rows written into it
 have overwritten the slot's cells, and a completion that reuses those cells answers from the rows.
 
-Booleans in the environment: empty, ``0``, ``false`` and ``no`` are false.
-
 Extending: every endpoint is a function registered with ``@route(method, path)`` (``prefix=True`` to
 match a path prefix, as ``/slots/<id>`` does); it gets an :class:`Exchange` and raises
 :class:`HttpError` for an error reply.  Slot actions dispatch through ``SLOT_ACTIONS``.
@@ -121,11 +115,16 @@ import threading
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
+
+if TYPE_CHECKING or __package__:  # imported by the tests (and so read by mypy)
+    from . import fake_control
+else:  # run as a program: Python put this folder first on sys.path
+    import fake_control
 
 N_VOCAB = 49152  # SmolLM2's vocabulary size, so token ids look plausible
 DEFAULT_PREDICT = 16  # n_predict -1 (unbounded) would never end without an EOS token
@@ -148,7 +147,6 @@ class Modes:
     hang: bool = False
     hold: bool | list[str] = False
     ignore_sigterm: bool = False
-    log: str | None = None
     hold_restore: bool = False
     restore_refuse: bool = False
     restore_wrong_n: bool = False
@@ -161,53 +159,14 @@ class Modes:
     kvshare_regions: int = 2
 
 
-_FLOAT_MODES = ("load_s", "token_delay_s")
-_INT_MODES = ("exit", "exit_starts", "unhealthy_after", "kvshare_regions")
-
-
-def _parse_env(name: str, raw: str) -> Any:
-    if name in _FLOAT_MODES:
-        return float(raw)
-    if name in _INT_MODES:
-        return int(raw)
-    if name == "log":
-        return raw
-    return raw.strip().lower() not in ("", "0", "false", "no")
-
-
-def env_name(mode: str) -> str:
-    # The share modes keep the names the upstream fake gave them (FAKE_KVSHARE_REFUSE, ...).
-    return f"FAKE_{mode.upper()}" if mode.startswith("kvshare_") else f"FAKE_DECODER_{mode.upper()}"
-
-
-def modes_from_env() -> Modes:
-    values: dict[str, Any] = {}
-    for f in fields(Modes):
-        raw = os.environ.get(env_name(f.name))
-        if raw is not None:
-            values[f.name] = _parse_env(f.name, raw)
-    return Modes(**values)
-
-
 class ModeSource:
-    """The environment's modes, overlaid with the control file each time they are asked for."""
+    """The ``decoder`` section of the control file, read again each time the modes are asked for."""
 
     def __init__(self) -> None:
-        self.base = modes_from_env()
-        control = os.environ.get("FAKE_DECODER_CONTROL")
-        self.control = Path(control) if control else None
+        self.control = fake_control.path()
 
     def current(self) -> Modes:
-        if self.control is None:
-            return self.base
-        try:
-            data = json.loads(self.control.read_text())
-        except (OSError, ValueError):
-            return self.base
-        if not isinstance(data, dict):
-            return self.base
-        known = {f.name for f in fields(Modes)}
-        return replace(self.base, **{k: v for k, v in data.items() if k in known})
+        return fake_control.modes("decoder", Modes)
 
 
 # -- the model, such as it is -----------------------------------------------------------------------
@@ -403,6 +362,7 @@ class Fake:
         self.share_seq = 0
         self.vocab: dict[int, str] = {}
         self.alias = settings.alias or Path(settings.model).stem or "model"
+        self.log_path = fake_control.log_path("decoder")
 
     def loading(self) -> bool:
         modes = self.modes.current()
@@ -418,12 +378,7 @@ class Fake:
         return ids
 
     def log(self, record: dict[str, Any]) -> None:
-        path = self.modes.current().log
-        if not path:
-            return
-        line = json.dumps({**record, "pid": os.getpid()}) + "\n"
-        with self.lock, open(path, "a", encoding="utf-8") as f:
-            f.write(line)
+        fake_control.append(self.log_path, record)
 
     def claim(self, asked: Any, prompt: list[int]) -> Claimed:
         """Take a slot for a request, and see what its cache holds of the prompt."""
@@ -676,7 +631,7 @@ def health(ex: Exchange) -> None:
         checks = fake.health_checks
     limit = fake.modes.current().unhealthy_after
     if limit is not None and checks > limit:
-        raise HttpError(503, "fake decoder: unhealthy (FAKE_DECODER_UNHEALTHY_AFTER)")
+        raise HttpError(503, "fake decoder: unhealthy (unhealthy_after)")
     if fake.loading():
         raise HttpError(503, "Loading model")
     ex.reply(200, {"status": "ok"})

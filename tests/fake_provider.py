@@ -9,34 +9,35 @@ talks one JSON object per line over the socket whose fd is in ``ONEBIT_PROVIDER_
 The "state file" it writes is JSON, ``{"fake_state": true, "tokens": [...]}`` (the tokens it says it
 prefilled), which tests/fake_decoder.py accepts on restore.
 
-Environment:
+Modes: the fields of :class:`Modes`, read from the ``provider`` section of the control file
+(tests/fake_control.py; tests write it with ``Control.set(provider=Modes(...))``) for every job:
 
-    FAKE_PROVIDER_MODE       what to do with a job (default ok):
+    mode        what to do with a job (default ok):
         ok        write the file with every token and claim them all
         fail      exec: exit 3 without writing; worker: answer {"id", "error"} and keep going
         crash     write the file, then SIGKILL itself
         hang      write the file, then never answer.  exec: first start a grandchild ``sleep`` in
-                  its own process group and write its pid to FAKE_PROVIDER_PIDFILE (atomically,
-                  after the state file), so a test can prove the group was killed.  worker: a
-                  cancel for the job removes the file, as docs/protocol.md asks
+                  its own process group and write its pid to ``grandchild.pid`` beside the control
+                  file (atomically, after the state file), so a test can prove the group was killed.
+                  worker: a cancel for the job removes the file, as docs/protocol.md asks
         short     write and claim one token fewer than the job has
         negative  write every token, claim n_tokens -1
         garbage   write every token; exec: the last stdout line is not JSON (exit 0); worker: the
                   answer has no id and no claim fields (with one job in flight it is that job's)
         nofile    claim every token, write no file
-      A comma-separated list gives the mode of the 1st, 2nd, ... job, the last one repeating.  Jobs
-      are counted in FAKE_PROVIDER_LOG when it is set, across processes (successive exec runs and a
-      restarted worker go on down the list), else in this process.
-    FAKE_PROVIDER_LOG        a file: one JSON line per event, appended:
-                             {"event": "start", "pid", "worker"}, {"event": "job", "pid", "mode",
-                             "job": {...the job as received...}}, {"event": "cancel", "pid", "id"}
-    FAKE_PROVIDER_PIDFILE    hang, exec: where the grandchild's pid goes
-    FAKE_PROVIDER_PREFILL_MS the claimed prefill_ms (default 7.25)
-    FAKE_PROVIDER_READY      worker: ``signal`` holds the {"ready": true} line until SIGUSR1 arrives
-                             (logged as {"event": "waiting", "pid"} once the signal is awaited)
+      A list gives the mode of the 1st, 2nd, ... job, the last one repeating.  Jobs are counted in
+      the log when there is one, across processes (successive exec runs and a restarted worker go on
+      down the list), else in this process.
+    prefill_ms  the claimed prefill_ms (default 7.25)
+    ready_on_signal  worker: true holds the {"ready": true} line until SIGUSR1 arrives (logged as
+                {"event": "waiting", "pid"} once the signal is awaited)
+
+The log, ``provider.log`` beside the control file, has one JSON line per event, appended:
+{"event": "start", "pid", "worker"}, {"event": "job", "pid", "mode", "job": {...the job as received...}},
+{"event": "cancel", "pid", "id"}.
 
 Only file-route jobs (``"route": "file"``) are understood.  The tests that run this program import
-``PATH``, ``events``, ``reaped`` and ``gone`` from it (the program itself needs none of them).
+``PATH`` and ``Modes`` from it.
 """
 
 from __future__ import annotations
@@ -47,54 +48,59 @@ import signal
 import socket
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING or __package__:  # imported by the tests (and so read by mypy)
+    from . import fake_control
+else:  # run as a program: Python put this folder first on sys.path
+    import fake_control
 
 MODES = ("ok", "fail", "crash", "hang", "short", "negative", "garbage", "nofile")
 # The grandchild only has to outlive any test that waits for it to be killed.
 GRANDCHILD_S = 600
 
 
+@dataclass(frozen=True)
+class Modes:
+    mode: str | list[str] = "ok"
+    prefill_ms: float = 7.25
+    ready_on_signal: bool = False
+
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.modes if m not in MODES]
+        if unknown:
+            raise ValueError(f"fake provider: unknown mode {unknown[0]!r} (one of {', '.join(MODES)})")
+
+    @property
+    def modes(self) -> list[str]:
+        return [self.mode] if isinstance(self.mode, str) else list(self.mode)
+
+    def mode_for(self, index: int) -> str:
+        """The mode of the job numbered ``index`` (from 0)."""
+        return self.modes[min(index, len(self.modes) - 1)]
+
+
+def current() -> Modes:
+    return fake_control.modes("provider", Modes)
+
+
 def log_event(event: str, **fields: Any) -> None:
-    path = os.environ.get("FAKE_PROVIDER_LOG")
-    if not path:
-        return
-    line = json.dumps({"event": event, "pid": os.getpid(), **fields}) + "\n"
-    # One write on an O_APPEND descriptor: lines from several processes never interleave.
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line.encode())
-    finally:
-        os.close(fd)
+    fake_control.append(fake_control.log_path("provider"), {"event": event, **fields})
 
 
 def jobs_logged() -> int:
-    path = os.environ.get("FAKE_PROVIDER_LOG")
-    if not path or not os.path.exists(path):
-        return 0
-    with open(path, encoding="utf-8") as f:
-        return sum(1 for raw in f if json.loads(raw).get("event") == "job")
-
-
-def mode_for(index: int) -> str:
-    modes = [m.strip() for m in os.environ.get("FAKE_PROVIDER_MODE", "ok").split(",")]
-    mode = modes[min(index, len(modes) - 1)] or "ok"
-    if mode not in MODES:
-        sys.exit(f"fake provider: unknown FAKE_PROVIDER_MODE {mode!r} (one of {', '.join(MODES)})")
-    return mode
-
-
-def prefill_ms() -> float:
-    return float(os.environ.get("FAKE_PROVIDER_PREFILL_MS", "7.25"))
+    return len(fake_control.events(fake_control.log_path("provider"), "job"))
 
 
 def write_state(path: str, tokens: list[int]) -> None:
     Path(path).write_text(json.dumps({"fake_state": True, "tokens": tokens}))
 
 
-def write_atomically(path: str, text: str) -> None:
-    temporary = f"{path}.tmp"
-    Path(temporary).write_text(text)
+def write_atomically(path: Path, text: str) -> None:
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(text)
     os.replace(temporary, path)
 
 
@@ -112,12 +118,12 @@ def prefill(mode: str, job: dict[str, Any]) -> dict[str, Any] | None:
         os.kill(os.getpid(), signal.SIGKILL)
     if mode == "hang":
         return None
-    return {"n_tokens": -1 if mode == "negative" else len(tokens), "prefill_ms": prefill_ms()}
+    return {"n_tokens": -1 if mode == "negative" else len(tokens), "prefill_ms": current().prefill_ms}
 
 
 def run_exec() -> int:
     log_event("start", worker=False)
-    mode = mode_for(jobs_logged())
+    mode = current().mode_for(jobs_logged())
     job = json.loads(sys.stdin.readline())
     log_event("job", mode=mode, job=job)
     print(f"fake provider: job {job['id']}: {len(job['tokens'])} tokens, mode {mode}", file=sys.stderr)
@@ -128,8 +134,8 @@ def run_exec() -> int:
     if mode == "hang":
         # Same process group (we lead it); stdio inherited, like a helper a real provider might start.
         sleeper = subprocess.Popen(["sleep", str(GRANDCHILD_S)])
-        pidfile = os.environ.get("FAKE_PROVIDER_PIDFILE")
-        if pidfile:
+        pidfile = fake_control.beside(fake_control.PIDFILE)
+        if pidfile is not None:
             write_atomically(pidfile, str(sleeper.pid))
         while True:
             signal.pause()
@@ -150,7 +156,7 @@ def run_worker() -> int:
     def send(data: dict[str, Any]) -> None:
         sock.sendall(json.dumps(data).encode() + b"\n")
 
-    if os.environ.get("FAKE_PROVIDER_READY") == "signal":
+    if current().ready_on_signal:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
         log_event("waiting")
         signal.sigwait({signal.SIGUSR1})
@@ -164,7 +170,7 @@ def run_worker() -> int:
                 log_event("cancel", id=message["cancel"])
                 Path(hung.pop(message["cancel"], "/nonexistent")).unlink(missing_ok=True)
                 continue
-            mode = mode_for(jobs_logged() if os.environ.get("FAKE_PROVIDER_LOG") else seen)
+            mode = current().mode_for(jobs_logged() if fake_control.log_path("provider") else seen)
             seen += 1
             log_event("job", mode=mode, job=message)
             print(f"fake worker: job {message['id']}: mode {mode}", file=sys.stderr, flush=True)
@@ -181,40 +187,7 @@ def run_worker() -> int:
     return 0
 
 
-# -- for the tests that run this program -----------------------------------------------------------
-
-PATH = Path(__file__)
-
-
-def events(log: Path, event: str | None = None) -> list[dict[str, Any]]:
-    """FAKE_PROVIDER_LOG's lines (only those of ``event`` when given); none before the first."""
-    if not log.exists():
-        return []
-    found = [json.loads(raw) for raw in log.read_text().splitlines()]
-    return [e for e in found if event is None or e["event"] == event]
-
-
-def reaped(pid: int) -> bool:
-    """No such process, not even a zombie: whoever started it has waited for it."""
-    return not Path(f"/proc/{pid}").exists()
-
-
-def gone(pid: int) -> bool:
-    """The process has exited: no such pid, or a zombie its new parent has not reaped yet."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] == "Z"
-
-
-def main() -> int:
-    if sys.argv[1:] == ["--worker"]:
-        return run_worker()
-    if sys.argv[1:]:
-        sys.exit("usage: fake_provider.py [--worker]")
-    return run_exec()
-
+PATH = Path(__file__)  # for the tests that run this program
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(fake_control.provider_main(run_exec, run_worker))

@@ -11,20 +11,20 @@ of the job's tokens and each tensor, the row :func:`expected_row` gives, which t
 checks on ``?action=adopt``.  A file job: it writes ``{"fake_state": true, "tokens": [...]}`` to
 ``state_file``, which the fake decoder restores.  The claim is ``{"n_tokens", "prefill_ms"}``.
 
-Modes, each an environment variable ``FAKE_KVSHARE_<NAME>=1``, or the key ``<name>`` (lower case) in the
-JSON file named by ``FAKE_KVSHARE_CONTROL``, read again for every job (the file wins):
+Modes: the fields of :class:`Modes`, read from the ``share`` section of the control file
+(tests/fake_control.py; tests write it with ``Control.set(share=Modes(...))``) for every job:
 
-    short     write, and claim, one token fewer than the job has
-    crash     write everything, then SIGKILL itself (a worker dies with its job)
-    garbage   write everything; the last stdout line (worker: the answer) is not a claim; exit 0
-    negative  write everything, claim n_tokens -1
-    hang      write everything, then never answer (exec: wait to be killed; worker: until a cancel)
+    short       write, and claim, one token fewer than the job has
+    crash       write everything, then SIGKILL itself (a worker dies with its job)
+    garbage     write everything; the last stdout line (worker: the answer) is not a claim; exit 0
+    negative    write everything, claim n_tokens -1
+    hang        write everything, then never answer (exec: wait to be killed; worker: until a cancel)
+    prefill_ms  the claimed prefill_ms (default 3.5)
 
-    FAKE_KVSHARE_MARKER  a file: one line appended ("<pid> <job id> <route> <n>") once a job wrote
-                         its region or state file, so a test can prove the provider ran and wrote
-    FAKE_KVSHARE_LOG     a file: one JSON line per event, {"event": "start" | "job" | "cancel", "pid",
-                         ...}; a job's line has its id, route, n_tokens, fds, state_file and modes
-    FAKE_KVSHARE_PREFILL_MS  the claimed prefill_ms (default 3.5)
+Beside the control file it writes ``share.log``, one JSON line per event, {"event": "start" | "job" |
+"cancel", "pid", ...} (a job's line has its id, route, n_tokens, fds, state_file and modes), and
+``share.marker``, one line appended ("<pid> <job id> <route> <n>") once a job wrote its region or state
+file, so a test can prove the provider ran and wrote.
 """
 
 from __future__ import annotations
@@ -39,8 +39,14 @@ import signal
 import socket
 import sys
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING or __package__:  # imported by the tests (and so read by mypy)
+    from . import fake_control
+else:  # run as a program: Python put this folder first on sys.path
+    import fake_control
 
 MODES = ("short", "crash", "garbage", "negative", "hang")
 # Regions per job: the decoder lends one per backend buffer, a handful at most.
@@ -57,32 +63,29 @@ def expected_row(token: int, pos: int, tensor: str, row_bytes: int) -> bytes:
     return token.to_bytes(4, "big") + digest[: row_bytes - 4]
 
 
-def modes() -> set[str]:
-    on = {m for m in MODES if os.environ.get(f"FAKE_KVSHARE_{m.upper()}", "").strip() not in ("", "0")}
-    control = os.environ.get("FAKE_KVSHARE_CONTROL")
-    if control:
-        try:
-            data = json.loads(Path(control).read_text())
-        except (OSError, ValueError):
-            data = None
-        if isinstance(data, dict):
-            on = {m for m in MODES if data.get(m, m in on)}
-    return on
+@dataclass(frozen=True)
+class Modes:
+    short: bool = False
+    crash: bool = False
+    garbage: bool = False
+    negative: bool = False
+    hang: bool = False
+    prefill_ms: float = 3.5
+
+    @property
+    def on(self) -> list[str]:
+        return [m for m in MODES if getattr(self, m)]
 
 
 def log_event(event: str, **fields: Any) -> None:
-    path = os.environ.get("FAKE_KVSHARE_LOG")
-    if path:
-        _append(path, json.dumps({"event": event, "pid": os.getpid(), **fields}) + "\n")
+    fake_control.append(fake_control.log_path("share"), {"event": event, **fields})
 
 
-def _append(path: str, line: str) -> None:
-    # One write on an O_APPEND descriptor: lines from several processes never interleave.
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line.encode())
-    finally:
-        os.close(fd)
+def log_job(job: dict[str, Any], fds: list[int], modes: Modes) -> None:
+    route, state_file = job.get("route"), job.get("state_file")
+    log_event(
+        "job", id=job["id"], route=route, n_tokens=len(job["tokens"]), fds=fds, state_file=state_file, modes=modes.on
+    )
 
 
 def write_region(job: dict[str, Any], fds: list[int], tokens: list[int]) -> None:
@@ -99,20 +102,19 @@ def write_region(job: dict[str, Any], fds: list[int], tokens: list[int]) -> None
             m.close()
 
 
-def prefill(job: dict[str, Any], fds: list[int], on: set[str]) -> dict[str, Any]:
+def prefill(job: dict[str, Any], fds: list[int], modes: Modes) -> dict[str, Any]:
     """Write what the job asks for (less, when short); the claim to answer."""
     tokens = list(job["tokens"])
-    if "short" in on:
+    if modes.short:
         tokens = tokens[:-1]
     if job.get("route") == "share":
         write_region(job, fds, tokens)
     else:
         Path(job["state_file"]).write_text(json.dumps({"fake_state": True, "tokens": tokens}))
-    marker = os.environ.get("FAKE_KVSHARE_MARKER")
-    if marker:
-        _append(marker, f"{os.getpid()} {job['id']} {job.get('route')} {len(tokens)}\n")
-    prefill_ms = float(os.environ.get("FAKE_KVSHARE_PREFILL_MS", "3.5"))
-    return {"n_tokens": -1 if "negative" in on else len(tokens), "prefill_ms": prefill_ms}
+    marker = fake_control.beside(fake_control.MARKER)
+    if marker is not None:
+        fake_control.append_line(marker, f"{os.getpid()} {job['id']} {job.get('route')} {len(tokens)}")
+    return {"n_tokens": -1 if modes.negative else len(tokens), "prefill_ms": modes.prefill_ms}
 
 
 def close_all(fds: list[int]) -> None:
@@ -124,27 +126,19 @@ def close_all(fds: list[int]) -> None:
 def run_exec() -> int:
     log_event("start", worker=False)
     job = json.loads(sys.stdin.readline())
-    on = modes()
+    modes = fake_control.modes("share", Modes)
     fds = list(job.get("fds", [])) if job.get("route") == "share" else []
-    log_event(
-        "job",
-        id=job["id"],
-        route=job.get("route"),
-        n_tokens=len(job["tokens"]),
-        fds=fds,
-        state_file=job.get("state_file"),
-        modes=sorted(on),
-    )
-    print(f"fake share provider: job {job['id']}: {len(job['tokens'])} tokens, modes {sorted(on)}", file=sys.stderr)
-    claim = prefill(job, fds, on)
+    log_job(job, fds, modes)
+    print(f"fake share provider: job {job['id']}: {len(job['tokens'])} tokens, modes {modes.on}", file=sys.stderr)
+    claim = prefill(job, fds, modes)
     close_all(fds)
-    if "crash" in on:
+    if modes.crash:
         os.kill(os.getpid(), signal.SIGKILL)
-    if "hang" in on:
+    if modes.hang:
         while True:
             signal.pause()
     print(json.dumps({"n_tokens": 0, "progress": "starting"}), flush=True)  # a decoy: only the last line counts
-    print("fake share provider: done, no claim today" if "garbage" in on else json.dumps(claim), flush=True)
+    print("fake share provider: done, no claim today" if modes.garbage else json.dumps(claim), flush=True)
     return 0
 
 
@@ -194,47 +188,20 @@ def run_worker() -> int:
             close_all(hung.pop(message["cancel"], []))
             continue
         fds = lines.take(len(message.get("fds", []))) if message.get("route") == "share" else []
-        on = modes()
-        log_event(
-            "job",
-            id=message["id"],
-            route=message.get("route"),
-            n_tokens=len(message["tokens"]),
-            fds=fds,
-            state_file=message.get("state_file"),
-            modes=sorted(on),
-        )
-        claim = prefill(message, fds, on)
-        if "crash" in on:
+        modes = fake_control.modes("share", Modes)
+        log_job(message, fds, modes)
+        claim = prefill(message, fds, modes)
+        if modes.crash:
             os.kill(os.getpid(), signal.SIGKILL)
-        if "hang" in on:
+        if modes.hang:
             hung[message["id"]] = fds
             continue
         close_all(fds)
-        send({"note": "no claim here"} if "garbage" in on else {"id": message["id"], **claim})
+        send({"note": "no claim here"} if modes.garbage else {"id": message["id"], **claim})
     return 0
 
 
-# -- for the tests that run this program -----------------------------------------------------------
-
-PATH = Path(__file__)
-
-
-def events(log: Path, event: str | None = None) -> list[dict[str, Any]]:
-    """FAKE_KVSHARE_LOG's lines (only those of ``event`` when given); none before the first."""
-    if not log.exists():
-        return []
-    found = [json.loads(raw) for raw in log.read_text().splitlines()]
-    return [e for e in found if event is None or e["event"] == event]
-
-
-def main() -> int:
-    if sys.argv[1:] == ["--worker"]:
-        return run_worker()
-    if sys.argv[1:]:
-        sys.exit("usage: fake_share_provider.py [--worker]")
-    return run_exec()
-
+PATH = Path(__file__)  # for the tests that run this program
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(fake_control.provider_main(run_exec, run_worker))

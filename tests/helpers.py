@@ -1,10 +1,12 @@
-"""Helpers for the daemon-level tests: HTTP clients, SSE reading, waiting on conditions."""
+"""Helpers for the daemon-level tests: HTTP clients, SSE reading, held streams, waiting on conditions
+(another process's among them)."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -15,7 +17,7 @@ import trio
 from supervisor.config import Config
 from supervisor.slots import SlotPool
 
-from .conftest import Running
+from .rig import Control, DecoderModes, Running
 
 CHAT = "/v1/chat/completions"
 
@@ -97,9 +99,34 @@ def streamed_text(events: list[str]) -> str:
 
 
 async def wait_until(condition: Callable[[], bool]) -> None:
-    """For state that no event announces; callers run under ``fail_after``."""
+    """For state that no event announces (another process's doing, most often: nothing in this one
+    could set a trio.Event for it); callers run under ``fail_after``."""
     while not condition():  # noqa: ASYNC110
         await trio.sleep(0.01)
+
+
+def reaped(pid: int) -> bool:
+    """No such process, not even a zombie: whoever started it has waited for it."""
+    return not Path(f"/proc/{pid}").exists()
+
+
+def gone(pid: int) -> bool:
+    """The process has exited: no such pid, or a zombie its new parent has not reaped yet."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
+async def hang_up_when(running: Running, body: dict[str, Any], condition: Callable[[], bool]) -> None:
+    """POST ``body`` to /completion on a bare socket and close it once ``condition`` holds.
+
+    A bare socket, because httpx leaves unclosed async generators behind when a stream is abandoned."""
+    data = json.dumps(body).encode()
+    async with await open_raw(running) as raw:
+        await raw.send_all(request_head("/completion", len(data)) + data)
+        await wait_until(condition)
 
 
 async def wait_queued(slots: SlotPool, n: int) -> None:
@@ -107,20 +134,41 @@ async def wait_queued(slots: SlotPool, n: int) -> None:
 
 
 class HeldStream:
-    """A chat stream that the fake holds after its first token, read from a task of its own."""
+    """A chat stream that the fake holds after its first token, read from a task of its own: started
+    (``await nursery.start(stream.run)``) once that token came, or once an error reply, which has none,
+    ended."""
 
     def __init__(self, client: httpx.AsyncClient, text: str, max_tokens: int = 4) -> None:
         self.client = client
         self.body = chat(text, stream=True, max_tokens=max_tokens)
-        self.first = trio.Event()
         self.status: int | None = None
         self.events: list[str] = []
 
-    async def run(self) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        started = False
         async with open_events(self.client, CHAT, self.body) as (reply, events):
             self.status = reply.status_code
             async for data in events:
                 self.events.append(data)
-                if data == "[DONE]" or json.loads(data)["choices"][0]["delta"].get("content"):
-                    self.first.set()  # the role chunk, before the first token, does not count
-        self.first.set()  # an error reply has no token at all
+                # The role chunk, before the first token, does not count.
+                if not started and (data == "[DONE]" or json.loads(data)["choices"][0]["delta"].get("content")):
+                    started = True
+                    task_status.started()
+        if not started:
+            task_status.started()
+
+
+@asynccontextmanager
+async def open_held_streams(
+    control: Control, client: httpx.AsyncClient, *texts: str
+) -> AsyncIterator[list[HeldStream]]:
+    """A chat stream per text, each held by the fake decoder after its first token (``hold``) and read
+    by a task of its own; the block starts once every one has its first token.  Leaving it lets them
+    finish (a test may let them go sooner: ``control.set(decoder=DecoderModes())``) and waits for them."""
+    control.set(decoder=DecoderModes(hold=True))
+    streams = [HeldStream(client, text) for text in texts]
+    async with trio.open_nursery() as nursery:
+        for stream in streams:
+            await nursery.start(stream.run)
+        yield streams
+        control.set(decoder=DecoderModes())

@@ -1,15 +1,282 @@
-"""Test doubles and rig pieces shared by the route tests (in-process and subprocess alike)."""
+"""The rig the daemon-level and route tests share: configs for onebitd with the fakes, onebitd run in
+this trio run, the fakes' control file, the route lines, and the pieces of a hybrid-route test.
+
+tests/conftest.py turns these into fixtures (``control``, ``route_lines``, ``route_rig``); tests/helpers.py
+has the HTTP and waiting helpers.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
+import os
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import attrs
+import httpx
+import pytest
 import trio
 
+from supervisor import config as configuration
+from supervisor import locate
+from supervisor.child import ChildState
+from supervisor.config import Config
+from supervisor.daemon import Daemon, Started
 from supervisor.errors import ProviderError
 from supervisor.providers import Claim, Job, PrefillJob, ProviderStatistics
+
+from . import fake_control, fake_decoder, fake_provider, fake_share_provider
+
+TESTS = Path(__file__).parent
+FAKE_DECODER = TESTS / "fake_decoder.py"
+# Each fake's modes, by the names the tests give them (tests/fake_llama.py takes the decoder's too).
+DecoderModes = fake_decoder.Modes
+ProviderModes = fake_provider.Modes
+ShareModes = fake_share_provider.Modes
+
+
+def real_llama_server() -> Path:
+    """The llama-server scripts/setup built; the suite fails (not skips) without it."""
+    found = locate.llama_server("")
+    if found is None or not found.is_file():
+        pytest.fail("no llama-server: run scripts/setup (it builds one into the cache)")
+    return found
+
+
+# The route tests exercise the handoffs themselves, sending the same prompt again and again: the cost
+# decision (tests/test_routes.py) would keep a prompt the decoder's slot already holds plain.
+HANDOFF_ALWAYS = {"prefer_margin": 1e9}
+
+
+def make_config(runtime_dir: Path, *, text: str = "", **sections: Any) -> Config:
+    """A config on port 0 with its runtime directory at ``runtime_dir``; ``sections`` override keys."""
+    base = configuration.loads(text, "test.toml") if text else Config()
+    data = configuration.unstructure(base)
+    data["server"]["port"] = 0
+    data["server"]["runtime_dir"] = str(runtime_dir)
+    data["server"]["shutdown_grace_s"] = 10.0
+    for section, values in sections.items():
+        if not isinstance(values, dict):  # a list of tables ([[provider]]) replaces the whole key
+            data[section] = values
+            continue
+        target = data.setdefault(section, {})
+        for key, value in values.items():
+            if isinstance(value, dict) and isinstance(target.get(key), dict):
+                target[key].update(value)
+            else:
+                target[key] = value
+    return configuration.structure(data, "test.toml")
+
+
+def fake_decoder_config(runtime_dir: Path, *, model_file: Path | None = None, **sections: Any) -> Config:
+    """A config whose decoder is tests/fake_decoder.py (run by this interpreter)."""
+    model = model_file
+    if model is None:
+        model = runtime_dir / "fake.gguf"
+        model.write_bytes(b"GGUF fake model for tests\n")
+    launcher = runtime_dir / "fake-llama-server"
+    launcher.write_text(f'#!/bin/sh\nexec {sys.executable} {FAKE_DECODER} "$@"\n')
+    launcher.chmod(0o755)
+    decoder = {"binary": str(launcher), "health": {"interval_s": 0.2, "stop_grace_s": 2.0}}
+    decoder.update(sections.pop("decoder", {}))
+    model_section = {"path": str(model), "parallel": 2}
+    model_section.update(sections.pop("model", {}))
+    return make_config(runtime_dir, decoder=decoder, model=model_section, **sections)
+
+
+@attrs.frozen
+class Running:
+    daemon: Daemon
+    started: Started
+
+    @property
+    def url(self) -> str:
+        return self.started.binds[0]
+
+
+@asynccontextmanager
+async def run_daemon(config: Config, *, wait_ready: bool = True) -> AsyncIterator[Running]:
+    """Run onebitd in this trio run; stop it (drain, stop children, reap) on the way out."""
+    daemon = Daemon(config)
+    async with trio.open_nursery() as nursery:
+        started: Started = await nursery.start(daemon.run)
+        if wait_ready:
+            await daemon.decoder.wait_state(ChildState.READY)
+        try:
+            yield Running(daemon, started)
+        finally:
+            daemon.request_stop()
+
+
+def env_without(*names: str) -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in names}
+
+
+# -- steering the fakes, and what they did ---------------------------------------------------------
+
+
+class Control:
+    """The control file every subprocess fake reads its modes from (tests/fake_control.py), and the
+    logs the fakes write beside it.  The ``control`` fixture names it to the fakes through the
+    environment, which onebitd's children and the providers a test starts inherit."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.path = directory / "control.json"
+        self.pidfile = directory / fake_control.PIDFILE
+        self.marker = directory / fake_control.MARKER
+        self._sections: dict[str, dict[str, Any]] = {}
+        self.set()
+
+    def set(
+        self,
+        *,
+        decoder: DecoderModes | None = None,
+        provider: ProviderModes | None = None,
+        share: ShareModes | None = None,
+    ) -> None:
+        """Give each named fake these modes (all of them: a field left out is its default); the fakes
+        not named keep theirs.  A running fake reads them again whenever a mode matters."""
+        for name, modes in (("decoder", decoder), ("provider", provider), ("share", share)):
+            if modes is not None:
+                self._sections[name] = dataclasses.asdict(modes)
+        fake_control.write(self.path, self._sections)
+
+    def log(self, fake: str) -> Path:
+        """Where ``fake`` (``decoder``, ``provider`` or ``share``) logs its events."""
+        return self.directory / fake_control.log_name(fake)
+
+    def events(self, fake: str, event: str | None = None) -> list[dict[str, Any]]:
+        return fake_control.events(self.log(fake), event)
+
+    def entries(self, event: str = "completion") -> list[dict[str, Any]]:
+        """The fake decoder's log lines of ``event``."""
+        return self.events("decoder", event)
+
+    async def wait_entries(self, n: int) -> list[dict[str, Any]]:
+        """The fake writes a line when a request ends, in its own process: poll its file."""
+        while len(found := self.entries()) < n:  # noqa: ASYNC110  # another process: no event to wait on
+            await trio.sleep(0.01)
+        return found
+
+    def written(self) -> list[str]:
+        """The share provider's marker: one line per job that wrote its region or its state file."""
+        return self.marker.read_text().splitlines() if self.marker.exists() else []
+
+
+class RouteLines(logging.Handler):
+    """Collects the fields of every route line."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[dict[str, Any]] = []
+        self._changed = trio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        fields = getattr(record, "route_fields", None)
+        assert isinstance(fields, dict), f"a route line without its fields: {record.getMessage()}"
+        self.lines.append(fields)
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait(self, n: int) -> list[dict[str, Any]]:
+        while len(self.lines) < n:
+            await self._changed.wait()
+        return self.lines
+
+
+# -- the hybrid routes end to end: onebitd, the fake decoder and a fake provider ---------------------
+
+# Nine tokens with the fakes' one-word-one-token tokenizer; the rig's min_prompt_tokens is 4.
+PROMPT = "the quick brown fox jumps over the lazy dog"
+M = len(PROMPT.split())
+N_PREDICT = 3
+TAIL = "; the backend prefills this request itself"
+BODY = {"prompt": PROMPT, "n_predict": N_PREDICT}  # /completion's
+# Starting Python a few times on two busy cores; nothing here waits for anything slower.
+TIMEOUT = 30
+PROVIDERS = {"provider": fake_provider.PATH, "share": fake_share_provider.PATH}
+
+
+def plain_reply(prompt: str = PROMPT, n: int = N_PREDICT) -> str:
+    """What the fake decoder answers on /completion when it prefills the prompt itself."""
+    words = prompt.split()
+    return " " + " ".join(words[i % len(words)] for i in range(n))
+
+
+async def complete(client: httpx.AsyncClient, prompt: str = PROMPT, n: int = N_PREDICT) -> str:
+    reply = await client.post("/completion", json={"prompt": prompt, "n_predict": n})
+    assert reply.status_code == 200, reply.text
+    content: str = reply.json()["content"]
+    return content
+
+
+async def ready(running: Running, kind: str) -> None:
+    """A worker takes jobs once its ready line came; an exec provider needs nothing."""
+    if kind == "worker":
+        await running.daemon.providers.all[0].child.wait_state(ChildState.READY)  # type: ignore[attr-defined]
+
+
+@attrs.define
+class RouteRig:
+    """onebitd with the hybrid route on, one fake provider (``provider``: tests/fake_provider.py, or
+    ``share``: tests/fake_share_provider.py) named npu0, and what a test reads after: the fakes' logs,
+    onebitd's hybrid log and route lines, and the runtime directory."""
+
+    runtime: Path
+    control: Control
+    route_lines: RouteLines
+    caplog: pytest.LogCaptureFixture
+    provider: str = "provider"
+    mode: str = "file"  # hybrid.mode
+
+    def config(self, kind: str = "exec", *, health_interval_s: float = 0.2, **hybrid: Any) -> Config:
+        """``hybrid`` overrides keys of the [hybrid] section (``mode``, ``prefill_timeout_s``...)."""
+        command = [sys.executable, str(PROVIDERS[self.provider]), *(["--worker"] if kind == "worker" else [])]
+        return fake_decoder_config(
+            self.runtime,
+            hybrid={"enabled": True, "mode": self.mode, "min_prompt_tokens": 4, **HANDOFF_ALWAYS, **hybrid},
+            provider=[{"kind": kind, "name": "npu0", "command": command}],
+            decoder={
+                "restart": {"backoff_initial_s": 0.01},
+                "health": {"interval_s": health_interval_s, "stop_grace_s": 2.0},
+            },
+        )
+
+    def decoder(self, event: str) -> list[dict[str, Any]]:
+        return self.control.entries(event)
+
+    def jobs(self) -> list[dict[str, Any]]:
+        return self.control.events(self.provider, "job")
+
+    def cancelled(self) -> list[str]:
+        """The ids of the jobs onebitd told the (worker) provider to cancel, in order."""
+        return [event["id"] for event in self.control.events(self.provider, "cancel")]
+
+    def provider_pids(self) -> list[int]:
+        return [event["pid"] for event in self.control.events(self.provider, "start")]
+
+    def hybrid(self) -> list[str]:
+        return [r.getMessage() for r in self.caplog.records if r.name == "onebit.hybrid"]
+
+    def warnings(self) -> list[str]:
+        return [r.getMessage() for r in self.caplog.records if r.name == "onebit.hybrid" and r.levelno >= 30]
+
+    def state_files(self) -> list[str]:
+        state = self.runtime / "state"
+        return sorted(p.name for p in state.iterdir()) if state.is_dir() else []
+
+    def leftovers(self) -> list[str]:
+        """Sockets of a share and state files: nothing of a request may outlive it."""
+        return sorted(p.name for p in self.runtime.glob("share-*")) + self.state_files()
+
+
+# -- an in-process provider -------------------------------------------------------------------------
 
 
 @attrs.define

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from .conftest import real_llama_server
+from .rig import real_llama_server
 
 BENCH = Path(__file__).parent.parent / "scripts" / "bench.py"
 NUMBER = r"[-+]?\d+\.\d+"

@@ -38,8 +38,10 @@ from supervisor.providers import ProviderStatistics
 from supervisor.routeline import RouteLine
 from supervisor.routestats import RouteStats
 
-from .conftest import (
+from .helpers import CHAT, chat, client_for, open_held_streams, streamed_text, wait_until
+from .rig import (
     Control,
+    DecoderModes,
     RouteLines,
     env_without,
     fake_decoder_config,
@@ -47,7 +49,6 @@ from .conftest import (
     real_llama_server,
     run_daemon,
 )
-from .helpers import CHAT, HeldStream, chat, client_for, streamed_text, wait_until
 
 REPO = Path(__file__).parent.parent
 # Each onebitctl is a fresh interpreter importing trio and trio-websocket: about half a second, more
@@ -156,13 +157,13 @@ async def watchers(daemon: Daemon, n: int) -> None:
 async def test_status_shows_a_loading_daemon_then_its_decoder_serving_with_its_pid(
     short_dir: Path, control: Control
 ) -> None:
-    control.set(loading=True)
+    control.set(decoder=DecoderModes(loading=True))
     with trio.fail_after(TIMEOUT):
         async with run_daemon(fake_decoder_config(short_dir), wait_ready=False) as running:
             daemon = running.daemon
             await daemon.decoder.wait_state(ChildState.STARTING)
             loading = await onebitctl("--socket", daemon.admin.path, "status")
-            control.set(loading=False)
+            control.set(decoder=DecoderModes())
             await daemon.decoder.wait_state(ChildState.READY)
             serving = await onebitctl("--socket", daemon.admin.path, "status")
             pid = daemon.decoder.pid
@@ -180,7 +181,7 @@ async def test_status_shows_a_loading_daemon_then_its_decoder_serving_with_its_p
 async def test_status_says_failed_and_names_the_decoders_last_exit_once_it_has_failed(
     short_dir: Path, control: Control
 ) -> None:
-    control.set(exit=3)
+    control.set(decoder=DecoderModes(exit=3))
     config = fake_decoder_config(short_dir, decoder={"restart": {"max_failures": 1, "backoff_initial_s": 0.01}})
     with trio.fail_after(TIMEOUT):
         async with run_daemon(config, wait_ready=False) as running:
@@ -198,14 +199,9 @@ async def test_status_lists_the_request_in_flight_and_counts_the_finished_one(
     with trio.fail_after(TIMEOUT):
         async with run_daemon(fake_decoder_config(short_dir)) as running, client_for(running) as client:
             assert (await client.post(CHAT, json=chat("one two"))).status_code == 200
-            control.set(hold=True)
-            held = HeldStream(client, "held words")
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(held.run)
-                await held.first.wait()
+            async with open_held_streams(control, client, "held words"):
                 (req,) = running.daemon.front.inflight
                 during = await onebitctl("--socket", running.daemon.admin.path, "status")
-                control.set(hold=False)
     assert during.returncode == 0
     cells = row(during.out, req)
     assert cells[:3] == [req, "plain", CHAT]
@@ -286,20 +282,17 @@ def test_uptimes_read_as_their_two_largest_units(seconds: float, shown: str) -> 
 async def test_drain_prints_progress_and_exits_0_once_both_held_streams_have_their_full_reply(
     short_dir: Path, control: Control
 ) -> None:
-    control.set(hold=True)
     with trio.fail_after(TIMEOUT):
-        async with run_daemon(fake_decoder_config(short_dir)) as running, client_for(running) as client:
-            streams = [HeldStream(client, "first long reply"), HeldStream(client, "second long reply")]
-            async with trio.open_nursery() as nursery:
-                for stream in streams:
-                    nursery.start_soon(stream.run)
-                for stream in streams:
-                    await stream.first.wait()
-                async with open_onebitctl("--socket", running.daemon.admin.path, "drain") as drain:
-                    first = await drain.line()
-                    draining = running.daemon.front.draining
-                    control.set(hold=False)
-                    done = await drain.finish()
+        async with (
+            run_daemon(fake_decoder_config(short_dir)) as running,
+            client_for(running) as client,
+            open_held_streams(control, client, "first long reply", "second long reply") as streams,
+            open_onebitctl("--socket", running.daemon.admin.path, "drain") as drain,
+        ):
+            first = await drain.line()
+            draining = running.daemon.front.draining
+            control.set(decoder=DecoderModes())
+            done = await drain.finish()
     assert (first, draining) == ("draining: 2 in flight", True)
     assert (done.returncode, done.err) == (0, "")
     counts = [int(m.group(1)) for m in map(re.compile(r"draining: (\d) in flight").fullmatch, done.lines[:-1]) if m]
@@ -312,16 +305,14 @@ async def test_drain_prints_progress_and_exits_0_once_both_held_streams_have_the
 async def test_drain_with_a_timeout_exits_1_naming_the_request_still_in_flight(
     short_dir: Path, control: Control
 ) -> None:
-    control.set(hold=True)
     with trio.fail_after(TIMEOUT):
-        async with run_daemon(fake_decoder_config(short_dir)) as running, client_for(running) as client:
-            held = HeldStream(client, "never finishes in time")
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(held.run)
-                await held.first.wait()
-                (req,) = running.daemon.front.inflight
-                done = await onebitctl("--socket", running.daemon.admin.path, "drain", "--timeout", "0.1")
-                control.set(hold=False)
+        async with (
+            run_daemon(fake_decoder_config(short_dir)) as running,
+            client_for(running) as client,
+            open_held_streams(control, client, "never finishes in time") as [held],
+        ):
+            (req,) = running.daemon.front.inflight
+            done = await onebitctl("--socket", running.daemon.admin.path, "drain", "--timeout", "0.1")
     assert done.returncode == 1
     assert done.lines == ["draining: 1 in flight"]
     first, remaining = done.err.splitlines()

@@ -21,7 +21,6 @@ import trio.testing
 
 from supervisor.child import ChildState
 
-from .conftest import Control, RouteLines, fake_decoder_config, run_daemon
 from .helpers import (
     CHAT,
     HeldStream,
@@ -37,6 +36,7 @@ from .helpers import (
     wait_until,
     with_model,
 )
+from .rig import Control, DecoderModes, RouteLines, fake_decoder_config, run_daemon
 
 TIMEOUT = 20  # seconds; a test that needs more is stuck, not slow
 
@@ -182,7 +182,7 @@ async def test_api_keys_are_required_everywhere_but_health(short_dir: Path, cont
 async def test_health_says_loading_with_retry_after_until_the_decoder_is_ready(
     short_dir: Path, control: Control, route_lines: RouteLines
 ) -> None:
-    control.set(loading=True)
+    control.set(decoder=DecoderModes(loading=True))
     config = fake_decoder_config(short_dir, server={"retry_after_s": 7})
     with trio.fail_after(TIMEOUT):
         async with run_daemon(config, wait_ready=False) as running, client_for(running) as client:
@@ -195,7 +195,7 @@ async def test_health_says_loading_with_retry_after_until_the_decoder_is_ready(
             error = assert_envelope(reply, 503)
             assert error["code"] == "decoder_unavailable"
             assert reply.headers["retry-after"] == "7"
-            control.set(loading=False)
+            control.set(decoder=DecoderModes())
             await running.daemon.decoder.wait_state(ChildState.READY)
             health = await client.get("/health")
             assert (health.status_code, health.json()) == (200, {"status": "ok"})
@@ -207,7 +207,7 @@ async def test_health_says_loading_with_retry_after_until_the_decoder_is_ready(
 async def test_a_failed_decoder_makes_health_say_failed_and_completions_fail_at_once(
     short_dir: Path, control: Control
 ) -> None:
-    control.set(exit=3)
+    control.set(decoder=DecoderModes(exit=3))
     config = fake_decoder_config(
         short_dir, decoder={"restart": {"max_failures": 2, "backoff_initial_s": 0.01, "backoff_max_s": 0.01}}
     )
@@ -251,7 +251,7 @@ async def test_every_request_is_pinned_to_a_slot_onebitd_allocated(
 async def test_concurrent_streams_never_share_a_slot_and_overflow_gets_503(
     short_dir: Path, control: Control, route_lines: RouteLines
 ) -> None:
-    control.set(hold=True)
+    control.set(decoder=DecoderModes(hold=True))
     config = with_model(fake_decoder_config(short_dir, server={"queue_limit": 2}), parallel=2)
     with trio.fail_after(TIMEOUT):
         async with (
@@ -262,8 +262,7 @@ async def test_concurrent_streams_never_share_a_slot_and_overflow_gets_503(
             slots = running.daemon.slots
             streams = [HeldStream(client, f"stream {i}") for i in range(4)]
             for stream in streams[:2]:
-                nursery.start_soon(stream.run)
-                await stream.first.wait()
+                await nursery.start(stream.run)
             assert slots.statistics().busy == 2
             for queued, stream in enumerate(streams[2:], start=1):
                 nursery.start_soon(stream.run)
@@ -272,7 +271,7 @@ async def test_concurrent_streams_never_share_a_slot_and_overflow_gets_503(
             error = assert_envelope(reply, 503)
             assert error["code"] == "overloaded"
             assert reply.headers["retry-after"] == "1"
-            control.set(hold=False)
+            control.set(decoder=DecoderModes())
     assert all(stream.status == 200 for stream in streams)
     assert all(stream.events[-1] == "[DONE]" for stream in streams)
     entries = sorted(control.entries(), key=lambda entry: entry["seq"])
@@ -284,7 +283,7 @@ async def test_concurrent_streams_never_share_a_slot_and_overflow_gets_503(
 
 async def test_queued_requests_are_served_in_arrival_order(short_dir: Path, control: Control) -> None:
     # Two held streams fill both slots; releasing one serves the queue one by one on the slot it frees.
-    control.set(hold=["held-a", "held-b"])
+    control.set(decoder=DecoderModes(hold=["held-a", "held-b"]))
     config = with_model(fake_decoder_config(short_dir, server={"queue_limit": 8}), parallel=2)
     with trio.fail_after(TIMEOUT):
         async with (
@@ -295,8 +294,7 @@ async def test_queued_requests_are_served_in_arrival_order(short_dir: Path, cont
             slots = running.daemon.slots
             held = [HeldStream(client, "held-a"), HeldStream(client, "held-b")]
             for stream in held:
-                nursery.start_soon(stream.run)
-                await stream.first.wait()
+                await nursery.start(stream.run)
             names = ["queued-1", "queued-2", "queued-3", "queued-4"]
             done = trio.Semaphore(0)
 
@@ -308,10 +306,10 @@ async def test_queued_requests_are_served_in_arrival_order(short_dir: Path, cont
             for queued, name in enumerate(names, start=1):
                 nursery.start_soon(ask, name)
                 await wait_queued(slots, queued)
-            control.set(hold=["held-b"])
+            control.set(decoder=DecoderModes(hold=["held-b"]))
             for _ in names:
                 await done.acquire()
-            control.set(hold=False)
+            control.set(decoder=DecoderModes())
     by_arrival = sorted(control.entries(), key=lambda entry: entry["seq"])
     served = [name for entry in by_arrival for name in names if name in entry["prompt"]]
     assert served == names
@@ -323,7 +321,7 @@ async def test_queued_requests_are_served_in_arrival_order(short_dir: Path, cont
 
 
 async def test_a_stream_is_relayed_chunk_by_chunk(short_dir: Path, control: Control) -> None:
-    control.set(hold=True)
+    control.set(decoder=DecoderModes(hold=True))
     with trio.fail_after(TIMEOUT):
         async with run_daemon(fake_decoder_config(short_dir)) as running, client_for(running) as client:
             body = chat("alpha beta gamma", stream=True, max_tokens=3)
@@ -336,7 +334,7 @@ async def test_a_stream_is_relayed_chunk_by_chunk(short_dir: Path, control: Cont
                 first = json.loads(await anext(events))
                 assert first["choices"][0]["delta"]["content"] == "alpha"
                 assert control.entries() == []
-                control.set(hold=False)
+                control.set(decoder=DecoderModes())
                 rest = [data async for data in events]
     assert streamed_text([json.dumps(first), *rest]) == "alpha beta gamma"
     assert rest[-1] == "[DONE]"
@@ -445,7 +443,7 @@ async def test_a_completion_request_refused_before_it_starts_still_logs_one_rout
 async def test_a_client_that_disconnects_mid_stream_closes_the_upstream_request_and_frees_its_slot(
     short_dir: Path, control: Control, route_lines: RouteLines
 ) -> None:
-    control.set(hold=True)
+    control.set(decoder=DecoderModes(hold=True))
     with trio.fail_after(TIMEOUT):
         async with run_daemon(fake_decoder_config(short_dir)) as running, client_for(running) as client:
             # A bare socket: httpx leaves unclosed generators behind when a stream is abandoned.
@@ -461,7 +459,7 @@ async def test_a_client_that_disconnects_mid_stream_closes_the_upstream_request_
             [entry] = await control.wait_entries(1)
             assert entry["disconnected"] is True
             assert entry["finished"] is False
-            control.set(hold=False)
+            control.set(decoder=DecoderModes())
             # The slot really is free: the next request gets it at once.
             assert (await client.post(CHAT, json=chat("next"))).status_code == 200
     assert len(route_lines.lines) == 2
@@ -470,7 +468,7 @@ async def test_a_client_that_disconnects_mid_stream_closes_the_upstream_request_
 async def test_a_client_that_leaves_the_queue_is_cancelled_without_reaching_the_decoder(
     short_dir: Path, control: Control, route_lines: RouteLines
 ) -> None:
-    control.set(hold=True)
+    control.set(decoder=DecoderModes(hold=True))
     config = with_model(fake_decoder_config(short_dir), parallel=1)
     with trio.fail_after(TIMEOUT):
         async with (
@@ -480,8 +478,7 @@ async def test_a_client_that_leaves_the_queue_is_cancelled_without_reaching_the_
         ):
             slots = running.daemon.slots
             held = HeldStream(client, "holding the only slot")
-            nursery.start_soon(held.run)
-            await held.first.wait()
+            await nursery.start(held.run)
             waiting = trio.CancelScope()
 
             async def wait_in_queue() -> None:
@@ -494,7 +491,7 @@ async def test_a_client_that_leaves_the_queue_is_cancelled_without_reaching_the_
             [line] = await route_lines.wait(1)
             assert (line["outcome"], line["status"], line["slot"]) == ("cancelled", 499, None)
             assert slots.statistics().queued == 0
-            control.set(hold=False)
+            control.set(decoder=DecoderModes())
     [entry] = control.entries()
     assert "impatient" not in entry["prompt"]
 
@@ -505,7 +502,7 @@ async def test_a_client_that_leaves_the_queue_is_cancelled_without_reaching_the_
 async def test_a_decoder_killed_mid_stream_ends_the_stream_with_an_error_event_and_is_restarted(
     short_dir: Path, control: Control, route_lines: RouteLines
 ) -> None:
-    control.set(hold=True)
+    control.set(decoder=DecoderModes(hold=True))
     config = fake_decoder_config(short_dir, decoder={"restart": {"backoff_initial_s": 0.01}})
     with trio.fail_after(TIMEOUT):
         async with run_daemon(config) as running, client_for(running) as client:
@@ -517,7 +514,7 @@ async def test_a_decoder_killed_mid_stream_ends_the_stream_with_an_error_event_a
                 await anext(events)  # the first token
                 os.kill(pid, signal.SIGKILL)
                 # After the kill, not before: a decoder that saw hold=False first would finish the stream.
-                control.set(hold=False)
+                control.set(decoder=DecoderModes())
                 rest = [data async for data in events]
             error = json.loads(rest[-1])["error"]
             assert (error["source"], error["code"]) == ("decoder", "decoder_lost")
@@ -537,7 +534,7 @@ async def test_a_decoder_killed_mid_stream_ends_the_stream_with_an_error_event_a
 async def test_a_stream_in_flight_at_shutdown_finishes_its_reply(
     short_dir: Path, control: Control, route_lines: RouteLines
 ) -> None:
-    control.set(hold=True)
+    control.set(decoder=DecoderModes(hold=True))
     with trio.fail_after(TIMEOUT):
         async with (
             run_daemon(fake_decoder_config(short_dir)) as running,
@@ -549,7 +546,7 @@ async def test_a_stream_in_flight_at_shutdown_finishes_its_reply(
             running.daemon.request_stop()
             await wait_until(lambda: running.daemon.front.draining)
             await trio.testing.wait_all_tasks_blocked()
-            control.set(hold=False)
+            control.set(decoder=DecoderModes())
             rest = [data async for data in events]
     assert streamed_text([first, *rest]) == "last words last words"
     assert rest[-1] == "[DONE]"

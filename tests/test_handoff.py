@@ -7,13 +7,10 @@ the autojump clock), and the real exec provider running tests/fake_provider.py e
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
-import signal
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +26,8 @@ from supervisor.routes.decision import Outcome, Reason
 from supervisor.routes.file import FileHandoff
 
 from .fake_provider import PATH as FAKE_PROVIDER
-from .fake_provider import events, gone, reaped
-from .rig import ScriptedProvider
+from .helpers import reaped, wait_until
+from .rig import Control, ProviderModes, ScriptedProvider
 
 # Starting Python a few times on two busy cores; nothing here waits for anything slower.
 DEADLINE_S = 30
@@ -108,13 +105,6 @@ def rig(tmp_path: Path) -> Rig:
 
 
 @pytest.fixture
-def log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    path = tmp_path / "provider.log"
-    monkeypatch.setenv("FAKE_PROVIDER_LOG", str(path))
-    return path
-
-
-@pytest.fixture
 def warnings(caplog: pytest.LogCaptureFixture) -> Callable[[], list[str]]:
     caplog.set_level(logging.INFO, logger="onebit.hybrid")
 
@@ -124,39 +114,21 @@ def warnings(caplog: pytest.LogCaptureFixture) -> Callable[[], list[str]]:
     return messages
 
 
-@pytest.fixture
-def grandchild(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """Where a hanging fake provider writes its grandchild's pid; that pid is killed if it outlived us."""
-    pidfile = tmp_path / "grandchild.pid"
-    monkeypatch.setenv("FAKE_PROVIDER_PIDFILE", str(pidfile))
-    yield pidfile
-    if pidfile.exists() and not gone(pid := int(pidfile.read_text())):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
 def exec_provider() -> ExecProvider:
     return ExecProvider(ExecProviderConfig(name="npu0", command=(sys.executable, str(FAKE_PROVIDER))))
-
-
-async def until(condition: Callable[[], bool]) -> None:
-    """Poll ``condition``; the caller's fail_after bounds the wait."""
-    # Another process's doing: nothing in this one could set a trio.Event for it.
-    while not condition():  # noqa: ASYNC110
-        await trio.sleep(0.01)
 
 
 # -- success --------------------------------------------------------------------------------------
 
 
 async def test_a_full_prefill_is_restored_into_the_slot_and_its_file_removed(
-    rig: Rig, log: Path, warnings: Callable[[], list[str]]
+    rig: Rig, control: Control, warnings: Callable[[], list[str]]
 ) -> None:
     with trio.fail_after(DEADLINE_S):
         assert await rig.run(exec_provider())
     [(path, body)] = rig.slots.calls
     assert path == RESTORE
-    [received] = events(log, "job")
+    [received] = control.events("provider", "job")
     assert received["job"]["state_file"] == str(rig.state_dir / body["filename"])
     assert rig.slots.restored == [TOKENS]
     assert rig.done.reason is None
@@ -184,9 +156,9 @@ async def test_without_a_claimed_prefill_ms_the_measured_prefill_time_is_reporte
 
 
 async def test_a_last_line_that_does_not_parse_still_hands_the_state_file_over(
-    rig: Rig, log: Path, monkeypatch: pytest.MonkeyPatch, warnings: Callable[[], list[str]]
+    rig: Rig, control: Control, warnings: Callable[[], list[str]]
 ) -> None:
-    monkeypatch.setenv("FAKE_PROVIDER_MODE", "garbage")
+    control.set(provider=ProviderModes(mode="garbage"))
     with trio.fail_after(DEADLINE_S):
         assert await rig.run(exec_provider())
     assert rig.slots.restored == [TOKENS]
@@ -205,9 +177,9 @@ async def test_a_provider_error_falls_back_as_provider_failed(rig: Rig, warnings
 
 
 async def test_a_provider_that_crashes_after_writing_falls_back_and_its_file_is_removed(
-    rig: Rig, log: Path, monkeypatch: pytest.MonkeyPatch, warnings: Callable[[], list[str]]
+    rig: Rig, control: Control, warnings: Callable[[], list[str]]
 ) -> None:
-    monkeypatch.setenv("FAKE_PROVIDER_MODE", "crash")
+    control.set(provider=ProviderModes(mode="crash"))
     with trio.fail_after(DEADLINE_S):
         assert not await rig.run(exec_provider())
     assert rig.done.reason is Reason.PROVIDER_FAILED
@@ -228,19 +200,17 @@ async def test_a_provider_that_writes_no_state_file_falls_back_as_provider_faile
 
 async def test_a_provider_past_the_prefill_timeout_is_killed_and_falls_back_as_provider_failed(
     rig: Rig,
-    log: Path,
-    grandchild: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    control: Control,
     warnings: Callable[[], list[str]],
 ) -> None:
-    monkeypatch.setenv("FAKE_PROVIDER_MODE", "hang")
+    control.set(provider=ProviderModes(mode="hang"))
     rig.timeout_s = 0.3
     with trio.fail_after(DEADLINE_S):
         assert not await rig.run(exec_provider())
     assert rig.done.reason is Reason.PROVIDER_FAILED
     assert (rig.done.why, warnings()) == ("provider npu0 took over 0.3s", [])
     assert (rig.slots.calls, rig.state_files()) == ([], [])
-    [start] = events(log, "start")
+    [start] = control.events("provider", "start")
     assert reaped(start["pid"])
 
 
@@ -250,19 +220,18 @@ async def test_a_provider_past_the_prefill_timeout_is_killed_and_falls_back_as_p
 @pytest.mark.parametrize(("mode", "n_tokens"), [("short", 29), ("negative", -1)])
 async def test_a_wrong_count_is_named_and_the_request_goes_plain_without_a_restore(
     rig: Rig,
-    log: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    control: Control,
     warnings: Callable[[], list[str]],
     mode: str,
     n_tokens: int,
 ) -> None:
-    monkeypatch.setenv("FAKE_PROVIDER_MODE", mode)
+    control.set(provider=ProviderModes(mode=mode))
     with trio.fail_after(DEADLINE_S):
         assert not await rig.run(exec_provider())
     assert rig.done.reason is Reason.SHORT_CLAIM
     assert (rig.done.why, warnings()) == (f"provider prefilled {n_tokens} of 30 tokens", [])
     assert (rig.slots.calls, rig.state_files()) == ([], [])
-    assert len(events(log, "job")) == 1  # and the file it wrote is gone
+    assert len(control.events("provider", "job")) == 1  # and the file it wrote is gone
 
 
 # -- the decoder refuses the restore --------------------------------------------------------------
@@ -309,17 +278,17 @@ async def test_a_restore_the_decoder_never_answered_erases_the_slot_and_falls_ba
 
 
 async def test_a_client_gone_during_the_prefill_kills_the_provider_and_removes_its_file(
-    rig: Rig, log: Path, grandchild: Path, monkeypatch: pytest.MonkeyPatch
+    rig: Rig, control: Control
 ) -> None:
-    monkeypatch.setenv("FAKE_PROVIDER_MODE", "hang")
+    control.set(provider=ProviderModes(mode="hang"))
     with trio.fail_after(DEADLINE_S):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(rig.run, exec_provider())
-            await until(grandchild.exists)  # the fake writes its state file before this
+            await wait_until(control.pidfile.exists)  # the fake writes its state file before this
             assert len(rig.state_files()) == 1
             nursery.cancel_scope.cancel()
     assert rig.state_files() == []
     assert rig.slots.calls == []
     assert rig.outcome is None  # a cancelled handoff returns nothing: no fallback to record
-    [start] = events(log, "start")
+    [start] = control.events("provider", "start")
     assert reaped(start["pid"])

@@ -26,8 +26,8 @@ from supervisor.daemon import Daemon
 from supervisor.errors import AdminUnavailable, RuntimeDirInUse
 from supervisor.notify import Notifier
 
-from .conftest import Control, RouteLines, fake_decoder_config, run_daemon
-from .helpers import CHAT, HeldStream, chat, client_for, streamed_text, wait_until
+from .helpers import CHAT, chat, client_for, open_held_streams, streamed_text, wait_until
+from .rig import Control, DecoderModes, RouteLines, fake_decoder_config, run_daemon
 
 TIMEOUT = 20
 ROOT = Path(__file__).parent.parent
@@ -44,13 +44,13 @@ async def status(daemon: Daemon) -> dict[str, Any]:
 
 
 async def test_status_answers_while_the_decoder_loads_then_while_it_serves(short_dir: Path, control: Control) -> None:
-    control.set(loading=True)
+    control.set(decoder=DecoderModes(loading=True))
     with trio.fail_after(TIMEOUT):
         async with run_daemon(fake_decoder_config(short_dir), wait_ready=False) as running:
             daemon = running.daemon
             await daemon.decoder.wait_state(ChildState.STARTING)
             loading = await status(daemon)
-            control.set(loading=False)
+            control.set(decoder=DecoderModes())
             await daemon.decoder.wait_state(ChildState.READY)
             serving = await status(daemon)
     assert loading["daemon"]["state"] == "loading"
@@ -64,7 +64,7 @@ async def test_status_answers_while_the_decoder_loads_then_while_it_serves(short
 
 
 async def test_status_says_failed_once_the_decoder_has_failed(short_dir: Path, control: Control) -> None:
-    control.set(exit=3)
+    control.set(decoder=DecoderModes(exit=3))
     config = fake_decoder_config(short_dir, decoder={"restart": {"max_failures": 1, "backoff_initial_s": 0.01}})
     with trio.fail_after(TIMEOUT):
         async with run_daemon(config, wait_ready=False) as running:
@@ -81,13 +81,8 @@ async def test_status_lists_requests_in_flight_with_their_route_and_counts_finis
         async with run_daemon(fake_decoder_config(short_dir)) as running, client_for(running) as client:
             ok = await client.post(CHAT, json=chat("one two"))
             assert ok.status_code == 200
-            control.set(hold=True)
-            held = HeldStream(client, "held words")
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(held.run)
-                await held.first.wait()
+            async with open_held_streams(control, client, "held words"):
                 during = await status(running.daemon)
-                control.set(hold=False)
     (inflight,) = during["inflight"]
     assert inflight["route"] == "plain"
     assert inflight["endpoint"] == CHAT
@@ -103,17 +98,14 @@ async def test_status_lists_requests_in_flight_with_their_route_and_counts_finis
 async def test_drain_refuses_new_requests_and_lets_the_ones_in_flight_finish_with_their_full_reply(
     short_dir: Path, control: Control, route_lines: RouteLines
 ) -> None:
-    control.set(hold=True)
     progress: list[int] = []
     results: list[dict[str, Any]] = []
     with trio.fail_after(TIMEOUT):
         async with run_daemon(fake_decoder_config(short_dir)) as running, client_for(running) as client:
-            streams = [HeldStream(client, "first long reply"), HeldStream(client, "second long reply")]
-            async with trio.open_nursery() as nursery:
-                for stream in streams:
-                    nursery.start_soon(stream.run)
-                for stream in streams:
-                    await stream.first.wait()
+            async with (
+                open_held_streams(control, client, "first long reply", "second long reply") as streams,
+                trio.open_nursery() as nursery,
+            ):
 
                 async def drain() -> None:
                     results.append(
@@ -126,7 +118,7 @@ async def test_drain_refuses_new_requests_and_lets_the_ones_in_flight_finish_wit
                 await wait_until(lambda: running.daemon.front.draining and progress == [2])
                 health = await client.get("/health")
                 refused = await client.post(CHAT, json=chat("too late"))
-                control.set(hold=False)
+                control.set(decoder=DecoderModes())
             after = await client.get("/health")
     assert (health.status_code, health.json()["status"]) == (503, "draining")
     assert refused.status_code == 503
@@ -146,17 +138,12 @@ async def test_drain_refuses_new_requests_and_lets_the_ones_in_flight_finish_wit
 async def test_drain_times_out_naming_what_remains_and_resume_takes_requests_again(
     short_dir: Path, control: Control
 ) -> None:
-    control.set(hold=True)
     with trio.fail_after(TIMEOUT):
         async with run_daemon(fake_decoder_config(short_dir)) as running, client_for(running) as client:
-            held = HeldStream(client, "never finishes in time")
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(held.run)
-                await held.first.wait()
+            async with open_held_streams(control, client, "never finishes in time"):
                 timed_out = await admin.call(running.daemon.admin.path, "drain", {"timeout": 0.05})
                 resumed = await admin.call(running.daemon.admin.path, "resume")
                 health = await client.get("/health")
-                control.set(hold=False)
             served = await client.post(CHAT, json=chat("welcome back"))
     assert timed_out["ok"] is False
     assert "1 in flight" in timed_out["error"]

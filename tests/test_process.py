@@ -21,8 +21,8 @@ from supervisor import config as configuration
 from supervisor.errors import ChildError
 from supervisor.process import ChildProcess
 
-from .conftest import env_without, fake_decoder_config
 from .fake_child import grandchild, kill_grandchild, running, wait_gone
+from .rig import env_without, fake_decoder_config
 
 FAKE_CHILD = Path(__file__).parent / "fake_child.py"
 REPO = Path(__file__).parent.parent

@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,18 +15,12 @@ from supervisor.providers import Claim, PrefillJob, parse_claim
 from supervisor.providers.exec import ExecProvider
 
 from .fake_provider import PATH as FAKE_PROVIDER
-from .fake_provider import events, gone, reaped
+from .helpers import gone, reaped, wait_until
+from .rig import Control, ProviderModes
 
 # Starting Python a few times on two busy cores; nothing here waits for anything slower.
 DEADLINE_S = 30
 TOKENS = tuple(range(100, 130))
-
-
-@pytest.fixture
-def log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    path = tmp_path / "provider.log"
-    monkeypatch.setenv("FAKE_PROVIDER_LOG", str(path))
-    return path
 
 
 def exec_provider(*command: str) -> ExecProvider:
@@ -39,13 +29,6 @@ def exec_provider(*command: str) -> ExecProvider:
 
 def job_in(directory: Path) -> PrefillJob:
     return PrefillJob("req-1", "fake-model", 4096, TOKENS, directory / "req-1.state")
-
-
-async def until(condition: Callable[[], bool]) -> None:
-    """Poll ``condition``; the caller's fail_after bounds the wait."""
-    # Another process's doing: nothing in this one could set a trio.Event for it.
-    while not condition():  # noqa: ASYNC110
-        await trio.sleep(0.01)
 
 
 @pytest.mark.parametrize(
@@ -66,41 +49,41 @@ def test_a_claim_line_is_parsed_and_anything_it_does_not_say_is_none(line: str, 
     assert parse_claim(line) == claim
 
 
-async def test_the_job_goes_to_stdin_and_the_last_stdout_line_is_the_claim(tmp_path: Path, log: Path) -> None:
+async def test_the_job_goes_to_stdin_and_the_last_stdout_line_is_the_claim(tmp_path: Path, control: Control) -> None:
     job = job_in(tmp_path)
     with trio.fail_after(DEADLINE_S):
         claim = await exec_provider().prefill(job)
     # The fake prints a decoy {"n_tokens": 0} line first and logs on stderr after its claim.
     assert claim == Claim(n_tokens=30, prefill_ms=7.25)
-    [received] = events(log, "job")
+    [received] = control.events("provider", "job")
     assert received["job"] == job.wire()
     assert received["job"]["route"] == "file"
     assert json.loads(job.state_file.read_text()) == {"fake_state": True, "tokens": list(TOKENS)}
 
 
-async def test_a_provider_process_is_reaped_when_its_job_is_done(tmp_path: Path, log: Path) -> None:
+async def test_a_provider_process_is_reaped_when_its_job_is_done(tmp_path: Path, control: Control) -> None:
     provider = exec_provider()
     with trio.fail_after(DEADLINE_S):
         await provider.prefill(job_in(tmp_path))
-    [start] = events(log, "start")
+    [start] = control.events("provider", "start")
     assert reaped(start["pid"])
     assert (provider.busy, provider.statistics().jobs, provider.statistics().failures) == (0, 1, 0)
 
 
 @pytest.mark.parametrize(("mode", "n_tokens"), [("short", 29), ("negative", -1)])
 async def test_a_wrong_count_is_returned_as_claimed_for_the_handoff_to_judge(
-    tmp_path: Path, log: Path, monkeypatch: pytest.MonkeyPatch, mode: str, n_tokens: int
+    tmp_path: Path, control: Control, mode: str, n_tokens: int
 ) -> None:
-    monkeypatch.setenv("FAKE_PROVIDER_MODE", mode)
+    control.set(provider=ProviderModes(mode=mode))
     with trio.fail_after(DEADLINE_S):
         claim = await exec_provider().prefill(job_in(tmp_path))
     assert claim == Claim(n_tokens=n_tokens, prefill_ms=7.25)
 
 
 async def test_a_last_line_that_is_not_json_claims_nothing_and_is_not_an_error(
-    tmp_path: Path, log: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, control: Control
 ) -> None:
-    monkeypatch.setenv("FAKE_PROVIDER_MODE", "garbage")
+    control.set(provider=ProviderModes(mode="garbage"))
     job = job_in(tmp_path)
     with trio.fail_after(DEADLINE_S):
         claim = await exec_provider().prefill(job)
@@ -108,18 +91,16 @@ async def test_a_last_line_that_is_not_json_claims_nothing_and_is_not_an_error(
     assert job.state_file.is_file()
 
 
-async def test_a_non_zero_exit_is_a_provider_error(tmp_path: Path, log: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FAKE_PROVIDER_MODE", "fail")
+async def test_a_non_zero_exit_is_a_provider_error(tmp_path: Path, control: Control) -> None:
+    control.set(provider=ProviderModes(mode="fail"))
     provider = exec_provider()
     with trio.fail_after(DEADLINE_S), pytest.raises(ProviderError, match="job req-1: exit status 3"):
         await provider.prefill(job_in(tmp_path))
     assert (provider.busy, provider.statistics().failures) == (0, 1)
 
 
-async def test_a_provider_that_crashes_after_writing_is_a_provider_error(
-    tmp_path: Path, log: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("FAKE_PROVIDER_MODE", "crash")
+async def test_a_provider_that_crashes_after_writing_is_a_provider_error(tmp_path: Path, control: Control) -> None:
+    control.set(provider=ProviderModes(mode="crash"))
     job = job_in(tmp_path)
     with trio.fail_after(DEADLINE_S), pytest.raises(ProviderError, match="killed by SIGKILL"):
         await exec_provider().prefill(job)
@@ -133,27 +114,19 @@ async def test_a_program_that_cannot_start_is_a_provider_error(tmp_path: Path) -
     assert provider.statistics().failures == 1
 
 
-async def test_cancelling_a_job_kills_the_providers_whole_process_group(
-    tmp_path: Path, log: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    pidfile = tmp_path / "grandchild.pid"
-    monkeypatch.setenv("FAKE_PROVIDER_MODE", "hang")
-    monkeypatch.setenv("FAKE_PROVIDER_PIDFILE", str(pidfile))
+async def test_cancelling_a_job_kills_the_providers_whole_process_group(tmp_path: Path, control: Control) -> None:
+    control.set(provider=ProviderModes(mode="hang"))
     provider = exec_provider()
-    try:
-        with trio.fail_after(DEADLINE_S):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(provider.prefill, job_in(tmp_path))
-                await until(pidfile.exists)  # written once its grandchild runs
-                assert provider.busy == 1
-                nursery.cancel_scope.cancel()
-            [start] = events(log, "start")
-            assert reaped(start["pid"])  # killed and reaped
-            grandchild = int(pidfile.read_text())
-            # Not our child: its new parent reaps it, so wait for it to be gone (or a zombie).
-            await until(lambda: gone(grandchild))
-    finally:
-        if pidfile.exists() and not gone(pid := int(pidfile.read_text())):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+    # The control fixture ends a grandchild that outlived a failing test.
+    with trio.fail_after(DEADLINE_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(provider.prefill, job_in(tmp_path))
+            await wait_until(control.pidfile.exists)  # written once its grandchild runs
+            assert provider.busy == 1
+            nursery.cancel_scope.cancel()
+        [start] = control.events("provider", "start")
+        assert reaped(start["pid"])  # killed and reaped
+        grandchild = int(control.pidfile.read_text())
+        # Not our child: its new parent reaps it, so wait for it to be gone (or a zombie).
+        await wait_until(lambda: gone(grandchild))
     assert (provider.busy, provider.statistics().failures) == (0, 0)

@@ -21,18 +21,12 @@ from supervisor.providers import Claim, PrefillJob
 from supervisor.providers.worker import WorkerProvider
 
 from .fake_provider import PATH as FAKE_PROVIDER
-from .fake_provider import events
+from .helpers import wait_until
+from .rig import Control, ProviderModes
 
 # Starting Python a few times on two busy cores; nothing here waits for anything slower.
 DEADLINE_S = 30
 TOKENS = tuple(range(100, 130))
-
-
-@pytest.fixture
-def log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    path = tmp_path / "provider.log"
-    monkeypatch.setenv("FAKE_PROVIDER_LOG", str(path))
-    return path
 
 
 def worker_provider(*, backoff_s: float = 0.0) -> WorkerProvider:
@@ -60,27 +54,18 @@ def job(directory: Path, name: str = "req-1") -> PrefillJob:
     return PrefillJob(name, "fake-model", 4096, TOKENS, directory / f"{name}.state")
 
 
-async def until(condition: Callable[[], bool]) -> None:
-    """Poll ``condition``; the caller's fail_after bounds the wait."""
-    # Another process's doing: nothing in this one could set a trio.Event for it.
-    while not condition():  # noqa: ASYNC110
-        await trio.sleep(0.01)
-
-
 async def until_child(child: Child, condition: Callable[[], bool]) -> None:
     """Wait state change by state change until ``condition`` holds."""
     while not condition():
         await child.wait_state(*(s for s in ChildState if s is not child.state))
 
 
-async def test_a_worker_is_not_ready_before_its_ready_line(
-    tmp_path: Path, log: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("FAKE_PROVIDER_READY", "signal")
+async def test_a_worker_is_not_ready_before_its_ready_line(tmp_path: Path, control: Control) -> None:
+    control.set(provider=ProviderModes(ready_on_signal=True))
     provider = worker_provider()
     with trio.fail_after(DEADLINE_S):
         async with running(provider, wait_ready=False):
-            await until(lambda: bool(events(log, "waiting")))  # running, its socket open, not ready
+            await wait_until(lambda: bool(control.events("provider", "waiting")))  # running, its socket open, not ready
             assert provider.child.state is ChildState.STARTING
             assert not provider.ready
             with pytest.raises(ProviderError, match="no ready worker"):
@@ -93,41 +78,41 @@ async def test_a_worker_is_not_ready_before_its_ready_line(
             assert await provider.prefill(job(tmp_path)) == Claim(30, 7.25)
 
 
-async def test_a_worker_answers_each_job_with_its_claim_from_one_long_lived_process(tmp_path: Path, log: Path) -> None:
+async def test_a_worker_answers_each_job_with_its_claim_from_one_long_lived_process(
+    tmp_path: Path, control: Control
+) -> None:
     first, second = job(tmp_path, "req-1"), job(tmp_path, "req-2")
     with trio.fail_after(DEADLINE_S):
         async with running(worker_provider()) as provider:
             assert await provider.prefill(first) == Claim(n_tokens=30, prefill_ms=7.25)
             assert await provider.prefill(second) == Claim(n_tokens=30, prefill_ms=7.25)
             assert (provider.busy, provider.statistics().jobs) == (0, 2)
-    assert [e["job"] for e in events(log, "job")] == [first.wire(), second.wire()]
-    assert len(events(log, "start")) == 1
+    assert [e["job"] for e in control.events("provider", "job")] == [first.wire(), second.wire()]
+    assert len(control.events("provider", "start")) == 1
     assert json.loads(first.state_file.read_text()) == {"fake_state": True, "tokens": list(TOKENS)}
 
 
 @pytest.mark.parametrize(("mode", "n_tokens"), [("short", 29), ("negative", -1)])
 async def test_a_workers_wrong_count_is_returned_as_claimed_for_the_handoff_to_judge(
-    tmp_path: Path, log: Path, monkeypatch: pytest.MonkeyPatch, mode: str, n_tokens: int
+    tmp_path: Path, control: Control, mode: str, n_tokens: int
 ) -> None:
-    monkeypatch.setenv("FAKE_PROVIDER_MODE", mode)
+    control.set(provider=ProviderModes(mode=mode))
     with trio.fail_after(DEADLINE_S):
         async with running(worker_provider()) as provider:
             assert await provider.prefill(job(tmp_path)) == Claim(n_tokens=n_tokens, prefill_ms=7.25)
 
 
 async def test_an_answer_without_an_id_is_the_one_job_in_flights_and_claims_nothing(
-    tmp_path: Path, log: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, control: Control
 ) -> None:
-    monkeypatch.setenv("FAKE_PROVIDER_MODE", "garbage")
+    control.set(provider=ProviderModes(mode="garbage"))
     with trio.fail_after(DEADLINE_S):
         async with running(worker_provider()) as provider:
             assert await provider.prefill(job(tmp_path)) == Claim()
 
 
-async def test_an_error_answer_fails_the_job_and_the_worker_takes_the_next(
-    tmp_path: Path, log: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("FAKE_PROVIDER_MODE", "fail,ok")
+async def test_an_error_answer_fails_the_job_and_the_worker_takes_the_next(tmp_path: Path, control: Control) -> None:
+    control.set(provider=ProviderModes(mode=["fail", "ok"]))
     with trio.fail_after(DEADLINE_S):
         async with running(worker_provider()) as provider:
             with pytest.raises(ProviderError, match="job req-1: fake provider: told to fail"):
@@ -138,15 +123,15 @@ async def test_an_error_answer_fails_the_job_and_the_worker_takes_the_next(
 
 
 async def test_a_cancelled_job_is_told_to_the_worker_which_stays_ready_for_the_next(
-    tmp_path: Path, log: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, control: Control
 ) -> None:
-    monkeypatch.setenv("FAKE_PROVIDER_MODE", "hang,ok")
+    control.set(provider=ProviderModes(mode=["hang", "ok"]))
     with trio.fail_after(DEADLINE_S):
         async with running(worker_provider()) as provider:
             pid = provider.child.pid
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(provider.prefill, job(tmp_path, "req-1"))
-                await until(lambda: bool(events(log, "job")))
+                await wait_until(lambda: bool(control.events("provider", "job")))
                 assert provider.busy == 1
                 nursery.cancel_scope.cancel()
             assert provider.ready
@@ -154,17 +139,17 @@ async def test_a_cancelled_job_is_told_to_the_worker_which_stays_ready_for_the_n
             assert await provider.prefill(job(tmp_path, "req-2")) == Claim(30, 7.25)
             assert (provider.child.pid, provider.child.statistics().restarts) == (pid, 0)
             assert (provider.busy, provider.statistics().failures) == (0, 0)
-    assert [(e["event"], e.get("id") or e["job"]["id"]) for e in events(log) if e["event"] != "start"] == [
+    assert [
+        (e["event"], e.get("id") or e["job"]["id"]) for e in control.events("provider") if e["event"] != "start"
+    ] == [
         ("job", "req-1"),
         ("cancel", "req-1"),
         ("job", "req-2"),
     ]
 
 
-async def test_a_worker_that_dies_fails_its_job_and_is_restarted_by_its_child(
-    tmp_path: Path, log: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("FAKE_PROVIDER_MODE", "crash,ok")
+async def test_a_worker_that_dies_fails_its_job_and_is_restarted_by_its_child(tmp_path: Path, control: Control) -> None:
+    control.set(provider=ProviderModes(mode=["crash", "ok"]))
     with trio.fail_after(DEADLINE_S):
         async with running(worker_provider()) as provider:
             with pytest.raises(ProviderError, match="job req-1"):
@@ -173,15 +158,13 @@ async def test_a_worker_that_dies_fails_its_job_and_is_restarted_by_its_child(
             await until_child(child, lambda: child.state is ChildState.READY and child.statistics().restarts == 1)
             assert provider.ready
             assert await provider.prefill(job(tmp_path, "req-2")) == Claim(30, 7.25)
-    first, second = events(log, "job")
+    first, second = control.events("provider", "job")
     assert first["pid"] != second["pid"]
-    assert [e["pid"] for e in events(log, "start")] == [first["pid"], second["pid"]]
+    assert [e["pid"] for e in control.events("provider", "start")] == [first["pid"], second["pid"]]
 
 
-async def test_a_worker_that_dies_fails_its_job_at_once_not_at_its_restart(
-    tmp_path: Path, log: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("FAKE_PROVIDER_MODE", "crash")
+async def test_a_worker_that_dies_fails_its_job_at_once_not_at_its_restart(tmp_path: Path, control: Control) -> None:
+    control.set(provider=ProviderModes(mode="crash"))
     # A restart this far off is never reached: only the closed socket can fail the job in time.
     with trio.fail_after(DEADLINE_S):
         async with running(worker_provider(backoff_s=DEADLINE_S * 10)) as provider:

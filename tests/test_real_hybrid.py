@@ -20,7 +20,7 @@ from supervisor.child import ChildState
 from supervisor.config import Config
 from supervisor.llama_server import model_args
 
-from .conftest import TESTS, make_config, real_llama_server, run_daemon
+from .rig import TESTS, make_config, real_llama_server, run_daemon
 
 pytestmark = pytest.mark.real
 

@@ -27,7 +27,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from supervisor.child import ChildState
 from supervisor.logs import ROUTE_LOGGER
 
-from .conftest import Running, make_config, real_llama_server, run_daemon
+from .rig import Running, make_config, real_llama_server, run_daemon
 
 pytestmark = pytest.mark.real
 

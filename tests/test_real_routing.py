@@ -22,8 +22,8 @@ import trio
 from supervisor.child import ChildState
 from supervisor.config import Config
 
-from .conftest import RouteLines, make_config, real_llama_server, run_daemon
 from .helpers import CHAT
+from .rig import RouteLines, make_config, real_llama_server, run_daemon
 
 pytestmark = pytest.mark.real
 

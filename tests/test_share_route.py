@@ -16,161 +16,45 @@ import logging
 import os
 import signal
 import socket
-import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import attrs
 import httpx
 import pytest
 import trio
 
 from supervisor.child import ChildState
-from supervisor.config import Config
 
 from . import fake_decoder, fake_share_provider
-from .conftest import HANDOFF_ALWAYS, Control, RouteLines, Running, fake_decoder_config, run_daemon
-from .fake_provider import reaped
-from .fake_share_provider import PATH as FAKE_SHARE_PROVIDER
-from .fake_share_provider import events
-from .helpers import with_model
+from .helpers import client_for, hang_up_when, reaped, with_model
+from .rig import (
+    BODY,
+    PROMPT,
+    TAIL,
+    TIMEOUT,
+    DecoderModes,
+    M,
+    RouteRig,
+    ShareModes,
+    complete,
+    plain_reply,
+    ready,
+    run_daemon,
+)
 
-# Starting Python a few times on two busy cores; nothing here waits for anything slower.
-TIMEOUT = 30
-# Nine tokens with the fake's one-word-one-token tokenizer; min_prompt_tokens is 4.
-PROMPT = "the quick brown fox jumps over the lazy dog"
-M = len(PROMPT.split())
-N_PREDICT = 3
-TAIL = "; the backend prefills this request itself"
 CANNOT_SHARE = "this decoder cannot share its KV; the state-file route is used"
 
 
-def plain_reply(prompt: str = PROMPT, n: int = N_PREDICT) -> str:
-    """What the fake decoder answers on /completion when it prefills the prompt itself."""
-    words = prompt.split()
-    return " " + " ".join(words[i % len(words)] for i in range(n))
-
-
-@attrs.define
-class Rig:
-    """The files a test reads: the provider's log, its marker, its control file, the runtime dir."""
-
-    runtime: Path
-    control: Control
-    route_lines: RouteLines
-    caplog: pytest.LogCaptureFixture
-    provider_log: Path
-    marker: Path
-    provider_control: Path
-
-    def config(self, *, kind: str = "exec", mode: str = "share", health_interval_s: float = 0.2) -> Config:
-        command = [sys.executable, str(FAKE_SHARE_PROVIDER), *(["--worker"] if kind == "worker" else [])]
-        return fake_decoder_config(
-            self.runtime,
-            hybrid={"enabled": True, "mode": mode, "min_prompt_tokens": 4, **HANDOFF_ALWAYS},
-            provider=[{"kind": kind, "name": "npu0", "command": command}],
-            decoder={
-                "restart": {"backoff_initial_s": 0.01},
-                "health": {"interval_s": health_interval_s, "stop_grace_s": 2.0},
-            },
-        )
-
-    def provider_modes(self, *modes: str) -> None:
-        tmp = self.provider_control.with_suffix(".tmp")
-        tmp.write_text(json.dumps(dict.fromkeys(fake_share_provider.MODES, False) | dict.fromkeys(modes, True)))
-        os.replace(tmp, self.provider_control)
-
-    def jobs(self) -> list[dict[str, Any]]:
-        return events(self.provider_log, "job")
-
-    def written(self) -> list[str]:
-        """The marker's lines: one per job that wrote its region or its state file."""
-        return self.marker.read_text().splitlines() if self.marker.exists() else []
-
-    def decoder(self, event: str) -> list[dict[str, Any]]:
-        return self.control.entries(event)
-
-    def hybrid(self) -> list[str]:
-        return [r.getMessage() for r in self.caplog.records if r.name == "onebit.hybrid"]
-
-    def warnings(self) -> list[str]:
-        return [r.getMessage() for r in self.caplog.records if r.name == "onebit.hybrid" and r.levelno >= 30]
-
-    def leftovers(self) -> list[str]:
-        """Sockets of a share and state files: nothing of a request may outlive it."""
-        found = [p.name for p in self.runtime.glob("share-*")]
-        state = self.runtime / "state"
-        return found + ([p.name for p in state.iterdir()] if state.is_dir() else [])
-
-
 @pytest.fixture
-def rig(
-    short_dir: Path,
-    control: Control,
-    route_lines: RouteLines,
-    caplog: pytest.LogCaptureFixture,
-    monkeypatch: pytest.MonkeyPatch,
-) -> Rig:
-    for name in list(os.environ):
-        if name.startswith("FAKE_KVSHARE_") or name == "ONEBIT_KV_SHARE":
-            monkeypatch.delenv(name)
-    made = Rig(
-        short_dir,
-        control,
-        route_lines,
-        caplog,
-        short_dir / "provider.log",
-        short_dir / "provider.marker",
-        short_dir / "provider.json",
-    )
-    # The provider inherits onebitd's environment, which is ours.
-    monkeypatch.setenv("FAKE_KVSHARE_LOG", str(made.provider_log))
-    monkeypatch.setenv("FAKE_KVSHARE_MARKER", str(made.marker))
-    monkeypatch.setenv("FAKE_KVSHARE_CONTROL", str(made.provider_control))
-    caplog.set_level(logging.INFO, logger="onebit.hybrid")
-    return made
+def rig(route_rig: RouteRig) -> RouteRig:
+    route_rig.provider, route_rig.mode = "share", "share"
+    return route_rig
 
 
 @pytest.fixture
 def fast_connect_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
     # A decoder that never connects is waited for this long; the daemon reads it when it starts.
     monkeypatch.setattr("supervisor.daemon.SHARE_CONNECT_TIMEOUT_S", 0.5)
-
-
-async def complete(client: httpx.AsyncClient, prompt: str = PROMPT, n: int = N_PREDICT) -> str:
-    reply = await client.post("/completion", json={"prompt": prompt, "n_predict": n})
-    assert reply.status_code == 200, reply.text
-    content: str = reply.json()["content"]
-    return content
-
-
-def client_for(running: Running) -> httpx.AsyncClient:
-    return httpx.AsyncClient(base_url=running.url, timeout=TIMEOUT)
-
-
-async def until(condition: Callable[[], bool]) -> None:
-    """For another process's doing, which no trio event announces; callers run under fail_after."""
-    while not condition():  # noqa: ASYNC110
-        await trio.sleep(0.01)
-
-
-async def ready(running: Running, kind: str) -> None:
-    """A worker takes jobs once its ready line came; an exec provider needs nothing."""
-    if kind == "worker":
-        await running.daemon.providers.all[0].child.wait_state(ChildState.READY)  # type: ignore[attr-defined]
-
-
-async def hang_up_when(running: Running, condition: Callable[[], bool]) -> None:
-    """Send a share-route request on a bare socket and close it once ``condition`` holds.
-
-    A bare socket, because httpx leaves unclosed async generators behind when a stream is abandoned."""
-    body = json.dumps({"prompt": PROMPT, "n_predict": N_PREDICT}).encode()
-    host, port = running.url.removeprefix("http://").rsplit(":", 1)
-    async with await trio.open_tcp_stream(host, int(port)) as raw:
-        head = f"POST /completion HTTP/1.1\r\nHost: localhost\r\nContent-Length: {len(body)}\r\n\r\n"
-        await raw.send_all(head.encode() + body)
-        await until(condition)
 
 
 def open_fds() -> list[str]:
@@ -195,7 +79,7 @@ def open_fds() -> list[str]:
     return sorted(found)
 
 
-def assert_pinned(rig: Rig, line: dict[str, Any]) -> dict[str, Any]:
+def assert_pinned(rig: RouteRig, line: dict[str, Any]) -> dict[str, Any]:
     """The decoder's record of the request: pinned to the slot onebitd held."""
     [completion] = rig.decoder("completion")[-1:]
     assert completion["id_slot"] == line["slot"] == completion["slot"]
@@ -222,14 +106,14 @@ def test_the_fake_decoder_and_the_fake_provider_agree_on_every_row() -> None:
     ids=["exec-hybrid.mode", "exec-ONEBIT_KV_SHARE", "worker-hybrid.mode", "exec-one-region"],
 )
 async def test_a_shared_prompt_is_adopted_into_the_pinned_slot_and_the_decoder_evaluates_one_token(
-    rig: Rig, monkeypatch: pytest.MonkeyPatch, kind: str, enable: str, regions: int
+    rig: RouteRig, monkeypatch: pytest.MonkeyPatch, kind: str, enable: str, regions: int
 ) -> None:
     if enable == "env":
         monkeypatch.setenv("ONEBIT_KV_SHARE", "1")
-    rig.control.set(kvshare_regions=regions)
+    rig.control.set(decoder=DecoderModes(kvshare_regions=regions))
     config = rig.config(kind=kind, mode="share" if enable == "config" else "file")
     with trio.fail_after(TIMEOUT):
-        async with run_daemon(config) as running, client_for(running) as client:
+        async with run_daemon(config) as running, client_for(running, timeout=TIMEOUT) as client:
             await ready(running, kind)
             assert await complete(client) == plain_reply()
             [line] = await rig.route_lines.wait(1)
@@ -246,19 +130,19 @@ async def test_a_shared_prompt_is_adopted_into_the_pinned_slot_and_the_decoder_e
     [job] = rig.jobs()
     assert (job["route"], job["n_tokens"]) == ("share", M)
     assert len(job["fds"]) == regions  # every region the decoder lent reached the provider
-    assert len(rig.written()) == 1
+    assert len(rig.control.written()) == 1
     assert rig.decoder("restore") == []
     assert rig.warnings() == []
     assert rig.leftovers() == []
 
 
 async def test_a_refused_share_takes_the_state_file_route_and_says_so(
-    rig: Rig, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    rig: RouteRig, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setenv("FAKE_KVSHARE_REFUSE", "1")
+    rig.control.set(decoder=DecoderModes(kvshare_refuse=True))
     caplog.set_level(logging.INFO, logger="onebit.route")
     with trio.fail_after(TIMEOUT):
-        async with run_daemon(rig.config()) as running, client_for(running) as client:
+        async with run_daemon(rig.config()) as running, client_for(running, timeout=TIMEOUT) as client:
             assert await complete(client) == plain_reply()
             [line] = await rig.route_lines.wait(1)
     refusal = json.dumps({"error": {"message": fake_decoder.SHARE_REFUSED}})
@@ -289,11 +173,11 @@ async def test_a_refused_share_takes_the_state_file_route_and_says_so(
     ids=["no-share-id", "never-connects", "bad-header"],
 )
 async def test_every_handshake_failure_takes_the_state_file_route(
-    rig: Rig, fast_connect_timeout: None, mode: str, why: str
+    rig: RouteRig, fast_connect_timeout: None, mode: str, why: str
 ) -> None:
-    rig.control.set(**{mode: True})
+    rig.control.set(decoder=DecoderModes(**{mode: True}))
     with trio.fail_after(TIMEOUT):
-        async with run_daemon(rig.config()) as running, client_for(running) as client:
+        async with run_daemon(rig.config()) as running, client_for(running, timeout=TIMEOUT) as client:
             assert await complete(client) == plain_reply()
             [line] = await rig.route_lines.wait(1)
             fds = open_fds()
@@ -309,18 +193,16 @@ async def test_every_handshake_failure_takes_the_state_file_route(
     assert rig.leftovers() == []
 
 
-async def test_an_adopt_refusal_goes_plain_and_never_takes_the_state_file_route(
-    rig: Rig, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("FAKE_KVSHARE_ADOPT_REFUSE", "1")
+async def test_an_adopt_refusal_goes_plain_and_never_takes_the_state_file_route(rig: RouteRig) -> None:
+    rig.control.set(decoder=DecoderModes(kvshare_adopt_refuse=True))
     with trio.fail_after(TIMEOUT):
-        async with run_daemon(rig.config()) as running, client_for(running) as client:
+        async with run_daemon(rig.config()) as running, client_for(running, timeout=TIMEOUT) as client:
             assert await complete(client) == plain_reply()
             [line] = await rig.route_lines.wait(1)
     # The provider did run and write: a file-route retry would pay for the prefill twice.
     [job] = rig.jobs()
     assert job["route"] == "share"
-    assert len(rig.written()) == 1
+    assert len(rig.control.written()) == 1
     [warning] = rig.warnings()
     assert warning.startswith("hybrid: adopt answered 400: ")
     assert "Cannot adopt the shared cells" in warning
@@ -334,10 +216,10 @@ async def test_an_adopt_refusal_goes_plain_and_never_takes_the_state_file_route(
     assert rig.leftovers() == []
 
 
-async def test_a_short_claim_is_named_and_no_cells_are_adopted(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FAKE_KVSHARE_SHORT", "1")
+async def test_a_short_claim_is_named_and_no_cells_are_adopted(rig: RouteRig) -> None:
+    rig.control.set(share=ShareModes(short=True))
     with trio.fail_after(TIMEOUT):
-        async with run_daemon(rig.config()) as running, client_for(running) as client:
+        async with run_daemon(rig.config()) as running, client_for(running, timeout=TIMEOUT) as client:
             assert await complete(client) == plain_reply()
             [line] = await rig.route_lines.wait(1)
     assert rig.warnings() == [f"hybrid: provider prefilled {M - 1} of {M} tokens into the shared region{TAIL}"]
@@ -353,20 +235,20 @@ async def test_a_short_claim_is_named_and_no_cells_are_adopted(rig: Rig, monkeyp
 @pytest.mark.parametrize(
     ("mode", "fallback", "warning"),
     [
-        ("CRASH", "provider-failed", "hybrid: provider failed: npu0: job {req}: killed by SIGKILL" + TAIL),
-        ("NEGATIVE", "short-claim", f"hybrid: provider prefilled -1 of {M} tokens into the shared region{TAIL}"),
+        ("crash", "provider-failed", "hybrid: provider failed: npu0: job {req}: killed by SIGKILL" + TAIL),
+        ("negative", "short-claim", f"hybrid: provider prefilled -1 of {M} tokens into the shared region{TAIL}"),
     ],
     ids=["crash-after-writing", "negative-claim"],
 )
 async def test_a_provider_that_wrote_the_region_and_then_failed_goes_plain(
-    rig: Rig, monkeypatch: pytest.MonkeyPatch, mode: str, fallback: str, warning: str
+    rig: RouteRig, mode: str, fallback: str, warning: str
 ) -> None:
-    monkeypatch.setenv(f"FAKE_KVSHARE_{mode}", "1")
+    rig.control.set(share=ShareModes(**{mode: True}))
     with trio.fail_after(TIMEOUT):
-        async with run_daemon(rig.config()) as running, client_for(running) as client:
+        async with run_daemon(rig.config()) as running, client_for(running, timeout=TIMEOUT) as client:
             assert await complete(client) == plain_reply()
             [line] = await rig.route_lines.wait(1)
-    assert len(rig.written()) == 1
+    assert len(rig.control.written()) == 1
     assert rig.warnings() == [warning.format(req=line["req"])]
     assert (line["route"], line["fallback"]) == ("plain", fallback)
     assert [job["route"] for job in rig.jobs()] == ["share"]
@@ -375,12 +257,10 @@ async def test_a_provider_that_wrote_the_region_and_then_failed_goes_plain(
     assert rig.leftovers() == []
 
 
-async def test_a_last_line_that_is_not_a_claim_still_adopts_the_region(
-    rig: Rig, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("FAKE_KVSHARE_GARBAGE", "1")
+async def test_a_last_line_that_is_not_a_claim_still_adopts_the_region(rig: RouteRig) -> None:
+    rig.control.set(share=ShareModes(garbage=True))
     with trio.fail_after(TIMEOUT):
-        async with run_daemon(rig.config()) as running, client_for(running) as client:
+        async with run_daemon(rig.config()) as running, client_for(running, timeout=TIMEOUT) as client:
             assert await complete(client) == plain_reply()
             [line] = await rig.route_lines.wait(1)
     assert (line["route"], line["fallback"]) == ("share", None)
@@ -390,15 +270,15 @@ async def test_a_last_line_that_is_not_a_claim_still_adopts_the_region(
     assert rig.warnings() == []
 
 
-async def test_a_remembered_refusal_asks_the_decoder_no_more_until_it_restarts(rig: Rig) -> None:
-    rig.control.set(kvshare_refuse=True)
+async def test_a_remembered_refusal_asks_the_decoder_no_more_until_it_restarts(rig: RouteRig) -> None:
+    rig.control.set(decoder=DecoderModes(kvshare_refuse=True))
     with trio.fail_after(TIMEOUT):
-        async with run_daemon(rig.config()) as running, client_for(running) as client:
+        async with run_daemon(rig.config()) as running, client_for(running, timeout=TIMEOUT) as client:
             decoder = running.daemon.decoder
             assert await complete(client) == plain_reply()
             assert len(rig.decoder("share")) == 1
             # The decoder would share now; the refusal is remembered for its process all the same.
-            rig.control.set()
+            rig.control.set(decoder=DecoderModes())
             for _ in range(2):
                 assert await complete(client) == plain_reply()
             assert len(rig.decoder("share")) == 1
@@ -423,39 +303,38 @@ async def test_a_remembered_refusal_asks_the_decoder_no_more_until_it_restarts(r
     assert (line["route"], line["fallback"]) == ("share", None)
 
 
-async def test_a_client_gone_during_the_shared_prefill_kills_the_provider_and_leaves_nothing(
-    rig: Rig, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("FAKE_KVSHARE_HANG", "1")
+async def test_a_client_gone_during_the_shared_prefill_kills_the_provider_and_leaves_nothing(rig: RouteRig) -> None:
+    rig.control.set(share=ShareModes(hang=True))
     with trio.fail_after(TIMEOUT):
         async with run_daemon(rig.config()) as running:
             # Hang up once the provider wrote into the region, while it still holds it.
-            await hang_up_when(running, lambda: len(rig.written()) == 1)
+            await hang_up_when(running, BODY, lambda: len(rig.control.written()) == 1)
             [line] = await rig.route_lines.wait(1)
             assert (line["outcome"], line["status"]) == ("cancelled", 499)
             assert running.daemon.slots.statistics().busy == 0
             assert running.daemon.providers.all[0].busy == 0
-            [start] = events(rig.provider_log, "start")
-            assert reaped(start["pid"])
+            [pid] = rig.provider_pids()
+            assert reaped(pid)
             assert rig.leftovers() == []
             assert rig.decoder("adopt") == []
             assert rig.decoder("completion") == []
 
 
-async def test_a_slot_whose_shared_prefill_was_abandoned_is_erased_before_it_serves_again(rig: Rig) -> None:
+async def test_a_slot_whose_shared_prefill_was_abandoned_is_erased_before_it_serves_again(rig: RouteRig) -> None:
     short = "pack my box"  # under min_prompt_tokens: the plain route
     # One slot: the abandoned share lands on the slot the short prompt left its cells in.
     with trio.fail_after(TIMEOUT):
-        async with run_daemon(with_model(rig.config(), parallel=1)) as running, client_for(running) as client:
+        config = with_model(rig.config(), parallel=1)
+        async with run_daemon(config) as running, client_for(running, timeout=TIMEOUT) as client:
             assert await complete(client, short) == plain_reply(short)
-            rig.provider_modes("hang")
-            await hang_up_when(running, lambda: len(rig.written()) == 1)
+            rig.control.set(share=ShareModes(hang=True))
+            await hang_up_when(running, BODY, lambda: len(rig.control.written()) == 1)
             first, cancelled = await rig.route_lines.wait(2)
             assert first["slot"] == cancelled["slot"]
             assert cancelled["outcome"] == "cancelled"
             # The provider's rows overwrote the cells the short prompt left in that slot; were they
             # kept, the next request with that prefix would be answered from the abandoned prompt.
-            rig.provider_modes()
+            rig.control.set(share=ShareModes())
             assert await complete(client, short) == plain_reply(short)
     [erase] = rig.decoder("erase")
     assert erase["slot"] == cancelled["slot"]
@@ -465,23 +344,24 @@ async def test_a_slot_whose_shared_prefill_was_abandoned_is_erased_before_it_ser
 # -- no leak --------------------------------------------------------------------------------------
 
 # One round of the mix: (the provider's modes, does the decoder adopt?), each step two requests.
-ROUND: list[tuple[tuple[str, ...], bool]] = [
-    ((), True),
-    (("short",), True),
-    ((), False),
-    (("negative",), True),
-    (("garbage",), True),
-    (("crash",), True),
-    ((), True),
-    ((), True),
+ROUND: list[tuple[ShareModes, bool]] = [
+    (ShareModes(), True),
+    (ShareModes(short=True), True),
+    (ShareModes(), False),
+    (ShareModes(negative=True), True),
+    (ShareModes(garbage=True), True),
+    (ShareModes(crash=True), True),
+    (ShareModes(), True),
+    (ShareModes(), True),
 ]
 
 
-async def test_two_hundred_share_requests_with_mixed_failures_leave_no_fd_and_no_file_behind(rig: Rig) -> None:
+async def test_two_hundred_share_requests_with_mixed_failures_leave_no_fd_and_no_file_behind(rig: RouteRig) -> None:
     async def one_round(client: httpx.AsyncClient, *, handshake_fails: bool = False) -> None:
         for modes, adopts in ROUND:
-            rig.provider_modes(*modes)
-            rig.control.set(kvshare_adopt_refuse=not adopts, kvshare_bad_header=handshake_fails)
+            rig.control.set(
+                share=modes, decoder=DecoderModes(kvshare_adopt_refuse=not adopts, kvshare_bad_header=handshake_fails)
+            )
             # Two at a time, one per decoder slot: two cores start two providers at once.
             async with trio.open_nursery() as nursery:
                 for _ in range(2):
@@ -493,7 +373,7 @@ async def test_two_hundred_share_requests_with_mixed_failures_leave_no_fd_and_no
     with trio.fail_after(120):
         # No health check during the run: it would add a connection to the decoder now and then.
         config = rig.config(health_interval_s=3600)
-        async with run_daemon(config) as running, client_for(running) as client:
+        async with run_daemon(config) as running, client_for(running, timeout=TIMEOUT) as client:
             await one_round(client)
             fds_before, files_before = open_fds(), sorted(os.listdir(rig.runtime))
             for i in range(13):

@@ -7,7 +7,7 @@ from pathlib import Path
 import httpx
 import trio
 
-from .conftest import make_config, real_llama_server, run_daemon
+from .rig import make_config, real_llama_server, run_daemon
 
 
 async def test_a_chat_completion_goes_through_onebitd_to_the_real_decoder(short_dir: Path) -> None:
