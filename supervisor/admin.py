@@ -31,6 +31,7 @@ from trio_websocket import (
 
 from .errors import AdminError, AdminUnavailable, ConfigError
 from .routestats import RouteStats
+from .status import DaemonStatistics, to_wire
 
 log = logging.getLogger("onebit.admin")
 
@@ -40,7 +41,7 @@ class Managed(Protocol):
 
     route_stats: RouteStats
 
-    def statistics(self) -> dict[str, Any]: ...
+    def statistics(self) -> DaemonStatistics: ...
 
     def inflight_count(self) -> int: ...
 
@@ -61,7 +62,7 @@ async def verb_status(daemon: Managed, args: dict[str, Any], send: Send) -> Any:
     """``{"verb": "status"}`` -> ``{"ok": true, "result": <statistics>}``: daemon state, uptime,
     children, providers, slots, queue, in-flight requests, counts per route and fallback, first-byte
     median and p95 over the last requests.  Answers in every daemon state."""
-    return daemon.statistics()
+    return to_wire(daemon.statistics())
 
 
 async def verb_drain(daemon: Managed, args: dict[str, Any], send: Send) -> Any:
@@ -83,7 +84,7 @@ async def verb_drain(daemon: Managed, args: dict[str, Any], send: Send) -> Any:
             while daemon.inflight_count() == count:
                 await daemon.wait_inflight_changed()
             count = daemon.inflight_count()
-    remaining = daemon.statistics()["inflight"]
+    remaining = to_wire(daemon.statistics())["inflight"]
     raise AdminError(f"drain timed out with {len(remaining)} in flight", remaining=remaining)
 
 

@@ -27,7 +27,7 @@ import math
 import os
 import sys
 import tomllib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ from . import __version__, admin, locate
 from . import config as configuration
 from .errors import ConfigError, OnebitError
 from .routeline import RouteLine
+from .status import DaemonStatistics, from_wire
 
 # onebitd's default too (daemon.DEFAULT_CONFIG; a test keeps them equal): importing the daemon here
 # would load the whole server stack for a command that reads one file.
@@ -235,60 +236,60 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
     return ["  ".join(text.ljust(width) for text, width in zip(row, widths, strict=True)).rstrip() for row in cells]
 
 
-def _counts(counts: dict[str, int]) -> str:
+def _counts(counts: Mapping[str, int]) -> str:
     return ", ".join(f"{name} {n}" for name, n in sorted(counts.items()))
 
 
-def render_status(stats: dict[str, Any]) -> str:
+def render_status(stats: DaemonStatistics) -> str:
     """The status table: what onebitd is doing, for a person."""
-    daemon = stats["daemon"]
-    lines = [f"onebitd {daemon['version']}: {daemon['state']}, pid {daemon['pid']}, up {duration(daemon['uptime_s'])}"]
-    where = [f"config {daemon['config']}"] if daemon.get("config") else []
-    where.append(f"runtime {daemon['runtime_dir']}")
-    if daemon.get("binds"):
-        where.append("listening on " + ", ".join(daemon["binds"]))
+    daemon = stats.daemon
+    lines = [f"onebitd {daemon.version}: {daemon.state}, pid {daemon.pid}, up {duration(daemon.uptime_s)}"]
+    where = [f"config {daemon.config}"] if daemon.config else []
+    where.append(f"runtime {daemon.runtime_dir}")
+    if daemon.binds:
+        where.append("listening on " + ", ".join(daemon.binds))
     lines += ["; ".join(where), ""]
     lines += _table(
         ("CHILD", "STATE", "PID", "RESTARTS", "LAST EXIT"),
-        [(c["name"], c["state"], c["pid"], c["restarts"], c["last_exit"]) for c in stats["children"]],
+        [(c.name, c.state, c.pid, c.restarts, c.last_exit) for c in stats.children],
     )
     lines.append("")
-    if stats["providers"]:
+    if stats.providers:
         lines += _table(
             ("PROVIDER", "KIND", "READY", "BUSY", "JOBS", "FAILURES"),
-            [(p["name"], p["kind"], p["ready"], p["busy"], p["jobs"], p["failures"]) for p in stats["providers"]],
+            [(p.name, p.kind, p.ready, p.busy, p.jobs, p.failures) for p in stats.providers],
         )
     else:
         lines.append("providers: none")
-    slots = stats["slots"]
+    slots = stats.slots
     lines += [
         "",
-        f"slots: {slots['busy']} busy, {slots['free']} free of {slots['total']}; "
-        f"queue: {slots['queued']} waiting (limit {slots['queue_limit']})",
+        f"slots: {slots.busy} busy, {slots.free} free of {slots.total}; "
+        f"queue: {slots.queued} waiting (limit {slots.queue_limit})",
         "",
     ]
-    if stats["inflight"]:
+    if stats.inflight:
         lines += _table(
             ("IN FLIGHT", "ROUTE", "ENDPOINT", "AGE"),
-            [(r["req"], r["route"], r["endpoint"], age(r["age_s"])) for r in stats["inflight"]],
+            [(r.req, r.route, r.endpoint, age(r.age_s)) for r in stats.inflight],
         )
     else:
         lines.append("in flight: none")
-    requests = _counts(stats["routes"]) or "none yet"
-    if stats["outcomes"]:
-        requests += f" (outcomes: {_counts(stats['outcomes'])})"
-    if stats.get("restore_unused"):
-        requests += f"; restore unused {stats['restore_unused']}"
-    first = stats["first_byte"]
-    if first["n"]:
-        over = f"the last {first['n']} request{'s' if first['n'] != 1 else ''}"
-        first_byte = f"median {first['median_ms']:.1f} ms, p95 {first['p95_ms']:.1f} ms over {over}"
+    requests = _counts(stats.routes) or "none yet"
+    if stats.outcomes:
+        requests += f" (outcomes: {_counts(stats.outcomes)})"
+    if stats.restore_unused:
+        requests += f"; restore unused {stats.restore_unused}"
+    first = stats.first_byte
+    if first.n and first.median_ms is not None and first.p95_ms is not None:
+        over = f"the last {first.n} request{'s' if first.n != 1 else ''}"
+        first_byte = f"median {first.median_ms:.1f} ms, p95 {first.p95_ms:.1f} ms over {over}"
     else:
         first_byte = "no requests yet"
     lines += [
         "",
         f"requests: {requests}",
-        f"fallbacks: {_counts(stats['fallbacks']) or 'none'}",
+        f"fallbacks: {_counts(stats.fallbacks) or 'none'}",
         f"first byte: {first_byte}",
     ]
     return "\n".join(lines) + "\n"
@@ -307,7 +308,7 @@ def status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(reply["result"], sort_keys=True))
     else:
-        sys.stdout.write(render_status(reply["result"]))
+        sys.stdout.write(render_status(from_wire(reply["result"])))
     return 0
 
 

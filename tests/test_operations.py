@@ -203,7 +203,7 @@ async def test_watch_shows_exactly_one_line_per_request_as_it_ends(
                 await client.post("/completion", json={"prompt": "two", "n_predict": 1})
                 await wait_until(lambda: len(seen) == 3)
                 nursery.cancel_scope.cancel()
-            watchers_left = running.daemon.route_stats.snapshot()["watchers"]
+            watchers_left = running.daemon.route_stats.snapshot().watchers
     assert [line["req"] for line in seen] == [line["req"] for line in route_lines.lines]
     assert [line["status"] for line in seen] == [200, 400, 200]
     assert watchers_left <= 1  # the closed watcher is dropped at the next line
