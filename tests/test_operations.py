@@ -124,10 +124,15 @@ async def test_drain_refuses_new_requests_and_lets_the_ones_in_flight_finish_wit
 
                 nursery.start_soon(drain)
                 await wait_until(lambda: running.daemon.front.draining and progress == [2])
+                during = running.daemon.front.statistics()
                 health = await client.get("/health")
                 refused = await client.post(CHAT, json=chat("too late"))
                 control.set(hold=False)
             after = await client.get("/health")
+            drained = running.daemon.front.statistics()
+    assert during.draining is True
+    assert [(r.endpoint, r.route) for r in during.inflight] == [(CHAT, "plain"), (CHAT, "plain")]
+    assert (drained.draining, drained.inflight) == (True, ())
     assert (health.status_code, health.json()["status"]) == (503, "draining")
     assert refused.status_code == 503
     assert refused.headers["retry-after"] == "1"
