@@ -5,8 +5,9 @@ the daemon answers with zero or more event objects (``{"event": ...}``) and ends
 ``{"ok": true, "result": ...}`` or ``{"ok": false, "error": "..."}``, then closes.  ``watch`` never
 ends on its own: the client closes it.
 
-Verbs are the ``VERBS`` registry below; each handler's docstring gives its wire format, and
-``onebitctl`` uses the same names.
+Verbs are the ``VERBS`` table below, the one place they are declared: a name, the arguments it
+takes (``args`` keys; ``--NAME`` options of ``onebitctl``), and a handler whose docstring gives its
+wire format.  ``onebitctl`` derives its daemon subcommands from it.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+import attrs
 import trio
 from trio_websocket import (
     ConnectionClosed,
@@ -31,6 +34,7 @@ from trio_websocket import (
 
 from .errors import AdminError, AdminUnavailable, ConfigError
 from .routestats import RouteStats
+from .status import DaemonStatistics, to_wire
 
 log = logging.getLogger("onebit.admin")
 
@@ -40,7 +44,7 @@ class Managed(Protocol):
 
     route_stats: RouteStats
 
-    def statistics(self) -> dict[str, Any]: ...
+    def statistics(self) -> DaemonStatistics: ...
 
     def inflight_count(self) -> int: ...
 
@@ -61,7 +65,7 @@ async def verb_status(daemon: Managed, args: dict[str, Any], send: Send) -> Any:
     """``{"verb": "status"}`` -> ``{"ok": true, "result": <statistics>}``: daemon state, uptime,
     children, providers, slots, queue, in-flight requests, counts per route and fallback, first-byte
     median and p95 over the last requests.  Answers in every daemon state."""
-    return daemon.statistics()
+    return to_wire(daemon.statistics())
 
 
 async def verb_drain(daemon: Managed, args: dict[str, Any], send: Send) -> Any:
@@ -83,7 +87,7 @@ async def verb_drain(daemon: Managed, args: dict[str, Any], send: Send) -> Any:
             while daemon.inflight_count() == count:
                 await daemon.wait_inflight_changed()
             count = daemon.inflight_count()
-    remaining = daemon.statistics()["inflight"]
+    remaining = to_wire(daemon.statistics())["inflight"]
     raise AdminError(f"drain timed out with {len(remaining)} in flight", remaining=remaining)
 
 
@@ -113,12 +117,40 @@ async def verb_reload(daemon: Managed, args: dict[str, Any], send: Send) -> Any:
         raise AdminError("the new config has errors; the running one stays", lines=exc.lines) from None
 
 
-VERBS: dict[str, Handler] = {
-    "status": verb_status,
-    "drain": verb_drain,
-    "resume": verb_resume,
-    "watch": verb_watch,
-    "reload": verb_reload,
+def seconds(text: str) -> float:
+    """A number of seconds >= 0, from a command line."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"expected a number of seconds >= 0, got {text!r}")
+    return value
+
+
+@attrs.frozen
+class Argument:
+    """An argument a verb takes: ``args[name]`` on the wire, ``--name`` on onebitctl's command line.
+    Left out when not given."""
+
+    name: str
+    type: Callable[[str], Any]  # the command line's text to the value sent; ValueError names what it expected
+    metavar: str
+    help: str
+
+
+@attrs.frozen
+class Verb:
+    handler: Handler  # its docstring: the verb's wire format
+    arguments: tuple[Argument, ...] = ()
+
+
+VERBS: dict[str, Verb] = {
+    "status": Verb(verb_status),
+    "drain": Verb(verb_drain, (Argument("timeout", seconds, "S", "give up after S seconds (default: wait)"),)),
+    "resume": Verb(verb_resume),
+    "watch": Verb(verb_watch),
+    "reload": Verb(verb_reload),
 }
 
 
@@ -158,8 +190,8 @@ class AdminServer:
             request = json.loads(raw)
             if not isinstance(request, dict) or not isinstance(request.get("verb"), str):
                 raise AdminError('expected {"verb": NAME, "args": {...}}')
-            handler = VERBS.get(request["verb"])
-            if handler is None:
+            verb = VERBS.get(request["verb"])
+            if verb is None:
                 raise AdminError(f"unknown verb {request['verb']!r}; known: {', '.join(VERBS)}")
             args = request.get("args") or {}
             if not isinstance(args, dict):
@@ -168,7 +200,7 @@ class AdminServer:
 
             async def run_verb() -> None:
                 try:
-                    outcome.append({"ok": True, "result": await handler(self.daemon, args, send)})
+                    outcome.append({"ok": True, "result": await verb.handler(self.daemon, args, send)})
                 except AdminError as exc:
                     outcome.append({"ok": False, "error": exc.message, **exc.extra})
 

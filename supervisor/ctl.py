@@ -10,8 +10,10 @@
 
 Verbs are the :data:`VERBS` registry: a name (its words are nested subcommands, so ``"config show"``
 is ``onebitctl config show``), the arguments it takes, and a handler whose docstring is its help.
-A verb that talks to onebitd goes through :func:`supervisor.admin.call` under the daemon's own name
-for it, on ``--socket PATH`` or else the admin socket in the runtime directory of onebitd's config.
+The verbs that talk to onebitd are not declared here: they are onebitd's own table,
+:data:`supervisor.admin.VERBS` (name, arguments), each run through :func:`supervisor.admin.call` on
+``--socket PATH`` or else the admin socket in the runtime directory of onebitd's config.  What is
+onebitctl's own is how each one is shown (:func:`shows`: its help, events, result and refusal).
 
 Exit status: 0 done; 1 onebitd refused or could not be reached; 2 a usage or configuration error;
 130 interrupted (Ctrl-C; ``watch`` ends that way with 0).  Errors go to stderr as
@@ -23,11 +25,10 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import math
 import os
 import sys
 import tomllib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from . import __version__, admin, locate
 from . import config as configuration
 from .errors import ConfigError, OnebitError
 from .routeline import RouteLine
+from .status import DaemonStatistics, from_wire
 
 # onebitd's default too (daemon.DEFAULT_CONFIG; a test keeps them equal): importing the daemon here
 # would load the whole server stack for a command that reads one file.
@@ -48,6 +50,10 @@ DEFAULT_CONFIG = "/etc/onebit/onebit.toml"
 ADMIN_SOCKET = "admin.sock"
 
 Handler = Callable[[argparse.Namespace], int]
+# How a verb of onebitd's is shown: its result printed (the exit status returned), each event, a refusal.
+ShowResult = Callable[[argparse.Namespace, Any], int]
+ShowEvent = Callable[[argparse.Namespace, dict[str, Any]], None]
+ShowRefusal = Callable[[argparse.Namespace, dict[str, Any]], int]
 
 
 def _no_arguments(_parser: argparse.ArgumentParser) -> None:
@@ -69,6 +75,8 @@ def verb(
     """Register the decorated handler as ``onebitctl NAME``."""
 
     def register(handler: Handler) -> Handler:
+        if name in admin.VERBS:
+            raise TypeError(f"{name!r} is onebitd's verb: onebitctl only says how it is shown (@shows)")
         if not inspect.getdoc(handler):
             raise TypeError(f"verb {name!r}: its handler needs a docstring (it is the help)")
         VERBS[name] = Verb(handler, arguments)
@@ -167,22 +175,53 @@ def _run(async_fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
         raise
 
 
-def _call(
-    args: argparse.Namespace,
-    name: str,
-    params: dict[str, Any] | None = None,
-    on_event: Callable[[dict[str, Any]], None] | None = None,
-) -> dict[str, Any]:
-    reply: dict[str, Any] = _run(admin.call, admin_socket(args), name, params, on_event)
-    return reply
-
-
-def _refused(reply: dict[str, Any]) -> int:
+def _refused(_args: argparse.Namespace, reply: dict[str, Any]) -> int:
     """onebitd's ``ok: false``: its error, then its lines, on stderr; exit 1."""
     print(f"onebitctl: {reply.get('error', 'refused')}", file=sys.stderr)
     for line in reply.get("lines", []):
         print(f"onebitctl: {line}", file=sys.stderr)
     return 1
+
+
+def _print_result(_args: argparse.Namespace, result: Any) -> int:
+    """onebitd's result as JSON (a verb onebitctl has no presentation for)."""
+    print(json.dumps(result, sort_keys=True))
+    return 0
+
+
+@attrs.frozen
+class Shown:
+    """How onebitctl shows one of onebitd's verbs; :data:`supervisor.admin.VERBS` has the rest."""
+
+    result: ShowResult  # its docstring: first line the one-line help, the rest the verb's --help
+    options: Callable[[argparse.ArgumentParser], None] = _no_arguments  # onebitctl's own (--json)
+    event: ShowEvent | None = None
+    refused: ShowRefusal = _refused
+    interrupted: int | None = None  # the exit status of a Ctrl-C, when it is how the verb ends
+
+
+SHOWN: dict[str, Shown] = {}
+
+
+def shows(
+    name: str,
+    options: Callable[[argparse.ArgumentParser], None] = _no_arguments,
+    *,
+    event: ShowEvent | None = None,
+    refused: ShowRefusal = _refused,
+    interrupted: int | None = None,
+) -> Callable[[ShowResult], ShowResult]:
+    """Register the decorated function as what ``onebitctl NAME`` prints of onebitd's result."""
+
+    def register(result: ShowResult) -> ShowResult:
+        if name not in admin.VERBS:
+            raise TypeError(f"{name!r} is not one of onebitd's verbs (supervisor.admin.VERBS)")
+        if not inspect.getdoc(result):
+            raise TypeError(f"verb {name!r}: its presentation needs a docstring (it is the help)")
+        SHOWN[name] = Shown(result, options, event, refused, interrupted)
+        return result
+
+    return register
 
 
 def _daemon_options(parser: argparse.ArgumentParser) -> None:
@@ -193,9 +232,59 @@ def _daemon_options(parser: argparse.ArgumentParser) -> None:
     _config_option(parser)
 
 
-def _json_option(parser: argparse.ArgumentParser, what: str) -> None:
-    _daemon_options(parser)
-    parser.add_argument("--json", action="store_true", help=what)
+def _json_option(what: str) -> Callable[[argparse.ArgumentParser], None]:
+    def add(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--json", action="store_true", help=what)
+
+    return add
+
+
+def _typed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse`` as an argparse type: its ValueError is the usage error's message."""
+
+    def typed(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return typed
+
+
+def _daemon_verb(name: str, verb: admin.Verb) -> Verb:
+    """``onebitctl NAME``: onebitd's verb NAME with its arguments, shown as :data:`SHOWN` says."""
+    shown = SHOWN.get(name) or Shown(_print_result)
+
+    def arguments(parser: argparse.ArgumentParser) -> None:
+        _daemon_options(parser)
+        for argument in verb.arguments:
+            parser.add_argument(
+                f"--{argument.name}", metavar=argument.metavar, type=_typed(argument.type), help=argument.help
+            )
+        shown.options(parser)
+
+    def handler(args: argparse.Namespace) -> int:
+        params = {a.name: getattr(args, a.name) for a in verb.arguments if getattr(args, a.name) is not None}
+
+        def on_event(event: dict[str, Any]) -> None:
+            if shown.event is not None:
+                shown.event(args, event)
+
+        try:
+            reply: dict[str, Any] = _run(admin.call, admin_socket(args), name, params, on_event)
+        except KeyboardInterrupt:
+            if shown.interrupted is None:
+                raise
+            return shown.interrupted
+        if not reply["ok"]:
+            return shown.refused(args, reply)
+        return shown.result(args, reply["result"])
+
+    if name in SHOWN:
+        handler.__doc__ = inspect.getdoc(shown.result)
+    else:
+        handler.__doc__ = f"onebitd's verb; its answer printed as JSON.\n\n{inspect.getdoc(verb.handler) or ''}"
+    return Verb(handler, arguments)
 
 
 # -- status ---------------------------------------------------------------------------------------
@@ -235,118 +324,89 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
     return ["  ".join(text.ljust(width) for text, width in zip(row, widths, strict=True)).rstrip() for row in cells]
 
 
-def _counts(counts: dict[str, int]) -> str:
+def _counts(counts: Mapping[str, int]) -> str:
     return ", ".join(f"{name} {n}" for name, n in sorted(counts.items()))
 
 
-def render_status(stats: dict[str, Any]) -> str:
+def render_status(stats: DaemonStatistics) -> str:
     """The status table: what onebitd is doing, for a person."""
-    daemon = stats["daemon"]
-    lines = [f"onebitd {daemon['version']}: {daemon['state']}, pid {daemon['pid']}, up {duration(daemon['uptime_s'])}"]
-    where = [f"config {daemon['config']}"] if daemon.get("config") else []
-    where.append(f"runtime {daemon['runtime_dir']}")
-    if daemon.get("binds"):
-        where.append("listening on " + ", ".join(daemon["binds"]))
+    daemon = stats.daemon
+    lines = [f"onebitd {daemon.version}: {daemon.state}, pid {daemon.pid}, up {duration(daemon.uptime_s)}"]
+    where = [f"config {daemon.config}"] if daemon.config else []
+    where.append(f"runtime {daemon.runtime_dir}")
+    if daemon.binds:
+        where.append("listening on " + ", ".join(daemon.binds))
     lines += ["; ".join(where), ""]
     lines += _table(
         ("CHILD", "STATE", "PID", "RESTARTS", "LAST EXIT"),
-        [(c["name"], c["state"], c["pid"], c["restarts"], c["last_exit"]) for c in stats["children"]],
+        [(c.name, c.state, c.pid, c.restarts, c.last_exit) for c in stats.children],
     )
     lines.append("")
-    if stats["providers"]:
+    if stats.providers:
         lines += _table(
             ("PROVIDER", "KIND", "READY", "BUSY", "JOBS", "FAILURES"),
-            [(p["name"], p["kind"], p["ready"], p["busy"], p["jobs"], p["failures"]) for p in stats["providers"]],
+            [(p.name, p.kind, p.ready, p.busy, p.jobs, p.failures) for p in stats.providers],
         )
     else:
         lines.append("providers: none")
-    slots = stats["slots"]
+    slots = stats.slots
     lines += [
         "",
-        f"slots: {slots['busy']} busy, {slots['free']} free of {slots['total']}; "
-        f"queue: {slots['queued']} waiting (limit {slots['queue_limit']})",
+        f"slots: {slots.busy} busy, {slots.free} free of {slots.total}; "
+        f"queue: {slots.queued} waiting (limit {slots.queue_limit})",
         "",
     ]
-    if stats["inflight"]:
+    if stats.inflight:
         lines += _table(
             ("IN FLIGHT", "ROUTE", "ENDPOINT", "AGE"),
-            [(r["req"], r["route"], r["endpoint"], age(r["age_s"])) for r in stats["inflight"]],
+            [(r.req, r.route, r.endpoint, age(r.age_s)) for r in stats.inflight],
         )
     else:
         lines.append("in flight: none")
-    requests = _counts(stats["routes"]) or "none yet"
-    if stats["outcomes"]:
-        requests += f" (outcomes: {_counts(stats['outcomes'])})"
-    if stats.get("restore_unused"):
-        requests += f"; restore unused {stats['restore_unused']}"
-    first = stats["first_byte"]
-    if first["n"]:
-        over = f"the last {first['n']} request{'s' if first['n'] != 1 else ''}"
-        first_byte = f"median {first['median_ms']:.1f} ms, p95 {first['p95_ms']:.1f} ms over {over}"
+    requests = _counts(stats.routes) or "none yet"
+    if stats.outcomes:
+        requests += f" (outcomes: {_counts(stats.outcomes)})"
+    if stats.restore_unused:
+        requests += f"; restore unused {stats.restore_unused}"
+    first = stats.first_byte
+    if first.n and first.median_ms is not None and first.p95_ms is not None:
+        over = f"the last {first.n} request{'s' if first.n != 1 else ''}"
+        first_byte = f"median {first.median_ms:.1f} ms, p95 {first.p95_ms:.1f} ms over {over}"
     else:
         first_byte = "no requests yet"
     lines += [
         "",
         f"requests: {requests}",
-        f"fallbacks: {_counts(stats['fallbacks']) or 'none'}",
+        f"fallbacks: {_counts(stats.fallbacks) or 'none'}",
         f"first byte: {first_byte}",
     ]
     return "\n".join(lines) + "\n"
 
 
-@verb("status", lambda parser: _json_option(parser, "the raw statistics object, for scripts"))
-def status(args: argparse.Namespace) -> int:
+@shows("status", _json_option("the raw statistics object, for scripts"))
+def status(args: argparse.Namespace, result: Any) -> int:
     """Show what onebitd is doing: its state, children, providers, slots, requests, first-byte times.
 
     The table is for people.  --json prints onebitd's statistics object (sorted keys) for scripts;
     supervisor/admin.py's status verb documents it.  Answers in every daemon state.
     """
-    reply = _call(args, "status")
-    if not reply["ok"]:
-        return _refused(reply)
     if args.json:
-        print(json.dumps(reply["result"], sort_keys=True))
+        print(json.dumps(result, sort_keys=True))
     else:
-        sys.stdout.write(render_status(reply["result"]))
+        sys.stdout.write(render_status(from_wire(result)))
     return 0
 
 
 # -- drain and resume -----------------------------------------------------------------------------
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
-    return value
+def _progress(_args: argparse.Namespace, event: dict[str, Any]) -> None:
+    if event.get("event") == "progress":
+        print(f"draining: {event['inflight']} in flight", flush=True)
 
 
-def _drain_options(parser: argparse.ArgumentParser) -> None:
-    _daemon_options(parser)
-    parser.add_argument("--timeout", metavar="S", type=_seconds, help="give up after S seconds (default: wait)")
-
-
-@verb("drain", _drain_options)
-def drain(args: argparse.Namespace) -> int:
-    """Refuse new requests (503, /health says draining) and wait for those in flight to finish.
-
-    Prints "draining: N in flight" as the number changes, then "drained" and exits 0.  With
-    --timeout S it gives up after S seconds: exit 1, naming each request still in flight.  The
-    daemon stays draining either way, until "onebitctl resume" (or a restart).
-    """
-
-    def progress(event: dict[str, Any]) -> None:
-        if event.get("event") == "progress":
-            print(f"draining: {event['inflight']} in flight", flush=True)
-
-    reply = _call(args, "drain", {} if args.timeout is None else {"timeout": args.timeout}, progress)
-    if reply["ok"]:
-        print("drained")
-        return 0
-    _refused(reply)
+def _still_in_flight(args: argparse.Namespace, reply: dict[str, Any]) -> int:
+    _refused(args, reply)
     for request in reply.get("remaining", []):
         print(
             f"onebitctl: in flight: req={request['req']} route={request['route']} "
@@ -356,12 +416,21 @@ def drain(args: argparse.Namespace) -> int:
     return 1
 
 
-@verb("resume", _daemon_options)
-def resume(args: argparse.Namespace) -> int:
+@shows("drain", event=_progress, refused=_still_in_flight)
+def drain(args: argparse.Namespace, result: Any) -> int:
+    """Refuse new requests (503, /health says draining) and wait for those in flight to finish.
+
+    Prints "draining: N in flight" as the number changes, then "drained" and exits 0.  With
+    --timeout S it gives up after S seconds: exit 1, naming each request still in flight.  The
+    daemon stays draining either way, until "onebitctl resume" (or a restart).
+    """
+    print("drained")
+    return 0
+
+
+@shows("resume")
+def resume(args: argparse.Namespace, result: Any) -> int:
     """Undo a drain: take new requests again.  Prints "resumed"."""
-    reply = _call(args, "resume")
-    if not reply["ok"]:
-        return _refused(reply)
     print("resumed")
     return 0
 
@@ -377,43 +446,40 @@ def route_logfmt(fields: dict[str, Any]) -> str:
     return RouteLine(**{k: v for k, v in fields.items() if k in _ROUTE_FIELDS}).logfmt()
 
 
-@verb("watch", lambda parser: _json_option(parser, "one JSON object per line"))
-def watch(args: argparse.Namespace) -> int:
+def _line(args: argparse.Namespace, event: dict[str, Any]) -> None:
+    if event.get("event") == "line":
+        fields = event["line"]
+        print(json.dumps(fields, separators=(",", ":")) if args.json else route_logfmt(fields), flush=True)
+
+
+# Ctrl-C is how a watch ends: exit 0.
+@shows("watch", _json_option("one JSON object per line"), event=_line, interrupted=0)
+def watch(args: argparse.Namespace, result: Any) -> int:
     """Print each request's route line as the request ends, until Ctrl-C or onebitd goes away.
 
     logfmt as onebitd logs it; --json: one JSON object per line (null for what does not apply).
     Ctrl-C ends it with exit 0; onebitd stopping ends it with exit 1.
     """
-
-    def show(event: dict[str, Any]) -> None:
-        if event.get("event") == "line":
-            fields = event["line"]
-            print(json.dumps(fields, separators=(",", ":")) if args.json else route_logfmt(fields), flush=True)
-
-    try:
-        reply = _call(args, "watch", None, show)
-    except KeyboardInterrupt:
-        return 0  # Ctrl-C is how a watch ends
-    return 0 if reply["ok"] else _refused(reply)
+    return 0
 
 
 # -- reload ---------------------------------------------------------------------------------------
 
 
-@verb("reload", _daemon_options)
-def reload(args: argparse.Namespace) -> int:
+@shows("reload")
+def reload(args: argparse.Namespace, result: Any) -> int:
     """Have onebitd re-read its config file (as SIGHUP does).
 
     Prints the keys applied live and those that need a restart.  A file with errors is refused:
     onebitd's error and one line per problem, exit 1; the running config stays.
     """
-    reply = _call(args, "reload")
-    if not reply["ok"]:
-        return _refused(reply)
-    result = reply["result"]
     print(f"applied: {', '.join(result['applied']) or 'nothing'}")
     print(f"needs a restart: {', '.join(result['restart_needed']) or 'nothing'}")
     return 0
+
+
+# Every verb of onebitd's table, after onebitctl's own, in the table's order.
+VERBS.update({name: _daemon_verb(name, entry) for name, entry in admin.VERBS.items()})
 
 
 # -- the command line ---------------------------------------------------------------------------

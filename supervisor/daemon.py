@@ -33,14 +33,14 @@ from . import config as configuration
 from .admin import AdminServer
 from .child import Child, ChildState
 from .completion import Completions, Hybrid
-from .config import Config, ProviderConfig, converter
+from .config import Config, ProviderConfig
 from .config import ExecProvider as ExecProviderConfig
 from .config import LlamaServerProvider as LlamaServerProviderConfig
 from .decoder import DecoderClient
 from .errors import ChildError, ConfigError, RuntimeDirInUse
 from .front import Front
 from .llama_server import LlamaServerLauncher, connection_limit, model_alias
-from .metrics import Metrics
+from .metrics import LiveStatistics, Metrics
 from .notify import Notifier, run_watchdog, watchdog_interval
 from .providers import Provider, Providers
 from .providers.exec import ExecProvider
@@ -51,6 +51,7 @@ from .routes.file import FileHandoff
 from .routes.share import ShareHandoff, ShareHandshake
 from .routestats import RouteStats
 from .slots import SlotPool
+from .status import DaemonInfo, DaemonStatistics
 
 log = logging.getLogger("onebit.daemon")
 
@@ -242,38 +243,43 @@ class Daemon:
             return "failed"
         return "loading"
 
-    def statistics(self) -> dict[str, Any]:
-        now = trio.current_time()
-        return {
-            "daemon": {
-                "state": self.state(),
-                "pid": os.getpid(),
-                "version": __version__,
-                "started_at": self._started_at,
-                "uptime_s": round(time.time() - self._started_at, 3),
-                "config": self.config_path,
-                "runtime_dir": str(self.runtime_dir),
-                "binds": list(self._binds),
-            },
-            "children": [converter.unstructure(child.statistics()) for child in self.children()],
-            "providers": [converter.unstructure(p) for p in self.providers.statistics()],
-            "slots": converter.unstructure(self.slots.statistics()),
-            "inflight": [request.describe(now) for request in self.front.inflight.values()],
-            "restore_unused": self.completions.restore_unused,
-            **self.route_stats.snapshot(),
-        }
+    def statistics(self) -> DaemonStatistics:
+        info = DaemonInfo(
+            state=self.state(),
+            pid=os.getpid(),
+            version=__version__,
+            started_at=self._started_at,
+            uptime_s=round(time.time() - self._started_at, 3),
+            config=self.config_path,
+            runtime_dir=str(self.runtime_dir),
+            binds=tuple(self._binds),
+        )
+        routes = self.route_stats.snapshot()
+        return DaemonStatistics(
+            daemon=info,
+            children=tuple(child.statistics() for child in self.children()),
+            providers=tuple(self.providers.statistics()),
+            slots=self.slots.statistics(),
+            inflight=self.front.statistics().inflight,
+            restore_unused=self.completions.restore_unused,
+            routes=routes.routes,
+            outcomes=routes.outcomes,
+            fallbacks=routes.fallbacks,
+            first_byte=routes.first_byte,
+            watchers=routes.watchers,
+            watch_dropped=routes.watch_dropped,
+        )
 
-    def _metrics_snapshot(self) -> dict[str, Any]:
-        return {
-            "children": [converter.unstructure(child.statistics()) for child in self.children()],
-            "slots": converter.unstructure(self.slots.statistics()),
-            "inflight": len(self.front.inflight),
-            "draining": self.front.draining,
-            "restore_unused": self.completions.restore_unused,
-        }
+    def _metrics_snapshot(self) -> LiveStatistics:
+        return LiveStatistics(
+            children=tuple(child.statistics() for child in self.children()),
+            slots=self.slots.statistics(),
+            front=self.front.statistics(),
+            restore_unused=self.completions.restore_unused,
+        )
 
     def inflight_count(self) -> int:
-        return len(self.front.inflight)
+        return len(self.front.statistics().inflight)
 
     async def wait_inflight_changed(self) -> None:
         await self.front.wait_inflight_changed()
@@ -281,13 +287,13 @@ class Daemon:
     def start_drain(self) -> None:
         if not self.front.draining:
             log.info("draining: %d request(s) in flight", self.inflight_count())
-        self.front.draining = True
+        self.front.drain()
         self._update_status()
 
     def resume(self) -> None:
         if self.front.draining and not self.stopping:
             log.info("resuming: taking new requests again")
-            self.front.draining = False
+            self.front.resume()
         self._update_status()
 
     def reload(self) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from .errors import ClientError, DecoderError, OnebitError
 from .logs import ROUTE_LOGGER
 from .respond import Responder
 from .routeline import RouteLine
+from .status import FrontStatistics, InflightStatistics
 
 log = logging.getLogger("onebit.front")
 route_log = logging.getLogger(ROUTE_LOGGER)
@@ -52,14 +53,14 @@ class InflightRequest:
     wall_started: float
     line: RouteLine  # filled in as the request goes: its route so far
 
-    def describe(self, now: float) -> dict[str, Any]:
-        return {
-            "req": self.req,
-            "endpoint": self.endpoint,
-            "route": self.line.route,
-            "slot": self.line.slot,
-            "age_s": round(now - self.started, 3),
-        }
+    def statistics(self, now: float) -> InflightStatistics:
+        return InflightStatistics(
+            req=self.req,
+            endpoint=self.endpoint,
+            route=self.line.route,
+            slot=self.line.slot,
+            age_s=round(now - self.started, 3),
+        )
 
 
 def _is_loopback(host: str) -> bool:
@@ -103,7 +104,7 @@ class Front:
         self._prefix = f"{os.getpid():x}"
         self.inflight: dict[str, InflightRequest] = {}
         self._inflight_changed = trio.Event()
-        self.draining = False
+        self._draining = False
         self._loopback_only = _is_loopback(server.host)
         self._keys = [key.encode() for key in server.api_keys]
 
@@ -148,6 +149,27 @@ class Front:
     def _changed(self) -> None:
         self._inflight_changed.set()
         self._inflight_changed = trio.Event()
+
+    # -- draining and what is in flight -------------------------------------------------------------
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def drain(self) -> None:
+        """Refuse new completion requests (503 ``draining``, and /health says so); those in flight go on."""
+        self._draining = True
+
+    def resume(self) -> None:
+        """Take new completion requests again."""
+        self._draining = False
+
+    def statistics(self) -> FrontStatistics:
+        now = trio.current_time()
+        return FrontStatistics(
+            draining=self._draining,
+            inflight=tuple(request.statistics(now) for request in self.inflight.values()),
+        )
 
     # -- ASGI ---------------------------------------------------------------------------------------
 

@@ -9,11 +9,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import attrs
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from .child import ChildStatistics
 from .routeline import RouteLine
+from .slots import SlotStatistics
+from .status import FrontStatistics
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -25,7 +29,18 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 # A restore or a share handshake is a memory copy or a few syscalls: far under a second.
 _HANDOFF_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
-Snapshot = Callable[[], dict[str, Any]]
+
+@attrs.frozen
+class LiveStatistics:
+    """What a scrape reads live, from each owner's ``statistics()``."""
+
+    children: tuple[ChildStatistics, ...]
+    slots: SlotStatistics
+    front: FrontStatistics
+    restore_unused: int
+
+
+Snapshot = Callable[[], LiveStatistics]
 
 
 class _Live(Collector):
@@ -38,22 +53,23 @@ class _Live(Collector):
         state = GaugeMetricFamily(
             "onebit_child_state", "1 for the state a supervised child is in", labels=["child", "state"]
         )
-        for child in stats["children"]:
-            restarts.add_metric([child["name"]], child["restarts"])
+        for child in stats.children:
+            restarts.add_metric([child.name], child.restarts)
             for name in ("stopped", "starting", "ready", "backoff", "failed", "stopping"):
-                state.add_metric([child["name"], name], 1.0 if child["state"] == name else 0.0)
+                state.add_metric([child.name, name], 1.0 if child.state == name else 0.0)
         yield restarts
         yield state
-        slots = stats["slots"]
-        yield GaugeMetricFamily("onebit_slots_busy", "Decoder slots held by requests", value=slots["busy"])
-        yield GaugeMetricFamily("onebit_slots_total", "Decoder slots", value=slots["total"])
-        yield GaugeMetricFamily("onebit_queue_depth", "Requests waiting for a slot", value=slots["queued"])
-        yield GaugeMetricFamily("onebit_inflight_requests", "Completion requests in flight", value=stats["inflight"])
-        yield GaugeMetricFamily("onebit_draining", "1 while draining", value=1.0 if stats["draining"] else 0.0)
+        slots = stats.slots
+        yield GaugeMetricFamily("onebit_slots_busy", "Decoder slots held by requests", value=slots.busy)
+        yield GaugeMetricFamily("onebit_slots_total", "Decoder slots", value=slots.total)
+        yield GaugeMetricFamily("onebit_queue_depth", "Requests waiting for a slot", value=slots.queued)
+        inflight = len(stats.front.inflight)
+        yield GaugeMetricFamily("onebit_inflight_requests", "Completion requests in flight", value=inflight)
+        yield GaugeMetricFamily("onebit_draining", "1 while draining", value=1.0 if stats.front.draining else 0.0)
         yield CounterMetricFamily(
             "onebit_restore_unused",
             "Hybrid requests whose decoder re-evaluated the prompt despite a successful handoff",
-            value=stats["restore_unused"],
+            value=stats.restore_unused,
         )
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter, deque
+from collections.abc import Mapping
 from typing import Any
 
+import attrs
 import trio
 
 from .routeline import RouteLine
@@ -15,6 +17,25 @@ from .routeline import RouteLine
 RECENT = 200
 # A watcher that cannot keep up loses lines rather than slowing requests down.
 WATCH_BUFFER = 1024
+
+
+@attrs.frozen
+class FirstByte:
+    """Arrival to first byte over the last requests that ended well (``None``: no request yet)."""
+
+    n: int
+    median_ms: float | None
+    p95_ms: float | None
+
+
+@attrs.frozen
+class RouteStatistics:
+    routes: Mapping[str, int]
+    outcomes: Mapping[str, int]
+    fallbacks: Mapping[str, int]
+    first_byte: FirstByte
+    watchers: int
+    watch_dropped: int  # lines a watcher that could not keep up did not get
 
 
 class RouteStats:
@@ -48,19 +69,19 @@ class RouteStats:
         self._watchers.add(send)
         return receive
 
-    def first_byte(self) -> dict[str, float | int | None]:
+    def first_byte(self) -> FirstByte:
         times = sorted(self._first_byte)
         if not times:
-            return {"n": 0, "median_ms": None, "p95_ms": None}
+            return FirstByte(n=0, median_ms=None, p95_ms=None)
         p95 = times[min(len(times) - 1, round(0.95 * (len(times) - 1)))]
-        return {"n": len(times), "median_ms": statistics.median(times), "p95_ms": p95}
+        return FirstByte(n=len(times), median_ms=statistics.median(times), p95_ms=p95)
 
-    def snapshot(self) -> dict[str, Any]:
-        return {
-            "routes": dict(self.routes),
-            "outcomes": dict(self.outcomes),
-            "fallbacks": dict(self.fallbacks),
-            "first_byte": self.first_byte(),
-            "watchers": len(self._watchers),
-            "watch_dropped": self.dropped,
-        }
+    def snapshot(self) -> RouteStatistics:
+        return RouteStatistics(
+            routes=dict(self.routes),
+            outcomes=dict(self.outcomes),
+            fallbacks=dict(self.fallbacks),
+            first_byte=self.first_byte(),
+            watchers=len(self._watchers),
+            watch_dropped=self.dropped,
+        )

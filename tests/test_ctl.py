@@ -1,8 +1,9 @@
-"""onebitctl: the verb registry, ``config show`` and ``config check``."""
+"""onebitctl: the verb registry (its own verbs and onebitd's table), ``config show`` and ``config check``."""
 
 from __future__ import annotations
 
 import inspect
+import re
 import sys
 import tomllib
 from pathlib import Path
@@ -12,8 +13,8 @@ import pytest
 import tomli_w
 import trio
 
+from supervisor import admin, ctl, daemon
 from supervisor import config as configuration
-from supervisor import ctl, daemon
 
 REPO = Path(__file__).parent.parent
 
@@ -147,6 +148,76 @@ def test_a_verb_without_a_docstring_is_refused() -> None:
     with pytest.raises(TypeError, match="docstring"):
         ctl.verb("secret")(undocumented)
     assert "secret" not in ctl.VERBS
+
+
+def test_onebitctl_has_exactly_onebitds_verbs_besides_its_own_and_a_presentation_for_each() -> None:
+    assert set(ctl.VERBS) - set(admin.VERBS) == {"config show", "config check"}
+    assert set(admin.VERBS) <= set(ctl.VERBS)
+    assert set(ctl.SHOWN) == set(admin.VERBS)
+
+
+@pytest.mark.parametrize("name", list(admin.VERBS))
+def test_every_verb_of_onebitds_table_reaches_onebitd_with_its_arguments_from_the_command_line(
+    name: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sent: list[tuple[Path, str, dict[str, Any] | None]] = []
+
+    async def call(path: Path, verb: str, args: dict[str, Any] | None = None, on_event: Any = None) -> dict[str, Any]:
+        sent.append((path, verb, args))
+        return {"ok": False, "error": "refused by the test", "lines": ["why"]}
+
+    monkeypatch.setattr(admin, "call", call)
+    options = [option for argument in admin.VERBS[name].arguments for option in (f"--{argument.name}", "2.5")]
+    assert ctl.main(["--socket", "/nonexistent/admin.sock", name, *options]) == 1
+    expected = {argument.name: 2.5 for argument in admin.VERBS[name].arguments}
+    assert sent == [(Path("/nonexistent/admin.sock"), name, expected)]
+    assert capsys.readouterr().err == "onebitctl: refused by the test\nonebitctl: why\n"
+
+
+def test_an_argument_left_out_is_not_sent(monkeypatch: pytest.MonkeyPatch) -> None:
+    sent: list[dict[str, Any] | None] = []
+
+    async def call(path: Path, verb: str, args: dict[str, Any] | None = None, on_event: Any = None) -> dict[str, Any]:
+        sent.append(args)
+        return {"ok": True, "result": {"drained": True}}
+
+    monkeypatch.setattr(admin, "call", call)
+    assert ctl.main(["--socket", "/nonexistent/admin.sock", "drain"]) == 0
+    assert sent == [{}]
+
+
+def test_a_table_verb_onebitctl_does_not_present_prints_its_result_as_json(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async def echo(_daemon: admin.Managed, args: dict[str, Any], _send: admin.Send) -> Any:
+        """``{"verb": "echo", "args": {"times": N}}`` -> its arguments."""
+        return args
+
+    async def call(path: Path, verb: str, args: dict[str, Any] | None = None, on_event: Any = None) -> dict[str, Any]:
+        return {"ok": True, "result": {"verb": verb, "args": args}}
+
+    entry = admin.Verb(echo, (admin.Argument("times", int, "N", "how many times"),))
+    monkeypatch.setattr(admin, "call", call)
+    monkeypatch.setitem(ctl.VERBS, "echo", ctl._daemon_verb("echo", entry))
+    assert ctl.main(["--socket", "/nonexistent/admin.sock", "echo", "--times", "3"]) == 0
+    assert capsys.readouterr().out == '{"args": {"times": 3}, "verb": "echo"}\n'
+    with pytest.raises(SystemExit):
+        ctl.main(["echo", "--help"])
+    shown = capsys.readouterr().out
+    assert re.search(r"^  --times N +how many times$", shown, re.M)
+    assert '``{"verb": "echo", "args": {"times": N}}`` -> its arguments.' in shown
+
+
+def test_onebitctl_cannot_declare_a_verb_of_onebitds_table_nor_present_one_that_is_not_there() -> None:
+    def shown(_args: Any, _result: Any = None) -> int:
+        """Documented."""
+        return 0
+
+    with pytest.raises(TypeError, match="onebitd's verb"):
+        ctl.verb("status")(shown)
+    with pytest.raises(TypeError, match="not one of onebitd's verbs"):
+        ctl.shows("explode")(shown)
+    assert "explode" not in ctl.SHOWN
 
 
 async def test_onebitctl_runs_as_a_program(good_file: Path, bad_file: Path) -> None:

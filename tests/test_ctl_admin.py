@@ -30,13 +30,14 @@ import trio
 from supervisor import __version__, admin, ctl
 from supervisor import config as configuration
 from supervisor.child import ChildState
-from supervisor.config import converter
 from supervisor.daemon import Daemon
+from supervisor.errors import AdminUnavailable
 from supervisor.front import InflightRequest
 from supervisor.logs import ROUTE_LOGGER
 from supervisor.providers import ProviderStatistics
 from supervisor.routeline import RouteLine
-from supervisor.routestats import RouteStats
+from supervisor.routestats import FirstByte, RouteStats
+from supervisor.status import DaemonStatistics, from_wire, to_wire
 
 from .helpers import CHAT, chat, client_for, open_held_streams, streamed_text, wait_until
 from .rig import (
@@ -148,7 +149,7 @@ def row(table: str, first: str) -> list[str]:
 
 
 async def watchers(daemon: Daemon, n: int) -> None:
-    await wait_until(lambda: daemon.route_stats.snapshot()["watchers"] == n)
+    await wait_until(lambda: daemon.route_stats.snapshot().watchers == n)
 
 
 # -- status -----------------------------------------------------------------------------------------
@@ -227,7 +228,7 @@ async def test_status_json_prints_the_daemons_statistics_object_with_sorted_keys
     with trio.fail_after(TIMEOUT):
         async with run_daemon(fake_decoder_config(short_dir)) as running:
             done = await onebitctl("--socket", running.daemon.admin.path, "status", "--json")
-            expected = json.loads(json.dumps(running.daemon.statistics()))
+            expected = json.loads(json.dumps(to_wire(running.daemon.statistics())))
     assert (done.returncode, done.err) == (0, "")
     shown = json.loads(done.out)
     assert done.out == json.dumps(shown, sort_keys=True) + "\n"
@@ -242,21 +243,28 @@ async def test_status_json_prints_the_daemons_statistics_object_with_sorted_keys
     assert shown["daemon"]["pid"] == os.getpid()
 
 
-async def test_the_status_table_shows_providers_fallbacks_and_first_byte_times(short_dir: Path) -> None:
-    # A daemon's own statistics, not run: the table of what the fake-decoder rig never has.
-    stats = json.loads(json.dumps(Daemon(fake_decoder_config(short_dir)).statistics()))
-    stats["daemon"]["uptime_s"] = 3725.0
-    stats["providers"] = [
-        converter.unstructure(ProviderStatistics("npu0", "worker", True, 1, 41, 2, None)),
-        converter.unstructure(ProviderStatistics("cpu1", "exec", False, 0, 3, 0, None)),
-    ]
+def busy_statistics(short_dir: Path) -> DaemonStatistics:
+    """A daemon's own statistics, not run, with what the fake-decoder rig never has."""
+    idle = Daemon(fake_decoder_config(short_dir)).statistics()
     line = RouteLine(req="2a-7", endpoint=CHAT, route="file")
-    stats["inflight"] = [InflightRequest("2a-7", CHAT, 10.0, time.time(), line).describe(now=12.25)]
-    stats["routes"] = {"file": 41, "plain": 3}
-    stats["outcomes"] = {"ok": 43, "error": 1}
-    stats["fallbacks"] = {"short-prompt": 2, "provider-failed": 1}
-    stats["first_byte"] = {"n": 44, "median_ms": 12.4, "p95_ms": 30.06}
-    table = ctl.render_status(stats)
+    stats = attrs.evolve(
+        idle,
+        daemon=attrs.evolve(idle.daemon, uptime_s=3725.0),
+        providers=(
+            ProviderStatistics("npu0", "worker", True, 1, 41, 2, None),
+            ProviderStatistics("cpu1", "exec", False, 0, 3, 0, None),
+        ),
+        inflight=(InflightRequest("2a-7", CHAT, 10.0, time.time(), line).statistics(now=12.25),),
+        routes={"file": 41, "plain": 3},
+        outcomes={"ok": 43, "error": 1},
+        fallbacks={"short-prompt": 2, "provider-failed": 1},
+        first_byte=FirstByte(n=44, median_ms=12.4, p95_ms=30.06),
+    )
+    return stats
+
+
+async def test_the_status_table_shows_providers_fallbacks_and_first_byte_times(short_dir: Path) -> None:
+    table = ctl.render_status(busy_statistics(short_dir))
     assert ", up 1h02m" in table.splitlines()[0]
     assert row(table, "PROVIDER") == ["PROVIDER", "KIND", "READY", "BUSY", "JOBS", "FAILURES"]
     assert row(table, "npu0") == ["npu0", "worker", "yes", "1", "41", "2"]
@@ -266,6 +274,29 @@ async def test_the_status_table_shows_providers_fallbacks_and_first_byte_times(s
     assert "requests: file 41, plain 3 (outcomes: error 1, ok 43)" in lines
     assert "fallbacks: provider-failed 1, short-prompt 2" in lines
     assert "first byte: median 12.4 ms, p95 30.1 ms over the last 44 requests" in lines
+
+
+async def test_onebitctl_reads_back_the_statistics_onebitd_sends_with_the_same_converter(short_dir: Path) -> None:
+    stats = busy_statistics(short_dir)
+    assert from_wire(json.loads(json.dumps(to_wire(stats)))) == stats
+
+
+async def test_onebitctl_reads_statistics_with_keys_a_newer_onebitd_added(short_dir: Path) -> None:
+    stats = busy_statistics(short_dir)
+    newer = json.loads(json.dumps(to_wire(stats)))
+    newer["prefix_store"] = {"hits": 3}
+    newer["daemon"]["build"] = "next"
+    newer["children"][0]["cgroup"] = "/onebit"
+    newer["first_byte"]["p99_ms"] = 41.0
+    assert from_wire(newer) == stats
+
+
+async def test_statistics_that_do_not_read_are_one_clear_error(short_dir: Path) -> None:
+    broken = json.loads(json.dumps(to_wire(busy_statistics(short_dir))))
+    del broken["slots"]
+    broken["daemon"]["pid"] = "1234"
+    with pytest.raises(AdminUnavailable, match="onebitd's statistics do not read as this onebitctl's"):
+        from_wire(broken)
 
 
 @pytest.mark.parametrize(
@@ -343,8 +374,8 @@ class Draining:
         self.inflight = inflight
         self._changed = trio.Event()
 
-    def statistics(self) -> dict[str, Any]:
-        return {"inflight": []}
+    def statistics(self) -> DaemonStatistics:
+        raise AssertionError("a drain that ends does not name what remains")
 
     def inflight_count(self) -> int:
         return self.inflight

@@ -116,10 +116,15 @@ async def test_drain_refuses_new_requests_and_lets_the_ones_in_flight_finish_wit
 
                 nursery.start_soon(drain)
                 await wait_until(lambda: running.daemon.front.draining and progress == [2])
+                during = running.daemon.front.statistics()
                 health = await client.get("/health")
                 refused = await client.post(CHAT, json=chat("too late"))
                 control.set(decoder=DecoderModes())
             after = await client.get("/health")
+            drained = running.daemon.front.statistics()
+    assert during.draining is True
+    assert [(r.endpoint, r.route) for r in during.inflight] == [(CHAT, "plain"), (CHAT, "plain")]
+    assert (drained.draining, drained.inflight) == (True, ())
     assert (health.status_code, health.json()["status"]) == (503, "draining")
     assert refused.status_code == 503
     assert refused.headers["retry-after"] == "1"
@@ -190,7 +195,7 @@ async def test_watch_shows_exactly_one_line_per_request_as_it_ends(
                 await client.post("/completion", json={"prompt": "two", "n_predict": 1})
                 await wait_until(lambda: len(seen) == 3)
                 nursery.cancel_scope.cancel()
-            watchers_left = running.daemon.route_stats.snapshot()["watchers"]
+            watchers_left = running.daemon.route_stats.snapshot().watchers
     assert [line["req"] for line in seen] == [line["req"] for line in route_lines.lines]
     assert [line["status"] for line in seen] == [200, 400, 200]
     assert watchers_left <= 1  # the closed watcher is dropped at the next line

@@ -1,0 +1,105 @@
+"""The daemon's statistics: the frozen value the admin ``status`` verb sends and ``onebitctl status``
+reads back.
+
+Each part is its owner's ``statistics()`` snapshot (``Child``, ``SlotPool``, the providers,
+``Front``, ``RouteStats``); :class:`DaemonStatistics` puts them together.  ``Front``'s are declared
+here, not in ``front.py``, so that onebitctl reads them without importing the HTTP server.  On the
+wire they are the one converter's unstructured form (:func:`to_wire`); :func:`from_wire` structures
+that back with the same hooks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+from cattrs.errors import BaseValidationError
+from cattrs.gen import make_dict_structure_fn
+
+from .child import ChildStatistics
+from .config import converter
+from .errors import AdminUnavailable
+from .providers.base import ProviderStatistics
+from .routestats import FirstByte
+from .slots import SlotStatistics
+
+
+@attrs.frozen
+class InflightStatistics:
+    """A completion request being served."""
+
+    req: str
+    endpoint: str
+    route: str  # its route so far
+    slot: int | None
+    age_s: float
+
+
+@attrs.frozen
+class FrontStatistics:
+    draining: bool
+    inflight: tuple[InflightStatistics, ...]
+
+
+@attrs.frozen
+class DaemonInfo:
+    state: str  # loading, serving, draining, failed, stopping
+    pid: int
+    version: str
+    started_at: float  # wall-clock seconds since the epoch
+    uptime_s: float
+    config: str | None  # the file it was started from
+    runtime_dir: str
+    binds: tuple[str, ...]
+
+
+@attrs.frozen
+class DaemonStatistics:
+    """``Daemon.statistics()``; the route statistics' fields sit at the top level, as on the wire."""
+
+    daemon: DaemonInfo
+    children: tuple[ChildStatistics, ...]
+    providers: tuple[ProviderStatistics, ...]
+    slots: SlotStatistics
+    inflight: tuple[InflightStatistics, ...]
+    restore_unused: int
+    routes: Mapping[str, int]
+    outcomes: Mapping[str, int]
+    fallbacks: Mapping[str, int]
+    first_byte: FirstByte
+    watchers: int
+    watch_dropped: int
+
+
+def to_wire(stats: DaemonStatistics) -> dict[str, Any]:
+    """The JSON object the ``status`` verb answers with."""
+    wire: dict[str, Any] = converter.unstructure(stats)
+    return wire
+
+
+# onebitctl may be older than the daemon it asks: a key a newer onebitd added is left out, not
+# refused.  The same converter otherwise (its strict int, float and string hooks), lenient about
+# extra keys: its hooks for tables and for lists (which may hold tables) are the ones that recurse,
+# so they are replaced by ones that recurse into this copy.
+_reader = converter.copy(forbid_extra_keys=False)
+
+
+def _structure_tuple(value: Any, type_: Any) -> tuple[Any, ...]:
+    if not isinstance(value, list):
+        raise TypeError(f"expected a list, got {value!r}")
+    (item_type, _ellipsis) = type_.__args__
+    return tuple(_reader.structure(value, list[item_type]))  # type: ignore[valid-type]
+
+
+_reader.register_structure_hook_factory(attrs.has, lambda cls: make_dict_structure_fn(cls, _reader))
+_reader.register_structure_hook_func(lambda type_: getattr(type_, "__origin__", None) is tuple, _structure_tuple)
+
+
+def from_wire(data: Any) -> DaemonStatistics:
+    """The ``status`` verb's result, structured back."""
+    try:
+        stats: DaemonStatistics = _reader.structure(data, DaemonStatistics)
+    except (BaseValidationError, TypeError, ValueError, KeyError) as exc:
+        raise AdminUnavailable(f"onebitd's statistics do not read as this onebitctl's: {exc!r}") from None
+    return stats
