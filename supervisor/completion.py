@@ -250,11 +250,12 @@ class Completions:
             return Choice(Route.PLAIN, plan.reason)
         generation = self.decoder.generation
         n = len(plan.tokens)
+        decoder_rate, provider_rate = self.rates.prefill(generation, plan.provider.name)
         costs = Costs(
             decoder_cached=self.slots.cached(slot, plan.key),
             provider_cached=plan.provider.cached_tokens(tuple(plan.tokens)),
-            decoder_ms_per_token=self.rates.decoder.get(generation),
-            provider_ms_per_token=self.rates.provider(plan.provider.name).get(0),
+            decoder_ms_per_token=decoder_rate,
+            provider_ms_per_token=provider_rate,
             handoff_ms=self.rates.handoff_ms(n),
             streams_decoding=self.decoding,
         )

@@ -61,6 +61,22 @@ class Rates:
     def provider(self, name: str) -> Average:
         return self.providers.setdefault(name, Average(self._provider_prior))
 
+    def prefill(self, generation: int, provider: str) -> tuple[float, float]:
+        """The decoder's and ``provider``'s ms per token, for comparing them.
+
+        A rate measured on one side only is compared with the other side's prior scaled by the same
+        factor: a loaded or slow machine slows both, and a measured rate against a bare prior would
+        make whichever side was measured first look the slower."""
+        decoder, other = self.decoder, self.provider(provider)
+        decoder_measured = decoder.value is not None and decoder.generation == generation
+        other_measured = other.value is not None
+        d, p = decoder.get(generation), other.get(0)
+        if decoder_measured and not other_measured:
+            p = d * other.prior / decoder.prior
+        elif other_measured and not decoder_measured:
+            d = p * decoder.prior / other.prior
+        return d, p
+
     def observe_decoder(self, generation: int, prompt_n: int | None, prompt_ms: float | None) -> None:
         if prompt_n is not None and prompt_ms is not None and prompt_n >= MIN_TOKENS:
             self.decoder.observe(prompt_ms / prompt_n, generation)

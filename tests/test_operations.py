@@ -58,7 +58,15 @@ async def test_status_answers_while_the_decoder_loads_then_while_it_serves(short
     assert serving["daemon"]["state"] == "serving"
     assert serving["children"][0]["name"] == "decoder"
     assert serving["children"][0]["pid"] is not None
-    assert serving["slots"] == {"total": 2, "busy": 0, "free": 2, "queued": 0, "queue_limit": 64}
+    assert serving["slots"] == {
+        "total": 2,
+        "busy": 0,
+        "free": 2,
+        "queued": 0,
+        "queue_limit": 64,
+        "affinity_hits": 0,
+        "affinity_misses": 0,
+    }
     for key in ("routes", "fallbacks", "first_byte", "inflight", "providers"):
         assert key in serving
 

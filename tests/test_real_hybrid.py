@@ -20,7 +20,7 @@ from supervisor.child import ChildState
 from supervisor.config import Config
 from supervisor.llama_server import model_args
 
-from .rig import TESTS, make_config, real_llama_server, run_daemon
+from .rig import HANDOFF_ALWAYS, TESTS, make_config, real_llama_server, run_daemon
 
 pytestmark = pytest.mark.real
 
@@ -57,7 +57,7 @@ def hybrid_config(runtime: Path, provider: dict[str, Any] | None = None) -> Conf
         runtime,
         model={"parallel": 4, "ctx_size": 2048},
         decoder={"threads": 1},
-        hybrid={"enabled": True, "min_prompt_tokens": 16},
+        hybrid={"enabled": True, "min_prompt_tokens": 16, **HANDOFF_ALWAYS},
         provider=[provider or {"kind": "llama-server", "name": "p0", "threads": 1}],
     )
 
