@@ -33,7 +33,7 @@ BACKEND = "onebit"  # the backend (HAProxy) and upstream (nginx) name in the exa
 # (the example's default is 2 s; "fall 2" and "rise 2" stay as shipped).
 CHECK_INTER = "100ms"
 # nginx's example addresses, replaced by the test's own (nginx has no environment variables).
-NGINX_EXAMPLE_HOSTS = ("10.0.0.11:8080", "10.0.0.12:8080")
+NGINX_EXAMPLE_HOSTS = ("server 10.0.0.11:8080 ", "server 10.0.0.12:8080 ")
 NGINX_EXAMPLE_LISTEN = "listen 8080;"
 STOP_GRACE_S = 10.0
 
@@ -147,7 +147,9 @@ class Nginx:
 def nginx_config(hosts: Sequence[Host], port: int) -> str:
     """config/nginx.conf with its example addresses replaced by ours, each exactly once."""
     text = NGINX_CONFIG.read_text()
-    replacements = [(example, host.endpoint) for example, host in zip(NGINX_EXAMPLE_HOSTS, hosts, strict=True)]
+    replacements = [
+        (example, f"server {host.endpoint} ") for example, host in zip(NGINX_EXAMPLE_HOSTS, hosts, strict=True)
+    ]
     replacements.append((NGINX_EXAMPLE_LISTEN, f"listen 127.0.0.1:{port};"))
     for old, new in replacements:
         assert text.count(old) == 1, f"{NGINX_CONFIG} should name {old!r} exactly once"
