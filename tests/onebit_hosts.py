@@ -26,7 +26,7 @@ import trio
 
 from supervisor import config as configuration
 
-from .conftest import make_config, real_llama_server
+from .rig import make_config, real_llama_server
 
 BIN = Path(sys.executable).parent
 # Two real decoders share the machine's cores with everything else: one thread and two small slots
