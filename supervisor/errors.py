@@ -7,6 +7,8 @@
     │   ├── DecoderUnavailable     not ready, failed, or could not be reached (HTTP 503)
     │   └── DecoderProtocolError   answered, but not with what its contract says (HTTP 502)
     ├── ProviderError          a prefill provider failed its job
+    ├── PrefixStoreError       the prefix store cannot hand over an entry (gone, or not exposable):
+    │                          the request goes on as if there were none
     └── ClientError            the HTTP client sent something we refuse (HTTP 4xx)
         └── Overloaded             every slot busy and the queue full (HTTP 503)
 
@@ -61,6 +63,10 @@ class DecoderProtocolError(DecoderError):
 
 class ProviderError(OnebitError):
     """A prefill provider failed a job (crash, exit status, timeout, refused)."""
+
+
+class PrefixStoreError(OnebitError):
+    """A prefix store entry could not be handed to the decoder; the store itself stays usable."""
 
 
 class ClientError(OnebitError):
