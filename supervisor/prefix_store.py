@@ -38,6 +38,8 @@ from .llama_server import StateFingerprint
 from .prefix_files import Disk, Entry
 from .prefix_index import PrefixIndex, token_key
 
+__all__ = ["Entry", "PrefixStore", "StoreStatistics", "open_prefix_store"]
+
 log = logging.getLogger("onebit.prefix")
 
 
@@ -222,6 +224,16 @@ class PrefixStore:
         self._counts.restore_ms_last = ms
 
     # -- filling it ------------------------------------------------------------------------------
+
+    def wants(self, tokens: Sequence[int]) -> bool:
+        """Whether a state file for ``tokens`` is worth saving: the store is on, they are at least
+        ``min_tokens`` long, and not stored yet.  Pure; lets a caller skip ``?action=save``."""
+        if not self.enabled or len(tokens) < self.min_tokens:
+            return False
+        try:
+            return token_key(tokens) not in self._entries
+        except (OverflowError, TypeError):
+            return False
 
     async def put_file(self, tokens: Sequence[int], path: Path) -> bool:
         """Commit the state file at ``path`` as the entry for ``tokens``; True when the store holds

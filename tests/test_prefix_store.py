@@ -239,7 +239,10 @@ async def test_a_stored_prefix_is_found_by_a_longer_prompt_and_survives_a_reopen
 async def test_two_puts_of_the_same_tokens_make_one_entry_and_consume_both_files(rig: Rig) -> None:
     store = await rig.open()
     first, second = rig.state_file(), rig.state_file()
+    assert store.wants(tokens(100))
     assert await store.put_file(tokens(100), first)
+    assert not store.wants(tokens(100))
+    assert store.wants(tokens(101))
     assert await store.put_file(tokens(100), second)
     assert not first.exists()
     assert not second.exists()
@@ -268,6 +271,7 @@ async def test_concurrent_puts_of_the_same_tokens_make_one_entry(rig: Rig) -> No
 
 async def test_a_prefix_shorter_than_min_tokens_is_not_stored(rig: Rig) -> None:
     store = await rig.open()
+    assert not store.wants(tokens(MIN_TOKENS - 1))
     source = rig.state_file()
     assert not await store.put_file(tokens(MIN_TOKENS - 1), source)
     assert not source.exists()
@@ -278,6 +282,7 @@ async def test_a_prefix_shorter_than_min_tokens_is_not_stored(rig: Rig) -> None:
 
 async def test_tokens_that_are_not_llama_tokens_are_refused_without_raising(rig: Rig) -> None:
     store = await rig.open()
+    assert not store.wants([2**40, *tokens(20)])
     assert not await store.put_file([2**40, *tokens(20)], rig.state_file())
     assert rig.files() == []
     store.close()
@@ -613,6 +618,7 @@ async def test_a_store_directory_that_cannot_be_made_disables_the_store_with_one
     store = await PrefixStore.open(blocker / "store", fingerprint=FINGERPRINT, max_bytes=KIB, min_tokens=1)
     assert not store.enabled
     assert messages(prefix_log) == [f"prefix store: off: {blocker}/store: Not a directory"]
+    assert not store.wants(tokens(100))
     source = rig.state_file()
     assert not await store.put_file(tokens(100), source)
     assert not source.exists()
