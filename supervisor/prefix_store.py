@@ -110,9 +110,9 @@ class PrefixStore:
     # -- opening and closing ---------------------------------------------------------------------
 
     @classmethod
-    def disabled(cls, reason: str) -> PrefixStore:
+    def disabled(cls, reason: str, *, level: int = logging.WARNING) -> PrefixStore:
         """A store that holds nothing: lookups miss, puts are refused, nothing raises."""
-        log.info("prefix store: off: %s", reason)
+        log.log(level, "prefix store: off: %s", reason)
         return cls(None, fingerprint=None, max_bytes=0, min_tokens=0, disk=Disk())
 
     @classmethod
@@ -450,7 +450,7 @@ async def open_prefix_store(config: Config, server_version: str) -> AsyncIterato
     cache = config.cache
     store: PrefixStore
     if not cache.enabled:
-        store = PrefixStore.disabled("cache.enabled is false")
+        store = PrefixStore.disabled("cache.enabled is false", level=logging.INFO)
     else:
         directory = locate.prefix_store_dir(cache.dir)
         try:
