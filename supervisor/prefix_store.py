@@ -42,6 +42,10 @@ __all__ = ["Entry", "PrefixStore", "StoreStatistics", "open_prefix_store"]
 
 log = logging.getLogger("onebit.prefix")
 
+# A put waiting for the disk keeps its state file in llama-server's state directory, a tmpfs (memory):
+# past this many puts in progress, a new one is refused rather than queued.
+MAX_PENDING_PUTS = 3
+
 
 @attrs.frozen
 class StoreStatistics:
@@ -105,6 +109,7 @@ class PrefixStore:
         self._bytes = 0
         self._counts = _Counts()
         self._write_lock = trio.Lock()
+        self._pending: set[str] = set()  # keys of puts in progress, written or waiting their turn
         self._failing = False  # within a burst of failed writes: logged once
 
     # -- opening and closing ---------------------------------------------------------------------
@@ -227,13 +232,17 @@ class PrefixStore:
 
     def wants(self, tokens: Sequence[int]) -> bool:
         """Whether a state file for ``tokens`` is worth saving: the store is on, they are at least
-        ``min_tokens`` long, and not stored yet.  Pure; lets a caller skip ``?action=save``."""
+        ``min_tokens`` long, not stored or being stored, and fewer than :data:`MAX_PENDING_PUTS`
+        puts are in progress.  Pure; lets a caller skip ``?action=save``."""
         if not self.enabled or len(tokens) < self.min_tokens:
             return False
+        if len(self._pending) >= MAX_PENDING_PUTS:
+            return False
         try:
-            return token_key(tokens) not in self._entries
+            key = token_key(tokens)
         except (OverflowError, TypeError):
             return False
+        return key not in self._entries and key not in self._pending
 
     async def put_file(self, tokens: Sequence[int], path: Path) -> bool:
         """Commit the state file at ``path`` as the entry for ``tokens``; True when the store holds
@@ -264,34 +273,47 @@ class PrefixStore:
             log.warning("prefix store: refusing a put whose tokens are not llama.cpp tokens")
             self._counts.skipped += 1
             return False
-        async with self._write_lock:
-            if key in self._entries:
-                self._counts.duplicates += 1
-                return True
-            created = time.time()
-            try:
-                state_bytes = os.stat(path).st_size  # in the state directory, a tmpfs: no need for a thread
-            except OSError as exc:
-                self._failed(key, exc)
-                return False
-            sidecar = prefix_files.render_sidecar(tokens, self.fingerprint.as_json(), state_bytes, created)
-            need = state_bytes + len(sidecar)
-            victims = self._choose_victims(need) if need <= self.max_bytes else None
-            if victims is None:
-                log.debug("prefix store: no room for %s (%d bytes)", key, need)
-                self._counts.skipped += 1
-                return False
-            try:
-                await trio.to_thread.run_sync(self._write, victims, key, path, sidecar, state_bytes)
-            except OSError as exc:
-                self._failed(key, exc)
-                return False
-            if self._failing:
-                log.info("prefix store: storing works again")
-                self._failing = False
-            self._add(Entry(key, tokens, state_bytes, need, created, created))
-            self._counts.stores += 1
+        if key in self._entries or key in self._pending:
+            self._counts.duplicates += 1
             return True
+        if len(self._pending) >= MAX_PENDING_PUTS:
+            log.debug("prefix store: %d puts in progress; not storing %s", len(self._pending), key)
+            self._counts.skipped += 1
+            return False
+        self._pending.add(key)
+        try:
+            async with self._write_lock:
+                return await self._write_turn(key, tokens, path)
+        finally:
+            self._pending.discard(key)
+
+    async def _write_turn(self, key: str, tokens: tuple[int, ...], path: Path) -> bool:
+        """The put's turn at the disk (under the write lock)."""
+        assert self.fingerprint is not None
+        created = time.time()
+        try:
+            state_bytes = os.stat(path).st_size  # in the state directory, a tmpfs: no need for a thread
+        except OSError as exc:
+            self._failed(key, exc)
+            return False
+        sidecar = prefix_files.render_sidecar(tokens, self.fingerprint.as_json(), state_bytes, created)
+        need = state_bytes + len(sidecar)
+        victims = self._choose_victims(need) if need <= self.max_bytes else None
+        if victims is None:
+            log.debug("prefix store: no room for %s (%d bytes)", key, need)
+            self._counts.skipped += 1
+            return False
+        try:
+            await trio.to_thread.run_sync(self._write, victims, key, path, sidecar, state_bytes)
+        except OSError as exc:
+            self._failed(key, exc)
+            return False
+        if self._failing:
+            log.info("prefix store: storing works again")
+            self._failing = False
+        self._add(Entry(key, tokens, state_bytes, need, created, created))
+        self._counts.stores += 1
+        return True
 
     def _write(self, victims: list[Entry], key: str, source: Path, sidecar: bytes, state_bytes: int) -> None:
         """In a worker thread: room first, then the new entry, so the disk never holds more than max_bytes."""

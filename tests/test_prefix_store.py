@@ -19,6 +19,7 @@ from pathlib import Path
 import attrs
 import pytest
 import trio
+import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -28,7 +29,7 @@ from supervisor.errors import PrefixStoreError
 from supervisor.llama_server import LlamaServerLauncher, StateFingerprint
 from supervisor.prefix_files import STATE_MAGIC, Disk
 from supervisor.prefix_index import BLOCK, PrefixIndex, token_key
-from supervisor.prefix_store import PrefixStore, open_prefix_store
+from supervisor.prefix_store import MAX_PENDING_PUTS, PrefixStore, open_prefix_store
 
 from .conftest import make_config
 
@@ -698,6 +699,34 @@ async def test_a_lookup_during_a_write_sees_no_entry_until_it_is_committed(rig: 
             disk.go_on.set()
     assert done == [True]
     assert store.lookup([*prefix, 1]) is not None
+    store.close()
+
+
+async def test_puts_past_the_pending_limit_are_refused_and_a_pending_duplicate_is_a_no_op(rig: Rig) -> None:
+    disk = SlowDisk()
+    store = await rig.open(disk=disk)
+    results: dict[int, bool] = {}
+
+    async def put(i: int) -> None:
+        results[i] = await store.put_file(tokens(100, i * 1000), rig.state_file())
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(put, 0)
+            await trio.to_thread.run_sync(disk.writing.wait)  # put 0 holds the disk
+            for i in range(1, MAX_PENDING_PUTS):
+                nursery.start_soon(put, i)
+            await trio.testing.wait_all_tasks_blocked()
+            assert not store.wants(tokens(100, 9000))
+            refused = rig.state_file()
+            assert not await store.put_file(tokens(100, 9000), refused)
+            assert not refused.exists()
+            assert await store.put_file(tokens(100, 1000), rig.state_file())  # pending: a no-op
+            disk.go_on.set()
+    assert results == dict.fromkeys(range(MAX_PENDING_PUTS), True)
+    stats = store.statistics()
+    assert (stats.entries, stats.skipped, stats.duplicates) == (MAX_PENDING_PUTS, 1, 1)
+    assert store.wants(tokens(100, 9000))
     store.close()
 
 
