@@ -121,7 +121,7 @@ async def test_a_stored_prefix_restored_into_another_slot_after_a_restart_gives_
         async with real_decoder(config, socket, state_dir) as first:
             prefix = await first.tokens(PREFIX_TEXT)
             suffix = await first.tokens(SUFFIX_TEXT)
-            assert len(prefix) >= 300
+            assert len(prefix) >= 256
             await first.post("/completion", {"prompt": prefix, "n_predict": 0, "id_slot": 0, "cache_prompt": True})
             saved = await first.post("/slots/0?action=save", {"filename": "saved.state"})
             assert saved["n_saved"] == len(prefix)
