@@ -229,12 +229,35 @@ class LogConfig:
 
 
 @frozen
+class CacheConfig:
+    """Prompt caches: onebit's prefix store on disk, and llama-server's own in memory."""
+
+    # The store is on unless this is false; a directory that cannot be written turns it off at start
+    # (one log line), never the daemon.
+    enabled: bool = True
+    # Empty: $CACHE_DIRECTORY/prefix (systemd), else $XDG_CACHE_HOME/onebit/prefix, else
+    # ~/.cache/onebit/prefix.
+    dir: str = ""
+    # State files and sidecars together never take more; least recently used entries go first.
+    # 4 GiB: about 60 prefixes of 3k tokens of the embedded model (67 MB each).
+    max_bytes: int = field(default=4 * 1024**3, validator=_at_least(1))
+    # A shorter prefix costs the decoder less to prefill than a store entry costs to keep.
+    min_tokens: int = field(default=256, validator=_at_least(1))
+    # Every llama-server child gets --cache-ram <ram_mib>: its in-memory prompt cache, per process
+    # (-1: no limit, 0: off).  llama-server's own default is 8 GiB per process, uncounted and
+    # multiplied by the decoder and each provider; 1 GiB keeps a few dozen recent prompts of a small
+    # model warm in each while the disk store keeps the rest, and leaves the memory to the models.
+    ram_mib: int = field(default=1024, validator=_at_least(-1))
+
+
+@frozen
 class Config:
     server: ServerConfig = ServerConfig()
     model: ModelConfig = ModelConfig()
     decoder: DecoderConfig = DecoderConfig()
     hybrid: HybridConfig = HybridConfig()
     provider: tuple[ProviderConfig, ...] = ()
+    cache: CacheConfig = CacheConfig()
     log: LogConfig = LogConfig()
 
 

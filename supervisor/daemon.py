@@ -99,7 +99,8 @@ def prepare_runtime_dir(path: Path) -> None:
     state = path / "state"
     if state.is_dir():
         for leftover in state.iterdir():
-            if leftover.is_file():
+            # Files, and the links a prefix-store restore exposes (dangling once the store moved on).
+            if leftover.is_symlink() or leftover.is_file():
                 leftover.unlink(missing_ok=True)
     for leftover in path.glob("share-*.sock"):
         leftover.unlink(missing_ok=True)

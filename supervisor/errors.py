@@ -11,6 +11,8 @@
     ├── ShareRefused           the decoder would not lend its KV (the share handshake failed)
     ├── AdminError             an admin verb refused (its message and extra fields go to onebitctl)
     ├── AdminUnavailable       no onebitd answers on the admin socket
+    ├── PrefixStoreError       the prefix store cannot hand over an entry (gone, or not exposable):
+    │                          the request goes on as if there were none
     └── ClientError            the HTTP client sent something we refuse (HTTP 4xx)
         └── Overloaded             every slot busy and the queue full (HTTP 503)
 
@@ -65,6 +67,10 @@ class DecoderProtocolError(DecoderError):
 
 class ProviderError(OnebitError):
     """A prefill provider failed a job (crash, exit status, timeout, refused)."""
+
+
+class PrefixStoreError(OnebitError):
+    """A prefix store entry could not be handed to the decoder; the store itself stays usable."""
 
 
 class ClientError(OnebitError):

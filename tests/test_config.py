@@ -188,6 +188,31 @@ def test_every_problem_in_a_table_is_reported_at_once(site: dict[str, Any]) -> N
     ]
 
 
+def test_the_cache_table_takes_its_keys_and_documents_its_defaults(site: dict[str, Any]) -> None:
+    config = configuration.loads(tomli_w.dumps(site), SOURCE)
+    assert attrs.asdict(config.cache) == {
+        "enabled": True,
+        "dir": "",
+        "max_bytes": 4 * 1024**3,
+        "min_tokens": 256,
+        "ram_mib": 1024,
+    }
+    cache = {"enabled": False, "dir": "/srv/prefix", "max_bytes": 1000, "min_tokens": 64, "ram_mib": -1}
+    config = configuration.loads(tomli_w.dumps(merged(site, {"cache": cache})), SOURCE)
+    assert attrs.asdict(config.cache) == cache
+
+
+def test_impossible_cache_values_are_named(site: dict[str, Any]) -> None:
+    lines = problems_with(site, cache={"max_bytes": 0, "min_tokens": 0, "ram_mib": -2, "enabled": "yes", "size": 1})
+    assert sorted(lines) == [
+        'site.toml: cache.enabled: expected boolean, got "yes"',
+        "site.toml: cache.max_bytes: must be at least 1, got 0",
+        "site.toml: cache.min_tokens: must be at least 1, got 0",
+        "site.toml: cache.ram_mib: must be at least -1, got -2",
+        "site.toml: cache.size: unknown key",
+    ]
+
+
 def test_a_file_that_cannot_be_read_is_named(tmp_path: Path) -> None:
     missing = tmp_path / "absent.toml"
     with pytest.raises(ConfigError) as caught:

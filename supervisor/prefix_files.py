@@ -1,0 +1,247 @@
+"""The prefix store's files: the on-disk format, the crash-safe write, and the scan at open.
+
+An entry ``K`` (:func:`~supervisor.prefix_index.token_key` of its tokens) is two files in the store
+directory::
+
+    K.state   the llama.cpp slot state file, byte for byte as llama-server saved it
+    K.json    the sidecar: {"format", "tokens", "fingerprint", "state_bytes", "created"}
+
+Writing one: the state file goes to ``.tmp-K-<random>.state`` (renamed in from the same file system,
+else copied) and is fsynced, then renamed to ``K.state``; the sidecar is written and fsynced the
+same way and renamed last: **the sidecar is the commit marker**.  Then the directory is fsynced.  A
+crash at any point leaves either a committed entry or files :func:`scan` removes at the next open.
+The sidecar is never rewritten: when an entry was last used is its state file's mtime.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from .prefix_index import token_key
+
+log = logging.getLogger("onebit.prefix")
+
+FORMAT = 1
+TEMP_PREFIX = ".tmp-"
+STATE = ".state"
+SIDECAR = ".json"
+# llama_state_seq_save_file starts with LLAMA_STATE_SEQ_MAGIC ('ggsq' as a little-endian u32).
+STATE_MAGIC = (0x67677371).to_bytes(4, "little")
+
+
+@attrs.frozen
+class Entry:
+    """One committed entry, as :class:`~supervisor.prefix_store.PrefixStore` hands it out."""
+
+    key: str
+    tokens: tuple[int, ...]
+    state_bytes: int  # the state file's size
+    disk_bytes: int  # state file and sidecar: what counts against max_bytes
+    created: float  # seconds since the epoch
+    last_used: float
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+
+class Disk:
+    """The writes the store makes, as one seam: a test stands in a subclass that fails them."""
+
+    def move_in(self, source: Path, target: Path) -> None:
+        """``source`` becomes ``target`` (a new name), durably: renamed on one file system, else copied."""
+        try:
+            os.rename(source, target)
+        except OSError as exc:
+            if exc.errno != errno.EXDEV:
+                raise
+            shutil.copyfile(source, target)
+        self.fsync(target)
+
+    def write(self, target: Path, data: bytes) -> None:
+        """A new file holding ``data``, durably."""
+        with open(target, "xb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+
+    def fsync(self, path: Path) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def state_path(directory: Path, key: str) -> Path:
+    return directory / f"{key}{STATE}"
+
+
+def sidecar_path(directory: Path, key: str) -> Path:
+    return directory / f"{key}{SIDECAR}"
+
+
+def render_sidecar(tokens: tuple[int, ...], fingerprint: Mapping[str, Any], state_bytes: int, created: float) -> bytes:
+    document = {
+        "format": FORMAT,
+        "tokens": list(tokens),
+        "fingerprint": fingerprint,
+        "state_bytes": state_bytes,
+        "created": created,
+    }
+    return json.dumps(document, separators=(",", ":")).encode()
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("prefix store: cannot remove %s: %s", path, exc.strerror or exc)
+
+
+def remove(directory: Path, key: str) -> None:
+    """Remove an entry: the sidecar first (uncommitted from then on), then the state file."""
+    _unlink(sidecar_path(directory, key))
+    _unlink(state_path(directory, key))
+
+
+def has_state_magic(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(len(STATE_MAGIC)) == STATE_MAGIC
+
+
+def write_entry(disk: Disk, directory: Path, key: str, source: Path, sidecar: bytes, state_bytes: int) -> None:
+    """Commit ``source`` as entry ``key`` (see the module docstring); raises OSError, leaving no file."""
+    suffix = os.urandom(4).hex()
+    temp_state = directory / f"{TEMP_PREFIX}{key}-{suffix}{STATE}"
+    temp_sidecar = directory / f"{TEMP_PREFIX}{key}-{suffix}{SIDECAR}"
+    final_state = state_path(directory, key)
+    committed = False
+    try:
+        disk.move_in(source, temp_state)
+        size = temp_state.stat().st_size
+        if size != state_bytes or not has_state_magic(temp_state):
+            raise OSError(errno.EINVAL, f"not the llama.cpp state file it was ({size} bytes)")
+        os.rename(temp_state, final_state)
+        disk.write(temp_sidecar, sidecar)
+        os.rename(temp_sidecar, sidecar_path(directory, key))
+        committed = True
+        disk.fsync(directory)
+    except OSError:
+        if committed:
+            remove(directory, key)
+        else:
+            _unlink(final_state)
+        _unlink(temp_state)
+        _unlink(temp_sidecar)
+        raise
+
+
+@attrs.frozen
+class Scan:
+    entries: list[Entry]  # least recently used first
+    dropped: int
+
+
+def _read_entry(directory: Path, key: str, fingerprint: Mapping[str, Any]) -> Entry | str:
+    """The committed entry ``key``, or why it is not one."""
+    sidecar = sidecar_path(directory, key)
+    try:
+        raw = sidecar.read_bytes()
+        document = json.loads(raw)
+    except (OSError, ValueError) as exc:
+        return f"unreadable sidecar ({exc})"
+    if not isinstance(document, dict) or document.get("format") != FORMAT:
+        return "unknown sidecar format"
+    tokens = document.get("tokens")
+    state_bytes = document.get("state_bytes")
+    created = document.get("created")
+    if (
+        not isinstance(tokens, list)
+        or not all(type(t) is int for t in tokens)
+        or not isinstance(state_bytes, int)
+        or not isinstance(created, int | float)
+    ):
+        return "malformed sidecar"
+    try:
+        if token_key(tokens) != key:
+            return "sidecar tokens do not match its name"
+    except (OverflowError, TypeError):
+        return "malformed sidecar"
+    if document.get("fingerprint") != fingerprint:
+        return "made by another model, llama-server or [model] setting (fingerprint differs)"
+    state = state_path(directory, key)
+    try:
+        stat = state.stat()
+        magic = has_state_magic(state)
+    except OSError:
+        return "torn: no state file"
+    if stat.st_size != state_bytes:
+        return f"torn: state file has {stat.st_size} bytes, sidecar says {state_bytes}"
+    if not magic:
+        return "corrupt: not a llama.cpp state file"
+    return Entry(
+        key=key,
+        tokens=tuple(tokens),
+        state_bytes=state_bytes,
+        disk_bytes=state_bytes + len(raw),
+        created=float(created),
+        last_used=stat.st_mtime,
+    )
+
+
+def scan(directory: Path, fingerprint: Mapping[str, Any]) -> Scan:
+    """The committed entries of ``directory``; everything else of ours is removed, one log line each.
+
+    Files that are none of ours (another name pattern) are left alone.
+    """
+    names = {path.name for path in directory.iterdir()}
+    entries: list[Entry] = []
+    dropped = 0
+    for name in sorted(names):
+        path = directory / name
+        if name.startswith(TEMP_PREFIX):
+            log.info("prefix store: removing %s: a write that never finished", name)
+            _unlink(path)
+            dropped += 1
+        elif name.endswith(SIDECAR):
+            key = name[: -len(SIDECAR)]
+            found = _read_entry(directory, key, fingerprint)
+            if isinstance(found, Entry):
+                entries.append(found)
+            else:
+                log.info("prefix store: dropping entry %s: %s", key, found)
+                remove(directory, key)
+                dropped += 1
+        elif name.endswith(STATE) and name[: -len(STATE)] + SIDECAR not in names:
+            log.info("prefix store: removing %s: a state file without its sidecar (never committed)", name)
+            _unlink(path)
+            dropped += 1
+    entries.sort(key=lambda entry: entry.last_used)
+    return Scan(entries, dropped)
+
+
+def touch(directory: Path, key: str, when: float) -> None:
+    """Record a use: the state file's mtime (best effort; the order in memory is what counts now)."""
+    try:
+        os.utime(state_path(directory, key), (when, when))
+    except OSError as exc:
+        log.debug("prefix store: cannot record a use of %s: %s", key, exc.strerror or exc)
+
+
+def probe(disk: Disk, directory: Path) -> None:
+    """Make ``directory`` if need be and prove it writable; raises OSError."""
+    directory.mkdir(parents=True, exist_ok=True)
+    probe_file = directory / f"{TEMP_PREFIX}probe-{os.getpid()}-{time.monotonic_ns()}"
+    disk.write(probe_file, b"")
+    probe_file.unlink()
