@@ -72,6 +72,9 @@ class LlamaServerLauncher:
             "--slot-save-path", str(slot_save_path),
             "--alias", model_alias(config),
             "--no-webui",
+            # llama-server's Prometheus metrics: onebitd appends them to its own /metrics and
+            # relays them at /metrics/decoder.  Counting costs nothing measurable; exposing is opt-in.
+            "--metrics",
         ]  # fmt: skip
         if threads:
             self._argv += ["-t", str(threads)]
