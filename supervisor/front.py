@@ -13,6 +13,7 @@ import itertools
 import json
 import logging
 import os
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -28,7 +29,7 @@ from .config import ServerConfig
 from .cors import Cors, host_of, is_loopback
 from .decoder import DecoderClient
 from .endpoints import Endpoint, Kind, lookup
-from .errors import ClientError, DecoderError, OnebitError
+from .errors import ClientError, DecoderError, ListenError, OnebitError
 from .logs import ROUTE_LOGGER
 from .respond import Responder
 from .routeline import RouteLine
@@ -62,6 +63,25 @@ class InflightRequest:
             "slot": self.line.slot,
             "age_s": round(now - self.started, 3),
         }
+
+
+def _probe(hosts: tuple[str, ...], port: int) -> None:
+    """Bind each address once, as hypercorn will, and let go: hypercorn binds them one by one and
+    leaves those it bound open when a later one fails.  Raises ListenError naming the address."""
+    for host in hosts:
+        address = host.strip("[]")
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((address, port))
+            except OSError as exc:
+                raise ListenError(f"server.host: cannot listen on {host} port {port}: {exc.strerror or exc}") from None
+
+
+def _first(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    found = group.exceptions[0]
+    return _first(found) if isinstance(found, BaseExceptionGroup) else found
 
 
 class Front:
@@ -105,13 +125,21 @@ class Front:
         config.errorlog = logging.getLogger("onebit.hypercorn")
         # A slow client may legitimately hold a stream for minutes; idle keep-alive sockets need not.
         config.keep_alive_timeout = 75
-        await serve(
-            self,  # type: ignore[arg-type]  # hypercorn types its app with its own TypedDicts
-            config,
-            shutdown_trigger=self._shutdown.wait,
-            task_status=task_status,
-            mode="asgi",
-        )
+        _probe(self.server.host, port)
+        try:
+            await serve(
+                self,  # type: ignore[arg-type]  # hypercorn types its app with its own TypedDicts
+                config,
+                shutdown_trigger=self._shutdown.wait,
+                task_status=task_status,
+                mode="asgi",
+            )
+        except* OSError as group:
+            # hypercorn binds every address before it serves (inside its nurseries): this is a bind,
+            # not a request, failing.
+            exc = _first(group)
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise ListenError(f"server.host: cannot listen on {', '.join(config.bind)}: {why}") from exc
 
     def configure(self, server: ServerConfig) -> None:
         """Take the settings `onebitctl reload` may change live (bind address and port stay)."""

@@ -20,6 +20,7 @@ from supervisor.completion import Completions, Hybrid
 from supervisor.config import HybridConfig, ServerConfig
 from supervisor.decoder import DecoderClient
 from supervisor.endpoints import ROUTES, Kind
+from supervisor.errors import ListenError
 from supervisor.front import Front
 from supervisor.providers import Providers
 from supervisor.routeline import RouteLine
@@ -415,3 +416,11 @@ async def test_every_address_of_server_host_is_bound_and_a_loopback_list_keeps_t
                     foreign = await client.get("/health", headers={"host": "evil.example"})
                     assert foreign.json()["error"]["code"] == "forbidden_host"
             rig.front.stop()
+
+
+async def test_an_address_that_cannot_be_bound_is_an_error_naming_server_host(tmp_path: Path) -> None:
+    # 192.0.2.1 is TEST-NET-1 (RFC 5737): no machine has it, so binding it fails with EADDRNOTAVAIL.
+    rig = make_rig(tmp_path, host=("127.0.0.1", "192.0.2.1"), port=0)
+    with trio.fail_after(TIMEOUT), pytest.raises(ListenError) as caught:
+        await rig.front.run()
+    assert str(caught.value) == "server.host: cannot listen on 192.0.2.1 port 0: Cannot assign requested address"
