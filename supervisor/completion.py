@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import attrs
@@ -30,7 +31,8 @@ from .slots import PromptKey, SlotPool
 
 log = logging.getLogger("onebit.hybrid")
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/completion")
+# What the model runs for on these is no prompt to hand over: no fallback is logged for them.
+EMBEDDING_ENDPOINTS = ("/embeddings", "/v1/embeddings", "/rerank")
 
 SSE_HEADERS = [
     ("content-type", "text/event-stream"),
@@ -102,19 +104,20 @@ class SseScanner:
                     continue
 
 
-def decoder_error_envelope(status: int, body: bytes) -> tuple[str, str, str]:
-    """``(message, type, code)`` from a llama-server error body, whatever its shape."""
+async def relay_reply(out: Responder, status: int, headers: Mapping[str, str], body: bytes) -> None:
+    """A decoder's whole reply, success or error, as the decoder wrote it: status, body, content type."""
+    await out.whole(status, body, headers.get("content-type", "application/json"), source="decoder")
+
+
+def error_summary(status: int, body: bytes) -> str:
+    """A decoder error for the route line and the log: its ``error.message`` where it has one."""
     message = body.decode("utf-8", "replace")[:2000] or f"decoder answered {status}"
-    type_ = "invalid_request_error" if status < 500 else "server_error"
-    try:
+    with contextlib.suppress(ValueError):
         data = json.loads(body)
-    except ValueError:
-        return message, type_, f"decoder_http_{status}"
-    error = data.get("error") if isinstance(data, dict) else None
-    if isinstance(error, dict):
-        message = str(error.get("message", message))
-        type_ = str(error.get("type", type_))
-    return message, type_, f"decoder_http_{status}"
+        error = data.get("error") if isinstance(data, dict) else None
+        if isinstance(error, dict) and "message" in error:
+            message = str(error["message"])
+    return f"decoder answered {status}: {message}"
 
 
 def sse_error(message: str) -> bytes:
@@ -392,15 +395,17 @@ class Completions:
             with contextlib.suppress(ValueError):
                 timings.read(json.loads(reply.body))
             content_type = reply.headers.get("content-type", "application/json")
-            await out.whole(reply.status, reply.body, content_type)
+            await out.whole(reply.status, reply.body, content_type, source="decoder")
             return
-        await self._relay_error(reply.status, reply.body, out, line)
+        await self._relay_error(reply.status, reply.headers, reply.body, out, line)
 
-    async def _relay_error(self, status: int, body: bytes, out: Responder, line: RouteLine) -> None:
-        message, type_, code = decoder_error_envelope(status, body)
+    @staticmethod
+    async def _relay_error(
+        status: int, headers: Mapping[str, str], body: bytes, out: Responder, line: RouteLine
+    ) -> None:
         line.outcome = "error"
-        line.error = f"decoder answered {status}: {message}"
-        await out.error(status, code, message, source="decoder", type_=type_)
+        line.error = error_summary(status, body)
+        await relay_reply(out, status, headers, body)
 
     async def _relay_stream(
         self, endpoint: str, body: dict[str, Any], out: Responder, line: RouteLine, timings: Timings
@@ -408,9 +413,9 @@ class Completions:
         async with self.client.stream(endpoint, body) as upstream:
             if upstream.status != 200:
                 chunks = [chunk async for chunk in upstream.chunks]
-                await self._relay_error(upstream.status, b"".join(chunks), out, line)
+                await self._relay_error(upstream.status, upstream.headers, b"".join(chunks), out, line)
                 return
-            await out.start(200, SSE_HEADERS)
+            await out.start(200, SSE_HEADERS, source="decoder")
             scanner = SseScanner(timings)
             try:
                 async for chunk in upstream.chunks:
@@ -422,3 +427,38 @@ class Completions:
                 line.error = exc.message
                 await out.body(sse_error(f"the decoder stopped mid-stream: {exc.message}"), more=True)
             await out.body(b"", more=False)
+
+    async def relay(
+        self, endpoint: str, body: dict[str, Any], out: Responder, line: RouteLine, *, pinned: bool
+    ) -> None:
+        """A request that runs the model but that no hybrid route takes (embeddings, rerank, infill,
+        the Anthropic and Responses APIs): plain, on a slot of its own, whole or streamed.
+
+        ``pinned``: llama-server honours ``id_slot`` on this endpoint.  Where it does not, holding a
+        slot still keeps the requests onebitd lets through at the decoder's slot count, but
+        llama-server picks the slot: which one is not known, so no slot's prompt is recorded."""
+        self.check_ready()
+        if self.hybrid is not None and endpoint not in EMBEDDING_ENDPOINTS:
+            # A generative request a provider could in principle prefill, but onebitd does not
+            # template these APIs itself: the decoder prefills it.
+            line.fallback = fallback_chain([Reason.UNSUPPORTED])
+            log.info(
+                "hybrid: %s cannot be handed over (%s is relayed as is); the backend prefills it", line.req, endpoint
+            )
+        timings = Timings()
+        async with self.slots.hold() as slot:
+            self.check_ready()  # it may have died while we queued
+            forwarded = body
+            if pinned:
+                line.slot = slot
+                forwarded = {**body, "id_slot": slot}
+            try:
+                if body.get("stream") is True:
+                    await self._relay_stream(endpoint, forwarded, out, line, timings)
+                else:
+                    await self._relay_whole(endpoint, forwarded, out, line, timings)
+            finally:
+                if pinned:
+                    # Its cache now holds a prompt onebitd did not key: nothing to match a next one on.
+                    self.slots.forget(slot)
+                self._record(timings, line)

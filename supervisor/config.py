@@ -9,14 +9,17 @@ and raises one :class:`~supervisor.errors.ConfigError`.
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import json
 import math
 import os
+import re
 import shutil
+import socket
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NewType, TypeVar
 
 import attrs
 import cattrs
@@ -29,7 +32,7 @@ from cattrs.errors import (
 )
 from cattrs.gen import make_dict_unstructure_fn
 
-from . import locate
+from . import cors, locate
 from .errors import ConfigError
 
 T = TypeVar("T")
@@ -102,9 +105,44 @@ class HealthPolicy:
     stop_grace_s: float = field(default=10.0, validator=_at_least(0))
 
 
+# server.host: the addresses to listen on.  A list, or one string of comma-separated addresses as
+# llama-server's --host takes them ("127.0.0.1,::1").
+Hosts = NewType("Hosts", tuple[str, ...])
+
+
+def _host_problem(host: str) -> str | None:
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        pass
+    else:
+        return None
+    labels = host.rstrip(".").split(".")
+    if host and len(host) <= 253 and all(_LABEL.fullmatch(label) for label in labels):
+        return None
+    return f"expected an IP address or a host name, got {json.dumps(host)}"
+
+
+_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+
+
+def _hosts(_inst: Any, attr: attrs.Attribute[Any], value: tuple[str, ...]) -> None:
+    if not value:
+        raise _FieldError(attr, "expected at least one address")
+    problems = [problem for host in value if (problem := _host_problem(host)) is not None]
+    if problems:
+        raise _FieldError(attr, "; ".join(problems))
+
+
+def _origins(_inst: Any, attr: attrs.Attribute[Any], value: tuple[str, ...]) -> None:
+    problems = [problem for origin in value if (problem := cors.origin_problem(origin)) is not None]
+    if problems:
+        raise _FieldError(attr, "; ".join(problems))
+
+
 @frozen
 class ServerConfig:
-    host: str = "127.0.0.1"
+    host: Hosts = field(default=Hosts(("127.0.0.1",)), validator=_hosts)
     port: int = field(default=8080, validator=_between(0, 65535))
     max_body_bytes: int = field(default=4 * 1024 * 1024, validator=_at_least(1))
     # Requests that wait for a free slot, in arrival order; one more gets 503 with Retry-After.
@@ -115,6 +153,12 @@ class ServerConfig:
     shutdown_grace_s: float = field(default=30.0, validator=_at_least(0))
     # Empty: $RUNTIME_DIRECTORY (systemd), else $XDG_RUNTIME_DIR/onebit, else /tmp/onebit-<uid>.
     runtime_dir: str = ""
+    # Browser pages that may call the API (CORS; supervisor/cors.py): "*", "localhost" (any
+    # loopback origin) or exact origins.  A cross-site POST from any other page is refused.
+    cors_origins: tuple[str, ...] = field(default=(cors.LOOPBACK,), validator=_origins)
+    # GET /slots relays the decoder's slots, every client's prompt included (llama-server's --slots);
+    # off: 501, as llama-server's --no-slots answers.
+    slots_endpoint: bool = False
 
 
 @frozen
@@ -356,6 +400,18 @@ def _make_converter() -> cattrs.Converter:
         return tuple(items)
 
     conv.register_structure_hook_func(lambda t: getattr(t, "__origin__", None) is tuple, structure_tuple)
+
+    def structure_hosts(value: Any, _type: Any) -> Hosts:
+        if isinstance(value, str):
+            value = value.split(",")
+        elif not isinstance(value, list | tuple) or not all(isinstance(item, str) for item in value):
+            raise TypeError(
+                f"expected an address (or several, comma-separated) or a list of addresses, got {_show(value)}"
+            )
+        return Hosts(tuple(item.strip() for item in value if item.strip()))
+
+    conv.register_structure_hook(Hosts, structure_hosts)
+    conv.register_unstructure_hook(Hosts, list)
     conv.register_structure_hook_factory(attrs.has, lambda cls: _structure_table(conv, cls))
 
     # [[provider]] tables are a tagged union on `kind`.
@@ -471,11 +527,29 @@ def check(config: Config, source: str) -> None:
         for i, cpu in enumerate(provider.cpu_affinity):
             if cpu < 0 or cpu >= (os.cpu_count() or 1):
                 errors.append(f"{source}: provider[{index}].cpu_affinity[{i}]: no such CPU {cpu}")
+    for host in config.server.host:
+        if (problem := _resolve_problem(host)) is not None:
+            errors.append(f"{source}: server.host: {problem}")
     if config.hybrid.enabled and not config.provider:
         errors.append(f"{source}: hybrid.enabled: true, but no [[provider]] is configured")
     errors += [f"{source}: {line}" for line in path_problems(config)]
     if errors:
         raise ConfigError(errors)
+
+
+def _resolve_problem(host: str) -> str | None:
+    """A host name that does not resolve would fail the bind with a resolver traceback."""
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        pass
+    else:
+        return None
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        return f"cannot resolve {host!r}: {exc.strerror or exc}"
+    return None
 
 
 def path_problems(config: Config) -> list[str]:

@@ -37,7 +37,7 @@ from .config import Config, ProviderConfig
 from .config import ExecProvider as ExecProviderConfig
 from .config import LlamaServerProvider as LlamaServerProviderConfig
 from .decoder import DecoderClient
-from .errors import ChildError, ConfigError, RuntimeDirInUse
+from .errors import ChildError, ConfigError, ListenError, RuntimeDirInUse
 from .front import Front
 from .llama_server import LlamaServerLauncher, connection_limit, model_alias
 from .metrics import LiveStatistics, Metrics
@@ -451,6 +451,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except* (ChildError, RuntimeDirInUse) as group:
         for refused in group.exceptions:
             print(f"onebitd: {refused}", file=sys.stderr)
+        status = 1
+    except* ListenError as unbound:
+        for failure in unbound.exceptions:
+            print(f"onebitd: {path}: {failure}", file=sys.stderr)
         status = 1
     return status
 

@@ -4,6 +4,7 @@
     ├── ConfigError            our configuration: a file, a key path, what is wrong
     ├── ChildError             a supervised child process could not be started or kept alive
     ├── RuntimeDirInUse        another onebitd holds the runtime directory's lock
+    ├── ListenError            an address of server.host cannot be listened on (not this machine's, in use)
     ├── DecoderError           the decoder (llama-server) misbehaved
     │   ├── DecoderUnavailable     not ready, failed, or could not be reached (HTTP 503)
     │   └── DecoderProtocolError   answered, but not with what its contract says (HTTP 502)
@@ -17,7 +18,7 @@
         └── Overloaded             every slot busy and the queue full (HTTP 503)
 
 Foreign exceptions (httpx's, OSError from process spawning) are translated into this tree at exactly
-one seam each: ``decoder.py`` for HTTP, ``process.py`` for processes.
+one seam each: ``decoder.py`` for HTTP, ``process.py`` for processes, ``front.py`` for binding.
 """
 
 from __future__ import annotations
@@ -93,6 +94,10 @@ class Overloaded(ClientError):
 
 class RuntimeDirInUse(OnebitError):
     """Another onebitd holds the runtime directory: a second one would remove its sockets and files."""
+
+
+class ListenError(OnebitError):
+    """The front could not bind an address of ``server.host``; the message names the key."""
 
 
 class ShareRefused(OnebitError):

@@ -9,15 +9,14 @@ logged per completion request, whatever happened.
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import itertools
 import json
 import logging
 import os
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
-from urllib.parse import urlsplit
 
 import attrs
 import trio
@@ -25,10 +24,12 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
 from .child import ChildState
-from .completion import ENDPOINTS, Completions, Decoder, decoder_error_envelope
+from .completion import Completions, Decoder, relay_reply
 from .config import ServerConfig
+from .cors import Cors, host_of, is_loopback
 from .decoder import DecoderClient
-from .errors import ClientError, DecoderError, OnebitError
+from .endpoints import Endpoint, Kind, lookup
+from .errors import ClientError, DecoderError, ListenError, OnebitError
 from .logs import ROUTE_LOGGER
 from .respond import Responder
 from .routeline import RouteLine
@@ -41,8 +42,10 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-PASS_THROUGH = ("/tokenize", "/detokenize", "/apply-template")
-LOOPBACK_NAMES = {"localhost", "localhost.", "ip6-localhost"}
+# Answered without an API key, as llama-server answers /health (and onebitd its /metrics).
+PUBLIC = ("/health", "/v1/health", "/metrics", "/metrics/decoder")
+# A scrape waits this long for the decoder's own metrics, then goes without them.
+DECODER_METRICS_TIMEOUT_S = 2.0
 
 
 @attrs.frozen
@@ -63,23 +66,23 @@ class InflightRequest:
         )
 
 
-def _is_loopback(host: str) -> bool:
-    host = host.strip("[]").lower()
-    if host in LOOPBACK_NAMES or host.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+def _probe(hosts: tuple[str, ...], port: int) -> None:
+    """Bind each address once, as hypercorn will, and let go: hypercorn binds them one by one and
+    leaves those it bound open when a later one fails.  Raises ListenError naming the address."""
+    for host in hosts:
+        address = host.strip("[]")
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((address, port))
+            except OSError as exc:
+                raise ListenError(f"server.host: cannot listen on {host} port {port}: {exc.strerror or exc}") from None
 
 
-def _host_of(value: str) -> str:
-    """The host part of a Host header (``name:port``, ``[v6]:port``) or of an origin URL."""
-    if "://" in value:
-        return urlsplit(value).hostname or ""
-    if value.startswith("["):
-        return value[1 : value.find("]")] if "]" in value else value
-    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+def _first(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    found = group.exceptions[0]
+    return _first(found) if isinstance(found, BaseExceptionGroup) else found
 
 
 class Front:
@@ -105,16 +108,17 @@ class Front:
         self.inflight: dict[str, InflightRequest] = {}
         self._inflight_changed = trio.Event()
         self._draining = False
-        self._loopback_only = _is_loopback(server.host)
+        self._loopback_only = all(is_loopback(host) for host in server.host)
         self._keys = [key.encode() for key in server.api_keys]
+        self._cors = Cors(server.cors_origins)
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve until :meth:`stop`; ``started`` with the bound addresses once listening."""
         config = HypercornConfig()
-        host = self.server.host
-        config.bind = [f"[{host}]:{self.server.port}" if ":" in host else f"{host}:{self.server.port}"]
+        port = self.server.port
+        config.bind = [f"[{host.strip('[]')}]:{port}" if ":" in host else f"{host}:{port}" for host in self.server.host]
         # The daemon drains in-flight completions itself (up to server.shutdown_grace_s) before it
         # stops the front; what hypercorn still waits for then is idle keep-alive connections.
         config.graceful_timeout = 2.0
@@ -122,18 +126,27 @@ class Front:
         config.errorlog = logging.getLogger("onebit.hypercorn")
         # A slow client may legitimately hold a stream for minutes; idle keep-alive sockets need not.
         config.keep_alive_timeout = 75
-        await serve(
-            self,  # type: ignore[arg-type]  # hypercorn types its app with its own TypedDicts
-            config,
-            shutdown_trigger=self._shutdown.wait,
-            task_status=task_status,
-            mode="asgi",
-        )
+        _probe(self.server.host, port)
+        try:
+            await serve(
+                self,  # type: ignore[arg-type]  # hypercorn types its app with its own TypedDicts
+                config,
+                shutdown_trigger=self._shutdown.wait,
+                task_status=task_status,
+                mode="asgi",
+            )
+        except* OSError as group:
+            # hypercorn binds every address before it serves (inside its nurseries): this is a bind,
+            # not a request, failing.
+            exc = _first(group)
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise ListenError(f"server.host: cannot listen on {', '.join(config.bind)}: {why}") from exc
 
     def configure(self, server: ServerConfig) -> None:
         """Take the settings `onebitctl reload` may change live (bind address and port stay)."""
         self.server = attrs.evolve(server, host=self.server.host, port=self.server.port)
         self._keys = [key.encode() for key in server.api_keys]
+        self._cors = Cors(server.cors_origins)
 
     async def wait_inflight_changed(self) -> None:
         await self._inflight_changed.wait()
@@ -202,49 +215,102 @@ class Front:
 
     async def _http(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         started = trio.current_time()
-        out = Responder(send, started)
         method: str = scope["method"]
         path: str = scope["path"]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        out = Responder(send, started, self._cors.headers(headers.get("origin")))
+        methods = lookup(path)
+        routed = methods is not None and any(endpoint.routed for endpoint in methods.values())
         try:
+            self._check_host(headers)
+            if method == "OPTIONS":
+                # A preflight carries no credentials: answered before the key check, as llama-server does.
+                preflight = self._cors.preflight(headers.get("origin"), headers.get("access-control-request-headers"))
+                await out.whole(200, b"", "text/plain", preflight)
+                return
             self._check_caller(method, path, headers)
-            if path == "/metrics" and self.metrics is not None:
-                self._allow(method, "GET")
-                await out.whole(200, self.metrics(), METRICS_CONTENT_TYPE)
-            elif path == "/health":
-                self._allow(method, "GET", "HEAD")
-                status, word = self.health()
-                retry = [("retry-after", str(self.server.retry_after_s))] if status != 200 else []
-                await out.json(status, {"status": word}, retry)
-            elif path == "/v1/models":
-                self._allow(method, "GET")
-                await self._pass_through(out, "GET", path, None)
-            elif path in PASS_THROUGH:
-                self._allow(method, "POST")
-                body = await self._read_json(receive, headers)
-                await self._pass_through(out, "POST", path, body)
-            elif path in ENDPOINTS:
-                self._allow(method, "POST")
-                if self.draining:
-                    raise ClientError(
-                        503,
-                        "draining",
-                        "onebitd is draining: not taking new requests",
-                        retry_after=self.server.retry_after_s,
-                    )
-                body = await self._read_json(receive, headers)
-                await self._completion(path, body, receive, out)
-            else:
+            if methods is None:
                 raise ClientError(404, "not_found", f"no such endpoint: {path}")
+            endpoint = methods.get("GET" if method == "HEAD" else method)
+            if endpoint is None:
+                allowed = [*methods, *(["HEAD"] if "GET" in methods else [])]
+                self._allow(method, *allowed)
+            assert endpoint is not None
+            await self._dispatch(endpoint, method, path, scope, headers, receive, out)
         except ClientError as exc:
             if not out.started:
                 await out.error(exc.status, exc.code, exc.message, retry_after=exc.retry_after)
-            if path in ENDPOINTS:
+            if routed:
                 # Refused before _completion (caller, method, body): it logs its own line otherwise.
                 self._refused(path, exc, out, started)
         except DecoderError as exc:
             if not out.started:
                 await out.error(exc.status, exc.code, exc.message, retry_after=self._retry_after(exc))
+
+    async def _dispatch(
+        self,
+        endpoint: Endpoint,
+        method: str,
+        path: str,
+        scope: dict[str, Any],
+        headers: dict[str, str],
+        receive: Receive,
+        out: Responder,
+    ) -> None:
+        if endpoint.kind is Kind.LOCAL:
+            await self._local(path, out)
+        elif endpoint.kind is Kind.REFUSED:
+            await out.llama_error(501, "not_supported_error", endpoint.why)
+        elif endpoint.kind is Kind.RELAY:
+            if path == "/slots" and not self.server.slots_endpoint:
+                # llama-server's --no-slots answer, in its words and shape.
+                await out.llama_error(
+                    501,
+                    "not_supported_error",
+                    "This server does not support slots endpoint: /slots shows every client's prompt; "
+                    "set server.slots_endpoint = true in onebit.toml to serve it (llama-server's --slots)",
+                )
+                return
+            query = scope.get("query_string", b"").decode("latin-1")
+            target = f"{path}?{query}" if query else path
+            body = await self._read_json(receive, headers) if method == "POST" else None
+            await self._pass_through(out, "POST" if method == "POST" else "GET", target, body)
+        else:
+            if self.draining:
+                raise ClientError(
+                    503,
+                    "draining",
+                    "onebitd is draining: not taking new requests",
+                    retry_after=self.server.retry_after_s,
+                )
+            body = await self._read_json(receive, headers)
+            await self._completion(path, body, receive, out, endpoint)
+
+    async def _local(self, path: str, out: Responder) -> None:
+        if path in ("/health", "/v1/health"):
+            status, word = self.health()
+            retry = [("retry-after", str(self.server.retry_after_s))] if status != 200 else []
+            await out.json(status, {"status": word}, retry)
+        elif path == "/metrics/decoder":
+            await self._pass_through(out, "GET", "/metrics", None)
+        elif self.metrics is None:
+            raise ClientError(404, "not_found", f"no such endpoint: {path}")
+        else:
+            await out.whole(200, self.metrics() + await self._decoder_metrics(), METRICS_CONTENT_TYPE)
+
+    async def _decoder_metrics(self) -> bytes:
+        """The decoder's own metrics (llama-server's ``llamacpp:*`` names, from its ``--metrics``),
+        appended to onebitd's, so that one scrape has both; nothing while it is not ready."""
+        if self.decoder.state is not ChildState.READY:
+            return b""
+        with trio.move_on_after(DECODER_METRICS_TIMEOUT_S):
+            try:
+                reply = await self.client.request("GET", "/metrics")
+            except DecoderError:
+                return b""
+            if reply.status == 200:
+                return reply.body if reply.body.endswith(b"\n") or not reply.body else reply.body + b"\n"
+        return b""
 
     def _refused(self, path: str, exc: ClientError, out: Responder, started: float) -> None:
         """A completion request refused before it began still gets its one route line."""
@@ -262,24 +328,31 @@ class Front:
         if method not in allowed:
             raise ClientError(405, "method_not_allowed", f"{method} is not allowed here; use {', '.join(allowed)}")
 
-    def _check_caller(self, method: str, path: str, headers: dict[str, str]) -> None:
+    def _check_host(self, headers: dict[str, str]) -> None:
         if self._loopback_only:
             # DNS rebinding: a page on evil.example resolving to 127.0.0.1 still sends its own Host.
-            host = _host_of(headers.get("host", ""))
-            if host and not _is_loopback(host):
+            host = host_of(headers.get("host", ""))
+            if host and not is_loopback(host):
                 raise ClientError(403, "forbidden_host", f"Host {host!r} is not allowed on a loopback bind")
-            origin = headers.get("origin")
-            if method == "POST" and origin and origin != "null" and not _is_loopback(_host_of(origin)):
-                raise ClientError(403, "cross_origin", f"cross-site request from {origin!r} refused")
-        if self._keys and path not in ("/health", "/metrics"):
-            given = headers.get("authorization", "")
-            token = given[7:].strip().encode() if given[:7].lower() == "bearer " else b""
+
+    def _check_caller(self, method: str, path: str, headers: dict[str, str]) -> None:
+        origin = headers.get("origin")
+        if method not in ("GET", "HEAD") and origin and not self._cors.allows(origin):
+            # A browser sends a "simple" POST cross-site without asking first: CORS would only hide
+            # the answer from the page, not stop the request.
+            raise ClientError(403, "cross_origin", f"cross-site request from {origin!r} refused (server.cors_origins)")
+        if self._keys and path not in PUBLIC:
+            # llama-server takes the key from Authorization (Bearer optional), else X-Api-Key.
+            given = headers.get("authorization") or headers.get("x-api-key", "")
+            token = (given[7:] if given[:7].lower() == "bearer " else given).strip().encode()
             # Compare against every key, so the time taken does not say which one nearly matched.
             matched = False
             for key in self._keys:
                 matched |= hmac.compare_digest(token, key)
             if not matched:
-                raise ClientError(401, "invalid_api_key", "missing or wrong API key (Authorization: Bearer ...)")
+                raise ClientError(
+                    401, "invalid_api_key", "missing or wrong API key (Authorization: Bearer ..., or X-Api-Key)"
+                )
 
     async def _read_json(self, receive: Receive, headers: dict[str, str]) -> dict[str, Any]:
         limit = self.server.max_body_bytes
@@ -311,15 +384,13 @@ class Front:
     async def _pass_through(self, out: Responder, method: str, path: str, body: Any) -> None:
         self.completions.check_ready()
         reply = await self.client.request(method, path, body)
-        if 200 <= reply.status < 300:
-            await out.whole(reply.status, reply.body, reply.headers.get("content-type", "application/json"))
-        else:
-            message, type_, code = decoder_error_envelope(reply.status, reply.body)
-            await out.error(reply.status, code, message, source="decoder", type_=type_)
+        await relay_reply(out, reply.status, reply.headers, reply.body)
 
     # -- a completion request, in its own cancel scope ----------------------------------------------
 
-    async def _completion(self, path: str, body: dict[str, Any], receive: Receive, out: Responder) -> None:
+    async def _completion(
+        self, path: str, body: dict[str, Any], receive: Receive, out: Responder, endpoint: Endpoint
+    ) -> None:
         req = f"{self._prefix}-{next(self._ids)}"
         line = RouteLine(req=req, endpoint=path)
         started = trio.current_time()
@@ -330,7 +401,10 @@ class Front:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._watch_disconnect, receive, nursery.cancel_scope, gone, out)
                 try:
-                    await self.completions.serve(path, body, out, line)
+                    if endpoint.kind is Kind.COMPLETION:
+                        await self.completions.serve(endpoint.canonical, body, out, line)
+                    else:
+                        await self.completions.relay(endpoint.canonical, body, out, line, pinned=endpoint.pinned)
                 except ClientError as exc:
                     line.outcome, line.error = "error", exc.message
                     await out.error(exc.status, exc.code, exc.message, retry_after=exc.retry_after)

@@ -82,6 +82,9 @@ class LlamaServerLauncher:
             # An explicit bound on llama-server's in-memory prompt cache (see CacheConfig.ram_mib);
             # extra_args come later, and llama-server's last occurrence of an option wins.
             "--cache-ram", str(config.cache.ram_mib),
+            # llama-server's Prometheus metrics: onebitd appends them to its own /metrics and
+            # relays them at /metrics/decoder.  Counting costs nothing measurable; exposing is opt-in.
+            "--metrics",
         ]  # fmt: skip
         if threads:
             self._argv += ["-t", str(threads)]

@@ -1,8 +1,11 @@
 """The way back to the HTTP client: an ASGI ``send`` with the JSON error envelope and first-byte timing.
 
-Every error onebit answers has one shape, and says who produced it:
+Every error onebitd itself answers has one shape, and says who produced it:
 
     {"error": {"message": "...", "type": "invalid_request_error", "code": "bad_json", "source": "onebitd"}}
+
+What the decoder answered (a reply, or an error in llama-server's own shape) is relayed as it wrote it.
+Every response says who produced it in ``X-Onebit-Source: onebitd|decoder``.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from typing import Any
 import trio
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+SOURCE_HEADER = "x-onebit-source"
 
 
 def error_body(status: int, code: str, message: str, *, source: str = "onebitd", type_: str = "") -> bytes:
@@ -28,9 +33,10 @@ def error_body(status: int, code: str, message: str, *, source: str = "onebitd",
 class Responder:
     """Wraps ASGI ``send``: remembers whether the response started and when the first byte left."""
 
-    def __init__(self, send: Send, started_at: float) -> None:
+    def __init__(self, send: Send, started_at: float, headers: Iterable[tuple[str, str]] = ()) -> None:
         self._send = send
         self._started_at = started_at
+        self._headers = list(headers)  # on every response (the CORS headers)
         self.status: int | None = None
         self.first_byte_ms: float | None = None
         self.finished = False
@@ -39,13 +45,14 @@ class Responder:
     def started(self) -> bool:
         return self.status is not None
 
-    async def start(self, status: int, headers: Iterable[tuple[str, str]] = ()) -> None:
+    async def start(self, status: int, headers: Iterable[tuple[str, str]] = (), *, source: str = "onebitd") -> None:
         self.status = status
+        every = [*headers, *self._headers, (SOURCE_HEADER, source)]
         await self._send(
             {
                 "type": "http.response.start",
                 "status": status,
-                "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers],
+                "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in every],
             }
         )
 
@@ -58,8 +65,17 @@ class Responder:
             self.finished = True
         await self._send({"type": "http.response.body", "body": chunk, "more_body": more})
 
-    async def whole(self, status: int, body: bytes, content_type: str, headers: Iterable[tuple[str, str]] = ()) -> None:
-        await self.start(status, [("content-type", content_type), ("content-length", str(len(body))), *headers])
+    async def whole(
+        self,
+        status: int,
+        body: bytes,
+        content_type: str,
+        headers: Iterable[tuple[str, str]] = (),
+        *,
+        source: str = "onebitd",
+    ) -> None:
+        head = [("content-type", content_type), ("content-length", str(len(body))), *headers]
+        await self.start(status, head, source=source)
         await self.body(body, more=False)
 
     async def json(self, status: int, data: Any, headers: Iterable[tuple[str, str]] = ()) -> None:
@@ -82,3 +98,9 @@ class Responder:
             "application/json",
             headers,
         )
+
+    async def llama_error(self, status: int, type_: str, message: str) -> None:
+        """onebitd's answer in llama-server's error shape, where it stands in for an answer llama-server
+        gives itself (a feature that is off): ``{"error": {"code": 501, "message", "type"}}``."""
+        body = json.dumps({"error": {"code": status, "message": message, "type": type_}}).encode()
+        await self.whole(status, body, "application/json; charset=utf-8")

@@ -8,6 +8,12 @@ reply echoes the prompt's last words, ``timings`` and ``usage`` as llama-server 
 steered the same way: by that module's :class:`~tests.fake_decoder.Modes`, the one set of mode names
 every fake decoder understands (``fake.modes = Modes(restore_refuse=True)``).
 
+Beyond the completions it answers the other endpoints onebitd relays in llama-server's shapes, as a
+decoder started without ``--embeddings``/``--reranking`` does: ``GET /props``, ``/slots``,
+``/v1/models``, ``/models``, ``/lora-adapters``, ``/metrics``; ``POST /v1/messages`` (whole or
+streamed, Anthropic's shape), ``/v1/messages/count_tokens``; embeddings and rerank 501.  ``seen``
+keeps every request's path, query and body, for tests to see what onebitd asked.
+
 The slot cache is llama-server's: a slot holding a prefix of the prompt evaluates only the rest (at
 least one token), a restore fills the slot from a ``{"fake_state": true, "tokens": [...]}`` file in
 ``state_dir``, an erase empties it.  ``?action=share`` answers 400 as a stock llama-server does.
@@ -16,7 +22,7 @@ least one token), a restore fills the slot from a ``{"fake_state": true, "tokens
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, cast
 from urllib.parse import parse_qs
@@ -52,6 +58,7 @@ class FakeLlama:
     modes: Modes = attrs.Factory(Modes)
     slots: list[list[int]] = attrs.field(init=False)
     requests: list[Request] = attrs.Factory(list)
+    seen: list[tuple[str, str, Any]] = attrs.Factory(list)  # (path, query, body) of every request
     actions: list[tuple[str, int]] = attrs.Factory(list)  # (action, slot), in order
     # Set while a streamed reply is paused after its first token (modes.hold).
     release: trio.Event = attrs.Factory(trio.Event)
@@ -68,9 +75,12 @@ class FakeLlama:
     async def handle(self, request: httpx.Request) -> httpx.Response:
         body: Any = json.loads(request.content) if request.content else {}
         path = request.url.path
+        self.seen.append((path, request.url.query.decode(), body))
         try:
             if path == "/health":
                 return httpx.Response(200, json={"status": "ok"})
+            if path in OTHERS:
+                return await OTHERS[path](self, body)
             if path == "/tokenize":
                 return httpx.Response(200, json={"tokens": self.tokenize(body.get("content"))})
             if path == "/apply-template":
@@ -163,3 +173,82 @@ class Events(httpx.AsyncByteStream):
 
 def _event(data: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(data).encode() + b"\n\n"
+
+
+def _not_supported(message: str) -> httpx.Response:
+    return httpx.Response(
+        501,
+        json={"error": {"code": 501, "message": message, "type": "not_supported_error"}},
+        headers={"content-type": "application/json; charset=utf-8"},
+    )
+
+
+async def _props(fake: FakeLlama, body: Any) -> httpx.Response:
+    return httpx.Response(200, json={"total_slots": fake.n_slots, "model_alias": fake.alias, "build_info": "fake"})
+
+
+async def _slots(fake: FakeLlama, body: Any) -> httpx.Response:
+    return httpx.Response(200, json=[{"id": i, "is_processing": False} for i in range(fake.n_slots)])
+
+
+async def _models(fake: FakeLlama, body: Any) -> httpx.Response:
+    return httpx.Response(200, json={"object": "list", "data": [{"id": fake.alias, "object": "model"}]})
+
+
+async def _lora(fake: FakeLlama, body: Any) -> httpx.Response:
+    return httpx.Response(200, json=[])
+
+
+async def _metrics(fake: FakeLlama, body: Any) -> httpx.Response:
+    text = "# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.\n"
+    text += "# TYPE llamacpp:prompt_tokens_total counter\nllamacpp:prompt_tokens_total 42\n"
+    return httpx.Response(200, content=text.encode(), headers={"content-type": "text/plain; version=0.0.4"})
+
+
+async def _embeddings(fake: FakeLlama, body: Any) -> httpx.Response:
+    return _not_supported("This server does not support embeddings. Start it with `--embeddings`")
+
+
+async def _rerank(fake: FakeLlama, body: Any) -> httpx.Response:
+    return _not_supported("This server does not support reranking. Start it with `--reranking`")
+
+
+async def _count_tokens(fake: FakeLlama, body: Any) -> httpx.Response:
+    return httpx.Response(200, json={"input_tokens": len(chatml(body.get("messages")).split())})
+
+
+async def _messages(fake: FakeLlama, body: Any) -> httpx.Response:
+    """Anthropic's Messages API: the last message's words echoed, ``max_tokens`` of them."""
+    words = str(body["messages"][-1]["content"]).split() or ["ok"]
+    out = [words[i % len(words)] for i in range(int(body.get("max_tokens", 4)))]
+    usage = {"input_tokens": len(chatml(body["messages"]).split()), "output_tokens": len(out)}
+    if body.get("stream") is not True:
+        content = [{"type": "text", "text": " ".join(out)}]
+        return httpx.Response(200, json={"type": "message", "role": "assistant", "content": content, "usage": usage})
+
+    async def events() -> AsyncIterator[bytes]:
+        yield b'event: message_start\ndata: {"type": "message_start"}\n\n'
+        for word in out:
+            delta = {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": word}}
+            yield b"event: content_block_delta\ndata: " + json.dumps(delta).encode() + b"\n\n"
+        stop = {"type": "message_delta", "usage": usage}
+        yield b"event: message_delta\ndata: " + json.dumps(stop).encode() + b"\n\n"
+        yield b'event: message_stop\ndata: {"type": "message_stop"}\n\n'
+
+    return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=Events(events()))
+
+
+Handler = Callable[[FakeLlama, Any], Awaitable[httpx.Response]]
+OTHERS: dict[str, Handler] = {
+    "/props": _props,
+    "/slots": _slots,
+    "/v1/models": _models,
+    "/models": _models,
+    "/lora-adapters": _lora,
+    "/metrics": _metrics,
+    "/embeddings": _embeddings,
+    "/v1/embeddings": _embeddings,
+    "/rerank": _rerank,
+    "/v1/messages": _messages,
+    "/v1/messages/count_tokens": _count_tokens,
+}

@@ -57,6 +57,21 @@ def assert_envelope(reply: httpx.Response, status: int, source: str = "onebitd")
     assert set(error) == {"message", "type", "code", "source"}
     assert all(isinstance(error[key], str) and error[key] for key in ("message", "type", "code"))
     assert error["source"] == source
+    assert reply.headers["x-onebit-source"] == "onebitd"
+    return error
+
+
+def assert_decoder_error(reply: httpx.Response, status: int) -> dict[str, Any]:
+    """An error llama-server wrote, relayed as it wrote it: its shape, ``code`` the status as a number."""
+    assert reply.status_code == status, reply.text
+    assert reply.headers["x-onebit-source"] == "decoder"
+    assert reply.headers["content-type"].startswith("application/json")
+    body = reply.json()
+    assert set(body) == {"error"}
+    error: dict[str, Any] = body["error"]
+    assert {"message", "type", "code"} <= set(error)
+    assert "source" not in error
+    assert error["code"] == status
     return error
 
 

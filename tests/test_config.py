@@ -95,7 +95,7 @@ def test_a_float_is_not_an_int(site: dict[str, Any]) -> None:
 
 
 def test_an_int_is_not_a_string(site: dict[str, Any]) -> None:
-    assert problems_with(site, server={"host": 5}) == ["site.toml: server.host: expected string, got 5"]
+    assert problems_with(site, server={"runtime_dir": 5}) == ["site.toml: server.runtime_dir: expected string, got 5"]
 
 
 def test_a_table_is_not_a_list(site: dict[str, Any]) -> None:
@@ -114,7 +114,46 @@ def test_a_value_where_a_table_belongs_is_refused() -> None:
 
 
 def test_a_date_is_shown_as_the_file_spells_it() -> None:
-    assert problems("[server]\nhost = 2024-01-31\n") == ["site.toml: server.host: expected string, got 2024-01-31"]
+    assert problems("[server]\nruntime_dir = 2024-01-31\n") == [
+        "site.toml: server.runtime_dir: expected string, got 2024-01-31"
+    ]
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1,::1", " 127.0.0.1 , ::1 ", ["127.0.0.1", "::1"]])
+def test_server_host_takes_a_list_or_a_comma_separated_string_as_llama_server_does(
+    site: dict[str, Any], host: str | list[str]
+) -> None:
+    config = configuration.loads(tomli_w.dumps(merged(site, {"server": {"host": host}})), SOURCE)
+    assert config.server.host == ("127.0.0.1", "::1")
+    assert configuration.unstructure(config)["server"]["host"] == ["127.0.0.1", "::1"]
+
+
+@pytest.mark.parametrize(
+    ("host", "line"),
+    [
+        ("127.0.0.1,not a host!", 'server.host: expected an IP address or a host name, got "not a host!"'),
+        ("", "server.host: expected at least one address"),
+        ([], "server.host: expected at least one address"),
+        ([1], "server.host: expected an address (or several, comma-separated) or a list of addresses, got [1]"),
+        ("no-such-host.invalid", "server.host: cannot resolve 'no-such-host.invalid': "),
+    ],
+    ids=["syntax", "empty-string", "empty-list", "not-strings", "unresolvable"],
+)
+def test_a_bad_server_host_is_a_config_error_naming_the_key(
+    site: dict[str, Any], host: str | list[Any], line: str
+) -> None:
+    [problem] = problems_with(site, server={"host": host})
+    assert problem.startswith(f"{SOURCE}: {line}")
+
+
+def test_cors_origins_takes_star_localhost_and_exact_origins_only(site: dict[str, Any]) -> None:
+    good = ["*", "localhost", "https://app.example:8443", "http://[::1]:3000"]
+    assert configuration.loads(tomli_w.dumps(merged(site, {"server": {"cors_origins": good}})), SOURCE)
+    assert problems_with(site, server={"cors_origins": ["localhost", "app.example", "https://x/path"]}) == [
+        f'{SOURCE}: server.cors_origins: expected "*", "localhost" or an origin like '
+        f'"https://app.example:8443", got \'app.example\'; expected "*", "localhost" or an origin like '
+        f"\"https://app.example:8443\", got 'https://x/path'"
+    ]
 
 
 def test_a_port_out_of_range_names_the_key(site: dict[str, Any]) -> None:
@@ -182,7 +221,7 @@ def test_every_problem_in_a_table_is_reported_at_once(site: dict[str, Any]) -> N
         "site.toml: decoder.health.failures: must be at least 1, got 0",
         "site.toml: decoder.health.typo: unknown key",
         "site.toml: server.bogus: unknown key",
-        "site.toml: server.host: expected string, got 5",
+        "site.toml: server.host: expected an address (or several, comma-separated) or a list of addresses, got 5",
         "site.toml: server.port: must be between 0 and 65535, got 70000",
         "site.toml: server.queue_limit: must be at least 0, got -1",
     ]

@@ -24,6 +24,7 @@ from supervisor.child import ChildState
 from .helpers import (
     CHAT,
     HeldStream,
+    assert_decoder_error,
     assert_envelope,
     chat,
     client_for,
@@ -113,16 +114,15 @@ async def test_an_unknown_path_is_404_and_a_wrong_method_is_405(short_dir: Path,
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
-async def test_a_decoder_400_is_relayed_with_source_decoder(
+async def test_a_decoder_400_is_relayed_as_the_decoder_wrote_it(
     short_dir: Path, control: Control, route_lines: RouteLines, stream: bool
 ) -> None:
     with trio.fail_after(TIMEOUT):
         async with run_daemon(fake_decoder_config(short_dir)) as running, client_for(running) as client:
             # llama.cpp's native endpoint requires "prompt": only the decoder knows that.
             reply = await client.post("/completion", json={"n_predict": 3, "stream": stream})
-            error = assert_envelope(reply, 400, source="decoder")
+            error = assert_decoder_error(reply, 400)
             assert "prompt" in error["message"]
-            assert error["code"] == "decoder_http_400"
             assert error["type"] == "invalid_request_error"
     [line] = route_lines.lines
     assert (line["status"], line["outcome"]) == (400, "error")
@@ -161,19 +161,33 @@ async def test_a_loopback_bind_refuses_a_cross_site_origin_on_post(short_dir: Pa
 
 async def test_api_keys_are_required_everywhere_but_health(short_dir: Path, control: Control) -> None:
     config = fake_decoder_config(short_dir, server={"api_keys": ["first-key", "second-key"]})
+    refused: list[dict[str, str]] = [
+        {},
+        {"authorization": "Bearer wrong-key"},
+        {"x-api-key": "wrong-key"},
+        # As llama-server: Authorization, when given, is the key; X-Api-Key is read only without it.
+        {"authorization": "Bearer wrong-key", "x-api-key": "first-key"},
+    ]
+    accepted: list[dict[str, str]] = [
+        {"authorization": "Bearer first-key"},
+        {"authorization": "Bearer second-key"},
+        {"authorization": "second-key"},  # llama-server takes the key without "Bearer " too
+        {"x-api-key": "first-key"},  # the Anthropic clients' header
+    ]
     with trio.fail_after(TIMEOUT):
         async with run_daemon(config) as running, client_for(running) as client:
-            for headers in ({}, {"authorization": "Bearer wrong-key"}, {"authorization": "first-key"}):
+            for headers in refused:
                 reply = await client.post(CHAT, json=chat("hi"), headers=headers)
                 error = assert_envelope(reply, 401)
                 assert (error["code"], error["type"]) == ("invalid_api_key", "authentication_error")
                 assert (await client.get("/v1/models", headers=headers)).status_code == 401
-            for key in ("first-key", "second-key"):
-                reply = await client.post(CHAT, json=chat("hi"), headers={"authorization": f"Bearer {key}"})
-                assert reply.status_code == 200
-            health = await client.get("/health")
-            assert (health.status_code, health.json()) == (200, {"status": "ok"})
-    assert len(control.entries()) == 2
+            for headers in accepted:
+                reply = await client.post(CHAT, json=chat("hi"), headers=headers)
+                assert reply.status_code == 200, headers
+            for path in ("/health", "/v1/health"):
+                health = await client.get(path)
+                assert (health.status_code, health.json()) == (200, {"status": "ok"})
+    assert len(control.entries()) == len(accepted)
 
 
 # -- the decoder's state ----------------------------------------------------------------------------
@@ -380,7 +394,7 @@ async def test_pass_through_endpoints_reach_the_decoder(short_dir: Path, control
             template = await client.post("/apply-template", json={"messages": [{"role": "user", "content": "hi"}]})
             assert "hi" in template.json()["prompt"]
             bad = await client.post("/detokenize", json={"tokens": "not a list"})
-            assert_envelope(bad, 400, source="decoder")
+            assert_decoder_error(bad, 400)
     assert control.entries() == []  # none of these is a completion: no slot was taken
 
 

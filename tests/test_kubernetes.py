@@ -55,7 +55,7 @@ def test_the_configmap_holds_a_config_onebitd_accepts_serving_on_every_interface
     manifests: dict[str, dict[str, Any]],
 ) -> None:
     config = onebit_config(manifests)
-    assert config.server.host == "0.0.0.0"  # the kubelet and the Service reach the pod's own address
+    assert config.server.host == ("0.0.0.0",)  # the kubelet and the Service reach the pod's own address
     mounts = {m["name"]: m["mountPath"] for m in container(manifests)["volumeMounts"]}
     assert config.server.runtime_dir == mounts["runtime"]
     assert container(manifests)["command"] == ["onebitd", "--config", f"{mounts['config']}/onebit.toml"]

@@ -1,0 +1,105 @@
+"""Who may call onebitd from a browser page: CORS, as llama-server answers it, and the loopback names.
+
+llama-server (build 11434, tools/server/server-http.cpp) answers every request before routing:
+
+- ``--cors-origins *`` (its default) with ``--cors-credentials`` (its default): the request's
+  ``Origin`` is echoed in ``Access-Control-Allow-Origin``, whatever it is;
+- ``--cors-origins localhost``: echoed only for an origin whose host is localhost, 127.0.0.1 or ::1
+  (the default it takes when its tools or MCP servers are on);
+- an ``OPTIONS`` preflight is answered at once, before the API key check (a browser sends no
+  credentials with one), with ``Access-Control-Allow-Methods``/``-Headers``/``-Credentials``.
+
+onebitd's ``server.cors_origins`` is a list of ``"*"``, ``"localhost"`` and exact origins
+(``"https://app.example:8443"``); an origin is echoed when any entry allows it.  Its default is
+``["localhost"]``: the cross-site guard onebitd always had on a loopback bind (a page on
+evil.example may not make a browser post to it), which llama-server's default ``*`` does not keep.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from urllib.parse import urlsplit
+
+import attrs
+
+ANY = "*"
+LOOPBACK = "localhost"
+LOOPBACK_NAMES = {"localhost", "localhost.", "ip6-localhost"}
+# What onebitd serves: llama-server's default list less DELETE, which no endpoint here takes.
+ALLOW_METHODS = "GET, POST, OPTIONS"
+# How long a browser may reuse a preflight's answer (seconds): a reload changes cors_origins rarely.
+MAX_AGE_S = 600
+
+
+def is_loopback(host: str) -> bool:
+    host = host.strip("[]").lower()
+    if host in LOOPBACK_NAMES or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def host_of(value: str) -> str:
+    """The host part of a Host header (``name:port``, ``[v6]:port``) or of an origin URL."""
+    if "://" in value:
+        try:
+            return urlsplit(value).hostname or ""
+        except ValueError:  # an origin that is no URL (``http://[``): no host anyone allows
+            return ""
+    if value.startswith("["):
+        return value[1 : value.find("]")] if "]" in value else value
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+def origin_problem(entry: str) -> str | None:
+    """Why ``entry`` cannot be a ``server.cors_origins`` entry, or None."""
+    if entry in (ANY, LOOPBACK, "null"):
+        return None
+    try:
+        parts = urlsplit(entry)
+    except ValueError:
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
+        return f'expected "*", "localhost" or an origin like "https://app.example:8443", got {entry!r}'
+    return None
+
+
+@attrs.frozen
+class Cors:
+    origins: tuple[str, ...] = (LOOPBACK,)
+
+    def allows(self, origin: str) -> bool:
+        wanted = origin.rstrip("/").lower()
+        for entry in self.origins:
+            if entry == ANY:
+                return True
+            if entry == LOOPBACK:
+                if wanted != "null" and is_loopback(host_of(wanted)):
+                    return True
+            elif entry.rstrip("/").lower() == wanted:
+                return True
+        return False
+
+    def headers(self, origin: str | None) -> list[tuple[str, str]]:
+        """For every response: the allowed ``Origin`` echoed, as llama-server does with credentials."""
+        if not origin or not self.allows(origin):
+            return []
+        return [
+            ("access-control-allow-origin", origin),
+            ("access-control-allow-credentials", "true"),
+            ("vary", "Origin"),
+        ]
+
+    def preflight(self, origin: str | None, requested_headers: str | None) -> list[tuple[str, str]]:
+        """For an ``OPTIONS`` preflight, besides :meth:`headers`.  The requested headers are echoed:
+        a ``*`` does not cover ``Authorization`` in a browser, and a credentialed request takes it
+        literally."""
+        if not origin or not self.allows(origin):
+            return []
+        return [
+            ("access-control-allow-methods", ALLOW_METHODS),
+            ("access-control-allow-headers", requested_headers or "*"),
+            ("access-control-max-age", str(MAX_AGE_S)),
+        ]

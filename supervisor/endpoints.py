@@ -1,0 +1,115 @@
+"""llama-server's HTTP API as onebitd serves it: for every path a client may use, who answers it.
+
+The paths are llama-server's own route table (tools/server/server.cpp of build 11434), so a client
+written for llama-server finds every endpoint it knows at the same path, by every spelling:
+
+- ``COMPLETION``: the completion endpoints, routed (a slot of onebitd's, maybe a hybrid route);
+- ``SLOT``: the model runs on a slot (embeddings, rerank, infill, the Anthropic and Responses APIs):
+  relayed on the plain route with a slot of its own, so onebitd's slot count stays the decoder's;
+- ``RELAY``: relayed as is (no slot: tokenizing, token counts, the model list, ``/props``);
+- ``LOCAL``: answered by onebitd itself (``/health``, ``/metrics``);
+- ``REFUSED``: what would change the decoder's settings or slots, which onebitd owns.
+
+A path not here is answered 404; a known path asked with another method, 405.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+CHAT = "/v1/chat/completions"  # the same string as routes.prompt.CHAT: the handoff logic's endpoint
+
+
+class Kind(enum.Enum):
+    COMPLETION = "completion"
+    SLOT = "slot"
+    RELAY = "relay"
+    LOCAL = "local"
+    REFUSED = "refused"
+
+
+@attrs.frozen
+class Endpoint:
+    kind: Kind
+    # The path asked of the decoder, and the endpoint the handoff logic knows it by: every spelling
+    # of one llama-server handler maps to one path (``/chat/completions`` is ``/v1/chat/completions``).
+    canonical: str = ""
+    # SLOT: llama-server honours ``id_slot`` here.  Embeddings and rerank tasks take no ``id_slot``,
+    # and the Anthropic conversion drops it: those run on a slot llama-server picks.
+    pinned: bool = True
+    # REFUSED: why, in the answer's words.
+    why: str = ""
+
+    @property
+    def routed(self) -> bool:
+        """A request that takes a slot: it is queued, counted in flight and gets a route line."""
+        return self.kind in (Kind.COMPLETION, Kind.SLOT)
+
+
+def _completion(canonical: str) -> Endpoint:
+    return Endpoint(Kind.COMPLETION, canonical)
+
+
+def _slot(canonical: str, *, pinned: bool = True) -> Endpoint:
+    return Endpoint(Kind.SLOT, canonical, pinned=pinned)
+
+
+_RELAY = Endpoint(Kind.RELAY)
+_LOCAL = Endpoint(Kind.LOCAL)
+_SETTINGS = Endpoint(
+    Kind.REFUSED,
+    why="onebitd owns the decoder's settings: change them in onebit.toml (decoder.extra_args) and reload",
+)
+_SLOT_ACTIONS = Endpoint(
+    Kind.REFUSED,
+    why="onebitd owns the decoder's slots (it saves, restores and erases them for its routes); "
+    "slot actions are not taken from clients",
+)
+
+# path -> method -> endpoint.  HEAD is allowed wherever GET is.
+ROUTES: dict[str, dict[str, Endpoint]] = {
+    "/health": {"GET": _LOCAL},
+    "/v1/health": {"GET": _LOCAL},
+    "/metrics": {"GET": _LOCAL},
+    "/metrics/decoder": {"GET": _LOCAL},
+    "/v1/chat/completions": {"POST": _completion(CHAT)},
+    "/chat/completions": {"POST": _completion(CHAT)},
+    "/v1/completions": {"POST": _completion("/v1/completions")},
+    # llama-server's /completions is its native endpoint (the handler of /completion), not OpenAI's.
+    "/completions": {"POST": _completion("/completion")},
+    "/completion": {"POST": _completion("/completion")},
+    "/infill": {"POST": _slot("/infill")},
+    "/v1/responses": {"POST": _slot("/v1/responses")},
+    "/responses": {"POST": _slot("/v1/responses")},
+    "/v1/messages": {"POST": _slot("/v1/messages", pinned=False)},
+    "/embedding": {"POST": _slot("/embeddings", pinned=False)},
+    "/embeddings": {"POST": _slot("/embeddings", pinned=False)},
+    "/v1/embeddings": {"POST": _slot("/v1/embeddings", pinned=False)},
+    "/rerank": {"POST": _slot("/rerank", pinned=False)},
+    "/reranking": {"POST": _slot("/rerank", pinned=False)},
+    "/v1/rerank": {"POST": _slot("/rerank", pinned=False)},
+    "/v1/reranking": {"POST": _slot("/rerank", pinned=False)},
+    "/tokenize": {"POST": _RELAY},
+    "/detokenize": {"POST": _RELAY},
+    "/apply-template": {"POST": _RELAY},
+    "/chat/completions/input_tokens": {"POST": _RELAY},
+    "/v1/chat/completions/input_tokens": {"POST": _RELAY},
+    "/responses/input_tokens": {"POST": _RELAY},
+    "/v1/responses/input_tokens": {"POST": _RELAY},
+    "/v1/messages/count_tokens": {"POST": _RELAY},
+    "/v1/chat/completions/control": {"POST": _RELAY},
+    "/v1/models": {"GET": _RELAY},
+    "/models": {"GET": _RELAY},
+    "/props": {"GET": _RELAY, "POST": _SETTINGS},
+    "/lora-adapters": {"GET": _RELAY, "POST": _SETTINGS},
+    "/slots": {"GET": _RELAY},  # only with server.slots_endpoint: it shows every client's prompt
+}
+
+
+def lookup(path: str) -> dict[str, Endpoint] | None:
+    """The methods served at ``path``, or None for a path onebitd does not know."""
+    if path.startswith("/slots/"):
+        return {"POST": _SLOT_ACTIONS}
+    return ROUTES.get(path)

@@ -1,0 +1,426 @@
+"""llama-server's API through ``Front``, in process: every spelling, every relayed endpoint, the
+refusals, CORS and the key headers, against tests/fake_llama.py and driven through ASGI.
+
+tests/test_real_compat.py asks the same of the real llama-server, side by side with onebitd.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+import pytest
+import trio
+
+from supervisor.completion import Completions, Hybrid
+from supervisor.config import HybridConfig, ServerConfig
+from supervisor.decoder import DecoderClient
+from supervisor.endpoints import ROUTES, Kind
+from supervisor.errors import ListenError
+from supervisor.front import Front
+from supervisor.providers import Providers
+from supervisor.routeline import RouteLine
+from supervisor.routes.file import FileHandoff
+from supervisor.slots import SlotPool
+
+from .fake_llama import Events, FakeLlama
+from .rig import ScriptedProvider
+from .test_completions import ReadyDecoder
+
+TIMEOUT = 10
+PROMPT = "the quick brown fox jumps over the lazy dog"
+MESSAGES = [{"role": "user", "content": PROMPT}]
+SETTINGS = HybridConfig(enabled=True, min_prompt_tokens=4)
+
+
+@attrs.frozen
+class Reply:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+    chunks: list[bytes]
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+@attrs.define
+class Rig:
+    fake: FakeLlama
+    slots: SlotPool
+    front: Front
+    lines: list[RouteLine]
+
+    async def call(
+        self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None, query: str = ""
+    ) -> Reply:
+        """One request as hypercorn hands it over; the client hangs up once the reply is whole."""
+        sent: list[dict[str, Any]] = []
+        finished = trio.Event()
+        asked = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal asked
+            if not asked:
+                asked = True
+                raw = b"" if body is None else json.dumps(body).encode()
+                return {"type": "http.request", "body": raw, "more_body": False}
+            await finished.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                finished.set()
+
+        given = {"host": "localhost", **(headers or {})}
+        scope = {
+            "type": "http",
+            "method": method,
+            "path": path,
+            "query_string": query.encode(),
+            "headers": [(k.encode(), v.encode()) for k, v in given.items()],
+        }
+        with trio.fail_after(TIMEOUT):
+            await self.front(scope, receive, send)
+        [start, *bodies] = sent
+        chunks = [m.get("body", b"") for m in bodies]
+        return Reply(start["status"], {k.decode(): v.decode() for k, v in start["headers"]}, b"".join(chunks), chunks)
+
+
+def make_rig(
+    tmp_path: Path,
+    *,
+    hybrid: bool = False,
+    transport: Callable[[FakeLlama], httpx.AsyncBaseTransport] | None = None,
+    **server: Any,
+) -> Rig:
+    fake = FakeLlama(tmp_path)
+    client = DecoderClient(tmp_path / "unused.sock", transport=transport(fake)) if transport else fake.client()
+    handoff = None
+    if hybrid:
+        file = FileHandoff(client=client, state_dir=tmp_path, model="fake-model", n_ctx=4096)
+        handoff = Hybrid(providers=Providers([ScriptedProvider()]), file=file)
+    decoder = ReadyDecoder()
+    slots = SlotPool(2, server.pop("queue_limit", 8))
+    completions = Completions(decoder=decoder, client=client, slots=slots, settings=SETTINGS, hybrid=handoff)
+    lines: list[RouteLine] = []
+    front = Front(
+        ServerConfig(**server),
+        decoder=decoder,
+        client=client,
+        completions=completions,
+        emit=lines.append,
+        metrics=lambda: b"onebit_up 1\n",
+    )
+    return Rig(fake, slots, front, lines)
+
+
+def completion_paths(kind: Kind) -> list[str]:
+    return [path for path, methods in ROUTES.items() if any(e.kind is kind for e in methods.values())]
+
+
+# -- spellings --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "asked"),
+    [
+        ("/v1/chat/completions", "/v1/chat/completions"),
+        ("/chat/completions", "/v1/chat/completions"),
+        ("/v1/completions", "/v1/completions"),
+        ("/completions", "/completion"),
+        ("/completion", "/completion"),
+    ],
+)
+async def test_every_completion_spelling_is_routed_pinned_and_logged_like_its_v1_form(
+    tmp_path: Path, path: str, asked: str
+) -> None:
+    rig = make_rig(tmp_path, hybrid=True)
+    body: dict[str, Any] = {"messages": MESSAGES} if asked.endswith("chat/completions") else {"prompt": PROMPT}
+    reply = await rig.call("POST", path, {**body, "max_tokens": 3, "n_predict": 3})
+    assert reply.status == 200
+    assert reply.headers["x-onebit-source"] == "decoder"
+    [request] = rig.fake.requests
+    assert request.path == asked  # llama-server's handler for this spelling
+    [line] = rig.lines
+    # The same routing as the /v1 form: the hybrid route, pinned to the slot it restored into.
+    assert (line.endpoint, line.route, line.slot, line.outcome) == (path, "file", request.slot, "ok")
+    assert rig.fake.actions == [("restore", request.slot)]
+
+
+def test_the_table_has_every_completion_spelling_llama_server_serves() -> None:
+    assert sorted(completion_paths(Kind.COMPLETION)) == sorted(
+        ["/v1/chat/completions", "/chat/completions", "/v1/completions", "/completions", "/completion"]
+    )
+
+
+# -- endpoints that run the model on a slot ---------------------------------------------------------
+
+
+async def test_an_anthropic_message_takes_a_slot_of_its_own_and_says_why_it_is_not_handed_over(
+    tmp_path: Path,
+) -> None:
+    rig = make_rig(tmp_path, hybrid=True)
+    reply = await rig.call("POST", "/v1/messages", {"messages": MESSAGES, "max_tokens": 3})
+    assert (reply.status, reply.headers["x-onebit-source"]) == (200, "decoder")
+    assert reply.json()["content"][0]["text"] == "the quick brown"
+    [(_path, _query, forwarded)] = [s for s in rig.fake.seen if s[0] == "/v1/messages"]
+    # llama-server drops id_slot when it converts a message: onebitd does not pretend to pin it.
+    assert "id_slot" not in forwarded
+    [line] = rig.lines
+    assert (line.endpoint, line.route, line.fallback, line.slot, line.outcome) == (
+        "/v1/messages",
+        "plain",
+        "unsupported-request",
+        None,
+        "ok",
+    )
+    assert rig.fake.actions == []
+    assert rig.slots.statistics().busy == 0
+
+
+async def test_infill_and_responses_are_pinned_to_the_slot_they_hold(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path)
+    for path in ("/infill", "/responses"):
+        await rig.call("POST", path, {"input_prefix": "def f(", "input": "hi"})
+    forwarded = [(path, body["id_slot"]) for path, _query, body in rig.fake.seen]
+    assert [path for path, _slot in forwarded] == ["/infill", "/v1/responses"]
+    assert [line.slot for line in rig.lines] == [slot for _path, slot in forwarded]
+
+
+async def test_a_streamed_message_is_relayed_event_by_event(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path)
+    reply = await rig.call("POST", "/v1/messages", {"messages": MESSAGES, "max_tokens": 3, "stream": True})
+    assert reply.status == 200
+    assert reply.headers["content-type"] == "text/event-stream"
+    events = [chunk for chunk in reply.chunks if chunk]
+    assert len(events) == 3 + 3  # message_start, 3 deltas, message_delta, message_stop: one chunk each
+    assert events[0].startswith(b"event: message_start")
+    [line] = rig.lines
+    assert (line.route, line.outcome, line.fallback) == ("plain", "ok", None)
+
+
+async def test_an_embedding_the_decoder_refuses_is_relayed_as_it_wrote_it_with_a_route_line(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path)
+    for path in ("/v1/embeddings", "/embeddings", "/embedding", "/rerank", "/v1/reranking"):
+        reply = await rig.call("POST", path, {"input": "hello"})
+        assert (reply.status, reply.headers["x-onebit-source"]) == (501, "decoder")
+        error = reply.json()["error"]
+        assert (error["code"], error["type"]) == (501, "not_supported_error")
+        assert "Start it with `--" in error["message"]
+    assert [(line.endpoint, line.status, line.outcome) for line in rig.lines] == [
+        ("/v1/embeddings", 501, "error"),
+        ("/embeddings", 501, "error"),
+        ("/embedding", 501, "error"),
+        ("/rerank", 501, "error"),
+        ("/v1/reranking", 501, "error"),
+    ]
+
+
+async def test_a_slot_endpoint_queues_for_a_slot_like_a_completion(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path, queue_limit=0)
+    async with rig.slots.hold(), rig.slots.hold():
+        reply = await rig.call("POST", "/v1/messages", {"messages": MESSAGES, "max_tokens": 3})
+    assert reply.status == 503
+    assert reply.json()["error"]["code"] == "overloaded"
+    assert [s for s in rig.fake.seen if s[0] == "/v1/messages"] == []
+    [line] = rig.lines
+    assert (line.endpoint, line.status, line.outcome) == ("/v1/messages", 503, "error")
+
+
+# -- relayed, refused, served -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("GET", "/props", None),
+        ("GET", "/models", None),
+        ("GET", "/v1/models", None),
+        ("GET", "/lora-adapters", None),
+        ("POST", "/v1/messages/count_tokens", {"messages": MESSAGES}),
+    ],
+)
+async def test_a_relayed_endpoint_answers_what_the_decoder_answers_and_takes_no_slot(
+    tmp_path: Path, method: str, path: str, body: Any
+) -> None:
+    rig = make_rig(tmp_path)
+    reply = await rig.call(method, path, body)
+    direct = await rig.fake.client().request(method, path, body)
+    assert (reply.status, reply.headers["x-onebit-source"]) == (200, "decoder")
+    assert reply.body == direct.body
+    assert rig.lines == []
+
+
+async def test_slots_is_501_as_with_no_slots_unless_the_config_serves_it(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path)
+    reply = await rig.call("GET", "/slots")
+    assert (reply.status, reply.headers["x-onebit-source"]) == (501, "onebitd")
+    error = reply.json()["error"]
+    assert (error["code"], error["type"]) == (501, "not_supported_error")
+    assert "server.slots_endpoint" in error["message"]
+    assert rig.fake.seen == []
+
+    rig = make_rig(tmp_path, slots_endpoint=True)
+    reply = await rig.call("GET", "/slots", query="fail_on_no_slot=1")
+    assert (reply.status, reply.headers["x-onebit-source"]) == (200, "decoder")
+    assert [slot["id"] for slot in reply.json()] == [0, 1]
+    assert rig.fake.seen == [("/slots", "fail_on_no_slot=1", {})]
+
+
+@pytest.mark.parametrize(
+    ("path", "query", "words"),
+    [
+        ("/props", "", "decoder's settings"),
+        ("/lora-adapters", "", "decoder's settings"),
+        ("/slots/0", "action=erase", "owns the decoder's slots"),
+        ("/slots/1", "action=restore", "owns the decoder's slots"),
+    ],
+)
+async def test_what_would_change_the_decoder_is_refused_and_says_why(
+    tmp_path: Path, path: str, query: str, words: str
+) -> None:
+    rig = make_rig(tmp_path)
+    reply = await rig.call("POST", path, {"filename": "x.bin"}, query=query)
+    assert (reply.status, reply.headers["x-onebit-source"]) == (501, "onebitd")
+    error = reply.json()["error"]
+    assert (error["code"], error["type"]) == (501, "not_supported_error")
+    assert words in error["message"]
+    assert rig.fake.seen == []
+
+
+async def test_metrics_appends_the_decoders_and_metrics_decoder_relays_them(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path, api_keys=("k",))
+    reply = await rig.call("GET", "/metrics")
+    assert reply.status == 200
+    assert reply.body.startswith(b"onebit_up 1\n")
+    assert b"\nllamacpp:prompt_tokens_total 42\n" in reply.body
+    decoder = await rig.call("GET", "/metrics/decoder")
+    assert (decoder.status, decoder.headers["x-onebit-source"]) == (200, "decoder")
+    assert decoder.body == reply.body[len(b"onebit_up 1\n") :]
+
+
+async def test_a_health_spelling_and_a_head_are_answered_by_onebitd(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path)
+    for method, path in [("GET", "/health"), ("GET", "/v1/health"), ("HEAD", "/health")]:
+        reply = await rig.call(method, path)
+        assert (reply.status, reply.headers["x-onebit-source"]) == (200, "onebitd"), (method, path)
+
+
+# -- errors as the decoder wrote them ---------------------------------------------------------------
+
+OVERFLOW = {
+    "error": {
+        "code": 400,
+        "message": "request (5000 tokens) exceeds the available context size (1024 tokens), try increasing it",
+        "type": "exceed_context_size_error",
+        "n_prompt_tokens": 5000,
+        "n_ctx": 1024,
+    }
+}
+
+
+async def _once(data: Any) -> AsyncIterator[bytes]:
+    yield json.dumps(data).encode()
+
+
+def _overflowing(fake: FakeLlama) -> httpx.AsyncBaseTransport:
+    async def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path in ("/v1/chat/completions", "/v1/messages"):
+            # A stream, as a real connection's body is: the relay reads an error's body as it comes.
+            return httpx.Response(
+                400, headers={"content-type": "application/json; charset=utf-8"}, stream=Events(_once(OVERFLOW))
+            )
+        return await fake.handle(request)
+
+    return httpx.MockTransport(handle)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("path", ["/chat/completions", "/v1/messages"])
+async def test_a_context_overflow_is_relayed_byte_for_byte(tmp_path: Path, path: str, stream: bool) -> None:
+    rig = make_rig(tmp_path, transport=_overflowing)
+    reply = await rig.call("POST", path, {"messages": MESSAGES, "max_tokens": 3, "stream": stream})
+    assert (reply.status, reply.headers["x-onebit-source"]) == (400, "decoder")
+    assert reply.headers["content-type"] == "application/json; charset=utf-8"
+    assert reply.json() == OVERFLOW
+    [line] = rig.lines
+    assert (line.status, line.outcome) == (400, "error")
+    assert line.error is not None
+    assert line.error.startswith("decoder answered 400: request (5000 tokens) exceeds")
+
+
+# -- CORS and keys ----------------------------------------------------------------------------------
+
+PREFLIGHT = {"access-control-request-method": "POST", "access-control-request-headers": "authorization,content-type"}
+
+
+async def test_a_preflight_is_answered_before_the_key_check_for_an_allowed_origin_only(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path, api_keys=("secret",))
+    allowed = await rig.call(
+        "OPTIONS", "/v1/chat/completions", headers={"origin": "http://localhost:5173", **PREFLIGHT}
+    )
+    assert allowed.status == 200
+    assert allowed.headers["access-control-allow-origin"] == "http://localhost:5173"
+    assert allowed.headers["access-control-allow-credentials"] == "true"
+    assert allowed.headers["access-control-allow-headers"] == "authorization,content-type"
+    assert "POST" in allowed.headers["access-control-allow-methods"]
+    foreign = await rig.call("OPTIONS", "/v1/chat/completions", headers={"origin": "https://evil.example", **PREFLIGHT})
+    assert foreign.status == 200
+    assert not any(name.startswith("access-control-") for name in foreign.headers)
+    assert rig.fake.seen == []
+
+
+async def test_an_allowed_origin_gets_its_cors_headers_and_a_foreign_write_is_refused(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path, cors_origins=("https://app.example",))
+    body = {"prompt": PROMPT, "n_predict": 2}
+    ok = await rig.call("POST", "/completion", body, headers={"origin": "https://app.example"})
+    assert (ok.status, ok.headers["access-control-allow-origin"]) == (200, "https://app.example")
+    refused = await rig.call("POST", "/completion", body, headers={"origin": "http://localhost:3000"})
+    assert refused.status == 403
+    assert refused.json()["error"]["code"] == "cross_origin"
+    assert "access-control-allow-origin" not in refused.headers
+    # A read is no write: it is answered, and the browser keeps the answer from a foreign page.
+    models = await rig.call("GET", "/v1/models", headers={"origin": "https://evil.example"})
+    assert models.status == 200
+    assert "access-control-allow-origin" not in models.headers
+
+
+async def test_cors_origins_star_lets_any_page_call_as_llama_servers_default_does(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path, cors_origins=("*",))
+    reply = await rig.call(
+        "POST", "/completion", {"prompt": PROMPT, "n_predict": 2}, headers={"origin": "https://x.example"}
+    )
+    assert (reply.status, reply.headers["access-control-allow-origin"]) == (200, "https://x.example")
+
+
+# -- listening ---------------------------------------------------------------------------------------
+
+
+async def test_every_address_of_server_host_is_bound_and_a_loopback_list_keeps_the_host_guard(
+    tmp_path: Path,
+) -> None:
+    rig = make_rig(tmp_path, host=("127.0.0.1", "::1"), port=0)
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            binds: list[str] = await nursery.start(rig.front.run)
+            assert len(binds) == 2
+            for url in binds:
+                async with httpx.AsyncClient(base_url=url) as client:
+                    assert (await client.get("/health")).status_code == 200
+                    foreign = await client.get("/health", headers={"host": "evil.example"})
+                    assert foreign.json()["error"]["code"] == "forbidden_host"
+            rig.front.stop()
+
+
+async def test_an_address_that_cannot_be_bound_is_an_error_naming_server_host(tmp_path: Path) -> None:
+    # 192.0.2.1 is TEST-NET-1 (RFC 5737): no machine has it, so binding it fails with EADDRNOTAVAIL.
+    rig = make_rig(tmp_path, host=("127.0.0.1", "192.0.2.1"), port=0)
+    with trio.fail_after(TIMEOUT), pytest.raises(ListenError) as caught:
+        await rig.front.run()
+    assert str(caught.value) == "server.host: cannot listen on 192.0.2.1 port 0: Cannot assign requested address"
