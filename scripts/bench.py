@@ -69,6 +69,7 @@ def bench_config(runtime_dir: Path, *, parallel: int, ctx_size: int, threads: in
     """onebitd's defaults (the embedded model, the plain route) on port 0 under ``runtime_dir``."""
     data = configuration.unstructure(Config())
     data["server"].update(port=0, runtime_dir=str(runtime_dir), shutdown_grace_s=10.0)
+    data["cache"]["dir"] = str(runtime_dir / "prefix")  # never the user's own store
     data["model"].update(parallel=parallel, ctx_size=ctx_size)
     data["decoder"]["threads"] = threads
     data["hybrid"]["enabled"] = False  # the plain route: what is measured is the relay itself

@@ -53,6 +53,7 @@ def handoff_config(runtime_dir: Path) -> Config:
     decoder_cpus, provider_cpus = ([cpus[0]], [cpus[1]]) if len(cpus) >= 2 else (cpus, cpus)
     data = configuration.unstructure(Config())
     data["server"].update(port=0, runtime_dir=str(runtime_dir), shutdown_grace_s=10.0)
+    data["cache"]["dir"] = str(runtime_dir / "prefix")  # never the user's own store
     # Two slots of 4096 tokens: a 2048-token prompt and its reply fit one.
     data["model"].update(parallel=2, ctx_size=8192)
     data["decoder"].update(threads=len(decoder_cpus), cpu_affinity=decoder_cpus)

@@ -82,6 +82,7 @@ def side_config(runtime_dir: Path, args: argparse.Namespace, *, hybrid: bool) ->
     extra = ["--cache-ram", str(args.cache_ram)] if args.cache_ram is not None else []
     data = configuration.unstructure(Config())
     data["server"].update(port=0, runtime_dir=str(runtime_dir), shutdown_grace_s=10.0)
+    data["cache"]["dir"] = str(runtime_dir / "prefix")  # never the user's own store
     data["model"].update(parallel=args.parallel, ctx_size=4096 * args.parallel)
     data["decoder"].update(threads=1, cpu_affinity=decoder_cpus, extra_args=extra)
     data["hybrid"].update(enabled=hybrid, min_prompt_tokens=64)

@@ -10,23 +10,37 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 import attrs
+import trio
 
 from .child import ChildState, ChildStatistics
 from .config import HybridConfig
 from .decoder import DecoderClient
 from .errors import DecoderError, DecoderUnavailable
+from .prefix_store import Entry
 from .providers import Provider, Providers
-from .rates import Rates
+from .rates import MIB, Rates
 from .respond import Responder
 from .routeline import RouteLine
-from .routes.decision import Choice, Costs, Policy, Reason, Route, choose, degrade, restore_used
+from .routes.decision import (
+    Choice,
+    Costs,
+    Policy,
+    Reason,
+    Route,
+    choose,
+    degrade,
+    restore_used,
+    worth_restoring,
+)
 from .routes.file import FileHandoff
 from .routes.prompt import CHAT, handoff_unsupported, tokens_for
 from .routes.share import ShareHandoff
+from .routes.stored import StoredPrefixes
 from .slots import PromptKey, SlotPool
 
 log = logging.getLogger("onebit.hybrid")
@@ -211,6 +225,22 @@ class Completions:
         )
         # Requests whose reply the decoder is generating now: a plain prefill would stall them.
         self.decoding = 0
+        # The prefix store, and the nursery its writes run in off the requests' path: set by run().
+        self.stored: StoredPrefixes | None = None
+        self._background: trio.Nursery | None = None
+
+    async def run(
+        self, stored: StoredPrefixes | None = None, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Hold the nursery that work after a reply runs in (the prefix store's writes), for as
+        long as the daemon serves."""
+        async with trio.open_nursery() as nursery:
+            self.stored, self._background = stored, nursery
+            try:
+                task_status.started()
+                await trio.sleep_forever()
+            finally:
+                self.stored, self._background = None, None
 
     def configure(self, settings: HybridConfig) -> None:
         """Swap in new settings; requests in flight keep the ones they started with."""
@@ -227,25 +257,61 @@ class Completions:
         raise DecoderUnavailable(f"the decoder is {state.value}; try again shortly")
 
     async def _plan(self, endpoint: str, body: dict[str, Any], req: str) -> Plan:
-        """Tokenize the prompt when a hybrid route is possible at all; the rest is decided once the
-        request has its slot (what the slot holds is part of the cost)."""
+        """Tokenize the prompt when a hybrid route is possible, or the prefix store may hold or keep
+        it; the rest is decided once the request has its slot (what the slot holds is a cost)."""
         text = prompt_text(endpoint, body)
         hybrid = self.hybrid
+        provider = hybrid.providers.pick() if hybrid is not None else None
+        reason: Reason | None = None
         if hybrid is None:
-            return Plan(PromptKey(text), None, None, Reason.DISABLED)
-        provider = hybrid.providers.pick()
-        if provider is None:
-            return Plan(PromptKey(text), None, None, Reason.NO_PROVIDER)
+            reason = Reason.DISABLED
+        elif provider is None:
+            reason = Reason.NO_PROVIDER
         why = handoff_unsupported(endpoint, body)
         if why is not None:
-            log.info("hybrid: %s cannot be handed over (%s); the backend prefills it", req, why)
-            return Plan(PromptKey(text), None, None, Reason.UNSUPPORTED)
+            if reason is None:
+                log.info("hybrid: %s cannot be handed over (%s); the backend prefills it", req, why)
+            return Plan(PromptKey(text), None, None, reason or Reason.UNSUPPORTED)
+        stored = self.stored
+        # A prompt's text is at least as long as its tokens: a short text cannot make an entry.
+        for_store = stored is not None and stored.enabled and len(text) >= stored.store.min_tokens
+        if reason is not None and not for_store:
+            return Plan(PromptKey(text), None, None, reason)
         try:
             tokens = await tokens_for(self.client, endpoint, body)
         except DecoderError as exc:
             log.warning("hybrid: tokenizing %s failed (%s); the backend prefills it", req, exc.message)
-            return Plan(PromptKey(text), None, None, Reason.TOKENIZE_FAILED)
-        return Plan(PromptKey(text, tuple(tokens)), tokens, provider)
+            return Plan(PromptKey(text), None, None, reason or Reason.TOKENIZE_FAILED)
+        return Plan(PromptKey(text, tuple(tokens)), tokens, provider if reason is None else None, reason)
+
+    async def _from_store(self, plan: Plan, slot: int, line: RouteLine) -> Entry | None:
+        """Restore the longest stored prefix of the prompt into the slot, when that spares more
+        prefill than it costs; the entry restored."""
+        stored = self.stored
+        if stored is None or plan.tokens is None or not stored.enabled:
+            return None
+        entry = stored.lookup(plan.tokens)
+        if entry is None:
+            return None
+        decoder_rate = self.rates.decoder.get(self.decoder.generation)
+        restore_ms = self.rates.handoff.get(0) * entry.state_bytes / MIB
+        worth = worth_restoring(
+            entry_tokens=entry.n_tokens,
+            decoder_cached=self.slots.cached(slot, plan.key),
+            decoder_ms_per_token=decoder_rate,
+            restore_ms=restore_ms,
+        )
+        if not worth:
+            return None
+        restored = await stored.restore(slot, entry)
+        if restored.entry is None:
+            if restored.why:
+                log.warning("prefix store: %s; the request goes on without it (%s)", restored.why, line.req)
+            self.slots.forget(slot)
+            return None
+        self.slots.remember(slot, PromptKey(tokens=entry.tokens))
+        line.restored_tokens = entry.n_tokens
+        return entry
 
     def _choose(self, plan: Plan, slot: int, settings: HybridConfig) -> Choice:
         hybrid = self.hybrid
@@ -284,7 +350,10 @@ class Completions:
         async with self.slots.hold(plan.key) as slot:
             line.slot = slot
             self.check_ready()  # it may have died while we queued
+            entry = await self._from_store(plan, slot, line)
             choice = self._choose(plan, slot, settings)
+            if entry is not None and choice.route is Route.PLAIN and choice.reason in (None, Reason.CACHED):
+                choice = attrs.evolve(choice, reason=Reason.STORED)
             if choice.reason is not None and choice.reason is not Reason.DISABLED:
                 reasons.append(choice.reason)
             if choice.estimate is not None:
@@ -309,12 +378,16 @@ class Completions:
             finally:
                 self.decoding -= 1
                 self._record(timings, line)
-        # After the last byte: this runs whether or not the client is still there (the front cancels
-        # a request only while its response is unfinished), and awaits nothing.
-        if out.finished and line.outcome == "ok":
-            self.rates.observe_decoder(self.decoder.generation, timings.prompt_n, timings.prompt_ms)
-            if route is not Route.PLAIN:
-                self._verify_handoff(line, reasons, settings)
+            # After the last byte: this runs whether or not the client is still there (the front
+            # cancels a request only while its response is unfinished); the slot is still ours.
+            if out.finished and line.outcome == "ok":
+                self.rates.observe_decoder(self.decoder.generation, timings.prompt_n, timings.prompt_ms)
+                if route is not Route.PLAIN:
+                    self._verify_handoff(line, reasons, settings)
+                elif entry is not None and self.stored is not None and self.stored.unused(entry, timings.cache_n):
+                    log.warning("prefix store: the decoder did not use the restored prefix (%s)", line.req)
+                if route is Route.PLAIN:
+                    await self._keep_slot(plan, slot, line)
 
     async def _hand_over(
         self,
@@ -340,13 +413,17 @@ class Completions:
                     timeout_s=settings.prefill_timeout_s,
                 )
             else:
+                keep = self._keeps(plan.tokens or [])
                 outcome = await hybrid.file.run(
                     req=line.req,
                     slot=slot,
                     tokens=plan.tokens or [],
                     provider=plan.provider,
                     timeout_s=settings.prefill_timeout_s,
+                    keep=keep,
                 )
+                if outcome.kept is not None:
+                    self._spawn_keep(plan.tokens or [], outcome.kept)
             if outcome.prefill_ms is not None:
                 line.prefill_ms = outcome.prefill_ms
             if outcome.restore_ms is not None:
@@ -364,6 +441,29 @@ class Completions:
             level = logging.INFO if outcome.reason is Reason.SHARE_UNSUPPORTED else logging.WARNING
             log.log(level, "hybrid: %s; %s", outcome.why, _GOES_ON[route])
         return route
+
+    def _keeps(self, tokens: list[int]) -> bool:
+        """Whether a hybrid route's state file for ``tokens`` goes to the prefix store."""
+        return self.stored is not None and self._background is not None and self.stored.store.wants(tokens)
+
+    def _spawn_keep(self, tokens: Sequence[int], path: Path) -> None:
+        if self.stored is None or self._background is None:
+            path.unlink(missing_ok=True)
+            return
+        self._background.start_soon(self.stored.keep, tuple(tokens), path)
+
+    async def _keep_slot(self, plan: Plan, slot: int, line: RouteLine) -> None:
+        """Save a plain request's slot for the prefix store when it holds a prompt worth keeping."""
+        stored = self.stored
+        if stored is None or self._background is None or plan.tokens is None or not stored.enabled:
+            return
+        shared, extends = self.slots.shared(plan.key)
+        tokens = stored.candidate(plan.tokens, shared, extends)
+        if tokens is None:
+            return
+        path = await stored.save(slot, line.req)
+        if path is not None:
+            self._spawn_keep(tokens, path)
 
     @staticmethod
     def _record(timings: Timings, line: RouteLine) -> None:

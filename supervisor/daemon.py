@@ -21,7 +21,8 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +40,10 @@ from .config import LlamaServerProvider as LlamaServerProviderConfig
 from .decoder import DecoderClient
 from .errors import ChildError, ConfigError, ListenError, RuntimeDirInUse
 from .front import Front
-from .llama_server import LlamaServerLauncher, connection_limit, model_alias
+from .llama_server import LlamaServerLauncher, connection_limit, model_alias, server_version
 from .metrics import LiveStatistics, Metrics
 from .notify import Notifier, run_watchdog, watchdog_interval
+from .prefix_store import PrefixStore, open_prefix_store
 from .providers import Provider, Providers
 from .providers.exec import ExecProvider
 from .providers.llama import LlamaServerProvider
@@ -49,6 +51,7 @@ from .providers.worker import WorkerProvider
 from .routeline import RouteLine
 from .routes.file import FileHandoff
 from .routes.share import ShareHandoff, ShareHandshake
+from .routes.stored import StoredPrefixes
 from .routestats import RouteStats
 from .slots import SlotPool
 from .status import DaemonInfo, DaemonStatistics
@@ -196,6 +199,7 @@ class Daemon:
             metrics=self.metrics.render,
         )
         self.admin = AdminServer(self, self.runtime_dir / "admin.sock")
+        self.store = PrefixStore.disabled("not opened yet", level=logging.DEBUG)
         self._stop = trio.Event()
         self._started_at = time.time()
         self._started_clock = 0.0
@@ -345,10 +349,13 @@ class Daemon:
         prepare_runtime_dir(self.runtime_dir)
         self._started_clock = trio.current_time()
         try:
-            async with trio.open_nursery() as nursery:
+            async with self._open_store() as store, trio.open_nursery() as nursery:
                 await nursery.start(self.decoder.run)
                 for provider in self.providers.all:
                     await nursery.start(provider.run)
+                self.store = store
+                stored = StoredPrefixes(client=self.client, state_dir=self.state_dir, store=store)
+                await nursery.start(self.completions.run, stored)
                 await nursery.start(self.admin.run)
                 async with trio.open_nursery() as front_nursery:
                     self._binds = await front_nursery.start(self.front.run)
@@ -365,6 +372,23 @@ class Daemon:
                 await self.client.aclose()
             os.close(lock)
             log.info("stopped")
+
+    @asynccontextmanager
+    async def _open_store(self) -> AsyncIterator[PrefixStore]:
+        """The prefix store ``[cache]`` describes; off (one log line) when it cannot work."""
+        if not self.config.cache.enabled:
+            yield PrefixStore.disabled("cache.enabled is false", level=logging.INFO)
+            return
+        binary = locate.llama_server(self.config.decoder.binary)
+        try:
+            if binary is None:
+                raise ChildError("no llama-server binary")
+            version = await server_version(binary)
+        except ChildError as exc:
+            yield PrefixStore.disabled(f"cannot tell the decoder's version: {exc}")
+            return
+        async with open_prefix_store(self.config, version) as store:
+            yield store
 
     async def _drain_for_stop(self) -> None:
         """SIGTERM is a drain with server.shutdown_grace_s, then the stop."""

@@ -31,6 +31,7 @@ FIELDS = (
     "decoder_prompt_n",
     "decoder_prompt_ms",
     "provider_prompt_n",
+    "restored_tokens",
     "cached_tokens",
     "est_plain_ms",
     "est_hybrid_ms",
@@ -58,6 +59,7 @@ class RouteLine:
     decoder_prompt_n: int | None = None
     decoder_prompt_ms: float | None = None
     provider_prompt_n: int | None = None  # prompt tokens the provider evaluated (its own cache held the rest)
+    restored_tokens: int | None = None  # prompt tokens restored from the prefix store into the slot
     cached_tokens: int | None = None  # prompt tokens the decoder reused from its cache (timings.cache_n)
     est_plain_ms: float | None = None  # the cost decision's estimates, when it ran
     est_hybrid_ms: float | None = None

@@ -112,6 +112,24 @@ class SlotPool:
         """The slot was erased: it holds nothing."""
         self._held[slot] = PromptKey()
 
+    def remember(self, slot: int, key: PromptKey) -> None:
+        """The slot holds ``key`` now (a stored prefix was restored into it)."""
+        self._held[slot] = key
+
+    def shared(self, key: PromptKey) -> tuple[int, bool]:
+        """The longest token prefix ``key`` shares with what a slot holds, and whether it is all of
+        that slot's prompt (``key`` extends it: a conversation's next turn) rather than a branch
+        point (a system prompt, a tool list that other prompts start with too)."""
+        best, extends = 0, False
+        if key.tokens is None:
+            return best, extends
+        for held in self._held:
+            if held.tokens:
+                n = common_prefix(held.tokens, key.tokens)
+                if n > best:
+                    best, extends = n, n == len(held.tokens)
+        return best, extends
+
     def _pick(self, key: PromptKey | None) -> int:
         lru = min(self._free, key=lambda s: self._used[s])
         if key is None:

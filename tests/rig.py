@@ -60,6 +60,8 @@ def make_config(runtime_dir: Path, *, text: str = "", **sections: Any) -> Config
     data["server"]["port"] = 0
     data["server"]["runtime_dir"] = str(runtime_dir)
     data["server"]["shutdown_grace_s"] = 10.0
+    # Each test its own prefix store (never the user's ~/.cache/onebit/prefix).
+    data["cache"]["dir"] = str(runtime_dir / "prefix")
     for section, values in sections.items():
         if not isinstance(values, dict):  # a list of tables ([[provider]]) replaces the whole key
             data[section] = values

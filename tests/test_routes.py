@@ -196,6 +196,15 @@ def test_a_provider_that_holds_the_prefix_too_still_loses_to_the_decoders_cache_
     assert (picked.route, picked.reason) == (Route.PLAIN, Reason.CACHED)
 
 
+def test_what_the_decoder_lacks_must_reach_the_floor_even_when_the_handoff_looks_cheap() -> None:
+    # The provider holds the conversation too, and an NPU would prefill the new turn faster: still,
+    # 50 tokens are under the floor (256), so there is no prefill worth moving.
+    fast = attrs.evolve(COLD, decoder_cached=550, provider_cached=550, provider_ms_per_token=0.1)
+    assert (priced(fast).route, priced(fast).reason) == (Route.PLAIN, Reason.CACHED)
+    # 300 tokens lacking: the floor is met and the cost decides.
+    assert priced(attrs.evolve(fast, decoder_cached=300, provider_cached=300)).route is Route.FILE
+
+
 def test_a_much_faster_provider_wins_even_against_a_partly_warm_decoder() -> None:
     # An NPU at 0.2 ms/token against a CPU at 5: holding a third of the prompt does not save plain.
     picked = priced(attrs.evolve(COLD, decoder_cached=200, provider_ms_per_token=0.2))

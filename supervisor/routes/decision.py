@@ -16,6 +16,7 @@ route up here (:func:`degrade`).
 from __future__ import annotations
 
 import enum
+from pathlib import Path
 
 import attrs
 
@@ -50,6 +51,8 @@ class Reason(enum.Enum):
     # or the handoff costs more than the prefill it spares (``plain-cheaper``).
     CACHED = "cached"
     PLAIN_CHEAPER = "plain-cheaper"
+    # Plain because a prefix restored from the prefix store gave the decoder most of the prompt.
+    STORED = "stored"
 
 
 class Step(enum.Enum):
@@ -90,6 +93,7 @@ class Outcome:
     evaluated: int | None = None  # prompt tokens the provider evaluated (its cache held the rest)
     state_bytes: int | None = None  # the state moved (file route)
     handoff_ms: float | None = None  # moving it: the job's time beyond the prefill, plus the restore
+    kept: Path | None = None  # the restored state file, kept for the prefix store (the caller's now)
 
     @property
     def ok(self) -> bool:
@@ -166,9 +170,10 @@ def choose(
 ) -> Choice:
     """The route a request starts on.  ``prompt_tokens`` None: the prompt could not be tokenized.
 
-    With ``costs`` the hybrid route must also pay: it is taken while its estimate is within the
-    policy's margin of plain's, or when a plain prefill would stall other streams too long; else
-    plain, ``cached`` when the decoder already holds most of the prompt."""
+    With ``costs`` the hybrid route must also pay: the tokens the decoder's slot lacks must reach the
+    floor (else plain, ``cached``), and the hybrid estimate must be within the policy's margin of
+    plain's, or a plain prefill would stall other streams too long; else plain, ``cached`` when the
+    decoder already holds most of the prompt, ``plain-cheaper`` otherwise."""
     if not enabled:
         return Choice(Route.PLAIN, Reason.DISABLED)
     if not provider_ready:
@@ -180,6 +185,10 @@ def choose(
     guess = None
     if costs is not None:
         guess = estimate(prompt_tokens, costs)
+        # The floor is on the prefill a handoff would spare: a prompt whose slot already holds all
+        # but a few tokens (a chat's next turn) leaves nothing worth moving.
+        if prompt_tokens - costs.decoder_cached < min_prompt_tokens:
+            return Choice(Route.PLAIN, Reason.CACHED, guess)
         worth_it = guess.hybrid_ms <= guess.plain_ms * (1 + policy.prefer_margin)
         spares_streams = costs.streams_decoding > 0 and guess.plain_ms > policy.max_stall_ms
         if not (worth_it or spares_streams):
@@ -199,3 +208,9 @@ def claim_matches(claimed: int | None, expected: int) -> bool:
 def restore_used(decoder_prompt_n: int | None, check_tokens: int) -> bool:
     """On a hybrid route the decoder should evaluate about one prompt token, not the prompt."""
     return decoder_prompt_n is None or decoder_prompt_n <= check_tokens
+
+
+def worth_restoring(*, entry_tokens: int, decoder_cached: int, decoder_ms_per_token: float, restore_ms: float) -> bool:
+    """Restore a stored prefix into the slot when the prefill it spares costs more than the restore."""
+    spared = entry_tokens - decoder_cached
+    return spared > 0 and spared * decoder_ms_per_token > restore_ms

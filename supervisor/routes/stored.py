@@ -1,0 +1,117 @@
+"""The prefix store's part in a request: restore a stored prefix into the request's slot before the
+route is chosen, and keep a prompt's state after the reply.
+
+Restoring: ``POST /slots/S?action=restore`` of the entry, exposed under a fresh name in the
+decoder's ``--slot-save-path`` (supervisor/prefix_store.py pins it meanwhile).  The slot then holds
+the entry's tokens and the decoder (or a hybrid route) prefills only the rest.  A restore the decoder
+refuses drops the entry and erases the slot: the request goes on as if there were none.
+
+Keeping: after the last byte of a reply, while the request still holds its slot (no one else may
+change its cells), ``POST /slots/S?action=save`` into the state directory; the store's ``put_file``
+then moves the file onto its disk off the request's path.  A hybrid route's state file is kept
+instead of deleted the same way (routes/file.py).
+
+Which tokens an entry is for: a prompt's prefix that another recent prompt shared (the system prompt
+and tool list a chat's users all send: the part the next request will start with too) when one is
+long enough, else the whole prompt (a conversation's next turn starts with it).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Sequence
+from pathlib import Path
+
+import attrs
+import trio
+
+from ..errors import DecoderError, PrefixStoreError
+from ..prefix_store import Entry, PrefixStore
+from .file import SlotClient, erase_slot
+
+log = logging.getLogger("onebit.prefix")
+
+# A local save or restore answers in milliseconds (67 MB in 40 ms here); one that takes this long is
+# stuck, and the request's slot must not stay held for it.
+SAVE_TIMEOUT_S = 30.0
+
+
+@attrs.frozen
+class Restored:
+    entry: Entry | None  # None: nothing restored
+    ms: float = 0.0
+    why: str = ""  # why a restore failed, for the log
+
+
+class StoredPrefixes:
+    def __init__(self, *, client: SlotClient, state_dir: Path, store: PrefixStore) -> None:
+        self.client = client
+        self.state_dir = state_dir
+        self.store = store
+
+    @property
+    def enabled(self) -> bool:
+        return self.store.enabled
+
+    def lookup(self, tokens: Sequence[int]) -> Entry | None:
+        return self.store.lookup(tokens)
+
+    async def restore(self, slot: int, entry: Entry) -> Restored:
+        started = trio.current_time()
+        try:
+            async with self.store.exposed(entry, self.state_dir) as name:
+                try:
+                    status, data = await self.client.post_json(f"/slots/{slot}?action=restore", {"filename": name})
+                except DecoderError as exc:
+                    status, data = 0, {"error": {"message": exc.message}}
+        except PrefixStoreError as exc:
+            return Restored(None, why=str(exc))
+        ms = (trio.current_time() - started) * 1000
+        n_restored = data.get("n_restored") if isinstance(data, dict) else None
+        if status == 200 and isinstance(n_restored, int) and n_restored >= entry.n_tokens:
+            self.store.record_restore(ms)
+            return Restored(entry, ms)
+        what = f"restore answered {status}" if status != 200 else f"restored {n_restored} of {entry.n_tokens} tokens"
+        self.store.drop(entry, reason=what)
+        await erase_slot(self.client, slot, "a refused prefix-store restore")
+        return Restored(None, ms, what)
+
+    def unused(self, entry: Entry, cache_n: int | None) -> bool:
+        """The decoder's ``cache_n`` after a restored request says whether it used the entry; an
+        entry it did not use is dropped (it would only cost again)."""
+        if cache_n is None or cache_n >= entry.n_tokens - 1:
+            return False
+        self.store.drop(entry, reason=f"the decoder reused {cache_n} of its {entry.n_tokens} tokens")
+        return True
+
+    def candidate(self, tokens: Sequence[int], shared: int, extends: bool) -> tuple[int, ...] | None:
+        """The tokens worth an entry for this prompt, or None.  ``shared``: the longest prefix a
+        recent prompt had in common with it; ``extends``: that was all of the recent prompt.
+
+        A prompt that extends a recent one (a conversation's next turn) or shares nothing long is
+        kept whole: the next turn starts with it.  One that branches off a long shared prefix (the
+        same system prompt, another question) keeps only that prefix: the next request will share
+        it too, not this one's question."""
+        if shared >= self.store.min_tokens and not extends:
+            prefix = tuple(tokens[:shared])
+            return prefix if self.store.wants(prefix) else None
+        return tuple(tokens) if self.store.wants(tokens) else None
+
+    async def save(self, slot: int, req: str) -> Path | None:
+        """Save the slot into the state directory (shielded, bounded): the file, or None."""
+        path = self.state_dir / f"{req}-{secrets.token_hex(4)}.keep"
+        with trio.CancelScope(shield=True), trio.move_on_after(SAVE_TIMEOUT_S):
+            try:
+                status, data = await self.client.post_json(f"/slots/{slot}?action=save", {"filename": path.name})
+            except DecoderError as exc:
+                status, data = 0, {"error": exc.message}
+            if status == 200:
+                return path
+            log.info("prefix store: saving slot %d answered %s: %s", slot, status, data)
+        path.unlink(missing_ok=True)
+        return None
+
+    async def keep(self, tokens: Sequence[int], path: Path) -> None:
+        """Off the request's path: the store takes the file (and always consumes it)."""
+        await self.store.put_file(tokens, path)
