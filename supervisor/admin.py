@@ -32,7 +32,9 @@ from trio_websocket import (
     wrap_server_stream,
 )
 
+from .config import converter
 from .errors import AdminError, AdminUnavailable, ConfigError
+from .prefix_store import PrefixStore
 from .routestats import RouteStats
 from .status import DaemonStatistics, to_wire
 
@@ -43,6 +45,7 @@ class Managed(Protocol):
     """What the verbs need of the daemon."""
 
     route_stats: RouteStats
+    store: PrefixStore
 
     def statistics(self) -> DaemonStatistics: ...
 
@@ -145,12 +148,39 @@ class Verb:
     arguments: tuple[Argument, ...] = ()
 
 
+async def verb_cache_list(daemon: Managed, args: dict[str, Any], send: Send) -> Any:
+    """``{"verb": "cache list"}`` -> ``{"ok": true, "result": {"statistics": {...}, "entries": [{"key",
+    "n_tokens", "state_bytes", "disk_bytes", "created", "last_used"}, ...]}}``: the prefix store's
+    entries, most recently used first (tokens left out)."""
+    store = daemon.store
+    entries = [
+        {
+            "key": entry.key,
+            "n_tokens": entry.n_tokens,
+            "state_bytes": entry.state_bytes,
+            "disk_bytes": entry.disk_bytes,
+            "created": entry.created,
+            "last_used": entry.last_used,
+        }
+        for entry in store.list()
+    ]
+    return {"statistics": converter.unstructure(store.statistics()), "entries": entries}
+
+
+async def verb_cache_clear(daemon: Managed, args: dict[str, Any], send: Send) -> Any:
+    """``{"verb": "cache clear"}`` -> ``{"ok": true, "result": {"removed": N}}``: every entry not in
+    use is removed from the prefix store (an entry being restored goes when its restore ends)."""
+    return {"removed": await daemon.store.clear()}
+
+
 VERBS: dict[str, Verb] = {
     "status": Verb(verb_status),
     "drain": Verb(verb_drain, (Argument("timeout", seconds, "S", "give up after S seconds (default: wait)"),)),
     "resume": Verb(verb_resume),
     "watch": Verb(verb_watch),
     "reload": Verb(verb_reload),
+    "cache list": Verb(verb_cache_list),
+    "cache clear": Verb(verb_cache_clear),
 }
 
 

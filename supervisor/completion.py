@@ -225,6 +225,8 @@ class Completions:
         )
         # Requests whose reply the decoder is generating now: a plain prefill would stall them.
         self.decoding = 0
+        # The decoder process the slots' memory is about: a restarted decoder holds nothing.
+        self._slots_generation = decoder.generation
         # The prefix store, and the nursery its writes run in off the requests' path: set by run().
         self.stored: StoredPrefixes | None = None
         self._background: trio.Nursery | None = None
@@ -342,6 +344,9 @@ class Completions:
     async def serve(self, endpoint: str, body: dict[str, Any], out: Responder, line: RouteLine) -> None:
         settings = self.settings
         self.check_ready()
+        if self.decoder.generation != self._slots_generation:
+            self._slots_generation = self.decoder.generation
+            self.slots.forget_all()
         plan = await self._plan(endpoint, body, line.req)
         if plan.tokens is not None:
             line.prompt_tokens = len(plan.tokens)

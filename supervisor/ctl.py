@@ -27,6 +27,7 @@ import inspect
 import json
 import os
 import sys
+import time
 import tomllib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
@@ -39,6 +40,7 @@ import trio
 from . import __version__, admin, locate
 from . import config as configuration
 from .errors import ConfigError, OnebitError
+from .prefix_store import StoreStatistics
 from .routeline import RouteLine
 from .status import DaemonStatistics, from_wire
 
@@ -379,8 +381,27 @@ def render_status(stats: DaemonStatistics) -> str:
         f"requests: {requests}",
         f"fallbacks: {_counts(stats.fallbacks) or 'none'}",
         f"first byte: {first_byte}",
+        f"prefix store: {_store_line(stats.store)}",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def _store_line(store: StoreStatistics | None) -> str:
+    if store is None:
+        return "-"
+    if not store.enabled:
+        return "off"
+    line = (
+        f"{store.entries} entries, {_mib(store.bytes)} of {_mib(store.max_bytes)} in {store.directory}; "
+        f"hits {store.hits}, misses {store.misses}, evictions {store.evictions}, restores {store.restores}"
+    )
+    if store.restore_ms_mean is not None:
+        line += f" (mean {store.restore_ms_mean:.1f} ms)"
+    return line
 
 
 @shows("status", _json_option("the raw statistics object, for scripts"))
@@ -475,6 +496,37 @@ def reload(args: argparse.Namespace, result: Any) -> int:
     """
     print(f"applied: {', '.join(result['applied']) or 'nothing'}")
     print(f"needs a restart: {', '.join(result['restart_needed']) or 'nothing'}")
+    return 0
+
+
+# -- the prefix store -----------------------------------------------------------------------------
+
+
+@shows("cache list", _json_option("the entries and the store's statistics as JSON"))
+def cache_list(args: argparse.Namespace, result: Any) -> int:
+    """List the prefix store's entries, most recently used first: key, tokens, size, age.
+
+    --json prints onebitd's answer (the entries and the store's statistics) for scripts.
+    """
+    if args.json:
+        print(json.dumps(result, sort_keys=True))
+        return 0
+    now = time.time()
+    rows = [
+        (e["key"][:16], e["n_tokens"], _mib(e["state_bytes"]), age(now - e["created"]), age(now - e["last_used"]))
+        for e in result["entries"]
+    ]
+    if rows:
+        print("\n".join(_table(("ENTRY", "TOKENS", "SIZE", "MADE", "USED"), rows)))
+    else:
+        print("no entries")
+    return 0
+
+
+@shows("cache clear")
+def cache_clear(args: argparse.Namespace, result: Any) -> int:
+    """Remove every prefix store entry not in use.  Prints "removed N"."""
+    print(f"removed {result['removed']}")
     return 0
 
 

@@ -273,6 +273,7 @@ class Daemon:
             first_byte=routes.first_byte,
             watchers=routes.watchers,
             watch_dropped=routes.watch_dropped,
+            store=self.store.statistics(),
         )
 
     def _metrics_snapshot(self) -> LiveStatistics:
@@ -281,6 +282,7 @@ class Daemon:
             slots=self.slots.statistics(),
             front=self.front.statistics(),
             restore_unused=self.completions.restore_unused,
+            store=self.store.statistics(),
         )
 
     def inflight_count(self) -> int:

@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from .child import ChildStatistics
+from .prefix_store import StoreStatistics
 from .routeline import RouteLine
 from .slots import SlotStatistics
 from .status import FrontStatistics
@@ -38,6 +39,7 @@ class LiveStatistics:
     slots: SlotStatistics
     front: FrontStatistics
     restore_unused: int
+    store: StoreStatistics
 
 
 Snapshot = Callable[[], LiveStatistics]
@@ -71,6 +73,29 @@ class _Live(Collector):
             "Hybrid requests whose decoder re-evaluated the prompt despite a successful handoff",
             value=stats.restore_unused,
         )
+        store = stats.store
+        yield GaugeMetricFamily(
+            "onebit_prefix_store_enabled", "1 while the prefix store is on", value=float(store.enabled)
+        )
+        yield GaugeMetricFamily("onebit_prefix_store_entries", "Prefixes in the store", value=store.entries)
+        yield GaugeMetricFamily("onebit_prefix_store_bytes", "Bytes the store holds on disk", value=store.bytes)
+        yield GaugeMetricFamily("onebit_prefix_store_max_bytes", "cache.max_bytes", value=store.max_bytes)
+        for name, value, what in (
+            ("hits", store.hits, "Lookups that found a stored prefix"),
+            ("misses", store.misses, "Lookups that found none"),
+            ("evictions", store.evictions, "Entries evicted to stay within cache.max_bytes"),
+            ("stores", store.stores, "Entries committed"),
+            ("store_failures", store.store_failures, "Entries dropped by a failed write (disk full, ...)"),
+            ("drops", store.drops, "Entries dropped: refused or unused by the decoder, or stale at start"),
+            ("restores", store.restores, "Stored prefixes restored into a decoder slot"),
+        ):
+            yield CounterMetricFamily(f"onebit_prefix_store_{name}", what, value=value)
+        if store.restore_ms_mean is not None:
+            yield GaugeMetricFamily(
+                "onebit_prefix_store_restore_ms_mean",
+                "Mean time of a restore from the store",
+                value=store.restore_ms_mean,
+            )
 
 
 class Metrics:

@@ -112,6 +112,10 @@ class SlotPool:
         """The slot was erased: it holds nothing."""
         self._held[slot] = PromptKey()
 
+    def forget_all(self) -> None:
+        """The server restarted: its slots hold nothing."""
+        self._held = [PromptKey() for _ in range(self.n_slots)]
+
     def remember(self, slot: int, key: PromptKey) -> None:
         """The slot holds ``key`` now (a stored prefix was restored into it)."""
         self._held[slot] = key

@@ -20,6 +20,7 @@ from cattrs.gen import make_dict_structure_fn
 from .child import ChildStatistics
 from .config import converter
 from .errors import AdminUnavailable
+from .prefix_store import StoreStatistics
 from .providers.base import ProviderStatistics
 from .routestats import FirstByte
 from .slots import SlotStatistics
@@ -70,6 +71,7 @@ class DaemonStatistics:
     first_byte: FirstByte
     watchers: int
     watch_dropped: int
+    store: StoreStatistics | None = None  # the prefix store (None from a daemon that predates it)
 
 
 def to_wire(stats: DaemonStatistics) -> dict[str, Any]:

@@ -228,3 +228,21 @@ async def test_a_reload_swaps_the_settings_for_the_next_request_only(tmp_path: P
     assert (first.route, first.fallback) == ("file", None)
     assert (second.route, second.fallback) == ("plain", "short-prompt")
     assert SETTINGS.min_prompt_tokens == 4  # the old value was swapped out, not changed
+
+
+async def test_a_restarted_decoder_is_not_taken_to_hold_what_its_slots_held(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path, ScriptedProvider())
+    # Whatever the fake's tiny timings teach the rates, a prompt the slot lacks is handed over.
+    rig.completions.configure(attrs.evolve(SETTINGS, prefer_margin=1e9))
+    body = body_for(False)
+    with trio.fail_after(TIMEOUT):
+        await rig.post("/completion", body)  # handed over: the slot holds the prompt
+        await rig.post("/completion", body)  # the same prompt: the slot holds it, so plain
+        decoder = rig.completions.decoder
+        assert isinstance(decoder, ReadyDecoder)
+        decoder.generation += 1  # a new decoder process, with empty slots
+        rig.fake.slots = [[] for _ in rig.fake.slots]
+        await rig.post("/completion", body)
+    first, second, third = rig.lines
+    assert [(line.route, line.fallback) for line in (first, second)] == [("file", None), ("plain", "cached")]
+    assert (third.route, third.fallback, third.decoder_prompt_n) == ("file", None, 1)

@@ -168,7 +168,7 @@ def test_every_verb_of_onebitds_table_reaches_onebitd_with_its_arguments_from_th
 
     monkeypatch.setattr(admin, "call", call)
     options = [option for argument in admin.VERBS[name].arguments for option in (f"--{argument.name}", "2.5")]
-    assert ctl.main(["--socket", "/nonexistent/admin.sock", name, *options]) == 1
+    assert ctl.main(["--socket", "/nonexistent/admin.sock", *name.split(), *options]) == 1
     expected = {argument.name: 2.5 for argument in admin.VERBS[name].arguments}
     assert sent == [(Path("/nonexistent/admin.sock"), name, expected)]
     assert capsys.readouterr().err == "onebitctl: refused by the test\nonebitctl: why\n"

@@ -34,6 +34,7 @@ from supervisor.daemon import Daemon
 from supervisor.errors import AdminUnavailable
 from supervisor.front import InflightRequest
 from supervisor.logs import ROUTE_LOGGER
+from supervisor.prefix_store import PrefixStore
 from supervisor.providers import ProviderStatistics
 from supervisor.routeline import RouteLine
 from supervisor.routestats import FirstByte, RouteStats
@@ -371,6 +372,7 @@ class Draining:
 
     def __init__(self, inflight: int) -> None:
         self.route_stats = RouteStats()
+        self.store = PrefixStore.disabled("a drain needs none")
         self.inflight = inflight
         self._changed = trio.Event()
 
