@@ -3,6 +3,7 @@
     scripts/bench overhead [--quick]   latency and token rate: through onebitd vs straight to llama-server
     scripts/bench handoff [--quick]    the file route vs the plain route, and decode isolation
     scripts/bench multiturn [--quick]  chats over many turns: plain, hybrid, llama-server direct
+    scripts/bench prefix [--quick]     a long shared prompt across a decoder crash, with and without the store
 
 Every subcommand runs onebitd in this process (port 0, a runtime directory under /tmp), waits until
 its decoder is ready, measures, then stops the daemon, which stops and reaps its children, whatever
@@ -51,6 +52,7 @@ from supervisor.errors import ConfigError  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_handoff  # noqa: E402
 import bench_multiturn  # noqa: E402
+import bench_prefix  # noqa: E402
 
 # Loading SmolLM2 takes about a second; a busy 2-core machine can take far longer.
 READY_TIMEOUT_S = 300
@@ -387,6 +389,12 @@ SUBCOMMANDS = [
         help="chats re-sending their conversation every turn: plain, hybrid and llama-server direct",
         arguments=bench_multiturn.arguments,
         run=bench_multiturn.run,
+    ),
+    Subcommand(
+        name="prefix",
+        help="a long shared prompt across a decoder crash, with the prefix store and without",
+        arguments=bench_prefix.arguments,
+        run=bench_prefix.run,
     ),
 ]
 
