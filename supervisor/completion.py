@@ -392,7 +392,7 @@ class Completions:
                 elif entry is not None and self.stored is not None and self.stored.unused(entry, timings.cache_n):
                     log.warning("prefix store: the decoder did not use the restored prefix (%s)", line.req)
                 if route is Route.PLAIN:
-                    await self._keep_slot(plan, slot, line)
+                    await self._keep_slot(plan, slot, line, entry)
 
     async def _hand_over(
         self,
@@ -457,12 +457,14 @@ class Completions:
             return
         self._background.start_soon(self.stored.keep, tuple(tokens), path)
 
-    async def _keep_slot(self, plan: Plan, slot: int, line: RouteLine) -> None:
+    async def _keep_slot(self, plan: Plan, slot: int, line: RouteLine, restored: Entry | None) -> None:
         """Save a plain request's slot for the prefix store when it holds a prompt worth keeping."""
         stored = self.stored
         if stored is None or self._background is None or plan.tokens is None or not stored.enabled:
             return
         shared, extends = self.slots.shared(plan.key)
+        if restored is not None and shared <= restored.n_tokens:
+            return  # it branched off a stored prefix: that prefix is what the next request will want
         tokens = stored.candidate(plan.tokens, shared, extends)
         if tokens is None:
             return
