@@ -13,6 +13,8 @@ The slot state file it parses is llama.cpp's ``llama_state_seq_save_file`` (``LL
 4), little-endian:
 
     u32 magic 0x67677371 ('ggsq'), u32 version 4, u32 n_token, i32 token[n_token]
+        (llama-server packs its prompt there: -1, 1 (its version), the count, the tokens, the media
+        count, which must be 0; a list not starting with -1 is taken as the tokens themselves)
     u32 n_stream; per stream: u32 cell_count, and when cell_count > 0:
         per cell:  i32 pos, u32 n_seq_id (1), i32 seq_id
         u32 v_trans, u32 n_layer, u32 n_rot_k, u32 n_rot_v
@@ -108,6 +110,19 @@ class _Reader:
         return int(struct.unpack("<Q", self.take(8))[0])
 
 
+def unpack_prompt(packed: list[int]) -> list[int]:
+    """The prompt's tokens from the file's token list: llama-server packs them (its ``server_tokens``
+    serialization) as -1, version 1, the count, the tokens, then the media count, which must be 0."""
+    if not packed or packed[0] != -1:
+        return packed  # a plain token list, as older servers wrote
+    if len(packed) < 3 or packed[1] != 1:
+        raise Refused("the state file's prompt is packed in an unknown version")
+    n = packed[2]
+    if not 0 <= n <= len(packed) - 4 or packed[3 + n] != 0:
+        raise Refused("the state file's prompt holds media or does not parse")
+    return packed[3 : 3 + n]
+
+
 class SlotState:
     """One sequence's cells as a slot state file holds them: positions, and per layer the K and V rows."""
 
@@ -116,7 +131,7 @@ class SlotState:
         if r.u32() != STATE_MAGIC or r.u32() != STATE_VERSION:
             raise Refused(f"not a version-{STATE_VERSION} llama.cpp slot state file")
         n_token = r.u32()
-        self.tokens = list(struct.unpack(f"<{n_token}i", r.take(4 * n_token)))
+        self.tokens = unpack_prompt(list(struct.unpack(f"<{n_token}i", r.take(4 * n_token))))
         self.positions: list[int] = []
         self.k_rows: list[tuple[int, memoryview]] = []  # per layer: row bytes, the rows in cell order
         self.v_rows: list[tuple[int, memoryview]] = []

@@ -19,8 +19,12 @@ def row(kind: str, layer: int, pos: int) -> bytes:
     return bytes([ord(kind), layer, pos, 0xAB]) * (ROW // 4)
 
 
-def state_file(positions: list[int], *, v_trans: int = 0, n_rot: int = 0, tail: bytes = b"") -> bytes:
+def state_file(
+    positions: list[int], *, v_trans: int = 0, n_rot: int = 0, tail: bytes = b"", packed: bool = True
+) -> bytes:
     tokens = [100 + p for p in sorted(positions)]
+    if packed:  # as llama-server writes its prompt: -1, version 1, count, tokens, media count 0
+        tokens = [-1, 1, len(tokens), *tokens, 0]
     out = struct.pack("<III", STATE_MAGIC, STATE_VERSION, len(tokens)) + struct.pack(f"<{len(tokens)}i", *tokens)
     out += struct.pack("<II", 2, 0)  # two streams, the first empty
     out += struct.pack("<I", len(positions))
@@ -58,6 +62,10 @@ def test_rows_go_to_their_position_not_their_cell_index() -> None:
             assert region[at : at + ROW] == row(tensor["kind"], layer, pos)
         # Nothing past the job's positions.
         assert region[tensor["offset"] + 5 * ROW : tensor["offset"] + 8 * ROW] == bytes(3 * ROW)
+
+
+def test_a_plain_token_list_is_read_as_the_tokens() -> None:
+    assert SlotState(state_file([1, 0], packed=False)).tokens == [100, 101]
 
 
 def test_the_claim_stops_at_the_first_missing_position() -> None:
