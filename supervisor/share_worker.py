@@ -123,15 +123,20 @@ def unpack_prompt(packed: list[int]) -> list[int]:
     return packed[3 : 3 + n]
 
 
+def read_prompt(r: _Reader) -> list[int]:
+    """The magic, the version and the prompt's tokens: the first fields of a slot state file."""
+    if r.u32() != STATE_MAGIC or r.u32() != STATE_VERSION:
+        raise Refused(f"not a version-{STATE_VERSION} llama.cpp slot state file")
+    n_token = r.u32()
+    return unpack_prompt(list(struct.unpack(f"<{n_token}i", r.take(4 * n_token))))
+
+
 class SlotState:
     """One sequence's cells as a slot state file holds them: positions, and per layer the K and V rows."""
 
     def __init__(self, data: bytes) -> None:
         r = _Reader(data)
-        if r.u32() != STATE_MAGIC or r.u32() != STATE_VERSION:
-            raise Refused(f"not a version-{STATE_VERSION} llama.cpp slot state file")
-        n_token = r.u32()
-        self.tokens = unpack_prompt(list(struct.unpack(f"<{n_token}i", r.take(4 * n_token))))
+        self.tokens = read_prompt(r)
         self.positions: list[int] = []
         self.k_rows: list[tuple[int, memoryview]] = []  # per layer: row bytes, the rows in cell order
         self.v_rows: list[tuple[int, memoryview]] = []
@@ -278,11 +283,14 @@ class Worker:
     def file_job(self, job: dict[str, Any]) -> dict[str, Any]:
         prefill_ms, path = self._prefill_and_save(job, f"file-{os.getpid()}.state")
         try:
-            state = SlotState(path.read_bytes())
+            # The decoder restores the file whatever its cells look like (a transposed V included):
+            # only the prompt is read here, for the claim.
+            with path.open("rb") as file:
+                tokens = read_prompt(_Reader(file.read(1 << 20)))
             shutil.move(path, job["state_file"])
         finally:
             path.unlink(missing_ok=True)
-        return {"n_tokens": len(state.tokens), "prefill_ms": prefill_ms}
+        return {"n_tokens": len(tokens), "prefill_ms": prefill_ms}
 
     def share_job(self, job: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         tokens = job["tokens"]
