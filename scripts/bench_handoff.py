@@ -10,15 +10,26 @@ longest gap between two tokens with that prompt on the plain route (the decoder 
 the stream's tokens) against the file route (a provider on another core prefills it).  Decoder and
 provider are pinned to different cores (``cpu_affinity``).
 
+Part 3, share against file: on one decoder started with ``LLAMA_KV_SHARE=1`` (the patched build),
+per prompt size, a prompt prefilled and saved in slot 1, then handed to slot 0 both ways: a restore
+of the saved file (the file route's last step) against a share, supervisor.share_worker's copy of
+the file's rows into the lent region, and an adopt (the share route's last steps); the decoder
+evaluating one prompt token after each is checked, and the greedy reply after the adopt against the
+plain one.
+
 Figures are ratios between the two routes in the same run, on the same processes.
 """
 
 from __future__ import annotations
 
 import argparse
+import array
 import json
+import mmap
 import os
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 from collections.abc import AsyncIterator
@@ -34,10 +45,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from supervisor import config as configuration  # noqa: E402
+from supervisor import locate  # noqa: E402
 from supervisor.child import ChildState  # noqa: E402
 from supervisor.config import Config  # noqa: E402
 from supervisor.daemon import Daemon  # noqa: E402
 from supervisor.providers.llama import LlamaServerProvider  # noqa: E402
+from supervisor.share_worker import SlotState, write_rows  # noqa: E402
 
 TIMEOUT_S = 600  # one 2k-token prefill on a loaded 2-core machine is seconds, not minutes
 SIZES = (256, 1024, 2048)
@@ -221,6 +234,118 @@ async def longest_gap(
     return max(gaps) * 1000
 
 
+@asynccontextmanager
+async def open_sharing_decoder(tmp: Path) -> AsyncIterator[httpx.AsyncClient]:
+    """A patched llama-server with its share switch on: two slots of 4096 tokens."""
+    config = Config()
+    model = locate.model_path(config.model.path)
+    binary = locate.llama_server("")
+    if model is None or binary is None:
+        raise RuntimeError("no model or llama-server: run scripts/setup first")
+    sock = tmp / "share-decoder.sock"
+    argv = [str(binary), "-m", str(model), "-c", "8192", "-np", "2", "-t", "1", "--host", str(sock)]
+    process = await trio.lowlevel.open_process(
+        [*argv, "--slot-save-path", f"{tmp}/", "--no-webui"],
+        env={**os.environ, "LLAMA_KV_SHARE": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        transport = httpx.AsyncHTTPTransport(uds=str(sock))
+        async with httpx.AsyncClient(transport=transport, base_url="http://d", timeout=TIMEOUT_S) as client:
+            with trio.fail_after(TIMEOUT_S):
+                while True:  # the server loading its model in its own process: poll its health
+                    try:
+                        if (await client.get("/health")).status_code == 200:
+                            break
+                    except httpx.TransportError:
+                        pass
+                    if process.poll() is not None:
+                        raise RuntimeError("the sharing llama-server exited")
+                    await trio.sleep(0.05)
+            yield client
+    finally:
+        process.kill()
+        await process.wait()
+
+
+async def share_against_file(tmp: Path, rounds: int, chosen: tuple[int, ...]) -> list[dict[str, Any]]:
+    rows = []
+    async with open_sharing_decoder(tmp) as decoder:
+        for size in chosen:
+            measured: list[dict[str, Any]] = []
+            count = 0
+            for r in range(rounds):
+                prompt, count = await prompt_of(decoder, size, salt=9000 + size + r)
+                tokens = (await decoder.post("/tokenize", json={"content": prompt, "add_special": True})).json()[
+                    "tokens"
+                ]
+                await decoder.post("/completion", json={"prompt": tokens, "n_predict": 0, "id_slot": 1})
+                name = f"bench-share-{size}-{r}.state"
+                await decoder.post("/slots/1?action=save", json={"filename": name})
+                state_path = tmp / name
+                restored = (await decoder.post("/slots/0?action=restore", json={"filename": name})).json()
+                after_restore = (
+                    await decoder.post("/completion", json={"prompt": tokens, "n_predict": 1, "id_slot": 0})
+                ).json()
+                await decoder.post("/slots/0?action=erase", json={})
+                path = tmp / "share.sock"
+                path.unlink(missing_ok=True)
+                with trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+                    await listener.bind(str(path))
+                    listener.listen(1)
+                    shared = (
+                        await decoder.post("/slots/0?action=share", json={"socket": str(path), "n_tokens": len(tokens)})
+                    ).json()
+                    conn, _ = await listener.accept()
+                    with conn:
+                        raw, ancdata, _flags, _addr = await conn.recvmsg(1 << 20, socket.CMSG_SPACE(64))
+                fds = array.array("i")
+                fds.frombytes(ancdata[0][2])
+                header = json.loads(raw[4 : 4 + int.from_bytes(raw[:4], "big")])
+                region = mmap.mmap(fds[0], header["regions"][0]["size"])
+                try:
+                    start = trio.current_time()
+                    written = write_rows(SlotState(state_path.read_bytes()), header, [region], len(tokens))
+                    write_ms = (trio.current_time() - start) * 1000
+                finally:
+                    region.close()
+                    os.close(fds[0])
+                    state_path.unlink(missing_ok=True)
+                assert written == len(tokens)
+                adopted = (
+                    await decoder.post(
+                        "/slots/0?action=adopt",
+                        json={"share_id": shared["share_id"], "n_tokens": len(tokens), "tokens": tokens},
+                    )
+                ).json()
+                body = {"prompt": tokens, "n_predict": 8, "temperature": 0}
+                after_adopt = (await decoder.post("/completion", json={**body, "id_slot": 0})).json()
+                plain = (await decoder.post("/completion", json={**body, "id_slot": 1, "cache_prompt": False})).json()
+                measured.append(
+                    {
+                        "restore_ms": restored["timings"]["restore_ms"],
+                        "share_ms": shared["t_ms"],
+                        "write_ms": write_ms,
+                        "adopt_ms": adopted["t_ms"],
+                        "restore_prompt_n": after_restore["timings"]["prompt_n"],
+                        "adopt_prompt_n": after_adopt["timings"]["prompt_n"],
+                        "same": after_adopt["content"] == plain["content"],
+                    }
+                )
+            median = statistics.median
+            rows.append(
+                {
+                    "tokens": count,
+                    **{k: median(m[k] for m in measured) for k in ("restore_ms", "share_ms", "write_ms", "adopt_ms")},
+                    "restore_prompt_n": max(m["restore_prompt_n"] for m in measured),
+                    "adopt_prompt_n": max(m["adopt_prompt_n"] for m in measured),
+                    "same": all(m["same"] for m in measured),
+                }
+            )
+    return rows
+
+
 async def run(args: argparse.Namespace) -> int:
     chosen = (256, 1024) if args.quick else SIZES
     rounds = 1 if args.quick else args.rounds
@@ -253,4 +378,16 @@ async def run(args: argparse.Namespace) -> int:
     print(f"  plain route  {plain_gap:8.1f} ms")
     print(f"  file route   {hybrid_gap:8.1f} ms")
     print(f"  ratio file/plain: {hybrid_gap / plain_gap:.3f}")
+    with tempfile.TemporaryDirectory(prefix="ob-bench-", dir="/tmp") as tmp:
+        shares = await share_against_file(Path(tmp), rounds, chosen)
+    print()
+    print("share against file, the last steps of each handoff on one decoder (LLAMA_KV_SHARE=1)")
+    print("prompt  restore   share    worker   adopt    adopt/    prompt_n after  reply after adopt")
+    print("tokens  ms        ms       write ms ms       restore   restore adopt   = plain reply")
+    for row in shares:
+        print(
+            f"{row['tokens']:>6}  {row['restore_ms']:>7.2f}  {row['share_ms']:>7.3f}  {row['write_ms']:>7.1f}"
+            f"  {row['adopt_ms']:>6.3f}  {row['adopt_ms'] / row['restore_ms']:>7.2%}  {row['restore_prompt_n']:>6}"
+            f"  {row['adopt_prompt_n']:>5}   {'yes' if row['same'] else 'NO'}"
+        )
     return 0

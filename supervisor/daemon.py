@@ -163,6 +163,8 @@ class Daemon:
             slot_save_path=self.runtime_dir / "state",
             threads=config.decoder.threads,
             extra_args=config.decoder.extra_args,
+            # The patched decoder keeps its KV on lendable memfd regions only when the share route can run.
+            kv_share=share_enabled(config) and config.hybrid.enabled and bool(config.provider),
         )
         self.decoder = Child(
             self.launcher,

@@ -3,13 +3,18 @@
 Decoder and llama-server providers share ``-m``, ``-c``, ``-np``, batch sizes and cache types (a slot
 state file saved under other parameters is refused by the decoder's restore); only threads, CPU
 affinity and extra arguments differ per child.
+
+The decoder of the share route runs with ``LLAMA_KV_SHARE=1`` (the patched llama-server then keeps its
+KV cache on memfd regions it can lend); every other llama-server runs without it, whatever onebitd's
+own environment holds, so stock behaviour never depends on it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +26,9 @@ from .config import Config, ModelConfig
 from .decoder import DecoderClient
 from .errors import ChildError
 from .process import ChildProcess
+
+# The patched llama-server's switch (scripts/llama-server-share.patch): its KV cache on memfd regions.
+KV_SHARE_ENV = "LLAMA_KV_SHARE"
 
 
 def model_args(model: ModelConfig, model_path: Path) -> list[str]:
@@ -63,8 +71,10 @@ class LlamaServerLauncher:
         slot_save_path: Path,
         threads: int,
         extra_args: Sequence[str],
+        kv_share: bool = False,
     ) -> None:
         self.name = name
+        self.kv_share = kv_share
         self.client = client
         self.socket = socket = client.socket
         self.slot_save_path = slot_save_path
@@ -92,6 +102,16 @@ class LlamaServerLauncher:
 
     def argv(self) -> Sequence[str]:
         return self._argv
+
+    @property
+    def env(self) -> Mapping[str, str] | None:
+        """Read at every spawn: onebitd's environment, with ``LLAMA_KV_SHARE`` only for a sharing decoder."""
+        if not self.kv_share and KV_SHARE_ENV not in os.environ:
+            return None  # inherit unchanged
+        env = {key: value for key, value in os.environ.items() if key != KV_SHARE_ENV}
+        if self.kv_share:
+            env[KV_SHARE_ENV] = "1"
+        return env
 
     def prepare(self) -> None:
         # A socket file left by a killed child makes the next bind fail with EADDRINUSE.

@@ -7,6 +7,7 @@ binary from ``scripts/setup``'s build cache (or the config, or PATH).
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -22,8 +23,25 @@ def cache_dir() -> Path:
     return Path(base) / "onebit"
 
 
+# The patch scripts/build-llama-server applies before building (the share route's decoder side).
+LLAMA_SERVER_PATCH = Path(__file__).resolve().parent.parent / "scripts" / "llama-server-share.patch"
+
+
+def llama_server_build_key() -> str:
+    """``<version>-<first 8 hex of the patch's sha256>``: scripts/build-llama-server computes the same.
+
+    Without the patch file (onebit installed without its source tree) the key is the bare version,
+    the unpatched build's.
+    """
+    try:
+        digest = hashlib.sha256(LLAMA_SERVER_PATCH.read_bytes()).hexdigest()[:8]
+    except OSError:
+        return LLAMA_CPP_VERSION
+    return f"{LLAMA_CPP_VERSION}-{digest}"
+
+
 def cached_llama_server() -> Path:
-    return cache_dir() / f"llama-server-{LLAMA_CPP_VERSION}" / "bin" / "llama-server"
+    return cache_dir() / f"llama-server-{llama_server_build_key()}" / "bin" / "llama-server"
 
 
 def embedded_model() -> Path | None:

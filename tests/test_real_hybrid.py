@@ -237,10 +237,22 @@ async def test_with_kv_share_on_a_stock_llama_server_refuses_and_every_request_t
     short_dir: Path, route_lines: RouteLines, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setenv("ONEBIT_KV_SHARE", "1")
+    # The built llama-server is patched; without its switch it answers as a stock one does.  onebitd
+    # sets the switch for a sharing decoder, so the decoder here is started through a wrapper that drops it.
+    stock = short_dir / "stock-llama-server"
+    stock.write_text(f'#!/bin/sh\nexec env -u LLAMA_KV_SHARE {real_llama_server()} "$@"\n')
+    stock.chmod(0o755)
+    config = make_config(
+        short_dir,
+        model={"parallel": 4, "ctx_size": 2048},
+        decoder={"threads": 1, "binary": str(stock)},
+        hybrid={"enabled": True, "min_prompt_tokens": 16},
+        provider=[{"kind": "llama-server", "name": "p0", "threads": 1, "binary": str(real_llama_server())}],
+    )
     endpoint = "/v1/chat/completions"
     questions = (QUESTION, QUESTION + " Be brief.")
     with caplog.at_level(logging.INFO, logger="onebit.hybrid"), trio.fail_after(180):
-        async with run_daemon(hybrid_config(short_dir)) as running:
+        async with run_daemon(config) as running:
             provider = running.daemon.providers.all[0]
             await provider.child.wait_state(ChildState.READY)  # type: ignore[attr-defined]
             expected = [

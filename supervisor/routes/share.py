@@ -240,7 +240,10 @@ class ShareHandoff:
                 )
             try:
                 status, data = await self.client.post_json(
-                    f"/slots/{slot}?action=adopt", {"share_id": region.share_id, "n_tokens": expected}
+                    f"/slots/{slot}?action=adopt",
+                    # The tokens: the decoder's slot must know what its adopted cells hold, so that the
+                    # request's common prefix leaves only the last token to evaluate.
+                    {"share_id": region.share_id, "n_tokens": expected, "tokens": tokens},
                 )
             except DecoderError as exc:
                 status, data = 0, {"error": {"message": exc.message}}
