@@ -337,7 +337,7 @@ class Completions:
             prompt_tokens=n,
             min_prompt_tokens=settings.min_prompt_tokens,
             share_refused=hybrid.share is not None and hybrid.share.refused_by(generation),
-            costs=costs,
+            costs=costs if settings.route_by == "cost" else None,
             policy=Policy(prefer_margin=settings.prefer_margin, max_stall_ms=settings.max_stall_ms),
         )
 

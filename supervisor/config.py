@@ -211,6 +211,9 @@ class HybridConfig:
     # its estimated time to first token is at most (1 + prefer_margin) x plain's, since moving a
     # prefill off the decoder keeps it free for the streams it decodes ...
     prefer_margin: float = field(default=0.15, validator=_at_least(0))
+    # "cost": the decision above; "length": every prompt of at least min_prompt_tokens is handed
+    # over, whatever the decoder's slot already holds (the most decode isolation, at a cost).
+    route_by: str = field(default="cost", validator=_one_of("cost", "length"))
     # ... or when a plain prefill would stall streams being decoded for longer than this.
     max_stall_ms: float = field(default=500.0, validator=_at_least(0))
     # Priors until the children's own timings are measured: milliseconds per prompt token on the

@@ -50,7 +50,7 @@ def real_llama_server() -> Path:
 
 # The route tests exercise the handoffs themselves, sending the same prompt again and again: the cost
 # decision (tests/test_routes.py) would keep a prompt the decoder's slot already holds plain.
-HANDOFF_ALWAYS = {"prefer_margin": 1e9}
+HANDOFF_ALWAYS = {"route_by": "length"}
 
 
 def make_config(runtime_dir: Path, *, text: str = "", **sections: Any) -> Config:

@@ -24,7 +24,7 @@ from supervisor.child import ChildState
 from supervisor.config import Config
 from supervisor.llama_server import model_args
 
-from .rig import TESTS, make_config, real_llama_server, run_daemon
+from .rig import HANDOFF_ALWAYS, TESTS, make_config, real_llama_server, run_daemon
 from .test_real_hybrid import QUESTION, RouteLines, ask, body_for, plain_reply
 
 pytestmark = pytest.mark.real
@@ -58,7 +58,7 @@ def share_config(runtime: Path, *, fault: str = "", decoder_args: tuple[str, ...
         runtime,
         model={"parallel": 4, "ctx_size": 2048},
         decoder={"threads": 1, "extra_args": list(decoder_args)},
-        hybrid={"enabled": True, "min_prompt_tokens": 16, "mode": "share"},
+        hybrid={"enabled": True, "min_prompt_tokens": 16, "mode": "share", **HANDOFF_ALWAYS},
         provider=[{"kind": "worker", "name": "share", "command": command}],
     )
 
