@@ -268,6 +268,15 @@ def children_of(pid: int) -> dict[int, str]:
     return found
 
 
+def gone(pid: int) -> bool:
+    """The process has exited: no such pid, or a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
 def fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
@@ -462,9 +471,15 @@ async def open_onebitd(config: Config, tally: Tally) -> AsyncIterator[Onebitd]:
                 daemon.request_stop()
     finally:
         route_log.removeHandler(handler)
+    # Its children must be reaped; their own children (a worker's llama-server), killed with their
+    # process group, must be gone: dead, if perhaps not yet reaped by init, which adopted them.
+    ours = set(children_of(os.getpid()))
+    with trio.move_on_after(5):
+        while any(not gone(pid) for pid in every_pid):  # noqa: ASYNC110  # other processes' exits
+            await trio.sleep(0.05)
     for pid in sorted(every_pid):
-        if Path(f"/proc/{pid}").exists():  # noqa: ASYNC240  # a stat, once the daemon is gone
-            tally.leftovers.append(f"pid {pid} not reaped after onebitd stopped")
+        if pid in ours or not gone(pid):
+            tally.leftovers.append(f"pid {pid} still there after onebitd stopped")
     if children_of(os.getpid()):
         tally.leftovers.append(f"processes after onebitd stopped: {children_of(os.getpid())}")
     state = runtime / "state"
