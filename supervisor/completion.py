@@ -176,6 +176,21 @@ class Plan:
 STATE_BYTES_PER_TOKEN = 23_040
 
 
+# A request that leaves its slot unfinished keeps it until the decoder says the slot is idle, for at
+# most this long: llama-server finishes a prefill it has begun before it notices the hang-up, and an
+# abandoned prefill of a full 1024-token slot took 50 to 80 s on this project's loaded 2-core machine
+# (docs/reliability.md).  Polled this often: the decoder's state is another process's.
+SETTLE_TIMEOUT_S = 120.0
+SETTLE_POLL_S = 0.05
+
+
+def slot_processing(reply_status: int, slots: Any, slot: int) -> bool:
+    """Whether the decoder's ``GET /slots`` answer says ``slot`` is still processing a task."""
+    if reply_status != 200 or not isinstance(slots, list):
+        return False
+    return any(isinstance(s, dict) and s.get("id") == slot and s.get("is_processing") is True for s in slots)
+
+
 def prompt_text(endpoint: str, body: dict[str, Any]) -> str:
     """A prompt's text for slot affinity, without a round trip to the tokenizer."""
     if endpoint == CHAT:
@@ -352,7 +367,7 @@ class Completions:
             line.prompt_tokens = len(plan.tokens)
         reasons: list[Reason] = []
         timings = Timings()
-        async with self.slots.hold(plan.key) as slot:
+        async with self.slots.hold(plan.key, settle=self._settle) as slot:
             line.slot = slot
             self.check_ready()  # it may have died while we queued
             entry = await self._from_store(plan, slot, line)
@@ -393,6 +408,26 @@ class Completions:
                     log.warning("prefix store: the decoder did not use the restored prefix (%s)", line.req)
                 if route is Route.PLAIN:
                     await self._keep_slot(plan, slot, line, entry)
+
+    async def _settle(self, slot: int) -> None:
+        """The request left ``slot`` unfinished (its client hung up, or something failed): llama-server
+        may still be prefilling it, and a request pinned to the slot would wait behind that work, or
+        see its restore deferred.  Keep the slot until the decoder reports it idle; the next request
+        meanwhile takes another free slot, or waits in our queue.  Shielded from the cancellation that
+        brought us here, bounded by ``SETTLE_TIMEOUT_S``, and over as soon as the decoder is not ready
+        (a new decoder's slots are idle)."""
+        with trio.CancelScope(shield=True, deadline=trio.current_time() + SETTLE_TIMEOUT_S) as scope:
+            while self.decoder.state is ChildState.READY:
+                try:
+                    reply = await self.client.request("GET", "/slots")
+                    busy = slot_processing(reply.status, reply.json(), slot)
+                except DecoderError:
+                    return
+                if not busy:
+                    return
+                await trio.sleep(SETTLE_POLL_S)  # another process's state: polled
+        if scope.cancelled_caught:
+            log.warning("slot %d still busy in the decoder after %gs; handing it out anyway", slot, SETTLE_TIMEOUT_S)
 
     async def _hand_over(
         self,
@@ -553,7 +588,7 @@ class Completions:
                 "hybrid: %s cannot be handed over (%s is relayed as is); the backend prefills it", line.req, endpoint
             )
         timings = Timings()
-        async with self.slots.hold() as slot:
+        async with self.slots.hold(settle=self._settle if pinned else None) as slot:
             self.check_ready()  # it may have died while we queued
             forwarded = body
             if pinned:

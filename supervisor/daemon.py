@@ -375,6 +375,9 @@ class Daemon:
                 # The front returned: in-flight requests are done (or past the grace period).
                 nursery.cancel_scope.cancel()
         finally:
+            if self.hybrid is not None:
+                # Every provider is stopped: what one wrote for a job we gave up on goes now.
+                self.hybrid.file.sweep()
             with trio.CancelScope(shield=True):
                 await self.client.aclose()
             os.close(lock)

@@ -125,7 +125,10 @@ class Front:
         config.accesslog = None
         config.errorlog = logging.getLogger("onebit.hypercorn")
         # A slow client may legitimately hold a stream for minutes; idle keep-alive sockets need not.
-        config.keep_alive_timeout = 75
+        # No read_timeout: hypercorn applies it to every read, so it would cut a long stream whose
+        # client, rightly, sends nothing; a stalled body is bounded in _read_json instead.  Heads are
+        # bounded by h11_max_incomplete_size (hypercorn's 16 KiB) and by this idle timer.
+        config.keep_alive_timeout = self.server.idle_timeout_s
         _probe(self.server.host, port)
         try:
             await serve(
@@ -361,22 +364,32 @@ class Front:
             raise ClientError(413, "body_too_large", f"request body over server.max_body_bytes ({limit})")
         chunks: list[bytes] = []
         size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise ClientError(499, "client_gone", "the client went away while sending its body")
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise ClientError(413, "body_too_large", f"request body over server.max_body_bytes ({limit})")
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
+        timeout = self.server.body_timeout_s
+        with trio.move_on_after(timeout) as reading:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise ClientError(499, "client_gone", "the client went away while sending its body")
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    raise ClientError(413, "body_too_large", f"request body over server.max_body_bytes ({limit})")
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    break
+        if reading.cancelled_caught:
+            raise ClientError(
+                408, "body_timeout", f"request body not received within server.body_timeout_s ({timeout:g})"
+            )
         raw = b"".join(chunks)
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             raise ClientError(400, "bad_json", f"request body is not JSON: {exc}") from None
+        except RecursionError:
+            # json's C decoder recurses once per nesting level: a body of 100,000 "[" would raise
+            # RecursionError through us (a 500) without this.
+            raise ClientError(400, "bad_json", "request body is nested too deeply") from None
         if not isinstance(body, dict):
             raise ClientError(400, "bad_json", "request body must be a JSON object")
         return body

@@ -14,7 +14,7 @@ which is free and follows the tokens closely enough to keep a conversation on it
 from __future__ import annotations
 
 import itertools
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 
 import attrs
@@ -150,9 +150,13 @@ class SlotPool:
         return best
 
     @asynccontextmanager
-    async def hold(self, key: PromptKey | None = None) -> AsyncIterator[int]:
+    async def hold(
+        self, key: PromptKey | None = None, *, settle: Callable[[int], Awaitable[None]] | None = None
+    ) -> AsyncIterator[int]:
         """Wait for a free slot, in arrival order, and hold it for the block; the slot is then
-        taken to hold ``key``'s prompt."""
+        taken to hold ``key``'s prompt.  A block left by an exception (its client hung up, most
+        often) first awaits ``settle(slot)``: the server may still be working in that slot, and the
+        next request must not be pinned behind that work.  ``settle`` shields itself, bounded."""
         if self._semaphore.value == 0 and self._semaphore.statistics().tasks_waiting >= self.queue_limit:
             raise Overloaded()
         await self._semaphore.acquire()
@@ -161,6 +165,10 @@ class SlotPool:
         self._used[slot] = next(self._tick)
         try:
             yield slot
+        except BaseException:
+            if settle is not None:
+                await settle(slot)
+            raise
         finally:
             if key is not None:
                 self._held[slot] = key

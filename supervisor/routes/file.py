@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+from collections import deque
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -23,6 +24,9 @@ from .decision import Outcome, Reason, Route, Step
 from .prefill import prefill
 
 log = logging.getLogger("onebit.hybrid")
+
+# Abandoned state files removed again by later handoffs: more jobs than are ever in flight at once.
+ABANDONED_KEPT = 256
 
 
 class SlotClient(Protocol):
@@ -50,6 +54,15 @@ class FileHandoff:
         self.state_dir = state_dir
         self.model = model
         self.n_ctx = n_ctx
+        # State files of jobs we gave up on (cancelled, timed out, failed): a provider that was
+        # stopped or slow may still write one after we removed it, so each later handoff removes
+        # them again.  The last ABANDONED_KEPT are remembered.
+        self._abandoned: deque[Path] = deque(maxlen=ABANDONED_KEPT)
+
+    def sweep(self) -> None:
+        """Remove whatever abandoned jobs wrote late (synchronous: unlinks of local files)."""
+        for path in self._abandoned:
+            path.unlink(missing_ok=True)
 
     def state_file(self, req: str) -> Path:
         # Our name, never the client's; random so a retried request id cannot collide.
@@ -61,6 +74,8 @@ class FileHandoff:
         """``keep``: a restored state file is handed back in ``Outcome.kept`` (for the prefix store)
         instead of removed."""
         path = self.state_file(req)
+        self.sweep()
+        handed_over = False
         try:
             job = PrefillJob(req, self.model, self.n_ctx, tuple(tokens), path)
             done = await prefill(provider, job, timeout_s=timeout_s)
@@ -82,6 +97,7 @@ class FileHandoff:
             if not restored.ok:
                 return restored
             saving_ms = max(0.0, done.wall_ms - (done.prefill_ms or 0.0))
+            handed_over = True
             return attrs.evolve(
                 restored,
                 evaluated=done.evaluated,
@@ -90,6 +106,8 @@ class FileHandoff:
             )
         finally:
             path.unlink(missing_ok=True)
+            if not handed_over:
+                self._abandoned.append(path)
 
     async def _restore(self, slot: int, path: Path, expected: int, prefill_ms: float | None, *, keep: bool) -> Outcome:
         started = trio.current_time()

@@ -1,0 +1,58 @@
+"""What a malformed or stalled request gets from the front, against tests/fake_decoder.py: a body
+nested too deeply is a 400 (not a 500), a body that stops arriving is a 408 after
+``server.body_timeout_s``, and a head that never ends is closed after ``server.idle_timeout_s``.
+scripts/chaos's ``fuzz`` scenario does the same and more against the real llama-server."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import trio
+
+from .helpers import CHAT, assert_envelope, client_for, open_raw, receive_until, request_head
+from .rig import Control, fake_decoder_config, run_daemon
+
+TIMEOUT = 20  # seconds; a test that needs more is stuck, not slow
+
+
+async def test_a_body_nested_too_deeply_for_json_is_refused_with_400(short_dir: Path, control: Control) -> None:
+    body = b"[" * 100_000  # json's decoder recurses once per level: RecursionError, not ValueError
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(fake_decoder_config(short_dir)) as running, client_for(running) as client:
+            reply = await client.post(CHAT, content=body, headers={"content-type": "application/json"})
+            error = assert_envelope(reply, 400)
+    assert error["code"] == "bad_json"
+    assert "nested too deeply" in error["message"]
+    assert control.entries() == []
+
+
+async def test_a_body_that_stops_arriving_gets_408_after_body_timeout_s(short_dir: Path, control: Control) -> None:
+    config = fake_decoder_config(short_dir, server={"body_timeout_s": 0.3})
+    data = json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode()
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(config) as running, await open_raw(running) as raw:
+            # The head and half the body; the rest never comes.
+            await raw.send_all(request_head(CHAT, len(data)) + data[: len(data) // 2])
+            buffer = bytearray()
+            await receive_until(raw, buffer, b"}}")
+    head, _, payload = bytes(buffer).partition(b"\r\n\r\n")
+    assert head.split(b" ")[1] == b"408"
+    assert json.loads(payload)["error"]["code"] == "body_timeout"
+    assert control.entries() == []
+
+
+async def test_a_head_that_never_ends_is_closed_after_idle_timeout_s(short_dir: Path, control: Control) -> None:
+    config = fake_decoder_config(short_dir, server={"idle_timeout_s": 0.3})
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(config) as running:
+            async with await open_raw(running) as raw:
+                await raw.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nX-Slow: ")
+                received = b""
+                while chunk := await raw.receive_some():  # until the server closes
+                    received += chunk
+            # And the daemon still serves.
+            async with client_for(running) as client:
+                health = await client.get("/health")
+    assert health.status_code == 200
+    assert received == b""
