@@ -8,7 +8,6 @@ disconnect hypercorn reports once a response has finished.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -18,7 +17,6 @@ import attrs
 import pytest
 import trio
 
-from supervisor.child import ChildState, ChildStatistics
 from supervisor.completion import Completions, Hybrid
 from supervisor.config import HybridConfig, ServerConfig
 from supervisor.front import Front
@@ -29,6 +27,8 @@ from supervisor.routes.file import FileHandoff
 from supervisor.routes.share import ShareHandoff, ShareHandshake
 from supervisor.slots import SlotPool
 
+from . import asgi
+from .asgi import ReadyDecoder, Reply
 from .fake_decoder import Modes
 from .fake_llama import FakeLlama
 from .rig import ScriptedProvider
@@ -40,25 +40,6 @@ SETTINGS = HybridConfig(enabled=True, min_prompt_tokens=4)
 
 
 @attrs.define
-class ReadyDecoder:
-    state: ChildState = ChildState.READY
-    generation: int = 1
-
-    def statistics(self) -> ChildStatistics:
-        raise AssertionError("a ready decoder is not asked why it failed")
-
-
-@attrs.define
-class Reply:
-    status: int
-    headers: dict[str, str]
-    body: bytes
-
-    def json(self) -> Any:
-        return json.loads(self.body)
-
-
-@attrs.define
 class Rig:
     fake: FakeLlama
     completions: Completions
@@ -66,39 +47,8 @@ class Rig:
     lines: list[RouteLine]
 
     async def post(self, path: str, body: dict[str, Any]) -> Reply:
-        """One request as hypercorn hands it over, and the client hanging up right after the reply
-        (hypercorn reports ``http.disconnect`` then, as it does after every finished response)."""
-        sent: list[dict[str, Any]] = []
-        finished = trio.Event()
-        asked = False
-
-        async def receive() -> dict[str, Any]:
-            nonlocal asked
-            if not asked:
-                asked = True
-                return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
-            await finished.wait()
-            return {"type": "http.disconnect"}
-
-        async def send(message: dict[str, Any]) -> None:
-            sent.append(message)
-            if message["type"] == "http.response.body" and not message.get("more_body", False):
-                finished.set()
-            # hypercorn's send goes on awaiting (the stream's events, the socket write) after it queued
-            # the disconnect that follows a last body: a cancel can land inside it.
-            for _ in range(3):
-                await trio.lowlevel.checkpoint()
-
-        scope = {
-            "type": "http",
-            "method": "POST",
-            "path": path,
-            "headers": [(b"host", b"localhost"), (b"content-type", b"application/json")],
-        }
-        await self.front(scope, receive, send)
-        [start, *bodies] = sent
-        headers = {k.decode(): v.decode() for k, v in start["headers"]}
-        return Reply(start["status"], headers, b"".join(m.get("body", b"") for m in bodies))
+        """One request, and the client hanging up right after the reply (tests/asgi.py)."""
+        return await asgi.call(self.front, "POST", path, body)
 
 
 def make_rig(tmp_path: Path, provider: Provider, *, share: bool = False) -> Rig:

@@ -27,25 +27,15 @@ from supervisor.routeline import RouteLine
 from supervisor.routes.file import FileHandoff
 from supervisor.slots import SlotPool
 
+from . import asgi
+from .asgi import ReadyDecoder, Reply
 from .fake_llama import Events, FakeLlama
 from .rig import ScriptedProvider
-from .test_completions import ReadyDecoder
 
 TIMEOUT = 10
 PROMPT = "the quick brown fox jumps over the lazy dog"
 MESSAGES = [{"role": "user", "content": PROMPT}]
 SETTINGS = HybridConfig(enabled=True, min_prompt_tokens=4)
-
-
-@attrs.frozen
-class Reply:
-    status: int
-    headers: dict[str, str]
-    body: bytes
-    chunks: list[bytes]
-
-    def json(self) -> Any:
-        return json.loads(self.body)
 
 
 @attrs.define
@@ -58,38 +48,8 @@ class Rig:
     async def call(
         self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None, query: str = ""
     ) -> Reply:
-        """One request as hypercorn hands it over; the client hangs up once the reply is whole."""
-        sent: list[dict[str, Any]] = []
-        finished = trio.Event()
-        asked = False
-
-        async def receive() -> dict[str, Any]:
-            nonlocal asked
-            if not asked:
-                asked = True
-                raw = b"" if body is None else json.dumps(body).encode()
-                return {"type": "http.request", "body": raw, "more_body": False}
-            await finished.wait()
-            return {"type": "http.disconnect"}
-
-        async def send(message: dict[str, Any]) -> None:
-            sent.append(message)
-            if message["type"] == "http.response.body" and not message.get("more_body", False):
-                finished.set()
-
-        given = {"host": "localhost", **(headers or {})}
-        scope = {
-            "type": "http",
-            "method": method,
-            "path": path,
-            "query_string": query.encode(),
-            "headers": [(k.encode(), v.encode()) for k, v in given.items()],
-        }
         with trio.fail_after(TIMEOUT):
-            await self.front(scope, receive, send)
-        [start, *bodies] = sent
-        chunks = [m.get("body", b"") for m in bodies]
-        return Reply(start["status"], {k.decode(): v.decode() for k, v in start["headers"]}, b"".join(chunks), chunks)
+            return await asgi.call(self.front, method, path, body, headers, query)
 
 
 def make_rig(

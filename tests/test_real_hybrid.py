@@ -246,7 +246,7 @@ async def test_with_kv_share_on_a_stock_llama_server_refuses_and_every_request_t
         short_dir,
         model={"parallel": 4, "ctx_size": 2048},
         decoder={"threads": 1, "binary": str(stock)},
-        hybrid={"enabled": True, "min_prompt_tokens": 16},
+        hybrid={"enabled": True, "min_prompt_tokens": 16, **HANDOFF_ALWAYS},
         provider=[{"kind": "llama-server", "name": "p0", "threads": 1, "binary": str(real_llama_server())}],
     )
     endpoint = "/v1/chat/completions"

@@ -1,0 +1,78 @@
+"""Driving ``Front`` in process, the way hypercorn drives it, for the tests that need no socket.
+
+:func:`call` sends one request through the ASGI interface and collects the reply.  Like hypercorn,
+it reports ``http.disconnect`` once the response has finished, and its ``send`` goes on awaiting
+after queueing that disconnect (the stream's events, the socket write): a cancel can land inside it,
+which is how a response's last byte used to cancel the work after it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import attrs
+import trio
+
+from supervisor.child import ChildState, ChildStatistics
+from supervisor.front import Front
+
+
+@attrs.define
+class ReadyDecoder:
+    """The supervised decoder as ``Completions`` and ``Front`` see it: ready, in some generation."""
+
+    state: ChildState = ChildState.READY
+    generation: int = 1
+
+    def statistics(self) -> ChildStatistics:
+        raise AssertionError("a ready decoder is not asked why it failed")
+
+
+@attrs.frozen
+class Reply:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+    chunks: list[bytes]
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+async def call(
+    front: Front, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None, query: str = ""
+) -> Reply:
+    """One request; the client hangs up once the reply is whole."""
+    sent: list[dict[str, Any]] = []
+    finished = trio.Event()
+    asked = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal asked
+        if not asked:
+            asked = True
+            raw = b"" if body is None else json.dumps(body).encode()
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await finished.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            finished.set()
+        for _ in range(3):
+            await trio.lowlevel.checkpoint()
+
+    given = {"host": "localhost", "content-type": "application/json", **(headers or {})}
+    scope = {
+        "type": "http",
+        "method": method,
+        "path": path,
+        "query_string": query.encode(),
+        "headers": [(k.encode(), v.encode()) for k, v in given.items()],
+    }
+    await front(scope, receive, send)
+    [start, *bodies] = sent
+    chunks = [m.get("body", b"") for m in bodies]
+    return Reply(start["status"], {k.decode(): v.decode() for k, v in start["headers"]}, b"".join(chunks), chunks)
