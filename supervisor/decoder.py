@@ -48,15 +48,41 @@ def _translate(exc: httpx.HTTPError, what: str) -> DecoderUnavailable:
     return DecoderUnavailable(f"decoder {what}: {type(exc).__name__}: {exc}".rstrip(": "))
 
 
+class FreshOnStale(httpx.AsyncBaseTransport):
+    """Sends a request again, once, when the connection it went out on was closed before any byte
+    of an answer came back ("Server disconnected without sending a response"): llama-server (its
+    cpp-httplib) closes pooled keep-alive connections on its own schedule, even ones younger than its
+    5 s idle timeout (seen here on a streamed turn's next request), and a request that got no answer
+    at all was never taken up: sending it again on a new connection cannot do its work twice.
+    Seen in the benchmarks and the real tests as random failures of requests to a healthy decoder."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self._inner = inner
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        try:
+            return await self._inner.handle_async_request(request)
+        except httpx.RemoteProtocolError as exc:
+            if "without sending a response" not in str(exc):
+                raise
+        return await self._inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
 def unix_transport(socket: Path, *, max_connections: int = 64) -> httpx.AsyncBaseTransport:
-    """HTTP over llama-server's unix socket, with keep-alive connections retired in time."""
-    return httpx.AsyncHTTPTransport(
-        uds=str(socket),
-        # llama-server closes an idle keep-alive connection after 5 s (cpp-httplib's default);
-        # reusing one at that moment fails the request.  Retire ours sooner.
-        limits=httpx.Limits(max_connections=max_connections, keepalive_expiry=2.0),
-        # A failed connect (the socket not there yet, a restart) is tried once more.
-        retries=1,
+    """HTTP over llama-server's unix socket, with keep-alive connections retired in time, and a
+    request the server dropped unanswered on a pooled connection sent again once."""
+    return FreshOnStale(
+        httpx.AsyncHTTPTransport(
+            uds=str(socket),
+            # llama-server closes an idle keep-alive connection after 5 s (cpp-httplib's default);
+            # reusing one at that moment fails the request.  Retire ours sooner.
+            limits=httpx.Limits(max_connections=max_connections, keepalive_expiry=2.0),
+            # A failed connect (the socket not there yet, a restart) is tried once more.
+            retries=1,
+        )
     )
 
 
