@@ -163,6 +163,7 @@ async def run_side(args: argparse.Namespace, name: str, hybrid: bool, direct: bo
     runtime_dir = Path(tempfile.mkdtemp(prefix="ob-bench-", dir="/tmp"))
     lines = Lines()
     logging.getLogger(ROUTE_LOGGER).addHandler(lines)
+    logging.getLogger(ROUTE_LOGGER).setLevel(logging.INFO)
     try:
         async with open_side(side_config(runtime_dir, args, hybrid=hybrid)) as (_daemon, front, decoder):
             client = decoder if direct else front

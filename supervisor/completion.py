@@ -498,8 +498,10 @@ class Completions:
         if stored is None or self._background is None or plan.tokens is None or not stored.enabled:
             return
         shared, extends = self.slots.shared(plan.key)
-        if restored is not None and shared <= restored.n_tokens:
-            return  # it branched off a stored prefix: that prefix is what the next request will want
+        if restored is not None:
+            # It went on from a stored prefix, as a conversation's next turn goes on from the last:
+            # kept whole, the next turn finds all of it (the store makes one entry of repeats).
+            shared, extends = restored.n_tokens, True
         tokens = stored.candidate(plan.tokens, shared, extends)
         if tokens is None:
             return
