@@ -2,15 +2,13 @@
 
 A benchmark's own instrument, patched onto the one in-process daemon it measures (onebitd itself
 carries no tracing): per request, the moments it was accepted (the ASGI call), sent to the decoder,
-answered by the decoder (headers, then the first chunk), and its first byte handed to hypercorn;
-and the time spent in the relay's per-chunk work (ASGI ``send`` of each body chunk).  The client's
+answered by the decoder (headers, then the first chunk), and its first byte handed to hypercorn.  The client's
 first token and the decoder's own ``timings`` come from the benchmark's clients.
 """
 
 from __future__ import annotations
 
 import contextvars
-import statistics
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -32,9 +30,6 @@ STEPS = ("accepted", "decoder_sent", "decoder_headers", "decoder_first_chunk", "
 @attrs.define
 class Tracer:
     requests: list[dict[str, Any]] = attrs.Factory(list)
-    send_seconds: float = 0.0  # wall time inside ASGI send for streamed body chunks
-    send_cpu: float = 0.0  # this process's CPU inside those sends
-    sends: int = 0
 
     def install(self, daemon: Daemon) -> None:
         front = daemon.front
@@ -46,16 +41,9 @@ class Tracer:
             token = MARKS.set(marks)
 
             async def traced_send(message: dict[str, Any]) -> None:
-                if message["type"] != "http.response.body" or not message.get("more_body"):
-                    await send(message)
-                    return
-                wall, cpu = time.perf_counter(), time.process_time()
-                if "first_write" not in marks and message.get("body"):
-                    marks["first_write"] = wall
+                if message["type"] == "http.response.body" and message.get("body") and "first_write" not in marks:
+                    marks["first_write"] = time.perf_counter()
                 await send(message)
-                tracer.send_seconds += time.perf_counter() - wall
-                tracer.send_cpu += time.process_time() - cpu
-                tracer.sends += 1
 
             try:
                 await inner_http(scope, receive, traced_send)
@@ -68,8 +56,6 @@ class Tracer:
 
     def clear(self) -> None:
         self.requests.clear()
-        self.send_seconds = self.send_cpu = 0.0
-        self.sends = 0
 
 
 class TracedClient:
@@ -130,10 +116,4 @@ def report(name: str, records: Sequence[StreamRecord], tracer: Tracer | None) ->
             f"  {ms(marks.get('decoder_first_chunk'), record.sent):>9}  {ms(marks.get('first_write'), record.sent):>9}"
             f"  {ms(record.first, record.sent):>10}  {timings.get('prompt_n', '-'):>8}"
             f"  {timings.get('prompt_ms', float('nan')):9.1f}"
-        )
-    if tracer and tracer.sends:
-        print(
-            f"  relay: {tracer.sends} chunks sent to hypercorn, {tracer.send_seconds / tracer.sends * 1e6:.0f} us wall"
-            f" and {tracer.send_cpu / tracer.sends * 1e6:.0f} us CPU each (median prompt_ms "
-            f"{statistics.median(r.timings.get('prompt_ms', 0.0) for r in records):.1f})"
         )
