@@ -49,6 +49,7 @@ from supervisor import locate  # noqa: E402
 from supervisor.child import ChildState  # noqa: E402
 from supervisor.config import Config  # noqa: E402
 from supervisor.daemon import Daemon  # noqa: E402
+from supervisor.decoder import unix_transport  # noqa: E402
 from supervisor.providers.llama import LlamaServerProvider  # noqa: E402
 from supervisor.share_worker import SlotState, write_rows  # noqa: E402
 
@@ -99,8 +100,11 @@ async def open_rig(config: Config) -> AsyncIterator[Rig]:
                 await daemon.decoder.wait_state(ChildState.READY)
                 await provider.child.wait_state(ChildState.READY)
             timeout = httpx.Timeout(TIMEOUT_S)
-            decoder_t = httpx.AsyncHTTPTransport(uds=str(daemon.launcher.socket))
-            provider_t = httpx.AsyncHTTPTransport(uds=str(provider.launcher.socket))
+            # As onebitd's own client: keep-alive connections retired before llama-server's 5 s idle
+            # close (a bare transport reuses one at that moment: "Server disconnected without sending
+            # a response").
+            decoder_t = unix_transport(daemon.launcher.socket)
+            provider_t = unix_transport(provider.launcher.socket)
             async with (
                 httpx.AsyncClient(base_url=started.binds[0], timeout=timeout) as front,
                 httpx.AsyncClient(transport=decoder_t, base_url="http://d", timeout=timeout) as decoder,

@@ -67,8 +67,9 @@ class RouteLine:
     error: str | None = None
 
     def fields(self) -> dict[str, Any]:
-        values = attrs.asdict(self)
-        return {name: values[name] for name in FIELDS}
+        # getattr, not attrs.asdict: every field is a scalar, and asdict's deep copy costs each
+        # request tens of microseconds twice (the line, and its structured copy).
+        return {name: getattr(self, name) for name in FIELDS}
 
     def logfmt(self) -> str:
         return " ".join(f"{name}={_logfmt_value(name, value)}" for name, value in self.fields().items())

@@ -35,3 +35,14 @@ async def test_the_overhead_benchmark_in_quick_mode_exits_0_and_prints_its_ratio
         assert re.search(row, out, re.MULTILINE), f"no {measure!r} row in:\n{out}"
     assert re.search(rf"^added at the median: {NUMBER} ms", out, re.MULTILINE), out
     assert re.search(rf"^token rate: {NUMBER}x direct", out, re.MULTILINE), out
+    assert re.search(rf"^first token median: {NUMBER}x direct", out, re.MULTILINE), out
+    # onebitd's CPU, not only its time: a regression shows even on a machine with cores to spare.
+    cpu = rf"^onebitd cpu: {NUMBER} s per 1000 requests\s+{NUMBER} s per 1000 relayed chunks \((\d+) chunks\)$"
+    found = re.search(cpu, out, re.MULTILINE)
+    assert found, out
+    assert int(found.group(1)) > 0, out
+    rss = rf"^rss, this process \(onebitd and the clients\): ({NUMBER}) MiB before, ({NUMBER}) MiB after$"
+    found = re.search(rss, out, re.MULTILINE)
+    assert found, out
+    assert float(found.group(1)) > 0, out
+    assert float(found.group(2)) > 0, out

@@ -24,7 +24,7 @@ from supervisor.routes.decision import (
     claim_matches,
     restore_used,
 )
-from supervisor.slots import PromptKey, SlotPool
+from supervisor.slots import PromptKey, SlotPool, common_prefix
 
 # A request that could take a hybrid route: each test changes one input.
 HYBRID: dict[str, Any] = {
@@ -315,3 +315,18 @@ async def test_waiters_still_get_slots_in_arrival_order() -> None:
             nursery.start_soon(wait, "second", key(*SYSTEM))  # matches the held slot's prompt
             await trio.testing.wait_all_tasks_blocked()
     assert order == ["first", "second"]
+
+
+@given(
+    st.lists(st.integers(0, 2), max_size=12),
+    st.lists(st.integers(0, 2), max_size=12),
+    st.lists(st.integers(0, 2), max_size=12),
+)
+def test_common_prefix_is_the_length_both_sequences_share_element_by_element(
+    shared: list[int], a: list[int], b: list[int]
+) -> None:
+    a, b = shared + a, shared + b
+    expected = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    assert common_prefix(a, b) == expected
+    assert common_prefix(tuple(a), tuple(b)) == expected
+    assert common_prefix("".join(map(str, a)), "".join(map(str, b))) == expected
