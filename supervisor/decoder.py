@@ -82,8 +82,10 @@ def unix_transport(socket: Path, *, max_connections: int = 64) -> httpx.AsyncBas
         httpx.AsyncHTTPTransport(
             uds=str(socket),
             # llama-server closes an idle keep-alive connection after 5 s (cpp-httplib's default);
-            # reusing one at that moment fails the request.  Retire ours sooner.
-            limits=httpx.Limits(max_connections=max_connections, keepalive_expiry=2.0),
+            # reusing one at that moment fails the request.  Retire ours sooner, but after the
+            # health check's 2 s interval, so that the check does not reconnect every time (the
+            # profile in docs/benchmarks.md); a close that races us anyway is FreshOnStale's.
+            limits=httpx.Limits(max_connections=max_connections, keepalive_expiry=4.0),
             # A failed connect (the socket not there yet, a restart) is tried once more.
             retries=1,
         )
