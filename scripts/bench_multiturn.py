@@ -177,6 +177,10 @@ async def run_side(args: argparse.Namespace, name: str, hybrid: bool, direct: bo
                     before = len(lines.lines)
                     ttft, reply, prompt_n = await turn(client, chat, args.max_tokens)
                     chat.append({"role": "assistant", "content": reply})
+                    if not direct:  # the route line comes once the request is done, after the last byte
+                        with trio.fail_after(60):
+                            while len(lines.lines) <= before:  # noqa: ASYNC110
+                                await trio.sleep(0.005)
                     line = lines.lines[before] if len(lines.lines) > before else {}
                     row.append(Sample(ttft, prompt_n, line.get("provider_prompt_n"), line.get("route", "direct")))
                 samples.append(row)

@@ -408,8 +408,9 @@ class Completions:
                     self._verify_handoff(line, reasons, settings)
                 elif entry is not None and self.stored is not None and self.stored.unused(entry, timings.cache_n):
                     log.warning("prefix store: the decoder did not use the restored prefix (%s)", line.req)
-                if route is Route.PLAIN:
-                    await self._keep_slot(plan, slot, line, entry)
+                # Saved after the reply, on every route: the slot then holds the reply's tokens too,
+                # which a conversation's next turn starts with (a handed-over state file lacks them).
+                await self._keep_slot(plan, slot, line, entry)
 
     async def _settle(self, slot: int) -> None:
         """The request left ``slot`` unfinished (its client hung up, or something failed): llama-server
@@ -455,17 +456,13 @@ class Completions:
                     timeout_s=settings.prefill_timeout_s,
                 )
             else:
-                keep = self._keeps(plan.tokens or [])
                 outcome = await hybrid.file.run(
                     req=line.req,
                     slot=slot,
                     tokens=plan.tokens or [],
                     provider=plan.provider,
                     timeout_s=settings.prefill_timeout_s,
-                    keep=keep,
                 )
-                if outcome.kept is not None:
-                    self._spawn_keep(plan.tokens or [], outcome.kept)
             if outcome.prefill_ms is not None:
                 line.prefill_ms = outcome.prefill_ms
             if outcome.restore_ms is not None:
@@ -483,10 +480,6 @@ class Completions:
             level = logging.INFO if outcome.reason is Reason.SHARE_UNSUPPORTED else logging.WARNING
             log.log(level, "hybrid: %s; %s", outcome.why, _GOES_ON[route])
         return route
-
-    def _keeps(self, tokens: list[int]) -> bool:
-        """Whether a hybrid route's state file for ``tokens`` goes to the prefix store."""
-        return self.stored is not None and self._background is not None and self.stored.store.wants(tokens)
 
     def _spawn_keep(self, tokens: Sequence[int], path: Path) -> None:
         if self.stored is None or self._background is None:

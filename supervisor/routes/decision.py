@@ -16,7 +16,6 @@ route up here (:func:`degrade`).
 from __future__ import annotations
 
 import enum
-from pathlib import Path
 
 import attrs
 
@@ -93,7 +92,6 @@ class Outcome:
     evaluated: int | None = None  # prompt tokens the provider evaluated (its cache held the rest)
     state_bytes: int | None = None  # the state moved (file route)
     handoff_ms: float | None = None  # moving it: the job's time beyond the prefill, plus the restore
-    kept: Path | None = None  # the restored state file, kept for the prefix store (the caller's now)
 
     @property
     def ok(self) -> bool:

@@ -68,11 +68,7 @@ class FileHandoff:
         # Our name, never the client's; random so a retried request id cannot collide.
         return self.state_dir / f"{req}-{secrets.token_hex(4)}.state"
 
-    async def run(
-        self, *, req: str, slot: int, tokens: list[int], provider: Provider, timeout_s: float, keep: bool = False
-    ) -> Outcome:
-        """``keep``: a restored state file is handed back in ``Outcome.kept`` (for the prefix store)
-        instead of removed."""
+    async def run(self, *, req: str, slot: int, tokens: list[int], provider: Provider, timeout_s: float) -> Outcome:
         path = self.state_file(req)
         self.sweep()
         handed_over = False
@@ -93,7 +89,7 @@ class FileHandoff:
                     f"provider {provider.name} wrote no state file",
                     prefill_ms=done.prefill_ms,
                 )
-            restored = await self._restore(slot, path, len(tokens), done.prefill_ms, keep=keep)
+            restored = await self._restore(slot, path, len(tokens), done.prefill_ms)
             if not restored.ok:
                 return restored
             saving_ms = max(0.0, done.wall_ms - (done.prefill_ms or 0.0))
@@ -109,11 +105,8 @@ class FileHandoff:
             if not handed_over:
                 self._abandoned.append(path)
 
-    async def _restore(self, slot: int, path: Path, expected: int, prefill_ms: float | None, *, keep: bool) -> Outcome:
+    async def _restore(self, slot: int, path: Path, expected: int, prefill_ms: float | None) -> Outcome:
         started = trio.current_time()
-        status: int = 0
-        data: Any = None
-        kept: Path | None = None
         try:
             status, data = await self.client.post_json(f"/slots/{slot}?action=restore", {"filename": path.name})
         except DecoderError as exc:
@@ -121,15 +114,10 @@ class FileHandoff:
         finally:
             restore_ms = (trio.current_time() - started) * 1000
             # Synchronous on purpose: an await here could be cancelled and leave the file behind.
-            if keep and status == 200:
-                kept = path.with_suffix(".keep")
-                path.rename(kept)  # noqa: ASYNC240
             path.unlink(missing_ok=True)  # noqa: ASYNC240
         n_restored = data.get("n_restored") if isinstance(data, dict) else None
         if status == 200 and n_restored == expected:
-            return Outcome(Route.FILE, prefill_ms=prefill_ms, restore_ms=restore_ms, kept=kept)
-        if kept is not None:
-            kept.unlink(missing_ok=True)
+            return Outcome(Route.FILE, prefill_ms=prefill_ms, restore_ms=restore_ms)
         # A half-restored slot must not leak its cells into the plain request that follows.
         await erase_slot(self.client, slot, "a refused restore")
         what = f"restore answered {status}" if status != 200 else f"restored {n_restored} of {expected} tokens"

@@ -8,8 +8,8 @@ refuses drops the entry and erases the slot: the request goes on as if there wer
 
 Keeping: after the last byte of a reply, while the request still holds its slot (no one else may
 change its cells), ``POST /slots/S?action=save`` into the state directory; the store's ``put_file``
-then moves the file onto its disk off the request's path.  A hybrid route's state file is kept
-instead of deleted the same way (routes/file.py).
+then moves the file onto its disk off the request's path.  On every route: after a hybrid route's
+reply the slot holds the reply's tokens too, which its handed-over state file lacks.
 
 Which tokens an entry is for: a prompt's prefix that another recent prompt shared (the system prompt
 and tool list a chat's users all send: the part the next request will start with too) when one is
