@@ -312,6 +312,22 @@ class Worker:
                 region.close()
 
 
+def write_saved_state(path: Path, tokens: list[int], layout: dict[str, Any], fds: list[int]) -> int:
+    """Parse the slot state file at ``path`` and copy its rows for ``tokens`` into the lent regions
+    (``fds``, in the order of ``layout["regions"]``); the claim.  Raises :class:`Refused`."""
+    regions: list[mmap.mmap] = []
+    try:
+        for fd, region in zip(fds, layout["regions"], strict=True):
+            regions.append(mmap.mmap(fd, int(region["size"])))
+        state = SlotState(path.read_bytes())
+        if state.tokens[: len(tokens)] != tokens:
+            raise Refused("the saved state is not of the job's tokens")
+        return write_rows(state, layout, regions, len(tokens))
+    finally:
+        for region in regions:
+            region.close()
+
+
 def _save_dir(parent: str) -> tempfile.TemporaryDirectory[str]:
     # tmpfs when there is one: the state file is written and read once, never kept.
     base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else parent

@@ -90,6 +90,38 @@ async def test_the_share_route_gives_the_plain_routes_greedy_reply_on_every_endp
     assert [n for n in os.listdir(short_dir) if n.startswith("share-")] == []
 
 
+async def test_share_mode_on_the_embedded_default_takes_the_share_route_with_its_llama_server_provider(
+    short_dir: Path, route_lines: RouteLines, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # config/onebit.toml with hybrid.mode = "share": the llama-server provider prefills, saves and
+    # writes the saved rows into the region the decoder lent (supervisor/providers/llama.py).
+    monkeypatch.delenv("ONEBIT_KV_SHARE", raising=False)
+    shipped = (Path(__file__).parent.parent / "config" / "onebit.toml").read_text()
+    config = make_config(
+        short_dir,
+        text=shipped.replace('mode = "file"', 'mode = "share"'),
+        model={"parallel": 2, "ctx_size": 2048},
+        decoder={"threads": 1},
+        hybrid={"min_prompt_tokens": 16, **HANDOFF_ALWAYS},
+    )
+    assert config.hybrid.mode == "share"
+    assert [p.__class__.__name__ for p in config.provider] == ["LlamaServerProvider"]
+    endpoint = "/v1/chat/completions"
+    with trio.fail_after(240):
+        async with run_daemon(config) as running:
+            provider = running.daemon.providers.all[0]
+            await provider.child.wait_state(ChildState.READY)  # type: ignore[attr-defined]
+            expected, _ = await plain_reply(running.daemon.launcher.socket, endpoint, body_for(endpoint, False))
+            async with httpx.AsyncClient(base_url=running.url, timeout=120) as client:
+                got = [await ask(client, endpoint, body_for(endpoint, stream)) for stream in (False, True)]
+    assert got == [expected, expected]
+    assert [(line["route"], line["fallback"], line["decoder_prompt_n"]) for line in route_lines.lines] == [
+        ("share", None, 1),
+        ("share", None, 1),
+    ]
+    assert list((short_dir / "state").iterdir()) == []
+
+
 @pytest.mark.parametrize(
     ("fault", "fallback", "said"),
     [

@@ -9,6 +9,7 @@ so the state file it writes is one the decoder's restore accepts.  A job is
 
 from __future__ import annotations
 
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +21,16 @@ from ..config import LlamaServerProvider as LlamaServerProviderConfig
 from ..decoder import DecoderClient
 from ..errors import DecoderError, ProviderError
 from ..llama_server import LlamaServerLauncher, connection_limit
+from ..share_worker import Refused, write_saved_state
 from ..slots import PromptKey, SlotPool
-from .base import Claim, Job, JobCounts, PrefillJob, ProviderStatistics
+from .base import Claim, Job, JobCounts, PrefillJob, ProviderStatistics, ShareJob
 
 
 class LlamaServerProvider:
     kind = "llama-server"
-    supports_share = False  # it prefills into its own cache, not into someone else's region
+    # A share job: it prefills into its own cache, saves the slot, and copies each position's K/V rows
+    # from the saved file into the decoder's lent region (supervisor/share_worker.py's format).
+    supports_share = True
 
     def __init__(self, spec: LlamaServerProviderConfig, config: Config, *, runtime_dir: Path, state_dir: Path) -> None:
         self.name = spec.name
@@ -66,8 +70,10 @@ class LlamaServerProvider:
         return self.slots.best_cached(PromptKey(tokens=tokens))
 
     async def prefill(self, job: Job) -> Claim:
-        if not isinstance(job, PrefillJob):
-            raise ProviderError(f"{self.name}: a llama-server provider cannot write a shared region")
+        if isinstance(job, ShareJob):
+            with self.counts.track():
+                async with self.slots.hold(PromptKey(tokens=job.tokens)) as slot:
+                    return await self._share_in(slot, job)
         if job.state_file.parent != self.state_dir:
             raise ProviderError(f"{self.name}: state file {job.state_file} is outside {self.state_dir}")
         with self.counts.track():
@@ -98,6 +104,21 @@ class LlamaServerProvider:
             prefill_ms=float(prompt_ms) if isinstance(prompt_ms, int | float) else None,
             evaluated=prompt_n if isinstance(prompt_n, int) else None,
         )
+
+    async def _share_in(self, slot: int, job: ShareJob) -> Claim:
+        """Prefill and save as for a file job, then write the saved rows into the lent region."""
+        path = self.state_dir / f"share-{job.id}-{secrets.token_hex(4)}.state"
+        try:
+            done = await self._prefill_in(slot, PrefillJob(job.id, job.model, job.n_ctx, job.tokens, path))
+            try:
+                written = await trio.to_thread.run_sync(
+                    write_saved_state, path, list(job.tokens), job.layout, list(job.fds)
+                )
+            except (Refused, OSError, ValueError, KeyError) as exc:
+                raise ProviderError(f"{self.name}: cannot write the shared region: {exc}") from exc
+            return Claim(n_tokens=written, prefill_ms=done.prefill_ms, evaluated=done.evaluated)
+        finally:
+            path.unlink(missing_ok=True)
 
     def statistics(self) -> ProviderStatistics:
         return self.counts.statistics(self.name, self.kind, ready=self.ready, child=self.child.statistics())
