@@ -46,3 +46,16 @@ async def test_the_overhead_benchmark_in_quick_mode_exits_0_and_prints_its_ratio
     assert found, out
     assert float(found.group(1)) > 0, out
     assert float(found.group(2)) > 0, out
+
+
+@pytest.mark.real
+async def test_the_prefix_benchmark_in_quick_mode_exits_0_and_prints_its_ratios() -> None:
+    real_llama_server()
+    with trio.fail_after(300):
+        result = await trio.run_process(
+            [sys.executable, str(BENCH), "prefix", "--quick"], capture_stdout=True, capture_stderr=True, check=False
+        )
+    out = result.stdout.decode()
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    assert re.search(rf"^first after the crash, \(b\)/\(a\): {NUMBER}x", out, re.MULTILINE), out
+    assert re.search(rf"^\(a\) store\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+[1-9]", out, re.MULTILINE), out
