@@ -293,23 +293,12 @@ class Worker:
         return {"n_tokens": len(tokens), "prefill_ms": prefill_ms}
 
     def share_job(self, job: dict[str, Any], fds: list[int]) -> dict[str, Any]:
-        tokens = job["tokens"]
-        layout = job["layout"]
-        regions: list[mmap.mmap] = []
+        prefill_ms, path = self._prefill_and_save(job, f"share-{os.getpid()}.state")
         try:
-            for fd, region in zip(fds, layout["regions"], strict=True):
-                regions.append(mmap.mmap(fd, int(region["size"])))
-            prefill_ms, path = self._prefill_and_save(job, f"share-{os.getpid()}.state")
-            try:
-                state = SlotState(path.read_bytes())
-            finally:
-                path.unlink(missing_ok=True)
-            if state.tokens[: len(tokens)] != tokens:
-                raise Refused("the saved state is not of the job's tokens")
-            return {"n_tokens": write_rows(state, layout, regions, len(tokens)), "prefill_ms": prefill_ms}
+            written = write_saved_state(path, job["tokens"], job["layout"], fds)
         finally:
-            for region in regions:
-                region.close()
+            path.unlink(missing_ok=True)
+        return {"n_tokens": written, "prefill_ms": prefill_ms}
 
 
 def write_saved_state(path: Path, tokens: list[int], layout: dict[str, Any], fds: list[int]) -> int:
