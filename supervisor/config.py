@@ -110,12 +110,17 @@ class HealthPolicy:
 Hosts = NewType("Hosts", tuple[str, ...])
 
 
-def _host_problem(host: str) -> str | None:
+def _is_ip(host: str) -> bool:
+    """An address literal (``[v6]`` brackets allowed): nothing to look up."""
     try:
         ipaddress.ip_address(host.strip("[]"))
     except ValueError:
-        pass
-    else:
+        return False
+    return True
+
+
+def _host_problem(host: str) -> str | None:
+    if _is_ip(host):
         return None
     labels = host.rstrip(".").split(".")
     if host and len(host) <= 253 and all(_LABEL.fullmatch(label) for label in labels):
@@ -547,11 +552,7 @@ def check(config: Config, source: str) -> None:
 
 def _resolve_problem(host: str) -> str | None:
     """A host name that does not resolve would fail the bind with a resolver traceback."""
-    try:
-        ipaddress.ip_address(host.strip("[]"))
-    except ValueError:
-        pass
-    else:
+    if _is_ip(host):
         return None
     try:
         socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,35 +19,12 @@ from supervisor.child import ChildState
 from supervisor.config import Config
 from supervisor.llama_server import model_args
 
-from .rig import HANDOFF_ALWAYS, TESTS, make_config, real_llama_server, run_daemon
+from .rig import HANDOFF_ALWAYS, TESTS, RouteLines, make_config, real_llama_server, run_daemon
 
 pytestmark = pytest.mark.real
 
 QUESTION = "Tell me about the moon in one sentence, please, and mention its phases."
 PROMPT = "The moon is Earth's only natural satellite. Write one sentence about its phases:"
-
-
-class RouteLines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[dict[str, Any]] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        fields = getattr(record, "route_fields", None)
-        if isinstance(fields, dict):
-            self.lines.append(fields)
-
-
-@pytest.fixture
-def route_lines() -> Iterator[RouteLines]:
-    handler = RouteLines()
-    logger = logging.getLogger("onebit.route")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield handler
-    finally:
-        logger.removeHandler(handler)
 
 
 def hybrid_config(runtime: Path, provider: dict[str, Any] | None = None) -> Config:

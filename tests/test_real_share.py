@@ -11,7 +11,6 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,24 +23,12 @@ from supervisor.child import ChildState
 from supervisor.config import Config
 from supervisor.llama_server import model_args
 
-from .rig import HANDOFF_ALWAYS, TESTS, make_config, real_llama_server, run_daemon
-from .test_real_hybrid import QUESTION, RouteLines, ask, body_for, plain_reply
+from .rig import HANDOFF_ALWAYS, TESTS, RouteLines, make_config, real_llama_server, run_daemon
+from .test_real_hybrid import QUESTION, ask, body_for, plain_reply
 
 pytestmark = pytest.mark.real
 
 ENDPOINTS = ["/v1/chat/completions", "/v1/completions", "/completion"]
-
-
-@pytest.fixture
-def route_lines() -> Iterator[RouteLines]:
-    handler = RouteLines()
-    logger = logging.getLogger("onebit.route")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield handler
-    finally:
-        logger.removeHandler(handler)
 
 
 def share_config(runtime: Path, *, fault: str = "", decoder_args: tuple[str, ...] = ()) -> Config:
