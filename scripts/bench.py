@@ -5,12 +5,13 @@
     scripts/bench multiturn [--quick]  chats over many turns: plain, hybrid, llama-server direct
     scripts/bench prefix [--quick]     a long shared prompt across a decoder crash, with and without the store
 
-Every subcommand runs onebitd in this process (port 0, a runtime directory under /tmp), waits until
-its decoder is ready, measures, then stops the daemon, which stops and reaps its children, whatever
-happened (an error, Ctrl-C, SIGTERM).  Figures are ratios against the same llama-server reached
-directly in the same run, so that the machine's speed, and most of its noise, cancels out; nothing
-here passes or fails on speed.  Exit status: 0 when every request succeeded, 1 otherwise, 2 for a
-set-up problem.
+Every subcommand runs onebitd (port 0, a runtime directory under /tmp), waits until its decoder is
+ready, measures, then stops the daemon, which stops and reaps its children, whatever happened (an
+error, Ctrl-C, SIGTERM).  ``overhead`` runs it in a process of its own, as in service (``--onebitd
+inline`` puts it in this one, beside the clients); the others run it in this process.  Figures are
+ratios against the same llama-server reached directly in the same run, so that the machine's speed,
+and most of its noise, cancels out; nothing here passes or fails on speed.  Exit status: 0 when
+every request succeeded, 1 otherwise, 2 for a set-up problem.
 
 Adding a subcommand: write an ``arguments(parser)`` function and an ``async run(args) -> int``
 coroutine (use :func:`open_onebitd` for the daemon and its two clients) and add one
@@ -20,12 +21,14 @@ coroutine (use :func:`open_onebitd` for the daemon and its two clients) and add 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
 import platform
 import shutil
 import signal
+import socket
 import statistics
 import sys
 import tempfile
@@ -33,10 +36,11 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import attrs
 import httpx
+import tomli_w
 import trio
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -121,6 +125,92 @@ async def open_onebitd(config: Config) -> AsyncIterator[Onebitd]:
             daemon.request_stop()
 
 
+@attrs.frozen
+class Spawned:
+    """onebitd as it runs in service: its own process (``python -m supervisor.daemon``), its own core."""
+
+    pid: int
+    decoder_pid: int | None
+    url: str
+    front: httpx.AsyncClient
+    direct: httpx.AsyncClient
+
+
+@asynccontextmanager
+async def spawn_onebitd(config: Config, runtime_dir: Path, log: TextIO) -> AsyncIterator[Spawned]:
+    """onebitd in a process of its own, ready (its sd_notify READY=1), and the two clients.
+
+    The benchmark's clients then share neither onebitd's event loop nor its CPU time, as an
+    OpenAI client and onebitd do in service.  The process is stopped (SIGTERM) and reaped when the
+    block ends, and it stops and reaps its decoder."""
+    config_path = runtime_dir / "onebit.toml"
+    config_path.write_text(tomli_w.dumps(configuration.unstructure(config)))
+    notify_path = runtime_dir / "notify.sock"
+    notify = trio.socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    await notify.bind(str(notify_path))
+    python_path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = {**os.environ, "NOTIFY_SOCKET": str(notify_path), "PYTHONPATH": python_path}
+    argv = [sys.executable, "-m", "supervisor.daemon", "--config", str(config_path)]
+    with notify:
+        async with trio.open_nursery() as nursery:
+            process: trio.Process = await nursery.start(
+                functools.partial(trio.run_process, argv, stdout=log, stderr=log, env=env, check=False)
+            )
+            try:
+                url = ""
+                with trio.move_on_after(READY_TIMEOUT_S):
+                    while not url:
+                        message = (await notify.recv(4096)).decode()
+                        fields = dict(line.split("=", 1) for line in message.splitlines() if "=" in line)
+                        if fields.get("READY") == "1":
+                            url = fields.get("STATUS", "").removeprefix("serving on ").split(",")[0].strip()
+                if not url:
+                    raise BenchError(f"onebitd (pid {process.pid}) did not say READY=1 in {READY_TIMEOUT_S} s")
+                timeout = httpx.Timeout(REQUEST_TIMEOUT_S)
+                limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+                transport = unix_transport(runtime_dir / "decoder.sock")
+                async with (
+                    httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as front,
+                    httpx.AsyncClient(transport=transport, base_url="http://decoder", timeout=timeout) as direct,
+                ):
+                    yield Spawned(process.pid, child_pid(process.pid), url, front, direct)
+            finally:
+                if process.returncode is None:
+                    process.send_signal(signal.SIGTERM)
+                with trio.move_on_after(READY_TIMEOUT_S) as waiting:
+                    await process.wait()
+                if waiting.cancelled_caught:
+                    process.kill()
+
+
+def child_pid(pid: int) -> int | None:
+    """``pid``'s one child (onebitd's decoder, the plain route having no provider), from /proc."""
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return None
+    return int(children[0]) if len(children) == 1 else None
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds ``pid`` has run, all its threads, to the nanosecond (/proc/PID/task/*/schedstat)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (OSError, IndexError, ValueError):
+            continue  # a thread that ended meanwhile
+    return total / 1e9
+
+
+def rss_of(pid: int) -> float:
+    """``pid``'s resident memory in MiB, from /proc."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 async def decoder_version(config: Config) -> str:
     binary = locate.llama_server(config.decoder.binary)
     if binary is None:
@@ -164,24 +254,24 @@ def process_ticks(pid: int | None) -> int:
 class Noise:
     """The CPU other processes took while we measured: it slows both sides, not always equally.
 
-    Our own use (this process: the clients and onebitd; the decoder) is left out: on a small machine
-    it is the contention being measured."""
+    Our own use (the clients, onebitd, the decoder) is left out: on a small machine it is the
+    contention being measured."""
 
     others: int
     started: float
 
     @classmethod
-    def start(cls, decoder_pid: int | None) -> Noise:
-        return cls(cls._others(decoder_pid), time.monotonic())
+    def start(cls, ours: Sequence[int | None]) -> Noise:
+        return cls(cls._others(ours), time.monotonic())
 
     @staticmethod
-    def _others(decoder_pid: int | None) -> int:
-        return busy_ticks() - process_ticks(os.getpid()) - process_ticks(decoder_pid)
+    def _others(ours: Sequence[int | None]) -> int:
+        return busy_ticks() - sum(process_ticks(pid) for pid in ours)
 
-    def report(self, decoder_pid: int | None) -> str:
+    def report(self, ours: Sequence[int | None]) -> str:
         seconds = time.monotonic() - self.started
         # Clamped: ticks are sampled at slightly different moments, so an idle machine can come out at -0.
-        cpus = max(0.0, (self._others(decoder_pid) - self.others) / os.sysconf("SC_CLK_TCK") / seconds)
+        cpus = max(0.0, (self._others(ours) - self.others) / os.sysconf("SC_CLK_TCK") / seconds)
         verdict = "   (a busy machine: treat the figures as noise)" if cpus > 0.1 * (os.cpu_count() or 1) else ""
         return f"machine noise: other processes used {cpus:.2f} of {os.cpu_count()} CPUs during the run{verdict}"
 
@@ -230,7 +320,15 @@ def overhead_arguments(parser: argparse.ArgumentParser) -> None:
         "--self-cpus", type=cpu_list, default=(), metavar="LIST", help="pin this process (onebitd and the clients)"
     )
     parser.add_argument(
-        "--trace", action="store_true", help="print one stream round per side as a per-request timeline"
+        "--onebitd",
+        choices=("process", "inline"),
+        default="process",
+        help="onebitd in its own process, as in service (default), or in this one, beside the clients",
+    )
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="print one stream round per side as a per-request timeline (runs onebitd inline)",
     )
 
 
@@ -261,12 +359,17 @@ class Side:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
-async def short_completion(client: httpx.AsyncClient, body: dict[str, Any], side: Side | None = None) -> float:
-    cpu, start = time.process_time(), time.perf_counter()
+async def short_completion(
+    client: httpx.AsyncClient,
+    body: dict[str, Any],
+    side: Side | None = None,
+    cpu: Callable[[], float] = time.process_time,
+) -> float:
+    cpu_before, start = cpu(), time.perf_counter()
     reply = await client.post("/v1/completions", json=body)
     elapsed = time.perf_counter() - start
     if side is not None:
-        side.short_cpu += time.process_time() - cpu
+        side.short_cpu += cpu() - cpu_before
     if reply.status_code != 200:
         raise BenchError(f"{client.base_url} answered {reply.status_code}: {reply.text[:300]}")
     return elapsed
@@ -302,16 +405,68 @@ async def one_stream(client: httpx.AsyncClient, body: dict[str, Any], start: flo
     side.records.append(record)
 
 
-async def stream_round(client: httpx.AsyncClient, bodies: Sequence[dict[str, Any]], side: Side) -> None:
+async def stream_round(
+    client: httpx.AsyncClient,
+    bodies: Sequence[dict[str, Any]],
+    side: Side,
+    cpu: Callable[[], float] = time.process_time,
+) -> None:
     side.records.clear()
-    cpu, start, tokens_before = time.process_time(), time.perf_counter(), side.tokens
+    cpu_before, start, tokens_before = cpu(), time.perf_counter(), side.tokens
     async with trio.open_nursery() as nursery:
         for body in bodies:
             nursery.start_soon(one_stream, client, body, start, side)
     seconds = time.perf_counter() - start
-    side.stream_cpu += time.process_time() - cpu
+    side.stream_cpu += cpu() - cpu_before
     side.seconds += seconds
     side.round_rates.append((side.tokens - tokens_before) / seconds)
+
+
+@attrs.frozen
+class Target:
+    """What the overhead benchmark measures against: onebitd's clients, and how to read its cost."""
+
+    front: httpx.AsyncClient
+    direct: httpx.AsyncClient
+    cpu: Callable[[], float]  # onebitd's CPU seconds so far (inline: this whole process's)
+    rss: Callable[[], float]  # onebitd's RSS in MiB (inline: this whole process's)
+    ours: Callable[[], tuple[int, ...]]  # the pids whose CPU is the measurement's, not noise
+    what: str  # what cpu and rss cover, for the printed lines
+    daemon: Daemon | None = None  # inline only (--trace patches it)
+
+
+@asynccontextmanager
+async def open_target(
+    args: argparse.Namespace, config: Config, runtime_dir: Path, log: TextIO
+) -> AsyncIterator[Target]:
+    if args.onebitd == "inline":
+        # onebitd logs as it does in service (route lines, the decoder's output): that work counts.
+        logs.setup("logfmt", "info", stream=log)
+        try:
+            async with open_onebitd(config) as onebitd:
+                daemon = onebitd.daemon
+                yield Target(
+                    onebitd.front,
+                    onebitd.direct,
+                    cpu=time.process_time,
+                    rss=rss_mib,
+                    ours=lambda: (os.getpid(), *((daemon.decoder.pid,) if daemon.decoder.pid else ())),
+                    what="this process (onebitd and the clients)",
+                    daemon=daemon,
+                )
+        finally:
+            logs.setup("logfmt", "warning")  # off the log file before it goes
+        return
+    async with spawn_onebitd(config, runtime_dir, log) as spawned:
+        pid = spawned.pid
+        yield Target(
+            spawned.front,
+            spawned.direct,
+            cpu=lambda: process_cpu_s(pid),
+            rss=lambda: rss_of(pid),
+            ours=lambda: (os.getpid(), pid, *((spawned.decoder_pid,) if spawned.decoder_pid else ())),
+            what=f"the onebitd process (pid {pid})",
+        )
 
 
 def rss_mib() -> float:
@@ -322,18 +477,19 @@ def rss_mib() -> float:
     return float("nan")
 
 
-def cpu_lines(direct: Side, front: Side, requests: int, streams: int) -> list[str]:
-    """onebitd's CPU, as what this one process spent on the onebitd side beyond the direct side.
+def cpu_lines(direct: Side, front: Side, requests: int, streams: int, what: str) -> list[str]:
+    """onebitd's CPU: what was measured on the onebitd side beyond the direct side.
 
-    Both sides run the same clients in this process, so the difference is onebitd's work: HTTP in
-    (hypercorn), the relay, the decoder client, logging.  Per chunk, the stream rounds' share of the
-    per-request cost (measured in (a)) is taken out first."""
+    Both sides run the same clients and the same onebitd (idle on the direct side but for its
+    health checks), so the difference is onebitd's work on the requests: HTTP in (hypercorn), the
+    relay, the decoder client, logging.  Per chunk, the stream rounds' share of the per-request
+    cost (measured in (a)) is taken out first."""
     per_request = (front.short_cpu - direct.short_cpu) / requests if requests else float("nan")
     relayed = front.events
     per_chunk = (front.stream_cpu - direct.stream_cpu - per_request * streams) / relayed if relayed else float("nan")
     return [
-        f"cpu, this process (clients + onebitd): (a) direct {direct.short_cpu:.2f} s, onebitd side "
-        f"{front.short_cpu:.2f} s; (b) direct {direct.stream_cpu:.2f} s, onebitd side {front.stream_cpu:.2f} s",
+        f"cpu, {what}: (a) direct side {direct.short_cpu:.3f} s, onebitd side {front.short_cpu:.3f} s; "
+        f"(b) direct side {direct.stream_cpu:.3f} s, onebitd side {front.stream_cpu:.3f} s",
         f"onebitd cpu: {per_request * 1000:.2f} s per 1000 requests   "
         f"{per_chunk * 1000:.3f} s per 1000 relayed chunks ({relayed} chunks)",
     ]
@@ -342,6 +498,9 @@ def cpu_lines(direct: Side, front: Side, requests: int, streams: int) -> list[st
 async def overhead(args: argparse.Namespace) -> int:
     if args.quick:
         args.pairs, args.warmup, args.rounds, args.stream_tokens = 10, 2, 1, 16
+    if args.trace and args.onebitd != "inline":
+        print("scripts/bench: --trace patches the daemon's objects: onebitd runs inline", file=sys.stderr)
+        args.onebitd = "inline"
     ctx_size = args.ctx_size or max(2048, 256 * args.parallel)
     short = {"prompt": PROMPT, "max_tokens": args.max_tokens, "temperature": 0, "seed": 42}
     # ignore_eos: every stream produces exactly stream_tokens tokens, on both sides.
@@ -370,10 +529,18 @@ async def overhead(args: argparse.Namespace) -> int:
             f"model: {model.name if model else '?'}, ctx_size {ctx_size}, parallel {args.parallel}, "
             f"threads {args.threads or 'default'}"
         )
+        print(
+            "onebitd: "
+            + (
+                "in this process, sharing its event loop with the clients"
+                if args.onebitd == "inline"
+                else "its own process (python -m supervisor.daemon), as in service"
+            )
+        )
         if args.decoder_cpus or args.self_cpus:
             print(
                 f"pinned: decoder on CPUs {args.decoder_cpus or 'any'}, "
-                f"onebitd and clients on {args.self_cpus or 'any'}"
+                f"onebitd and the clients on {args.self_cpus or 'any'}"
             )
         print(
             f"(a) short completions, not streamed: {args.pairs} alternating pairs after {args.warmup} warm-up, "
@@ -386,37 +553,35 @@ async def overhead(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         log_path = Path(args.log) if args.log else runtime_dir / "onebitd.log"
         with log_path.open("w") as log:
-            # onebitd logs as it does in service (route lines, the decoder's output): that work counts.
-            logs.setup("logfmt", "info", stream=log)
             direct, front = Side(), Side()
-            async with open_onebitd(config) as onebitd:
+            async with open_target(args, config, runtime_dir, log) as target:
                 tracer = bench_trace.Tracer() if args.trace else None
-                if tracer is not None:
-                    tracer.install(onebitd.daemon)
-                rss_before = rss_mib()
-                noise = Noise.start(onebitd.daemon.decoder.pid)
+                if tracer is not None and target.daemon is not None:
+                    tracer.install(target.daemon)
+                rss_before = target.rss()
+                noise = Noise.start(target.ours())
+                cpu = target.cpu
                 for i in range(args.warmup + args.pairs):
                     measured = i >= args.warmup
                     # Alternate who goes first, so neither side always meets a just-warmed decoder.
-                    pairs = [(onebitd.direct, direct), (onebitd.front, front)]
+                    pairs = [(target.direct, direct), (target.front, front)]
                     latencies = {}
                     for client, side in pairs[::-1] if i % 2 else pairs:
-                        latencies[client] = await short_completion(client, short, side if measured else None)
+                        latencies[client] = await short_completion(client, short, side if measured else None, cpu)
                     if measured:
-                        front.latencies.append(latencies[onebitd.front])
-                        direct.latencies.append(latencies[onebitd.direct])
-                await stream_round(onebitd.direct, streams, Side())
-                await stream_round(onebitd.front, streams, Side())
+                        front.latencies.append(latencies[target.front])
+                        direct.latencies.append(latencies[target.direct])
+                await stream_round(target.direct, streams, Side(), cpu)
+                await stream_round(target.front, streams, Side(), cpu)
                 for r in range(args.rounds):
-                    order = [(onebitd.front, front), (onebitd.direct, direct)]
+                    order = [(target.front, front), (target.direct, direct)]
                     for client, side in order if r % 2 else order[::-1]:
-                        if tracer is not None and client is onebitd.front:
+                        if tracer is not None and client is target.front:
                             tracer.clear()
-                        await stream_round(client, streams, side)
-                noise_line = noise.report(onebitd.daemon.decoder.pid)
-                rss_after = rss_mib()
+                        await stream_round(client, streams, side, cpu)
+                noise_line = noise.report(target.ours())
+                rss_after = target.rss()
     finally:
-        logs.setup("logfmt", "warning")  # off the log file before it goes
         shutil.rmtree(runtime_dir, ignore_errors=True)
 
     direct_median, front_median = statistics.median(direct.latencies), statistics.median(front.latencies)
@@ -451,9 +616,14 @@ async def overhead(args: argparse.Namespace) -> int:
     print(f"first token median: {first:.2f}x direct   (aim: at most 1.2x; {verdict(first <= 1.2)})")
     for name, side in (("direct", direct), ("onebitd", front)):
         print(f"(b) rounds, tokens/s, {name}: {' '.join(f'{rate:.1f}' for rate in side.round_rates)}")
-    for line in cpu_lines(direct, front, len(front.latencies), args.streams * args.rounds):
+        firsts = sorted(side.first_tokens)
+        print(
+            f"(b) first token, ms, {name}: min {firsts[0] * 1000:.1f}  median {statistics.median(firsts) * 1000:.1f}  "
+            f"max {firsts[-1] * 1000:.1f}"
+        )
+    for line in cpu_lines(direct, front, len(front.latencies), args.streams * args.rounds, target.what):
         print(line)
-    print(f"rss, this process (onebitd and the clients): {rss_before:.1f} MiB before, {rss_after:.1f} MiB after")
+    print(f"rss, {target.what}: {rss_before:.1f} MiB before, {rss_after:.1f} MiB after")
     print(noise_line)
     if args.trace:
         print()

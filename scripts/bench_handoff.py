@@ -255,7 +255,7 @@ async def open_sharing_decoder(tmp: Path) -> AsyncIterator[httpx.AsyncClient]:
         stderr=subprocess.DEVNULL,
     )
     try:
-        transport = httpx.AsyncHTTPTransport(uds=str(sock))
+        transport = unix_transport(sock)
         async with httpx.AsyncClient(transport=transport, base_url="http://d", timeout=TIMEOUT_S) as client:
             with trio.fail_after(TIMEOUT_S):
                 while True:  # the server loading its model in its own process: poll its health

@@ -54,6 +54,7 @@ from supervisor import locate  # noqa: E402
 from supervisor.child import ChildState  # noqa: E402
 from supervisor.config import Config  # noqa: E402
 from supervisor.daemon import Daemon  # noqa: E402
+from supervisor.decoder import unix_transport  # noqa: E402
 from supervisor.llama_server import connection_limit, model_args  # noqa: E402
 from supervisor.logs import ROUTE_LOGGER  # noqa: E402
 from supervisor.providers.exec import ExecProvider  # noqa: E402
@@ -455,7 +456,7 @@ async def open_onebitd(config: Config, tally: Tally) -> AsyncIterator[Onebitd]:
                         if child is not None:
                             await child.wait_state(ChildState.READY)
                 limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
-                transport = httpx.AsyncHTTPTransport(uds=str(daemon.launcher.socket))
+                transport = unix_transport(daemon.launcher.socket)
                 async with (
                     httpx.AsyncClient(base_url=started.binds[0], timeout=REQUEST_BOUND_S, limits=limits) as front,
                     httpx.AsyncClient(transport=transport, base_url="http://decoder", timeout=60) as direct,

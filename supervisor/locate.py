@@ -28,7 +28,8 @@ LLAMA_SERVER_PATCH = Path(__file__).resolve().parent.parent / "scripts" / "llama
 
 
 def llama_server_build_key() -> str:
-    """``<version>-<first 8 hex of the patch's sha256>``: scripts/build-llama-server computes the same.
+    """``<version>-<first 8 hex of the patch's sha256>-portable``: scripts/build-llama-server
+    computes the same ("portable": built for the processor family, not ``-march=native``).
 
     Without the patch file (onebit installed without its source tree) the key is the bare version,
     the unpatched build's.
@@ -37,7 +38,7 @@ def llama_server_build_key() -> str:
         digest = hashlib.sha256(LLAMA_SERVER_PATCH.read_bytes()).hexdigest()[:8]
     except OSError:
         return LLAMA_CPP_VERSION
-    return f"{LLAMA_CPP_VERSION}-{digest}"
+    return f"{LLAMA_CPP_VERSION}-{digest}-portable"
 
 
 def cached_llama_server() -> Path:
