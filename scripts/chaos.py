@@ -73,6 +73,9 @@ HANG_BOUND_S = HEALTH["failures"] * (HEALTH["interval_s"] + HEALTH["timeout_s"])
 SLACK_S = 10.0
 # A provider job that takes longer goes plain (hybrid.prefill_timeout_s in the chaos config).
 PREFILL_TIMEOUT_S = 8.0
+# A SIGSTOPped supervised provider is killed within HANG_BOUND_S; its restart loads the model again,
+# a few seconds here, allowed this much on a loaded machine.
+PROVIDER_START_S = 60.0
 # onebitd keeps keep-alive connections to each llama-server (connection_limit) and the admin socket:
 # fds beyond the baseline up to this many are pooled connections, not leaks.
 FD_TOLERANCE = 2 * connection_limit(4)
@@ -664,12 +667,20 @@ def provider_fault(kind: str) -> Scenario:
                     if fault == "SIGKILL":
                         os.kill(pid, signal.SIGKILL)
                         await nursery_done(result)
+                        took = trio.current_time() - faulted_at
                     else:
                         async with stopped(pid):
                             await nursery_done(result)
-                            if kind == "llama-server":
-                                await provider_ready(od, generation)  # its health checks fail: restarted
-                took = trio.current_time() - faulted_at
+                            took = trio.current_time() - faulted_at
+                            if child is not None:
+                                # Its health checks fail (a worker's pings go unanswered): killed, restarted.
+                                with trio.move_on_after(HANG_BOUND_S + SLACK_S + PROVIDER_START_S) as waited:
+                                    await provider_ready(od, generation)
+                                restarted = not waited.cancelled_caught and provider_pid(od) not in (None, pid)
+                                tally.check(restarted, "SIGSTOP: the stopped provider is killed and restarted")
+                                tally.figures["SIGSTOP to restarted (ready) s"] = round(
+                                    trio.current_time() - faulted_at, 2
+                                )
                 verdict, note, _ = result[0]
                 tally.add(verdict, note)
                 line = await od.line()
@@ -677,7 +688,7 @@ def provider_fault(kind: str) -> Scenario:
                 tally.check("provider-failed" in (line["fallback"] or ""), f"{fault}: fallback says provider-failed")
                 tally.check(took <= PREFILL_TIMEOUT_S + SLACK_S, f"{fault}: plain within prefill_timeout_s")
                 tally.figures[f"{fault} answered after s"] = round(took, 2)
-                if kind != "exec" and not (fault == "SIGSTOP" and kind == "worker"):
+                if child is not None:
                     await provider_ready(od, generation)
                 await ask_until_ok(
                     od.front, tally, body_for(fresh(LONG, f"again {fault}"), stream=False, tokens=4), bound=120

@@ -4,25 +4,47 @@ real llama.cpp slot state file, proving the worker contract end to end.
     llama_worker_provider.py LLAMA_SERVER STATE_DIR WORK_DIR [llama-server model args: -m ... -c ... -np ...]
 
 Reads jobs as JSON lines from the socket in ``ONEBIT_PROVIDER_FD``, answers one claim line per job
-(with its id), and says ``{"ready": true}`` once its llama-server is healthy.  Its llama-server is
-stopped and reaped when onebitd closes the socket or the worker is told to stop.  Stdlib only.
+(with its id), and says ``{"ready": true, "ping": true}`` once its llama-server is healthy.  A thread
+reads the socket and answers each ``{"ping": n}`` with ``{"pong": n}`` at once, even while the main
+thread runs a job (a prefill takes seconds), so onebitd's health checks see the worker itself: a
+stopped or stuck reader is a missed pong.  Its llama-server is stopped and reaped when onebitd closes
+the socket or the worker is told to stop.  Stdlib only.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
 from llama_exec_provider import call  # type: ignore[import-not-found]
+
+
+def read(channel: socket.socket, send: Callable[[bytes], None], jobs: queue.SimpleQueue[bytes | None]) -> None:
+    """The reading side: pings answered here, every other line queued in order; None at EOF."""
+    try:
+        for line in channel.makefile("rb"):
+            try:
+                message = json.loads(line)
+            except ValueError:
+                message = None  # the main thread's json.loads fails on it
+            if isinstance(message, dict) and "ping" in message:
+                send(json.dumps({"pong": message["ping"]}).encode() + b"\n")
+            else:
+                jobs.put(line)
+    finally:
+        jobs.put(None)
 
 
 def main() -> int:
@@ -56,8 +78,16 @@ def main() -> int:
                 if server.poll() is not None or time.monotonic() > deadline:
                     return 1
                 time.sleep(0.05)
-            channel.sendall(b'{"ready": true}\n')
-            for line in channel.makefile("rb"):
+            sending = threading.Lock()
+
+            def send(line: bytes) -> None:
+                with sending:  # a pong and a claim, each one whole line
+                    channel.sendall(line)
+
+            send(b'{"ready": true, "ping": true}\n')
+            jobs: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+            threading.Thread(target=read, args=(channel, send, jobs), daemon=True).start()
+            while (line := jobs.get()) is not None:
                 job = json.loads(line)
                 if "cancel" in job:
                     continue
@@ -70,7 +100,7 @@ def main() -> int:
                     answer: dict[str, object] = {"id": job["id"], "error": f"prefill {status}, save {saved_status}"}
                 else:
                     answer = {"id": job["id"], "n_tokens": saved["n_saved"], "prefill_ms": done["timings"]["prompt_ms"]}
-                channel.sendall(json.dumps(answer).encode() + b"\n")
+                send(json.dumps(answer).encode() + b"\n")
             return 0
         finally:
             server.terminate()

@@ -1,17 +1,21 @@
-"""The worker provider against a real tests/fake_provider.py --worker: readiness, jobs, cancels, restarts."""
+"""The worker provider against a real tests/fake_provider.py --worker: readiness, jobs, cancels, restarts,
+pings; and its wire against an in-process worker (a socketpair end this test speaks for)."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
 import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 from supervisor.child import Child, ChildState
 from supervisor.config import HealthPolicy, RestartPolicy
@@ -21,7 +25,7 @@ from supervisor.providers import Claim, PrefillJob
 from supervisor.providers.worker import WorkerProvider
 
 from .fake_provider import PATH as FAKE_PROVIDER
-from .helpers import wait_until
+from .helpers import reaped, wait_until
 from .rig import Control, ProviderModes
 
 # Starting Python a few times on two busy cores; nothing here waits for anything slower.
@@ -29,12 +33,12 @@ DEADLINE_S = 30
 TOKENS = tuple(range(100, 130))
 
 
-def worker_provider(*, backoff_s: float = 0.0) -> WorkerProvider:
+def worker_provider(*, backoff_s: float = 0.0, health: HealthPolicy | None = None) -> WorkerProvider:
     return WorkerProvider(
         WorkerProviderConfig(
             name="npu0",
             command=(sys.executable, str(FAKE_PROVIDER), "--worker"),
-            health=HealthPolicy(start_timeout_s=DEADLINE_S, stop_grace_s=2.0),
+            health=health or HealthPolicy(start_timeout_s=DEADLINE_S, stop_grace_s=2.0),
             restart=RestartPolicy(backoff_initial_s=backoff_s),
         )
     )
@@ -140,7 +144,9 @@ async def test_a_cancelled_job_is_told_to_the_worker_which_stays_ready_for_the_n
             assert (provider.child.pid, provider.child.statistics().restarts) == (pid, 0)
             assert (provider.busy, provider.statistics().failures) == (0, 0)
     assert [
-        (e["event"], e.get("id") or e["job"]["id"]) for e in control.events("provider") if e["event"] != "start"
+        (e["event"], e.get("id") or e["job"]["id"])
+        for e in control.events("provider")
+        if e["event"] in ("job", "cancel")
     ] == [
         ("job", "req-1"),
         ("cancel", "req-1"),
@@ -173,3 +179,172 @@ async def test_a_worker_that_dies_fails_its_job_at_once_not_at_its_restart(tmp_p
             await provider.child.wait_state(ChildState.BACKOFF)
             assert not provider.ready
             assert provider.child.statistics().restarts == 0
+
+
+# -- pings ------------------------------------------------------------------------------------------
+
+
+async def test_a_stopped_worker_that_answers_pings_is_killed_and_restarted(tmp_path: Path, control: Control) -> None:
+    # A ping every 50 ms, two missed pongs of 1 s each, then stopped: well inside DEADLINE_S.
+    health = HealthPolicy(interval_s=0.05, timeout_s=1.0, failures=2, start_timeout_s=DEADLINE_S, stop_grace_s=0.5)
+    with trio.fail_after(DEADLINE_S):
+        async with running(worker_provider(health=health)) as provider:
+            child = provider.child
+            stopped = child.pid
+            assert stopped is not None
+            os.kill(stopped, signal.SIGSTOP)  # its socket stays open: only a missed pong tells
+            try:
+                await until_child(child, lambda: child.state is ChildState.READY and child.statistics().restarts == 1)
+            finally:
+                if not reaped(stopped):
+                    os.kill(stopped, signal.SIGCONT)
+            restarted = child.pid
+            assert restarted not in (None, stopped)
+            assert (child.statistics().last_exit or "").startswith("killed by")
+            assert await provider.prefill(job(tmp_path)) == Claim(30, 7.25)
+    assert [e["pid"] for e in control.events("provider", "start")] == [stopped, restarted]
+
+
+async def test_a_worker_that_does_not_say_ping_is_never_pinged(
+    tmp_path: Path, control: Control, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    control.set(provider=ProviderModes(ping=False))
+    provider = worker_provider(health=HealthPolicy(interval_s=0.01, failures=1, start_timeout_s=DEADLINE_S))
+    healthy, passed, enough = provider.launcher.healthy, 0, trio.Event()
+
+    async def counted() -> bool:
+        nonlocal passed
+        if ok := await healthy():
+            passed += 1
+            if passed == 10:
+                enough.set()
+        return ok
+
+    monkeypatch.setattr(provider.launcher, "healthy", counted)
+    with trio.fail_after(DEADLINE_S):
+        async with running(provider):
+            await enough.wait()
+            # The worker reads its socket in order: answering this job, it had read every line before it.
+            assert await provider.prefill(job(tmp_path)) == Claim(30, 7.25)
+            assert provider.child.statistics().restarts == 0
+    assert [e["event"] for e in control.events("provider")] == ["start", "job"]
+
+
+async def test_a_worker_answering_pings_while_it_runs_a_job_stays_healthy(tmp_path: Path, control: Control) -> None:
+    control.set(provider=ProviderModes(mode="hold"))
+    # One missed pong would restart it: pings answered during the job are what keep its pid.
+    health = HealthPolicy(interval_s=0.01, timeout_s=5.0, failures=1, start_timeout_s=DEADLINE_S)
+    claims: list[Claim] = []
+    with trio.fail_after(DEADLINE_S):
+        async with running(worker_provider(health=health)) as provider:
+            pid = provider.child.pid
+
+            def pings() -> int:
+                return sum(e["pid"] == pid for e in control.events("provider", "ping"))
+
+            async with trio.open_nursery() as nursery:
+
+                async def prefill() -> None:
+                    claims.append(await provider.prefill(job(tmp_path)))
+
+                nursery.start_soon(prefill)
+                await wait_until(lambda: bool(control.events("provider", "holding")))
+                before = pings()
+                # A ping goes out once the one before it was answered: three read, two answered mid-job.
+                await wait_until(lambda: pings() >= before + 3)
+                assert not claims
+                assert (provider.child.state, provider.child.pid) == (ChildState.READY, pid)
+                assert pid is not None
+                os.kill(pid, signal.SIGUSR1)  # the fake's go-ahead to answer the job
+            assert claims == [Claim(30, 7.25)]
+            assert provider.child.statistics().restarts == 0
+
+
+class InProcessWorker:
+    """The worker's end of a life's socketpair, spoken by the test itself."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.stream = trio.SocketStream(trio.socket.from_stdlib_socket(sock))
+        self.buffer = b""
+
+    async def send(self, data: dict[str, Any]) -> None:
+        await self.stream.send_all(json.dumps(data).encode() + b"\n")
+
+    async def receive(self) -> dict[str, Any]:
+        while b"\n" not in self.buffer:
+            chunk = await self.stream.receive_some(65536)
+            assert chunk, "onebitd closed the socket"
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        found: dict[str, Any] = json.loads(line)
+        return found
+
+
+@asynccontextmanager
+async def in_process_life(provider: WorkerProvider) -> AsyncIterator[InProcessWorker]:
+    """One life of ``provider`` without a process: its reader on our end, the worker's end yielded."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    provider._begin_life(ours)
+    life = provider._life
+    assert life is not None
+    worker = InProcessWorker(theirs)
+    async with worker.stream, trio.open_nursery() as nursery:
+        nursery.start_soon(provider._read, life)
+        await worker.send({"ready": True, "ping": True})
+        await trio.testing.wait_all_tasks_blocked()
+        assert life.ready
+        yield worker
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_pong_is_not_taken_for_the_answer_of_the_one_job_in_flight(tmp_path: Path) -> None:
+    provider = worker_provider()
+    claims: list[Claim] = []
+    health: list[bool] = []
+    with trio.fail_after(DEADLINE_S):
+        async with in_process_life(provider) as worker, trio.open_nursery() as nursery:
+
+            async def prefill() -> None:
+                claims.append(await provider.prefill(job(tmp_path)))
+
+            async def check() -> None:
+                health.append(await provider.launcher.healthy())
+
+            nursery.start_soon(prefill)
+            assert (await worker.receive())["id"] == "req-1"
+            nursery.start_soon(check)
+            assert await worker.receive() == {"ping": "1"}
+            await worker.send({"pong": "1"})  # no id, one job in flight: still not that job's answer
+            await trio.testing.wait_all_tasks_blocked()
+            assert (health, claims) == ([True], [])
+            await worker.send({"id": "req-1", "n_tokens": 30, "prefill_ms": 1.5})
+    assert claims == [Claim(30, 1.5)]
+
+
+async def test_a_pong_for_an_earlier_ping_does_not_answer_the_current_one() -> None:
+    provider = worker_provider()
+    health: list[bool] = []
+    scopes: list[trio.CancelScope] = []
+    with trio.fail_after(DEADLINE_S):
+        async with in_process_life(provider) as worker, trio.open_nursery() as nursery:
+
+            async def check() -> None:
+                with trio.CancelScope() as scope:
+                    scopes.append(scope)
+                    health.append(await provider.launcher.healthy())
+                    return
+                health.append(False)  # cancelled, as the Child's health.timeout_s cancels a check
+
+            nursery.start_soon(check)
+            assert await worker.receive() == {"ping": "1"}
+            scopes[0].cancel()  # no pong in time
+            await trio.testing.wait_all_tasks_blocked()
+            assert health == [False]
+            nursery.start_soon(check)
+            assert await worker.receive() == {"ping": "2"}
+            await worker.send({"pong": "1"})
+            await trio.testing.wait_all_tasks_blocked()
+            assert health == [False]
+            await worker.send({"pong": "2"})
+            await trio.testing.wait_all_tasks_blocked()
+            assert health == [False, True]

@@ -3,7 +3,12 @@
 Wire (docs/protocol.md has the full contract):
 - onebitd makes a unix socketpair per life of the worker and passes one end; its fd number is in
   ``ONEBIT_PROVIDER_FD``.  Everything on it is UTF-8 JSON, one object per line.
-- The worker's first line is ``{"ready": true}``: until then it is not healthy.
+- The worker's first line is ``{"ready": true}``: until then it is not healthy.  A worker that says
+  ``{"ready": true, "ping": true}`` is pinged at each health check: ``{"ping": "<n>"}`` (n counts up
+  per life), answered ``{"pong": "<n>"}`` by its reading side, even while it runs a job.  No pong within
+  ``health.timeout_s`` is a failed check, so a stopped or deadlocked worker is killed and restarted; a
+  pong for an earlier ping is ignored.  A worker that does not say ``"ping"`` is never pinged: its
+  health is its socket, and its hang is seen only by the jobs that time out.
 - onebitd sends a job line (the exec job: ``{"id", "route", "model", "n_ctx", "tokens", "state_file"}``);
   the worker answers one line per job: ``{"id", "n_tokens", "prefill_ms"}``, or ``{"id", "error"}``.
 - A job onebitd no longer wants (client gone, timeout) is told with ``{"cancel": "<id>"}``; no answer
@@ -54,6 +59,11 @@ class _Life:
     # Jobs we cancelled that may still answer without an id (see _on_line).
     cancelled_unanswered: int = 0
     send_lock: trio.Lock = attrs.Factory(trio.Lock)
+    # Its ready line said "ping": true, so it answers pings and its silence is a failed check.
+    pings: bool = False
+    last_ping: int = 0
+    # The pings (by number) whose pong is awaited: a pong for any other number is stale.
+    awaiting_pong: dict[str, trio.Event] = attrs.Factory(dict)
 
     async def send(self, data: dict[str, Any], fds: Sequence[int] = ()) -> None:
         """One line; ``fds`` ride along with its first byte (SCM_RIGHTS), in order."""
@@ -66,11 +76,28 @@ class _Life:
             if payload:
                 await self.stream.send_all(payload)
 
+    async def ping(self) -> bool:
+        """One ping; True once its pong came.  Unbounded: the health check's timeout bounds it."""
+        self.last_ping += 1
+        number = str(self.last_ping)
+        answered = trio.Event()
+        self.awaiting_pong[number] = answered
+        try:
+            await self.send({"ping": number})
+            await answered.wait()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return False
+        finally:
+            del self.awaiting_pong[number]
+        return not self.dead  # fail_all wakes it too
+
     def fail_all(self, why: str) -> None:
         self.dead = True
         for pending in self.pending.values():
             pending.error = why
             pending.done.set()
+        for answered in self.awaiting_pong.values():
+            answered.set()
 
 
 class _WorkerLauncher:
@@ -100,7 +127,10 @@ class _WorkerLauncher:
 
     async def healthy(self) -> bool:
         life = self.provider._life
-        return life is not None and life.ready and not life.dead
+        if life is None or not life.ready or life.dead:
+            return False
+        # A worker that does not answer pings is as healthy as its open socket: a stopped one too.
+        return await life.ping() if life.pings else True
 
 
 class WorkerProvider:
@@ -174,7 +204,14 @@ class WorkerProvider:
             log.warning("%s: not a JSON object: %.200s", self.name, line)
             return
         if "ready" in data:  # said once at start; a repeat is not anybody's answer
-            life.ready = life.ready or data["ready"] is True
+            if not life.ready and data["ready"] is True:
+                life.ready = True
+                life.pings = data.get("ping") is True
+            return
+        if "pong" in data:  # a health check's answer: never a job's, though it has no id (see below)
+            answered = life.awaiting_pong.get(str(data["pong"]))
+            if answered is not None:
+                answered.set()
             return
         job_id = data.get("id")
         if job_id is None:
