@@ -154,7 +154,9 @@ async def spawn_onebitd(config: Config, runtime_dir: Path, log: TextIO) -> Async
     with notify:
         async with trio.open_nursery() as nursery:
             process: trio.Process = await nursery.start(
-                functools.partial(trio.run_process, argv, stdout=log, stderr=log, env=env, check=False)
+                functools.partial(
+                    trio.run_process, argv, stdout=log, stderr=log, env=env, check=False, deliver_cancel=stop_onebitd
+                )
             )
             try:
                 url = ""
@@ -181,6 +183,16 @@ async def spawn_onebitd(config: Config, runtime_dir: Path, log: TextIO) -> Async
                     await process.wait()
                 if waiting.cancelled_caught:
                     process.kill()
+
+
+async def stop_onebitd(process: trio.Process) -> None:
+    """SIGTERM, and the time onebitd needs to stop its decoder (trio's own default kills after 5 s,
+    which would leave the decoder to its parent-death signal); SIGKILL only past that."""
+    process.send_signal(signal.SIGTERM)
+    with trio.move_on_after(READY_TIMEOUT_S):
+        await process.wait()
+        return
+    process.kill()
 
 
 def child_pid(pid: int) -> int | None:
