@@ -37,6 +37,7 @@ import socket
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -1078,6 +1079,7 @@ async def main_async(args: argparse.Namespace) -> int:
                     await SCENARIOS[name](run, tally)
                 except Exception as exc:  # a scenario's own bug or a broken guarantee: reported, not raised
                     tally.notes.append(f"failed: {type(exc).__name__}: {exc!r}"[:2000])
+                    traceback.print_exception(exc, file=sys.stderr)  # where it came from, in full
             if limit.cancelled_caught:
                 tally.notes.append(f"failed: over the time limit of {args.time_limit:g}s")
             if fds() > fd_start + 2:

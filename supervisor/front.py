@@ -23,6 +23,7 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
+from . import connection
 from .child import ChildState
 from .completion import Completions, Decoder, relay_reply
 from .config import ServerConfig
@@ -130,6 +131,7 @@ class Front:
         # bounded by h11_max_incomplete_size (hypercorn's 16 KiB) and by this idle timer.
         config.keep_alive_timeout = self.server.idle_timeout_s
         _probe(self.server.host, port)
+        connection.install()
         try:
             await serve(
                 self,  # type: ignore[arg-type]  # hypercorn types its app with its own TypedDicts

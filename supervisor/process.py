@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 import trio
 
 from .errors import ChildError
+from .llama_log import level_of
 
 log = logging.getLogger("onebit.child")
 
@@ -219,7 +220,9 @@ class ChildProcess:
         if on_line is not None:
             on_line(line)
         if line:
-            log.info("%s| %s", self.name, line)
+            level = level_of(line)
+            if log.isEnabledFor(level):
+                log.log(level, "%s| %s", self.name, line)
 
     async def wait(self) -> int:
         """Until it exits; reap it."""

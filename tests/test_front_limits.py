@@ -56,3 +56,24 @@ async def test_a_head_that_never_ends_is_closed_after_idle_timeout_s(short_dir: 
                 health = await client.get("/health")
     assert health.status_code == 200
     assert received == b""
+
+
+async def test_a_broken_chunked_body_never_stops_the_front(short_dir: Path, control: Control) -> None:
+    # hypercorn answers h11's "malformed chunk footer" with a 400 of its own while the connection
+    # closes beside it: trio.BusyResourceError (two tasks sending on one socket), which escaped
+    # hypercorn's connection handler and stopped the whole front (found by scripts/chaos's fuzz).
+    broken = [b"2\r\n{}0\r\n\r\n", b"zz\r\n{}\r\n0\r\n\r\n", b"-1\r\n", b"ffffffffffffffff\r\nx", b"5\r\n{}\r\n"]
+    paths = [CHAT, "/v1/completions", "/completion", "/health", "/nowhere"]
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(fake_decoder_config(short_dir, server={"body_timeout_s": 0.5})) as running:
+            for path in paths:
+                for chunk in broken:
+                    head = f"POST {path} HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n"
+                    async with await open_raw(running) as raw:
+                        await raw.send_all(head.encode() + b"content-type: application/json\r\n\r\n" + chunk)
+                        with trio.move_on_after(2):  # a 4xx, or a close: either is fine
+                            while await raw.receive_some():
+                                pass
+            async with client_for(running) as client:
+                health = await client.get("/health")
+    assert health.status_code == 200

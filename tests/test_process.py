@@ -48,6 +48,29 @@ async def test_output_is_logged_line_by_line_prefixed_with_the_name(caplog: pyte
     assert logged == ["talker| one", "talker| two", "talker| three"]
 
 
+async def test_llama_servers_per_request_lines_are_logged_at_debug_and_its_errors_at_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="onebit.child")
+    lines = [
+        "0.00.004.663 I srv    load_model: loading model 'm.gguf'",
+        "1.14.070.548 I slot print_timing: id  0 | task 4497 | prompt eval time =      17.10 ms /     1 tokens",
+        "1.13.951.584 W slot   operator(): id  0 | task 4491 | need to evaluate at least 1 token",
+        "0.00.002.784 W srv  llama_server: security: no API key is set",
+        "1.20.000.000 E slot launch_slot_: id  0 | task 12 | failed",
+        "not llama.cpp's format",
+    ]
+    script = f"import sys; sys.stdout.write({chr(10).join(lines)!r} + '\\n')"
+    with trio.fail_after(10):
+        process = await ChildProcess.spawn("decoder", [sys.executable, "-c", script])
+        try:
+            await process.pump_output()
+        finally:
+            await process.stop(5)
+    levels = {r.getMessage().split("| ", 1)[1]: r.levelname for r in caplog.records if "| " in r.getMessage()}
+    assert [levels[line] for line in lines] == ["INFO", "DEBUG", "DEBUG", "WARNING", "ERROR", "INFO"]
+
+
 async def test_stop_reaps_even_when_the_caller_is_cancelled(short_dir: Path) -> None:
     health = short_dir / "healthy"
     healthy = trio.Event()
