@@ -8,6 +8,7 @@ or reads :meth:`statistics`.  Every transition is logged and counted.
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import math
 import time
@@ -26,6 +27,8 @@ log = logging.getLogger("onebit.child")
 
 # How long the output of a dead child may take to reach EOF: the pipe holds at most 64 KiB.
 _DRAIN_S = 1.0
+# A long-lived child's log lines are read in gatherings this far apart (ChildProcess.pump_output).
+_GATHER_S = 0.02
 
 
 class ChildState(enum.Enum):
@@ -208,7 +211,7 @@ class Child:
         code: int | None = None
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(process.pump_output)
+                nursery.start_soon(functools.partial(process.pump_output, gather_s=_GATHER_S))
                 why = await self._live(process)
                 code = await process.stop(self.health.stop_grace_s)
                 # Its group is dead, so the output reaches EOF once the last lines (often why it died)

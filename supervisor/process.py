@@ -192,19 +192,28 @@ class ChildProcess:
     def stdin(self) -> trio.abc.SendStream | None:
         return self._process.stdin
 
-    async def pump_output(self, on_line: Callable[[str], None] | None = None) -> None:
-        """Log the child's output line by line, prefixed with its name, until it closes."""
+    async def pump_output(self, on_line: Callable[[str], None] | None = None, *, gather_s: float = 0.0) -> None:
+        """Log the child's output line by line, prefixed with its name, until it closes.
+
+        ``gather_s``: after each read, let the next lines gather in the pipe this long before
+        reading again.  llama-server writes its lines one at a time, ten or so per request: read as
+        they come, they wake this task ten times a request (a third of a millisecond of onebitd's
+        CPU per request, measured in docs/benchmarks.md); the pipe (64 KiB) holds far more than a
+        pause's worth.  For a long-lived child's log; not where the output is waited for (a job's
+        claim line)."""
         stream = self._process.stdout
         assert stream is not None
-        await self._pump(stream, on_line)
+        await self._pump(stream, on_line, gather_s)
 
     async def pump_stderr(self) -> None:
         """Log the child's stderr (spawned with ``separate_stderr``) line by line until it closes."""
         stream = self._process.stderr
         assert stream is not None
-        await self._pump(stream, None)
+        await self._pump(stream, None, 0.0)
 
-    async def _pump(self, stream: trio.abc.ReceiveStream, on_line: Callable[[str], None] | None) -> None:
+    async def _pump(
+        self, stream: trio.abc.ReceiveStream, on_line: Callable[[str], None] | None, gather_s: float
+    ) -> None:
         buffer = b""
         async with stream:
             async for chunk in stream:
@@ -212,6 +221,8 @@ class ChildProcess:
                 *lines, buffer = buffer.split(b"\n")
                 for raw in lines:
                     self._emit(raw, on_line)
+                if gather_s:
+                    await trio.sleep(gather_s)
         if buffer:
             self._emit(buffer, on_line)
 

@@ -32,14 +32,17 @@ def fake_child(health: Path, *mode: str) -> list[str]:
     return [sys.executable, str(FAKE_CHILD), str(health), *mode]
 
 
-async def test_output_is_logged_line_by_line_prefixed_with_the_name(caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("gather_s", [0.0, 0.02])
+async def test_output_is_logged_line_by_line_prefixed_with_the_name(
+    caplog: pytest.LogCaptureFixture, gather_s: float
+) -> None:
     caplog.set_level(logging.INFO, logger="onebit.child")
     script = "import sys; sys.stdout.write('one\\ntwo\\r\\n'); sys.stdout.flush(); sys.stderr.write('three')"
     seen: list[str] = []
     with trio.fail_after(10):
         process = await ChildProcess.spawn("talker", [sys.executable, "-c", script])
         try:
-            await process.pump_output(seen.append)
+            await process.pump_output(seen.append, gather_s=gather_s)
         finally:
             code = await process.stop(5)
     assert code == 0
