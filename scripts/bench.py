@@ -168,6 +168,8 @@ async def spawn_onebitd(config: Config, runtime_dir: Path, log: TextIO) -> Async
                             url = fields.get("STATUS", "").removeprefix("serving on ").split(",")[0].strip()
                 if not url:
                     raise BenchError(f"onebitd (pid {process.pid}) did not say READY=1 in {READY_TIMEOUT_S} s")
+                # Keep reading what onebitd says (STATUS= every few seconds), as systemd does.
+                nursery.start_soon(drain, notify)
                 timeout = httpx.Timeout(REQUEST_TIMEOUT_S)
                 limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
                 transport = unix_transport(runtime_dir / "decoder.sock")
@@ -183,6 +185,12 @@ async def spawn_onebitd(config: Config, runtime_dir: Path, log: TextIO) -> Async
                     await process.wait()
                 if waiting.cancelled_caught:
                     process.kill()
+                nursery.cancel_scope.cancel()  # the drain
+
+
+async def drain(notify: trio.socket.SocketType) -> None:
+    while True:
+        await notify.recv(4096)
 
 
 async def stop_onebitd(process: trio.Process) -> None:

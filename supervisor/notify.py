@@ -26,6 +26,7 @@ class Notifier:
         self._address = "\0" + address[1:] if address.startswith("@") else address
         self._socket: socket.socket | None = None
         self.sent: list[str] = []  # what was sent, for `onebitctl status` and tests
+        self.dropped = 0  # messages not sent since the last one that was (see send)
 
     @property
     def enabled(self) -> bool:
@@ -37,11 +38,23 @@ class Notifier:
         message = "\n".join(f"{key}={value}" for key, value in fields.items())
         try:
             if self._socket is None:
-                self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+                # Non-blocking: this runs on the event loop.  A receiver that stops reading (a
+                # wedged manager, a test or benchmark that took READY=1 and moved on) fills its
+                # queue, and a blocking sendto would then freeze every request (seen: the
+                # benchmark's onebitd stopped dead at its first STATUS= past the queue's length).
+                self._socket = socket.socket(
+                    socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK
+                )
             self._socket.sendto(message.encode(), self._address)
         except OSError as exc:
-            log.warning("sd_notify to %r failed: %s", self._address, exc)
+            # Said once per run of failures, not at every status update.
+            level = logging.WARNING if self.dropped == 0 else logging.DEBUG
+            log.log(level, "sd_notify to %r failed (dropped): %s", self._address, exc)
+            self.dropped += 1
             return
+        if self.dropped:
+            log.info("sd_notify to %r works again, after %d message(s) dropped", self._address, self.dropped)
+            self.dropped = 0
         self.sent.append(message)
 
     def ready(self, status: str) -> None:

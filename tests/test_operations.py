@@ -5,6 +5,7 @@ Against the fake decoder, steered through its control file (``hold`` keeps a str
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -327,6 +328,41 @@ async def test_sd_notify_says_ready_status_watchdog_reloading_and_stopping_in_or
     assert "STATUS=serving on http://127.0.0.1:" in ready
     assert re.search(r"RELOADING=1\nMONOTONIC_USEC=\d+", "\n".join(messages))
     assert any(m.startswith("STATUS=draining") for m in messages)
+
+
+async def test_sd_notify_never_blocks_on_a_receiver_that_stopped_reading(
+    short_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A receiver that took READY=1 and stopped reading: its queue fills.  A blocking sendto then
+    # froze onebitd's whole event loop (the benchmark's onebitd hung at its first STATUS= past the
+    # queue's length).  Sent from a thread, so that the old, blocking behaviour fails this test
+    # with TooSlowError instead of hanging it.
+    caplog.set_level(logging.DEBUG, logger="onebit.notify")
+    address = short_dir / "notify.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as receiver:
+        receiver.bind(str(address))
+        notifier = Notifier(str(address))
+
+        def flood() -> None:
+            for i in range(5000):  # far past any datagram queue's length
+                notifier.status(f"status {i}")
+
+        with trio.fail_after(20):
+            await trio.to_thread.run_sync(flood, abandon_on_cancel=True)
+        assert 0 < len(notifier.sent) < 5000
+        assert notifier.dropped == 5000 - len(notifier.sent)
+        warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warnings) == 1, "one warning for a run of drops, not one per message"
+        # Once the receiver reads again, messages go through and the drops are reported.
+        while True:
+            try:
+                receiver.recv(4096, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                break
+        notifier.status("after")
+        assert notifier.sent[-1] == "STATUS=after"
+        assert notifier.dropped == 0
+    notifier.close()
 
 
 def test_sd_notify_is_a_no_op_without_a_notify_socket(monkeypatch: pytest.MonkeyPatch) -> None:
