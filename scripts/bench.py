@@ -180,11 +180,8 @@ async def spawn_onebitd(config: Config, runtime_dir: Path, log: TextIO) -> Async
                     yield Spawned(process.pid, child_pid(process.pid), url, front, direct)
             finally:
                 if process.returncode is None:
-                    process.send_signal(signal.SIGTERM)
-                with trio.move_on_after(READY_TIMEOUT_S) as waiting:
-                    await process.wait()
-                if waiting.cancelled_caught:
-                    process.kill()
+                    with trio.CancelScope(shield=True):
+                        await stop_onebitd(process)
                 nursery.cancel_scope.cancel()  # the drain
 
 
@@ -223,8 +220,8 @@ def process_cpu_s(pid: int) -> float:
     return total / 1e9
 
 
-def rss_of(pid: int) -> float:
-    """``pid``'s resident memory in MiB, from /proc."""
+def rss_of(pid: int | str) -> float:
+    """``pid``'s resident memory in MiB (``"self"``: this process's), from /proc."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
@@ -469,7 +466,7 @@ async def open_target(
                     onebitd.front,
                     onebitd.direct,
                     cpu=time.process_time,
-                    rss=rss_mib,
+                    rss=lambda: rss_of("self"),
                     ours=lambda: (os.getpid(), *((daemon.decoder.pid,) if daemon.decoder.pid else ())),
                     what="this process (onebitd and the clients)",
                     daemon=daemon,
@@ -487,14 +484,6 @@ async def open_target(
             ours=lambda: (os.getpid(), pid, *((spawned.decoder_pid,) if spawned.decoder_pid else ())),
             what=f"the onebitd process (pid {pid})",
         )
-
-
-def rss_mib() -> float:
-    """This process's resident memory (onebitd and the benchmark's clients), from /proc."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def cpu_lines(direct: Side, front: Side, requests: int, streams: int, what: str) -> list[str]:
