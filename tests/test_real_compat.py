@@ -20,6 +20,7 @@ import httpx
 import pytest
 import trio
 
+from supervisor.decoder import unix_transport
 from supervisor.logs import ROUTE_LOGGER
 
 from .rig import make_config, real_llama_server, run_daemon
@@ -46,7 +47,7 @@ async def open_rig(short_dir: Path, **server: Any) -> AsyncIterator[Rig]:
     real_llama_server()
     config = make_config(short_dir, model=MODEL, hybrid={"enabled": False}, server={"api_keys": [KEY], **server})
     async with run_daemon(config) as running:
-        transport = httpx.AsyncHTTPTransport(uds=str(running.daemon.launcher.socket))
+        transport = unix_transport(running.daemon.launcher.socket)
         timeout = httpx.Timeout(DEADLINE_S)
         async with (
             httpx.AsyncClient(base_url=running.url, timeout=timeout) as front,

@@ -17,6 +17,7 @@ import trio
 from supervisor import locate
 from supervisor.child import ChildState
 from supervisor.config import Config
+from supervisor.decoder import unix_transport
 from supervisor.llama_server import model_args
 
 from .rig import HANDOFF_ALWAYS, TESTS, RouteLines, make_config, real_llama_server, run_daemon
@@ -75,7 +76,7 @@ async def ask(client: httpx.AsyncClient, endpoint: str, body: dict[str, Any]) ->
 
 async def plain_reply(socket: Path, endpoint: str, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """Straight to the decoder, no slot cache: what the plain route computes."""
-    transport = httpx.AsyncHTTPTransport(uds=str(socket))
+    transport = unix_transport(socket)
     async with httpx.AsyncClient(transport=transport, base_url="http://decoder", timeout=120) as direct:
         reply = await direct.post(endpoint, json={**body, "stream": False, "cache_prompt": False})
         assert reply.status_code == 200, reply.text

@@ -25,6 +25,7 @@ import trio
 from openai.types.chat import ChatCompletionMessageParam
 
 from supervisor.child import ChildState
+from supervisor.decoder import unix_transport
 from supervisor.logs import ROUTE_LOGGER
 
 from .rig import Running, make_config, real_llama_server, run_daemon
@@ -73,7 +74,7 @@ async def open_rig(short_dir: Path) -> AsyncIterator[Rig]:
     real_llama_server()
     config = make_config(short_dir, model=MODEL, hybrid={"enabled": False})
     async with run_daemon(config) as running:
-        transport = httpx.AsyncHTTPTransport(uds=str(running.daemon.launcher.socket))
+        transport = unix_transport(running.daemon.launcher.socket)
         timeout = httpx.Timeout(DEADLINE_S)
         async with (
             httpx.AsyncClient(base_url=running.url, timeout=timeout) as front,

@@ -21,6 +21,7 @@ import trio
 from supervisor import locate
 from supervisor.child import ChildState
 from supervisor.config import Config
+from supervisor.decoder import unix_transport
 from supervisor.llama_server import model_args
 
 from .rig import HANDOFF_ALWAYS, TESTS, RouteLines, make_config, real_llama_server, run_daemon
@@ -220,7 +221,7 @@ async def open_decoder(directory: Path, *, ttl_s: str = "") -> tuple[trio.Proces
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    transport = httpx.AsyncHTTPTransport(uds=str(sock))
+    transport = unix_transport(sock)
     async with httpx.AsyncClient(transport=transport, base_url="http://d", timeout=5) as probe:
         while True:  # the server loading its model in its own process: poll its health
             try:
@@ -239,7 +240,7 @@ async def test_the_decoder_lends_one_slots_region_keeps_it_out_of_its_slot_choic
     with trio.fail_after(120):
         process, sock = await open_decoder(short_dir)
         try:
-            transport = httpx.AsyncHTTPTransport(uds=str(sock))
+            transport = unix_transport(sock)
             async with httpx.AsyncClient(transport=transport, base_url="http://d", timeout=60) as client:
                 decoder = Decoder(short_dir, client)
                 header, fds = await decoder.share(0, 4)
@@ -307,7 +308,7 @@ async def test_a_share_nobody_adopts_expires(short_dir: Path) -> None:
         # A bound of one microsecond: the adopt's own round trip outlasts it.
         process, sock = await open_decoder(short_dir, ttl_s="0.000001")
         try:
-            transport = httpx.AsyncHTTPTransport(uds=str(sock))
+            transport = unix_transport(sock)
             async with httpx.AsyncClient(transport=transport, base_url="http://d", timeout=60) as client:
                 decoder = Decoder(short_dir, client)
                 header, fds = await decoder.share(0, 2)
