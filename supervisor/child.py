@@ -27,8 +27,12 @@ log = logging.getLogger("onebit.child")
 
 # How long the output of a dead child may take to reach EOF: the pipe holds at most 64 KiB.
 _DRAIN_S = 1.0
-# A long-lived child's log lines are read in gatherings this far apart (ChildProcess.pump_output).
-_GATHER_S = 0.02
+# A long-lived child's log lines are read in gatherings this far apart (ChildProcess.pump_output):
+# each gathering costs onebitd a wake-up, a read and a timer, so this caps what a child's logging
+# costs at ten of them a second whatever the request rate (at 0.02 s, llama-server's per-request
+# lines cost 0.4 ms of onebitd's CPU per request, measured in docs/benchmarks.md).  The pipe
+# (64 KiB) holds far more than a tenth of a second of llama-server's lines (about 1 KiB a request).
+_GATHER_S = 0.1
 
 
 class ChildState(enum.Enum):

@@ -1,7 +1,11 @@
 """The client side of the decoder: llama-server's HTTP API over its unix socket.
 
-The only module that imports httpx.  Every httpx error becomes a
-:class:`~supervisor.errors.DecoderError` here, so the rest of onebit never sees a foreign exception.
+:class:`DecoderClient` is how onebitd talks to every llama-server it runs (the decoder, a llama
+provider), over supervisor/wire.py's HTTP/1.1, which raises only :class:`~supervisor.errors.DecoderError`.
+
+:func:`unix_transport` is for clients that talk to a llama-server directly, beside onebitd (the
+benchmarks' baseline, the tests' references): httpx over the same socket, with the same keep-alive
+care.  This is the only module that imports httpx.
 """
 
 from __future__ import annotations
@@ -14,16 +18,14 @@ from typing import Any
 
 import attrs
 import httpx
+import trio
 
-from .errors import DecoderProtocolError, DecoderUnavailable
+from . import wire
+from .errors import DecoderError, DecoderProtocolError
 
-# Generation has no natural upper bound (a long reply on a slow CPU); a stuck decoder is caught by the
-# health check instead.  Connecting to a local socket that takes over 5 s means it is not listening.
-_TIMEOUT = httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None)
-_BASE = "http://decoder"
-_JSON = (("content-type", "application/json"),)
-# Parsed request URLs kept per path: a handful of endpoints, plus a slot action's per slot.
-_URL_CACHE = 256
+# A reply's read has no time limit: generation has no natural upper bound (a long reply on a slow
+# CPU); a stuck decoder is caught by the health check, which gives one answer this long.
+_HEALTH_TIMEOUT_S = 5.0
 
 
 @attrs.frozen
@@ -46,10 +48,6 @@ class Stream:
     status: int
     headers: Mapping[str, str]
     chunks: AsyncIterator[bytes]
-
-
-def _translate(exc: httpx.HTTPError, what: str) -> DecoderUnavailable:
-    return DecoderUnavailable(f"decoder {what}: {type(exc).__name__}: {exc}".rstrip(": "))
 
 
 class FreshOnStale(httpx.AsyncBaseTransport):
@@ -95,58 +93,42 @@ def unix_transport(socket: Path, *, max_connections: int = 64) -> httpx.AsyncBas
 class DecoderClient:
     """Talks to one llama-server on ``socket``.  Close with :meth:`aclose`.
 
-    ``transport`` replaces the unix-socket one (httpx's ``MockTransport`` style): the tests hand it
-    an in-process fake llama-server (tests/fake_llama.py) and need no process at all."""
+    The bytes go through ``transport``: :class:`~supervisor.wire.UnixTransport` on ``socket`` unless
+    one is given (httpx's ``MockTransport`` style): the tests hand it an in-process fake llama-server
+    (tests/fake_llama.py) and need no process at all."""
 
-    def __init__(
-        self, socket: Path, *, max_connections: int = 64, transport: httpx.AsyncBaseTransport | None = None
-    ) -> None:
+    def __init__(self, socket: Path, *, max_connections: int = 64, transport: wire.Transport | None = None) -> None:
         self.socket = socket
-        self._transport = transport or unix_transport(socket, max_connections=max_connections)
-        self._client = httpx.AsyncClient(transport=self._transport, base_url=_BASE, timeout=_TIMEOUT)
-        self._urls: dict[str, httpx.URL] = {}
+        self._transport = transport or wire.UnixTransport(socket, max_connections=max_connections)
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        await self._transport.aclose()
 
     async def healthy(self) -> bool:
-        try:
-            response = await self._client.get("/health", timeout=httpx.Timeout(5.0))
-        except httpx.HTTPError:
-            return False
-        return response.status_code == 200
+        with trio.move_on_after(_HEALTH_TIMEOUT_S):
+            try:
+                response = await self._transport.send("GET", "/health", None)
+                try:
+                    await response.read()
+                finally:
+                    await response.aclose()
+            except DecoderError:
+                return False
+            return response.status == 200
+        return False
 
-    def _build(self, method: str, path: str, body: Any) -> httpx.Request:
-        url = self._urls.get(path)
-        if url is None:
-            url = httpx.URL(_BASE + path)
-            if len(self._urls) < _URL_CACHE:
-                self._urls[path] = url
-        if body is None:
-            return httpx.Request(method, url, extensions={"timeout": _TIMEOUT.as_dict()})
-        return httpx.Request(
-            method, url, content=json.dumps(body).encode(), headers=_JSON, extensions={"timeout": _TIMEOUT.as_dict()}
-        )
-
-    async def _send(self, request: httpx.Request) -> httpx.Response:
-        """Straight to the transport (the connection pool).  The client's layers (base URL merging,
-        auth, redirects, cookies, event hooks) do nothing for llama-server and cost each request
-        about 0.3 ms of CPU before it reaches the decoder, measured (docs/benchmarks.md)."""
-        response = await self._transport.handle_async_request(request)
-        response.request = request
-        return response
+    @staticmethod
+    def _encode(body: Any) -> bytes | None:
+        return None if body is None else json.dumps(body).encode()
 
     async def request(self, method: str, path: str, body: Any = None) -> Reply:
         """One request; the whole reply.  ``body`` is sent as JSON when not None."""
+        response = await self._transport.send(method, path, self._encode(body))
         try:
-            response = await self._send(self._build(method, path, body))
-            try:
-                content = await response.aread()
-            finally:
-                await response.aclose()
-        except httpx.HTTPError as exc:
-            raise _translate(exc, f"{method} {path}") from exc
-        return Reply(response.status_code, dict(response.headers), content)
+            content = await response.read()
+        finally:
+            await response.aclose()
+        return Reply(response.status, response.headers, content)
 
     async def post_json(self, path: str, body: Any) -> tuple[int, Any]:
         """POST JSON, expect JSON back (any status); returns ``(status, decoded body)``."""
@@ -155,22 +137,12 @@ class DecoderClient:
 
     @asynccontextmanager
     async def stream(self, path: str, body: Any) -> AsyncIterator[Stream]:
-        """POST and relay the reply as it comes.  Leaving the block closes the connection, which
-        makes llama-server stop working on the request."""
-        request = self._build("POST", path, body)
+        """POST and relay the reply as it comes.  Leaving the block closes the connection (unless
+        the reply was read to its end), which makes llama-server stop working on the request."""
+        response = await self._transport.send("POST", path, self._encode(body))
+        chunks = response.chunks()
         try:
-            response = await self._send(request)
-        except httpx.HTTPError as exc:
-            raise _translate(exc, f"POST {path}") from exc
-        try:
-
-            async def chunks() -> AsyncIterator[bytes]:
-                try:
-                    async for chunk in response.aiter_raw():
-                        yield chunk
-                except httpx.HTTPError as exc:
-                    raise _translate(exc, f"stream {path}") from exc
-
-            yield Stream(response.status_code, dict(response.headers), chunks())
+            yield Stream(response.status, response.headers, chunks)
         finally:
+            await chunks.aclose()
             await response.aclose()

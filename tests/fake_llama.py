@@ -1,5 +1,6 @@
-"""An in-process fake llama-server: an httpx transport, so ``DecoderClient`` talks to it without a
-process (httpx's ``MockTransport`` is the model).  ``Completions``, ``Front`` and the handoffs are
+"""An in-process fake llama-server: an httpx handler, handed to ``DecoderClient`` as its transport
+through :class:`HttpxWire`, so onebitd talks to it without a process (httpx's ``MockTransport`` is
+the model).  ``Completions``, ``Front`` and the handoffs are
 tested against it; tests/fake_decoder.py stays for what only a process shows (crashes, restarts,
 signals, fd passing).
 
@@ -22,7 +23,7 @@ least one token), a restore fills the slot from a ``{"fake_state": true, "tokens
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, cast
 from urllib.parse import parse_qs
@@ -31,7 +32,9 @@ import attrs
 import httpx
 import trio
 
+from supervisor import wire
 from supervisor.decoder import DecoderClient
+from supervisor.errors import DecoderUnavailable
 
 from . import fake_decoder
 from .fake_decoder import HttpError, Modes, chatml, parse_job, token_id
@@ -68,7 +71,7 @@ class FakeLlama:
 
     def client(self) -> DecoderClient:
         """A DecoderClient whose transport is this fake."""
-        return DecoderClient(self.state_dir / "unused.sock", transport=httpx.MockTransport(self.handle))
+        return DecoderClient(self.state_dir / "unused.sock", transport=HttpxWire(httpx.MockTransport(self.handle)))
 
     # -- the transport ------------------------------------------------------------------------------
 
@@ -169,6 +172,38 @@ class Events(httpx.AsyncByteStream):
 
     async def aclose(self) -> None:
         await trio.lowlevel.checkpoint()
+
+
+class HttpxWire:
+    """An httpx transport as the decoder client's :class:`~supervisor.wire.Transport`: what the fakes
+    here are written against (handlers that take an ``httpx.Request``), with httpx's errors turned
+    into onebit's as supervisor/wire.py turns the socket's."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner = inner
+
+    async def send(self, method: str, path: str, body: bytes | None) -> wire.Response:
+        headers = {} if body is None else {"content-type": "application/json"}
+        request = httpx.Request(method, "http://decoder" + path, content=body, headers=headers)
+        try:
+            response = await self.inner.handle_async_request(request)
+        except httpx.HTTPError as exc:
+            raise DecoderUnavailable(f"decoder {method} {path}: {type(exc).__name__}: {exc}") from exc
+
+        async def chunks() -> AsyncGenerator[bytes, None]:
+            if response.is_stream_consumed:  # a body given whole is read at once
+                yield response.content
+                return
+            try:
+                async for chunk in response.aiter_raw():
+                    yield chunk
+            except httpx.HTTPError as exc:
+                raise DecoderUnavailable(f"decoder stream {path}: {type(exc).__name__}: {exc}") from exc
+
+        return wire.Response(response.status_code, dict(response.headers), chunks, response.aclose)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
 
 
 def _event(data: dict[str, Any]) -> bytes:

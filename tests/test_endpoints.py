@@ -29,7 +29,7 @@ from supervisor.slots import SlotPool
 
 from . import asgi
 from .asgi import ReadyDecoder, Reply
-from .fake_llama import Events, FakeLlama
+from .fake_llama import Events, FakeLlama, HttpxWire
 from .rig import ScriptedProvider
 
 TIMEOUT = 10
@@ -60,7 +60,9 @@ def make_rig(
     **server: Any,
 ) -> Rig:
     fake = FakeLlama(tmp_path)
-    client = DecoderClient(tmp_path / "unused.sock", transport=transport(fake)) if transport else fake.client()
+    client = fake.client()
+    if transport is not None:
+        client = DecoderClient(tmp_path / "unused.sock", transport=HttpxWire(transport(fake)))
     handoff = None
     if hybrid:
         file = FileHandoff(client=client, state_dir=tmp_path, model="fake-model", n_ctx=4096)

@@ -11,7 +11,7 @@ from pathlib import Path
 import trio
 
 from .helpers import CHAT, assert_envelope, client_for, open_raw, receive_until, request_head
-from .rig import Control, fake_decoder_config, run_daemon
+from .rig import Control, DecoderModes, fake_decoder_config, run_daemon
 
 TIMEOUT = 20  # seconds; a test that needs more is stuck, not slow
 
@@ -77,3 +77,73 @@ async def test_a_broken_chunked_body_never_stops_the_front(short_dir: Path, cont
             async with client_for(running) as client:
                 health = await client.get("/health")
     assert health.status_code == 200
+
+
+def _stream_request(max_tokens: int) -> bytes:
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens, "stream": True})
+    return request_head(CHAT, len(body)) + body.encode()
+
+
+async def test_a_keep_alive_connection_is_closed_after_idle_timeout_s_but_never_mid_request(
+    short_dir: Path, control: Control
+) -> None:
+    # A stream that lasts longer than the idle timeout (6 tokens 0.15 s apart, against 0.3 s), then
+    # a second request on the same connection, then nothing: closed once idle for 0.3 s.
+    control.set(decoder=DecoderModes(token_delay_s=0.15))
+    config = fake_decoder_config(short_dir, server={"idle_timeout_s": 0.3})
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(config) as running, await open_raw(running) as raw:
+            buffer = bytearray()
+            await raw.send_all(_stream_request(6))
+            await receive_until(raw, buffer, b"\r\n0\r\n\r\n")
+            streamed = bytes(buffer)
+            buffer.clear()
+            await raw.send_all(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            await receive_until(raw, buffer, b"}")
+            health = bytes(buffer)
+            while await raw.receive_some():  # until the server closes
+                pass
+    assert streamed.startswith(b"HTTP/1.1 200 ")
+    assert b"[DONE]" in streamed
+    assert health.startswith(b"HTTP/1.1 200 ")
+
+
+async def test_an_idle_keep_alive_connection_is_closed_at_once_when_onebitd_stops(
+    short_dir: Path, control: Control
+) -> None:
+    # idle_timeout_s is 75 s by default: a stop that waited for it would fail the timeout.
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(fake_decoder_config(short_dir)) as running:
+            raw = await open_raw(running)
+            buffer = bytearray()
+            await raw.send_all(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            await receive_until(raw, buffer, b"}")
+        async with raw:
+            assert await raw.receive_some() == b""
+
+
+async def test_a_refusal_sent_before_the_body_was_read_keeps_the_connection_for_the_next_request(
+    short_dir: Path, control: Control
+) -> None:
+    # A refusal (here a 401) answers without reading the request's body.  hypercorn closes a
+    # connection whose request h11 has not seen the end of; once a whole reply went out in one
+    # write (supervisor/connection.py), it could end before the reading task had taken the body's
+    # end from h11's buffer, and the client's next request on the connection met a close ("Server
+    # disconnected without sending a response", test_api_keys_are_required_everywhere_but_health
+    # through httpx, 2 runs in 10).  Sent as httpx sends it, this failed every time.
+    config = fake_decoder_config(short_dir, server={"api_keys": ["key"]})
+    data = json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode()
+    replies: list[bytes] = []
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(config) as running, await open_raw(running) as raw:
+            for _ in range(20):
+                buffer = bytearray()
+                await raw.send_all(request_head(CHAT, len(data)))  # as httpx sends: head, then body
+                await raw.send_all(data)
+                await receive_until(raw, buffer, b"}}")
+                replies.append(bytes(buffer))
+            buffer = bytearray()
+            await raw.send_all(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            await receive_until(raw, buffer, b"}")
+    assert all(reply.startswith(b"HTTP/1.1 401 ") for reply in replies)
+    assert buffer.startswith(b"HTTP/1.1 200 ")
