@@ -59,6 +59,7 @@ import bench_handoff  # noqa: E402
 import bench_multiturn  # noqa: E402
 import bench_prefix  # noqa: E402
 import bench_trace  # noqa: E402
+import bench_versus  # noqa: E402
 
 # Loading SmolLM2 takes about a second; a busy 2-core machine can take far longer.
 READY_TIMEOUT_S = 300
@@ -137,8 +138,9 @@ class Spawned:
 
 
 @asynccontextmanager
-async def spawn_onebitd(config: Config, runtime_dir: Path, log: TextIO) -> AsyncIterator[Spawned]:
-    """onebitd in a process of its own, ready (its sd_notify READY=1), and the two clients.
+async def spawn_onebitd(config: Config, runtime_dir: Path, log: TextIO, *, root: Path = ROOT) -> AsyncIterator[Spawned]:
+    """onebitd in a process of its own, ready (its sd_notify READY=1), and the two clients; ``root``:
+    the checkout whose onebitd it is (``versus`` runs another's beside this one).
 
     The benchmark's clients then share neither onebitd's event loop nor its CPU time, as an
     OpenAI client and onebitd do in service.  The process is stopped (SIGTERM) and reaped when the
@@ -148,14 +150,24 @@ async def spawn_onebitd(config: Config, runtime_dir: Path, log: TextIO) -> Async
     notify_path = runtime_dir / "notify.sock"
     notify = trio.socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     await notify.bind(str(notify_path))
-    python_path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    python_path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH", "")]))
     env = {**os.environ, "NOTIFY_SOCKET": str(notify_path), "PYTHONPATH": python_path}
     argv = [sys.executable, "-m", "supervisor.daemon", "--config", str(config_path)]
     with notify:
         async with trio.open_nursery() as nursery:
             process: trio.Process = await nursery.start(
                 functools.partial(
-                    trio.run_process, argv, stdout=log, stderr=log, env=env, check=False, deliver_cancel=stop_onebitd
+                    trio.run_process,
+                    argv,
+                    stdout=log,
+                    stderr=log,
+                    env=env,
+                    # `python -m` puts its working directory first on the path, before PYTHONPATH: run
+                    # in ``root``, or a checkout's onebitd could import the package of whatever
+                    # directory the benchmark was started in (every "other tree" run did, once).
+                    cwd=str(root),
+                    check=False,
+                    deliver_cancel=stop_onebitd,
                 )
             )
             try:
@@ -682,6 +694,12 @@ SUBCOMMANDS = [
         help="a long shared prompt across a decoder crash, with the prefix store and without",
         arguments=bench_prefix.arguments,
         run=bench_prefix.run,
+    ),
+    Subcommand(
+        name="versus",
+        help="onebitd from this tree against onebitd from another checkout, side by side: CPU and latency",
+        arguments=bench_versus.arguments,
+        run=lambda args: bench_versus.run(args, sys.modules[__name__]),
     ),
 ]
 

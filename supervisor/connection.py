@@ -65,6 +65,7 @@ class IdleDeadline:
         self._scope = trio.CancelScope()
         self._idle = False
         self._started = False
+        self._finished = False
 
     async def restart(self, task_group: Any, action: Callable[[], Any]) -> None:
         # ``action`` is hypercorn's ``_idle_timeout``: wait, then close; _watch does both.
@@ -81,11 +82,21 @@ class IdleDeadline:
         self._idle = False
         self._scope.deadline = inf
 
+    def finish(self) -> None:
+        """The connection's reading is over (the client went, or the connection was closed): the
+        watch ends without closing anything.  hypercorn's connection waits for its tasks, this one
+        too, before it closes its socket; without this, a connection closed while a request was on
+        it (no ``restart`` after that) would keep its socket until onebitd stopped."""
+        self._finished = True
+        self._scope.cancel()
+
     async def _watch(self) -> None:
         with self._scope:
             await self._connection.context.terminated.wait()
             if not self._idle:
                 await trio.sleep_forever()  # until restart: the response is out
+        if self._finished:
+            return
         with trio.CancelScope(shield=True):
             await self._connection._initiate_server_close()
 
@@ -150,7 +161,13 @@ def _declares_body(event: h11.Response) -> bool:
 class Connection(TCPServer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.idle_task = IdleDeadline(self)  # type: ignore[assignment]  # hypercorn's interface, not its class
+        self.idle_task: IdleDeadline = IdleDeadline(self)  # type: ignore[assignment]  # hypercorn's interface
+
+    async def _read_data(self) -> None:
+        try:
+            await super()._read_data()
+        finally:
+            self.idle_task.finish()
 
     async def run(self) -> None:
         try:
@@ -181,12 +198,13 @@ class Connection(TCPServer):
             if sent == len(data):
                 return
             data = data[sent:]
-        async with self.send_lock:
-            try:
-                with trio.CancelScope(shield=True):
+        # Shielded from before the lock is taken: the rest of a write that has begun must follow it.
+        with trio.CancelScope(shield=True):
+            async with self.send_lock:
+                try:
                     await self.stream.send_all(data)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):
-                await self.protocol.handle(Closed())
+                except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):
+                    await self.protocol.handle(Closed())
 
 
 def install() -> None:

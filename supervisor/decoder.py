@@ -144,5 +144,7 @@ class DecoderClient:
         try:
             yield Stream(response.status, response.headers, chunks)
         finally:
-            await chunks.aclose()
-            await response.aclose()
+            try:
+                await chunks.aclose()
+            finally:
+                await response.aclose()

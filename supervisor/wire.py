@@ -43,6 +43,7 @@ WRITE_TIMEOUT_S = 30.0
 MAX_HEAD = 65536
 RECEIVE = 65536
 _PATH = re.compile(r"/[\x21-\x7e]*").fullmatch
+_HEX = re.compile(rb"[0-9A-Fa-f]{1,16}").fullmatch
 _STALE_ERRNOS = frozenset({errno.EPIPE, errno.ECONNRESET, errno.ECONNABORTED})
 
 
@@ -156,27 +157,30 @@ class UnixTransport:
             raise
 
     def _pooled(self) -> _Connection | None:
-        now = trio.current_time()
-        while self._idle:
-            connection = self._idle.pop()
-            if now - connection.idle_since < KEEPALIVE_EXPIRY_S:
-                return connection
-            connection.close()
-        return None
+        """The connection used last; the expired ones (the oldest first) are closed on the way, so
+        none waits in the pool for llama-server to close it."""
+        idle = self._idle
+        expired = trio.current_time() - KEEPALIVE_EXPIRY_S
+        while idle and idle[0].idle_since <= expired:
+            idle.pop(0).close()
+        return idle.pop() if idle else None
 
     async def _connect(self) -> _Connection:
         """A failed connect (the socket not there yet, a restart) is tried once more."""
         for attempt in (1, 2):
-            sock = trio.socket.socket(stdlib_socket.AF_UNIX, stdlib_socket.SOCK_STREAM)
+            sock = None
             try:
+                sock = trio.socket.socket(stdlib_socket.AF_UNIX, stdlib_socket.SOCK_STREAM)
                 with trio.fail_after(CONNECT_TIMEOUT_S):
                     await sock.connect(str(self.socket))
-            except (OSError, trio.TooSlowError) as exc:
-                sock.close()
+            except (OSError, trio.TooSlowError) as exc:  # no socket (EMFILE), or none listening
+                if sock is not None:
+                    sock.close()
                 if attempt == 2:
                     raise DecoderUnavailable(f"cannot connect to {self.socket}: {_describe(exc)}") from exc
             except BaseException:
-                sock.close()
+                if sock is not None:
+                    sock.close()
                 raise
             else:
                 return _Connection(sock)
@@ -247,21 +251,19 @@ class _Reply:
     ) -> None:
         self.pool = pool
         self.connection: _Connection | None = connection
-        self.done = False
         self.status = status
         self.headers = headers
-        self.keep_alive = headers.get("connection", "").lower() != "close"
+        self.keep_alive = "close" not in _tokens(headers.get("connection", ""))
         if method == "HEAD" or status in (204, 304):
             self.length: int | None = 0
             self.chunked = False
-        elif "chunked" in headers.get("transfer-encoding", "").lower():
+        elif "chunked" in _tokens(headers.get("transfer-encoding", "")):
             self.length, self.chunked = None, True
         elif "content-length" in headers:
-            try:
-                self.length = int(headers["content-length"])
-            except ValueError:
-                raise DecoderUnavailable(f"decoder sent content-length {headers['content-length']!r}") from None
-            self.chunked = False
+            value = headers["content-length"]
+            if not (value.isascii() and value.isdigit()):
+                raise DecoderUnavailable(f"decoder sent content-length {value!r}")
+            self.length, self.chunked = int(value), False
         else:  # the body runs to the end of the connection
             self.length, self.chunked, self.keep_alive = None, False, False
 
@@ -271,12 +273,12 @@ class _Reply:
         return Response(self.status, self.headers, self.chunks, self.aclose)
 
     async def aclose(self) -> None:
+        """Before the end of the body (a reply read to its end has released its connection)."""
         connection, self.connection = self.connection, None
         if connection is not None:
-            self.pool.release(connection, reusable=self.done and self.keep_alive)
+            self.pool.release(connection, reusable=False)
 
     def _finish(self) -> None:
-        self.done = True
         connection, self.connection = self.connection, None
         if connection is not None:
             self.pool.release(connection, reusable=self.keep_alive)
@@ -366,13 +368,14 @@ async def _nothing() -> AsyncGenerator[bytes, None]:
 
 
 def _chunk_size(line: bytes) -> int:
-    try:
-        size = int(line.split(b";", 1)[0].strip(), 16)
-    except ValueError:
-        raise DecoderUnavailable(f"decoder sent a malformed chunk size {line[:40]!r}") from None
-    if size < 0:
+    digits = line.split(b";", 1)[0].strip()
+    if not _HEX(digits):
         raise DecoderUnavailable(f"decoder sent a malformed chunk size {line[:40]!r}")
-    return size
+    return int(digits, 16)
+
+
+def _tokens(value: str) -> list[str]:
+    return [token.strip() for token in value.lower().split(",")]
 
 
 def _status(line: str) -> int:

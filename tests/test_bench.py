@@ -63,3 +63,25 @@ async def test_the_prefix_benchmark_in_quick_mode_exits_0_and_prints_its_ratios(
     assert result.returncode == 0, result.stderr.decode()[-3000:]
     assert re.search(rf"^first after the crash, \(b\)/\(a\): {NUMBER}x", out, re.MULTILINE), out
     assert re.search(rf"^\(a\) store\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+[1-9]", out, re.MULTILINE), out
+
+
+@pytest.mark.real
+async def test_the_versus_benchmark_in_quick_mode_exits_0_and_prints_both_trees() -> None:
+    real_llama_server()
+    # This tree against itself: what is checked is that both onebitds start, alternate and report.
+    with trio.fail_after(300):
+        result = await trio.run_process(
+            [sys.executable, str(BENCH), "versus", "--quick", "--tree", str(BENCH.parent.parent)],
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+        )
+    out = result.stdout.decode()
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    for measure in ("(a) latency median, ms", "(a) onebitd cpu per request, ms", "(b) onebitd cpu per chunk, us"):
+        row = rf"^{re.escape(measure)}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}$"
+        assert re.search(row, out, re.MULTILINE), f"no {measure!r} row in:\n{out}"
+    found = re.search(r"^\(b\) chunks relayed: this tree (\d+), other tree (\d+)$", out, re.MULTILINE)
+    assert found, out
+    assert int(found.group(1)) > 0, out
+    assert int(found.group(2)) > 0, out

@@ -180,3 +180,18 @@ def test_hypercorn_builds_its_connections_and_protocols_from_where_install_puts_
     connection.install()
     assert ProtocolWrapper.__init__.__globals__["H11Protocol"] is Protocol
     assert hypercorn.trio.run.worker_serve.__globals__["TCPServer"] is connection.Connection
+
+
+async def test_a_connection_whose_reading_ended_ends_its_timer_without_closing_again(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # hypercorn waits for a connection's tasks before it closes its socket: a timer left waiting
+    # (here, a request was on the connection when the client went) would keep that socket open.
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            idling, timer, group = await idle_timer(nursery, 5.0)
+            await timer.restart(group, hypercorn_action)
+            await timer.stop()
+            await trio.sleep(1)
+            timer.finish()
+    assert idling.closed_at == []

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import trio
+import trio.testing
 
 from .helpers import CHAT, assert_envelope, client_for, open_raw, receive_until, request_head
 from .rig import Control, DecoderModes, fake_decoder_config, run_daemon
@@ -147,3 +148,42 @@ async def test_a_refusal_sent_before_the_body_was_read_keeps_the_connection_for_
             await receive_until(raw, buffer, b"}")
     assert all(reply.startswith(b"HTTP/1.1 401 ") for reply in replies)
     assert buffer.startswith(b"HTTP/1.1 200 ")
+
+
+def _tasks_named(name: str) -> list[trio.lowlevel.Task]:
+    found: list[trio.lowlevel.Task] = []
+    stack = [trio.lowlevel.current_root_task()]
+    while stack:
+        task = stack.pop()
+        if task is None:
+            continue
+        if task.name == name:
+            found.append(task)
+        stack.extend(child for nursery in task.child_nurseries for child in nursery.child_tasks)
+    return found
+
+
+async def test_a_client_that_hangs_up_mid_stream_has_its_connection_closed(short_dir: Path, control: Control) -> None:
+    # It sends its end-of-file and keeps reading: onebitd must close its side.  A connection closed
+    # while a request was on it once kept its socket (and a task) until onebitd stopped.
+    control.set(decoder=DecoderModes(token_delay_s=0.2))
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(fake_decoder_config(short_dir)) as running, await open_raw(running) as raw:
+            buffer = bytearray()
+            await raw.send_all(_stream_request(50))
+            await receive_until(raw, buffer, b"data: ")
+            await raw.send_eof()
+            while await raw.receive_some():  # until onebitd closes
+                pass
+
+
+async def test_a_connection_closed_after_its_reply_leaves_no_task_behind(short_dir: Path, control: Control) -> None:
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(fake_decoder_config(short_dir)) as running:
+            async with await open_raw(running) as raw:
+                await raw.send_all(b"GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+                while await raw.receive_some():  # until onebitd closes
+                    pass
+            await trio.testing.wait_all_tasks_blocked()
+            left = _tasks_named("supervisor.connection.IdleDeadline._watch")
+    assert left == []

@@ -232,6 +232,8 @@ async def test_a_stream_left_half_read_closes_its_connection(tmp_path: Path) -> 
         (b"SSH-2.0\r\n\r\n", "malformed status line"),
         (b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n", "malformed header line"),
         (b"HTTP/1.1 200 OK\r\nContent-Length: many\r\n\r\n", "content-length"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n", "content-length"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0x5\r\n", "malformed chunk size"),
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "malformed chunk size"),
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1\r\nab\r\n", "no CRLF after its data"),
     ],

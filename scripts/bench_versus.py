@@ -1,0 +1,155 @@
+"""``scripts/bench versus --tree DIR``: onebitd from this tree against onebitd from another checkout
+(an older commit, `git worktree add DIR COMMIT`), side by side in one run.
+
+A 2-CPU VM's speed swings by 2x from one minute to the next (the same benchmark's direct latency
+went 12 ms, 29 ms, 32 ms in three runs an hour apart, with no other process on the machine), and
+onebitd's CPU per request swings with it: two `overhead` runs taken minutes apart cannot say which
+tree costs less.  Here both onebitd processes run at once, each with its own decoder (the same
+build, model and flags), and every measurement alternates between them, so a swing falls on both.
+
+(a) short completions, alternating tree by tree (which goes first alternates too): latency, and
+each onebitd's CPU from /proc over the whole phase, per request; (b) rounds of concurrent streams,
+alternating: token rate, first token, each onebitd's CPU per relayed chunk (the phase's CPU, less
+its requests at (a)'s cost).  Direct llama-server is
+`scripts/bench overhead`'s business; this says only whether a change made onebitd cheaper.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import tempfile
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import attrs
+
+from supervisor import locate
+
+NAMES = ("this tree", "other tree")
+
+
+def arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tree", type=Path, required=True, help="the other checkout (its scripts/ and supervisor/)")
+    parser.add_argument("--quick", action="store_true", help="a handful of requests: checks it runs, not speed")
+    parser.add_argument("--pairs", type=int, default=300, help="short completions per tree, alternating")
+    parser.add_argument("--warmup", type=int, default=10, help="pairs before measuring")
+    parser.add_argument("--max-tokens", type=int, default=2, help="tokens per short completion")
+    parser.add_argument("--streams", type=int, default=8, help="concurrent streams per round")
+    parser.add_argument("--stream-tokens", type=int, default=128, help="tokens per stream")
+    parser.add_argument("--rounds", type=int, default=4, help="stream rounds per tree, alternating")
+    parser.add_argument("--parallel", type=int, default=8, help="decoder slots (model.parallel)")
+    parser.add_argument("--threads", type=int, default=0, help="decoder threads (0: llama-server's default)")
+    parser.add_argument("--log", type=Path, help="keep both onebitds' logs here (default: discarded)")
+
+
+def _tree(bench: ModuleType, path: Path) -> Path:
+    path = path.resolve()
+    if not (path / "supervisor" / "daemon.py").is_file():
+        raise bench.BenchError(f"--tree {path}: no supervisor/daemon.py there")
+    return path
+
+
+async def run(args: argparse.Namespace, bench: ModuleType) -> int:
+    """``bench``: scripts/bench.py, whose pieces (spawning onebitd, the sides, /proc) this reuses;
+    handed in, as that script imports this module to list it."""
+    other = _tree(bench, args.tree)
+    if args.quick:
+        args.pairs, args.warmup, args.rounds, args.stream_tokens = 10, 2, 1, 16
+    short = {"prompt": bench.PROMPT, "max_tokens": args.max_tokens, "temperature": 0, "seed": 42}
+    streams = [
+        {
+            "prompt": f"Story number {i}. Once upon a time",
+            "max_tokens": args.stream_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        for i in range(args.streams)
+    ]
+    dirs = [Path(tempfile.mkdtemp(prefix="ob-bench-", dir="/tmp")) for _ in NAMES]
+    log_path = Path(args.log) if args.log else dirs[0] / "onebitd.log"
+    with log_path.open("w") as log:
+        ctx_size = max(2048, 256 * args.parallel)
+        configs = [
+            bench.bench_config(directory, parallel=args.parallel, ctx_size=ctx_size, threads=args.threads)
+            for directory in dirs
+        ]
+        model = locate.model_path(configs[0].model.path)
+        print("onebit versus: onebitd from this tree and from another, side by side, each with its own decoder")
+        print(f"this tree: {bench.ROOT}\nother tree: {other}")
+        print(f"machine: {bench.machine()}")
+        print(f"decoder: {await bench.decoder_version(configs[0])}")
+        print(f"model: {model.name if model else '?'}, ctx_size {ctx_size}, parallel {args.parallel}")
+        print(
+            f"(a) {args.pairs} short completions each, alternating, after {args.warmup} each; "
+            f"(b) {args.rounds} rounds each of {args.streams} streams x {args.stream_tokens} tokens"
+        )
+        async with (
+            bench.spawn_onebitd(configs[0], dirs[0], log) as mine,
+            bench.spawn_onebitd(configs[1], dirs[1], log, root=other) as theirs,
+        ):
+            spawned = (mine, theirs)
+            ours = (*[s.pid for s in spawned], *[s.decoder_pid for s in spawned])
+            noise = bench.Noise.start(ours)
+            sides = [bench.Side(), bench.Side()]
+
+            def cpus() -> list[float]:
+                return [bench.process_cpu_s(s.pid) for s in spawned]
+
+            # Each onebitd's CPU over the whole phase, not around its own requests: what it does after
+            # a reply's last byte (the route line, the next idle period, its decoder's log lines)
+            # runs while the other tree's request is on, and is this tree's cost all the same.
+            for i in range(args.warmup + args.pairs):
+                if i == args.warmup:
+                    before = cpus()
+                for k in (0, 1) if i % 2 == 0 else (1, 0):
+                    latency = await bench.short_completion(spawned[k].front, short)
+                    if i >= args.warmup:
+                        sides[k].latencies.append(latency)
+            short_cpu = [after - start for after, start in zip(cpus(), before, strict=True)]
+            for k in (0, 1):  # a warm-up round each
+                await bench.stream_round(spawned[k].front, streams, bench.Side())
+            before = cpus()
+            for r in range(args.rounds):
+                for k in (0, 1) if r % 2 == 0 else (1, 0):
+                    await bench.stream_round(spawned[k].front, streams, sides[k])
+            stream_cpu = [after - start for after, start in zip(cpus(), before, strict=True)]
+            sides = [
+                attrs.evolve(side, short_cpu=short, stream_cpu=stream)
+                for side, short, stream in zip(sides, short_cpu, stream_cpu, strict=True)
+            ]
+            rss = [bench.rss_of(s.pid) for s in spawned]
+            print()
+            _report(bench, sides, args)
+            print(f"rss after: this tree {rss[0]:.1f} MiB, other tree {rss[1]:.1f} MiB")
+            print(noise.report(ours))
+    for directory in dirs:
+        shutil.rmtree(directory, ignore_errors=True)
+    return 0
+
+
+def _report(bench: ModuleType, sides: list[Any], args: argparse.Namespace) -> None:
+    def per_request(side: Any) -> float:
+        return float(side.short_cpu / len(side.latencies) * 1000)
+
+    def per_chunk(side: Any) -> float:
+        # The stream rounds' requests, at the short requests' cost, out first.
+        requests = args.streams * args.rounds
+        cpu = side.stream_cpu - per_request(side) / 1000 * requests
+        return float(cpu / side.events * 1e6) if side.events else 0.0
+
+    rows = [
+        ("(a) latency median, ms", *(statistics.median(s.latencies) * 1000 for s in sides)),
+        ("(a) latency p99, ms", *(bench.percentile(s.latencies, 99) * 1000 for s in sides)),
+        ("(a) onebitd cpu per request, ms", *(per_request(s) for s in sides)),
+        ("(b) aggregate tokens/s", *(s.token_rate for s in sides)),
+        ("(b) first token median, ms", *(statistics.median(s.first_tokens) * 1000 for s in sides)),
+        ("(b) onebitd cpu per chunk, us", *(per_chunk(s) for s in sides)),
+    ]
+    print(f"{'measure':34}{'this tree':>12}{'other tree':>12}{'this/other':>12}")
+    for name, mine, theirs in rows:
+        print(f"{name:34}{mine:12.2f}{theirs:12.2f}{mine / theirs if theirs else float('nan'):12.3f}")
+    print(f"(b) chunks relayed: this tree {sides[0].events}, other tree {sides[1].events}")
