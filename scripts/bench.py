@@ -328,15 +328,39 @@ def print_table(rows: Sequence[tuple[str, float, float]], unit_width: int = 12) 
 PROMPT = "The capital of France is"
 
 
-def overhead_arguments(parser: argparse.ArgumentParser) -> None:
+def load_arguments(parser: argparse.ArgumentParser, *, pairs: int, rounds: int) -> None:
+    """The load both ``overhead`` and ``versus`` put on each side: (a) short completions, (b) streams."""
     parser.add_argument("--quick", action="store_true", help="a handful of requests: checks it runs, not speed")
-    parser.add_argument("--pairs", type=int, default=200, help="alternating request pairs for (a)")
+    parser.add_argument("--pairs", type=int, default=pairs, help="alternating request pairs for (a)")
     parser.add_argument("--warmup", type=int, default=10, help="pairs for (a) before measuring")
     parser.add_argument("--max-tokens", type=int, default=2, help="tokens per short completion in (a)")
     parser.add_argument("--streams", type=int, default=8, help="concurrent streams in (b)")
     parser.add_argument("--stream-tokens", type=int, default=128, help="tokens per stream in (b)")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds per side for (b)")
+    parser.add_argument("--rounds", type=int, default=rounds, help="rounds per side for (b)")
     parser.add_argument("--parallel", type=int, default=8, help="decoder slots (model.parallel)")
+
+
+def load_bodies(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(a)'s request and (b)'s streams; ``--quick`` makes them a handful."""
+    if args.quick:
+        args.pairs, args.warmup, args.rounds, args.stream_tokens = 10, 2, 1, 16
+    short = {"prompt": PROMPT, "max_tokens": args.max_tokens, "temperature": 0, "seed": 42}
+    # ignore_eos: every stream produces exactly stream_tokens tokens, on both sides.
+    streams = [
+        {
+            "prompt": f"Story number {i}. Once upon a time",
+            "max_tokens": args.stream_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        for i in range(args.streams)
+    ]
+    return short, streams
+
+
+def overhead_arguments(parser: argparse.ArgumentParser) -> None:
+    load_arguments(parser, pairs=200, rounds=5)
     parser.add_argument(
         "--ctx-size", type=int, default=0, help="decoder context, shared by the slots (0: 256 a slot, at least 2048)"
     )
@@ -523,24 +547,11 @@ def cpu_lines(direct: Side, front: Side, requests: int, streams: int, what: str)
 
 
 async def overhead(args: argparse.Namespace) -> int:
-    if args.quick:
-        args.pairs, args.warmup, args.rounds, args.stream_tokens = 10, 2, 1, 16
+    short, streams = load_bodies(args)
     if args.trace and args.onebitd != "inline":
         print("scripts/bench: --trace patches the daemon's objects: onebitd runs inline", file=sys.stderr)
         args.onebitd = "inline"
     ctx_size = args.ctx_size or max(2048, 256 * args.parallel)
-    short = {"prompt": PROMPT, "max_tokens": args.max_tokens, "temperature": 0, "seed": 42}
-    # ignore_eos: every stream produces exactly stream_tokens tokens, on both sides.
-    streams = [
-        {
-            "prompt": f"Story number {i}. Once upon a time",
-            "max_tokens": args.stream_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-        }
-        for i in range(args.streams)
-    ]
     runtime_dir = Path(tempfile.mkdtemp(prefix="ob-bench-", dir="/tmp"))
     try:
         config = bench_config(
@@ -662,6 +673,11 @@ async def overhead(args: argparse.Namespace) -> int:
 # -- the command line ------------------------------------------------------------------------------
 
 
+def versus_arguments(parser: argparse.ArgumentParser) -> None:
+    load_arguments(parser, pairs=300, rounds=4)
+    bench_versus.arguments(parser)
+
+
 @attrs.frozen
 class Subcommand:
     name: str
@@ -698,7 +714,7 @@ SUBCOMMANDS = [
     Subcommand(
         name="versus",
         help="onebitd from this tree against onebitd from another checkout, side by side: CPU and latency",
-        arguments=bench_versus.arguments,
+        arguments=versus_arguments,
         run=lambda args: bench_versus.run(args, sys.modules[__name__]),
     ),
 ]

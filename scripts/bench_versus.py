@@ -32,15 +32,8 @@ NAMES = ("this tree", "other tree")
 
 
 def arguments(parser: argparse.ArgumentParser) -> None:
+    """Beside scripts/bench.py's ``load_arguments`` (pairs, rounds, streams, ``--quick``)."""
     parser.add_argument("--tree", type=Path, required=True, help="the other checkout (its scripts/ and supervisor/)")
-    parser.add_argument("--quick", action="store_true", help="a handful of requests: checks it runs, not speed")
-    parser.add_argument("--pairs", type=int, default=300, help="short completions per tree, alternating")
-    parser.add_argument("--warmup", type=int, default=10, help="pairs before measuring")
-    parser.add_argument("--max-tokens", type=int, default=2, help="tokens per short completion")
-    parser.add_argument("--streams", type=int, default=8, help="concurrent streams per round")
-    parser.add_argument("--stream-tokens", type=int, default=128, help="tokens per stream")
-    parser.add_argument("--rounds", type=int, default=4, help="stream rounds per tree, alternating")
-    parser.add_argument("--parallel", type=int, default=8, help="decoder slots (model.parallel)")
     parser.add_argument("--threads", type=int, default=0, help="decoder threads (0: llama-server's default)")
     parser.add_argument("--log", type=Path, help="keep both onebitds' logs here (default: discarded)")
 
@@ -56,19 +49,7 @@ async def run(args: argparse.Namespace, bench: ModuleType) -> int:
     """``bench``: scripts/bench.py, whose pieces (spawning onebitd, the sides, /proc) this reuses;
     handed in, as that script imports this module to list it."""
     other = _tree(bench, args.tree)
-    if args.quick:
-        args.pairs, args.warmup, args.rounds, args.stream_tokens = 10, 2, 1, 16
-    short = {"prompt": bench.PROMPT, "max_tokens": args.max_tokens, "temperature": 0, "seed": 42}
-    streams = [
-        {
-            "prompt": f"Story number {i}. Once upon a time",
-            "max_tokens": args.stream_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-        }
-        for i in range(args.streams)
-    ]
+    short, streams = bench.load_bodies(args)
     dirs = [Path(tempfile.mkdtemp(prefix="ob-bench-", dir="/tmp")) for _ in NAMES]
     log_path = Path(args.log) if args.log else dirs[0] / "onebitd.log"
     with log_path.open("w") as log:
