@@ -51,64 +51,66 @@ async def run(args: argparse.Namespace, bench: ModuleType) -> int:
     other = _tree(bench, args.tree)
     short, streams = bench.load_bodies(args)
     dirs = [Path(tempfile.mkdtemp(prefix="ob-bench-", dir="/tmp")) for _ in NAMES]
-    log_path = Path(args.log) if args.log else dirs[0] / "onebitd.log"
-    with log_path.open("w") as log:
-        ctx_size = max(2048, 256 * args.parallel)
-        configs = [
-            bench.bench_config(directory, parallel=args.parallel, ctx_size=ctx_size, threads=args.threads)
-            for directory in dirs
-        ]
-        model = locate.model_path(configs[0].model.path)
-        print("onebit versus: onebitd from this tree and from another, side by side, each with its own decoder")
-        print(f"this tree: {bench.ROOT}\nother tree: {other}")
-        print(f"machine: {bench.machine()}")
-        print(f"decoder: {await bench.decoder_version(configs[0])}")
-        print(f"model: {model.name if model else '?'}, ctx_size {ctx_size}, parallel {args.parallel}")
-        print(
-            f"(a) {args.pairs} short completions each, alternating, after {args.warmup} each; "
-            f"(b) {args.rounds} rounds each of {args.streams} streams x {args.stream_tokens} tokens"
-        )
-        async with (
-            bench.spawn_onebitd(configs[0], dirs[0], log) as mine,
-            bench.spawn_onebitd(configs[1], dirs[1], log, root=other) as theirs,
-        ):
-            spawned = (mine, theirs)
-            ours = (*[s.pid for s in spawned], *[s.decoder_pid for s in spawned])
-            noise = bench.Noise.start(ours)
-            sides = [bench.Side(), bench.Side()]
-
-            def cpus() -> list[float]:
-                return [bench.process_cpu_s(s.pid) for s in spawned]
-
-            # Each onebitd's CPU over the whole phase, not around its own requests: what it does after
-            # a reply's last byte (the route line, the next idle period, its decoder's log lines)
-            # runs while the other tree's request is on, and is this tree's cost all the same.
-            for i in range(args.warmup + args.pairs):
-                if i == args.warmup:
-                    before = cpus()
-                for k in (0, 1) if i % 2 == 0 else (1, 0):
-                    latency = await bench.short_completion(spawned[k].front, short)
-                    if i >= args.warmup:
-                        sides[k].latencies.append(latency)
-            short_cpu = [after - start for after, start in zip(cpus(), before, strict=True)]
-            for k in (0, 1):  # a warm-up round each
-                await bench.stream_round(spawned[k].front, streams, bench.Side())
-            before = cpus()
-            for r in range(args.rounds):
-                for k in (0, 1) if r % 2 == 0 else (1, 0):
-                    await bench.stream_round(spawned[k].front, streams, sides[k])
-            stream_cpu = [after - start for after, start in zip(cpus(), before, strict=True)]
-            sides = [
-                attrs.evolve(side, short_cpu=short, stream_cpu=stream)
-                for side, short, stream in zip(sides, short_cpu, stream_cpu, strict=True)
+    try:
+        log_path = Path(args.log) if args.log else dirs[0] / "onebitd.log"
+        with log_path.open("w") as log:
+            ctx_size = max(2048, 256 * args.parallel)
+            configs = [
+                bench.bench_config(directory, parallel=args.parallel, ctx_size=ctx_size, threads=args.threads)
+                for directory in dirs
             ]
-            rss = [bench.rss_of(s.pid) for s in spawned]
-            print()
-            _report(bench, sides, args)
-            print(f"rss after: this tree {rss[0]:.1f} MiB, other tree {rss[1]:.1f} MiB")
-            print(noise.report(ours))
-    for directory in dirs:
-        shutil.rmtree(directory, ignore_errors=True)
+            model = locate.model_path(configs[0].model.path)
+            print("onebit versus: onebitd from this tree and from another, side by side, each with its own decoder")
+            print(f"this tree: {bench.ROOT}\nother tree: {other}")
+            print(f"machine: {bench.machine()}")
+            print(f"decoder: {await bench.decoder_version(configs[0])}")
+            print(f"model: {model.name if model else '?'}, ctx_size {ctx_size}, parallel {args.parallel}")
+            print(
+                f"(a) {args.pairs} short completions each, alternating, after {args.warmup} each; "
+                f"(b) {args.rounds} rounds each of {args.streams} streams x {args.stream_tokens} tokens"
+            )
+            async with (
+                bench.spawn_onebitd(configs[0], dirs[0], log) as mine,
+                bench.spawn_onebitd(configs[1], dirs[1], log, root=other) as theirs,
+            ):
+                spawned = (mine, theirs)
+                ours = (*[s.pid for s in spawned], *[s.decoder_pid for s in spawned])
+                noise = bench.Noise.start(ours)
+                sides = [bench.Side(), bench.Side()]
+
+                def cpus() -> list[float]:
+                    return [bench.process_cpu_s(s.pid) for s in spawned]
+
+                # Each onebitd's CPU over the whole phase, not around its own requests: what it does after
+                # a reply's last byte (the route line, the next idle period, its decoder's log lines)
+                # runs while the other tree's request is on, and is this tree's cost all the same.
+                for i in range(args.warmup + args.pairs):
+                    if i == args.warmup:
+                        before = cpus()
+                    for k in (0, 1) if i % 2 == 0 else (1, 0):
+                        latency = await bench.short_completion(spawned[k].front, short)
+                        if i >= args.warmup:
+                            sides[k].latencies.append(latency)
+                short_cpu = [after - start for after, start in zip(cpus(), before, strict=True)]
+                for k in (0, 1):  # a warm-up round each
+                    await bench.stream_round(spawned[k].front, streams, bench.Side())
+                before = cpus()
+                for r in range(args.rounds):
+                    for k in (0, 1) if r % 2 == 0 else (1, 0):
+                        await bench.stream_round(spawned[k].front, streams, sides[k])
+                stream_cpu = [after - start for after, start in zip(cpus(), before, strict=True)]
+                sides = [
+                    attrs.evolve(side, short_cpu=short_s, stream_cpu=stream_s)
+                    for side, short_s, stream_s in zip(sides, short_cpu, stream_cpu, strict=True)
+                ]
+                rss = [bench.rss_of(s.pid) for s in spawned]
+                print()
+                _report(bench, sides, args)
+                print(f"rss after: this tree {rss[0]:.1f} MiB, other tree {rss[1]:.1f} MiB")
+                print(noise.report(ours))
+    finally:  # a run cut short (Ctrl-C, SIGTERM) leaves nothing behind either
+        for directory in dirs:
+            shutil.rmtree(directory, ignore_errors=True)
     return 0
 
 
