@@ -108,24 +108,23 @@ class Protocol(H11Protocol):
     _held = b""
 
     async def _send_h11_event(self, event: Any) -> None:
+        data = self._encode(event)
         if isinstance(event, h11.Response) and _declares_body(event):
-            try:
-                self._held += self.connection.send(event) or b""
-            except h11.LocalProtocolError:
-                if self.connection.their_state != h11.ERROR:
-                    raise
+            self._held += data
             return
-        if not self._held:
-            await super()._send_h11_event(event)
-            return
-        held, self._held = self._held, b""
+        if self._held:
+            data, self._held = self._held + data, b""
+        await self.send(RawData(data=data))
+
+    def _encode(self, event: Any) -> bytes:
+        """h11's bytes for ``event``; none for a response to a request h11 already found broken
+        (hypercorn's own rule: its error answer goes out another way)."""
         try:
-            data = self.connection.send(event) or b""
+            return self.connection.send(event) or b""
         except h11.LocalProtocolError:
             if self.connection.their_state != h11.ERROR:
                 raise
-            data = b""
-        await self.send(RawData(data=held + data))
+            return b""
 
     async def _maybe_recycle(self) -> None:
         # A reply sent before the request's body was read (a refusal: 401, 404, 503) can end before

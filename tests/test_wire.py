@@ -199,9 +199,10 @@ async def test_a_new_connection_closed_unanswered_is_an_error_after_one_try(tmp_
     assert len(server.seen) == 1
 
 
-async def test_a_reply_that_says_close_does_not_keep_its_connection(tmp_path: Path) -> None:
+@pytest.mark.parametrize("value", ["close", "Keep-Alive, close"])
+async def test_a_reply_that_says_close_does_not_keep_its_connection(tmp_path: Path, value: str) -> None:
     async def closing(stream: trio.SocketStream, seen: Seen, n: int) -> bool:
-        await stream.send_all(reply(200, b"x", "Connection: close"))
+        await stream.send_all(reply(200, b"x", f"Connection: {value}"))
         return True  # the server would even have served another; the client must not ask
 
     async with serving(tmp_path, closing) as (server, transport):
@@ -259,6 +260,17 @@ async def test_an_expired_keep_alive_connection_is_not_reused(tmp_path: Path, mo
 async def test_no_socket_is_an_error_that_names_it(tmp_path: Path) -> None:
     transport = wire.UnixTransport(tmp_path / "gone.sock")
     with trio.fail_after(TIMEOUT), pytest.raises(DecoderUnavailable, match=r"gone\.sock"):
+        await call(transport)
+
+
+async def test_no_socket_to_be_had_is_the_decoder_unavailable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # EMFILE: the process is out of file descriptors; the health check must see an error it handles.
+    def exhausted(*args: object) -> trio.socket.SocketType:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(trio.socket, "socket", exhausted)
+    transport = wire.UnixTransport(tmp_path / "d.sock")
+    with trio.fail_after(TIMEOUT), pytest.raises(DecoderUnavailable, match="Too many open files"):
         await call(transport)
 
 
