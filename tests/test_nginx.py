@@ -27,17 +27,26 @@ pytestmark = pytest.mark.real
 DEADLINE_S = 300
 HOST_HEADER = "x-onebit-upstream"  # set by config/nginx.conf: the host(s) tried, in order
 MIN_REQUESTS = 100
+FAIL_TIMEOUT_S = 5  # config/nginx.conf's fail_timeout
 WORKERS = 4
 
 
 async def session_on(client: httpx.AsyncClient, host: Host) -> str:
-    """An X-Session-Id that nginx's consistent hash sends to ``host`` (asked with GET /health)."""
-    for i in range(200):
-        session = f"chat-{i}"
-        reply = await client.get("/health", headers={"x-session-id": session})
-        if reply.headers.get(HOST_HEADER) == host.endpoint:
-            return session
-    raise AssertionError(f"no session of 200 hashes to {host.endpoint}")
+    """An X-Session-Id that nginx's consistent hash sends to ``host`` (asked with GET /health).
+
+    nginx holds a host out for ``fail_timeout`` (5 s) after one failed request (``max_fails=1``),
+    and sends its sessions elsewhere meanwhile: a failure during a restart can fall just before
+    this (one CI run in a dozen here).  So the 200 sessions are asked again, polled (nginx's state,
+    another process's), for up to three fail_timeouts before the host counts as lost."""
+    with trio.move_on_after(3 * FAIL_TIMEOUT_S):
+        while True:
+            for i in range(200):
+                session = f"chat-{i}"
+                reply = await client.get("/health", headers={"x-session-id": session})
+                if reply.headers.get(HOST_HEADER) == host.endpoint:
+                    return session
+            await trio.sleep(0.5)
+    raise AssertionError(f"no session of 200 hashes to {host.endpoint} in {3 * FAIL_TIMEOUT_S} s")
 
 
 async def drain_and_restart(host: Host, client: httpx.AsyncClient, load: Load) -> dict[str, Any]:
