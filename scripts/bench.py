@@ -526,7 +526,7 @@ def cpu_lines(direct: Side, front: Side, requests: int, streams: int, what: str)
     """onebitd's CPU: what was measured on the onebitd side beyond the direct side.
 
     Both sides run the same clients and the same onebitd (idle on the direct side but for its
-    health checks), so the difference is onebitd's work on the requests: HTTP in (hypercorn), the
+    health checks), so the difference is onebitd's work on the requests: HTTP in (supervisor/server.py), the
     relay, the decoder client, logging.  Per chunk, the stream rounds' share of the per-request
     cost (measured in (a)) is taken out first."""
     per_request = (front.short_cpu - direct.short_cpu) / requests if requests else float("nan")

@@ -2,7 +2,7 @@
 
 A benchmark's own instrument, patched onto the one in-process daemon it measures (onebitd itself
 carries no tracing): per request, the moments it was accepted (the ASGI call), sent to the decoder,
-answered by the decoder (headers, then the first chunk), and its first byte handed to hypercorn.  The client's
+answered by the decoder (headers, then the first chunk), and its first byte handed to the server.  The client's
 first token and the decoder's own ``timings`` come from the benchmark's clients.
 """
 

@@ -167,7 +167,7 @@ class ServerConfig:
     # A request's body must have arrived this long after its head, else 408 (a slowloris body).
     body_timeout_s: float = field(default=30.0, validator=_at_least(0.1))
     # A connection with no request in progress (before its first head, or between two) is closed after
-    # this: a head sent byte by byte is bounded by it too.  hypercorn's keep_alive_timeout.
+    # this: a head sent byte by byte is bounded by it too.  Changed by a reload for the next idle period.
     idle_timeout_s: float = field(default=75.0, validator=_at_least(0.1))
 
 

@@ -3,7 +3,7 @@
     onebitd (trio.run)
     └── Daemon.run ─ nursery
         ├── Child(decoder).run      llama-server on <runtime>/decoder.sock: spawn, health-gate, restart
-        ├── Front.run               hypercorn on server.host:port; one cancel scope per request
+        ├── Front.run               HttpServer on server.host:port; one cancel scope per request
         └── signals                 SIGTERM/SIGINT: stop accepting, finish in-flight, stop children
 
 Start order: the decoder is spawned first (so it loads while we bind), then the front binds, then

@@ -1,4 +1,4 @@
-"""The HTTP front: an ASGI app served by hypercorn's trio worker.
+"""The HTTP front: an ASGI app, served by onebitd's own HTTP/1.1 server (supervisor/server.py).
 
 It checks who may ask (Host, Origin, API key), reads and vets the body, and runs every completion
 request in its own cancel scope: a client that hangs up cancels the scope, which closes the decoder
@@ -13,27 +13,24 @@ import itertools
 import json
 import logging
 import os
-import socket
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import attrs
 import trio
-from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve
 
-from . import connection
 from .child import ChildState
 from .completion import Completions, Decoder, relay_reply
 from .config import ServerConfig
 from .cors import Cors, host_of, is_loopback
 from .decoder import DecoderClient
 from .endpoints import Endpoint, Kind, lookup
-from .errors import ClientError, DecoderError, ListenError, OnebitError
+from .errors import ClientError, DecoderError, OnebitError
 from .logs import ROUTE_LOGGER
 from .respond import Responder
 from .routeline import RouteLine
+from .server import HttpServer
 from .status import FrontStatistics, InflightStatistics
 
 log = logging.getLogger("onebit.front")
@@ -67,25 +64,6 @@ class InflightRequest:
         )
 
 
-def _probe(hosts: tuple[str, ...], port: int) -> None:
-    """Bind each address once, as hypercorn will, and let go: hypercorn binds them one by one and
-    leaves those it bound open when a later one fails.  Raises ListenError naming the address."""
-    for host in hosts:
-        address = host.strip("[]")
-        family = socket.AF_INET6 if ":" in address else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind((address, port))
-            except OSError as exc:
-                raise ListenError(f"server.host: cannot listen on {host} port {port}: {exc.strerror or exc}") from None
-
-
-def _first(group: BaseExceptionGroup[BaseException]) -> BaseException:
-    found = group.exceptions[0]
-    return _first(found) if isinstance(found, BaseExceptionGroup) else found
-
-
 class Front:
     def __init__(
         self,
@@ -112,52 +90,38 @@ class Front:
         self._loopback_only = all(is_loopback(host) for host in server.host)
         self._keys = [key.encode() for key in server.api_keys]
         self._cors = Cors(server.cors_origins)
+        self._http_server: HttpServer | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve until :meth:`stop`; ``started`` with the bound addresses once listening."""
-        config = HypercornConfig()
-        port = self.server.port
-        config.bind = [f"[{host.strip('[]')}]:{port}" if ":" in host else f"{host}:{port}" for host in self.server.host]
         # The daemon drains in-flight completions itself (up to server.shutdown_grace_s) before it
-        # stops the front; what hypercorn still waits for then is idle keep-alive connections.
-        config.graceful_timeout = 2.0
-        config.accesslog = None
-        config.errorlog = logging.getLogger("onebit.hypercorn")
-        # A slow client may legitimately hold a stream for minutes; idle keep-alive sockets need not.
-        # No read_timeout: hypercorn applies it to every read, so it would cut a long stream whose
-        # client, rightly, sends nothing; a stalled body is bounded in _read_json instead.  Heads are
-        # bounded by h11_max_incomplete_size (hypercorn's 16 KiB) and by this idle timer.
-        config.keep_alive_timeout = self.server.idle_timeout_s
-        _probe(self.server.host, port)
-        connection.install()
-        try:
-            await serve(
-                self,  # type: ignore[arg-type]  # hypercorn types its app with its own TypedDicts
-                config,
-                shutdown_trigger=self._shutdown.wait,
-                task_status=task_status,
-                mode="asgi",
-            )
-        except* OSError as group:
-            # hypercorn binds every address before it serves (inside its nurseries): this is a bind,
-            # not a request, failing.
-            exc = _first(group)
-            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-            raise ListenError(f"server.host: cannot listen on {', '.join(config.bind)}: {why}") from exc
+        # stops the front; what the server still waits for then is idle keep-alive connections.
+        # A slow client may hold a stream for minutes; an idle keep-alive connection or a head that
+        # never ends is closed after idle_timeout_s; a stalled body is bounded in _read_json.
+        self._http_server = HttpServer(
+            self,
+            hosts=self.server.host,
+            port=self.server.port,
+            idle_timeout_s=self.server.idle_timeout_s,
+            shutdown=self._shutdown.wait,
+        )
+        await self._http_server.run(task_status=task_status)
 
     def configure(self, server: ServerConfig) -> None:
         """Take the settings `onebitctl reload` may change live (bind address and port stay)."""
         self.server = attrs.evolve(server, host=self.server.host, port=self.server.port)
         self._keys = [key.encode() for key in server.api_keys]
         self._cors = Cors(server.cors_origins)
+        if self._http_server is not None:
+            self._http_server.idle_timeout_s = server.idle_timeout_s
 
     async def wait_inflight_changed(self) -> None:
         await self._inflight_changed.wait()
 
     def stop(self) -> None:
-        """Stop accepting; hypercorn lets in-flight requests finish within the grace period."""
+        """Stop accepting; the server lets in-flight requests finish within its grace period."""
         self._shutdown.set()
 
     async def wait_idle(self) -> None:
@@ -433,7 +397,7 @@ class Front:
                         await out.error(500, "internal", str(exc))
                 nursery.cancel_scope.cancel()
         finally:
-            # hypercorn reports a disconnect after a finished response too: that is no cancellation.
+            # A disconnect is reported after a finished response too: that is no cancellation.
             if gone.is_set() and not out.finished:
                 line.outcome = "cancelled"
             line.status = out.status or 499  # 499: the client closed before any answer (nginx's code)
@@ -451,7 +415,7 @@ class Front:
     @staticmethod
     async def _watch_disconnect(receive: Receive, scope: trio.CancelScope, gone: trio.Event, out: Responder) -> None:
         """A client that hangs up cancels its request, but only while the response is unfinished:
-        hypercorn reports a disconnect after every finished response too, and what the request does
+        the server reports a disconnect after every finished response too, and what the request does
         after its last byte (verification, bookkeeping) is the server's work, not the client's."""
         while True:
             message = await receive()

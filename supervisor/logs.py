@@ -64,8 +64,6 @@ def setup(fmt: str = "logfmt", level: str = "info", stream: TextIO | None = None
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
-    # hypercorn's own access log would be a second line per request; the route line is ours.
-    logging.getLogger("hypercorn.access").setLevel(logging.WARNING)
     # httpx logs every decoder call (health checks included) at INFO: noise next to the route line.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     logging.getLogger("httpcore").setLevel(logging.WARNING)

@@ -60,7 +60,7 @@ class Responder:
         if self.first_byte_ms is None and chunk:
             self.first_byte_ms = (trio.current_time() - self._started_at) * 1000
         if not more:
-            # Set before sending: hypercorn may report the client's disconnect (and so cancel us)
+            # Set before sending: the server may report the client's disconnect (and so cancel us)
             # while the last chunk is being handed over, and that is a finished response.
             self.finished = True
         await self._send({"type": "http.response.body", "body": chunk, "more_body": more})

@@ -20,6 +20,7 @@ where ``OSError`` and trio's stream errors become onebit's.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import re
 import socket as stdlib_socket
@@ -77,32 +78,47 @@ class Transport(Protocol):
 
 @attrs.define(eq=False)
 class _Connection:
-    sock: trio.socket.SocketType
+    """One connection to llama-server: a non-blocking socket read and written directly, waiting
+    (``trio.lowlevel.wait_readable``/``wait_writable``) only when it would block.  trio's socket
+    methods yield to the scheduler on every call, ready or not: two trips per request saved."""
+
+    sock: stdlib_socket.socket
     buffer: bytearray = attrs.Factory(bytearray)
     idle_since: float = 0.0
     used: bool = False
 
     def close(self) -> None:
+        trio.lowlevel.notify_closing(self.sock)
         self.sock.close()
 
     async def receive(self) -> bytes:
         """Bytes as they come; b"" at the end (a reset is an end: llama-server closing)."""
-        try:
-            return await self.sock.recv(RECEIVE)
-        except OSError as exc:
-            if exc.errno in _STALE_ERRNOS:
-                return b""
-            raise DecoderUnavailable(f"decoder connection failed: {_describe(exc)}") from exc
+        sock = self.sock
+        while True:
+            try:
+                return sock.recv(RECEIVE)
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(sock)
+            except OSError as exc:
+                if exc.errno in _STALE_ERRNOS:
+                    return b""
+                raise DecoderUnavailable(f"decoder connection failed: {_describe(exc)}") from exc
 
     async def send_all(self, data: bytes) -> None:
         # The whole request nearly always fits the socket's buffer: one send, no deadline to keep.
-        sent = await self.sock.send(data)
+        sock = self.sock
+        try:
+            sent = sock.send(data)
+        except BlockingIOError:
+            sent = 0
         if sent == len(data):
             return
         view = memoryview(data)[sent:]
         with trio.move_on_after(WRITE_TIMEOUT_S) as scope:
             while view:
-                view = view[await self.sock.send(view) :]
+                await trio.lowlevel.wait_writable(sock)
+                with contextlib.suppress(BlockingIOError):
+                    view = view[sock.send(view) :]
         if scope.cancelled_caught:
             raise DecoderUnavailable(f"the request was not read in {WRITE_TIMEOUT_S:g}s")
 
@@ -136,6 +152,7 @@ class UnixTransport:
         else:
             head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
             request = head.encode() + body
+        await trio.lowlevel.checkpoint_if_cancelled()  # no other await need yield when all is ready
         try:
             self._permits.acquire_nowait()
         except trio.WouldBlock:
@@ -183,7 +200,9 @@ class UnixTransport:
                     sock.close()
                 raise
             else:
-                return _Connection(sock)
+                raw = stdlib_socket.socket(fileno=sock.detach())
+                raw.setblocking(False)
+                return _Connection(raw)
         raise AssertionError("unreachable")
 
     async def _exchange(self, connection: _Connection, method: str, request: bytes) -> Response:

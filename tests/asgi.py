@@ -1,6 +1,6 @@
-"""Driving ``Front`` in process, the way hypercorn drives it, for the tests that need no socket.
+"""Driving ``Front`` in process, the way its HTTP server drives it, for the tests that need no socket.
 
-:func:`call` sends one request through the ASGI interface and collects the reply.  Like hypercorn,
+:func:`call` sends one request through the ASGI interface and collects the reply.  Like the server,
 it reports ``http.disconnect`` once the response has finished, and its ``send`` goes on awaiting
 after queueing that disconnect (the stream's events, the socket write): a cancel can land inside it,
 which is how a response's last byte used to cancel the work after it.

@@ -1,9 +1,9 @@
 """A request's story, in process: ``Front`` and ``Completions`` against tests/fake_llama.py (an httpx
-transport) and an in-test provider, driven through the ASGI interface the way hypercorn drives it.
+transport) and an in-test provider, driven through the ASGI interface the way the server drives it.
 
 What only these tests can show without a process: the fallback chain keeps every reason in order,
 the walk follows ``DEGRADE``, and what a request does after its last byte is not cancelled by the
-disconnect hypercorn reports once a response has finished.
+disconnect the server reports once a response has finished.
 """
 
 from __future__ import annotations

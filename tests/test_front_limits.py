@@ -60,9 +60,9 @@ async def test_a_head_that_never_ends_is_closed_after_idle_timeout_s(short_dir: 
 
 
 async def test_a_broken_chunked_body_never_stops_the_front(short_dir: Path, control: Control) -> None:
-    # hypercorn answers h11's "malformed chunk footer" with a 400 of its own while the connection
-    # closes beside it: trio.BusyResourceError (two tasks sending on one socket), which escaped
-    # hypercorn's connection handler and stopped the whole front (found by scripts/chaos's fuzz).
+    # hypercorn (onebitd's server until 2026-12-01) answered h11's "malformed chunk footer" with a
+    # 400 of its own while the connection closed beside it: trio.BusyResourceError (two tasks sending
+    # on one socket) escaped its connection handler and stopped the whole front (chaos's fuzz).
     broken = [b"2\r\n{}0\r\n\r\n", b"zz\r\n{}\r\n0\r\n\r\n", b"-1\r\n", b"ffffffffffffffff\r\nx", b"5\r\n{}\r\n"]
     paths = [CHAT, "/v1/completions", "/completion", "/health", "/nowhere"]
     with trio.fail_after(TIMEOUT):
@@ -126,10 +126,9 @@ async def test_an_idle_keep_alive_connection_is_closed_at_once_when_onebitd_stop
 async def test_a_refusal_sent_before_the_body_was_read_keeps_the_connection_for_the_next_request(
     short_dir: Path, control: Control
 ) -> None:
-    # A refusal (here a 401) answers without reading the request's body.  hypercorn closes a
-    # connection whose request h11 has not seen the end of; once a whole reply went out in one
-    # write (supervisor/connection.py), it could end before the reading task had taken the body's
-    # end from h11's buffer, and the client's next request on the connection met a close ("Server
+    # A refusal (here a 401) answers without reading the request's body.  A server that closes a
+    # connection whose request body it has not seen the end of (hypercorn did, once a whole reply
+    # went out in one write) makes the client's next request on it meet a close ("Server
     # disconnected without sending a response", test_api_keys_are_required_everywhere_but_health
     # through httpx, 2 runs in 10).  Sent as httpx sends it, this failed every time.
     config = fake_decoder_config(short_dir, server={"api_keys": ["key"]})

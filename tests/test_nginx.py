@@ -59,7 +59,7 @@ async def drain_and_restart(host: Host, client: httpx.AsyncClient, load: Load) -
     progress = drained.stdout.decode().splitlines()
     assert progress[-1] == "drained", progress
     in_flight_at_drain = int(progress[0].split()[1])
-    assert in_flight_at_drain >= 1, progress
+    assert in_flight_at_drain >= 1, (progress, held.outcome)
     assert held.outcome is not None
     assert held.outcome.problem is None, held.outcome
     assert held.outcome.host == host.endpoint
@@ -93,7 +93,11 @@ async def test_rolling_restart_behind_nginx_loses_no_request(short_dir: Path) ->
             again = [(await client.post(CHAT, json=short_chat(), headers={"x-session-id": session})) for _ in range(2)]
     figures = {**load.figures(), "retried": sum("," in o.host for o in load.outcomes)}
     print(f"\nrolling restart behind nginx: {figures}; drains: {steps}")
-    assert load.failed() == []
+    # nginx's own words on what failed: its error log lines (the access log is on the same file).
+    logged = nginx.log.read_text(errors="replace").splitlines()
+    said = [i for i, line in enumerate(logged) if "[error]" in line or "[warn]" in line]
+    before = logged[max(0, said[0] - 12) : said[0] + 8] if said else []
+    assert load.failed() == [], "nginx's log where it first erred:\n" + "\n".join(before)
     assert figures["truncated"] == 0
     assert figures["requests"] >= MIN_REQUESTS
     assert {o.host for o in load.outcomes if "," not in o.host} == {host.endpoint for host in hosts}

@@ -1,0 +1,728 @@
+"""The front's HTTP/1.1 server: an ASGI app served on trio's sockets, one task per connection.
+
+onebitd's overhead in front of llama-server is its own CPU per request (docs/benchmarks.md).  With
+hypercorn, its protocol and h11 were most of it: a task spawned for every request, h11's event
+machine, an ASGI stream object and its lock per response, fourteen scheduler steps per short request.
+What the front needs of a server is small, and this is it:
+
+- **One task per connection** reads a head, runs the app in that same task, writes what the app
+  sends straight to the socket, and reads the next head.  A head that declares its length goes out
+  with the body, in one write; a stream's head goes out at once.  The
+  socket is a plain non-blocking socket under ``trio.lowlevel.wait_readable``/``wait_writable``.
+- **Requests** are HTTP/1.1 or 1.0, heads up to :data:`MAX_HEAD_BYTES`, bodies framed by
+  ``Content-Length`` or ``chunked`` (strict: digits, hex, CRLFs), ``Expect: 100-continue`` answered
+  when the app first asks for the body.  Anything else gets an answer in onebitd's JSON error
+  envelope and the connection is closed: 400 (malformed), 431 (head too large), 501 (a transfer
+  coding other than chunked), 505 (another HTTP version).
+- **Responses** keep the length the app declares; without one they are chunked (HTTP/1.1) or end
+  with the connection (1.0).  HEAD, 1xx, 204 and 304 carry no body.
+- **Keep-alive**, with pipelined requests answered in order.  A connection is idle from the end of
+  a response to the end of the next head: it is closed after ``idle_timeout_s`` then, and at once
+  when the server stops; a busy one is closed when its response is out.  A body the app did not
+  read (a refusal) is read and dropped, up to :data:`DISCARD_BYTES`, so the connection is kept.
+- **Disconnects**: once the body is read, ``receive()`` waits for the client to hang up and then
+  returns ``http.disconnect`` (at once after the response has finished, as the ASGI spec says).
+- **Failures** stay on their connection: a socket error is a gone client, an app that raises is
+  logged with its traceback and answered 500 if nothing was sent yet.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import errno
+import http
+import logging
+import re
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+from urllib.parse import unquote
+
+import trio
+
+from .errors import ClientError, ListenError
+from .respond import error_body
+
+log = logging.getLogger("onebit.front")
+
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+App = Callable[[Message, Receive, Send], Awaitable[None]]
+
+MAX_HEAD_BYTES = 16 * 1024  # a request line and its headers (h11's and hypercorn's limit)
+MAX_CHUNK_LINE = 1024  # a chunk-size line with its extensions
+MAX_TRAILER_BYTES = 16 * 1024
+DISCARD_BYTES = 1 << 20  # a request body the app left unread is dropped up to this; over it, the connection closes
+READ_SIZE = 65536
+LINGER_S = 2.0  # after the last response on a connection, wait this long for the client's close
+BACKLOG = 1024
+
+_TOKEN = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+")
+_TARGET = re.compile(rb"[\x21-\x7e]+")
+_HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
+_REASONS = {status.value: status.phrase.encode() for status in http.HTTPStatus}
+_NO_BODY = frozenset({204, 304})
+_DISCONNECT: Message = {"type": "http.disconnect"}
+_ACCEPT_RETRY = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+# accept(2) passes on a pending connection's own network errors: that connection is gone, the next
+# one is not (trio's SocketListener's list).
+_ACCEPT_SKIP = frozenset(
+    getattr(errno, name)
+    for name in [
+        *("EPERM", "ECONNABORTED", "EPROTO", "ENETDOWN", "ENOPROTOOPT", "EHOSTDOWN", "ENONET", "EHOSTUNREACH"),
+        *("EOPNOTSUPP", "ENETUNREACH", "ENOSR", "ESOCKTNOSUPPORT", "EPROTONOSUPPORT", "ETIMEDOUT", "ECONNRESET"),
+    ]
+    if hasattr(errno, name)
+)
+READS_BEFORE_YIELD = 16  # reads that found data ready, in a row, before the connection lets others run
+MAX_BLANK_BYTES = 64  # CRLFs allowed before a request line
+_EXTENSION = re.compile(rb"[\t\x20-\x7e\x80-\xff]*")
+
+
+class _Refusal(Exception):
+    """A request the server itself answers, in the JSON error envelope, and closes the connection on."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+
+
+_date = (0, b"")
+
+
+def _http_date() -> bytes:
+    global _date
+    now = int(time.time())
+    if _date[0] != now:
+        _date = (now, email.utils.formatdate(now, usegmt=True).encode())
+    return _date[1]
+
+
+def _tokens(values: list[bytes]) -> list[bytes]:
+    return [token.strip(b" \t").lower() for value in values for token in value.split(b",") if token.strip(b" \t")]
+
+
+def _bind(hosts: tuple[str, ...], port: int) -> list[socket.socket]:
+    """A listening socket for each address, or ListenError naming the one that failed (and none left open)."""
+    bound: list[socket.socket] = []
+    try:
+        for host in hosts:
+            address = host.strip("[]")
+            family = socket.AF_INET6 if ":" in address else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            bound.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind((address, port))
+            except OSError as exc:
+                raise ListenError(f"server.host: cannot listen on {host} port {port}: {exc.strerror or exc}") from None
+            sock.listen(BACKLOG)
+            sock.setblocking(False)
+    except BaseException:
+        for sock in bound:
+            sock.close()
+        raise
+    return bound
+
+
+def _url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if sock.family == socket.AF_INET6 else f"http://{host}:{port}"
+
+
+class HttpServer:
+    """Serves ``app`` on ``hosts``:``port`` until ``shutdown`` returns; ``started`` with the bound URLs."""
+
+    def __init__(
+        self,
+        app: App,
+        *,
+        hosts: tuple[str, ...],
+        port: int,
+        idle_timeout_s: float,
+        shutdown: Callable[[], Awaitable[object]],
+        graceful_timeout_s: float = 2.0,
+    ) -> None:
+        self.app = app
+        self.hosts = hosts
+        self.port = port
+        self.idle_timeout_s = idle_timeout_s  # may change while serving (a reload)
+        self.graceful_timeout_s = graceful_timeout_s
+        self._shutdown = shutdown
+        self.stopping = False
+        self._connections: set[_Connection] = set()
+        self._left = trio.Event()
+
+    async def run(self, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+        listeners = _bind(self.hosts, self.port)
+        try:
+            async with trio.open_nursery() as connections:
+                async with trio.open_nursery() as accepting:
+                    for listener in listeners:
+                        accepting.start_soon(self._accept, listener, connections)
+                    task_status.started([_url(listener) for listener in listeners])
+                    await self._shutdown()
+                    accepting.cancel_scope.cancel()
+                self._close_listeners(listeners)
+                self.stopping = True
+                for connection in list(self._connections):
+                    connection.stop()
+                with trio.move_on_after(self.graceful_timeout_s):
+                    while self._connections:
+                        await self._left.wait()
+                connections.cancel_scope.cancel()
+        finally:
+            self._close_listeners(listeners)
+
+    @staticmethod
+    def _close_listeners(listeners: list[socket.socket]) -> None:
+        for listener in listeners:
+            if listener.fileno() != -1:
+                trio.lowlevel.notify_closing(listener)
+                listener.close()
+
+    async def _accept(self, listener: socket.socket, nursery: trio.Nursery) -> None:
+        while True:
+            await trio.lowlevel.wait_readable(listener)
+            try:
+                sock, _ = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError as exc:
+                if exc.errno in _ACCEPT_SKIP:
+                    continue
+                if exc.errno not in _ACCEPT_RETRY:
+                    raise
+                log.error("cannot accept a connection (%s); trying again in 0.1 s", exc.strerror)
+                await trio.sleep(0.1)
+                continue
+            try:
+                sock.setblocking(False)
+                if sock.family != socket.AF_UNIX:
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                connection = _Connection(self, sock)  # asks the peer's address: a reset client has none
+            except OSError:
+                sock.close()
+                continue
+            self._connections.add(connection)
+            nursery.start_soon(connection.run)
+
+    def _gone(self, connection: _Connection) -> None:
+        self._connections.discard(connection)
+        self._left.set()
+        self._left = trio.Event()
+
+
+class _Connection:
+    """One client connection: its socket, what has been read of it, and the request on it."""
+
+    def __init__(self, server: HttpServer, sock: socket.socket) -> None:
+        self.server = server
+        self.sock = sock
+        self.buffer = bytearray()
+        self.gone = False  # the client closed or reset the connection, or a write to it failed
+        self.broken = False  # a write was cut short: nothing more may be sent on it
+        self._idle: trio.CancelScope | None = None
+        self._ready_reads = 0  # reads in a row that found data without waiting
+        self._waited = True  # the connection waited for its client since its last request began
+        peer = sock.getpeername()
+        here = sock.getsockname()
+        self.client = (peer[0], peer[1]) if isinstance(peer, tuple) else None
+        self.local = (here[0], here[1]) if isinstance(here, tuple) else None
+
+    def stop(self) -> None:
+        """The server stops: an idle connection closes now, a busy one once its response is out."""
+        if self._idle is not None:
+            self._idle.cancel()
+
+    async def run(self) -> None:
+        linger = False
+        try:
+            while not self.server.stopping:
+                if not self._waited:
+                    # The next request was there without a wait: let the other tasks run first (a
+                    # client that pipelines without pause must not hold the whole front).
+                    await trio.lowlevel.checkpoint()
+                self._waited = False
+                try:
+                    request = await self._next_request()
+                except _Refusal as refusal:
+                    await self._refuse(refusal)
+                    linger = True
+                    break
+                if request is None:
+                    break
+                if not await request.serve():
+                    linger = not self.gone
+                    break
+            if linger:
+                await self._linger()
+        except Exception:
+            log.warning("a client connection failed; it was closed", exc_info=True)
+        finally:
+            self.server._gone(self)
+            trio.lowlevel.notify_closing(self.sock)
+            self.sock.close()
+
+    async def _next_request(self) -> _Request | None:
+        """The next request's head, parsed; None when the client closed, or the connection was idle
+        past ``idle_timeout_s``, or the server stops."""
+        head = None
+        with trio.CancelScope(deadline=trio.current_time() + self.server.idle_timeout_s) as idle:
+            self._idle = idle
+            if self.server.stopping:
+                idle.cancel()
+            head = await self._read_head()
+        self._idle = None
+        if head is None or idle.cancelled_caught:
+            return None
+        return _Request(self, head)
+
+    async def _read_head(self) -> bytes | None:
+        buffer = self.buffer
+        searched = 0
+        while True:
+            blank = 0
+            while buffer[blank : blank + 2] == b"\r\n":  # blank lines before a request (RFC 9112 section 2.2)
+                blank += 2
+                if blank > MAX_BLANK_BYTES:
+                    raise _Refusal(400, "bad_request", "too many blank lines before the request line")
+            if blank:
+                del buffer[:blank]
+                searched = 0
+            end = buffer.find(b"\r\n\r\n", searched)
+            if end >= 0:
+                if end > MAX_HEAD_BYTES:
+                    raise _Refusal(431, "head_too_large", f"request head over {MAX_HEAD_BYTES} bytes")
+                head = bytes(buffer[:end])
+                del buffer[: end + 4]
+                return head
+            if len(buffer) > MAX_HEAD_BYTES:
+                raise _Refusal(431, "head_too_large", f"request head over {MAX_HEAD_BYTES} bytes")
+            searched = max(0, len(buffer) - 3)
+            if not await self.fill():
+                return None
+
+    async def fill(self) -> bool:
+        """Read what the socket has into the buffer; False at the end of the client's stream."""
+        sock = self.sock
+        while True:
+            try:
+                data = sock.recv(READ_SIZE)
+            except BlockingIOError:
+                self._ready_reads = 0
+                self._waited = True
+                await trio.lowlevel.wait_readable(sock)
+                continue
+            except OSError:
+                data = b""
+            if not data:
+                self.gone = True
+                return False
+            self.buffer += data
+            self._ready_reads += 1
+            if self._ready_reads % READS_BEFORE_YIELD == 0:
+                await trio.lowlevel.checkpoint()
+            return True
+
+    async def write(self, data: bytes) -> None:
+        """Send all of ``data``; a client that is gone takes nothing more (its request is cancelled by
+        its disconnect), and a write cut short by a cancel leaves the connection unusable."""
+        if self.gone or self.broken:
+            return
+        sock = self.sock
+        view = memoryview(data)
+        try:
+            while view:
+                try:
+                    view = view[sock.send(view) :]
+                except BlockingIOError:
+                    await trio.lowlevel.wait_writable(sock)
+        except OSError:
+            self.gone = True
+        except BaseException:
+            self.broken = True
+            raise
+
+    async def wait_disconnect(self) -> None:
+        """Until the client hangs up; for ever if it sends more (the next request, pipelined)."""
+        sock = self.sock
+        while not self.gone:
+            if self.buffer:
+                await trio.sleep_forever()
+            await trio.lowlevel.wait_readable(sock)
+            try:
+                peeked = sock.recv(1, socket.MSG_PEEK)
+            except BlockingIOError:
+                continue
+            except OSError:
+                peeked = b""
+            if peeked:
+                await trio.sleep_forever()
+            self.gone = True
+
+    async def _refuse(self, refusal: _Refusal) -> None:
+        body = error_body(refusal.status, refusal.code, refusal.message)
+        await self.write(_head(refusal.status, [(b"content-type", b"application/json")], len(body), close=True) + body)
+
+    async def _linger(self) -> None:
+        """Close after the last response without losing it: a close with unread bytes in the socket
+        resets the connection, and a reset can reach the client before the response does."""
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            return
+        with trio.move_on_after(LINGER_S):
+            while True:
+                self.buffer.clear()
+                if not await self.fill():
+                    return
+
+
+def _head(status: int, headers: list[tuple[bytes, bytes]], length: int | None, *, close: bool) -> bytes:
+    lines = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b""))]
+    lines += [name + b": " + value + b"\r\n" for name, value in headers]
+    if length is not None:
+        lines.append(b"content-length: %d\r\n" % length)
+    if close:
+        lines.append(b"connection: close\r\n")
+    lines.append(b"date: " + _http_date() + b"\r\n\r\n")
+    return b"".join(lines)
+
+
+class _Request:
+    """One request on a connection: its scope, its body as the app reads it, its response as the app
+    sends it."""
+
+    def __init__(self, connection: _Connection, head: bytes) -> None:
+        self.connection = connection
+        lines = head.split(b"\r\n")
+        parts = lines[0].split(b" ")
+        if len(parts) != 3:
+            raise _Refusal(400, "bad_request", "malformed request line")
+        method, target, version = parts
+        if version == b"HTTP/1.1":
+            self.version = "1.1"
+        elif version == b"HTTP/1.0":
+            self.version = "1.0"
+        elif version.startswith(b"HTTP/") and version[5:].replace(b".", b"").isdigit():
+            raise _Refusal(505, "http_version", f"HTTP version {version.decode('latin-1')} is not supported")
+        else:
+            raise _Refusal(400, "bad_request", "malformed request line")
+        if not _TOKEN.fullmatch(method):
+            raise _Refusal(400, "bad_request", "malformed request method")
+        self.method = method.decode("ascii")
+        headers: list[tuple[bytes, bytes]] = []
+        for line in lines[1:]:
+            name, colon, value = line.partition(b":")
+            if not colon or not _TOKEN.fullmatch(name):
+                raise _Refusal(400, "bad_request", "malformed header line")
+            value = value.strip(b" \t")
+            if b"\n" in value or b"\r" in value or b"\x00" in value:
+                raise _Refusal(400, "bad_request", "malformed header value")
+            headers.append((name.lower(), value))
+        self.headers = headers
+        self.path, self.raw_path, self.query = self._target(target)
+
+        connection_tokens: list[bytes] = []
+        hosts = 0
+        lengths: list[bytes] = []
+        codings: list[bytes] = []
+        expect: list[bytes] = []
+        for name, value in headers:
+            if name == b"content-length":
+                lengths.append(value)
+            elif name == b"transfer-encoding":
+                codings.append(value)
+            elif name == b"connection":
+                connection_tokens.append(value)
+            elif name == b"host":
+                hosts += 1
+            elif name == b"expect":
+                expect.append(value)
+        if self.version == "1.1" and hosts != 1:
+            raise _Refusal(400, "bad_request", "an HTTP/1.1 request needs exactly one Host header")
+        # The request body's framing.
+        self.chunked = False
+        self.remaining = 0  # of a Content-Length body
+        if codings:
+            if lengths:
+                raise _Refusal(400, "bad_request", "both Transfer-Encoding and Content-Length")
+            if _tokens(codings) != [b"chunked"] or self.version == "1.0":
+                raise _Refusal(501, "transfer_encoding", "only Transfer-Encoding: chunked is supported")
+            self.chunked = True
+        elif lengths:
+            declared = {token.strip(b" \t") for value in lengths for token in value.split(b",")}
+            length = declared.pop() if len(declared) == 1 else b""
+            if not length.isdigit() or len(length) > 18:
+                raise _Refusal(400, "bad_request", "malformed Content-Length")
+            self.remaining = int(length)
+        self.body_done = not self.chunked and self.remaining == 0
+        self.body_given = False  # the app has had the body's last message (an empty body has one too)
+        self.chunk_left = 0  # bytes of the current chunk still to come
+        self.chunk_state = "size"  # size | data | crlf | trailers
+        self.trailer_bytes = 0
+        tokens = _tokens(connection_tokens)
+        self.keep = b"close" not in tokens and self.version == "1.1"
+        self.continue_due = self.version == "1.1" and b"100-continue" in _tokens(expect)
+        # The response.
+        self.status = 0
+        self.response_headers: list[tuple[bytes, bytes]] = []
+        self.head_sent = False
+        self.finished = False
+        self.chunked_out = False
+        self.declared: int | None = None
+        self.sent = 0
+        self.bodiless = False
+
+    def _target(self, target: bytes) -> tuple[str, bytes, bytes]:
+        if not _TARGET.fullmatch(target):
+            raise _Refusal(400, "bad_request", "malformed request target")
+        if target.startswith((b"http://", b"https://")):  # absolute-form (a proxy's)
+            slash = target.find(b"/", target.find(b"//") + 2)
+            target = target[slash:] if slash >= 0 else b"/"
+        elif target == b"*" and self.method == "OPTIONS":
+            return "*", b"*", b""
+        elif not target.startswith(b"/"):
+            raise _Refusal(400, "bad_request", "malformed request target")
+        raw_path, _, query = target.partition(b"?")
+        raw_path = raw_path.partition(b"#")[0]
+        try:
+            path = unquote(raw_path.decode("ascii"), errors="strict")
+        except UnicodeDecodeError:
+            raise _Refusal(400, "bad_request", "request path is not UTF-8") from None
+        return path, raw_path, query.partition(b"#")[0]
+
+    def scope(self) -> Message:
+        connection = self.connection
+        return {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": self.version,
+            "method": self.method,
+            "scheme": "http",
+            "path": self.path,
+            "raw_path": self.raw_path,
+            "query_string": self.query,
+            "root_path": "",
+            "headers": self.headers,
+            "client": connection.client,
+            "server": connection.local,
+            "extensions": {},
+        }
+
+    async def serve(self) -> bool:
+        """Run the app on this request; whether the connection may carry another."""
+        try:
+            await self.connection.server.app(self.scope(), self.receive, self.send)
+        except Exception as exc:
+            self.keep = False
+            if isinstance(exc, ClientError):
+                await self._answer(exc.status, exc.code, exc.message)
+            else:
+                log.error("the app failed on %s %s", self.method, self.path, exc_info=True)
+                await self._answer(500, "internal", "onebitd failed on this request")
+        if not self.status:
+            self.keep = False
+            await self._answer(500, "internal", "onebitd sent no response")
+        elif not self.finished:
+            self.keep = False  # the response was cut: only a close can tell the client
+        connection = self.connection
+        if self.keep and not self.body_done:
+            await self._discard()
+        return self.keep and not connection.gone and not connection.broken and not connection.server.stopping
+
+    async def _answer(self, status: int, code: str, message: str) -> None:
+        """The server's own answer, in the JSON error envelope, where the app's never began."""
+        if self.head_sent:
+            return
+        self.status = 0
+        body = error_body(status, code, message)
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        await self.send({"type": "http.response.start", "status": status, "headers": headers})
+        await self.send({"type": "http.response.body", "body": body})
+
+    async def _discard(self) -> None:
+        """Drop the rest of a body the app did not read, so the next request can follow it."""
+        with trio.move_on_after(self.connection.server.idle_timeout_s) as waited:
+            try:
+                while not self.body_done:
+                    await self._body_part()
+            except _Gone:
+                return
+        if waited.cancelled_caught:
+            self.keep = False
+
+    # -- the request body ---------------------------------------------------------------------------
+
+    async def receive(self) -> Message:
+        if not self.body_given:
+            chunk = b""
+            if not self.body_done:
+                if self.continue_due:
+                    self.continue_due = False
+                    if not self.head_sent:  # else the answer is out and the connection closes after it
+                        await self.connection.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                try:
+                    chunk = await self._body_part()
+                except _Gone:
+                    return _DISCONNECT
+            self.body_given = self.body_done
+            return {"type": "http.request", "body": chunk, "more_body": not self.body_done}
+        if not self.finished:
+            await self.connection.wait_disconnect()
+        return _DISCONNECT
+
+    async def _body_part(self) -> bytes:
+        """The next piece of the body that has come (at least one byte, unless the body is done)."""
+        connection = self.connection
+        buffer = connection.buffer
+        if not self.chunked:
+            if not buffer and not await connection.fill():
+                self.keep = False
+                raise _Gone
+            piece = bytes(buffer[: self.remaining])
+            del buffer[: self.remaining]
+            self.remaining -= len(piece)
+            self.body_done = self.remaining == 0
+            return piece
+        while True:
+            if self.chunk_state == "data":
+                if buffer:
+                    piece = bytes(buffer[: self.chunk_left])
+                    del buffer[: self.chunk_left]
+                    self.chunk_left -= len(piece)
+                    if not self.chunk_left:
+                        self.chunk_state = "crlf"
+                    return piece
+            elif self.chunk_state == "crlf":
+                if len(buffer) >= 2:
+                    if buffer[:2] != b"\r\n":
+                        self._malformed("a chunk does not end with CRLF")
+                    del buffer[:2]
+                    self.chunk_state = "size"
+                    continue
+            else:
+                end = buffer.find(b"\r\n")
+                if end >= 0:
+                    line = bytes(buffer[:end])
+                    del buffer[: end + 2]
+                    if b"\n" in line or b"\r" in line or b"\x00" in line:
+                        self._malformed("a bare CR or LF in a chunk line")
+                    if self.chunk_state == "size":
+                        size, _, extension = line.partition(b";")
+                        if len(line) > MAX_CHUNK_LINE:
+                            self._malformed("chunk size line too long")
+                        if not _HEX.fullmatch(size) or not _EXTENSION.fullmatch(extension):
+                            self._malformed("malformed chunk size")
+                        self.chunk_left = int(size, 16)
+                        self.chunk_state = "data" if self.chunk_left else "trailers"
+                    else:  # trailers: ignored, up to an empty line
+                        self.trailer_bytes += end + 2
+                        if self.trailer_bytes > MAX_TRAILER_BYTES:
+                            self._malformed("chunked trailers too large")
+                        if not line:
+                            self.body_done = True
+                            return b""
+                    continue
+                if len(buffer) > (MAX_CHUNK_LINE if self.chunk_state == "size" else MAX_TRAILER_BYTES):
+                    self._malformed("chunk size line too long")
+            if not await connection.fill():
+                self.keep = False
+                raise _Gone
+
+    def _malformed(self, why: str) -> None:
+        self.keep = False
+        raise ClientError(400, "bad_chunked_body", f"malformed chunked request body: {why}")
+
+    # -- the response -------------------------------------------------------------------------------
+
+    async def send(self, message: Message) -> None:
+        kind = message["type"]
+        if kind == "http.response.start":
+            if self.status:
+                raise RuntimeError("http.response.start sent twice")
+            self.status = message["status"]
+            self.response_headers = list(message.get("headers", ()))
+            if not any(name.lower() == b"content-length" for name, _ in self.response_headers):
+                # A stream: its head goes now (a client waits for it before it reads on); a head
+                # that declares a length waits for its body and goes with it, in one write.
+                head = self._response_head()
+                self.head_sent = True
+                await self.connection.write(head)
+            return
+        if kind != "http.response.body":
+            raise RuntimeError(f"unexpected ASGI message {kind!r}")
+        if not self.status or self.finished:
+            raise RuntimeError("http.response.body outside a response")
+        body: bytes = message.get("body", b"")
+        more: bool = message.get("more_body", False)
+        data = b"" if self.head_sent else self._response_head()
+        if self.bodiless:
+            pass
+        elif self.chunked_out:
+            if body:
+                data += b"%x\r\n" % len(body) + body + b"\r\n"
+            if not more:
+                data += b"0\r\n\r\n"
+        elif body:
+            if self.declared is not None and self.sent + len(body) > self.declared:
+                raise RuntimeError("response body longer than its Content-Length")
+            self.sent += len(body)
+            data += body
+        self.head_sent = True  # from here on, what is built is sent
+        if not more:
+            self.finished = True
+            if self.declared is not None and self.sent != self.declared and not self.bodiless:
+                self.keep = False
+        if data:
+            await self.connection.write(data)
+
+    def _response_head(self) -> bytes:
+        """The response's head; it also settles the body's framing and whether the connection is kept."""
+        self.declared = None
+        self.chunked_out = False
+        status = self.status
+        headers: list[tuple[bytes, bytes]] = []
+        for name, value in self.response_headers:
+            lower = name.lower()
+            if b"\n" in value or b"\r" in value or b"\n" in name or b"\r" in name:
+                raise RuntimeError(f"response header {name!r} holds a line break")
+            if lower == b"content-length":
+                if not value.isdigit():
+                    raise RuntimeError(f"response Content-Length {value!r} is not a length")
+                self.declared = int(value)
+                continue
+            if lower == b"connection":
+                if b"close" in _tokens([value]):
+                    self.keep = False
+                continue
+            if lower == b"transfer-encoding":
+                continue
+            headers.append((name, value))
+        self.bodiless = self.method == "HEAD" or status in _NO_BODY or status < 200
+        length = self.declared
+        if length is None and not self.bodiless:
+            if self.version == "1.1":
+                self.chunked_out = True
+                headers.append((b"transfer-encoding", b"chunked"))
+            else:
+                self.keep = False  # the body ends with the connection
+        unread = not self.body_done and (self.continue_due or self.chunked or self.remaining > DISCARD_BYTES)
+        if unread or self.connection.server.stopping:
+            # A body the app did not read is dropped after the response only if that is cheap and it
+            # is on its way (no 100 Continue owed); else the connection closes.
+            self.keep = False
+        if status in _NO_BODY or status < 200:
+            length = None
+        return _head(status, headers, length, close=not self.keep)
+
+
+class _Gone(Exception):
+    """The client closed its connection in the middle of its request's body."""
