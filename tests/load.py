@@ -178,9 +178,11 @@ class Load:
 
 class LongStream:
     """One streamed chat of exactly ``max_tokens`` tokens (``ignore_eos``) for session ``session``:
-    long enough to be still in flight when a test drains the host that serves it."""
+    long enough to be still in flight when a test drains the host that serves it.  The drain is an
+    ``onebitctl`` process, whose start-up alone took over 2 s on a busy 2-CPU machine: 48 tokens
+    were once over before it reached onebitd ("draining: 0 in flight", tests/test_nginx.py)."""
 
-    def __init__(self, client: httpx.AsyncClient, session: str, *, host_header: str, max_tokens: int = 48) -> None:
+    def __init__(self, client: httpx.AsyncClient, session: str, *, host_header: str, max_tokens: int = 256) -> None:
         self.client = client
         self.session = session
         self.host_header = host_header
