@@ -15,6 +15,7 @@ cancelled and every child is stopped and reaped under a shielded scope.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import logging
 import os
@@ -80,17 +81,23 @@ class Started:
     runtime_dir: Path
 
 
+LOCK_NAME = "onebitd.lock"
+
+
 def lock_runtime_dir(path: Path) -> int:
     """Hold ``onebitd.lock`` for our lifetime: a second daemon on the same directory would remove
     the first one's state files and sockets.  Returns the fd (the lock goes with the process)."""
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd = os.open(path / "onebitd.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
         os.close(fd)
-        raise RuntimeDirInUse(f"another onebitd (pid {holder}) is using the runtime directory {path}") from None
+        raise RuntimeDirInUse(
+            f"server.runtime_dir: another onebitd (pid {holder}) is using {path}; "
+            "give this one a runtime directory of its own"
+        ) from None
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
     return fd
@@ -353,8 +360,16 @@ class Daemon:
 
     async def run(self, *, task_status: trio.TaskStatus[Started] = trio.TASK_STATUS_IGNORED) -> None:
         lock = lock_runtime_dir(self.runtime_dir)
+        try:
+            # Bound before anything that takes time starts: a port in use stops onebitd with one
+            # line naming the key, and no child is started for nothing.
+            self.front.bind()
+        except BaseException:
+            os.close(lock)
+            raise
         prepare_runtime_dir(self.runtime_dir)
         self._started_clock = trio.current_time()
+        clean = False
         try:
             async with self._open_store() as store, trio.open_nursery() as nursery:
                 await nursery.start(self.decoder.run)
@@ -374,14 +389,28 @@ class Daemon:
                     self.front.stop()
                 # The front returned: in-flight requests are done (or past the grace period).
                 nursery.cancel_scope.cancel()
+            clean = True
         finally:
+            self.front.unbind()
             if self.hybrid is not None:
                 # Every provider is stopped: what one wrote for a job we gave up on goes now.
                 self.hybrid.file.sweep()
             with trio.CancelScope(shield=True):
                 await self.client.aclose()
+            if clean:
+                self._remove_own_files()
             os.close(lock)
             log.info("stopped")
+
+    def _remove_own_files(self) -> None:
+        """A clean stop leaves the runtime directory as it found it: the children's sockets (they
+        are stopped and reaped; llama-server leaves its socket file behind) and our lock go, and
+        nothing else in the directory is touched.  The admin socket removes itself."""
+        sockets = [self.client.socket]
+        sockets += [p.launcher.socket for p in self.providers.all if isinstance(p, LlamaServerProvider)]
+        for path in [*sockets, self.runtime_dir / LOCK_NAME]:
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
 
     @asynccontextmanager
     async def _open_store(self) -> AsyncIterator[PrefixStore]:
@@ -482,15 +511,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     status = 0
     try:
         trio.run(_serve, config, path)
-    except* (ChildError, RuntimeDirInUse) as group:
-        for refused in group.exceptions:
-            print(f"onebitd: {refused}", file=sys.stderr)
-        status = 1
-    except* ListenError as unbound:
-        for failure in unbound.exceptions:
-            print(f"onebitd: {path}: {failure}", file=sys.stderr)
+    except* (ChildError, RuntimeDirInUse, ListenError) as group:
+        # The one place start-up errors are printed: each one line, however deep in the nurseries'
+        # exception groups it was raised.  Those that name a config key name the file too.
+        for refused in leaves(group):
+            where = f"{path}: " if isinstance(refused, RuntimeDirInUse | ListenError) else ""
+            print(f"onebitd: {where}{refused}", file=sys.stderr)
         status = 1
     return status
+
+
+def leaves(error: BaseException) -> list[BaseException]:
+    """The exceptions an exception group holds, at any depth; an exception that is none, itself."""
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for sub in error.exceptions for leaf in leaves(sub)]
+    return [error]
 
 
 if __name__ == "__main__":

@@ -100,14 +100,27 @@ class Front:
         # stops the front; what the server still waits for then is idle keep-alive connections.
         # A slow client may hold a stream for minutes; an idle keep-alive connection or a head that
         # never ends is closed after idle_timeout_s; a stalled body is bounded in _read_json.
-        self._http_server = HttpServer(
-            self,
-            hosts=self.server.host,
-            port=self.server.port,
-            idle_timeout_s=self.server.idle_timeout_s,
-            shutdown=self._shutdown.wait,
-        )
+        if self._http_server is None:
+            self.bind()
+        assert self._http_server is not None
         await self._http_server.run(task_status=task_status)
+
+    def bind(self) -> None:
+        """Bind ``server.host``:``server.port`` now; ListenError (naming the key) when it cannot be."""
+        if self._http_server is None:
+            self._http_server = HttpServer(
+                self,
+                hosts=self.server.host,
+                port=self.server.port,
+                idle_timeout_s=self.server.idle_timeout_s,
+                shutdown=self._shutdown.wait,
+            )
+        self._http_server.bind()
+
+    def unbind(self) -> None:
+        """Close what :meth:`bind` bound if :meth:`run` never served on it."""
+        if self._http_server is not None:
+            self._http_server.close()
 
     def configure(self, server: ServerConfig) -> None:
         """Take the settings `onebitctl reload` may change live (bind address and port stay)."""

@@ -121,7 +121,9 @@ def _bind(hosts: tuple[str, ...], port: int) -> list[socket.socket]:
             try:
                 sock.bind((address, port))
             except OSError as exc:
-                raise ListenError(f"server.host: cannot listen on {host} port {port}: {exc.strerror or exc}") from None
+                # In use: the port is what to change (or the other program to stop); else the address.
+                key = "server.port" if exc.errno == errno.EADDRINUSE else "server.host"
+                raise ListenError(f"{key}: cannot listen on {host} port {port}: {exc.strerror or exc}") from None
             sock.listen(BACKLOG)
             sock.setblocking(False)
     except BaseException:
@@ -158,9 +160,21 @@ class HttpServer:
         self.stopping = False
         self._connections: set[_Connection] = set()
         self._left = trio.Event()
+        self._bound: list[socket.socket] = []
+
+    def bind(self) -> None:
+        """Bind every address now (ListenError naming the key otherwise), for :meth:`run` to serve
+        on: a daemon binds before it starts anything that takes time."""
+        if not self._bound:
+            self._bound = _bind(self.hosts, self.port)
+
+    def close(self) -> None:
+        """Close sockets :meth:`bind` made that :meth:`run` never took."""
+        self._close_listeners(self._bound)
+        self._bound = []
 
     async def run(self, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
-        listeners = _bind(self.hosts, self.port)
+        listeners, self._bound = self._bound or _bind(self.hosts, self.port), []
         try:
             async with trio.open_nursery() as connections:
                 async with trio.open_nursery() as accepting:

@@ -1,0 +1,88 @@
+"""The daemon's root: what it says when it cannot start, and what it leaves behind when it stops."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tomli_w
+import trio
+
+from supervisor import config as configuration
+from supervisor.daemon import Daemon, leaves
+from supervisor.errors import ListenError, RuntimeDirInUse
+
+from .rig import Control, fake_decoder_config, run_daemon
+
+TIMEOUT = 30
+ROOT = Path(__file__).parent.parent
+
+
+def onebitd(config_file: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "supervisor.daemon", "--config", str(config_file)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        check=False,
+        cwd=ROOT,
+    )
+
+
+def test_a_port_in_use_is_one_line_naming_the_file_and_server_port_and_no_child_starts(
+    short_dir: Path, control: Control
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        data = configuration.unstructure(fake_decoder_config(short_dir))
+        data["server"]["port"] = port
+        path = short_dir / "second.toml"
+        path.write_text(tomli_w.dumps(data))
+        done = onebitd(path)
+    assert done.returncode == 1
+    assert done.stderr.splitlines()[-1:] == [
+        f"onebitd: {path}: server.port: cannot listen on 127.0.0.1 port {port}: Address already in use"
+    ]
+    assert "Exceptions from Trio nursery" not in done.stderr
+    assert control.events("decoder", "start") == []
+
+
+def test_leaves_unwraps_nested_exception_groups() -> None:
+    inner = ListenError("server.port: in use")
+    nested = ExceptionGroup("outer", [ExceptionGroup("inner", [inner]), ValueError("x")])
+    assert [str(leaf) for leaf in leaves(nested)] == ["server.port: in use", "x"]
+
+
+async def test_a_second_daemon_is_refused_naming_server_runtime_dir(short_dir: Path, control: Control) -> None:
+    config = fake_decoder_config(short_dir)
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(config):
+            second = Daemon(config)
+            with pytest.RaisesGroup(pytest.RaisesExc(RuntimeDirInUse)) as caught:
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(second.run)
+    message = str(caught.value.exceptions[0])
+    assert message.startswith(f"server.runtime_dir: another onebitd (pid {os.getpid()}) is using {short_dir}")
+
+
+async def test_a_clean_stop_removes_the_sockets_and_the_lock_it_made_and_nothing_else(
+    short_dir: Path, control: Control
+) -> None:
+    # A llama-server provider (the fake decoder again) has a socket of its own in the directory.
+    config = fake_decoder_config(short_dir, provider=[{"kind": "llama-server", "name": "p0"}])
+    mine = short_dir / "operator-notes.txt"
+    mine.write_text("not onebitd's")
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(config) as running:
+            provider = running.daemon.providers.all[0]
+            await provider.child.wait_state(provider.child.state.READY)  # type: ignore[attr-defined]
+            made = {"decoder.sock", "provider-p0.sock", "onebitd.lock", "admin.sock"}
+            assert made <= set(os.listdir(short_dir))
+    assert made.isdisjoint(os.listdir(short_dir))
+    assert mine.read_text() == "not onebitd's"
