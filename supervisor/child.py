@@ -55,6 +55,11 @@ TRANSITIONS: dict[ChildState, frozenset[ChildState]] = {
 }
 
 
+# What an operator must hear of (``journalctl -p warning``): a life that ended unasked (a crash, a
+# kill, failed health checks, a start that never became healthy) is a warning, giving up an error.
+_LEVEL = {S.BACKOFF: logging.WARNING, S.FAILED: logging.ERROR}
+
+
 class Launcher(Protocol):
     """What a child needs to know about the program it supervises."""
 
@@ -149,7 +154,9 @@ class Child:
         self._state = new
         self._state_since = time.time()
         self._transitions += 1
-        log.info("%s: %s -> %s%s", self.name, old.value, new.value, f" ({why})" if why else "")
+        log.log(
+            _LEVEL.get(new, logging.INFO), "%s: %s -> %s%s", self.name, old.value, new.value, f" ({why})" if why else ""
+        )
         if self._on_transition is not None:
             self._on_transition(self, old, new, why)
         self._changed.set()

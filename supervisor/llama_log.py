@@ -11,6 +11,11 @@ each of them at ``info`` cost a sixth of onebitd's CPU per short request (the pr
 docs/benchmarks.md).  They are logged at ``debug`` (``log.level = "debug"`` shows them); errors and
 warnings from anything else keep their weight, and every other line (start-up, the model, the
 listening address) stays at ``info``.  Lines in no llama.cpp format (another program) are ``info``.
+
+A few warnings are llama-server's to its own operator and do not hold for a child of onebitd's
+(``_NOT_OURS``): llama-server warns, at every start, that it has no API key and allows every CORS
+origin, but onebitd's children listen on unix sockets in a 0700 directory, and the key and CORS
+checks are onebitd's (``server.api_keys``, ``server.cors_origins``).  Those are ``info``.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ _LINE = re.compile(r"\d+\.\d+\.\d+\.\d+ ([IWED]) (\S+)")
 _LEVELS = {"E": logging.ERROR, "W": logging.WARNING, "I": logging.INFO, "D": logging.DEBUG}
 # The components whose lines are about one request, not about the server.
 _PER_REQUEST = frozenset({"slot"})
+# Warnings that say nothing true about a child of onebitd's (a unix socket behind onebitd's checks).
+_NOT_OURS = ("security: no API key is set and CORS allows all origins",)
 
 
 def level_of(line: str) -> int:
@@ -32,4 +39,6 @@ def level_of(line: str) -> int:
     letter, component = found.groups()
     if letter != "E" and component in _PER_REQUEST:
         return logging.DEBUG
+    if letter == "W" and any(words in line for words in _NOT_OURS):
+        return logging.INFO
     return _LEVELS[letter]

@@ -400,3 +400,23 @@ async def test_what_an_exited_child_left_in_its_process_group_is_killed(short_di
     finally:
         kill_grandchild(launcher.health_file)
     assert re.fullmatch(r"pid \d+ exited: exit status 1; next start in 0.5s", launcher.transitions[1][2])
+
+
+async def test_an_unexpected_exit_is_a_warning_with_its_reason_and_failed_an_error(
+    short_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="onebit.child")
+    launcher = FakeLauncher(short_dir, "exit 3")
+    restart = attrs.evolve(PATIENT_RESTART, max_failures=2)
+    child = supervised(launcher, Backoffs(), restart=restart)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(child.run)
+            await child.wait_state(S.FAILED)
+            nursery.cancel_scope.cancel()
+    levels = {r.getMessage().split(" (")[0]: r.levelno for r in caplog.records if r.name == "onebit.child"}
+    assert levels["fake: starting -> backoff"] == logging.WARNING
+    assert levels["fake: starting -> failed"] == logging.ERROR
+    assert levels["fake: stopped -> starting"] == logging.INFO
+    backoff = next(r.getMessage() for r in caplog.records if "-> backoff" in r.getMessage())
+    assert "exited: exit status 3" in backoff, backoff
