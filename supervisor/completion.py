@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -87,6 +88,18 @@ class Timings:
         if self.prompt_n is not None:
             return self.prompt_n + (self.cache_n or 0)
         return self.usage_prompt_tokens
+
+
+# The event that ends a stream, in each of llama-server's APIs: OpenAI's ``data: [DONE]``,
+# Anthropic's ``message_stop``, the Responses API's ``response.completed``, and llama.cpp's own
+# /completion and /infill, whose last event says ``"stop": true`` (every other one ``false``; inside a
+# JSON string the quotes would be escaped).
+_FINAL_EVENT = re.compile(rb'^data: ?\[DONE\]|^event: ?(?:message_stop|response\.completed)\b|"stop": ?true', re.M)
+
+
+def has_final_event(chunk: bytes) -> bool:
+    """Whether ``chunk`` of a relayed stream holds the stream's final event."""
+    return _FINAL_EVENT.search(chunk) is not None
 
 
 class SseScanner:
@@ -559,7 +572,7 @@ class Completions:
             try:
                 async for chunk in upstream.chunks:
                     scanner.feed(chunk)
-                    await out.body(chunk, more=True)
+                    await out.body(chunk, more=True, final=has_final_event(chunk))
             except DecoderError as exc:
                 # Headers are gone already: the client learns of the loss as an error event.
                 line.outcome = "error"

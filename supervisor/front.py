@@ -224,7 +224,7 @@ class Front:
                 await out.error(exc.status, exc.code, exc.message, retry_after=exc.retry_after)
             if routed:
                 # Refused before _completion (caller, method, body): it logs its own line otherwise.
-                self._refused(path, exc, out, started)
+                self._refused(path, exc, out)
         except DecoderError as exc:
             if not out.started:
                 await out.error(exc.status, exc.code, exc.message, retry_after=self._retry_after(exc))
@@ -294,12 +294,12 @@ class Front:
                 return reply.body if reply.body.endswith(b"\n") or not reply.body else reply.body + b"\n"
         return b""
 
-    def _refused(self, path: str, exc: ClientError, out: Responder, started: float) -> None:
+    def _refused(self, path: str, exc: ClientError, out: Responder) -> None:
         """A completion request refused before it began still gets its one route line."""
         line = RouteLine(req=f"{self._prefix}-{next(self._ids)}", endpoint=path, outcome="error", error=exc.message)
         line.status = out.status or exc.status
         line.first_byte_ms = out.first_byte_ms
-        line.total_ms = (trio.current_time() - started) * 1000
+        line.total_ms = out.elapsed_ms()
         self.emit(line)
 
     def _retry_after(self, exc: DecoderError) -> int | None:
@@ -385,8 +385,8 @@ class Front:
     ) -> None:
         req = f"{self._prefix}-{next(self._ids)}"
         line = RouteLine(req=req, endpoint=path)
-        started = trio.current_time()
-        self.inflight[req] = InflightRequest(req, path, started, time.time(), line)
+        # Its age and its times count from its arrival, as its first byte's does (out.started_at).
+        self.inflight[req] = InflightRequest(req, path, out.started_at, time.time(), line)
         self._changed()
         gone = trio.Event()
         try:
@@ -410,12 +410,13 @@ class Front:
                         await out.error(500, "internal", str(exc))
                 nursery.cancel_scope.cancel()
         finally:
-            # A disconnect is reported after a finished response too: that is no cancellation.
-            if gone.is_set() and not out.finished:
+            # A disconnect is reported after a finished response too, and a client may close once it
+            # has a stream's final event: neither is a cancellation.
+            if gone.is_set() and not out.complete:
                 line.outcome = "cancelled"
             line.status = out.status or 499  # 499: the client closed before any answer (nginx's code)
             line.first_byte_ms = out.first_byte_ms
-            line.total_ms = (trio.current_time() - started) * 1000
+            line.total_ms = out.elapsed_ms()
             del self.inflight[req]
             self._changed()
             self.emit(line)
@@ -427,13 +428,14 @@ class Front:
 
     @staticmethod
     async def _watch_disconnect(receive: Receive, scope: trio.CancelScope, gone: trio.Event, out: Responder) -> None:
-        """A client that hangs up cancels its request, but only while the response is unfinished:
-        the server reports a disconnect after every finished response too, and what the request does
-        after its last byte (verification, bookkeeping) is the server's work, not the client's."""
+        """A client that hangs up cancels its request, but only while the response is incomplete:
+        the server reports a disconnect after every finished response too, a client may close once
+        it has a stream's final event, and what the request does after that (the rest of the
+        relay, verification, bookkeeping) is the server's work, not the client's."""
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
                 gone.set()
-                if not out.finished:
+                if not out.complete:
                     scope.cancel()
                 return

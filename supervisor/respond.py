@@ -35,11 +35,17 @@ class Responder:
 
     def __init__(self, send: Send, started_at: float, headers: Iterable[tuple[str, str]] = ()) -> None:
         self._send = send
-        self._started_at = started_at
+        # The request's arrival (trio clock): the one origin of every time the route line gives.
+        self.started_at = started_at
         self._headers = list(headers)  # on every response (the CORS headers)
         self.status: int | None = None
         self.first_byte_ms: float | None = None
-        self.finished = False
+        self.finished = False  # the last byte was handed to the server
+        # The client has had all it asked for: the last byte, or a stream's final event (what
+        # follows it, the end of the chunked body, tells the client nothing).  A client may hang up
+        # from here on (the README's openai example closes on ``data: [DONE]``) and that is no
+        # cancellation.
+        self.complete = False
 
     @property
     def started(self) -> bool:
@@ -56,12 +62,19 @@ class Responder:
             }
         )
 
-    async def body(self, chunk: bytes, *, more: bool) -> None:
+    def elapsed_ms(self) -> float:
+        """Milliseconds since the request arrived."""
+        return (trio.current_time() - self.started_at) * 1000
+
+    async def body(self, chunk: bytes, *, more: bool, final: bool = False) -> None:
+        """``final``: ``chunk`` holds the stream's final event (see :attr:`complete`)."""
         if self.first_byte_ms is None and chunk:
-            self.first_byte_ms = (trio.current_time() - self._started_at) * 1000
+            self.first_byte_ms = self.elapsed_ms()
+        # Set before sending: the server may report the client's disconnect (and so cancel us)
+        # while the chunk is being handed over, and that is a complete response.
+        if final or not more:
+            self.complete = True
         if not more:
-            # Set before sending: the server may report the client's disconnect (and so cancel us)
-            # while the last chunk is being handed over, and that is a finished response.
             self.finished = True
         await self._send({"type": "http.response.body", "body": chunk, "more_body": more})
 

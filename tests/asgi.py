@@ -41,9 +41,19 @@ class Reply:
 
 
 async def call(
-    front: Front, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None, query: str = ""
+    front: Front,
+    method: str,
+    path: str,
+    body: Any = None,
+    headers: dict[str, str] | None = None,
+    query: str = "",
+    *,
+    hang_up_on: bytes | None = None,
+    body_after_s: float = 0.0,
 ) -> Reply:
-    """One request; the client hangs up once the reply is whole."""
+    """One request; the client hangs up once the reply is whole, or once a chunk holding
+    ``hang_up_on`` came (as a client that closes on ``data: [DONE]``).  ``body_after_s``: the body
+    comes this long after the head (a slow client; under an autojump clock, no real wait)."""
     sent: list[dict[str, Any]] = []
     finished = trio.Event()
     asked = False
@@ -52,6 +62,8 @@ async def call(
         nonlocal asked
         if not asked:
             asked = True
+            if body_after_s:
+                await trio.sleep(body_after_s)
             raw = b"" if body is None else json.dumps(body).encode()
             return {"type": "http.request", "body": raw, "more_body": False}
         await finished.wait()
@@ -60,6 +72,8 @@ async def call(
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
         if message["type"] == "http.response.body" and not message.get("more_body", False):
+            finished.set()
+        if hang_up_on is not None and hang_up_on in message.get("body", b""):
             finished.set()
         for _ in range(3):
             await trio.lowlevel.checkpoint()

@@ -182,6 +182,9 @@ class RouteLines(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         fields = getattr(record, "route_fields", None)
         assert isinstance(fields, dict), f"a route line without its fields: {record.getMessage()}"
+        # Both count from the request's arrival: a response ends after its first byte.
+        first, total = fields.get("first_byte_ms"), fields.get("total_ms")
+        assert first is None or (total is not None and total >= first), record.getMessage()
         self.lines.append(fields)
         self._changed.set()
         self._changed = trio.Event()

@@ -196,3 +196,54 @@ async def test_a_restarted_decoder_is_not_taken_to_hold_what_its_slots_held(tmp_
     first, second, third = rig.lines
     assert [(line.route, line.fallback) for line in (first, second)] == [("file", None), ("plain", "cached")]
     assert (third.route, third.fallback, third.decoder_prompt_n) == ("file", None, 1)
+
+
+# -- what the route line says of a stream's end, and of its times ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "final"),
+    [
+        pytest.param(
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 3, "stream": True},
+            b"[DONE]",
+            id="openai-done",
+        ),
+        pytest.param("/completion", body_for(True), b'"stop": true', id="llama-stop"),
+        pytest.param(
+            "/v1/messages",
+            {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 3, "stream": True},
+            b"message_stop",
+            id="anthropic-message-stop",
+        ),
+    ],
+)
+async def test_a_stream_whose_client_closes_on_its_final_event_is_ok(
+    tmp_path: Path, path: str, body: dict[str, Any], final: bytes
+) -> None:
+    # The README's openai example: the client reads data: [DONE] and closes at once, before the end
+    # of the chunked body.
+    rig = make_rig(tmp_path, ScriptedProvider())
+    with trio.fail_after(TIMEOUT):
+        reply = await asgi.call(rig.front, "POST", path, body, hang_up_on=final)
+    assert reply.status == 200
+    assert final in reply.body
+    [line] = rig.lines
+    assert (line.outcome, line.status, line.error) == ("ok", 200, None)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_first_byte_and_total_count_from_the_same_arrival(
+    tmp_path: Path, stream: bool, autojump_clock: trio.testing.MockClock
+) -> None:
+    # A body that comes a second after its head: both times count from the head.
+    rig = make_rig(tmp_path, ScriptedProvider())
+    with trio.fail_after(TIMEOUT):
+        reply = await asgi.call(rig.front, "POST", "/completion", body_for(stream), body_after_s=1.0)
+    assert reply.status == 200
+    [line] = rig.lines
+    assert line.first_byte_ms is not None
+    assert line.total_ms is not None
+    assert line.first_byte_ms >= 1000
+    assert line.total_ms >= line.first_byte_ms
