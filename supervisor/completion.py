@@ -184,6 +184,9 @@ class Plan:
     tokens: list[int] | None
     provider: Provider | None
     reason: Reason | None = None
+    # False for a prompt the decoder will refuse: its slot keeps the memory of what it holds.
+    remember: bool = True
+    n_tokens: int | None = None  # the prompt's length where it was tokenized
 
 
 # The state one prompt token takes in a slot state file, until a handoff measures it: SmolLM2-135M's
@@ -239,12 +242,16 @@ class Completions:
         slots: SlotPool,
         settings: HybridConfig,
         hybrid: Hybrid | None = None,
+        slot_context: int | None = None,
     ) -> None:
         self.decoder = decoder
         self.client = client
         self.slots = slots
         self.settings = settings
         self.hybrid = hybrid
+        # The tokens one decoder slot holds, prompt and reply: model.ctx_size / model.parallel, as
+        # llama-server divides its context (None: not checked here, the decoder still is).
+        self.slot_context = slot_context
         # Hybrid requests whose decoder re-evaluated the prompt although the restore succeeded.
         self.restore_unused = 0
         self.rates = Rates(
@@ -314,6 +321,17 @@ class Completions:
         except DecoderError as exc:
             log.warning("hybrid: tokenizing %s failed (%s); the backend prefills it", req, exc.message)
             return Plan(PromptKey(text), None, None, reason or Reason.TOKENIZE_FAILED)
+        if self.slot_context is not None and len(tokens) >= self.slot_context:
+            # No room for the prompt and a token of reply: the decoder refuses it with its own 400
+            # (exceed_context_size_error, with n_prompt_tokens and n_ctx), which is relayed.  Before
+            # any handoff or store restore, so neither a provider nor a slot's memory takes it.
+            log.info(
+                "hybrid: %s has %d prompt tokens, over a slot's context of %d (model.ctx_size / model.parallel)",
+                req,
+                len(tokens),
+                self.slot_context,
+            )
+            return Plan(PromptKey(text), None, None, Reason.OVER_CONTEXT, remember=False, n_tokens=len(tokens))
         return Plan(PromptKey(text, tuple(tokens)), tokens, provider if reason is None else None, reason)
 
     async def _from_store(self, plan: Plan, slot: int, line: RouteLine) -> Entry | None:
@@ -380,9 +398,11 @@ class Completions:
         plan = await self._plan(endpoint, body, line.req)
         if plan.tokens is not None:
             line.prompt_tokens = len(plan.tokens)
+        elif plan.n_tokens is not None:
+            line.prompt_tokens = plan.n_tokens
         reasons: list[Reason] = []
         timings = Timings()
-        async with self.slots.hold(plan.key, settle=self._settle) as slot:
+        async with self.slots.hold(plan.key if plan.remember else None, settle=self._settle) as slot:
             line.slot = slot
             self.check_ready()  # it may have died while we queued
             entry = await self._from_store(plan, slot, line)

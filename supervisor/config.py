@@ -183,6 +183,8 @@ class ModelConfig:
     path: str = ""
     # The name /v1/models lists; empty: the file's stem.
     alias: str = ""
+    # The whole context, shared out among the ``parallel`` slots: one request's slot holds
+    # ctx_size / parallel tokens of prompt and reply (a longer prompt gets llama-server's 400).
     ctx_size: int = field(default=4096, validator=_at_least(16))
     parallel: int = field(default=4, validator=_between(1, 256))
     batch_size: int = field(default=2048, validator=_at_least(1))

@@ -198,7 +198,12 @@ class Daemon:
                 share=self._share_handoff() if share_enabled(config) else None,
             )
         self.completions = Completions(
-            decoder=self.decoder, client=self.client, slots=self.slots, settings=config.hybrid, hybrid=self.hybrid
+            decoder=self.decoder,
+            client=self.client,
+            slots=self.slots,
+            settings=config.hybrid,
+            hybrid=self.hybrid,
+            slot_context=config.model.ctx_size // config.model.parallel,
         )
         self.route_stats = RouteStats()
         self.metrics = Metrics(self._metrics_snapshot)

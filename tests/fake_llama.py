@@ -59,6 +59,7 @@ class FakeLlama:
     n_slots: int = 2
     alias: str = "fake-model"
     modes: Modes = attrs.Factory(Modes)
+    n_ctx_slot: int | None = None  # a slot's context: a prompt that leaves no room is refused, as llama-server does
     slots: list[list[int]] = attrs.field(init=False)
     requests: list[Request] = attrs.Factory(list)
     seen: list[tuple[str, str, Any]] = attrs.Factory(list)  # (path, query, body) of every request
@@ -132,6 +133,15 @@ class FakeLlama:
     async def completion(self, path: str, body: dict[str, Any]) -> httpx.Response:
         job = parse_job(path, body)
         prompt = self.tokenize(job.prompt)
+        if self.n_ctx_slot is not None and len(prompt) >= self.n_ctx_slot:
+            message = (
+                f"request ({len(prompt)} tokens) exceeds the available context size ({self.n_ctx_slot} tokens), "
+                "try increasing it"
+            )
+            error = {"code": 400, "message": message, "type": "exceed_context_size_error"}
+            return httpx.Response(
+                400, json={"error": {**error, "n_prompt_tokens": len(prompt), "n_ctx": self.n_ctx_slot}}
+            )
         slot = body.get("id_slot", 0)
         held = self.slots[slot]
         common = 0

@@ -51,7 +51,7 @@ class Rig:
         return await asgi.call(self.front, "POST", path, body)
 
 
-def make_rig(tmp_path: Path, provider: Provider, *, share: bool = False) -> Rig:
+def make_rig(tmp_path: Path, provider: Provider, *, share: bool = False, slot_context: int | None = None) -> Rig:
     fake = FakeLlama(tmp_path)
     client = fake.client()
     share_handoff = None
@@ -64,7 +64,14 @@ def make_rig(tmp_path: Path, provider: Provider, *, share: bool = False) -> Rig:
         share=share_handoff,
     )
     decoder = ReadyDecoder()
-    completions = Completions(decoder=decoder, client=client, slots=SlotPool(2, 8), settings=SETTINGS, hybrid=hybrid)
+    completions = Completions(
+        decoder=decoder,
+        client=client,
+        slots=SlotPool(2, 8),
+        settings=SETTINGS,
+        hybrid=hybrid,
+        slot_context=slot_context,
+    )
     lines: list[RouteLine] = []
     front = Front(ServerConfig(), decoder=decoder, client=client, completions=completions, emit=lines.append)
     return Rig(fake, completions, front, lines)
@@ -247,3 +254,30 @@ async def test_first_byte_and_total_count_from_the_same_arrival(
     assert line.total_ms is not None
     assert line.first_byte_ms >= 1000
     assert line.total_ms >= line.first_byte_ms
+
+
+async def test_a_prompt_over_a_slots_context_gets_the_decoders_400_with_no_handoff_and_no_slot_memory(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    provider = ScriptedProvider()
+    rig = make_rig(tmp_path, provider, slot_context=M)  # PROMPT has M tokens: no room for a reply
+    rig.fake.n_ctx_slot = M
+    # Every prompt over the floor is handed over (no cost decision): so is the one that fits.
+    rig.completions.configure(attrs.evolve(SETTINGS, route_by="length"))
+    with trio.fail_after(TIMEOUT):
+        fits = await rig.post("/completion", {"prompt": "one two three four five", "n_predict": 1})
+        held = [rig.completions.slots.holds(slot) for slot in range(2)]
+        refused = [await rig.post("/completion", body_for(False)) for _ in range(2)]
+    assert fits.status == 200
+    for reply in refused:
+        assert reply.status == 400
+        assert reply.headers["x-onebit-source"] == "decoder"
+        assert reply.json()["error"]["type"] == "exceed_context_size_error"
+    assert len(provider.jobs) == 1  # the prompt that fitted
+    for line in rig.lines[1:]:
+        assert (line.route, line.fallback, line.outcome, line.prompt_tokens) == ("plain", "over-context", "error", M)
+        assert line.error is not None
+        assert "exceeds the available context size" in line.error
+    assert [rig.completions.slots.holds(slot) for slot in range(2)] == held
+    assert hybrid_warnings(caplog) == []
+    assert [action for action, _slot in rig.fake.actions] == ["restore"]  # the prompt that fitted

@@ -52,6 +52,9 @@ class Reason(enum.Enum):
     PLAIN_CHEAPER = "plain-cheaper"
     # Plain because a prefix restored from the prefix store gave the decoder most of the prompt.
     STORED = "stored"
+    # The prompt does not fit a slot's context (model.ctx_size / model.parallel tokens): nothing is
+    # handed over or stored, and the decoder answers its own 400 exceed_context_size_error.
+    OVER_CONTEXT = "over-context"
 
 
 class Step(enum.Enum):
