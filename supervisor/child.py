@@ -114,6 +114,8 @@ class Child:
         self._restarts = 0
         self._transitions = 0
         self._last_exit: str | None = None
+        # Set when the first start is over, healthy or not: what readiness waits for.
+        self._first_start = trio.Event()
         # Bumped on every READY: a fact learnt about one decoder process (it cannot share its KV,
         # say) is valid for that generation only.
         self.generation = 0
@@ -132,6 +134,10 @@ class Child:
         while self._state not in states:
             await self._changed.wait()
         return self._state
+
+    async def wait_first_start(self) -> None:
+        """Until the first start is over: the child became healthy, or that life ended."""
+        await self._first_start.wait()
 
     def statistics(self) -> ChildStatistics:
         return ChildStatistics(
@@ -152,6 +158,8 @@ class Child:
         if new not in TRANSITIONS[old]:
             raise AssertionError(f"{self.name}: illegal transition {old.value} -> {new.value}")
         self._state = new
+        if old is ChildState.STARTING:
+            self._first_start.set()
         self._state_since = time.time()
         self._transitions += 1
         log.log(

@@ -40,7 +40,7 @@ from .config import ExecProvider as ExecProviderConfig
 from .config import LlamaServerProvider as LlamaServerProviderConfig
 from .decoder import DecoderClient
 from .errors import ChildError, ConfigError, ListenError, RuntimeDirInUse
-from .front import Front
+from .front import Front, ProviderReadiness
 from .llama_server import LlamaServerLauncher, connection_limit, model_alias, server_version
 from .metrics import LiveStatistics, Metrics
 from .notify import Notifier, run_watchdog, watchdog_interval
@@ -214,10 +214,14 @@ class Daemon:
             completions=self.completions,
             emit=self._on_route_line,
             metrics=self.metrics.render,
+            providers=self.provider_readiness,
         )
         self.admin = AdminServer(self, self.runtime_dir / "admin.sock")
         self.store = PrefixStore.disabled("not opened yet", level=logging.DEBUG)
         self._stop = trio.Event()
+        # Every provider's first start is over (healthy or failed); then READY=1, /health ok.
+        self._providers_settled = not self._provider_children()
+        self.ready = trio.Event()  # READY=1 was sent
         self._started_at = time.time()
         self._started_clock = 0.0
         self.stopping = False
@@ -249,9 +253,17 @@ class Daemon:
         self.metrics.observe(line)
 
     def children(self) -> list[Child]:
-        kids = [self.decoder]
-        kids += [p.child for p in self.providers.all if isinstance(p, LlamaServerProvider | WorkerProvider)]
-        return kids
+        return [self.decoder, *self._provider_children()]
+
+    def _provider_children(self) -> list[Child]:
+        """The children of the providers that have one (exec providers start a process per job)."""
+        return [child for p in self.providers.all if isinstance(child := getattr(p, "child", None), Child)]
+
+    def provider_readiness(self) -> ProviderReadiness:
+        return ProviderReadiness(
+            settled=self._providers_settled,
+            not_ready=tuple(p.name for p in self.providers.all if not p.ready),
+        )
 
     def state(self) -> str:
         if self.stopping:
@@ -259,7 +271,7 @@ class Daemon:
         if self.front.draining:
             return "draining"
         decoder = self.decoder.state
-        if decoder is ChildState.READY:
+        if decoder is ChildState.READY and self._providers_settled:
             return "serving"
         if decoder is ChildState.FAILED:
             return "failed"
@@ -448,9 +460,26 @@ class Daemon:
             log.warning("stopping with %d request(s) still in flight after the grace period", self.inflight_count())
 
     async def _announce(self) -> None:
-        """READY=1 once the decoder is healthy and the front is bound; then STATUS= and the watchdog."""
+        """READY=1 once the front is bound, every provider's first start is over (healthy or failed:
+        requests routed before would quietly go plain) and the decoder is healthy; then STATUS= and
+        the watchdog."""
+        for child in self._provider_children():
+            await child.wait_first_start()
+        self._providers_settled = True
         await self.decoder.wait_state(ChildState.READY)
-        self.notifier.ready(f"serving on {', '.join(self._binds)}")
+        not_ready = [p for p in self.providers.all if not p.ready]
+        for provider in not_ready:
+            its = getattr(provider, "child", None)
+            why = its.statistics().last_exit if isinstance(its, Child) else None
+            log.error(
+                "provider %s is not ready (%s): requests take the plain route until it is",
+                provider.name,
+                why or "its start failed",
+            )
+        names = f"; providers not ready: {', '.join(p.name for p in not_ready)}" if not_ready else ""
+        log.info("ready: serving on %s%s", ", ".join(self._binds), names)
+        self.notifier.ready(f"serving on {', '.join(self._binds)}{names}")
+        self.ready.set()
         interval = watchdog_interval()
         async with trio.open_nursery() as nursery:
             if interval is not None:

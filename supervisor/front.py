@@ -47,6 +47,15 @@ DECODER_METRICS_TIMEOUT_S = 2.0
 
 
 @attrs.frozen
+class ProviderReadiness:
+    """What ``/health`` needs of the providers: whether every one's first start is over (healthy,
+    or failed), and the names of those not ready now."""
+
+    settled: bool = True
+    not_ready: tuple[str, ...] = ()
+
+
+@attrs.frozen
 class InflightRequest:
     req: str
     endpoint: str
@@ -74,9 +83,11 @@ class Front:
         completions: Completions,
         emit: Callable[[RouteLine], None] | None = None,
         metrics: Callable[[], bytes] | None = None,
+        providers: Callable[[], ProviderReadiness] = ProviderReadiness,
     ) -> None:
         self.server = server
         self.decoder = decoder
+        self.providers = providers
         self.client = client
         self.completions = completions
         self._emit_hook = emit
@@ -183,17 +194,22 @@ class Front:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
-    def health(self) -> tuple[int, str]:
+    def health(self) -> tuple[int, dict[str, Any]]:
+        """``/health``'s status and body: ``ok`` once the decoder is ready and every provider's first
+        start is over (the first requests must not quietly take the plain route because a provider is
+        still loading); the providers not ready are named."""
         if self.draining:
-            return 503, "draining"
+            return 503, {"status": "draining"}
         state = self.decoder.state
-        if state is ChildState.READY:
-            return 200, "ok"
+        providers = self.providers()
+        named = {"providers_not_ready": list(providers.not_ready)} if providers.not_ready else {}
+        if state is ChildState.READY and providers.settled:
+            return 200, {"status": "ok", **named}
         if state is ChildState.FAILED:
-            return 503, "failed"
+            return 503, {"status": "failed"}
         if state in (ChildState.STOPPING, ChildState.STOPPED) and self._shutdown.is_set():
-            return 503, "stopping"
-        return 503, "loading"
+            return 503, {"status": "stopping"}
+        return 503, {"status": "loading", **named}
 
     async def _http(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         started = trio.current_time()
@@ -270,9 +286,9 @@ class Front:
 
     async def _local(self, path: str, out: Responder) -> None:
         if path in ("/health", "/v1/health"):
-            status, word = self.health()
+            status, body = self.health()
             retry = [("retry-after", str(self.server.retry_after_s))] if status != 200 else []
-            await out.json(status, {"status": word}, retry)
+            await out.json(status, body, retry)
         elif path == "/metrics/decoder":
             await self._pass_through(out, "GET", "/metrics", None)
         elif self.metrics is None:

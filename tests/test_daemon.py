@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 import tomli_w
 import trio
@@ -16,7 +19,9 @@ from supervisor import config as configuration
 from supervisor.daemon import Daemon, leaves
 from supervisor.errors import ListenError, RuntimeDirInUse
 
-from .rig import Control, fake_decoder_config, run_daemon
+from . import fake_provider
+from .helpers import wait_until
+from .rig import Control, ProviderModes, fake_decoder_config, run_daemon
 
 TIMEOUT = 30
 ROOT = Path(__file__).parent.parent
@@ -86,3 +91,55 @@ async def test_a_clean_stop_removes_the_sockets_and_the_lock_it_made_and_nothing
             assert made <= set(os.listdir(short_dir))
     assert made.isdisjoint(os.listdir(short_dir))
     assert mine.read_text() == "not onebitd's"
+
+
+# -- readiness: the decoder, and every provider's first start ----------------------------------------
+
+
+def worker(command: list[str]) -> dict[str, object]:
+    return {"kind": "worker", "name": "npu0", "command": command}
+
+
+async def test_health_says_loading_until_a_providers_first_start_is_over_then_ok(
+    short_dir: Path, control: Control
+) -> None:
+    control.set(provider=ProviderModes(ready_on_signal=True))
+    config = fake_decoder_config(
+        short_dir,
+        hybrid={"enabled": True},
+        provider=[worker([sys.executable, str(fake_provider.PATH), "--worker"])],
+    )
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(config) as running, httpx.AsyncClient(base_url=running.url) as client:
+            await wait_until(lambda: bool(control.events("provider", "waiting")))
+            loading = await client.get("/health")
+            status = running.daemon.state()
+            ready_early = running.daemon.ready.is_set()
+            pid = running.daemon.providers.all[0].child.pid  # type: ignore[attr-defined]
+            assert pid is not None
+            os.kill(pid, signal.SIGUSR1)
+            await running.daemon.ready.wait()
+            ok = await client.get("/health")
+    assert loading.status_code == 503
+    assert loading.json() == {"status": "loading", "providers_not_ready": ["npu0"]}
+    assert status == "loading"
+    assert not ready_early
+    assert ok.status_code == 200
+    assert ok.json() == {"status": "ok"}
+
+
+async def test_a_provider_that_failed_its_start_is_named_by_health_and_the_log(
+    short_dir: Path, control: Control, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="onebit.daemon")
+    config = fake_decoder_config(
+        short_dir, hybrid={"enabled": True}, provider=[worker([sys.executable, "-c", "raise SystemExit(3)"])]
+    )
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(config) as running, httpx.AsyncClient(base_url=running.url) as client:
+            await running.daemon.ready.wait()
+            ok = await client.get("/health")
+    assert ok.status_code == 200
+    assert ok.json() == {"status": "ok", "providers_not_ready": ["npu0"]}
+    errors = [r.getMessage() for r in caplog.records if r.name == "onebit.daemon" and r.levelno == logging.ERROR]
+    assert errors == ["provider npu0 is not ready (exit status 3): requests take the plain route until it is"]
