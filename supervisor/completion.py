@@ -64,6 +64,9 @@ class Timings:
     cache_n: int | None = None  # prompt tokens it reused from the slot's cache
     prompt_ms: float | None = None
     usage_prompt_tokens: int | None = None
+    # The decoder sent its stream's first bytes: llama-server answers only once the whole prompt is
+    # evaluated, so the slot holds all of it from here on, whatever becomes of the reply.
+    began: bool = False
 
     def read(self, data: Any) -> None:
         if not isinstance(data, dict):
@@ -430,6 +433,13 @@ class Completions:
                     await self._relay_stream(endpoint, forwarded, out, line, timings)
                 else:
                     await self._relay_whole(endpoint, forwarded, out, line, timings)
+            except trio.Cancelled:
+                # The client hung up mid-stream (a user pressed stop, an agent cancelled).  Once the
+                # decoder began its reply the slot holds the whole prompt: it is kept for the prefix
+                # store as after a finished reply, or it is lost across a restart.
+                if timings.began:
+                    await self._keep_after_hang_up(plan, slot, line, entry)
+                raise
             finally:
                 self.decoding -= 1
                 self._record(timings, line)
@@ -444,6 +454,18 @@ class Completions:
                 # Saved after the reply, on every route: the slot then holds the reply's tokens too,
                 # which a conversation's next turn starts with (a handed-over state file lacks them).
                 await self._keep_slot(plan, slot, line, entry)
+
+    async def _keep_after_hang_up(self, plan: Plan, slot: int, line: RouteLine, restored: Entry | None) -> None:
+        """Save a slot its client left mid-stream for the prefix store: once the decoder has
+        stopped in it (it notices the closed connection at its next token), while the request still
+        holds it.  Shielded from the cancellation that brought us here; bounded by ``_settle``'s
+        and the save's own timeouts."""
+        with trio.CancelScope(shield=True):
+            if self.stored is None or plan.tokens is None or not self.stored.enabled:
+                return
+            await self._settle(slot)
+            if self.decoder.state is ChildState.READY:
+                await self._keep_slot(plan, slot, line, restored)
 
     async def _settle(self, slot: int) -> None:
         """The request left ``slot`` unfinished (its client hung up, or something failed): llama-server
@@ -591,6 +613,7 @@ class Completions:
             scanner = SseScanner(timings)
             try:
                 async for chunk in upstream.chunks:
+                    timings.began = True
                     scanner.feed(chunk)
                     await out.body(chunk, more=True, final=has_final_event(chunk))
             except DecoderError as exc:

@@ -23,7 +23,8 @@ least one token), a restore fills the slot from a ``{"fake_state": true, "tokens
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from contextlib import aclosing
 from pathlib import Path
 from typing import Any, cast
 from urllib.parse import parse_qs
@@ -35,6 +36,7 @@ import trio
 from supervisor import wire
 from supervisor.decoder import DecoderClient
 from supervisor.errors import DecoderUnavailable
+from supervisor.prefix_files import STATE_MAGIC
 
 from . import fake_decoder
 from .fake_decoder import HttpError, Modes, chatml, parse_job, token_id
@@ -111,7 +113,7 @@ class FakeLlama:
         if action == "restore":
             path = self.state_dir / str(body.get("filename"))
             try:
-                state = json.loads(path.read_text())
+                state = json.loads(path.read_bytes().removeprefix(STATE_MAGIC))
             except (OSError, ValueError):
                 state = None
             if self.modes.restore_refuse or not isinstance(state, dict):
@@ -126,7 +128,8 @@ class FakeLlama:
             return httpx.Response(200, json={"id_slot": slot, "n_erased": n_erased})
         if action == "save":
             path = self.state_dir / str(body.get("filename"))
-            path.write_text(json.dumps({"fake_state": True, "tokens": self.slots[slot]}))
+            # llama.cpp's magic first, as the prefix store checks; a restore reads either kind of file.
+            path.write_bytes(STATE_MAGIC + json.dumps({"fake_state": True, "tokens": self.slots[slot]}).encode())
             return httpx.Response(200, json={"id_slot": slot, "n_saved": len(self.slots[slot])})
         raise HttpError(400, "Invalid action")
 
@@ -158,7 +161,7 @@ class FakeLlama:
             text = " ".join(words) if job.chat else " " + " ".join(words)
             return httpx.Response(200, json=fake_decoder._final(me, job, text, cache_n, len(prompt), len(words)))
 
-        async def events() -> AsyncIterator[bytes]:
+        async def events() -> AsyncGenerator[bytes, None]:
             for index, word in enumerate(words):
                 yield _event(fake_decoder._token_event(me, job, word, index, len(prompt)))
                 if index == 0 and self.modes.hold:
@@ -171,16 +174,21 @@ class FakeLlama:
 
 
 class Events(httpx.AsyncByteStream):
-    """A streamed reply whose close is a checkpoint, as releasing a real connection is."""
+    """A streamed reply whose close is a checkpoint, as releasing a real connection is.  Its own
+    iterator, not an async generator: a reply abandoned mid-way (a client that hung up) is closed
+    by ``aclose``, and leaves no generator for the garbage collector to find unfinished."""
 
-    def __init__(self, events: AsyncIterator[bytes]) -> None:
+    def __init__(self, events: AsyncGenerator[bytes, None]) -> None:
         self._events = events
 
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        async for event in self._events:
-            yield event
+    def __aiter__(self) -> Events:
+        return self
+
+    async def __anext__(self) -> bytes:
+        return await self._events.__anext__()
 
     async def aclose(self) -> None:
+        await self._events.aclose()
         await trio.lowlevel.checkpoint()
 
 
@@ -205,8 +213,9 @@ class HttpxWire:
                 yield response.content
                 return
             try:
-                async for chunk in response.aiter_raw():
-                    yield chunk
+                async with aclosing(cast(AsyncGenerator[bytes, None], response.aiter_raw())) as raw:
+                    async for chunk in raw:
+                        yield chunk
             except httpx.HTTPError as exc:
                 raise DecoderUnavailable(f"decoder stream {path}: {type(exc).__name__}: {exc}") from exc
 
@@ -271,7 +280,7 @@ async def _messages(fake: FakeLlama, body: Any) -> httpx.Response:
         content = [{"type": "text", "text": " ".join(out)}]
         return httpx.Response(200, json={"type": "message", "role": "assistant", "content": content, "usage": usage})
 
-    async def events() -> AsyncIterator[bytes]:
+    async def events() -> AsyncGenerator[bytes, None]:
         yield b'event: message_start\ndata: {"type": "message_start"}\n\n'
         for word in out:
             delta = {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": word}}

@@ -16,15 +16,19 @@ from typing import Any
 import attrs
 import pytest
 import trio
+import trio.testing
 
 from supervisor.completion import Completions, Hybrid
 from supervisor.config import HybridConfig, ServerConfig
 from supervisor.front import Front
+from supervisor.llama_server import StateFingerprint
+from supervisor.prefix_store import PrefixStore
 from supervisor.providers import Provider, Providers
 from supervisor.routeline import RouteLine
 from supervisor.routes.decision import DEGRADE, Step
 from supervisor.routes.file import FileHandoff
 from supervisor.routes.share import ShareHandoff, ShareHandshake
+from supervisor.routes.stored import StoredPrefixes
 from supervisor.slots import SlotPool
 
 from . import asgi
@@ -37,6 +41,21 @@ TIMEOUT = 10
 PROMPT = "the quick brown fox jumps over the lazy dog"
 M = len(PROMPT.split())
 SETTINGS = HybridConfig(enabled=True, min_prompt_tokens=4)
+# The prefix store's entries are made under this (any value: the fake decoder has no parameters).
+FINGERPRINT = StateFingerprint(
+    model_path="/models/fake.gguf",
+    model_size=1,
+    model_mtime_ns=1,
+    model_head_sha256="ab" * 32,
+    server_version="version: 1 (test)",
+    ctx_size=4096,
+    parallel=2,
+    batch_size=2048,
+    ubatch_size=512,
+    cache_type_k="f16",
+    cache_type_v="f16",
+    extra_args=(),
+)
 
 
 @attrs.define
@@ -240,6 +259,15 @@ async def test_a_stream_whose_client_closes_on_its_final_event_is_ok(
     assert (line.outcome, line.status, line.error) == ("ok", 200, None)
 
 
+async def test_a_stream_whose_client_closes_before_its_final_event_is_cancelled(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path, ScriptedProvider())
+    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 3, "stream": True}
+    with trio.fail_after(TIMEOUT):
+        await asgi.call(rig.front, "POST", "/v1/chat/completions", body, hang_up_on=b'"the"')
+    [line] = rig.lines
+    assert line.outcome == "cancelled"
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 async def test_first_byte_and_total_count_from_the_same_arrival(
     tmp_path: Path, stream: bool, autojump_clock: trio.testing.MockClock
@@ -281,3 +309,28 @@ async def test_a_prompt_over_a_slots_context_gets_the_decoders_400_with_no_hando
     assert [rig.completions.slots.holds(slot) for slot in range(2)] == held
     assert hybrid_warnings(caplog) == []
     assert [action for action, _slot in rig.fake.actions] == ["restore"]  # the prompt that fitted
+
+
+# -- the prefix store keeps a prompt whose client hung up mid-stream ----------------------------------
+
+
+async def test_a_stream_hung_up_after_its_first_token_keeps_its_prompt_in_the_prefix_store(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path, ScriptedProvider())
+    rig.fake.modes = Modes(hold=True)  # the reply pauses after its first token: the client leaves then
+    store = await PrefixStore.open(tmp_path / "store", fingerprint=FINGERPRINT, max_bytes=1 << 20, min_tokens=4)
+    stored = StoredPrefixes(client=rig.completions.client, state_dir=tmp_path, store=store)
+    try:
+        with trio.fail_after(TIMEOUT):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(rig.completions.run, stored)
+                await asgi.call(rig.front, "POST", "/completion", body_for(True), hang_up_on=b'"stop": false')
+                await trio.testing.wait_all_tasks_blocked()  # the put runs off the request's path
+                nursery.cancel_scope.cancel()
+    finally:
+        store.close()
+    [line] = rig.lines
+    assert line.outcome == "cancelled"
+    assert ("save", line.slot) in rig.fake.actions
+    entry = store.lookup(FakeLlama.tokenize(PROMPT))
+    assert entry is not None
+    assert entry.n_tokens == M

@@ -7,7 +7,7 @@ tests/test_real_compat.py asks the same of the real llama-server, side by side w
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -287,7 +287,7 @@ OVERFLOW = {
 }
 
 
-async def _once(data: Any) -> AsyncIterator[bytes]:
+async def _once(data: Any) -> AsyncGenerator[bytes, None]:
     yield json.dumps(data).encode()
 
 
