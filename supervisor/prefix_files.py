@@ -55,25 +55,35 @@ class Entry:
         return len(self.tokens)
 
 
+# A sidecar holds a prompt's token ids, a state file its KV: other local users read neither,
+# whatever the umask (and whatever mode llama-server saved the state file with).
+FILE_MODE = 0o600
+DIR_MODE = 0o700
+
+
 class Disk:
     """The writes the store makes, as one seam: a test stands in a subclass that fails them."""
 
     def move_in(self, source: Path, target: Path) -> None:
-        """``source`` becomes ``target`` (a new name), durably: renamed on one file system, else copied."""
+        """``source`` becomes ``target`` (a new name), durably: renamed on one file system, else
+        copied; readable by us alone."""
         try:
             os.rename(source, target)
         except OSError as exc:
             if exc.errno != errno.EXDEV:
                 raise
             shutil.copyfile(source, target)
+        os.chmod(target, FILE_MODE)
         self.fsync(target)
 
     def write(self, target: Path, data: bytes) -> None:
-        """A new file holding ``data``, durably."""
-        with open(target, "xb") as out:
+        """A new file holding ``data``, durably, readable by us alone."""
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
+        with open(fd, "wb") as out:
+            os.fchmod(fd, FILE_MODE)  # the umask may have taken bits away, never added any
             out.write(data)
             out.flush()
-            os.fsync(out.fileno())
+            os.fsync(fd)
 
     def fsync(self, path: Path) -> None:
         fd = os.open(path, os.O_RDONLY)
@@ -206,6 +216,7 @@ def scan(directory: Path, fingerprint: Mapping[str, Any]) -> Scan:
     Files that are none of ours (another name pattern) are left alone.
     """
     names = {path.name for path in directory.iterdir()}
+    _make_private(directory, names)
     entries: list[Entry] = []
     dropped = 0
     for name in sorted(names):
@@ -239,9 +250,27 @@ def touch(directory: Path, key: str, when: float) -> None:
         log.debug("prefix store: cannot record a use of %s: %s", key, exc.strerror or exc)
 
 
+def _make_private(directory: Path, names: set[str]) -> None:
+    """Entries an older onebitd wrote under a permissive umask become ours alone."""
+    for name in names:
+        if name.endswith((STATE, SIDECAR)):
+            path = directory / name
+            try:
+                if os.lstat(path).st_mode & 0o077:
+                    os.chmod(path, FILE_MODE)
+            except OSError as exc:
+                log.warning("prefix store: cannot make %s private: %s", name, exc.strerror or exc)
+
+
 def probe(disk: Disk, directory: Path) -> None:
-    """Make ``directory`` if need be and prove it writable; raises OSError."""
-    directory.mkdir(parents=True, exist_ok=True)
+    """Make ``directory`` if need be (ours alone: 0700) and prove it writable; raises OSError."""
+    directory.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
+    try:
+        os.chmod(directory, DIR_MODE)  # mkdir's mode is under the umask, and the directory may be older
+    except OSError as exc:
+        if exc.errno == errno.EROFS:
+            raise  # the one line the store's opening logs says it
+        log.warning("prefix store: cannot make %s private (0700): %s", directory, exc.strerror or exc)
     probe_file = directory / f"{TEMP_PREFIX}probe-{os.getpid()}-{time.monotonic_ns()}"
     disk.write(probe_file, b"")
     probe_file.unlink()

@@ -11,6 +11,7 @@ import errno
 import json
 import logging
 import os
+import stat
 import subprocess
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -236,6 +237,45 @@ async def test_a_stored_prefix_is_found_by_a_longer_prompt_and_survives_a_reopen
     assert found.disk_bytes == entry.disk_bytes
     assert again.statistics().bytes == rig.disk_bytes() == entry.disk_bytes
     again.close()
+
+
+def modes(directory: Path) -> dict[str, int]:
+    return {path.name: stat.S_IMODE(path.stat().st_mode) for path in [directory, *directory.iterdir()]}
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o000])
+async def test_the_store_is_private_whatever_the_umask(rig: Rig, umask: int) -> None:
+    # A sidecar holds a prompt's token ids: no other local user may read it, nor list the directory.
+    old = os.umask(umask)
+    try:
+        store = await rig.open()
+        source = rig.state_file()
+        source.chmod(0o644)  # as llama-server saves it
+        assert await store.put_file(tokens(100), source)
+        store.close()
+    finally:
+        os.umask(old)
+    found = modes(rig.store_dir)
+    assert found.pop("store") == 0o700
+    assert found.pop(".lock") == 0o600
+    assert set(found.values()) == {0o600}
+    assert len(found) == 2  # the state file and its sidecar
+
+
+async def test_entries_an_older_onebitd_left_readable_are_made_private_at_open(rig: Rig) -> None:
+    store = await rig.open()
+    assert await store.put_file(tokens(100), rig.state_file())
+    store.close()
+    rig.store_dir.chmod(0o755)
+    for path in rig.store_dir.iterdir():
+        path.chmod(0o644)
+    again = await rig.open()
+    assert again.lookup(tokens(100)) is not None
+    again.close()
+    found = modes(rig.store_dir)
+    assert found.pop("store") == 0o700
+    found.pop(".lock")
+    assert set(found.values()) == {0o600}
 
 
 async def test_two_puts_of_the_same_tokens_make_one_entry_and_consume_both_files(rig: Rig) -> None:
