@@ -63,7 +63,7 @@ class _Live(Collector):
         yield state
         slots = stats.slots
         yield GaugeMetricFamily("onebit_slots_busy", "Decoder slots held by requests", value=slots.busy)
-        yield GaugeMetricFamily("onebit_slots_total", "Decoder slots", value=slots.total)
+        yield GaugeMetricFamily("onebit_slots", "Decoder slots", value=slots.total)
         yield GaugeMetricFamily("onebit_queue_depth", "Requests waiting for a slot", value=slots.queued)
         inflight = len(stats.front.inflight)
         yield GaugeMetricFamily("onebit_inflight_requests", "Completion requests in flight", value=inflight)
@@ -90,12 +90,12 @@ class _Live(Collector):
             ("restores", store.restores, "Stored prefixes restored into a decoder slot"),
         ):
             yield CounterMetricFamily(f"onebit_prefix_store_{name}", what, value=value)
-        if store.restore_ms_mean is not None:
-            yield GaugeMetricFamily(
-                "onebit_prefix_store_restore_ms_mean",
-                "Mean time of a restore from the store",
-                value=store.restore_ms_mean,
-            )
+        # In seconds, summed: rate(this) / rate(onebit_prefix_store_restores_total) is the mean.
+        yield CounterMetricFamily(
+            "onebit_prefix_store_restore_seconds",
+            "Time spent restoring stored prefixes into decoder slots",
+            value=(store.restore_ms_mean or 0.0) * store.restores / 1000,
+        )
 
 
 class Metrics:
@@ -109,7 +109,7 @@ class Metrics:
         )
         self.first_byte = Histogram(
             "onebit_first_byte_seconds",
-            "Time from a request's arrival to its first response byte",
+            "Time from a served request's arrival to its first response byte (outcome ok only)",
             ["route"],
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
@@ -149,7 +149,9 @@ class Metrics:
 
     def observe(self, line: RouteLine) -> None:
         self.requests.labels(line.route, line.outcome, line.fallback or "-").inc()
-        if line.first_byte_ms is not None:
+        if line.first_byte_ms is not None and line.outcome == "ok":
+            # Served requests only: a 503 or a refusal answered in a fraction of a millisecond would
+            # make latency look better the more requests are turned away.
             self.first_byte.labels(line.route).observe(line.first_byte_ms / 1000)
         if line.route != "plain" and line.prefill_ms:
             self.prefill.labels(line.route).observe(line.prefill_ms / 1000)
