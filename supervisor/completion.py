@@ -30,6 +30,7 @@ from .routeline import RouteLine
 from .routes.decision import (
     Choice,
     Costs,
+    Outcome,
     Policy,
     Reason,
     Route,
@@ -220,6 +221,14 @@ def prompt_text(endpoint: str, body: dict[str, Any]) -> str:
     return prompt if isinstance(prompt, str) else json.dumps(prompt, separators=(",", ":"))
 
 
+# A decoder state, as a client is told it in a 503.
+_WORDS = {
+    ChildState.STOPPED: "not started yet",
+    ChildState.STARTING: "starting (loading its model)",
+    ChildState.BACKOFF: "restarting after a crash",
+    ChildState.STOPPING: "stopping",
+}
+
 # How a fallback is worded in the log, by the route the request goes on to.
 _GOES_ON = {
     Route.PLAIN: "the backend prefills this request itself",
@@ -293,10 +302,10 @@ class Completions:
         if state is ChildState.READY:
             return
         if state is ChildState.FAILED:
-            raise DecoderUnavailable(
-                f"the decoder has failed ({self.decoder.statistics().last_exit}); see onebitd's log"
-            )
-        raise DecoderUnavailable(f"the decoder is {state.value}; try again shortly")
+            failed = f"the decoder has failed ({self.decoder.statistics().last_exit}); see onebitd's log"
+            raise DecoderUnavailable(failed, public=failed)
+        words = f"the decoder is {_WORDS.get(state, state.value)}; try again shortly"
+        raise DecoderUnavailable(words, public=words)
 
     async def _plan(self, endpoint: str, body: dict[str, Any], req: str) -> Plan:
         """Tokenize the prompt when a hybrid route is possible, or the prefix store may hold or keep
@@ -357,6 +366,7 @@ class Completions:
         if not worth:
             return None
         restored = await stored.restore(slot, entry)
+        line.restore_ms += restored.ms
         if restored.entry is None:
             if restored.why:
                 log.warning("prefix store: %s; the request goes on without it (%s)", restored.why, line.req)
@@ -410,10 +420,12 @@ class Completions:
             self.check_ready()  # it may have died while we queued
             entry = await self._from_store(plan, slot, line)
             choice = self._choose(plan, slot, settings)
-            if entry is not None and choice.route is Route.PLAIN and choice.reason in (None, Reason.CACHED):
-                choice = attrs.evolve(choice, reason=Reason.STORED)
             if choice.reason is not None and choice.reason is not Reason.DISABLED:
                 reasons.append(choice.reason)
+            if entry is not None and choice.route is Route.PLAIN:
+                # The store served: say so, after what else kept the request plain (no provider ready,
+                # a short prompt); "cached" is then the store's doing, not the slot's.
+                reasons[:] = [*(reason for reason in reasons if reason is not Reason.CACHED), Reason.STORED]
             if choice.estimate is not None:
                 line.est_plain_ms = choice.estimate.plain_ms
                 line.est_hybrid_ms = choice.estimate.hybrid_ms
@@ -421,6 +433,9 @@ class Completions:
             forwarded = {**body, "id_slot": slot}
             route = Route.PLAIN
             if choice.route is not Route.PLAIN and plan.provider is not None:
+                # The route attempted, until the handoff says where it ended: a request cancelled
+                # mid-handoff is logged on the route it was taking.
+                line.route = choice.route.value
                 route = await self._hand_over(choice.route, slot, plan, line, reasons, settings)
                 line.fallback = fallback_chain(reasons)
             line.route = route.value
@@ -501,27 +516,19 @@ class Completions:
         assert hybrid is not None
         assert plan.provider is not None
         while route is not Route.PLAIN:
-            if route is Route.SHARE and hybrid.share is not None:
-                outcome = await hybrid.share.run(
-                    req=line.req,
-                    slot=slot,
-                    tokens=plan.tokens or [],
-                    provider=plan.provider,
-                    generation=self.decoder.generation,
-                    timeout_s=settings.prefill_timeout_s,
-                )
-            else:
-                outcome = await hybrid.file.run(
-                    req=line.req,
-                    slot=slot,
-                    tokens=plan.tokens or [],
-                    provider=plan.provider,
-                    timeout_s=settings.prefill_timeout_s,
-                )
+            line.route = route.value
+            began = trio.current_time()
+            try:
+                outcome = await self._attempt(route, slot, plan, line, settings)
+            except trio.Cancelled:
+                # The client left mid-handoff: the job was cancelled (and its files removed); the
+                # line says how long it ran.
+                line.prefill_ms = (trio.current_time() - began) * 1000
+                raise
             if outcome.prefill_ms is not None:
                 line.prefill_ms = outcome.prefill_ms
             if outcome.restore_ms is not None:
-                line.restore_ms = outcome.restore_ms
+                line.restore_ms += outcome.restore_ms
             if outcome.share_ms is not None:
                 line.share_ms = outcome.share_ms
             if outcome.ok:
@@ -535,6 +542,28 @@ class Completions:
             level = logging.INFO if outcome.reason is Reason.SHARE_UNSUPPORTED else logging.WARNING
             log.log(level, "hybrid: %s; %s", outcome.why, _GOES_ON[route])
         return route
+
+    async def _attempt(self, route: Route, slot: int, plan: Plan, line: RouteLine, settings: HybridConfig) -> Outcome:
+        """One handoff on ``route``: what it returned."""
+        hybrid = self.hybrid
+        assert hybrid is not None
+        assert plan.provider is not None
+        if route is Route.SHARE and hybrid.share is not None:
+            return await hybrid.share.run(
+                req=line.req,
+                slot=slot,
+                tokens=plan.tokens or [],
+                provider=plan.provider,
+                generation=self.decoder.generation,
+                timeout_s=settings.prefill_timeout_s,
+            )
+        return await hybrid.file.run(
+            req=line.req,
+            slot=slot,
+            tokens=plan.tokens or [],
+            provider=plan.provider,
+            timeout_s=settings.prefill_timeout_s,
+        )
 
     def _spawn_keep(self, tokens: Sequence[int], path: Path) -> None:
         if self.stored is None or self._background is None:
@@ -620,7 +649,7 @@ class Completions:
                 # Headers are gone already: the client learns of the loss as an error event.
                 line.outcome = "error"
                 line.error = exc.message
-                await out.body(sse_error(f"the decoder stopped mid-stream: {exc.message}"), more=True)
+                await out.body(sse_error(f"the decoder stopped mid-stream ({exc.public})"), more=True)
             await out.body(b"", more=False)
 
     async def relay(

@@ -338,7 +338,13 @@ class Daemon:
             raise ConfigError(["reload: this daemon was not started from a config file"])
         self.notifier.reloading()
         try:
-            new = configuration.load(self.config_path)
+            try:
+                new = configuration.load(self.config_path)
+            except ConfigError as exc:
+                # Logged here, whoever asked (SIGHUP or onebitctl reload): the operator reads the log.
+                for line in exc.lines:
+                    log.error("reload refused: %s", line)
+                raise
             old_flat = _flatten(configuration.unstructure(self.config))
             new_flat = _flatten(configuration.unstructure(new))
             changed = sorted(k for k in old_flat.keys() | new_flat.keys() if old_flat.get(k) != new_flat.get(k))
@@ -504,11 +510,8 @@ async def _serve(config: Config, config_path: str) -> None:
                 async for signum in signals:
                     log.info("received %s", signal.Signals(signum).name)
                     if signum == signal.SIGHUP:
-                        try:
+                        with contextlib.suppress(ConfigError):  # Daemon.reload logged why
                             daemon.reload()
-                        except ConfigError as exc:
-                            for line in exc.lines:
-                                log.error("reload refused: %s", line)
                     else:
                         daemon.request_stop()
 

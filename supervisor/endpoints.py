@@ -60,7 +60,7 @@ _RELAY = Endpoint(Kind.RELAY)
 _LOCAL = Endpoint(Kind.LOCAL)
 _SETTINGS = Endpoint(
     Kind.REFUSED,
-    why="onebitd owns the decoder's settings: change them in onebit.toml (decoder.extra_args) and reload",
+    why="onebitd owns the decoder's settings: change them in onebit.toml (decoder.extra_args) and restart onebitd",
 )
 _SLOT_ACTIONS = Endpoint(
     Kind.REFUSED,

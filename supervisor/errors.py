@@ -41,14 +41,20 @@ class ChildError(OnebitError):
 
 
 class DecoderError(OnebitError):
-    """The decoder did not do what we asked.  ``status`` is the HTTP status we answer with."""
+    """The decoder did not do what we asked.  ``status`` is the HTTP status we answer with.
+
+    ``message`` is for onebitd's operator (the log, the route line): it may name the decoder's
+    socket and an errno.  ``public`` is what a client is told: words, no internals."""
 
     status = 502
     code = "decoder_error"
+    public = "the decoder failed on this request; see onebitd's log"
 
-    def __init__(self, message: str, *, upstream_status: int | None = None) -> None:
+    def __init__(self, message: str, *, upstream_status: int | None = None, public: str | None = None) -> None:
         self.message = message
         self.upstream_status = upstream_status
+        if public is not None:
+            self.public = public
         super().__init__(message)
 
 
@@ -57,6 +63,7 @@ class DecoderUnavailable(DecoderError):
 
     status = 503
     code = "decoder_unavailable"
+    public = "the decoder could not be reached (it may be restarting); try again shortly"
 
 
 class DecoderProtocolError(DecoderError):
@@ -64,6 +71,7 @@ class DecoderProtocolError(DecoderError):
 
     status = 502
     code = "decoder_bad_reply"
+    public = "the decoder answered something onebitd cannot relay; see onebitd's log"
 
 
 class ProviderError(OnebitError):

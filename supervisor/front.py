@@ -242,8 +242,11 @@ class Front:
                 # Refused before _completion (caller, method, body): it logs its own line otherwise.
                 self._refused(path, exc, out)
         except DecoderError as exc:
+            if exc.public != exc.message:
+                # The client is told words; the operator, what happened (a socket, an errno).
+                log.info("%s %s: %s", method, path, exc.message)
             if not out.started:
-                await out.error(exc.status, exc.code, exc.message, retry_after=self._retry_after(exc))
+                await out.error(exc.status, exc.code, exc.public, retry_after=self._retry_after(exc))
 
     async def _dispatch(
         self,
@@ -419,7 +422,7 @@ class Front:
                 except DecoderError as exc:
                     line.outcome, line.error = "error", exc.message
                     if not out.started:
-                        await out.error(exc.status, exc.code, exc.message, retry_after=self._retry_after(exc))
+                        await out.error(exc.status, exc.code, exc.public, retry_after=self._retry_after(exc))
                 except OnebitError as exc:
                     line.outcome, line.error = "error", str(exc)
                     if not out.started:

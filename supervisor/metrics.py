@@ -153,7 +153,7 @@ class Metrics:
             # Served requests only: a 503 or a refusal answered in a fraction of a millisecond would
             # make latency look better the more requests are turned away.
             self.first_byte.labels(line.route).observe(line.first_byte_ms / 1000)
-        if line.route != "plain" and line.prefill_ms:
+        if line.route != "plain" and line.prefill_ms and line.outcome != "cancelled":  # a whole prefill only
             self.prefill.labels(line.route).observe(line.prefill_ms / 1000)
         if line.restore_ms:
             self.restore.observe(line.restore_ms / 1000)

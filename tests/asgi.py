@@ -9,6 +9,7 @@ which is how a response's last byte used to cancel the work after it.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import attrs
@@ -49,10 +50,12 @@ async def call(
     query: str = "",
     *,
     hang_up_on: bytes | None = None,
+    hang_up_after_s: float | None = None,
     body_after_s: float = 0.0,
 ) -> Reply:
     """One request; the client hangs up once the reply is whole, or once a chunk holding
-    ``hang_up_on`` came (as a client that closes on ``data: [DONE]``).  ``body_after_s``: the body
+    ``hang_up_on`` came (as a client that closes on ``data: [DONE]``), or ``hang_up_after_s`` after
+    its body, whatever came by then (no reply at all: status 0).  ``body_after_s``: the body
     comes this long after the head (a slow client; under an autojump clock, no real wait)."""
     sent: list[dict[str, Any]] = []
     finished = trio.Event()
@@ -66,7 +69,8 @@ async def call(
                 await trio.sleep(body_after_s)
             raw = b"" if body is None else json.dumps(body).encode()
             return {"type": "http.request", "body": raw, "more_body": False}
-        await finished.wait()
+        with trio.move_on_after(math.inf if hang_up_after_s is None else hang_up_after_s):
+            await finished.wait()
         return {"type": "http.disconnect"}
 
     async def send(message: dict[str, Any]) -> None:
@@ -87,6 +91,8 @@ async def call(
         "headers": [(k.encode(), v.encode()) for k, v in given.items()],
     }
     await front(scope, receive, send)
+    if not sent:
+        return Reply(0, {}, b"", [])
     [start, *bodies] = sent
     chunks = [m.get("body", b"") for m in bodies]
     return Reply(start["status"], {k.decode(): v.decode() for k, v in start["headers"]}, b"".join(chunks), chunks)

@@ -14,10 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import httpx
 import pytest
 import trio
 import trio.testing
 
+from supervisor.child import ChildState
 from supervisor.completion import Completions, Hybrid
 from supervisor.config import HybridConfig, ServerConfig
 from supervisor.front import Front
@@ -34,7 +36,8 @@ from supervisor.slots import SlotPool
 from . import asgi
 from .asgi import ReadyDecoder, Reply
 from .fake_decoder import Modes
-from .fake_llama import FakeLlama
+from .fake_llama import FakeLlama, HttpxWire
+from .helpers import wait_until
 from .rig import ScriptedProvider
 
 TIMEOUT = 10
@@ -324,7 +327,8 @@ async def test_a_stream_hung_up_after_its_first_token_keeps_its_prompt_in_the_pr
             async with trio.open_nursery() as nursery:
                 await nursery.start(rig.completions.run, stored)
                 await asgi.call(rig.front, "POST", "/completion", body_for(True), hang_up_on=b'"stop": false')
-                await trio.testing.wait_all_tasks_blocked()  # the put runs off the request's path
+                # The put runs off the request's path, its writes in a thread.
+                await wait_until(lambda: store.statistics().stores == 1)
                 nursery.cancel_scope.cancel()
     finally:
         store.close()
@@ -334,3 +338,82 @@ async def test_a_stream_hung_up_after_its_first_token_keeps_its_prompt_in_the_pr
     entry = store.lookup(FakeLlama.tokenize(PROMPT))
     assert entry is not None
     assert entry.n_tokens == M
+
+
+# -- words, and a route line that says what happened ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("state", "words"),
+    [
+        (ChildState.BACKOFF, "the decoder is restarting after a crash; try again shortly"),
+        (ChildState.STARTING, "the decoder is starting (loading its model); try again shortly"),
+    ],
+)
+async def test_a_503_while_the_decoder_is_not_ready_says_so_in_words(
+    tmp_path: Path, state: ChildState, words: str
+) -> None:
+    rig = make_rig(tmp_path, ScriptedProvider())
+    rig.completions.decoder.state = state  # type: ignore[misc]
+    with trio.fail_after(TIMEOUT):
+        reply = await rig.post("/completion", body_for(False))
+    assert reply.status == 503
+    assert reply.json()["error"]["message"] == words
+
+
+async def test_a_decoder_that_cannot_be_reached_is_a_503_without_its_socket_or_errno(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path, ScriptedProvider())
+
+    async def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("[Errno 111] Connection refused: /run/onebit/decoder.sock")
+
+    rig.completions.client._transport = HttpxWire(httpx.MockTransport(refuse))
+    with trio.fail_after(TIMEOUT):
+        reply = await rig.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+    assert reply.status == 503
+    message = reply.json()["error"]["message"]
+    assert message == "the decoder could not be reached (it may be restarting); try again shortly"
+    [line] = rig.lines
+    assert line.error is not None
+    assert "Errno 111" in line.error  # the operator's line keeps what happened
+
+
+async def test_a_client_that_leaves_during_the_providers_prefill_is_logged_on_the_route_it_was_taking(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    provider = ScriptedProvider(prefill_s=10.0)
+    rig = make_rig(tmp_path, provider)
+    rig.completions.configure(attrs.evolve(SETTINGS, route_by="length"))
+    with trio.fail_after(TIMEOUT):
+        reply = await asgi.call(rig.front, "POST", "/completion", body_for(False), hang_up_after_s=1.0)
+    assert reply.status == 0
+    [line] = rig.lines
+    assert (line.route, line.outcome, line.status) == ("file", "cancelled", 499)
+    assert len(provider.jobs) == 1
+    assert line.prefill_ms >= 1000  # it ran until the client left
+    assert state_files(tmp_path) == []
+
+
+async def test_a_prompt_restored_from_the_store_says_stored_and_its_restore_time(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path, ScriptedProvider(ready=False))  # as at start: no provider ready yet
+    store = await PrefixStore.open(tmp_path / "store", fingerprint=FINGERPRINT, max_bytes=1 << 20, min_tokens=4)
+    stored = StoredPrefixes(client=rig.completions.client, state_dir=tmp_path, store=store)
+    try:
+        with trio.fail_after(TIMEOUT):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(rig.completions.run, stored)
+                first = await rig.post("/completion", body_for(False))
+                # The put runs off the request's path, its writes in a thread.
+                await wait_until(lambda: store.statistics().stores == 1)
+                # The decoder restarted: its slots hold nothing, and onebitd knows it.
+                rig.fake.slots = [[], []]
+                rig.completions.decoder.generation += 1  # type: ignore[misc]
+                again = await rig.post("/completion", body_for(False))
+                nursery.cancel_scope.cancel()
+    finally:
+        store.close()
+    assert first.status == again.status == 200
+    cold, warm = rig.lines
+    assert (cold.fallback, cold.restored_tokens, cold.restore_ms) == ("no-provider", None, 0)
+    assert (warm.fallback, warm.restored_tokens) == ("no-provider>stored", M)
+    assert warm.restore_ms > 0

@@ -17,7 +17,7 @@ import trio
 
 from supervisor import config as configuration
 from supervisor.daemon import Daemon, leaves
-from supervisor.errors import ListenError, RuntimeDirInUse
+from supervisor.errors import ConfigError, ListenError, RuntimeDirInUse
 
 from . import fake_provider
 from .helpers import wait_until
@@ -143,3 +143,18 @@ async def test_a_provider_that_failed_its_start_is_named_by_health_and_the_log(
     assert ok.json() == {"status": "ok", "providers_not_ready": ["npu0"]}
     errors = [r.getMessage() for r in caplog.records if r.name == "onebit.daemon" and r.levelno == logging.ERROR]
     assert errors == ["provider npu0 is not ready (exit status 3): requests take the plain route until it is"]
+
+
+def test_a_refused_reload_is_logged_by_the_daemon_whoever_asked(
+    short_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # onebitctl reload (the admin verb) and SIGHUP both call Daemon.reload: the log says why, once.
+    path = short_dir / "onebit.toml"
+    path.write_text(tomli_w.dumps(configuration.unstructure(fake_decoder_config(short_dir))))
+    daemon = Daemon(configuration.load(path), config_path=str(path))
+    path.write_text('[server]\nport = "eighty"\n')
+    caplog.set_level(logging.INFO, logger="onebit.daemon")
+    with pytest.raises(ConfigError):
+        daemon.reload()
+    errors = [r.getMessage() for r in caplog.records if r.name == "onebit.daemon" and r.levelno == logging.ERROR]
+    assert errors == [f'reload refused: {path}: server.port: expected int, got "eighty"']

@@ -238,8 +238,9 @@ async def test_slots_is_501_as_with_no_slots_unless_the_config_serves_it(tmp_pat
 @pytest.mark.parametrize(
     ("path", "query", "words"),
     [
-        ("/props", "", "decoder's settings"),
-        ("/lora-adapters", "", "decoder's settings"),
+        # Changing them needs a restart: a reload says so too.
+        ("/props", "", "(decoder.extra_args) and restart onebitd"),
+        ("/lora-adapters", "", "(decoder.extra_args) and restart onebitd"),
         ("/slots/0", "action=erase", "owns the decoder's slots"),
         ("/slots/1", "action=restore", "owns the decoder's slots"),
     ],
