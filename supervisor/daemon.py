@@ -523,6 +523,14 @@ async def _serve(config: Config, config_path: str) -> None:
             notifier.close()
 
 
+def local_url(config: Config) -> str:
+    """Where a client on this machine reaches the first address of ``server.host`` on
+    ``server.port`` (scripts/run's banner): a wildcard bind answers on loopback too."""
+    host = config.server.host[0].strip("[]")
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    return f"http://[{host}]:{config.server.port}" if ":" in host else f"http://{host}:{config.server.port}"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="onebitd", description="onebit supervisor daemon")
     parser.add_argument("--config", default=os.environ.get("ONEBIT_CONFIG", DEFAULT_CONFIG), help="TOML file")

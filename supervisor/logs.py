@@ -65,5 +65,7 @@ def setup(fmt: str = "logfmt", level: str = "info", stream: TextIO | None = None
     root.addHandler(handler)
     root.setLevel(level.upper())
     # httpx logs every decoder call (health checks included) at INFO: noise next to the route line.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    logging.getLogger("httpcore").setLevel(logging.WARNING)
+    # trio-websocket logs its handshake and frames at DEBUG, six lines per onebitctl call: its own
+    # debugging, not onebitd's (log.level = "debug" is for onebitd's and llama-server's lines).
+    for name, quiet in (("httpx", logging.WARNING), ("httpcore", logging.WARNING), ("trio-websocket", logging.INFO)):
+        logging.getLogger(name).setLevel(quiet)

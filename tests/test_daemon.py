@@ -16,7 +16,7 @@ import tomli_w
 import trio
 
 from supervisor import config as configuration
-from supervisor.daemon import Daemon, leaves
+from supervisor.daemon import Daemon, leaves, local_url
 from supervisor.errors import ConfigError, ListenError, RuntimeDirInUse
 
 from . import fake_provider
@@ -158,3 +158,24 @@ def test_a_refused_reload_is_logged_by_the_daemon_whoever_asked(
         daemon.reload()
     errors = [r.getMessage() for r in caplog.records if r.name == "onebit.daemon" and r.levelno == logging.ERROR]
     assert errors == [f'reload refused: {path}: server.port: expected int, got "eighty"']
+
+
+@pytest.mark.parametrize(
+    ("host", "url"),
+    [
+        ("127.0.0.1", "http://127.0.0.1:18080"),
+        ("0.0.0.0", "http://127.0.0.1:18080"),
+        ("::1", "http://[::1]:18080"),
+        ("::", "http://[::1]:18080"),
+    ],
+)
+def test_scripts_run_names_the_address_its_config_binds(host: str, url: str) -> None:
+    config = configuration.loads(f'[server]\nhost = "{host}"\nport = 18080\n', "mine.toml")
+    assert local_url(config) == url
+    script = (ROOT / "scripts" / "run").read_text()
+    assert "daemon.local_url(" in script
+    assert "on http://127.0.0.1:8080" not in script
+
+
+def test_the_readme_shows_onebitd_with_a_config_file() -> None:
+    assert "onebitd --config " in (ROOT / "README.md").read_text()

@@ -70,3 +70,17 @@ def test_json_logs_put_the_route_lines_fields_at_the_top_level() -> None:
     assert route["level"] == "info"
     assert "msg" not in route
     assert (plain["msg"], plain["logger"]) == ("stopped", "onebit.daemon")
+
+
+@pytest.mark.usefixtures("restore_root_logging")
+def test_log_level_debug_shows_onebitds_debug_lines_but_not_trio_websockets() -> None:
+    stream = io.StringIO()
+    logs.setup("logfmt", "debug", stream)
+    logging.getLogger("onebit.child").debug("decoder| a slot line")
+    logging.getLogger("trio-websocket").debug("server handshake")
+    logging.getLogger("trio-websocket").warning("a real problem")
+    lines = stream.getvalue().splitlines()
+    assert [line.split(" ", 2)[2] for line in lines] == [
+        "onebit.child: decoder| a slot line",
+        "trio-websocket: a real problem",
+    ]
