@@ -6,10 +6,13 @@
         ├── Front.run               HttpServer on server.host:port; one cancel scope per request
         └── signals                 SIGTERM/SIGINT: stop accepting, finish in-flight, stop children
 
-Start order: the decoder is spawned first (so it loads while we bind), then the front binds, then
-``task_status.started`` reports the bound addresses.  Shutdown is the reverse: the front stops
-accepting and waits for in-flight requests up to ``server.shutdown_grace_s``, then the nursery is
-cancelled and every child is stopped and reaped under a shielded scope.
+Start order: the runtime directory's lock, then the front's sockets are bound (a port in use
+stops onebitd before any child is started), then the decoder and the providers are spawned, then
+the front serves and ``task_status.started`` reports the bound addresses; READY=1 follows once the
+decoder is healthy and every provider's first start is over.  Shutdown is the reverse: the front
+stops accepting and waits for in-flight requests up to ``server.shutdown_grace_s``, then the
+nursery is cancelled, every child is stopped and reaped under a shielded scope, and the sockets
+and lock onebitd made are removed.
 """
 
 from __future__ import annotations
