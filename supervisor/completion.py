@@ -646,7 +646,9 @@ class Completions:
                     scanner.feed(chunk)
                     await out.body(chunk, more=True, final=has_final_event(chunk))
             except DecoderError as exc:
-                # Headers are gone already: the client learns of the loss as an error event.
+                # Headers are gone already: the client learns of the loss as an error event, and the
+                # operator from a warning (the route line, at info, says it too).
+                log.warning("%s: the decoder stopped mid-stream: %s", line.req, exc.message)
                 line.outcome = "error"
                 line.error = exc.message
                 await out.body(sse_error(f"the decoder stopped mid-stream ({exc.public})"), more=True)

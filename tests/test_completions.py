@@ -9,7 +9,7 @@ disconnect the server reports once a response has finished.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,7 @@ from supervisor.slots import SlotPool
 from . import asgi
 from .asgi import ReadyDecoder, Reply
 from .fake_decoder import Modes
-from .fake_llama import FakeLlama, HttpxWire
+from .fake_llama import Events, FakeLlama, HttpxWire
 from .helpers import wait_until
 from .rig import ScriptedProvider
 
@@ -417,3 +417,27 @@ async def test_a_prompt_restored_from_the_store_says_stored_and_its_restore_time
     assert (cold.fallback, cold.restored_tokens, cold.restore_ms) == ("no-provider", None, 0)
     assert (warm.fallback, warm.restored_tokens) == ("no-provider>stored", M)
     assert warm.restore_ms > 0
+
+
+async def test_a_stream_the_decoder_drops_mid_way_is_a_warning_and_an_error_event(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    rig = make_rig(tmp_path, ScriptedProvider())
+
+    async def dropped() -> AsyncGenerator[bytes, None]:
+        yield b'data: {"content": "the", "stop": false}\n\n'
+        raise httpx.ReadError("connection reset by peer")
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/completion":
+            return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=Events(dropped()))
+        return await rig.fake.handle(request)
+
+    rig.completions.client._transport = HttpxWire(httpx.MockTransport(handle))
+    with trio.fail_after(TIMEOUT):
+        reply = await rig.post("/completion", body_for(True))
+    assert reply.status == 200
+    assert b'"code": "decoder_lost"' in reply.body
+    [line] = rig.lines
+    assert line.outcome == "error"
+    assert hybrid_warnings(caplog) == [f"{line.req}: the decoder stopped mid-stream: {line.error}"]
