@@ -391,6 +391,7 @@ class Daemon:
             # line naming the key, and no child is started for nothing.
             self.front.bind()
         except BaseException:
+            (self.runtime_dir / LOCK_NAME).unlink(missing_ok=True)  # ours while we hold it
             os.close(lock)
             raise
         prepare_runtime_dir(self.runtime_dir)

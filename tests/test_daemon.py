@@ -56,6 +56,7 @@ def test_a_port_in_use_is_one_line_naming_the_file_and_server_port_and_no_child_
     ]
     assert "Exceptions from Trio nursery" not in done.stderr
     assert control.events("decoder", "start") == []
+    assert not (short_dir / "onebitd.lock").exists()
 
 
 def test_leaves_unwraps_nested_exception_groups() -> None:
