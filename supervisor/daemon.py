@@ -29,7 +29,7 @@ from typing import Any
 import attrs
 import trio
 
-from . import __version__, locate, logs
+from . import __version__, fidelity, locate, logs, openvino
 from . import config as configuration
 from .admin import AdminServer
 from .child import Child, ChildState
@@ -153,6 +153,9 @@ class Daemon:
         self.config_path = config_path
         self.notifier = notifier or Notifier("")
         self.runtime_dir = locate.runtime_dir(config.server.runtime_dir)
+        # One KV layout for every llama-server child, decided before any starts: a provider on the
+        # OpenVINO static path (an NPU) writes files only a unified-KV decoder restores.
+        self.kv_unified = openvino.plans_unified(config.provider, os.environ)
         # The one client of the decoder: the launcher health-checks through it, and every request,
         # handoff and pass-through uses it.
         self.client = DecoderClient(
@@ -168,6 +171,7 @@ class Daemon:
             extra_args=config.decoder.extra_args,
             # The patched decoder keeps its KV on lendable memfd regions only when the share route can run.
             kv_share=share_enabled(config) and config.hybrid.enabled and bool(config.provider),
+            kv_unified=self.kv_unified,
         )
         self.decoder = Child(
             self.launcher,
@@ -225,10 +229,45 @@ class Daemon:
 
     def _provider(self, spec: ProviderConfig) -> Provider:
         if isinstance(spec, LlamaServerProviderConfig):
-            return LlamaServerProvider(spec, self.config, runtime_dir=self.runtime_dir, state_dir=self.state_dir)
+            return LlamaServerProvider(
+                spec,
+                self.config,
+                runtime_dir=self.runtime_dir,
+                state_dir=self.state_dir,
+                kv_unified=self.kv_unified,
+                # The ggml engine is the decoder's own: its handoffs are exact (tests hold them to
+                # identical replies), nothing to measure at start.
+                gate=None if spec.engine == "ggml" else self._fidelity_gate,
+            )
         if isinstance(spec, ExecProviderConfig):
             return ExecProvider(spec)
         return WorkerProvider(spec)
+
+    async def _fidelity_gate(self, provider: Provider) -> str | None:
+        """A provider's start-time check (supervisor/fidelity.py): a few prompts through the decoder's
+        three paths, in a slot held like a request's.  None: admitted; else why it is refused.
+        Raises ProviderError when it cannot finish (the decoder or the provider went away)."""
+        if self.hybrid is None:
+            return None  # no hybrid route: nothing will be handed over
+        await self.decoder.wait_state(ChildState.READY)
+        probe = fidelity.Probe(
+            client=self.client, handoff=self.hybrid.file, timeout_s=self.config.hybrid.prefill_timeout_s
+        )
+        prompts = [await probe.tokens(text) for text in fidelity.START_PROMPTS]
+        started = trio.current_time()
+        async with self.slots.hold() as slot:
+            try:
+                samples = [
+                    await probe.sample(provider, slot, tokens, req=f"fidelity-{provider.name}-{i}")
+                    for i, tokens in enumerate(prompts)
+                ]
+            finally:
+                self.slots.forget(slot)
+        verdict = fidelity.judge(samples)
+        if not verdict.ok:
+            return f"{verdict.summary()}: over the bound"
+        log.info("%s: admitted in %.1fs: %s", provider.name, trio.current_time() - started, verdict.summary())
+        return None
 
     # -- what the admin verbs and the metrics read -------------------------------------------------
 
@@ -288,6 +327,7 @@ class Daemon:
             front=self.front.statistics(),
             restore_unused=self.completions.restore_unused,
             store=self.store.statistics(),
+            providers=tuple(self.providers.statistics()),
         )
 
     def inflight_count(self) -> int:

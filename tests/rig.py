@@ -292,6 +292,8 @@ class ScriptedProvider:
     name: str = "scripted"
     kind: str = "scripted"
     supports_share: bool = False
+    engine: str | None = None
+    device: str | None = None
     ready: bool = True
     busy: int = 0
     jobs: list[PrefillJob] = attrs.Factory(list)

@@ -5,25 +5,44 @@ command lines come from the one [model] section) and saves into the decoder's ``
 so the state file it writes is one the decoder's restore accepts.  A job is
 ``POST /completion {"prompt": tokens, "n_predict": 0, "id_slot": k}`` then
 ``POST /slots/k?action=save {"filename": <name>}``; cancelling it closes that request.
+
+Its ``engine`` is ggml (the decoder's own, on the CPU) or OpenVINO (supervisor/openvino.py).  An
+OpenVINO provider asks its runtime for its device before its first start, runs with its compile
+cache under onebitd's cache directory, and on the static path (an NPU) with one slot.  Its start is
+gated twice: llama-server's /health (the model loaded, the warm-up graph compiled), then ``gate``
+(the daemon's fidelity check, supervisor/fidelity.py), run once; a provider the gate refuses runs no
+job, says why in ``statistics().refused``, and the other providers go on.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import secrets
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import trio
 
+from .. import openvino
 from ..child import Child, ChildState
 from ..config import Config
 from ..config import LlamaServerProvider as LlamaServerProviderConfig
 from ..decoder import DecoderClient
-from ..errors import DecoderError, ProviderError
+from ..errors import ChildError, DecoderError, ProviderError
 from ..llama_server import LlamaServerLauncher, connection_limit
 from ..share_worker import Refused, write_saved_state
 from ..slots import PromptKey, SlotPool
 from .base import Claim, Job, JobCounts, PrefillJob, ProviderStatistics, ShareJob
+
+log = logging.getLogger("onebit.provider")
+
+# The start-time check a provider passes before its first job: None, or why it is refused.
+Gate = Callable[["LlamaServerProvider"], Awaitable[str | None]]
+# A check that raised ProviderError (a child restarting under it) is tried again this much later:
+# about what a llama-server restart takes with the small models this runs.
+GATE_RETRY_S = 5.0
 
 
 class LlamaServerProvider:
@@ -32,39 +51,131 @@ class LlamaServerProvider:
     # from the saved file into the decoder's lent region (supervisor/share_worker.py's format).
     supports_share = True
 
-    def __init__(self, spec: LlamaServerProviderConfig, config: Config, *, runtime_dir: Path, state_dir: Path) -> None:
+    def __init__(
+        self,
+        spec: LlamaServerProviderConfig,
+        config: Config,
+        *,
+        runtime_dir: Path,
+        state_dir: Path,
+        kv_unified: bool = False,
+        gate: Gate | None = None,
+    ) -> None:
         self.name = spec.name
+        self.spec = spec
         self.state_dir = state_dir
+        self.engine: str | None = spec.engine
+        # ggml runs on the CPU; an OpenVINO device is known once its runtime was asked (run()).
+        self.device: str | None = "CPU" if spec.engine == "ggml" else None
+        self.compile_dir = openvino.compile_dir(config.cache.compile_dir)
+        self.gate = gate
+        self.refused: str | None = None
+        self._admitted = gate is None
+        openvino_binary = openvino.llama_server(spec.binary) if spec.engine == "openvino" else None
         self.launcher = LlamaServerLauncher(
             f"provider-{spec.name}",
             config,
             binary=spec.binary or config.decoder.binary,
+            binary_path=openvino_binary,
             client=DecoderClient(
                 runtime_dir / f"provider-{spec.name}.sock", max_connections=connection_limit(config.model.parallel)
             ),
             slot_save_path=state_dir,
             threads=spec.threads,
             extra_args=spec.extra_args,
+            kv_unified=kv_unified,
         )
         self.child = Child(self.launcher, spec.health, spec.restart, cpu_affinity=spec.cpu_affinity)
-        # Its own slots, as many as the decoder's (-np is shared); jobs beyond that wait their turn.
-        self.slots = SlotPool(config.model.parallel, queue_limit=1 << 16)
+        # Its own slots, as many as the decoder's (-np is shared) but on the static path; jobs beyond
+        # that wait their turn.
+        self.parallel = config.model.parallel
+        self.slots = SlotPool(self.parallel, queue_limit=1 << 16)
         self.counts = JobCounts()
 
     @property
     def ready(self) -> bool:
-        return self.child.state is ChildState.READY
+        return self.child.state is ChildState.READY and self._admitted
 
     @property
     def busy(self) -> int:
         return self.counts.busy
 
+    @property
+    def static(self) -> bool:
+        """On the OpenVINO backend's static-shape path (an NPU, or forced): one slot."""
+        return (
+            self.engine == "openvino"
+            and self.device is not None
+            and openvino.is_static(self.device, self.spec.static_shapes, os.environ)
+        )
+
     async def run(self, *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
         try:
-            await self.child.run(task_status=task_status)
+            if self.engine == "openvino":
+                try:
+                    await self._choose_device()
+                except ChildError as exc:
+                    self._refuse(str(exc))
+                    task_status.started(self.child)
+                    await trio.sleep_forever()
+            async with trio.open_nursery() as nursery:
+                child = await nursery.start(self.child.run)
+                task_status.started(child)
+                if not await self._admit():
+                    # Nothing will be sent to it: its memory (an OpenVINO server's is about 850 MB)
+                    # goes back.
+                    nursery.cancel_scope.cancel()
+            await trio.sleep_forever()
         finally:
             with trio.CancelScope(shield=True):
                 await self.launcher.client.aclose()
+
+    async def _choose_device(self) -> None:
+        """Ask the runtime which devices there are; set the device, its variables and slots."""
+        available = await openvino.list_devices(self.launcher.binary)
+        device = openvino.choose_device(self.spec.device, available)
+        if device is None:
+            raise ChildError(f"device {self.spec.device} is not among the runtime's devices ({', '.join(available)})")
+        self.device = device
+        static = openvino.is_static(device, self.spec.static_shapes, os.environ)
+        self.launcher.engine_env = openvino.environment(
+            device, static_shapes=self.spec.static_shapes, cache=self.compile_dir
+        )
+        if static:
+            self.parallel = 1
+            self.launcher.parallel = 1
+            self.slots = SlotPool(1, queue_limit=1 << 16)
+        log.info(
+            "%s: engine openvino, device %s (of %s)%s; compile cache %s",
+            self.name,
+            device,
+            ", ".join(available),
+            ", static shapes, one slot" if static else "",
+            self.compile_dir,
+        )
+
+    async def _admit(self) -> bool:
+        """Once its child is ready, run the gate: admitted (True) for as long as the daemon runs, or
+        refused (False).  A gate that cannot finish (the child or the decoder died under it) runs again."""
+        if self.gate is None:
+            return True
+        while True:
+            await self.child.wait_state(ChildState.READY)
+            try:
+                why = await self.gate(self)
+            except ProviderError as exc:
+                log.warning("%s: the start-time check did not finish (%s); again in %gs", self.name, exc, GATE_RETRY_S)
+                await trio.sleep(GATE_RETRY_S)
+                continue
+            if why is not None:
+                self._refuse(why)
+                return False
+            self._admitted = True
+            return True
+
+    def _refuse(self, why: str) -> None:
+        self.refused = why
+        log.error("%s: refused for this model, the other providers go on: %s", self.name, why)
 
     def cached_tokens(self, tokens: tuple[int, ...]) -> int:
         return self.slots.best_cached(PromptKey(tokens=tokens))
@@ -121,7 +232,15 @@ class LlamaServerProvider:
             path.unlink(missing_ok=True)
 
     def statistics(self) -> ProviderStatistics:
-        return self.counts.statistics(self.name, self.kind, ready=self.ready, child=self.child.statistics())
+        return self.counts.statistics(
+            self.name,
+            self.kind,
+            ready=self.ready,
+            child=self.child.statistics(),
+            engine=self.engine,
+            device=self.device,
+            refused=self.refused,
+        )
 
 
 def _message(data: Any) -> str:
