@@ -127,7 +127,7 @@ def judge(samples: Sequence[Sample], *, factor: float = FACTOR, floor: float = F
 
 
 # The prompts of the start-time check: a few ordinary sentences of different kinds, each long enough
-# (100-200 tokens with SmolLM2's tokenizer) for the provider's KV to carry the next token.  A few
+# (70-120 tokens with SmolLM2's tokenizer) for the provider's KV to carry the next token.  A few
 # prompts, not thirty: the check runs at every start, on the decoder's time.
 START_PROMPTS = (
     "The water cycle describes how water evaporates from oceans, lakes and rivers, rises as vapour, "
@@ -149,6 +149,45 @@ START_PROMPTS = (
     "warm place for an hour, until it has doubled in size. Knock it back, shape it into a loaf, and "
     "let it rise again for half an hour. Bake at 220 degrees for",
 )
+
+
+# What the longer prompt sets are made of (the real-parts test's 30, the benchmark's): each of
+# START_PROMPTS' kinds of text on other subjects.
+_SUBJECTS = (
+    "volcanoes",
+    "the printing press",
+    "honey bees",
+    "railway signalling",
+    "the immune system",
+    "glaciers",
+    "medieval castles",
+    "solar panels",
+    "octopuses",
+    "the stock market",
+)
+_FRAMES = (
+    "Here is a short encyclopedia article about {s}. It covers where the idea comes from, how it works "
+    "in practice, what people commonly get wrong about it, and why it still matters today. The first "
+    "section explains the basic mechanism in plain words, with one example that most readers will "
+    "recognise from daily life. The second section, which follows, begins like this:",
+    "Question from a student: my teacher asked us to write a paragraph about {s}, but I do not know "
+    "where to start. Could you list three facts about {s} that are surprising, and say for each one "
+    "why it is true? Please keep the language simple, since the paragraph is for a class of "
+    "twelve-year-olds, and end with a question they could discuss together. Answer:",
+    "Meeting notes, project review. Attendees discussed the exhibition about {s} planned for spring. "
+    "The budget is fixed; the venue is confirmed for four weeks. Open items: the opening talk, the "
+    "printed guide, and whether to add an interactive corner about {s} for children. Action items "
+    "were assigned as follows. First,",
+)
+
+
+def prompt_set(n: int) -> list[str]:
+    """``n`` distinct prompts of 60-120 tokens (SmolLM2's tokenizer): the start prompts, then frames x subjects."""
+    texts = list(START_PROMPTS)
+    texts += [frame.format(s=subject) for subject in _SUBJECTS for frame in _FRAMES]
+    if n > len(texts):
+        raise ValueError(f"at most {len(texts)} prompts")
+    return texts[:n]
 
 
 class Probe:

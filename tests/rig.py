@@ -23,7 +23,7 @@ import pytest
 import trio
 
 from supervisor import config as configuration
-from supervisor import locate
+from supervisor import locate, openvino
 from supervisor.child import ChildState
 from supervisor.config import Config
 from supervisor.daemon import Daemon, Started
@@ -45,6 +45,15 @@ def real_llama_server() -> Path:
     found = locate.llama_server("")
     if found is None or not found.is_file():
         pytest.fail("no llama-server: run scripts/setup (it builds one into the cache)")
+    return found
+
+
+def openvino_llama_server() -> Path:
+    """The OpenVINO llama-server; a test that needs it skips, naming what would provide it, only
+    when there is none."""
+    found = openvino.llama_server("")
+    if found is None or not found.is_file():
+        pytest.skip(f"no OpenVINO llama-server: set {openvino.BINARY_ENV} to one (scripts/setup builds it)")
     return found
 
 
