@@ -234,8 +234,9 @@ class HybridConfig:
     handoff_ms_per_mib: float = field(default=1.0, validator=_at_least(0))
 
 
-# What a llama-server provider computes on: ggml (the decoder's own engine, on the CPU) or OpenVINO.
-ENGINES = ("ggml", "openvino")
+# What a llama-server provider computes on: ggml (the decoder's own engine, on the CPU), OpenVINO, or
+# "auto": OpenVINO where its llama-server is found, else ggml.
+ENGINES = ("ggml", "openvino", "auto")
 # An OpenVINO device: "auto" (the runtime's own list, NPU first), or one the runtime names; GPU.0,
 # GPU.1 pick one of several GPUs as OpenVINO numbers them.
 _DEVICE = re.compile(r"auto|NPU|CPU|GPU(\.[0-9]+)?")
@@ -252,10 +253,11 @@ class LlamaServerProvider:
 
     name: str = field(validator=_name)
     # Empty: for engine "ggml" the same lookup as decoder.binary; for "openvino"
-    # $ONEBIT_LLAMA_SERVER_OPENVINO, else the OpenVINO build scripts/setup cached.
+    # $ONEBIT_LLAMA_SERVER_OPENVINO, else the OpenVINO build scripts/setup cached.  "auto" finds its
+    # own (an error when set).
     binary: str = ""
     engine: str = field(default="ggml", validator=_one_of(*ENGINES))
-    # OpenVINO only (an error with engine "ggml"); empty: "auto".
+    # OpenVINO only (an error with engine "ggml"; with "auto", used when it is OpenVINO); empty: "auto".
     device: str = field(default="", validator=_device)
     # OpenVINO only: the static-shape path an NPU takes (one slot, fixed chunks), on any device
     # (GGML_OPENVINO_FORCE_STATIC=1): what tests and a machine without an NPU can exercise.
@@ -564,7 +566,12 @@ def check(config: Config, source: str) -> None:
         for i, cpu in enumerate(provider.cpu_affinity):
             if cpu < 0 or cpu >= (os.cpu_count() or 1):
                 errors.append(f"{source}: provider[{index}].cpu_affinity[{i}]: no such CPU {cpu}")
-        if isinstance(provider, LlamaServerProvider) and provider.engine != "openvino":
+        if isinstance(provider, LlamaServerProvider) and provider.engine == "auto" and provider.binary:
+            errors.append(
+                f'{source}: provider[{index}].binary: engine "auto" looks for its own (an OpenVINO build, else'
+                " the ggml one); name the engine with the binary"
+            )
+        if isinstance(provider, LlamaServerProvider) and provider.engine == "ggml":
             for key, value in (("device", provider.device), ("static_shapes", provider.static_shapes)):
                 if value:
                     errors.append(
@@ -614,7 +621,8 @@ def path_problems(config: Config) -> list[str]:
                 f"empty, and no OpenVINO llama-server was found (run scripts/setup, or set {openvino.BINARY_ENV})",
             )
         elif isinstance(provider, LlamaServerProvider):
-            binary = provider.binary or config.decoder.binary
+            # "auto" without an OpenVINO build is the ggml engine, with the decoder's binary.
+            binary = (provider.binary if provider.engine == "ggml" else "") or config.decoder.binary
             lines += locate.executable_problem(
                 f"{key}.binary", locate.llama_server(binary), "empty, and no llama-server was found (run scripts/setup)"
             )

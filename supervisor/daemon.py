@@ -43,6 +43,7 @@ from .front import Front
 from .llama_server import LlamaServerLauncher, connection_limit, model_alias, server_version
 from .metrics import LiveStatistics, Metrics
 from .notify import Notifier, run_watchdog, watchdog_interval
+from .openvino import UNIFIED_ARGS
 from .prefix_store import PrefixStore, open_prefix_store
 from .providers import Provider, Providers
 from .providers.exec import ExecProvider
@@ -153,9 +154,6 @@ class Daemon:
         self.config_path = config_path
         self.notifier = notifier or Notifier("")
         self.runtime_dir = locate.runtime_dir(config.server.runtime_dir)
-        # One KV layout for every llama-server child, decided before any starts: a provider on the
-        # OpenVINO static path (an NPU) writes files only a unified-KV decoder restores.
-        self.kv_unified = openvino.plans_unified(config.provider, os.environ)
         # The one client of the decoder: the launcher health-checks through it, and every request,
         # handoff and pass-through uses it.
         self.client = DecoderClient(
@@ -171,7 +169,6 @@ class Daemon:
             extra_args=config.decoder.extra_args,
             # The patched decoder keeps its KV on lendable memfd regions only when the share route can run.
             kv_share=share_enabled(config) and config.hybrid.enabled and bool(config.provider),
-            kv_unified=self.kv_unified,
         )
         self.decoder = Child(
             self.launcher,
@@ -209,6 +206,7 @@ class Daemon:
         )
         self.admin = AdminServer(self, self.runtime_dir / "admin.sock")
         self.store = PrefixStore.disabled("not opened yet", level=logging.DEBUG)
+        self.kv_unified = False  # decided by run(), before any child starts
         self._stop = trio.Event()
         self._started_at = time.time()
         self._started_clock = 0.0
@@ -234,10 +232,9 @@ class Daemon:
                 self.config,
                 runtime_dir=self.runtime_dir,
                 state_dir=self.state_dir,
-                kv_unified=self.kv_unified,
                 # The ggml engine is the decoder's own: its handoffs are exact (tests hold them to
                 # identical replies), nothing to measure at start.
-                gate=None if spec.engine == "ggml" else self._fidelity_gate,
+                gate=None if openvino.engine_of(spec.engine, spec.binary) == "ggml" else self._fidelity_gate,
             )
         if isinstance(spec, ExecProviderConfig):
             return ExecProvider(spec)
@@ -396,6 +393,7 @@ class Daemon:
         prepare_runtime_dir(self.runtime_dir)
         self._started_clock = trio.current_time()
         try:
+            await self._choose_layout()
             async with self._open_store() as store, trio.open_nursery() as nursery:
                 await nursery.start(self.decoder.run)
                 for provider in self.providers.all:
@@ -423,6 +421,23 @@ class Daemon:
             os.close(lock)
             log.info("stopped")
 
+    def _llama_providers(self) -> list[LlamaServerProvider]:
+        return [p for p in self.providers.all if isinstance(p, LlamaServerProvider)]
+
+    async def _choose_layout(self) -> None:
+        """Before any child starts: each OpenVINO provider's device (its runtime's list), then one KV
+        layout for every llama-server child.  A provider on the static path (an NPU) writes files with
+        one KV stream, which only a unified-KV decoder restores (supervisor/openvino.py)."""
+        for provider in self._llama_providers():
+            if provider.engine == "openvino" and provider.device is None:
+                await provider.choose_device()
+        self.kv_unified = any(p.static for p in self._llama_providers() if p.refused is None)
+        if self.kv_unified:
+            log.info("a provider takes the static path: every llama-server runs with %s", " ".join(UNIFIED_ARGS))
+        self.launcher.kv_unified = self.kv_unified
+        for provider in self._llama_providers():
+            provider.launcher.kv_unified = self.kv_unified
+
     @asynccontextmanager
     async def _open_store(self) -> AsyncIterator[PrefixStore]:
         """The prefix store ``[cache]`` describes; off (one log line) when it cannot work."""
@@ -437,7 +452,8 @@ class Daemon:
         except ChildError as exc:
             yield PrefixStore.disabled(f"cannot tell the decoder's version: {exc}")
             return
-        async with open_prefix_store(self.config, version) as store:
+        engines = [p.describe for p in self._llama_providers()]
+        async with open_prefix_store(self.config, version, kv_unified=self.kv_unified, engines=engines) as store:
             yield store
 
     async def _drain_for_stop(self) -> None:

@@ -22,10 +22,10 @@ import attrs
 import trio
 
 from . import locate
-from .config import Config, LlamaServerProvider, ModelConfig
+from .config import Config, ModelConfig
 from .decoder import DecoderClient
 from .errors import ChildError
-from .openvino import UNIFIED_ARGS, plans_unified
+from .openvino import UNIFIED_ARGS
 from .process import ChildProcess
 
 # The patched llama-server's switch (scripts/llama-server-share.patch): its KV cache on memfd regions.
@@ -107,15 +107,17 @@ class LlamaServerLauncher:
             # relays them at /metrics/decoder.  Counting costs nothing measurable; exposing is opt-in.
             "--metrics",
         ]  # fmt: skip
-        if kv_unified:
-            self._rest += list(UNIFIED_ARGS)
+        # The daemon's layout, set once it has asked its OpenVINO providers for their devices and
+        # before any child starts.
+        self.kv_unified = kv_unified
         if threads:
             self._rest += ["-t", str(threads)]
         self._rest += list(extra_args)
 
     def argv(self) -> Sequence[str]:
         model, path = self._model
-        return [str(self.binary), *model_args(model, path, parallel=self.parallel), *self._rest]
+        unified = list(UNIFIED_ARGS) if self.kv_unified else []
+        return [str(self.binary), *model_args(model, path, parallel=self.parallel), *unified, *self._rest]
 
     @property
     def env(self) -> Mapping[str, str] | None:
@@ -185,17 +187,20 @@ class StateFingerprint:
     cache_type_v: str
     extra_args: tuple[str, ...]
     # The KV layout every llama-server child runs with (supervisor/openvino.py's UNIFIED_ARGS), and
-    # what each llama-server provider computes on, ``name=engine/device`` (the configured device:
-    # "auto" is resolved after the store opens).  A slot saved after a handed-over prompt holds the
-    # provider's KV, which another engine or device computes differently.  Both are left out of the
-    # sidecar where they say nothing new (no unified layout; every provider the decoder's own
-    # engine), so a store made before they existed stays valid.
+    # what each llama-server provider computes on, ``name=engine/device`` (``/static`` on the static
+    # path).  A slot saved after a handed-over prompt holds the provider's KV, which another engine
+    # or device computes differently.  Both are left out of the sidecar where they say nothing new
+    # (no unified layout; every provider the decoder's own engine), so a store made before they
+    # existed stays valid.
     kv_unified: bool = False
     engines: tuple[str, ...] = ()
 
     @classmethod
-    def of(cls, config: Config, server_version: str) -> StateFingerprint:
-        """The running decoder's fingerprint.  Reads the model file: raises OSError."""
+    def of(
+        cls, config: Config, server_version: str, *, kv_unified: bool = False, engines: Sequence[str] = ()
+    ) -> StateFingerprint:
+        """The running decoder's fingerprint (``kv_unified`` and ``engines``: what the daemon resolved
+        at start).  Reads the model file: raises OSError."""
         path = locate.model_path(config.model.path)
         if path is None:
             raise FileNotFoundError("no model file (config.check() vets it)")
@@ -216,13 +221,8 @@ class StateFingerprint:
             cache_type_k=m.cache_type_k,
             cache_type_v=m.cache_type_v,
             extra_args=tuple(config.decoder.extra_args),
-            kv_unified=plans_unified(config.provider, os.environ),
-            engines=tuple(
-                f"{p.name}={p.engine}/{p.device or ('auto' if p.engine == 'openvino' else 'CPU')}"
-                + ("/static" if p.static_shapes else "")
-                for p in config.provider
-                if isinstance(p, LlamaServerProvider)
-            ),
+            kv_unified=kv_unified,
+            engines=tuple(engines),
         )
 
     def as_json(self) -> dict[str, Any]:

@@ -15,8 +15,9 @@ answers for the drivers of this machine, not those of whatever wheel Python woul
 
 The static path serves one sequence (``-np 1``) and writes slot files with one KV stream: a decoder
 whose ``-np`` is above 1 keeps one stream per slot and refuses them (``n_stream mismatch``), one
-started with ``--kv-unified`` accepts them.  :func:`plans_unified` decides it for the whole
-daemon from the config, before the decoder starts: ``auto`` may resolve to an NPU, so it plans for one.
+started with ``--kv-unified`` accepts them.  The daemon therefore asks every OpenVINO provider's
+runtime for its devices before the decoder starts, and starts every llama-server child with
+:data:`UNIFIED_ARGS` when one provider takes the static path.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import trio
 
@@ -106,18 +106,12 @@ def is_static(device: str, static_shapes: bool, environ: Mapping[str, str]) -> b
     return device.startswith("NPU") or static_shapes or forced_static(environ)
 
 
-def may_be_static(device: str, static_shapes: bool, environ: Mapping[str, str]) -> bool:
-    """Before the device is known: "auto" may turn out an NPU."""
-    return device in ("", "auto") or is_static(device, static_shapes, environ)
-
-
-def plans_unified(providers: Sequence[Any], environ: Mapping[str, str]) -> bool:
-    """Whether every llama-server child runs with :data:`UNIFIED_ARGS`: some OpenVINO provider may
-    take the static path.  ``providers``: the config's [[provider]] tables."""
-    return any(
-        getattr(p, "engine", "ggml") == "openvino" and may_be_static(p.device, p.static_shapes, environ)
-        for p in providers
-    )
+def engine_of(engine: str, binary: str) -> str:
+    """A provider's engine: "auto" is openvino where an OpenVINO llama-server is found, else ggml."""
+    if engine != "auto":
+        return engine
+    found = llama_server(binary)
+    return "openvino" if found is not None and found.is_file() else "ggml"
 
 
 def environment(device: str, *, static_shapes: bool, cache: Path) -> dict[str, str]:

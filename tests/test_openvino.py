@@ -83,7 +83,7 @@ def test_the_engine_defaults_to_ggml_and_an_unknown_engine_or_device_is_named(si
     assert config.provider[0].engine == "ggml"  # type: ignore[union-attr]
     assert sorted(problems(site, ov(site, engine="cuda", device="TPU"))) == [
         'site.toml: provider[0].device: expected one of auto, NPU, GPU, GPU.<n>, CPU, got "TPU"',
-        'site.toml: provider[0].engine: expected one of ggml, openvino, got "cuda"',
+        'site.toml: provider[0].engine: expected one of ggml, openvino, auto, got "cuda"',
     ]
 
 
@@ -107,31 +107,27 @@ def test_an_openvino_provider_without_a_binary_names_the_variable(
     assert problems(site, ov(site, binary="")) == []
 
 
-@pytest.mark.parametrize(
-    ("keys", "unified"),
-    [
-        ({"device": "CPU"}, False),
-        ({"device": "GPU"}, False),
-        ({"device": "NPU"}, True),
-        ({"device": "auto"}, True),  # it may be an NPU
-        ({}, True),
-        ({"device": "CPU", "static_shapes": True}, True),
-    ],
-)
-def test_the_kv_layout_is_unified_when_an_openvino_provider_may_take_the_static_path(
-    site: dict[str, Any], keys: dict[str, Any], unified: bool
+def test_the_static_path_is_an_npus_or_forced_by_the_config_or_the_environment() -> None:
+    assert openvino.is_static("NPU", False, {})
+    assert not openvino.is_static("CPU", False, {})
+    assert openvino.is_static("CPU", True, {})
+    assert openvino.is_static("GPU.0", False, {openvino.FORCE_STATIC_ENV: "1"})
+    assert not openvino.is_static("GPU.0", False, {openvino.FORCE_STATIC_ENV: "0"})
+
+
+def test_engine_auto_is_openvino_where_its_binary_is_found_else_ggml(
+    site: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    config = configuration.loads(tomli_w.dumps({**site, "provider": [ov(site, **keys)]}), SOURCE)
-    assert openvino.plans_unified(config.provider, {}) is unified
-
-
-def test_a_forced_static_environment_unifies_every_openvino_provider_and_no_ggml_one(site: dict[str, Any]) -> None:
-    forced = {openvino.FORCE_STATIC_ENV: "1"}
-    with_ov = configuration.loads(tomli_w.dumps({**site, "provider": [ov(site, device="CPU")]}), SOURCE)
-    ggml = configuration.loads(tomli_w.dumps({**site, "provider": [{"kind": "llama-server", "name": "p"}]}), SOURCE)
-    assert openvino.plans_unified(with_ov.provider, forced)
-    assert not openvino.plans_unified(ggml.provider, forced)
-    assert not openvino.plans_unified(with_ov.provider, {openvino.FORCE_STATIC_ENV: "0"})
+    monkeypatch.delenv(openvino.BINARY_ENV, raising=False)
+    assert openvino.engine_of("auto", "") == "ggml"
+    monkeypatch.setenv(openvino.BINARY_ENV, site["decoder"]["binary"])
+    assert openvino.engine_of("auto", "") == "openvino"
+    assert openvino.engine_of("ggml", "") == "ggml"
+    assert problems(site, {"kind": "llama-server", "name": "p", "engine": "auto", "device": "NPU"}) == []
+    assert problems(site, {"kind": "llama-server", "name": "p", "engine": "auto", "binary": "/x"}) == [
+        'site.toml: provider[0].binary: engine "auto" looks for its own (an OpenVINO build, else the ggml one);'
+        " name the engine with the binary"
+    ]
 
 
 def test_a_provider_runs_with_its_device_and_its_compile_cache_in_the_cache_directory(tmp_path: Path) -> None:
@@ -183,14 +179,14 @@ def test_a_unified_launcher_adds_the_layout_flags_and_a_static_one_serves_one_sl
 def test_the_state_fingerprint_names_engines_and_layout_only_where_they_differ_from_ggml(
     site: dict[str, Any],
 ) -> None:
-    ggml = configuration.loads(tomli_w.dumps({**site, "provider": [{"kind": "llama-server", "name": "p"}]}), SOURCE)
-    before = StateFingerprint.of(ggml, "version: 1").as_json()
+    config = configuration.loads(tomli_w.dumps(site), SOURCE)
+    before = StateFingerprint.of(config, "version: 1").as_json()
     assert "engines" not in before
     assert "kv_unified" not in before
-    mixed = configuration.loads(
-        tomli_w.dumps({**site, "provider": [{"kind": "llama-server", "name": "p"}, ov(site, device="NPU")]}), SOURCE
-    )
-    after = StateFingerprint.of(mixed, "version: 1").as_json()
-    assert after["engines"] == ["p=ggml/CPU", "ov=openvino/NPU"]
+    assert StateFingerprint.of(config, "version: 1", engines=["p=ggml/CPU"]).as_json() == before
+    after = StateFingerprint.of(
+        config, "version: 1", kv_unified=True, engines=["p=ggml/CPU", "ov=openvino/NPU/static"]
+    ).as_json()
+    assert after["engines"] == ["p=ggml/CPU", "ov=openvino/NPU/static"]
     assert after["kv_unified"] is True
     assert {k: v for k, v in after.items() if k not in ("engines", "kv_unified")} == before

@@ -18,7 +18,7 @@ from supervisor.config import LlamaServerProvider as LlamaServerProviderConfig
 from supervisor.providers.llama import LlamaServerProvider
 
 from .helpers import reaped, wait_until
-from .rig import FAKE_DECODER, fake_decoder_config
+from .rig import FAKE_DECODER, fake_decoder_config, run_daemon
 
 DEVICES = (
     "Available devices:\n"
@@ -156,3 +156,35 @@ async def test_a_provider_is_not_ready_until_its_gate_admits_it(short_dir: Path)
             await wait_until(lambda: provider.ready)
             nursery.cancel_scope.cancel()
     assert seen_ready == [False]
+
+
+@pytest.mark.parametrize(("device", "unified"), [("auto", True), ("CPU", False)])
+@pytest.mark.usefixtures("control")
+async def test_the_daemon_asks_for_devices_before_the_decoder_starts_and_unifies_every_kv_for_an_npu(
+    short_dir: Path, device: str, unified: bool
+) -> None:
+    binary = openvino_binary(short_dir)
+    config = fake_decoder_config(
+        short_dir,
+        model={"parallel": 4},
+        cache={"compile_dir": str(short_dir / "ov")},
+        provider=[
+            {"kind": "llama-server", "name": "ov", "engine": "openvino", "device": device, "binary": str(binary)}
+        ],
+    )
+    with trio.fail_after(30):
+        async with run_daemon(config) as running:
+            (provider,) = running.daemon.providers.all
+            assert isinstance(provider, LlamaServerProvider)
+            await wait_until(lambda: provider.ready)
+            decoder_argv = list(running.daemon.launcher.argv())
+            provider_argv = list(provider.launcher.argv())
+            fingerprint = running.daemon.store.fingerprint
+    assert provider.device == ("NPU" if unified else "CPU")
+    assert ("--kv-unified" in decoder_argv) is unified
+    assert ("--kv-unified" in provider_argv) is unified
+    assert decoder_argv[decoder_argv.index("-np") + 1] == "4"
+    assert provider_argv[provider_argv.index("-np") + 1] == ("1" if unified else "4")
+    assert fingerprint is not None
+    assert fingerprint.engines == (("ov=openvino/NPU/static",) if unified else ("ov=openvino/CPU",))
+    assert fingerprint.kv_unified is unified

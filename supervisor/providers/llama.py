@@ -64,18 +64,19 @@ class LlamaServerProvider:
         self.name = spec.name
         self.spec = spec
         self.state_dir = state_dir
-        self.engine: str | None = spec.engine
-        # ggml runs on the CPU; an OpenVINO device is known once its runtime was asked (run()).
-        self.device: str | None = "CPU" if spec.engine == "ggml" else None
+        engine = openvino.engine_of(spec.engine, spec.binary)
+        self.engine: str | None = engine
+        # ggml runs on the CPU; an OpenVINO device is known once its runtime was asked (choose_device).
+        self.device: str | None = "CPU" if engine == "ggml" else None
         self.compile_dir = openvino.compile_dir(config.cache.compile_dir)
         self.gate = gate
         self.refused: str | None = None
         self._admitted = gate is None
-        openvino_binary = openvino.llama_server(spec.binary) if spec.engine == "openvino" else None
+        openvino_binary = openvino.llama_server(spec.binary) if engine == "openvino" else None
         self.launcher = LlamaServerLauncher(
             f"provider-{spec.name}",
             config,
-            binary=spec.binary or config.decoder.binary,
+            binary=(spec.binary if spec.engine != "auto" else "") or config.decoder.binary,
             binary_path=openvino_binary,
             client=DecoderClient(
                 runtime_dir / f"provider-{spec.name}.sock", max_connections=connection_limit(config.model.parallel)
@@ -109,15 +110,18 @@ class LlamaServerProvider:
             and openvino.is_static(self.device, self.spec.static_shapes, os.environ)
         )
 
+    @property
+    def describe(self) -> str:
+        """``name=engine/device``, ``/static`` on the static path: for the state fingerprint."""
+        return f"{self.name}={self.engine}/{self.device or '?'}" + ("/static" if self.static else "")
+
     async def run(self, *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
         try:
-            if self.engine == "openvino":
-                try:
-                    await self._choose_device()
-                except ChildError as exc:
-                    self._refuse(str(exc))
-                    task_status.started(self.child)
-                    await trio.sleep_forever()
+            if self.engine == "openvino" and self.device is None and self.refused is None:
+                await self.choose_device()
+            if self.refused is not None:
+                task_status.started(self.child)
+                await trio.sleep_forever()
             async with trio.open_nursery() as nursery:
                 child = await nursery.start(self.child.run)
                 task_status.started(child)
@@ -130,12 +134,19 @@ class LlamaServerProvider:
             with trio.CancelScope(shield=True):
                 await self.launcher.client.aclose()
 
-    async def _choose_device(self) -> None:
-        """Ask the runtime which devices there are; set the device, its variables and slots."""
-        available = await openvino.list_devices(self.launcher.binary)
+    async def choose_device(self) -> None:
+        """Ask the runtime which devices there are; set the device, its variables and slots.  A
+        runtime that cannot say, or lacks the configured device, refuses the provider (one line).
+        Before its first start: the daemon asks before the decoder starts (the layout depends on it)."""
+        try:
+            available = await openvino.list_devices(self.launcher.binary)
+        except ChildError as exc:
+            self._refuse(str(exc))
+            return
         device = openvino.choose_device(self.spec.device, available)
         if device is None:
-            raise ChildError(f"device {self.spec.device} is not among the runtime's devices ({', '.join(available)})")
+            self._refuse(f"device {self.spec.device} is not among the runtime's devices ({', '.join(available)})")
+            return
         self.device = device
         static = openvino.is_static(device, self.spec.static_shapes, os.environ)
         self.launcher.engine_env = openvino.environment(
