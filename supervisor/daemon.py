@@ -149,8 +149,18 @@ def _set(data: dict[str, Any], path: str, value: Any) -> None:
 
 
 class Daemon:
-    def __init__(self, config: Config, *, config_path: str | None = None, notifier: Notifier | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        config_path: str | None = None,
+        notifier: Notifier | None = None,
+        check_fidelity: bool = True,
+    ) -> None:
+        """``check_fidelity`` false: providers on another engine are admitted without the start-time
+        check (a benchmark or a test that measures fidelity itself)."""
         self.config = config
+        self.check_fidelity = check_fidelity
         self.config_path = config_path
         self.notifier = notifier or Notifier("")
         self.runtime_dir = locate.runtime_dir(config.server.runtime_dir)
@@ -234,7 +244,9 @@ class Daemon:
                 state_dir=self.state_dir,
                 # The ggml engine is the decoder's own: its handoffs are exact (tests hold them to
                 # identical replies), nothing to measure at start.
-                gate=None if openvino.engine_of(spec.engine, spec.binary) == "ggml" else self._fidelity_gate,
+                gate=self._fidelity_gate
+                if self.check_fidelity and openvino.engine_of(spec.engine, spec.binary) != "ggml"
+                else None,
             )
         if isinstance(spec, ExecProviderConfig):
             return ExecProvider(spec)

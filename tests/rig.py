@@ -111,9 +111,9 @@ class Running:
 
 
 @asynccontextmanager
-async def run_daemon(config: Config, *, wait_ready: bool = True) -> AsyncIterator[Running]:
+async def run_daemon(config: Config, *, wait_ready: bool = True, check_fidelity: bool = True) -> AsyncIterator[Running]:
     """Run onebitd in this trio run; stop it (drain, stop children, reap) on the way out."""
-    daemon = Daemon(config)
+    daemon = Daemon(config, check_fidelity=check_fidelity)
     async with trio.open_nursery() as nursery:
         started: Started = await nursery.start(daemon.run)
         if wait_ready:

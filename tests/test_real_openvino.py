@@ -4,10 +4,13 @@ the CPU, a provider that dies mid-prefill (the request goes plain and is counted
 cache reused by a second start.  Skipped, saying so, where there is no OpenVINO llama-server.
 
 Replies are not compared with the plain route's: another engine computes other rounding
-(tests/test_real_fidelity.py holds it to the fidelity bound instead)."""
+(tests/test_real_fidelity.py holds it to the fidelity bound instead).  These tests are about the route,
+so their daemons leave the start-time fidelity check out (``check_fidelity=False``) but the last one,
+which is about that check."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 from pathlib import Path
@@ -17,6 +20,7 @@ import httpx
 import pytest
 import trio
 
+from supervisor import fidelity
 from supervisor.child import ChildState
 from supervisor.config import Config
 from supervisor.providers.llama import LlamaServerProvider
@@ -78,7 +82,7 @@ async def test_an_openvino_provider_on_the_cpu_serves_the_whole_file_route(
     short_dir: Path, binary: Path, route_lines: RouteLines
 ) -> None:
     with trio.fail_after(START_S + 120):
-        async with run_daemon(openvino_config(short_dir, binary)) as running:
+        async with run_daemon(openvino_config(short_dir, binary), check_fidelity=False) as running:
             provider = await admitted(running)
             got = await ask(running, chat(QUESTION, max_tokens=16, temperature=0))
             async with httpx.AsyncClient(base_url=running.url, timeout=30) as client:
@@ -105,7 +109,7 @@ async def test_the_static_npu_path_forced_on_the_cpu_hands_over_into_a_unified_k
 ) -> None:
     questions = [QUESTION, QUESTION + " Be brief.", "Name three facts about the number 42, in one sentence each."]
     with trio.fail_after(START_S + 240):
-        async with run_daemon(openvino_config(short_dir, binary, static_shapes=True)) as running:
+        async with run_daemon(openvino_config(short_dir, binary, static_shapes=True), check_fidelity=False) as running:
             provider = await admitted(running)
             provider_argv = list(provider.launcher.argv())
             decoder_argv = list(running.daemon.launcher.argv())
@@ -135,9 +139,9 @@ async def test_an_openvino_provider_that_dies_mid_prefill_sends_the_request_plai
     short_dir: Path, binary: Path, route_lines: RouteLines
 ) -> None:
     # Long enough that its prefill is still running when the kill lands (about a second on OpenVINO).
-    long_question = " ".join(f"Item {i} weighs {i * 7 % 101} grams." for i in range(160)) + " Which is heaviest?"
+    long_question = " ".join(f"Item {i} weighs {i * 7 % 101} grams." for i in range(90)) + " Which is heaviest?"
     with trio.fail_after(START_S + 240):
-        async with run_daemon(openvino_config(short_dir, binary)) as running:
+        async with run_daemon(openvino_config(short_dir, binary), check_fidelity=False) as running:
             provider = await admitted(running)
             pid = provider.child.pid
             assert pid is not None
@@ -182,11 +186,11 @@ async def test_a_second_start_reuses_the_compile_cache_the_first_one_wrote(
 ) -> None:
     cache = tmp_path / "openvino"
     with trio.fail_after(2 * START_S):
-        async with run_daemon(openvino_config(short_dir, binary, compile_dir=cache)) as running:
+        async with run_daemon(openvino_config(short_dir, binary, compile_dir=cache), check_fidelity=False) as running:
             await admitted(running)
             await ask(running, chat(QUESTION, max_tokens=4, temperature=0))
         first = compiled(cache / "compiled")
-        async with run_daemon(openvino_config(short_dir, binary, compile_dir=cache)) as running:
+        async with run_daemon(openvino_config(short_dir, binary, compile_dir=cache), check_fidelity=False) as running:
             await admitted(running)
             await ask(running, chat(QUESTION, max_tokens=4, temperature=0))
         second = compiled(cache / "compiled")
@@ -194,3 +198,34 @@ async def test_a_second_start_reuses_the_compile_cache_the_first_one_wrote(
     # Nothing compiled again: every blob the second start used was the first one's, untouched.
     assert second == first
     assert [line["route"] for line in route_lines.lines] == ["file", "file"]
+
+
+async def test_a_provider_over_the_fidelity_bound_is_refused_at_start_and_the_decoder_serves_plain(
+    short_dir: Path,
+    binary: Path,
+    route_lines: RouteLines,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A bound no other engine meets: only a reply-identical KV passes it.
+    monkeypatch.setattr(fidelity, "FACTOR", 0.0)
+    monkeypatch.setattr(fidelity, "FLOOR", 0.0)
+    caplog.set_level(logging.INFO, logger="onebit.provider")
+    with trio.fail_after(START_S + 120):
+        async with run_daemon(openvino_config(short_dir, binary)) as running:
+            (provider,) = running.daemon.providers.all
+            assert isinstance(provider, LlamaServerProvider)
+            await wait_until(lambda: provider.refused is not None)
+            await provider.child.wait_state(ChildState.STOPPED)
+            got = await ask(running, chat(QUESTION, max_tokens=8, temperature=0))
+            stats = running.daemon.statistics()
+    assert got.strip()
+    (refusal,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert refusal.startswith(
+        "ov: refused for this model, the other providers go on: next-token TV distance over 4 prompts"
+    )
+    assert refusal.endswith("over the bound")
+    (line,) = route_lines.lines
+    assert (line["route"], line["fallback"], line["provider"]) == ("plain", "no-provider", None)
+    (shown,) = stats.providers
+    assert (shown.ready, shown.refused) == (False, provider.refused)
