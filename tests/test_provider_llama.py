@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import trio
 
+from supervisor import openvino
 from supervisor.child import ChildState
 from supervisor.config import Config
 from supervisor.config import LlamaServerProvider as LlamaServerProviderConfig
-from supervisor.providers.llama import LlamaServerProvider
+from supervisor.providers.llama import Gate, LlamaServerProvider
 
 from .helpers import reaped, wait_until
 from .rig import FAKE_DECODER, fake_decoder_config, run_daemon
@@ -188,3 +189,56 @@ async def test_the_daemon_asks_for_devices_before_the_decoder_starts_and_unifies
     assert fingerprint is not None
     assert fingerprint.engines == (("ov=openvino/NPU/static",) if unified else ("ov=openvino/CPU",))
     assert fingerprint.kv_unified is unified
+
+
+def auto_provider(
+    short_dir: Path, monkeypatch: pytest.MonkeyPatch, *, device: str, gate: Gate | None = None
+) -> LlamaServerProvider:
+    monkeypatch.setenv(openvino.BINARY_ENV, str(openvino_binary(short_dir)))
+    config = fake_decoder_config(short_dir, model={"parallel": 4}, cache={"compile_dir": str(short_dir / "ov")})
+    spec = LlamaServerProviderConfig(name="ov", engine="auto", device=device, threads=1)
+    return LlamaServerProvider(spec, config, runtime_dir=short_dir, state_dir=short_dir / "state", gate=gate)
+
+
+@pytest.mark.usefixtures("control")
+async def test_engine_auto_goes_on_with_ggml_when_the_openvino_runtime_lacks_the_device(
+    short_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="onebit.provider")
+    provider = auto_provider(short_dir, monkeypatch, device="GPU")
+    assert provider.engine == "openvino"
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(provider.run)
+            await wait_until(lambda: provider.ready)
+            argv = list(provider.launcher.argv())
+            nursery.cancel_scope.cancel()
+    assert (provider.engine, provider.device, provider.refused) == ("ggml", "CPU", None)
+    assert argv[0] != str(short_dir / "ov-llama-server")
+    (line,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert line.startswith("ov: engine auto: OpenVINO refused (device GPU is not among the runtime's devices")
+    assert line.endswith("; the ggml engine instead")
+
+
+@pytest.mark.usefixtures("control")
+async def test_engine_auto_goes_on_with_ggml_when_openvino_is_over_the_fidelity_bound(
+    short_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pids: list[int | None] = []
+
+    async def too_far(provider: LlamaServerProvider) -> str | None:
+        pids.append(provider.child.pid)
+        await trio.lowlevel.checkpoint()
+        return "over the bound"
+
+    provider = auto_provider(short_dir, monkeypatch, device="CPU", gate=too_far)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(provider.run)
+            await wait_until(lambda: provider.ready)
+            stats = provider.statistics()
+            nursery.cancel_scope.cancel()
+    (openvino_pid,) = pids
+    assert openvino_pid is not None
+    assert reaped(openvino_pid)
+    assert (stats.engine, stats.device, stats.refused, stats.ready) == ("ggml", "CPU", None, True)

@@ -72,26 +72,43 @@ class LlamaServerProvider:
         self.gate = gate
         self.refused: str | None = None
         self._admitted = gate is None
-        openvino_binary = openvino.llama_server(spec.binary) if engine == "openvino" else None
-        self.launcher = LlamaServerLauncher(
-            f"provider-{spec.name}",
-            config,
-            binary=(spec.binary if spec.engine != "auto" else "") or config.decoder.binary,
-            binary_path=openvino_binary,
-            client=DecoderClient(
-                runtime_dir / f"provider-{spec.name}.sock", max_connections=connection_limit(config.model.parallel)
-            ),
-            slot_save_path=state_dir,
-            threads=spec.threads,
-            extra_args=spec.extra_args,
-            kv_unified=kv_unified,
+        # engine "auto" that found OpenVINO goes on with ggml when OpenVINO is refused.
+        self._falls_back = spec.engine == "auto" and engine == "openvino"
+        self._config = config
+        self.client = DecoderClient(
+            runtime_dir / f"provider-{spec.name}.sock", max_connections=connection_limit(config.model.parallel)
         )
+        self.launcher = self._launcher(engine, kv_unified)
         self.child = Child(self.launcher, spec.health, spec.restart, cpu_affinity=spec.cpu_affinity)
         # Its own slots, as many as the decoder's (-np is shared) but on the static path; jobs beyond
         # that wait their turn.
         self.parallel = config.model.parallel
         self.slots = SlotPool(self.parallel, queue_limit=1 << 16)
         self.counts = JobCounts()
+
+    def _launcher(self, engine: str, kv_unified: bool) -> LlamaServerLauncher:
+        spec, config = self.spec, self._config
+        return LlamaServerLauncher(
+            f"provider-{spec.name}",
+            config,
+            binary=(spec.binary if spec.engine == "ggml" else "") or config.decoder.binary,
+            binary_path=openvino.llama_server(spec.binary) if engine == "openvino" else None,
+            client=self.client,
+            slot_save_path=self.state_dir,
+            threads=spec.threads,
+            extra_args=spec.extra_args,
+            kv_unified=kv_unified,
+        )
+
+    def _to_ggml(self) -> None:
+        """engine "auto" after OpenVINO was refused: the decoder's own engine, before the next start.
+        The layout (``kv_unified``) stays what the daemon chose: every file still restores."""
+        self.engine, self.device, self.refused = "ggml", "CPU", None
+        self.gate, self._admitted, self._falls_back = None, True, False
+        self.launcher = self._launcher("ggml", self.launcher.kv_unified)
+        self.child = Child(self.launcher, self.spec.health, self.spec.restart, cpu_affinity=self.spec.cpu_affinity)
+        self.parallel = self._config.model.parallel
+        self.slots = SlotPool(self.parallel, queue_limit=1 << 16)
 
     @property
     def ready(self) -> bool:
@@ -129,10 +146,13 @@ class LlamaServerProvider:
                     # Nothing will be sent to it: its memory (an OpenVINO server's is about 850 MB)
                     # goes back.
                     nursery.cancel_scope.cancel()
+            if self._falls_back and self.refused is not None:
+                self._to_ggml()
+                await self.child.run()
             await trio.sleep_forever()
         finally:
             with trio.CancelScope(shield=True):
-                await self.launcher.client.aclose()
+                await self.client.aclose()
 
     async def choose_device(self) -> None:
         """Ask the runtime which devices there are; set the device, its variables and slots.  A
@@ -185,8 +205,18 @@ class LlamaServerProvider:
             return True
 
     def _refuse(self, why: str) -> None:
+        if self._falls_back and self.child.state is ChildState.STOPPED and self.device is None:
+            # Before any start (its device): ggml at once.
+            log.warning("%s: engine auto: OpenVINO refused (%s); the ggml engine instead", self.name, why)
+            self._to_ggml()
+            return
         self.refused = why
-        log.error("%s: refused for this model, the other providers go on: %s", self.name, why)
+        if self._falls_back:
+            log.warning(
+                "%s: engine auto: OpenVINO refused for this model (%s); the ggml engine instead", self.name, why
+            )
+        else:
+            log.error("%s: refused for this model, the other providers go on: %s", self.name, why)
 
     def cached_tokens(self, tokens: tuple[int, ...]) -> int:
         return self.slots.best_cached(PromptKey(tokens=tokens))
