@@ -20,7 +20,7 @@ import httpx
 import pytest
 import trio
 
-from supervisor import fidelity
+from supervisor import fidelity, openvino
 from supervisor.child import ChildState
 from supervisor.config import Config
 from supervisor.providers.llama import LlamaServerProvider
@@ -229,3 +229,32 @@ async def test_a_provider_over_the_fidelity_bound_is_refused_at_start_and_the_de
     assert (line["route"], line["fallback"], line["provider"]) == ("plain", "no-provider", None)
     (shown,) = stats.providers
     assert (shown.ready, shown.refused) == (False, provider.refused)
+
+
+async def test_the_embedded_defaults_auto_engine_goes_on_with_ggml_when_openvino_is_refused(
+    short_dir: Path, binary: Path, route_lines: RouteLines, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(openvino.BINARY_ENV, str(binary))
+    monkeypatch.setattr(fidelity, "FACTOR", 0.0)  # no other engine meets it: OpenVINO is refused
+    monkeypatch.setattr(fidelity, "FLOOR", 0.0)
+    real_llama_server()
+    shipped = (Path(__file__).parent.parent / "config" / "onebit.toml").read_text()
+    config = make_config(
+        short_dir,
+        text=shipped,
+        model={"parallel": 2, "ctx_size": 2048},
+        decoder={"threads": 1},
+        hybrid={"min_prompt_tokens": 16, **HANDOFF_ALWAYS},
+        cache={"compile_dir": str(short_dir / "openvino")},
+    )
+    with trio.fail_after(START_S + 120):
+        async with run_daemon(config) as running:
+            (provider,) = running.daemon.providers.all
+            assert isinstance(provider, LlamaServerProvider)
+            assert provider.engine == "openvino"
+            await wait_until(lambda: provider.ready)
+            got = await ask(running, chat(QUESTION, max_tokens=8, temperature=0))
+    assert got.strip()
+    assert (provider.engine, provider.device, provider.refused) == ("ggml", "CPU", None)
+    (line,) = route_lines.lines
+    assert (line["route"], line["fallback"], line["engine"], line["device"]) == ("file", None, "ggml", "CPU")
