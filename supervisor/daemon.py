@@ -38,7 +38,7 @@ from .config import Config, ProviderConfig
 from .config import ExecProvider as ExecProviderConfig
 from .config import LlamaServerProvider as LlamaServerProviderConfig
 from .decoder import DecoderClient
-from .errors import ChildError, ConfigError, ListenError, RuntimeDirInUse
+from .errors import ChildError, ConfigError, ListenError, ProviderStateRefused, RuntimeDirInUse
 from .front import Front
 from .llama_server import LlamaServerLauncher, connection_limit, model_alias, server_version
 from .metrics import LiveStatistics, Metrics
@@ -270,6 +270,8 @@ class Daemon:
                     await probe.sample(provider, slot, tokens, req=f"fidelity-{provider.name}-{i}")
                     for i, tokens in enumerate(prompts)
                 ]
+            except ProviderStateRefused as exc:
+                return str(exc)
             finally:
                 self.slots.forget(slot)
         verdict = fidelity.judge(samples)

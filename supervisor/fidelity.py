@@ -35,9 +35,9 @@ from typing import Any, Protocol
 
 import attrs
 
-from .errors import DecoderError, ProviderError
+from .errors import DecoderError, ProviderError, ProviderStateRefused
 from .providers import Provider
-from .routes.decision import Outcome
+from .routes.decision import Outcome, Step
 
 # The top-k llama-server reports; 20 is the OpenAI API's top_logprobs maximum, and holds all but a
 # few thousandths of the mass of a 135M model's next token on ordinary text.
@@ -216,6 +216,8 @@ class Probe:
             outcome = await self.handoff.run(
                 req=req, slot=slot, tokens=tokens, provider=provider, timeout_s=self.timeout_s
             )
+            if outcome.failed is Step.RESTORE:
+                raise ProviderStateRefused(f"the decoder refused its state: {outcome.why}")
             if not outcome.ok:
                 raise ProviderError(f"fidelity: the handoff failed: {outcome.why}")
             handoff = await self._next(slot, tokens, cache=True, evaluated=1)

@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from supervisor import fidelity
-from supervisor.errors import DecoderError, ProviderError
+from supervisor.errors import DecoderError, ProviderError, ProviderStateRefused
 from supervisor.fidelity import Probe, Sample, judge, top_k, total_variation
 from supervisor.providers import Provider
 from supervisor.routes.decision import Outcome, Reason, Route, Step
@@ -87,12 +87,15 @@ class FakeDecoder:
 
 
 class FakeHandoff:
-    def __init__(self, decoder: FakeDecoder, *, fails: bool = False) -> None:
+    def __init__(self, decoder: FakeDecoder, *, fails: bool = False, refused: bool = False) -> None:
         self.decoder = decoder
         self.fails = fails
+        self.refused = refused
 
     async def run(self, *, req: str, slot: int, tokens: list[int], provider: Provider, timeout_s: float) -> Outcome:
         await trio.lowlevel.checkpoint()
+        if self.refused:
+            return Outcome(Route.FILE, Step.RESTORE, Reason.RESTORE_REFUSED, "restore answered 400: n_stream mismatch")
         if self.fails:
             return Outcome(Route.FILE, Step.FILE_PREFILL, Reason.PROVIDER_FAILED, "provider failed: boom")
         self.decoder.slot = "restored"
@@ -131,3 +134,10 @@ async def test_a_failed_handoff_or_a_lost_decoder_is_a_provider_error_and_the_sl
 def test_the_start_prompts_are_a_few_and_different() -> None:
     assert 3 <= len(fidelity.START_PROMPTS) <= 6
     assert len(set(fidelity.START_PROMPTS)) == len(fidelity.START_PROMPTS)
+
+
+async def test_a_refused_restore_is_a_refusal_of_the_providers_state_not_a_passing_failure() -> None:
+    decoder = FakeDecoder(handoff={1: 1.0}, cold={1: 1.0}, cached={1: 1.0})
+    probe = Probe(client=decoder, handoff=FakeHandoff(decoder, refused=True), timeout_s=5)
+    with trio.fail_after(5), pytest.raises(ProviderStateRefused, match="n_stream mismatch"):
+        await probe.sample(ScriptedProvider(), 0, [1, 2, 3])
