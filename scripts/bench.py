@@ -2,7 +2,7 @@
 
     scripts/bench overhead [--quick]   latency and token rate: through onebitd vs straight to llama-server
     scripts/bench handoff [--quick]    the file route vs the plain route, and decode isolation
-    scripts/bench engines [--quick]    first token: plain vs the file route on a ggml and an OpenVINO provider
+    scripts/bench providers [--quick]  first token: plain vs the file route on a ggml and an OpenVINO provider
     scripts/bench multiturn [--quick]  chats over many turns: plain, hybrid, llama-server direct
     scripts/bench prefix [--quick]     a long shared prompt across a decoder crash, with and without the store
 
@@ -56,7 +56,7 @@ from supervisor.decoder import unix_transport  # noqa: E402
 from supervisor.errors import ConfigError  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_engines  # noqa: E402
+import bench_providers  # noqa: E402
 import bench_handoff  # noqa: E402
 import bench_multiturn  # noqa: E402
 import bench_prefix  # noqa: E402
@@ -702,10 +702,10 @@ SUBCOMMANDS = [
         run=bench_handoff.run,
     ),
     Subcommand(
-        name="engines",
+        name="providers",
         help="first token: plain against the file route with a ggml and with an OpenVINO provider",
-        arguments=bench_engines.arguments,
-        run=bench_engines.run,
+        arguments=bench_providers.arguments,
+        run=bench_providers.run,
     ),
     Subcommand(
         name="multiturn",

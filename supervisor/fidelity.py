@@ -98,7 +98,9 @@ class Verdict:
     mean_cold: float
     max_handoff: float
     top1_agree: float  # fraction of prompts whose top-1 token the handoff kept
-    bound: float  # FACTOR * mean_cold + FLOOR
+    bound: float  # factor * mean_cold + floor
+    factor: float = FACTOR
+    floor: float = FLOOR
 
     @property
     def ok(self) -> bool:
@@ -108,13 +110,16 @@ class Verdict:
         return (
             f"next-token TV distance over {self.n} prompts: handoff mean {self.mean_handoff:.4f}"
             f" (max {self.max_handoff:.4f}), the decoder's own cold prefill {self.mean_cold:.4f},"
-            f" bound {self.bound:.4f} ({FACTOR:g} x cold + {FLOOR:g}); top-1 kept on {self.top1_agree:.0%}"
+            f" bound {self.bound:.4f} ({self.factor:g} x cold + {self.floor:g}); top-1 kept on {self.top1_agree:.0%}"
         )
 
 
-def judge(samples: Sequence[Sample], *, factor: float = FACTOR, floor: float = FLOOR) -> Verdict:
+def judge(samples: Sequence[Sample], *, factor: float | None = None, floor: float | None = None) -> Verdict:
+    """The verdict over ``samples`` (``factor``, ``floor``: the bound's, FACTOR and FLOOR unless given)."""
     if not samples:
         raise ValueError("no samples to judge")
+    factor = FACTOR if factor is None else factor
+    floor = FLOOR if floor is None else floor
     mean_cold = statistics.fmean(s.cold for s in samples)
     return Verdict(
         n=len(samples),
@@ -123,6 +128,8 @@ def judge(samples: Sequence[Sample], *, factor: float = FACTOR, floor: float = F
         max_handoff=max(s.handoff for s in samples),
         top1_agree=sum(s.same_top1 for s in samples) / len(samples),
         bound=factor * mean_cold + floor,
+        factor=factor,
+        floor=floor,
     )
 
 

@@ -4,9 +4,9 @@ the CPU, a provider that dies mid-prefill (the request goes plain and is counted
 cache reused by a second start.  Skipped, saying so, where there is no OpenVINO llama-server.
 
 Replies are not compared with the plain route's: another engine computes other rounding
-(tests/test_real_fidelity.py holds it to the fidelity bound instead).  These tests are about the route,
-so their daemons leave the start-time fidelity check out (``check_fidelity=False``) but the last one,
-which is about that check."""
+(tests/test_real_fidelity.py holds it to the fidelity bound instead).  The first passes the start-time
+fidelity check; the others are about the route, and leave it out (``check_fidelity=False``) but those
+about a refusal."""
 
 from __future__ import annotations
 
@@ -82,7 +82,8 @@ async def test_an_openvino_provider_on_the_cpu_serves_the_whole_file_route(
     short_dir: Path, binary: Path, route_lines: RouteLines
 ) -> None:
     with trio.fail_after(START_S + 120):
-        async with run_daemon(openvino_config(short_dir, binary), check_fidelity=False) as running:
+        # With the start-time fidelity check: it admits the provider (or the test says why not).
+        async with run_daemon(openvino_config(short_dir, binary)) as running:
             provider = await admitted(running)
             got = await ask(running, chat(QUESTION, max_tokens=16, temperature=0))
             async with httpx.AsyncClient(base_url=running.url, timeout=30) as client:
@@ -95,7 +96,13 @@ async def test_an_openvino_provider_on_the_cpu_serves_the_whole_file_route(
     assert (line["provider"], line["engine"], line["device"]) == ("ov", "openvino", "CPU")
     assert line["decoder_prompt_n"] <= 2
     assert line["prompt_tokens"] >= 16
-    assert (stats.engine, stats.device, stats.jobs, stats.failures) == ("openvino", "CPU", 1, 0)
+    # Its jobs: the start-time check's prompts, then the request's.
+    assert (stats.engine, stats.device, stats.jobs, stats.failures) == (
+        "openvino",
+        "CPU",
+        len(fidelity.START_PROMPTS) + 1,
+        0,
+    )
     labels = 'device="CPU",engine="openvino",provider="ov",route="file"'
     assert f"onebit_provider_prefill_seconds_count{{{labels}}} 1.0" in metrics
     assert 'onebit_provider_ready{device="CPU",engine="openvino",kind="llama-server",provider="ov"} 1.0' in metrics

@@ -1,4 +1,4 @@
-"""``scripts/bench engines``: the first token on the plain route, the file route with a ggml provider
+"""``scripts/bench providers``: the first token on the plain route, the file route with a ggml provider
 and the file route with an OpenVINO provider, side by side in one run.
 
 Two daemons in turn, each a decoder on one core and one provider on the other (``cpu_affinity``):
@@ -178,7 +178,7 @@ async def fidelity_of(rig: Rig, provider: LlamaServerProvider, texts: Sequence[s
 async def run(args: argparse.Namespace) -> int:
     if openvino.llama_server("") is None:
         raise ConfigError(
-            [f"bench engines: no OpenVINO llama-server (set {openvino.BINARY_ENV}, or run scripts/setup)"]
+            [f"bench providers: no OpenVINO llama-server (set {openvino.BINARY_ENV}, or run scripts/setup)"]
         )
     chosen = (256, 1024) if args.quick else SIZES
     rounds = 1 if args.quick else args.rounds
