@@ -56,10 +56,10 @@ from supervisor.decoder import unix_transport  # noqa: E402
 from supervisor.errors import ConfigError  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_providers  # noqa: E402
 import bench_handoff  # noqa: E402
 import bench_multiturn  # noqa: E402
 import bench_prefix  # noqa: E402
+import bench_providers  # noqa: E402
 import bench_trace  # noqa: E402
 import bench_versus  # noqa: E402
 
