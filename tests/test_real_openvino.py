@@ -4,9 +4,9 @@ the CPU, a provider that dies mid-prefill (the request goes plain and is counted
 cache reused by a second start.  Skipped, saying so, where there is no OpenVINO llama-server.
 
 Replies are not compared with the plain route's: another engine computes other rounding
-(tests/test_real_fidelity.py holds it to the fidelity bound instead).  The first passes the start-time
-fidelity check; the others are about the route, and leave it out (``check_fidelity=False``) but those
-about a refusal."""
+(tests/test_real_fidelity.py holds it to the fidelity bound instead).  The first two pass the
+start-time fidelity check; the others are about the route, and leave it out (``check_fidelity=False``)
+but those about a refusal."""
 
 from __future__ import annotations
 
@@ -116,7 +116,8 @@ async def test_the_static_npu_path_forced_on_the_cpu_hands_over_into_a_unified_k
 ) -> None:
     questions = [QUESTION, QUESTION + " Be brief.", "Name three facts about the number 42, in one sentence each."]
     with trio.fail_after(START_S + 240):
-        async with run_daemon(openvino_config(short_dir, binary, static_shapes=True), check_fidelity=False) as running:
+        # With the start-time check too: the static path's KV is held to the same bound.
+        async with run_daemon(openvino_config(short_dir, binary, static_shapes=True)) as running:
             provider = await admitted(running)
             provider_argv = list(provider.launcher.argv())
             decoder_argv = list(running.daemon.launcher.argv())
