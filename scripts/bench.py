@@ -2,6 +2,7 @@
 
     scripts/bench overhead [--quick]   latency and token rate: through onebitd vs straight to llama-server
     scripts/bench handoff [--quick]    the file route vs the plain route, and decode isolation
+    scripts/bench providers [--quick]  first token: plain vs the file route on a ggml and an OpenVINO provider
     scripts/bench multiturn [--quick]  chats over many turns: plain, hybrid, llama-server direct
     scripts/bench prefix [--quick]     a long shared prompt across a decoder crash, with and without the store
 
@@ -58,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_handoff  # noqa: E402
 import bench_multiturn  # noqa: E402
 import bench_prefix  # noqa: E402
+import bench_providers  # noqa: E402
 import bench_trace  # noqa: E402
 import bench_versus  # noqa: E402
 
@@ -698,6 +700,12 @@ SUBCOMMANDS = [
         help="the file route against the plain route: prefill, save, restore, first byte, decode isolation",
         arguments=bench_handoff.arguments,
         run=bench_handoff.run,
+    ),
+    Subcommand(
+        name="providers",
+        help="first token: plain against the file route with a ggml and with an OpenVINO provider",
+        arguments=bench_providers.arguments,
+        run=bench_providers.run,
     ),
     Subcommand(
         name="multiturn",

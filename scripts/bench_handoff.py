@@ -89,8 +89,8 @@ class Rig:
 
 
 @asynccontextmanager
-async def open_rig(config: Config) -> AsyncIterator[Rig]:
-    daemon = Daemon(config)
+async def open_rig(config: Config, *, check_fidelity: bool = True) -> AsyncIterator[Rig]:
+    daemon = Daemon(config, check_fidelity=check_fidelity)
     async with trio.open_nursery() as nursery:
         started = await nursery.start(daemon.run)
         try:

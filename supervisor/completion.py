@@ -515,6 +515,7 @@ class Completions:
         hybrid = self.hybrid
         assert hybrid is not None
         assert plan.provider is not None
+        line.provider, line.engine, line.device = plan.provider.name, plan.provider.engine, plan.provider.device
         while route is not Route.PLAIN:
             line.route = route.value
             began = trio.current_time()

@@ -32,7 +32,7 @@ from cattrs.errors import (
 )
 from cattrs.gen import make_dict_unstructure_fn
 
-from . import cors, locate
+from . import cors, locate, openvino
 from .errors import ConfigError
 
 T = TypeVar("T")
@@ -236,12 +236,34 @@ class HybridConfig:
     handoff_ms_per_mib: float = field(default=1.0, validator=_at_least(0))
 
 
+# What a llama-server provider computes on: ggml (the decoder's own engine, on the CPU), OpenVINO, or
+# "auto": OpenVINO where its llama-server is found, else ggml.
+ENGINES = ("ggml", "openvino", "auto")
+# An OpenVINO device: "auto" (the runtime's own list, NPU first), or one the runtime names; GPU.0,
+# GPU.1 pick one of several GPUs as OpenVINO numbers them.
+_DEVICE = re.compile(r"auto|NPU|CPU|GPU(\.[0-9]+)?")
+
+
+def _device(_inst: Any, attr: attrs.Attribute[Any], value: str) -> None:
+    if value and not _DEVICE.fullmatch(value):
+        raise _FieldError(attr, f"expected one of auto, NPU, GPU, GPU.<n>, CPU, got {json.dumps(value)}")
+
+
 @frozen
 class LlamaServerProvider:
     """A second llama-server used only for prefill; same [model] parameters as the decoder."""
 
     name: str = field(validator=_name)
-    binary: str = ""  # empty: the same lookup as decoder.binary
+    # Empty: for engine "ggml" the same lookup as decoder.binary; for "openvino"
+    # $ONEBIT_LLAMA_SERVER_OPENVINO, else the OpenVINO build scripts/setup cached.  "auto" finds its
+    # own (an error when set).
+    binary: str = ""
+    engine: str = field(default="ggml", validator=_one_of(*ENGINES))
+    # OpenVINO only (an error with engine "ggml"; with "auto", used when it is OpenVINO); empty: "auto".
+    device: str = field(default="", validator=_device)
+    # OpenVINO only: the static-shape path an NPU takes (one slot, fixed chunks), on any device
+    # (GGML_OPENVINO_FORCE_STATIC=1): what tests and a machine without an NPU can exercise.
+    static_shapes: bool = False
     threads: int = field(default=0, validator=_at_least(0))
     cpu_affinity: tuple[int, ...] = ()
     extra_args: tuple[str, ...] = ()
@@ -307,6 +329,10 @@ class CacheConfig:
     # multiplied by the decoder and each provider; 1 GiB keeps a few dozen recent prompts of a small
     # model warm in each while the disk store keeps the rest, and leaves the memory to the models.
     ram_mib: int = field(default=1024, validator=_at_least(-1))
+    # OpenVINO providers' compiled graphs, kept across starts (a start compiles in about 2 s from it
+    # instead of 4).  Empty: $CACHE_DIRECTORY/openvino (systemd), else $XDG_CACHE_HOME/onebit/openvino,
+    # else ~/.cache/onebit/openvino.
+    compile_dir: str = ""
 
 
 @frozen
@@ -542,6 +568,18 @@ def check(config: Config, source: str) -> None:
         for i, cpu in enumerate(provider.cpu_affinity):
             if cpu < 0 or cpu >= (os.cpu_count() or 1):
                 errors.append(f"{source}: provider[{index}].cpu_affinity[{i}]: no such CPU {cpu}")
+        if isinstance(provider, LlamaServerProvider) and provider.engine == "auto" and provider.binary:
+            errors.append(
+                f'{source}: provider[{index}].binary: engine "auto" looks for its own (an OpenVINO build, else'
+                " the ggml one); name the engine with the binary"
+            )
+        if isinstance(provider, LlamaServerProvider) and provider.engine == "ggml":
+            for key, value in (("device", provider.device), ("static_shapes", provider.static_shapes)):
+                if value:
+                    errors.append(
+                        f'{source}: provider[{index}].{key}: only an engine = "openvino" provider has one;'
+                        f" this one's engine is {json.dumps(provider.engine)}"
+                    )
     for host in config.server.host:
         if (problem := _resolve_problem(host)) is not None:
             errors.append(f"{source}: server.host: {problem}")
@@ -578,8 +616,15 @@ def path_problems(config: Config) -> list[str]:
     )
     for index, provider in enumerate(config.provider):
         key = f"provider[{index}]"
-        if isinstance(provider, LlamaServerProvider):
-            binary = provider.binary or config.decoder.binary
+        if isinstance(provider, LlamaServerProvider) and provider.engine == "openvino":
+            lines += locate.executable_problem(
+                f"{key}.binary",
+                openvino.llama_server(provider.binary),
+                f"empty, and no OpenVINO llama-server was found (run scripts/setup, or set {openvino.BINARY_ENV})",
+            )
+        elif isinstance(provider, LlamaServerProvider):
+            # "auto" without an OpenVINO build is the ggml engine, with the decoder's binary.
+            binary = (provider.binary if provider.engine == "ggml" else "") or config.decoder.binary
             lines += locate.executable_problem(
                 f"{key}.binary", locate.llama_server(binary), "empty, and no llama-server was found (run scripts/setup)"
             )

@@ -346,9 +346,10 @@ def render_status(stats: DaemonStatistics) -> str:
     lines.append("")
     if stats.providers:
         lines += _table(
-            ("PROVIDER", "KIND", "READY", "BUSY", "JOBS", "FAILURES"),
-            [(p.name, p.kind, p.ready, p.busy, p.jobs, p.failures) for p in stats.providers],
+            ("PROVIDER", "KIND", "ENGINE", "DEVICE", "READY", "BUSY", "JOBS", "FAILURES"),
+            [(p.name, p.kind, p.engine, p.device, p.ready, p.busy, p.jobs, p.failures) for p in stats.providers],
         )
+        lines += [f"provider {p.name} refused: {p.refused}" for p in stats.providers if p.refused]
     else:
         lines.append("providers: none")
     slots = stats.slots

@@ -33,7 +33,7 @@ from typing import Any
 import attrs
 import trio
 
-from . import __version__, locate, logs
+from . import __version__, fidelity, locate, logs, openvino
 from . import config as configuration
 from .admin import AdminServer
 from .child import Child, ChildState
@@ -42,11 +42,12 @@ from .config import Config, ProviderConfig
 from .config import ExecProvider as ExecProviderConfig
 from .config import LlamaServerProvider as LlamaServerProviderConfig
 from .decoder import DecoderClient
-from .errors import ChildError, ConfigError, ListenError, RuntimeDirInUse
+from .errors import ChildError, ConfigError, ListenError, ProviderStateRefused, RuntimeDirInUse
 from .front import Front, ProviderReadiness
 from .llama_server import LlamaServerLauncher, connection_limit, model_alias, server_version
 from .metrics import LiveStatistics, Metrics
 from .notify import Notifier, run_watchdog, watchdog_interval
+from .openvino import UNIFIED_ARGS
 from .prefix_store import PrefixStore, open_prefix_store
 from .providers import Provider, Providers
 from .providers.exec import ExecProvider
@@ -158,8 +159,18 @@ def _set(data: dict[str, Any], path: str, value: Any) -> None:
 
 
 class Daemon:
-    def __init__(self, config: Config, *, config_path: str | None = None, notifier: Notifier | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        config_path: str | None = None,
+        notifier: Notifier | None = None,
+        check_fidelity: bool = True,
+    ) -> None:
+        """``check_fidelity`` false: providers on another engine are admitted without the start-time
+        check (a benchmark or a test that measures fidelity itself)."""
         self.config = config
+        self.check_fidelity = check_fidelity
         self.config_path = config_path
         self.notifier = notifier or Notifier("")
         self.runtime_dir = locate.runtime_dir(config.server.runtime_dir)
@@ -221,6 +232,7 @@ class Daemon:
         )
         self.admin = AdminServer(self, self.runtime_dir / "admin.sock")
         self.store = PrefixStore.disabled("not opened yet", level=logging.DEBUG)
+        self.kv_unified = False  # decided by run(), before any child starts
         self._stop = trio.Event()
         # Every provider's first start is over (healthy or failed); then READY=1, /health ok.
         self._providers_settled = not self._provider_children()
@@ -244,10 +256,48 @@ class Daemon:
 
     def _provider(self, spec: ProviderConfig) -> Provider:
         if isinstance(spec, LlamaServerProviderConfig):
-            return LlamaServerProvider(spec, self.config, runtime_dir=self.runtime_dir, state_dir=self.state_dir)
+            return LlamaServerProvider(
+                spec,
+                self.config,
+                runtime_dir=self.runtime_dir,
+                state_dir=self.state_dir,
+                # The ggml engine is the decoder's own: its handoffs are exact (tests hold them to
+                # identical replies), nothing to measure at start.
+                gate=self._fidelity_gate
+                if self.check_fidelity and openvino.engine_of(spec.engine, spec.binary) != "ggml"
+                else None,
+            )
         if isinstance(spec, ExecProviderConfig):
             return ExecProvider(spec)
         return WorkerProvider(spec)
+
+    async def _fidelity_gate(self, provider: Provider) -> str | None:
+        """A provider's start-time check (supervisor/fidelity.py): a few prompts through the decoder's
+        three paths, in a slot held like a request's.  None: admitted; else why it is refused.
+        Raises ProviderError when it cannot finish (the decoder or the provider went away)."""
+        if self.hybrid is None:
+            return None  # no hybrid route: nothing will be handed over
+        await self.decoder.wait_state(ChildState.READY)
+        probe = fidelity.Probe(
+            client=self.client, handoff=self.hybrid.file, timeout_s=self.config.hybrid.prefill_timeout_s
+        )
+        prompts = [await probe.tokens(text) for text in fidelity.START_PROMPTS]
+        started = trio.current_time()
+        async with self.slots.hold() as slot:
+            try:
+                samples = [
+                    await probe.sample(provider, slot, tokens, req=f"fidelity-{provider.name}-{i}")
+                    for i, tokens in enumerate(prompts)
+                ]
+            except ProviderStateRefused as exc:
+                return str(exc)
+            finally:
+                self.slots.forget(slot)
+        verdict = fidelity.judge(samples)
+        if not verdict.ok:
+            return f"{verdict.summary()}: over the bound"
+        log.info("%s: admitted in %.1fs: %s", provider.name, trio.current_time() - started, verdict.summary())
+        return None
 
     # -- what the admin verbs and the metrics read -------------------------------------------------
 
@@ -315,6 +365,7 @@ class Daemon:
             front=self.front.statistics(),
             restore_unused=self.completions.restore_unused,
             store=self.store.statistics(),
+            providers=tuple(self.providers.statistics()),
         )
 
     def inflight_count(self) -> int:
@@ -398,6 +449,7 @@ class Daemon:
         self._started_clock = trio.current_time()
         clean = False
         try:
+            await self._choose_layout()
             async with self._open_store() as store, trio.open_nursery() as nursery:
                 await nursery.start(self.decoder.run)
                 for provider in self.providers.all:
@@ -439,6 +491,23 @@ class Daemon:
             with contextlib.suppress(OSError):
                 path.unlink(missing_ok=True)
 
+    def _llama_providers(self) -> list[LlamaServerProvider]:
+        return [p for p in self.providers.all if isinstance(p, LlamaServerProvider)]
+
+    async def _choose_layout(self) -> None:
+        """Before any child starts: each OpenVINO provider's device (its runtime's list), then one KV
+        layout for every llama-server child.  A provider on the static path (an NPU) writes files with
+        one KV stream, which only a unified-KV decoder restores (supervisor/openvino.py)."""
+        for provider in self._llama_providers():
+            if provider.engine == "openvino" and provider.device is None:
+                await provider.choose_device()
+        self.kv_unified = any(p.static for p in self._llama_providers() if p.refused is None)
+        if self.kv_unified:
+            log.info("a provider takes the static path: every llama-server runs with %s", " ".join(UNIFIED_ARGS))
+        self.launcher.kv_unified = self.kv_unified
+        for provider in self._llama_providers():
+            provider.launcher.kv_unified = self.kv_unified
+
     @asynccontextmanager
     async def _open_store(self) -> AsyncIterator[PrefixStore]:
         """The prefix store ``[cache]`` describes; off (one log line) when it cannot work."""
@@ -453,7 +522,8 @@ class Daemon:
         except ChildError as exc:
             yield PrefixStore.disabled(f"cannot tell the decoder's version: {exc}")
             return
-        async with open_prefix_store(self.config, version) as store:
+        engines = [p.describe for p in self._llama_providers()]
+        async with open_prefix_store(self.config, version, kv_unified=self.kv_unified, engines=engines) as store:
             yield store
 
     async def _drain_for_stop(self) -> None:
@@ -473,12 +543,14 @@ class Daemon:
         """READY=1 once the front is bound, every provider's first start is over (healthy or failed:
         requests routed before would quietly go plain) and the decoder is healthy; then STATUS= and
         the watchdog."""
-        for child in self._provider_children():
-            await child.wait_first_start()
+        for provider in self.providers.all:
+            await provider.wait_settled()
         self._providers_settled = True
         await self.decoder.wait_state(ChildState.READY)
         not_ready = [p for p in self.providers.all if not p.ready]
         for provider in not_ready:
+            if provider.statistics().refused is not None:
+                continue  # its refusal was logged, one line, with why
             its = getattr(provider, "child", None)
             why = its.statistics().last_exit if isinstance(its, Child) else None
             log.error(

@@ -9,6 +9,8 @@
     │   ├── DecoderUnavailable     not ready, failed, or could not be reached (HTTP 503)
     │   └── DecoderProtocolError   answered, but not with what its contract says (HTTP 502)
     ├── ProviderError          a prefill provider failed its job
+    │   └── ProviderStateRefused   the decoder refused the state it wrote (the restore failed): its
+    │                              files do not fit this decoder, however often it is asked
     ├── ShareRefused           the decoder would not lend its KV (the share handshake failed)
     ├── AdminError             an admin verb refused (its message and extra fields go to onebitctl)
     ├── AdminUnavailable       no onebitd answers on the admin socket
@@ -76,6 +78,11 @@ class DecoderProtocolError(DecoderError):
 
 class ProviderError(OnebitError):
     """A prefill provider failed a job (crash, exit status, timeout, refused)."""
+
+
+class ProviderStateRefused(ProviderError):
+    """The decoder refused to restore what a provider wrote: a start-time check refuses the provider
+    rather than trying again."""
 
 
 class PrefixStoreError(OnebitError):

@@ -25,17 +25,19 @@ from . import locate
 from .config import Config, ModelConfig
 from .decoder import DecoderClient
 from .errors import ChildError
+from .openvino import UNIFIED_ARGS
 from .process import ChildProcess
 
 # The patched llama-server's switch (scripts/llama-server-share.patch): its KV cache on memfd regions.
 KV_SHARE_ENV = "LLAMA_KV_SHARE"
 
 
-def model_args(model: ModelConfig, model_path: Path) -> list[str]:
+def model_args(model: ModelConfig, model_path: Path, *, parallel: int | None = None) -> list[str]:
+    """``parallel``: the slots of a child that cannot run [model]'s (a static-shape provider: 1)."""
     return [
         "-m", str(model_path),
         "-c", str(model.ctx_size),
-        "-np", str(model.parallel),
+        "-np", str(model.parallel if parallel is None else parallel),
         "-b", str(model.batch_size),
         "-ub", str(model.ubatch_size),
         "-ctk", model.cache_type_k,
@@ -72,19 +74,28 @@ class LlamaServerLauncher:
         threads: int,
         extra_args: Sequence[str],
         kv_share: bool = False,
+        kv_unified: bool = False,
+        binary_path: Path | None = None,
     ) -> None:
+        """``kv_unified``: the daemon's one KV layout (supervisor/openvino.py's UNIFIED_ARGS), the same
+        for every llama-server child; ``binary_path``: a binary found by another lookup than
+        ``binary``'s (an OpenVINO build)."""
         self.name = name
         self.kv_share = kv_share
         self.client = client
         self.socket = socket = client.socket
         self.slot_save_path = slot_save_path
-        path = locate.llama_server(binary)
+        path = binary_path or locate.llama_server(binary)
         model = locate.model_path(config.model.path)
         if path is None or model is None:
             raise ChildError(f"{name}: no llama-server binary or model file (config.check() vets both)")
-        self._argv = [
-            str(path),
-            *model_args(config.model, model),
+        self.binary = path
+        self._model = (config.model, model)
+        # Set by a provider once it knows its device, before its first spawn: the engine's
+        # variables, and its slots where they are not [model]'s.
+        self.engine_env: Mapping[str, str] = {}
+        self.parallel: int | None = None
+        self._rest = [
             "--host", str(socket),  # a host ending in .sock makes llama-server listen on a unix socket
             "--slot-save-path", str(slot_save_path),
             "--alias", model_alias(config),
@@ -96,21 +107,28 @@ class LlamaServerLauncher:
             # relays them at /metrics/decoder.  Counting costs nothing measurable; exposing is opt-in.
             "--metrics",
         ]  # fmt: skip
+        # The daemon's layout, set once it has asked its OpenVINO providers for their devices and
+        # before any child starts.
+        self.kv_unified = kv_unified
         if threads:
-            self._argv += ["-t", str(threads)]
-        self._argv += list(extra_args)
+            self._rest += ["-t", str(threads)]
+        self._rest += list(extra_args)
 
     def argv(self) -> Sequence[str]:
-        return self._argv
+        model, path = self._model
+        unified = list(UNIFIED_ARGS) if self.kv_unified else []
+        return [str(self.binary), *model_args(model, path, parallel=self.parallel), *unified, *self._rest]
 
     @property
     def env(self) -> Mapping[str, str] | None:
-        """Read at every spawn: onebitd's environment, with ``LLAMA_KV_SHARE`` only for a sharing decoder."""
-        if not self.kv_share and KV_SHARE_ENV not in os.environ:
+        """Read at every spawn: onebitd's environment, with ``LLAMA_KV_SHARE`` only for a sharing
+        decoder, and an OpenVINO provider's variables."""
+        if not self.kv_share and KV_SHARE_ENV not in os.environ and not self.engine_env:
             return None  # inherit unchanged
         env = {key: value for key, value in os.environ.items() if key != KV_SHARE_ENV}
         if self.kv_share:
             env[KV_SHARE_ENV] = "1"
+        env.update(self.engine_env)
         return env
 
     def prepare(self) -> None:
@@ -168,10 +186,21 @@ class StateFingerprint:
     cache_type_k: str
     cache_type_v: str
     extra_args: tuple[str, ...]
+    # The KV layout every llama-server child runs with (supervisor/openvino.py's UNIFIED_ARGS), and
+    # what each llama-server provider computes on, ``name=engine/device`` (``/static`` on the static
+    # path).  A slot saved after a handed-over prompt holds the provider's KV, which another engine
+    # or device computes differently.  Both are left out of the sidecar where they say nothing new
+    # (no unified layout; every provider the decoder's own engine), so a store made before they
+    # existed stays valid.
+    kv_unified: bool = False
+    engines: tuple[str, ...] = ()
 
     @classmethod
-    def of(cls, config: Config, server_version: str) -> StateFingerprint:
-        """The running decoder's fingerprint.  Reads the model file: raises OSError."""
+    def of(
+        cls, config: Config, server_version: str, *, kv_unified: bool = False, engines: Sequence[str] = ()
+    ) -> StateFingerprint:
+        """The running decoder's fingerprint (``kv_unified`` and ``engines``: what the daemon resolved
+        at start).  Reads the model file: raises OSError."""
         path = locate.model_path(config.model.path)
         if path is None:
             raise FileNotFoundError("no model file (config.check() vets it)")
@@ -192,9 +221,15 @@ class StateFingerprint:
             cache_type_k=m.cache_type_k,
             cache_type_v=m.cache_type_v,
             extra_args=tuple(config.decoder.extra_args),
+            kv_unified=kv_unified,
+            engines=tuple(engines),
         )
 
     def as_json(self) -> dict[str, Any]:
         """As the sidecar holds it (tuples become lists), for comparing with what a sidecar says."""
         document: dict[str, Any] = json.loads(json.dumps(attrs.asdict(self)))
+        if not self.kv_unified:
+            del document["kv_unified"]
+        if all("=ggml/" in engine for engine in self.engines):
+            del document["engines"]
         return document

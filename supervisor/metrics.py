@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 
 from .child import ChildStatistics
 from .prefix_store import StoreStatistics
+from .providers.base import ProviderStatistics
 from .routeline import RouteLine
 from .slots import SlotStatistics
 from .status import FrontStatistics
@@ -40,6 +41,7 @@ class LiveStatistics:
     front: FrontStatistics
     restore_unused: int
     store: StoreStatistics
+    providers: tuple[ProviderStatistics, ...] = ()
 
 
 Snapshot = Callable[[], LiveStatistics]
@@ -61,6 +63,8 @@ class _Live(Collector):
                 state.add_metric([child.name, name], 1.0 if child.state == name else 0.0)
         yield restarts
         yield state
+        if stats.providers:
+            yield from _providers(stats.providers)
         slots = stats.slots
         yield GaugeMetricFamily("onebit_slots_busy", "Decoder slots held by requests", value=slots.busy)
         yield GaugeMetricFamily("onebit_slots", "Decoder slots", value=slots.total)
@@ -98,6 +102,26 @@ class _Live(Collector):
         )
 
 
+def _providers(providers: tuple[ProviderStatistics, ...]) -> Iterator[Any]:
+    """Per provider, labelled with what it computes on: ready (0 while refused), jobs, failures."""
+    labels = ["provider", "kind", "engine", "device"]
+    ready = GaugeMetricFamily("onebit_provider_ready", "1 while a provider takes jobs", labels=labels)
+    refused = GaugeMetricFamily(
+        "onebit_provider_refused", "1 for a provider refused at start (device missing, fidelity)", labels=labels
+    )
+    jobs = CounterMetricFamily("onebit_provider_jobs", "Prefill jobs a provider was given", labels=labels)
+    failures = CounterMetricFamily(
+        "onebit_provider_failures", "Prefill jobs a provider failed (the request went plain)", labels=labels
+    )
+    for p in providers:
+        where = [p.name, p.kind, p.engine or "-", p.device or "-"]
+        ready.add_metric(where, 1.0 if p.ready else 0.0)
+        refused.add_metric(where, 1.0 if p.refused else 0.0)
+        jobs.add_metric(where, p.jobs)
+        failures.add_metric(where, p.failures)
+    yield from (ready, refused, jobs, failures)
+
+
 class Metrics:
     def __init__(self, snapshot: Snapshot) -> None:
         self.registry = CollectorRegistry()
@@ -116,8 +140,8 @@ class Metrics:
         )
         self.prefill = Histogram(
             "onebit_provider_prefill_seconds",
-            "A provider's own prefill time (its claim)",
-            ["route"],
+            "A provider's own prefill time (its claim), by route and what it ran on",
+            ["route", "provider", "engine", "device"],
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
@@ -154,7 +178,8 @@ class Metrics:
             # make latency look better the more requests are turned away.
             self.first_byte.labels(line.route).observe(line.first_byte_ms / 1000)
         if line.route != "plain" and line.prefill_ms and line.outcome != "cancelled":  # a whole prefill only
-            self.prefill.labels(line.route).observe(line.prefill_ms / 1000)
+            where = (line.provider or "-", line.engine or "-", line.device or "-")
+            self.prefill.labels(line.route, *where).observe(line.prefill_ms / 1000)
         if line.restore_ms:
             self.restore.observe(line.restore_ms / 1000)
         if line.share_ms:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import logging
 import os
 import time
@@ -464,8 +465,11 @@ def _lock(disk: Disk, directory: Path) -> tuple[Path, int]:
 
 
 @asynccontextmanager
-async def open_prefix_store(config: Config, server_version: str) -> AsyncIterator[PrefixStore]:
-    """The store ``[cache]`` describes, for the decoder ``config`` starts; closed on the way out.
+async def open_prefix_store(
+    config: Config, server_version: str, *, kv_unified: bool = False, engines: Sequence[str] = ()
+) -> AsyncIterator[PrefixStore]:
+    """The store ``[cache]`` describes, for the decoder ``config`` starts (``kv_unified``, ``engines``:
+    what the daemon resolved, for the fingerprint); closed on the way out.
 
     Never raises for the file system or the model file: the store is then disabled (one log line).
     """
@@ -476,7 +480,9 @@ async def open_prefix_store(config: Config, server_version: str) -> AsyncIterato
     else:
         directory = locate.prefix_store_dir(cache.dir)
         try:
-            fingerprint = await trio.to_thread.run_sync(StateFingerprint.of, config, server_version)
+            fingerprint = await trio.to_thread.run_sync(
+                functools.partial(StateFingerprint.of, config, server_version, kv_unified=kv_unified, engines=engines)
+            )
         except OSError as exc:
             store = PrefixStore.disabled(f"cannot identify the model file: {exc.strerror or exc}")
         else:

@@ -2,10 +2,12 @@
 
     route=plain req=7f3a status=200 outcome=ok fallback=- prompt_tokens=47 prefill_ms=0 restore_ms=0
     share_ms=0.000 first_byte_ms=12.4 total_ms=388.0 decoder_prompt_n=47 decoder_prompt_ms=31.2
-    cached_tokens=0 est_plain_ms=235.0 est_hybrid_ms=290.1 slot=0
+    cached_tokens=0 est_plain_ms=235.0 est_hybrid_ms=290.1 slot=0 provider=- engine=- device=-
 
 The field set is fixed so that every route fills the same columns; a value that does not apply is
-``-`` (logfmt) or ``null`` (JSON).
+``-`` (logfmt) or ``null`` (JSON).  ``provider``, ``engine`` and ``device`` name the provider a
+hybrid route asked to prefill the prompt and what it computes on (``engine=openvino device=NPU``);
+with a ``fallback`` of ``provider-failed`` it is the one that failed, and the decoder prefilled.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ FIELDS = (
     "est_plain_ms",
     "est_hybrid_ms",
     "slot",
+    "provider",
+    "engine",
+    "device",
     "error",
 )
 
@@ -64,6 +69,9 @@ class RouteLine:
     est_plain_ms: float | None = None  # the cost decision's estimates, when it ran
     est_hybrid_ms: float | None = None
     slot: int | None = None
+    provider: str | None = None  # the provider asked to prefill, and what it computes on
+    engine: str | None = None
+    device: str | None = None
     error: str | None = None
 
     def fields(self) -> dict[str, Any]:

@@ -23,7 +23,7 @@ import pytest
 import trio
 
 from supervisor import config as configuration
-from supervisor import locate
+from supervisor import locate, openvino
 from supervisor.child import ChildState
 from supervisor.config import Config
 from supervisor.daemon import Daemon, Started
@@ -45,6 +45,15 @@ def real_llama_server() -> Path:
     found = locate.llama_server("")
     if found is None or not found.is_file():
         pytest.fail("no llama-server: run scripts/setup (it builds one into the cache)")
+    return found
+
+
+def openvino_llama_server() -> Path:
+    """The OpenVINO llama-server; a test that needs it skips, naming what would provide it, only
+    when there is none."""
+    found = openvino.llama_server("")
+    if found is None or not found.is_file():
+        pytest.skip(f"no OpenVINO llama-server: set {openvino.BINARY_ENV} to one (scripts/setup builds it)")
     return found
 
 
@@ -102,9 +111,9 @@ class Running:
 
 
 @asynccontextmanager
-async def run_daemon(config: Config, *, wait_ready: bool = True) -> AsyncIterator[Running]:
+async def run_daemon(config: Config, *, wait_ready: bool = True, check_fidelity: bool = True) -> AsyncIterator[Running]:
     """Run onebitd in this trio run; stop it (drain, stop children, reap) on the way out."""
-    daemon = Daemon(config)
+    daemon = Daemon(config, check_fidelity=check_fidelity)
     async with trio.open_nursery() as nursery:
         started: Started = await nursery.start(daemon.run)
         if wait_ready:
@@ -295,12 +304,17 @@ class ScriptedProvider:
     name: str = "scripted"
     kind: str = "scripted"
     supports_share: bool = False
+    engine: str | None = None
+    device: str | None = None
     ready: bool = True
     busy: int = 0
     jobs: list[PrefillJob] = attrs.Factory(list)
 
     async def run(self, *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started(self)
+
+    async def wait_settled(self) -> None:
+        return
 
     def cached_tokens(self, tokens: tuple[int, ...]) -> int:
         return 0

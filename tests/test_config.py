@@ -235,8 +235,16 @@ def test_the_cache_table_takes_its_keys_and_documents_its_defaults(site: dict[st
         "max_bytes": 4 * 1024**3,
         "min_tokens": 256,
         "ram_mib": 1024,
+        "compile_dir": "",
     }
-    cache = {"enabled": False, "dir": "/srv/prefix", "max_bytes": 1000, "min_tokens": 64, "ram_mib": -1}
+    cache = {
+        "enabled": False,
+        "dir": "/srv/prefix",
+        "max_bytes": 1000,
+        "min_tokens": 64,
+        "ram_mib": -1,
+        "compile_dir": "/srv/openvino",
+    }
     config = configuration.loads(tomli_w.dumps(merged(site, {"cache": cache})), SOURCE)
     assert attrs.asdict(config.cache) == cache
 

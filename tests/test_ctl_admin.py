@@ -254,6 +254,9 @@ def busy_statistics(short_dir: Path) -> DaemonStatistics:
         providers=(
             ProviderStatistics("npu0", "worker", True, 1, 41, 2, None),
             ProviderStatistics("cpu1", "exec", False, 0, 3, 0, None),
+            ProviderStatistics(
+                "ov", "llama-server", False, 0, 0, 0, None, "openvino", "NPU", "fidelity 0.31 over the bound 0.05"
+            ),
         ),
         inflight=(InflightRequest("2a-7", CHAT, 10.0, time.time(), line).statistics(now=12.25),),
         routes={"file": 41, "plain": 3},
@@ -267,9 +270,11 @@ def busy_statistics(short_dir: Path) -> DaemonStatistics:
 async def test_the_status_table_shows_providers_fallbacks_and_first_byte_times(short_dir: Path) -> None:
     table = ctl.render_status(busy_statistics(short_dir))
     assert ", up 1h02m" in table.splitlines()[0]
-    assert row(table, "PROVIDER") == ["PROVIDER", "KIND", "READY", "BUSY", "JOBS", "FAILURES"]
-    assert row(table, "npu0") == ["npu0", "worker", "yes", "1", "41", "2"]
-    assert row(table, "cpu1") == ["cpu1", "exec", "no", "0", "3", "0"]
+    assert row(table, "PROVIDER") == ["PROVIDER", "KIND", "ENGINE", "DEVICE", "READY", "BUSY", "JOBS", "FAILURES"]
+    assert row(table, "npu0") == ["npu0", "worker", "-", "-", "yes", "1", "41", "2"]
+    assert row(table, "cpu1") == ["cpu1", "exec", "-", "-", "no", "0", "3", "0"]
+    assert row(table, "ov") == ["ov", "llama-server", "openvino", "NPU", "no", "0", "0", "0"]
+    assert "provider ov refused: fidelity 0.31 over the bound 0.05" in table.splitlines()
     assert row(table, "2a-7") == ["2a-7", "file", CHAT, "2.2s"]
     lines = table.splitlines()
     assert "requests: file 41, plain 3 (outcomes: error 1, ok 43)" in lines

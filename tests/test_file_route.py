@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import trio
+from prometheus_client.parser import text_string_to_metric_families
 
 from . import fake_decoder
 from .helpers import client_for, gone, hang_up_when, reaped, wait_until
@@ -279,3 +280,43 @@ async def test_concurrent_hybrid_requests_each_get_their_own_slot(rig: RouteRig)
     assert all(line["decoder_prompt_n"] <= 2 for line in lines)
     assert sorted(restore["slot"] for restore in rig.decoder("restore")) == [0, 1]
     assert not any(completion["slot_busy"] for completion in rig.decoder("completion"))
+
+
+# -- what the route line and the metrics say about the provider --------------------------------------
+
+
+def samples_of(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+async def test_the_route_line_and_the_metrics_name_the_provider_and_count_its_failure(rig: RouteRig) -> None:
+    rig.control.set(provider=ProviderModes(mode=["ok", "fail"]))
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(rig.config("exec")) as running, client_for(running, timeout=TIMEOUT) as client:
+            assert await complete(client) == plain_reply()
+            assert await complete(client, PROMPT + " again") == plain_reply(PROMPT + " again")
+            ok, failed = await rig.route_lines.wait(2)
+            samples = samples_of((await client.get("/metrics")).text)
+    # An exec provider is a program of its own: onebitd does not know what it runs on.
+    assert (ok["route"], ok["provider"], ok["engine"], ok["device"]) == ("file", "npu0", None, None)
+    assert (failed["route"], failed["fallback"], failed["provider"]) == ("plain", "provider-failed", "npu0")
+    where = (("device", "-"), ("engine", "-"), ("kind", "exec"), ("provider", "npu0"))
+    assert samples[("onebit_provider_jobs_total", where)] == 2
+    assert samples[("onebit_provider_failures_total", where)] == 1
+    assert samples[("onebit_provider_ready", where)] == 1
+    assert samples[("onebit_provider_refused", where)] == 0
+    prefill = (("device", "-"), ("engine", "-"), ("provider", "npu0"), ("route", "file"))
+    assert samples[("onebit_provider_prefill_seconds_count", prefill)] == 1
+
+
+async def test_a_plain_request_names_no_provider(rig: RouteRig) -> None:
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(rig.config("exec")) as running, client_for(running, timeout=TIMEOUT) as client:
+            assert await complete(client, "short") == plain_reply("short")
+            [line] = await rig.route_lines.wait(1)
+    assert (line["route"], line["fallback"]) == ("plain", "short-prompt")
+    assert (line["provider"], line["engine"], line["device"]) == (None, None, None)

@@ -87,7 +87,8 @@ async def test_share_mode_on_the_embedded_default_takes_the_share_route_with_its
     shipped = (Path(__file__).parent.parent / "config" / "onebit.toml").read_text()
     config = make_config(
         short_dir,
-        text=shipped.replace('mode = "file"', 'mode = "share"'),
+        # Its provider on the decoder's own engine: the share route's replies are compared exactly.
+        text=shipped.replace('mode = "file"', 'mode = "share"').replace('engine = "auto"', 'engine = "ggml"'),
         model={"parallel": 2, "ctx_size": 2048},
         decoder={"threads": 1},
         hybrid={"min_prompt_tokens": 16, **HANDOFF_ALWAYS},

@@ -118,7 +118,17 @@ class JobCounts:
         finally:
             self.busy -= 1
 
-    def statistics(self, name: str, kind: str, *, ready: bool, child: Any = None) -> ProviderStatistics:
+    def statistics(
+        self,
+        name: str,
+        kind: str,
+        *,
+        ready: bool,
+        child: Any = None,
+        engine: str | None = None,
+        device: str | None = None,
+        refused: str | None = None,
+    ) -> ProviderStatistics:
         """A provider's snapshot; ``child``: its supervised child's statistics (attrs), if it has one."""
         return ProviderStatistics(
             name=name,
@@ -128,6 +138,9 @@ class JobCounts:
             jobs=self.jobs,
             failures=self.failures,
             child=None if child is None else converter.unstructure(child),
+            engine=engine,
+            device=device,
+            refused=refused,
         )
 
 
@@ -140,11 +153,22 @@ class ProviderStatistics:
     jobs: int
     failures: int
     child: dict[str, Any] | None  # the supervised child's statistics, for kinds that have one
+    # What a llama-server provider computes on (engine ggml or openvino, and the device it resolved);
+    # None for the kinds that do not say.
+    engine: str | None = None
+    device: str | None = None
+    # Why it takes no jobs although it runs: its device is not there, or its replies are too far from
+    # the decoder's (supervisor/fidelity.py).  Set once, at start.
+    refused: str | None = None
 
 
 class Provider(Protocol):
     name: str
     kind: str
+    # What it computes on, for the route line, the metrics and onebitctl status: a llama-server
+    # provider's engine ("ggml", "openvino") and device ("CPU", "NPU", ...); None where not known.
+    engine: str | None
+    device: str | None
     # Can take a ShareJob (write into the decoder's region); llama-server providers cannot.
     supports_share: bool
 
@@ -158,6 +182,10 @@ class Provider(Protocol):
 
     async def run(self, *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
         """Supervise whatever the provider needs for as long as the daemon runs."""
+
+    async def wait_settled(self) -> None:
+        """Until its first start is over: it takes jobs, or its start failed, or it was refused.
+        The daemon's readiness waits for every provider's (requests before it would go plain)."""
 
     def cached_tokens(self, tokens: tuple[int, ...]) -> int:
         """Prompt tokens a job for ``tokens`` would find in the provider's own cache (0: none kept)."""

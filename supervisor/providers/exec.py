@@ -31,6 +31,8 @@ async def pump_then_set(pump: Awaitable[None], done: trio.Event) -> None:
 class ExecProvider:
     kind = "exec"
     supports_share = True  # the region fds are inherited at the numbers the job lists
+    engine: str | None = None  # a program of its own: onebitd does not know what it runs on
+    device: str | None = None
 
     def __init__(self, spec: ExecProviderConfig) -> None:
         self.name = spec.name
@@ -40,6 +42,9 @@ class ExecProvider:
     @property
     def ready(self) -> bool:
         return True  # nothing runs between jobs; a program that cannot start fails its job
+
+    async def wait_settled(self) -> None:
+        return  # nothing to start
 
     @property
     def busy(self) -> int:

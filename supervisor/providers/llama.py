@@ -5,25 +5,45 @@ command lines come from the one [model] section) and saves into the decoder's ``
 so the state file it writes is one the decoder's restore accepts.  A job is
 ``POST /completion {"prompt": tokens, "n_predict": 0, "id_slot": k}`` then
 ``POST /slots/k?action=save {"filename": <name>}``; cancelling it closes that request.
+
+Its ``engine`` is ggml (the decoder's own, on the CPU) or OpenVINO (supervisor/openvino.py).  An
+OpenVINO provider asks its runtime for its device before its first start, runs with its compile
+cache under onebitd's cache directory, and on the static path (an NPU) with one slot.  Its start is
+gated twice: llama-server's /health (the model loaded, the warm-up graph compiled), then ``gate``
+(the daemon's fidelity check, supervisor/fidelity.py), run once; a provider the gate refuses runs no
+job, says why in ``statistics().refused``, and the other providers go on.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import secrets
+from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import trio
 
+from .. import openvino
 from ..child import Child, ChildState
 from ..config import Config
 from ..config import LlamaServerProvider as LlamaServerProviderConfig
 from ..decoder import DecoderClient
-from ..errors import DecoderError, ProviderError
+from ..errors import ChildError, DecoderError, ProviderError
 from ..llama_server import LlamaServerLauncher, connection_limit
 from ..share_worker import Refused, write_saved_state
 from ..slots import PromptKey, SlotPool
 from .base import Claim, Job, JobCounts, PrefillJob, ProviderStatistics, ShareJob
+
+log = logging.getLogger("onebit.provider")
+
+# The start-time check a provider passes before its first job: None, or why it is refused.
+Gate = Callable[["LlamaServerProvider"], Awaitable[str | None]]
+# A check that raised ProviderError (a child restarting under it) is tried again this much later:
+# about what a llama-server restart takes with the small models this runs.
+GATE_RETRY_S = 5.0
 
 
 class LlamaServerProvider:
@@ -32,39 +52,191 @@ class LlamaServerProvider:
     # from the saved file into the decoder's lent region (supervisor/share_worker.py's format).
     supports_share = True
 
-    def __init__(self, spec: LlamaServerProviderConfig, config: Config, *, runtime_dir: Path, state_dir: Path) -> None:
+    def __init__(
+        self,
+        spec: LlamaServerProviderConfig,
+        config: Config,
+        *,
+        runtime_dir: Path,
+        state_dir: Path,
+        kv_unified: bool = False,
+        gate: Gate | None = None,
+    ) -> None:
         self.name = spec.name
+        self.spec = spec
         self.state_dir = state_dir
-        self.launcher = LlamaServerLauncher(
+        engine = openvino.engine_of(spec.engine, spec.binary)
+        self.engine: str | None = engine
+        # ggml runs on the CPU; an OpenVINO device is known once its runtime was asked (choose_device).
+        self.device: str | None = "CPU" if engine == "ggml" else None
+        self.compile_dir = openvino.compile_dir(config.cache.compile_dir)
+        self.gate = gate
+        self.refused: str | None = None
+        self._admitted = gate is None
+        # Its first start is over (admitted, refused, or that start failed): wait_settled.
+        self._settled = trio.Event()
+        # engine "auto" that found OpenVINO goes on with ggml when OpenVINO is refused.
+        self._falls_back = spec.engine == "auto" and engine == "openvino"
+        self._config = config
+        self.client = DecoderClient(
+            runtime_dir / f"provider-{spec.name}.sock", max_connections=connection_limit(config.model.parallel)
+        )
+        self.launcher = self._launcher(engine, kv_unified)
+        self.child = Child(self.launcher, spec.health, spec.restart, cpu_affinity=spec.cpu_affinity)
+        # Its own slots, as many as the decoder's (-np is shared) but on the static path; jobs beyond
+        # that wait their turn.
+        self.parallel = config.model.parallel
+        self.slots = SlotPool(self.parallel, queue_limit=1 << 16)
+        self.counts = JobCounts()
+
+    def _launcher(self, engine: str, kv_unified: bool) -> LlamaServerLauncher:
+        spec, config = self.spec, self._config
+        return LlamaServerLauncher(
             f"provider-{spec.name}",
             config,
-            binary=spec.binary or config.decoder.binary,
-            client=DecoderClient(
-                runtime_dir / f"provider-{spec.name}.sock", max_connections=connection_limit(config.model.parallel)
-            ),
-            slot_save_path=state_dir,
+            binary=(spec.binary if spec.engine == "ggml" else "") or config.decoder.binary,
+            binary_path=openvino.llama_server(spec.binary) if engine == "openvino" else None,
+            client=self.client,
+            slot_save_path=self.state_dir,
             threads=spec.threads,
             extra_args=spec.extra_args,
+            kv_unified=kv_unified,
         )
-        self.child = Child(self.launcher, spec.health, spec.restart, cpu_affinity=spec.cpu_affinity)
-        # Its own slots, as many as the decoder's (-np is shared); jobs beyond that wait their turn.
-        self.slots = SlotPool(config.model.parallel, queue_limit=1 << 16)
-        self.counts = JobCounts()
+
+    def _to_ggml(self) -> None:
+        """engine "auto" after OpenVINO was refused: the decoder's own engine, before the next start.
+        The layout (``kv_unified``) stays what the daemon chose: every file still restores."""
+        self.engine, self.device, self.refused = "ggml", "CPU", None
+        self.gate, self._admitted, self._falls_back = None, True, False
+        self.launcher = self._launcher("ggml", self.launcher.kv_unified)
+        self.child = Child(self.launcher, self.spec.health, self.spec.restart, cpu_affinity=self.spec.cpu_affinity)
+        self.parallel = self._config.model.parallel
+        self.slots = SlotPool(self.parallel, queue_limit=1 << 16)
 
     @property
     def ready(self) -> bool:
-        return self.child.state is ChildState.READY
+        return self.child.state is ChildState.READY and self._admitted
+
+    async def wait_settled(self) -> None:
+        await self._settled.wait()
+
+    async def _settle_after_first_start(self, child: Child, *, only_if_failed: bool) -> None:
+        """Settled once ``child``'s first start is over; with ``only_if_failed``, only when that
+        start failed (a healthy child is settled by its gate's verdict instead)."""
+        await child.wait_first_start()
+        if not only_if_failed or child.state is not ChildState.READY:
+            self._settled.set()
 
     @property
     def busy(self) -> int:
         return self.counts.busy
 
+    @property
+    def static(self) -> bool:
+        """On the OpenVINO backend's static-shape path (an NPU, or forced): one slot."""
+        return (
+            self.engine == "openvino"
+            and self.device is not None
+            and openvino.is_static(self.device, self.spec.static_shapes, os.environ)
+        )
+
+    @property
+    def describe(self) -> str:
+        """``name=engine/device``, ``/static`` on the static path: for the state fingerprint."""
+        return f"{self.name}={self.engine}/{self.device or '?'}" + ("/static" if self.static else "")
+
     async def run(self, *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
         try:
-            await self.child.run(task_status=task_status)
+            if self.engine == "openvino" and self.device is None and self.refused is None:
+                await self.choose_device()
+            if self.refused is not None:
+                self._settled.set()
+                task_status.started(self.child)
+                await trio.sleep_forever()
+            async with trio.open_nursery() as nursery:
+                child = await nursery.start(self.child.run)
+                task_status.started(child)
+                nursery.start_soon(partial(self._settle_after_first_start, self.child, only_if_failed=True))
+                if await self._admit():
+                    self._settled.set()
+                else:
+                    # Nothing will be sent to it: its memory (an OpenVINO server's is about 850 MB)
+                    # goes back.
+                    nursery.cancel_scope.cancel()
+            if self._falls_back and self.refused is not None:
+                self._to_ggml()
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(partial(self._settle_after_first_start, self.child, only_if_failed=False))
+                    await self.child.run()
+            self._settled.set()  # refused, and no other engine to go on with
+            await trio.sleep_forever()
         finally:
             with trio.CancelScope(shield=True):
-                await self.launcher.client.aclose()
+                await self.client.aclose()
+
+    async def choose_device(self) -> None:
+        """Ask the runtime which devices there are; set the device, its variables and slots.  A
+        runtime that cannot say, or lacks the configured device, refuses the provider (one line).
+        Before its first start: the daemon asks before the decoder starts (the layout depends on it)."""
+        try:
+            available = await openvino.list_devices(self.launcher.binary)
+        except ChildError as exc:
+            self._refuse(str(exc))
+            return
+        device = openvino.choose_device(self.spec.device, available)
+        if device is None:
+            self._refuse(f"device {self.spec.device} is not among the runtime's devices ({', '.join(available)})")
+            return
+        self.device = device
+        static = openvino.is_static(device, self.spec.static_shapes, os.environ)
+        self.launcher.engine_env = openvino.environment(
+            device, static_shapes=self.spec.static_shapes, cache=self.compile_dir
+        )
+        if static:
+            self.parallel = 1
+            self.launcher.parallel = 1
+            self.slots = SlotPool(1, queue_limit=1 << 16)
+        log.info(
+            "%s: engine openvino, device %s (of %s)%s; compile cache %s",
+            self.name,
+            device,
+            ", ".join(available),
+            ", static shapes, one slot" if static else "",
+            self.compile_dir,
+        )
+
+    async def _admit(self) -> bool:
+        """Once its child is ready, run the gate: admitted (True) for as long as the daemon runs, or
+        refused (False).  A gate that cannot finish (the child or the decoder died under it) runs again."""
+        if self.gate is None:
+            return True
+        while True:
+            await self.child.wait_state(ChildState.READY)
+            try:
+                why = await self.gate(self)
+            except ProviderError as exc:
+                log.warning("%s: the start-time check did not finish (%s); again in %gs", self.name, exc, GATE_RETRY_S)
+                await trio.sleep(GATE_RETRY_S)
+                continue
+            if why is not None:
+                self._refuse(why)
+                return False
+            self._admitted = True
+            return True
+
+    def _refuse(self, why: str) -> None:
+        if self._falls_back and self.child.state is ChildState.STOPPED and self.device is None:
+            # Before any start (its device): ggml at once.
+            log.warning("%s: engine auto: OpenVINO refused (%s); the ggml engine instead", self.name, why)
+            self._to_ggml()
+            return
+        self.refused = why
+        if self._falls_back:
+            log.warning(
+                "%s: engine auto: OpenVINO refused for this model (%s); the ggml engine instead", self.name, why
+            )
+        else:
+            log.error("%s: refused for this model, the other providers go on: %s", self.name, why)
 
     def cached_tokens(self, tokens: tuple[int, ...]) -> int:
         return self.slots.best_cached(PromptKey(tokens=tokens))
@@ -121,7 +293,15 @@ class LlamaServerProvider:
             path.unlink(missing_ok=True)
 
     def statistics(self) -> ProviderStatistics:
-        return self.counts.statistics(self.name, self.kind, ready=self.ready, child=self.child.statistics())
+        return self.counts.statistics(
+            self.name,
+            self.kind,
+            ready=self.ready,
+            child=self.child.statistics(),
+            engine=self.engine,
+            device=self.device,
+            refused=self.refused,
+        )
 
 
 def _message(data: Any) -> str:

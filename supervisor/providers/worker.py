@@ -136,6 +136,8 @@ class _WorkerLauncher:
 class WorkerProvider:
     kind = "worker"
     supports_share = True  # the region fds are sent with the job line (SCM_RIGHTS)
+    engine: str | None = None  # a program of its own: onebitd does not know what it runs on
+    device: str | None = None
 
     def __init__(self, spec: WorkerProviderConfig) -> None:
         self.name = spec.name
@@ -150,6 +152,9 @@ class WorkerProvider:
     @property
     def ready(self) -> bool:
         return self.child.state is ChildState.READY
+
+    async def wait_settled(self) -> None:
+        await self.child.wait_first_start()
 
     @property
     def busy(self) -> int:

@@ -1,0 +1,143 @@
+"""supervisor/fidelity.py without processes: the distance, the bound, and the probe's three paths
+against an in-process decoder and handoff."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import trio
+
+from supervisor import fidelity
+from supervisor.errors import DecoderError, ProviderError, ProviderStateRefused
+from supervisor.fidelity import Probe, Sample, judge, top_k, total_variation
+from supervisor.providers import Provider
+from supervisor.routes.decision import Outcome, Reason, Route, Step
+
+from .rig import ScriptedProvider
+
+
+def reply(probs: dict[int, float], prompt_n: int = 1) -> dict[str, Any]:
+    top = [{"id": t, "token": str(t), "logprob": math.log(p)} for t, p in probs.items()]
+    first = {"id": next(iter(probs)), "logprob": top[0]["logprob"], "top_logprobs": top}
+    return {"completion_probabilities": [first], "timings": {"prompt_n": prompt_n}}
+
+
+def test_the_top_k_of_a_reply_are_its_first_tokens_probabilities() -> None:
+    got = top_k(reply({5: 0.5, 7: 0.25}))
+    assert got.keys() == {5, 7}
+    assert got[5] == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="no top-k"):
+        top_k({"content": "x"})
+
+
+def test_total_variation_is_zero_for_the_same_list_and_counts_the_unlisted_mass() -> None:
+    p = {1: 0.6, 2: 0.3}
+    assert total_variation(p, p) == 0
+    # 2 dropped out of q's list: its 0.3 moved to a token q lists instead.
+    assert total_variation(p, {1: 0.6, 3: 0.3}) == pytest.approx(0.3)
+    # The same listed tokens, mass moved into the unlisted rest.
+    assert total_variation(p, {1: 0.5, 2: 0.3}) == pytest.approx(0.1)
+    assert total_variation({1: 1.0}, {2: 1.0}) == 1.0
+
+
+def test_the_bound_is_a_factor_of_the_cold_paths_distance_plus_a_floor() -> None:
+    samples = [
+        Sample(100, handoff=0.05, cold=0.02, same_top1=True),
+        Sample(120, handoff=0.07, cold=0.04, same_top1=False),
+    ]
+    verdict = judge(samples, factor=2.0, floor=0.01)
+    assert verdict.mean_handoff == pytest.approx(0.06)
+    assert verdict.bound == pytest.approx(2.0 * 0.03 + 0.01)
+    assert verdict.ok
+    assert verdict.top1_agree == 0.5
+    assert not judge(samples, factor=1.0, floor=0.0).ok
+    assert "over 2 prompts" in verdict.summary()
+
+
+class FakeDecoder:
+    """The decoder's /completion, by path: what the slot holds decides the distribution."""
+
+    def __init__(self, *, handoff: dict[int, float], cold: dict[int, float], cached: dict[int, float]) -> None:
+        self.paths = {"handoff": handoff, "cold": cold, "cached": cached}
+        self.slot = "empty"
+        self.calls: list[str] = []
+
+    async def post_json(self, path: str, body: Any) -> tuple[int, Any]:
+        await trio.lowlevel.checkpoint()
+        if path.endswith("action=erase"):
+            self.slot = "empty"
+            self.calls.append("erase")
+            return 200, {}
+        if path == "/tokenize":
+            return 200, {"tokens": list(range(len(body["content"].split())))}
+        n = len(body["prompt"])
+        if not body["cache_prompt"]:
+            self.slot = "own"
+            self.calls.append("cold")
+            return 200, reply(self.paths["cold"], prompt_n=n)
+        if self.slot == "empty":
+            self.slot = "own"
+            self.calls.append("prefill")
+            return 200, reply(self.paths["cold"], prompt_n=n)
+        which = "cached" if self.slot == "own" else "handoff"
+        self.calls.append(which)
+        return 200, reply(self.paths[which], prompt_n=1)
+
+
+class FakeHandoff:
+    def __init__(self, decoder: FakeDecoder, *, fails: bool = False, refused: bool = False) -> None:
+        self.decoder = decoder
+        self.fails = fails
+        self.refused = refused
+
+    async def run(self, *, req: str, slot: int, tokens: list[int], provider: Provider, timeout_s: float) -> Outcome:
+        await trio.lowlevel.checkpoint()
+        if self.refused:
+            return Outcome(Route.FILE, Step.RESTORE, Reason.RESTORE_REFUSED, "restore answered 400: n_stream mismatch")
+        if self.fails:
+            return Outcome(Route.FILE, Step.FILE_PREFILL, Reason.PROVIDER_FAILED, "provider failed: boom")
+        self.decoder.slot = "restored"
+        return Outcome(Route.FILE)
+
+
+async def test_the_probe_compares_the_handoff_and_the_cold_prefill_with_the_cached_path() -> None:
+    decoder = FakeDecoder(handoff={1: 0.5, 2: 0.5}, cold={1: 0.6, 2: 0.4}, cached={1: 0.7, 2: 0.3})
+    probe = Probe(client=decoder, handoff=FakeHandoff(decoder), timeout_s=5)
+    with trio.fail_after(5):
+        tokens = await probe.tokens("one two three four")
+        sample = await probe.sample(ScriptedProvider(), 0, tokens)
+    assert sample.n_tokens == 4
+    assert sample.handoff == pytest.approx(0.2)
+    assert sample.cold == pytest.approx(0.1)
+    assert sample.same_top1
+    assert decoder.calls == ["erase", "prefill", "cached", "cold", "handoff", "erase"]
+
+
+async def test_a_failed_handoff_or_a_lost_decoder_is_a_provider_error_and_the_slot_is_erased() -> None:
+    decoder = FakeDecoder(handoff={1: 1.0}, cold={1: 1.0}, cached={1: 1.0})
+    probe = Probe(client=decoder, handoff=FakeHandoff(decoder, fails=True), timeout_s=5)
+    with trio.fail_after(5), pytest.raises(ProviderError, match="the handoff failed: provider failed: boom"):
+        await probe.sample(ScriptedProvider(), 0, [1, 2, 3])
+    assert decoder.calls[-1] == "erase"
+
+    class Lost:
+        async def post_json(self, path: str, body: Any) -> tuple[int, Any]:
+            await trio.lowlevel.checkpoint()
+            raise DecoderError("connection refused")
+
+    with trio.fail_after(5), pytest.raises(ProviderError, match="connection refused"):
+        await Probe(client=Lost(), handoff=FakeHandoff(decoder), timeout_s=5).tokens("x")
+
+
+def test_the_start_prompts_are_a_few_and_different() -> None:
+    assert 3 <= len(fidelity.START_PROMPTS) <= 6
+    assert len(set(fidelity.START_PROMPTS)) == len(fidelity.START_PROMPTS)
+
+
+async def test_a_refused_restore_is_a_refusal_of_the_providers_state_not_a_passing_failure() -> None:
+    decoder = FakeDecoder(handoff={1: 1.0}, cold={1: 1.0}, cached={1: 1.0})
+    probe = Probe(client=decoder, handoff=FakeHandoff(decoder, refused=True), timeout_s=5)
+    with trio.fail_after(5), pytest.raises(ProviderStateRefused, match="n_stream mismatch"):
+        await probe.sample(ScriptedProvider(), 0, [1, 2, 3])
