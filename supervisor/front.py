@@ -258,7 +258,7 @@ class Front:
     async def _local(self, path: str, out: Responder) -> None:
         if path in ("/health", "/v1/health"):
             status, word = self.health()
-            retry = [("retry-after", str(self.server.retry_after_s))] if status != 200 else []
+            retry = [("Retry-After", str(self.server.retry_after_s))] if status != 200 else []
             await out.json(status, {"status": word}, retry)
         elif path == "/metrics/decoder":
             await self._pass_through(out, "GET", "/metrics", None)

@@ -378,10 +378,10 @@ def _head(status: int, headers: list[tuple[bytes, bytes]], length: int | None, *
     lines = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b""))]
     lines += [name + b": " + value + b"\r\n" for name, value in headers]
     if length is not None:
-        lines.append(b"content-length: %d\r\n" % length)
+        lines.append(b"Content-Length: %d\r\n" % length)
     if close:
-        lines.append(b"connection: close\r\n")
-    lines.append(b"date: " + _http_date() + b"\r\n\r\n")
+        lines.append(b"Connection: close\r\n")
+    lines.append(b"Date: " + _http_date() + b"\r\n\r\n")
     return b"".join(lines)
 
 
@@ -458,7 +458,7 @@ class _Request:
             return
         self.status = 0
         body = error_body(status, code, message)
-        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        headers = [(b"Content-Type", b"application/json"), (b"Content-Length", b"%d" % len(body))]
         await self.send({"type": "http.response.start", "status": status, "headers": headers})
         await self.send({"type": "http.response.body", "body": body})
 
@@ -596,7 +596,7 @@ class _Request:
         if length is None and not self.bodiless:
             if self.version == "1.1":
                 self.chunked_out = True
-                headers.append((b"transfer-encoding", b"chunked"))
+                headers.append((b"Transfer-Encoding", b"chunked"))
             else:
                 self.keep = False  # the body ends with the connection
         unread = not self.body_done and (self.continue_due or self.chunked or self.remaining > DISCARD_BYTES)
