@@ -105,6 +105,7 @@ class Front:
             hosts=self.server.host,
             port=self.server.port,
             idle_timeout_s=self.server.idle_timeout_s,
+            write_timeout_s=self.server.write_timeout_s,
             shutdown=self._shutdown.wait,
         )
         await self._http_server.run(task_status=task_status)
@@ -116,6 +117,7 @@ class Front:
         self._cors = Cors(server.cors_origins)
         if self._http_server is not None:
             self._http_server.idle_timeout_s = server.idle_timeout_s
+            self._http_server.write_timeout_s = server.write_timeout_s
 
     async def wait_inflight_changed(self) -> None:
         await self._inflight_changed.wait()
@@ -375,7 +377,7 @@ class Front:
         started = trio.current_time()
         self.inflight[req] = InflightRequest(req, path, started, time.time(), line)
         self._changed()
-        gone = trio.Event()
+        gone: list[str] = []  # a hang-up, with the server's reason where it gave one
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._watch_disconnect, receive, nursery.cancel_scope, gone, out)
@@ -398,8 +400,10 @@ class Front:
                 nursery.cancel_scope.cancel()
         finally:
             # A disconnect is reported after a finished response too: that is no cancellation.
-            if gone.is_set() and not out.finished:
+            if gone and not out.finished:
                 line.outcome = "cancelled"
+                if gone[0]:
+                    line.error = gone[0]
             line.status = out.status or 499  # 499: the client closed before any answer (nginx's code)
             line.first_byte_ms = out.first_byte_ms
             line.total_ms = (trio.current_time() - started) * 1000
@@ -413,14 +417,15 @@ class Front:
             self._emit_hook(line)
 
     @staticmethod
-    async def _watch_disconnect(receive: Receive, scope: trio.CancelScope, gone: trio.Event, out: Responder) -> None:
+    async def _watch_disconnect(receive: Receive, scope: trio.CancelScope, gone: list[str], out: Responder) -> None:
         """A client that hangs up cancels its request, but only while the response is unfinished:
         the server reports a disconnect after every finished response too, and what the request does
-        after its last byte (verification, bookkeeping) is the server's work, not the client's."""
+        after its last byte (verification, bookkeeping) is the server's work, not the client's.  A
+        client that took nothing for ``server.write_timeout_s`` is reported the same way, with why."""
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                gone.set()
+                gone.append(message.get("reason", ""))
                 if not out.finished:
                     scope.cancel()
                 return

@@ -26,11 +26,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import email.utils
 import errno
 import http
 import logging
 import socket
+import struct
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -310,6 +312,7 @@ class _Connection:
         its disconnect), one that takes no byte for ``write_timeout_s`` is gone, and a write cut short
         by a cancel leaves the connection unusable."""
         if self.gone or self.broken:
+            await trio.lowlevel.checkpoint()  # an app that sends on and on still lets its disconnect in
             return
         sock = self.sock
         view = memoryview(data)
@@ -333,8 +336,11 @@ class _Connection:
             raise
 
     def _hang_up(self, why: str) -> None:
-        """Take the client for gone: nothing more is sent, and the app hears a disconnect."""
+        """Take the client for gone: nothing more is sent, the app hears a disconnect, and the close
+        resets the connection (what the kernel still holds for the client is dropped, not kept to send)."""
         self.gone = self.broken = True
+        with contextlib.suppress(OSError):
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         self.hung_up_why = why
         if self._watch is not None:
             self._watch.cancel()

@@ -22,6 +22,7 @@ least one token), a restore fills the slot from a ``{"fake_state": true, "tokens
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -166,11 +167,14 @@ class Events(httpx.AsyncByteStream):
     def __init__(self, events: AsyncIterator[bytes]) -> None:
         self._events = events
 
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        async for event in self._events:
-            yield event
+    def __aiter__(self) -> AsyncIterator[bytes]:  # no generator of its own: one left suspended is the GC's
+        return self._events
 
     async def aclose(self) -> None:
+        # A relay cancelled mid-stream (a hang-up) leaves the events unread: closed here, not by the GC.
+        close = getattr(self._events, "aclose", None)
+        if close is not None:
+            await close()
         await trio.lowlevel.checkpoint()
 
 
@@ -195,8 +199,10 @@ class HttpxWire:
                 yield response.content
                 return
             try:
-                async for chunk in response.aiter_raw():
-                    yield chunk
+                raw = cast(AsyncGenerator[bytes, None], response.aiter_raw())
+                async with contextlib.aclosing(raw):  # closed on a cancel too, not left to the GC
+                    async for chunk in raw:
+                        yield chunk
             except httpx.HTTPError as exc:
                 raise DecoderUnavailable(f"decoder stream {path}: {type(exc).__name__}: {exc}") from exc
 
