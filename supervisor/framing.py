@@ -42,6 +42,7 @@ MAX_BLANK_BYTES = 64  # CR and LF bytes before a request line (RFC 9112 section 
 MAX_LENGTH_DIGITS = 18  # a Content-Length that fits in 63 bits
 
 _HEAD_END = b"\r\n\r\n"
+_SPECIAL = frozenset({b"host", b"content-length", b"transfer-encoding", b"connection", b"expect"})
 _REASONS = (
     # llhttp's reason -> (status, code, what) for what is refused on its word.
     ("Invalid HTTP version", 505, "http_version", "HTTP version"),
@@ -142,6 +143,8 @@ class _Reader:
         self._line = 0  # bytes since the last LF (a chunked request body)
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
+        self._lower = True  # the head's names as the reader hands them: lower-case, or as written
+        self._special: dict[bytes, list[bytes]] = {}  # the values of the fields in _SPECIAL, by lower-case name
         self._fields = 0
         self._trailer_bytes = 0
         self._complete = False  # the message's end was parsed in the piece being fed
@@ -250,6 +253,7 @@ class _Reader:
             raise Malformed(400, "bad_request", "a message began inside the piece that ended the last")
         self._url = b""
         self._headers = []
+        self._special = {}
         self._fields = 0
         self._trailer_bytes = 0
 
@@ -261,7 +265,11 @@ class _Reader:
         if self._state == _HEAD:
             if self._fields > MAX_HEADERS:
                 raise Malformed(431, "head_too_large", f"more than {MAX_HEADERS} header fields")
-            self._headers.append((name, value.rstrip(b" \t")))
+            lower = name.lower()
+            value = value.rstrip(b" \t")
+            self._headers.append((lower if self._lower else name, value))
+            if lower in _SPECIAL:
+                self._special.setdefault(lower, []).append(value)
         else:  # a trailer: checked by llhttp, counted here, and dropped
             self._trailer_bytes += len(name) + len(value) + 4
             if self._trailer_bytes > MAX_TRAILER_BYTES or self._fields > MAX_HEADERS:
@@ -277,19 +285,12 @@ class _Reader:
         self._state, self._blank, self._line, self._tail = _BOUNDARY, 0, 0, b""
         self._complete = True
 
-    def _framing(self, version: str, headers: list[tuple[bytes, bytes]]) -> tuple[bool, int, list[bytes]]:
+    def _framing(self, version: str) -> tuple[bool, int, list[bytes]]:
         """(chunked, length, Connection tokens) from the head's fields, by onebitd's rules."""
-        lengths: list[bytes] = []
-        codings: list[bytes] = []
-        connection: list[bytes] = []
-        for name, value in headers:
-            lower = name.lower()
-            if lower == b"content-length":
-                lengths.append(value)
-            elif lower == b"transfer-encoding":
-                codings.append(value)
-            elif lower == b"connection":
-                connection.append(value)
+        special = self._special
+        codings = special.get(b"transfer-encoding")
+        lengths = special.get(b"content-length")
+        connection = special.get(b"connection")
         chunked = False
         length = 0
         if codings:  # llhttp has refused it beside a Content-Length
@@ -300,7 +301,7 @@ class _Reader:
             if len(lengths[0]) > MAX_LENGTH_DIGITS:
                 raise Malformed(400, "bad_request", "malformed Content-Length: too many digits")
             length = int(lengths[0])
-        return chunked, length, _tokens(connection)
+        return chunked, length, _tokens(connection) if connection else []
 
 
 class RequestReader(_Reader):
@@ -335,17 +336,11 @@ class RequestReader(_Reader):
         method = parser.get_method().decode("ascii")  # type: ignore[union-attr]
         if method == "CONNECT":
             raise Malformed(501, "not_implemented", "CONNECT is not served here")
-        headers = [(name.lower(), value) for name, value in self._headers]
-        hosts = 0
-        expect: list[bytes] = []
-        for name, value in headers:
-            if name == b"host":
-                hosts += 1
-            elif name == b"expect":
-                expect.append(value)
-        if version == "1.1" and hosts != 1:
+        special = self._special
+        if version == "1.1" and len(special.get(b"host", ())) != 1:
             raise Malformed(400, "bad_request", "an HTTP/1.1 request needs exactly one Host header")
-        chunked, length, connection = self._framing(version, headers)
+        chunked, length, connection = self._framing(version)
+        expect = special.get(b"expect")
         if parser.should_upgrade() and (chunked or length):
             # llhttp would take the body for the new protocol's bytes; a bodiless one is served as
             # plain HTTP/1.1 (RFC 9110 section 7.8 lets a server ignore Upgrade; curl --http2 sends one).
@@ -358,9 +353,9 @@ class RequestReader(_Reader):
                 raw_path=raw_path,
                 query=query,
                 version=version,
-                headers=headers,
+                headers=self._headers,
                 keep_alive=version == "1.1" and b"close" not in connection,
-                expect_continue=version == "1.1" and b"100-continue" in _tokens(expect),
+                expect_continue=version == "1.1" and expect is not None and b"100-continue" in _tokens(expect),
                 chunked=chunked,
                 length=length,
             )
@@ -382,7 +377,9 @@ def _target(target: bytes, method: str) -> tuple[str, bytes, bytes]:
     raw_path, _, query = target.partition(b"?")
     raw_path = raw_path.partition(b"#")[0]
     try:
-        path = unquote(raw_path.decode("ascii"), errors="strict")
+        path = raw_path.decode("ascii")  # llhttp let no byte over 0x7e through
+        if "%" in path:
+            path = unquote(path, errors="strict")
     except UnicodeDecodeError:
         raise Malformed(400, "bad_request", "request path is not UTF-8") from None
     return path, raw_path, query.partition(b"#")[0]
@@ -394,6 +391,7 @@ class ResponseReader(_Reader):
     def __init__(self, max_head: int) -> None:
         super().__init__(max_head)
         self._parser = httptools.HttpResponseParser(self)
+        self._lower = False
         self._head_request = False
 
     def expect(self, method: str) -> None:
@@ -416,12 +414,10 @@ class ResponseReader(_Reader):
         if version not in ("1.1", "1.0"):
             raise Malformed(400, "bad_request", f"malformed status line: HTTP version {version}")
         status = parser.get_status_code()
-        chunked, length, connection = self._framing(version, self._headers)
+        chunked, length, connection = self._framing(version)
         keep_alive = b"close" not in connection if version == "1.1" else b"keep-alive" in connection
         bodiless = self._head_request or status < 200 or status in (204, 304)
-        until_eof = (
-            not bodiless and not chunked and not any(name.lower() == b"content-length" for name, _ in self._headers)
-        )
+        until_eof = not bodiless and not chunked and b"content-length" not in self._special
         self._events.append(
             Response(
                 status=status,
