@@ -32,7 +32,7 @@ from urllib.parse import unquote
 import attrs
 import httptools
 
-from .errors import ClientError
+from .errors import Malformed
 
 MAX_HEAD_BYTES = 16 * 1024  # a request line and its headers (h11's and hypercorn's limit)
 MAX_HEADERS = 100  # fields in a head, and in trailers (Apache's LimitRequestFields)
@@ -58,11 +58,6 @@ _REASONS = (
     ("method", 400, "bad_request", "request line"),
     ("url", 400, "bad_request", "request target"),
 )
-
-
-class Malformed(ClientError):
-    """Bytes that are not HTTP/1.1 as onebitd takes it.  ``status`` and ``code`` are the front's
-    answer (400, 431, 501, 505); the decoder client turns it into ``DecoderUnavailable``."""
 
 
 @attrs.frozen(slots=True)

@@ -40,8 +40,8 @@ from typing import Any
 import trio
 
 from . import framing
-from .errors import ClientError, ListenError
-from .framing import END, NEED_DATA, Malformed
+from .errors import ClientError, ListenError, Malformed
+from .framing import END, NEED_DATA
 from .respond import error_body
 
 log = logging.getLogger("onebit.front")

@@ -30,8 +30,8 @@ import attrs
 import trio
 
 from . import framing
-from .errors import DecoderUnavailable
-from .framing import END, NEED_DATA, Malformed
+from .errors import DecoderUnavailable, Malformed
+from .framing import END, NEED_DATA
 
 # llama-server (cpp-httplib) closes a keep-alive connection after 5 s idle; ours are retired at 4 s,
 # which is still past the health check's 2 s interval (a check does not reconnect every time).

@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from supervisor import framing
-from supervisor.framing import END, MAX_HEAD_BYTES, MAX_HEADERS, NEED_DATA, Malformed
+from supervisor.errors import Malformed
+from supervisor.framing import END, MAX_HEAD_BYTES, MAX_HEADERS, NEED_DATA
 
 H = b"Host: x\r\n"
 
