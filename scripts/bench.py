@@ -137,8 +137,18 @@ class Spawned:
     direct: httpx.AsyncClient
 
 
+def _within(data: dict[str, Any], shape: dict[str, Any]) -> dict[str, Any]:
+    return {
+        key: _within(value, shape[key]) if isinstance(value, dict) and isinstance(shape[key], dict) else value
+        for key, value in data.items()
+        if key in shape
+    }
+
+
 @asynccontextmanager
-async def spawn_onebitd(config: Config, runtime_dir: Path, log: TextIO, *, root: Path = ROOT) -> AsyncIterator[Spawned]:
+async def spawn_onebitd(
+    config: Config, runtime_dir: Path, log: TextIO, *, root: Path = ROOT, shape: dict[str, Any] | None = None
+) -> AsyncIterator[Spawned]:
     """onebitd in a process of its own, ready (its sd_notify READY=1), and the two clients; ``root``:
     the checkout whose onebitd it is (``versus`` runs another's beside this one).
 
@@ -146,7 +156,10 @@ async def spawn_onebitd(config: Config, runtime_dir: Path, log: TextIO, *, root:
     OpenAI client and onebitd do in service.  The process is stopped (SIGTERM) and reaped when the
     block ends, and it stops and reaps its decoder."""
     config_path = runtime_dir / "onebit.toml"
-    config_path.write_text(tomli_w.dumps(configuration.unstructure(config)))
+    written = configuration.unstructure(config)
+    if shape is not None:  # another checkout: only the keys its config knows (one added since is an error there)
+        written = _within(written, shape)
+    config_path.write_text(tomli_w.dumps(written))
     notify_path = runtime_dir / "notify.sock"
     notify = trio.socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     await notify.bind(str(notify_path))
