@@ -60,7 +60,7 @@ _REASONS = (
 )
 
 
-@attrs.frozen(slots=True)
+@attrs.define(slots=True)  # not frozen: its __init__ runs once a request, and a frozen one costs 3x
 class Request:
     method: str
     path: str  # percent-decoded
@@ -74,7 +74,7 @@ class Request:
     length: int  # of a Content-Length body; 0 when chunked
 
 
-@attrs.frozen(slots=True)
+@attrs.define(slots=True)
 class Response:
     status: int
     version: str

@@ -62,7 +62,7 @@ class Response:
     headers: dict[str, str]  # names lower-case, repeats joined with ", "
     chunks: Callable[[], AsyncGenerator[bytes, None]]
     aclose: Callable[[], Awaitable[None]]
-    fields: list[tuple[str, str]] = attrs.Factory(list)  # the head's fields, names as the server wrote them
+    fields: list[tuple[bytes, bytes]] = attrs.Factory(list)  # the head's fields, names as the server wrote them
 
     async def read(self) -> bytes:
         return b"".join([chunk async for chunk in self.chunks()])
@@ -269,12 +269,11 @@ class _Reply:
         self.connection: _Connection | None = connection
         self.head = head
         self.left = head.length  # of a reply with a Content-Length, the bytes still to come
-        fields = [(name.decode("latin-1"), value.decode("latin-1")) for name, value in head.headers]
         headers: dict[str, str] = {}
-        for name, value in fields:
-            key = name.lower()
-            headers[key] = f"{headers[key]}, {value}" if key in headers else value
-        self.fields = fields
+        for name, value in head.headers:
+            key = name.lower().decode("latin-1")
+            text = value.decode("latin-1")
+            headers[key] = f"{headers[key]}, {text}" if key in headers else text
         self.headers = headers
 
     def response(self) -> Response:
@@ -283,7 +282,7 @@ class _Reply:
             end = _next(self.connection.reader)  # queued with the head
             assert end is END, end
             self._finish()
-        return Response(self.head.status, self.headers, self.chunks, self.aclose, self.fields)
+        return Response(self.head.status, self.headers, self.chunks, self.aclose, self.head.headers)
 
     async def aclose(self) -> None:
         """Before the end of the body (a reply read to its end has released its connection)."""
