@@ -124,6 +124,7 @@ class Front:
                 hosts=self.server.host,
                 port=self.server.port,
                 idle_timeout_s=self.server.idle_timeout_s,
+                write_timeout_s=self.server.write_timeout_s,
                 shutdown=self._shutdown.wait,
             )
         self._http_server.bind()
@@ -140,6 +141,7 @@ class Front:
         self._cors = Cors(server.cors_origins)
         if self._http_server is not None:
             self._http_server.idle_timeout_s = server.idle_timeout_s
+            self._http_server.write_timeout_s = server.write_timeout_s
 
     async def wait_inflight_changed(self) -> None:
         await self._inflight_changed.wait()
@@ -290,7 +292,7 @@ class Front:
     async def _local(self, path: str, out: Responder) -> None:
         if path in ("/health", "/v1/health"):
             status, body = self.health()
-            retry = [("retry-after", str(self.server.retry_after_s))] if status != 200 else []
+            retry = [("Retry-After", str(self.server.retry_after_s))] if status != 200 else []
             await out.json(status, body, retry)
         elif path == "/metrics/decoder":
             await self._pass_through(out, "GET", "/metrics", None)
@@ -407,7 +409,7 @@ class Front:
         # Its age and its times count from its arrival, as its first byte's does (out.started_at).
         self.inflight[req] = InflightRequest(req, path, out.started_at, time.time(), line)
         self._changed()
-        gone = trio.Event()
+        gone: list[str] = []  # a hang-up, with the server's reason where it gave one
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._watch_disconnect, receive, nursery.cancel_scope, gone, out)
@@ -431,8 +433,10 @@ class Front:
         finally:
             # A disconnect is reported after a finished response too, and a client may close once it
             # has a stream's final event: neither is a cancellation.
-            if gone.is_set() and not out.complete:
+            if gone and not out.complete:
                 line.outcome = "cancelled"
+                if gone[0]:
+                    line.error = gone[0]
             line.status = out.status or 499  # 499: the client closed before any answer (nginx's code)
             line.first_byte_ms = out.first_byte_ms
             line.total_ms = out.elapsed_ms()
@@ -446,15 +450,16 @@ class Front:
             self._emit_hook(line)
 
     @staticmethod
-    async def _watch_disconnect(receive: Receive, scope: trio.CancelScope, gone: trio.Event, out: Responder) -> None:
+    async def _watch_disconnect(receive: Receive, scope: trio.CancelScope, gone: list[str], out: Responder) -> None:
         """A client that hangs up cancels its request, but only while the response is incomplete:
         the server reports a disconnect after every finished response too, a client may close once
         it has a stream's final event, and what the request does after that (the rest of the
-        relay, verification, bookkeeping) is the server's work, not the client's."""
+        relay, verification, bookkeeping) is the server's work, not the client's.  A client that
+        took nothing for ``server.write_timeout_s`` is reported the same way, with why."""
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                gone.set()
+                gone.append(message.get("reason", ""))
                 if not out.complete:
                     scope.cancel()
                 return
