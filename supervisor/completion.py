@@ -44,6 +44,7 @@ from .routes.prompt import CHAT, handoff_unsupported, tokens_for
 from .routes.share import ShareHandoff
 from .routes.stored import StoredPrefixes
 from .slots import PromptKey, SlotPool
+from .wire import Headers
 
 log = logging.getLogger("onebit.hybrid")
 
@@ -402,7 +403,10 @@ class Completions:
             policy=Policy(prefer_margin=settings.prefer_margin, max_stall_ms=settings.max_stall_ms),
         )
 
-    async def serve(self, endpoint: str, body: dict[str, Any], out: Responder, line: RouteLine) -> None:
+    async def serve(
+        self, endpoint: str, body: dict[str, Any], out: Responder, line: RouteLine, headers: Headers = ()
+    ) -> None:
+        """``headers``: the client's that the decoder is given too (``X-Conversation-Id``)."""
         settings = self.settings
         self.check_ready()
         if self.decoder.generation != self._slots_generation:
@@ -445,9 +449,9 @@ class Completions:
             self.decoding += 1
             try:
                 if body.get("stream") is True:
-                    await self._relay_stream(endpoint, forwarded, out, line, timings)
+                    await self._relay_stream(endpoint, forwarded, out, line, timings, headers)
                 else:
-                    await self._relay_whole(endpoint, forwarded, out, line, timings)
+                    await self._relay_whole(endpoint, forwarded, out, line, timings, headers)
             except trio.Cancelled:
                 # The client hung up mid-stream (a user pressed stop, an agent cancelled).  Once the
                 # decoder began its reply the slot holds the whole prompt: it is kept for the prefix
@@ -612,9 +616,15 @@ class Completions:
         )
 
     async def _relay_whole(
-        self, endpoint: str, body: dict[str, Any], out: Responder, line: RouteLine, timings: Timings
+        self,
+        endpoint: str,
+        body: dict[str, Any],
+        out: Responder,
+        line: RouteLine,
+        timings: Timings,
+        headers: Headers = (),
     ) -> None:
-        reply = await self.client.request("POST", endpoint, body)
+        reply = await self.client.request("POST", endpoint, body, headers)
         if 200 <= reply.status < 300:
             with contextlib.suppress(ValueError):
                 timings.read(json.loads(reply.body))
@@ -632,9 +642,15 @@ class Completions:
         await relay_reply(out, status, headers, body)
 
     async def _relay_stream(
-        self, endpoint: str, body: dict[str, Any], out: Responder, line: RouteLine, timings: Timings
+        self,
+        endpoint: str,
+        body: dict[str, Any],
+        out: Responder,
+        line: RouteLine,
+        timings: Timings,
+        headers: Headers = (),
     ) -> None:
-        async with self.client.stream(endpoint, body) as upstream:
+        async with self.client.stream(endpoint, body, headers) as upstream:
             if upstream.status != 200:
                 chunks = [chunk async for chunk in upstream.chunks]
                 await self._relay_error(upstream.status, upstream.headers, b"".join(chunks), out, line)
@@ -656,7 +672,14 @@ class Completions:
             await out.body(b"", more=False)
 
     async def relay(
-        self, endpoint: str, body: dict[str, Any], out: Responder, line: RouteLine, *, pinned: bool
+        self,
+        endpoint: str,
+        body: dict[str, Any],
+        out: Responder,
+        line: RouteLine,
+        headers: Headers = (),
+        *,
+        pinned: bool,
     ) -> None:
         """A request that runs the model but that no hybrid route takes (embeddings, rerank, infill,
         the Anthropic and Responses APIs): plain, on a slot of its own, whole or streamed.
@@ -681,9 +704,9 @@ class Completions:
                 forwarded = {**body, "id_slot": slot}
             try:
                 if body.get("stream") is True:
-                    await self._relay_stream(endpoint, forwarded, out, line, timings)
+                    await self._relay_stream(endpoint, forwarded, out, line, timings, headers)
                 else:
-                    await self._relay_whole(endpoint, forwarded, out, line, timings)
+                    await self._relay_whole(endpoint, forwarded, out, line, timings, headers)
             finally:
                 if pinned:
                     # Its cache now holds a prompt onebitd did not key: nothing to match a next one on.

@@ -172,6 +172,11 @@ class ServerConfig:
     # A client that takes no byte of its response for this long loses its connection, and its request
     # is cancelled as if it had hung up (nginx's send_timeout is 60 s).  Changed by a reload at once.
     write_timeout_s: float = field(default=60.0, validator=_at_least(0.1))
+    # A stream that carries X-Conversation-Id and whose client hung up is left to finish into the
+    # decoder's stream session (a replay may follow), its slot held meanwhile: for at most this long,
+    # then it is stopped (DELETE /v1/stream) and the slot freed.  llama-server bounds the stream only
+    # by its reply's length; 300 s is as long as it keeps a finished session for a replay.
+    detach_timeout_s: float = field(default=300.0, validator=_at_least(0.1))
 
 
 @frozen

@@ -25,8 +25,8 @@ import attrs
 ANY = "*"
 LOOPBACK = "localhost"
 LOOPBACK_NAMES = {"localhost", "localhost.", "ip6-localhost"}
-# What onebitd serves: llama-server's default list less DELETE, which no endpoint here takes.
-ALLOW_METHODS = "GET, POST, OPTIONS"
+# What onebitd serves, as llama-server's default list (DELETE: a resumable stream's stop).
+ALLOW_METHODS = "GET, POST, DELETE, OPTIONS"
 # How long a browser may reuse a preflight's answer (seconds): a reload changes cors_origins rarely.
 MAX_AGE_S = 600
 

@@ -121,9 +121,9 @@ class DecoderClient:
     def _encode(body: Any) -> bytes | None:
         return None if body is None else json.dumps(body).encode()
 
-    async def request(self, method: str, path: str, body: Any = None) -> Reply:
+    async def request(self, method: str, path: str, body: Any = None, headers: wire.Headers = ()) -> Reply:
         """One request; the whole reply.  ``body`` is sent as JSON when not None."""
-        response = await self._transport.send(method, path, self._encode(body))
+        response = await self._transport.send(method, path, self._encode(body), headers)
         try:
             content = await response.read()
         finally:
@@ -136,10 +136,13 @@ class DecoderClient:
         return reply.status, reply.json()
 
     @asynccontextmanager
-    async def stream(self, path: str, body: Any) -> AsyncIterator[Stream]:
-        """POST and relay the reply as it comes.  Leaving the block closes the connection (unless
-        the reply was read to its end), which makes llama-server stop working on the request."""
-        response = await self._transport.send("POST", path, self._encode(body))
+    async def stream(
+        self, path: str, body: Any, headers: wire.Headers = (), *, method: str = "POST"
+    ) -> AsyncIterator[Stream]:
+        """POST (or ``method``) and relay the reply as it comes.  Leaving the block closes the
+        connection (unless the reply was read to its end), which makes llama-server stop working on
+        the request (one that carries ``X-Conversation-Id`` goes on into its stream session)."""
+        response = await self._transport.send(method, path, self._encode(body), headers)
         chunks = response.chunks()
         try:
             yield Stream(response.status, response.headers, chunks)

@@ -6,11 +6,13 @@ written for llama-server finds every endpoint it knows at the same path, by ever
 - ``COMPLETION``: the completion endpoints, routed (a slot of onebitd's, maybe a hybrid route);
 - ``SLOT``: the model runs on a slot (embeddings, rerank, infill, the Anthropic and Responses APIs):
   relayed on the plain route with a slot of its own, so onebitd's slot count stays the decoder's;
-- ``RELAY``: relayed as is (no slot: tokenizing, token counts, the model list, ``/props``);
+- ``RELAY``: relayed as is (no slot: tokenizing, token counts, the model list, ``/props``, the
+  resumable streams' replay, lookup and stop, ``/cors-proxy``);
 - ``LOCAL``: answered by onebitd itself (``/health``, ``/metrics``);
 - ``REFUSED``: what would change the decoder's settings or slots, which onebitd owns.
 
-A path not here is answered 404; a known path asked with another method, 405.
+A path not here is answered 404; a known path asked with another method, 405.  ``UNSERVED`` names
+the paths of llama-server's route table that onebitd answers 404 on purpose, and why.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ class Endpoint:
     pinned: bool = True
     # REFUSED: why, in the answer's words.
     why: str = ""
+    # RELAY: the answer is relayed chunk by chunk as it comes (a stream's replay), not whole.
+    streamed: bool = False
 
     @property
     def routed(self) -> bool:
@@ -57,6 +61,7 @@ def _slot(canonical: str, *, pinned: bool = True) -> Endpoint:
 
 
 _RELAY = Endpoint(Kind.RELAY)
+_REPLAY = Endpoint(Kind.RELAY, streamed=True)
 _LOCAL = Endpoint(Kind.LOCAL)
 _SETTINGS = Endpoint(
     Kind.REFUSED,
@@ -105,6 +110,23 @@ ROUTES: dict[str, dict[str, Endpoint]] = {
     "/props": {"GET": _RELAY, "POST": _SETTINGS},
     "/lora-adapters": {"GET": _RELAY, "POST": _SETTINGS},
     "/slots": {"GET": _RELAY},  # only with server.slots_endpoint: it shows every client's prompt
+    # Resumable streams (llama-server's server-stream.h): the session lives in the decoder, which
+    # owns every conversation (onebitd runs one model).  ``conv_id`` travels in the query.
+    "/v1/stream": {"GET": _REPLAY, "DELETE": _RELAY},
+    "/v1/streams/lookup": {"POST": _RELAY},
+    # 403 "this feature is disabled" unless the decoder runs with --ui-mcp-proxy (decoder.extra_args).
+    "/cors-proxy": {"GET": _RELAY, "POST": _RELAY},
+}
+
+# llama-server's paths that onebitd answers 404, and why (docs/protocol.md's table says the same).
+UNSERVED: dict[str, str] = {
+    "/v1/audio/transcriptions": "multipart audio needs a speech model onebitd does not run",
+    "/audio/transcriptions": "multipart audio needs a speech model onebitd does not run",
+    "/v1/systemone": "a decision model onebitd does not run",
+    "/tools": "llama-server's web UI tools (--tools); onebitd runs it with --no-webui",
+    "/models/load": "router mode: onebitd runs one model",
+    "/models/unload": "router mode: onebitd runs one model",
+    "/models/sse": "router mode: onebitd runs one model",
 }
 
 

@@ -2,8 +2,11 @@
 
 It checks who may ask (Host, Origin, API key), reads and vets the body, and runs every completion
 request in its own cancel scope: a client that hangs up cancels the scope, which closes the decoder
-request (llama-server then stops working on it) and releases the slot.  Exactly one route line is
-logged per completion request, whatever happened.
+request (llama-server then stops working on it) and releases the slot.  A stream sent with
+``X-Conversation-Id`` is the exception once the decoder's reply has begun: llama-server goes on
+into the conversation's stream session for a replay, so onebitd goes on reading it, the slot held,
+for at most ``server.detach_timeout_s`` (``outcome=detached``).  Exactly one route line is logged
+per completion request, whatever happened.
 """
 
 from __future__ import annotations
@@ -13,15 +16,17 @@ import itertools
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
+from urllib.parse import quote
 
 import attrs
 import trio
 
 from .child import ChildState
-from .completion import Completions, Decoder, relay_reply
+from .completion import SSE_HEADERS, Completions, Decoder, relay_reply, sse_error
 from .config import ServerConfig
 from .cors import Cors, host_of, is_loopback
 from .decoder import DecoderClient
@@ -44,6 +49,12 @@ METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PUBLIC = ("/health", "/v1/health", "/metrics", "/metrics/decoder")
 # A scrape waits this long for the decoder's own metrics, then goes without them.
 DECODER_METRICS_TIMEOUT_S = 2.0
+# The header that makes llama-server keep a stream in a session for a replay (server-stream.h).
+CONVERSATION_HEADER = "X-Conversation-Id"
+# A detached stream past server.detach_timeout_s is stopped with a DELETE, given this long.
+STOP_TIMEOUT_S = 5.0
+# What onebitd passes on of a client's query string or header: visible ASCII, as wire.py sends it.
+_VISIBLE = re.compile(r"[\x21-\x7e]*").fullmatch
 
 
 @attrs.frozen
@@ -53,6 +64,17 @@ class ProviderReadiness:
 
     settled: bool = True
     not_ready: tuple[str, ...] = ()
+
+
+@attrs.frozen
+class Watch:
+    """What a request's hang-up watcher is given, and what it reports back."""
+
+    scope: trio.CancelScope
+    gone: list[str]
+    detached: list[bool]
+    conversation: str | None
+    line: RouteLine
 
 
 @attrs.frozen
@@ -275,9 +297,15 @@ class Front:
                 )
                 return
             query = scope.get("query_string", b"").decode("latin-1")
+            if not _VISIBLE(query):
+                raise ClientError(400, "bad_query", "the query string must be visible ASCII (percent-encode the rest)")
             target = f"{path}?{query}" if query else path
             body = await self._read_json(receive, headers) if method == "POST" else None
-            await self._pass_through(out, "POST" if method == "POST" else "GET", target, body)
+            asked = "GET" if method == "HEAD" else method
+            if endpoint.streamed:
+                await self._relay_streamed(out, target, receive)
+            else:
+                await self._pass_through(out, asked, target, body)
         else:
             if self.draining:
                 raise ClientError(
@@ -286,8 +314,9 @@ class Front:
                     "onebitd is draining: not taking new requests",
                     retry_after=self.server.retry_after_s,
                 )
+            conversation = self._conversation(headers)
             body = await self._read_json(receive, headers)
-            await self._completion(path, body, receive, out, endpoint)
+            await self._completion(path, body, receive, out, endpoint, conversation)
 
     async def _local(self, path: str, out: Responder) -> None:
         if path in ("/health", "/v1/health"):
@@ -399,10 +428,55 @@ class Front:
         reply = await self.client.request(method, path, body)
         await relay_reply(out, reply.status, reply.headers, reply.body)
 
+    async def _relay_streamed(self, out: Responder, path: str, receive: Receive) -> None:
+        """A GET whose answer comes as it is made (a stream session's replay, which waits for the
+        live bytes until the session ends): relayed chunk by chunk; a client that hangs up closes
+        the decoder's request, which ends the decoder's reading for it."""
+        self.completions.check_ready()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._cancel_on_hang_up, receive, nursery.cancel_scope)
+            async with self.client.stream(path, None, method="GET") as upstream:
+                if upstream.status != 200:
+                    body = b"".join([chunk async for chunk in upstream.chunks])
+                    await relay_reply(out, upstream.status, upstream.headers, body)
+                else:
+                    await out.start(200, SSE_HEADERS, source="decoder")
+                    try:
+                        async for chunk in upstream.chunks:
+                            await out.body(chunk, more=True)
+                    except DecoderError as exc:
+                        log.warning("%s: the decoder stopped mid-replay: %s", path, exc.message)
+                        await out.body(sse_error(f"the decoder stopped mid-stream ({exc.public})"), more=True)
+                    await out.body(b"", more=False)
+            nursery.cancel_scope.cancel()
+
+    @staticmethod
+    async def _cancel_on_hang_up(receive: Receive, scope: trio.CancelScope) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        scope.cancel()
+
+    @staticmethod
+    def _conversation(headers: dict[str, str]) -> str | None:
+        """The client's ``X-Conversation-Id``, to pass on; None without one."""
+        value = headers.get(CONVERSATION_HEADER.lower())
+        if value is None or not value.strip():
+            return None
+        value = value.strip()
+        if not _VISIBLE(value.replace(" ", "!")):
+            raise ClientError(400, "bad_conversation_id", f"{CONVERSATION_HEADER} must be visible ASCII")
+        return value
+
     # -- a completion request, in its own cancel scope ----------------------------------------------
 
     async def _completion(
-        self, path: str, body: dict[str, Any], receive: Receive, out: Responder, endpoint: Endpoint
+        self,
+        path: str,
+        body: dict[str, Any],
+        receive: Receive,
+        out: Responder,
+        endpoint: Endpoint,
+        conversation: str | None = None,
     ) -> None:
         req = f"{self._prefix}-{next(self._ids)}"
         line = RouteLine(req=req, endpoint=path)
@@ -410,14 +484,19 @@ class Front:
         self.inflight[req] = InflightRequest(req, path, out.started_at, time.time(), line)
         self._changed()
         gone: list[str] = []  # a hang-up, with the server's reason where it gave one
+        detached: list[bool] = []  # the hang-up left the stream to finish into its session
+        passed = [(CONVERSATION_HEADER, conversation)] if conversation else []
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._watch_disconnect, receive, nursery.cancel_scope, gone, out)
+                watch = Watch(nursery.cancel_scope, gone, detached, conversation, line)
+                nursery.start_soon(self._watch_disconnect, receive, watch, out)
                 try:
                     if endpoint.kind is Kind.COMPLETION:
-                        await self.completions.serve(endpoint.canonical, body, out, line)
+                        await self.completions.serve(endpoint.canonical, body, out, line, passed)
                     else:
-                        await self.completions.relay(endpoint.canonical, body, out, line, pinned=endpoint.pinned)
+                        await self.completions.relay(
+                            endpoint.canonical, body, out, line, passed, pinned=endpoint.pinned
+                        )
                 except ClientError as exc:
                     line.outcome, line.error = "error", exc.message
                     await out.error(exc.status, exc.code, exc.message, retry_after=exc.retry_after)
@@ -433,7 +512,10 @@ class Front:
         finally:
             # A disconnect is reported after a finished response too, and a client may close once it
             # has a stream's final event: neither is a cancellation.
-            if gone and not out.complete:
+            if detached:
+                if line.outcome == "ok":
+                    line.outcome = "detached"
+            elif gone and not out.complete:
                 line.outcome = "cancelled"
                 if gone[0]:
                     line.error = gone[0]
@@ -449,17 +531,37 @@ class Front:
         if self._emit_hook is not None:
             self._emit_hook(line)
 
-    @staticmethod
-    async def _watch_disconnect(receive: Receive, scope: trio.CancelScope, gone: list[str], out: Responder) -> None:
+    async def _watch_disconnect(self, receive: Receive, watch: Watch, out: Responder) -> None:
         """A client that hangs up cancels its request, but only while the response is incomplete:
         the server reports a disconnect after every finished response too, a client may close once
         it has a stream's final event, and what the request does after that (the rest of the
         relay, verification, bookkeeping) is the server's work, not the client's.  A client that
-        took nothing for ``server.write_timeout_s`` is reported the same way, with why."""
+        took nothing for ``server.write_timeout_s`` is reported the same way, with why.
+
+        A stream with a conversation id whose decoder reply has begun is left to run instead: the
+        decoder goes on into the conversation's session whatever onebitd does (llama-server's
+        server-stream.cpp), so its slot stays busy; the relay reads on, to the end, and holds
+        onebitd's slot until then, for at most ``server.detach_timeout_s``.  Past that the stream is
+        stopped as a client's ``DELETE /v1/stream`` stops it, and the request cancelled (the slot
+        then settles as after any hang-up).  Before the reply began llama-server itself drops a
+        request whose client left, and so does onebitd."""
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                gone.append(message.get("reason", ""))
-                if not out.complete:
-                    scope.cancel()
-                return
+                watch.gone.append(message.get("reason", ""))
+                if out.complete:
+                    return
+                if watch.conversation is None or not out.started:
+                    watch.scope.cancel()
+                    return
+                watch.detached.append(True)
+                break
+        timeout = self.server.detach_timeout_s
+        await trio.sleep(timeout)
+        with trio.CancelScope(shield=True), trio.move_on_after(STOP_TIMEOUT_S):
+            try:
+                await self.client.request("DELETE", f"/v1/stream?conv_id={quote(watch.conversation, safe='')}")
+            except DecoderError as exc:
+                log.warning("%s: stopping its detached stream failed: %s", watch.line.req, exc.message)
+        watch.line.error = f"the detached stream ran past server.detach_timeout_s ({timeout:g}s); stopped"
+        watch.scope.cancel()

@@ -133,7 +133,7 @@ class Metrics:
         )
         self.first_byte = Histogram(
             "onebit_first_byte_seconds",
-            "Time from a served request's arrival to its first response byte (outcome ok only)",
+            "Time from a served request's arrival to its first response byte (outcome ok or detached)",
             ["route"],
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
@@ -173,7 +173,7 @@ class Metrics:
 
     def observe(self, line: RouteLine) -> None:
         self.requests.labels(line.route, line.outcome, line.fallback or "-").inc()
-        if line.first_byte_ms is not None and line.outcome == "ok":
+        if line.first_byte_ms is not None and line.outcome in ("ok", "detached"):
             # Served requests only: a 503 or a refusal answered in a fraction of a millisecond would
             # make latency look better the more requests are turned away.
             self.first_byte.labels(line.route).observe(line.first_byte_ms / 1000)

@@ -22,7 +22,7 @@ import contextlib
 import errno
 import re
 import socket as stdlib_socket
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -44,6 +44,11 @@ WRITE_TIMEOUT_S = 30.0
 MAX_HEAD = 65536
 RECEIVE = 65536
 _PATH = re.compile(r"/[\x21-\x7e]*").fullmatch
+# A header onebitd passes on (a client's X-Conversation-Id): a token for a name, visible ASCII and
+# inner spaces for a value, so nothing a client sends can end the head or add a field to it.
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+").fullmatch
+_VALUE = re.compile(r"[\x21-\x7e]([\x20-\x7e]*[\x21-\x7e])?").fullmatch
+Headers = Sequence[tuple[str, str]]
 _STALE_ERRNOS = frozenset({errno.EPIPE, errno.ECONNRESET, errno.ECONNABORTED})
 
 
@@ -69,8 +74,9 @@ class Response:
 
 
 class Transport(Protocol):
-    async def send(self, method: str, path: str, body: bytes | None) -> Response:
-        """Send one request (``body`` as JSON when not None); return once the reply's head is in."""
+    async def send(self, method: str, path: str, body: bytes | None, headers: Headers = ()) -> Response:
+        """Send one request (``body`` as JSON when not None, ``headers`` besides onebitd's own);
+        return once the reply's head is in."""
         ...
 
     async def aclose(self) -> None: ...
@@ -139,7 +145,7 @@ class UnixTransport:
             connection.close()
         await trio.lowlevel.checkpoint()
 
-    async def send(self, method: str, path: str, body: bytes | None) -> Response:
+    async def send(self, method: str, path: str, body: bytes | None, headers: Headers = ()) -> Response:
         """A pooled connection is tried first.  llama-server closes pooled connections on its own
         schedule, even ones younger than its idle timeout (seen on a streamed turn's next request):
         a request that finds its connection closed before any byte of the answer was not taken up,
@@ -147,6 +153,10 @@ class UnixTransport:
         if not _PATH(path):
             raise DecoderUnavailable(f"not a request path: {path!r}")
         head = f"{method} {path} HTTP/1.1\r\nHost: localhost\r\n"
+        for name, value in headers:
+            if not _TOKEN(name) or not _VALUE(value):
+                raise DecoderUnavailable(f"not a request header: {name!r}: {value!r}")
+            head += f"{name}: {value}\r\n"
         if body is None:
             request = (head + "\r\n").encode()
         else:

@@ -65,6 +65,7 @@ class FakeLlama:
     slots: list[list[int]] = attrs.field(init=False)
     requests: list[Request] = attrs.Factory(list)
     seen: list[tuple[str, str, Any]] = attrs.Factory(list)  # (path, query, body) of every request
+    heard: list[tuple[str, str, str | None]] = attrs.Factory(list)  # (method, path, X-Conversation-Id)
     actions: list[tuple[str, int]] = attrs.Factory(list)  # (action, slot), in order
     # Set while a streamed reply is paused after its first token (modes.hold).
     release: trio.Event = attrs.Factory(trio.Event)
@@ -82,9 +83,12 @@ class FakeLlama:
         body: Any = json.loads(request.content) if request.content else {}
         path = request.url.path
         self.seen.append((path, request.url.query.decode(), body))
+        self.heard.append((request.method, path, request.headers.get("x-conversation-id")))
         try:
             if path == "/health":
                 return httpx.Response(200, json={"status": "ok"})
+            if path in ("/v1/stream", "/v1/streams/lookup"):
+                return self.stream_session(request.method, parse_qs(request.url.query.decode()))
             if path in OTHERS:
                 return await OTHERS[path](self, body)
             if path == "/tokenize":
@@ -100,6 +104,23 @@ class FakeLlama:
         return httpx.Response(
             404, json={"error": {"code": 404, "message": "File Not Found", "type": "not_found_error"}}
         )
+
+    def stream_session(self, method: str, query: dict[str, list[str]]) -> httpx.Response:
+        """llama-server's resumable streams, as if one session, ``live``, were being written."""
+        if method == "POST":
+            return httpx.Response(200, json=[])
+        if method == "DELETE":
+            return httpx.Response(204, headers={"content-type": "application/json"})
+        if query.get("conv_id") != ["live"]:
+            error = {"code": 404, "message": "Stream not found or expired", "type": "not_found_error"}
+            return httpx.Response(404, json={"error": error})
+
+        async def events() -> AsyncGenerator[bytes, None]:
+            yield b'data: {"n": 1}\n\n'
+            await self.release.wait()
+            yield b"data: [DONE]\n\n"
+
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=Events(events()))
 
     @staticmethod
     def tokenize(content: Any) -> list[int]:
@@ -134,6 +155,8 @@ class FakeLlama:
         raise HttpError(400, "Invalid action")
 
     async def completion(self, path: str, body: dict[str, Any]) -> httpx.Response:
+        if self.modes.hang:  # no answer at all (a prefill that goes on) until ``release``
+            await self.release.wait()
         job = parse_job(path, body)
         prompt = self.tokenize(job.prompt)
         if self.n_ctx_slot is not None and len(prompt) >= self.n_ctx_slot:
@@ -200,8 +223,9 @@ class HttpxWire:
     def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
         self.inner = inner
 
-    async def send(self, method: str, path: str, body: bytes | None) -> wire.Response:
+    async def send(self, method: str, path: str, body: bytes | None, extra: wire.Headers = ()) -> wire.Response:
         headers = {} if body is None else {"content-type": "application/json"}
+        headers.update(extra)
         request = httpx.Request(method, "http://decoder" + path, content=body, headers=headers)
         try:
             response = await self.inner.handle_async_request(request)
