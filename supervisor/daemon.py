@@ -60,6 +60,7 @@ from .routes.stored import StoredPrefixes
 from .routestats import RouteStats
 from .slots import SlotPool
 from .status import DaemonInfo, DaemonStatistics
+from .vertex import Vertex
 
 log = logging.getLogger("onebit.daemon")
 
@@ -229,6 +230,9 @@ class Daemon:
             emit=self._on_route_line,
             metrics=self.metrics.render,
             providers=self.provider_readiness,
+            # Vertex AI sets AIP_MODE=PREDICTION in the container: onebitd answers its routes, as
+            # llama-server does under it (supervisor/vertex.py).
+            vertex=Vertex.from_environ(os.environ),
         )
         self.admin = AdminServer(self, self.runtime_dir / "admin.sock")
         self.store = PrefixStore.disabled("not opened yet", level=logging.DEBUG)

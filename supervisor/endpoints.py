@@ -9,10 +9,12 @@ written for llama-server finds every endpoint it knows at the same path, by ever
 - ``RELAY``: relayed as is (no slot: tokenizing, token counts, the model list, ``/props``, the
   resumable streams' replay, lookup and stop, ``/cors-proxy``);
 - ``LOCAL``: answered by onebitd itself (``/health``, ``/metrics``);
-- ``REFUSED``: what would change the decoder's settings or slots, which onebitd owns.
+- ``REFUSED``: what would change the decoder's settings or slots, which onebitd owns;
+- ``PREDICT``: Vertex AI's prediction route, served by onebitd when its environment asks for it
+  (supervisor/vertex.py), each instance dispatched through this table.
 
 A path not here is answered 404; a known path asked with another method, 405.  ``UNSERVED`` names
-the paths of llama-server's route table that onebitd answers 404 on purpose, and why.
+the routes of llama-server's table that onebitd does not serve, and why.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class Kind(enum.Enum):
     RELAY = "relay"
     LOCAL = "local"
     REFUSED = "refused"
+    PREDICT = "predict"  # Vertex AI's route (supervisor/vertex.py): each instance through this table
 
 
 @attrs.frozen
@@ -118,15 +121,22 @@ ROUTES: dict[str, dict[str, Endpoint]] = {
     "/cors-proxy": {"GET": _RELAY, "POST": _RELAY},
 }
 
-# llama-server's paths that onebitd answers 404, and why (docs/protocol.md's table says the same).
-UNSERVED: dict[str, str] = {
-    "/v1/audio/transcriptions": "multipart audio needs a speech model onebitd does not run",
-    "/audio/transcriptions": "multipart audio needs a speech model onebitd does not run",
-    "/v1/systemone": "a decision model onebitd does not run",
-    "/tools": "llama-server's web UI tools (--tools); onebitd runs it with --no-webui",
-    "/models/load": "router mode: onebitd runs one model",
-    "/models/unload": "router mode: onebitd runs one model",
-    "/models/sse": "router mode: onebitd runs one model",
+# llama-server's routes (method, path) that onebitd does not serve, and why (docs/protocol.md's table
+# says the same): 404, or 405 where onebitd serves the path by another method.
+_ROUTER = "llama-server's router mode (many models, loaded on demand): onebitd runs one model"
+_AUDIO = "multipart audio needs a speech model onebitd does not run"
+_TOOLS = "llama-server's web UI tools and MCP servers; onebitd runs it with --no-webui"
+UNSERVED: dict[tuple[str, str], str] = {
+    ("POST", "/models"): _ROUTER,
+    ("POST", "/models/load"): _ROUTER,
+    ("POST", "/models/unload"): _ROUTER,
+    ("GET", "/models/sse"): _ROUTER,
+    ("DELETE", "/models"): _ROUTER,
+    ("POST", "/v1/audio/transcriptions"): _AUDIO,
+    ("POST", "/audio/transcriptions"): _AUDIO,
+    ("POST", "/v1/systemone"): "a decision model onebitd does not run",
+    ("GET", "/tools"): _TOOLS,
+    ("POST", "/tools"): _TOOLS,
 }
 
 

@@ -25,18 +25,20 @@ from urllib.parse import quote
 import attrs
 import trio
 
+from . import vertex as aip
 from .child import ChildState
 from .completion import SSE_HEADERS, Completions, Decoder, relay_reply, sse_error
 from .config import ServerConfig
 from .cors import Cors, host_of, is_loopback
 from .decoder import DecoderClient
-from .endpoints import Endpoint, Kind, lookup
+from .endpoints import ROUTES, Endpoint, Kind, lookup
 from .errors import ClientError, DecoderError, OnebitError
 from .logs import ROUTE_LOGGER
 from .respond import Responder
 from .routeline import RouteLine
 from .server import HttpServer
 from .status import FrontStatistics, InflightStatistics
+from .vertex import Vertex
 
 log = logging.getLogger("onebit.front")
 route_log = logging.getLogger(ROUTE_LOGGER)
@@ -64,6 +66,32 @@ class ProviderReadiness:
 
     settled: bool = True
     not_ready: tuple[str, ...] = ()
+
+
+async def _never_gone() -> dict[str, Any]:
+    """A prediction instance's ``receive``: the hang-up of the whole request cancels them all."""
+    await trio.sleep_forever()
+    raise AssertionError("unreachable")
+
+
+@attrs.define
+class Kept:
+    """An instance's answer, kept instead of sent: what llama-server puts in its prediction."""
+
+    messages: list[dict[str, Any]] = attrs.Factory(list)
+
+    async def send(self, message: dict[str, Any]) -> None:
+        self.messages.append(message)
+        await trio.lowlevel.checkpoint()
+
+    def prediction(self) -> Any:
+        body = b"".join(m.get("body", b"") for m in self.messages if m["type"] == "http.response.body")
+        if not body:
+            return None
+        try:
+            return json.loads(body)
+        except ValueError:
+            return body.decode("utf-8", "replace")
 
 
 @attrs.frozen
@@ -106,6 +134,7 @@ class Front:
         emit: Callable[[RouteLine], None] | None = None,
         metrics: Callable[[], bytes] | None = None,
         providers: Callable[[], ProviderReadiness] = ProviderReadiness,
+        vertex: Vertex | None = None,
     ) -> None:
         self.server = server
         self.decoder = decoder
@@ -124,6 +153,17 @@ class Front:
         self._keys = [key.encode() for key in server.api_keys]
         self._cors = Cors(server.cors_origins)
         self._http_server: HttpServer | None = None
+        # Vertex AI's routes, where onebitd's environment asks for them (AIP_MODE=PREDICTION).
+        self.vertex = vertex
+        self._extra: dict[str, dict[str, Endpoint]] = {}
+        self._health_paths: tuple[str, ...] = ("/health", "/v1/health")
+        if vertex is not None:
+            self._extra[vertex.predict] = {"POST": Endpoint(Kind.PREDICT)}
+            if vertex.health:
+                self._extra[vertex.health] = {"GET": Endpoint(Kind.LOCAL)}
+                self._health_paths += (vertex.health,)
+        self._public = (*PUBLIC, *self._health_paths)
+        self._aliases = aip.aliases(ROUTES)
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
@@ -241,7 +281,7 @@ class Front:
         path: str = scope["path"]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         out = Responder(send, started, self._cors.headers(headers.get("origin")))
-        methods = lookup(path)
+        methods = self._extra.get(path) or lookup(path)
         routed = methods is not None and any(endpoint.routed for endpoint in methods.values())
         try:
             self._check_host(headers)
@@ -287,14 +327,7 @@ class Front:
         elif endpoint.kind is Kind.REFUSED:
             await out.llama_error(501, "not_supported_error", endpoint.why)
         elif endpoint.kind is Kind.RELAY:
-            if path == "/slots" and not self.server.slots_endpoint:
-                # llama-server's --no-slots answer, in its words and shape.
-                await out.llama_error(
-                    501,
-                    "not_supported_error",
-                    "This server does not support slots endpoint: /slots shows every client's prompt; "
-                    "set server.slots_endpoint = true in onebit.toml to serve it (llama-server's --slots)",
-                )
+            if await self._slots_off(path, out):
                 return
             query = scope.get("query_string", b"").decode("latin-1")
             if not _VISIBLE(query):
@@ -306,20 +339,73 @@ class Front:
                 await self._relay_streamed(out, target, receive)
             else:
                 await self._pass_through(out, asked, target, body)
+        elif endpoint.kind is Kind.PREDICT:
+            self._check_draining()
+            body = await self._read_json(receive, headers)
+            await self._predict(body, receive, out)
         else:
-            if self.draining:
-                raise ClientError(
-                    503,
-                    "draining",
-                    "onebitd is draining: not taking new requests",
-                    retry_after=self.server.retry_after_s,
-                )
+            self._check_draining()
             conversation = self._conversation(headers)
             body = await self._read_json(receive, headers)
             await self._completion(path, body, receive, out, endpoint, conversation)
 
+    def _check_draining(self) -> None:
+        if self.draining:
+            raise ClientError(
+                503, "draining", "onebitd is draining: not taking new requests", retry_after=self.server.retry_after_s
+            )
+
+    async def _predict(self, body: dict[str, Any], receive: Receive, out: Responder) -> None:
+        """Vertex AI's prediction: every instance at once, each through onebitd's table as a request
+        of its own would go (a completion takes a slot and logs its route line), answered together."""
+        try:
+            instances = aip.instances_of(body)
+        except aip.Refused as exc:
+            await out.llama_error(400, "invalid_request_error", exc.message)
+            return
+        predictions: list[Any] = [None] * len(instances)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._cancel_on_hang_up, receive, nursery.cancel_scope)
+            async with trio.open_nursery() as each:
+                for index, instance in enumerate(instances):
+                    each.start_soon(self._predict_one, index, instance, predictions)
+            nursery.cancel_scope.cancel()
+        await out.json(200, {"predictions": predictions})
+
+    async def _predict_one(self, index: int, instance: Any, predictions: list[Any]) -> None:
+        try:
+            path, payload = aip.resolve(instance, self._aliases, ROUTES)
+        except aip.Refused as exc:
+            predictions[index] = aip.error(exc.message)
+            return
+        methods = ROUTES[path]
+        method = "POST" if "POST" in methods else "GET"
+        endpoint = methods[method]
+        kept = Kept()
+        sub = Responder(kept.send, trio.current_time())
+        try:
+            if endpoint.routed:
+                await self._completion(path, payload, _never_gone, sub, endpoint)
+            elif endpoint.kind is Kind.LOCAL:
+                await self._local(path, sub)
+            elif endpoint.kind is Kind.REFUSED:
+                await sub.llama_error(501, "not_supported_error", endpoint.why)
+            elif endpoint.kind is Kind.RELAY and not endpoint.streamed:
+                if not await self._slots_off(path, sub):
+                    await self._pass_through(sub, method, path, payload if method == "POST" else None)
+            else:
+                raise aip.Refused("predict route does not support streaming responses")
+        except aip.Refused as exc:
+            predictions[index] = aip.error(exc.message)
+        except ClientError as exc:
+            predictions[index] = aip.error(exc.message, code=exc.status)
+        except DecoderError as exc:
+            predictions[index] = aip.error(exc.public, code=exc.status, type_="server_error")
+        else:
+            predictions[index] = kept.prediction()
+
     async def _local(self, path: str, out: Responder) -> None:
-        if path in ("/health", "/v1/health"):
+        if path in self._health_paths:
             status, body = self.health()
             retry = [("Retry-After", str(self.server.retry_after_s))] if status != 200 else []
             await out.json(status, body, retry)
@@ -343,6 +429,19 @@ class Front:
             if reply.status == 200:
                 return reply.body if reply.body.endswith(b"\n") or not reply.body else reply.body + b"\n"
         return b""
+
+    async def _slots_off(self, path: str, out: Responder) -> bool:
+        """``/slots`` while server.slots_endpoint is off: llama-server's --no-slots answer, in its
+        words and shape; whether it was."""
+        if path != "/slots" or self.server.slots_endpoint:
+            return False
+        await out.llama_error(
+            501,
+            "not_supported_error",
+            "This server does not support slots endpoint: /slots shows every client's prompt; "
+            "set server.slots_endpoint = true in onebit.toml to serve it (llama-server's --slots)",
+        )
+        return True
 
     def _refused(self, path: str, exc: ClientError, out: Responder) -> None:
         """A completion request refused before it began still gets its one route line."""
@@ -373,7 +472,7 @@ class Front:
             # A browser sends a "simple" POST cross-site without asking first: CORS would only hide
             # the answer from the page, not stop the request.
             raise ClientError(403, "cross_origin", f"cross-site request from {origin!r} refused (server.cors_origins)")
-        if self._keys and path not in PUBLIC:
+        if self._keys and path not in self._public:
             # llama-server takes the key from Authorization (Bearer optional), else X-Api-Key.
             given = headers.get("authorization") or headers.get("x-api-key", "")
             token = (given[7:] if given[:7].lower() == "bearer " else given).strip().encode()

@@ -19,7 +19,7 @@ import trio
 from supervisor.completion import Completions, Hybrid
 from supervisor.config import HybridConfig, ServerConfig
 from supervisor.decoder import DecoderClient
-from supervisor.endpoints import ROUTES, Kind
+from supervisor.endpoints import ROUTES, UNSERVED, Endpoint, Kind, lookup
 from supervisor.errors import ListenError
 from supervisor.front import Front
 from supervisor.providers import Providers
@@ -429,3 +429,52 @@ async def test_a_client_past_the_write_timeout_is_cancelled_like_a_hang_up_and_i
     assert (line.outcome, line.error, line.status) == ("cancelled", why, 200)
     assert rig.slots.statistics().busy == 0
     assert rig.front.inflight == {}
+
+
+# -- the table against llama-server's own ---------------------------------------------------------
+
+ROUTE_LIST = Path(__file__).parent / "data" / "llama-server-routes.txt"
+PROTOCOL = Path(__file__).parent.parent / "docs" / "protocol.md"
+
+
+def llama_server_routes() -> list[tuple[str, str]]:
+    """llama-server's routes, as tests/data/llama-server-routes.txt keeps them (how it was made is
+    written at its top)."""
+    routes = []
+    for raw in ROUTE_LIST.read_text().splitlines():
+        if raw and not raw.startswith("#"):
+            method, path = raw.split()
+            routes.append((method, path))
+    return routes
+
+
+def onebitd_answer(method: str, path: str) -> Endpoint | str | None:
+    """What onebitd's table does with a route of llama-server's: its endpoint, why it is not
+    served, or None (the table forgot it)."""
+    if (method, path) in UNSERVED:
+        return UNSERVED[(method, path)]
+    if path == "/predict":
+        return Endpoint(Kind.PREDICT)  # where AIP_MODE asks for it: tests/test_vertex.py
+    methods = lookup(path.replace(":id_slot", "0")) or {}
+    return methods.get(method)
+
+
+def test_every_route_of_llama_servers_table_is_served_relayed_routed_refused_or_named_unserved() -> None:
+    routes = llama_server_routes()
+    assert len(routes) > 40  # the file is the list, not a stub
+    assert [route for route in routes if onebitd_answer(*route) is None] == []
+
+
+def test_every_path_onebitd_serves_is_llama_servers_but_its_own_decoder_metrics() -> None:
+    theirs = {path for _method, path in llama_server_routes()}
+    ours = {(method, path) for path, methods in ROUTES.items() for method in methods}
+    assert {(m, p) for m, p in ours if p not in theirs} == {("GET", "/metrics/decoder")}
+    assert {(m, p) for m, p in ours if (m, p) not in set(llama_server_routes())} == {("GET", "/metrics/decoder")}
+    assert set(UNSERVED) <= set(llama_server_routes())
+
+
+def test_the_protocol_docs_table_names_every_route_of_llama_servers() -> None:
+    text = PROTOCOL.read_text()
+    table = text[text.index("## The HTTP API") : text.index("### CORS")]
+    missing = [path for _method, path in llama_server_routes() if f"`{path}" not in table]
+    assert missing == []

@@ -17,6 +17,7 @@ import pytest
 import trio
 
 from supervisor.decoder import unix_transport
+from supervisor.endpoints import ROUTES, Kind
 
 from .helpers import open_raw, receive_until, wait_until
 from .rig import RouteLines, Running, make_config, real_llama_server, run_daemon
@@ -136,3 +137,29 @@ async def test_a_stop_ends_a_detached_stream_and_frees_its_slot(short_dir: Path,
             assert (line["outcome"], line["status"]) == ("detached", 200)
             await wait_until(lambda: running.daemon.slots.statistics().busy == 0)
             assert await lookup(front, "conv-b") == (200, [])
+
+
+async def test_every_route_onebitd_relays_or_routes_is_one_the_real_llama_server_answers(short_dir: Path) -> None:
+    """The other half of tests/test_endpoints.py's check against llama-server's route list: what
+    onebitd passes on, the decoder it runs knows (none answers 404 there)."""
+    real_llama_server()
+    config = make_config(short_dir, model=MODEL, hybrid={"enabled": False})
+    # One token at most wherever a body could start a generation: each asks the decoder for little.
+    body = {"n_predict": 1, "max_tokens": 1, "max_output_tokens": 1}
+    passed = [
+        (method, path)
+        for path, methods in ROUTES.items()
+        for method, endpoint in methods.items()
+        if endpoint.kind in (Kind.COMPLETION, Kind.SLOT, Kind.RELAY) and path != "/metrics/decoder"
+    ]
+    assert len(passed) >= 35
+    with trio.fail_after(DEADLINE_S):
+        async with run_daemon(config) as running:
+            transport = unix_transport(running.daemon.launcher.socket)
+            async with httpx.AsyncClient(transport=transport, base_url="http://decoder", timeout=DEADLINE_S) as direct:
+                answers = {}
+                for method, path in passed:
+                    reply = await direct.request(method, path, json=body if method == "POST" else None)
+                    answers[(method, path)] = reply.status_code
+    assert {route: status for route, status in answers.items() if status == 404} == {}
+    assert answers[("GET", "/cors-proxy")] == 403  # --ui-mcp-proxy is off: "this feature is disabled"
