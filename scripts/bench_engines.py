@@ -38,6 +38,8 @@ TEXT = (
     "lanterns fills the harbour with light. Scholars argue about the origin of the name; some say it "
     "comes from a word for salt, others from the name of a forgotten queen. "
 )
+# The product's [model] flags but ctx_size: 4096 over 4 slots is 1024 tokens a slot, and 1500 must fit.
+CTX_SIZE = 8192
 PROMPTS = {
     "p1": "Summarise this passage in three sentences.\n\n" + TEXT * 6,
     "p2": "You keep a list of words for the user. The list: " + ", ".join(f"word{i}" for i in range(120)) + ".",
@@ -82,7 +84,14 @@ def server(binary: Path, threads: int, env: dict[str, str], extra: list[str], lo
     state_dir.mkdir()
     model = locate.embedded_model()
     assert model is not None, "no embedded model: run scripts/setup"
-    argv = [str(binary), *model_args(ModelConfig(), model), "--host", str(socket), "--slot-save-path", str(state_dir)]
+    argv = [
+        str(binary),
+        *model_args(ModelConfig(ctx_size=CTX_SIZE), model),
+        "--host",
+        str(socket),
+        "--slot-save-path",
+        str(state_dir),
+    ]
     argv += ["--no-webui", "--cache-ram", "0", "-t", str(threads), *extra]
     t0 = time.monotonic()
     with open(log, "wb") as out:
@@ -117,7 +126,7 @@ def prompt_tokens(s: Server, n: int) -> list[int]:
 
 def run_one(s: Server, label: str, sizes: list[int], reps: int, out: Path) -> dict[str, Any]:
     s.prefill("Hello there, a warm-up.")
-    speeds: dict[int, tuple[float, float]] = {}
+    speeds: dict[int, tuple[float, float, float]] = {}
     for n in sizes:
         tokens = prompt_tokens(s, n)
         s.prefill(tokens)  # the first prompt of a size: OpenVINO compiles a shape
@@ -127,8 +136,13 @@ def run_one(s: Server, label: str, sizes: list[int], reps: int, out: Path) -> di
             assert t["prompt_n"] == n, t
             per_s.append(float(t["prompt_per_second"]))
             per_cpu_s.append(n / t["cpu_s"] if t["cpu_s"] > 0 else 0.0)
-        speeds[n] = (statistics.median(per_s), statistics.median(per_cpu_s))
-        print(f"  {label}: {n} tokens: {speeds[n][0]:.0f} tok/s, {speeds[n][1]:.0f} per CPU-second", flush=True)
+        # On a shared machine the best of the runs is the least disturbed one: report it and the median.
+        speeds[n] = (max(per_s), statistics.median(per_s), max(per_cpu_s))
+        print(
+            f"  {label}: {n} tokens: best {speeds[n][0]:.0f} tok/s, median {speeds[n][1]:.0f}, "
+            f"best {speeds[n][2]:.0f} per CPU-second (runs {[round(x) for x in per_s]})",
+            flush=True,
+        )
     files = {}
     for name, text in PROMPTS.items():
         s.prefill(text)
@@ -153,7 +167,7 @@ def main() -> int:
     parser.add_argument("--ggml", type=Path, default=None, help="default: the ggml build scripts/setup made")
     parser.add_argument("--openvino", action="append", default=[], help="[NAME=]BINARY; default: setup's build")
     parser.add_argument("--sizes", default="200,700,1500")
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="CPU", help="GGML_OPENVINO_DEVICE")
     parser.add_argument("--static", action="store_true", help="also the static (NPU) path forced on the CPU")
@@ -174,10 +188,7 @@ def main() -> int:
     print(f"ggml: {ggml}", flush=True)
     with server(ggml, args.threads, {}, [], out / "ggml.log") as s:
         runs["ggml"] = run_one(s, "ggml", sizes, args.reps, out)
-    variant = subprocess.run(
-        ["grep", "-m1", "loaded CPU backend", str(out / "ggml.log")], capture_output=True, text=True
-    )
-    print(f"  {variant.stdout.strip() or 'no CPU backend line (not a GGML_BACKEND_DL build)'}")
+    # llama-server logs "load_backend: loaded CPU backend from .../libggml-cpu-<variant>.so" only with -v.
     cpu = {"GGML_OPENVINO_DEVICE": args.device}
     for name, path in openvinos:
         print(f"{name}: {path}", flush=True)
@@ -197,10 +208,15 @@ def main() -> int:
             for name, _ in openvinos:
                 runs[f"{name}-static"]["restores"] = restores(s, runs[f"{name}-static"]["files"])
 
-    print("\n| build | start | peak RSS | " + " | ".join(f"{n} tokens" for n in sizes) + " |")
+    print("\ntokens/s: best / median of the runs (best per CPU-second of the server)")
+    print("| build | start | peak RSS | " + " | ".join(f"{n} tokens" for n in sizes) + " |")
     print("|---|---|---|" + "---|" * len(sizes))
     for name, run in runs.items():
-        cells = [f"{run['speeds'][n][0]:.0f} ({run['speeds'][n][1]:.0f})" for n in sizes if n in run["speeds"]]
+        cells = [
+            f"{run['speeds'][n][0]:.0f} / {run['speeds'][n][1]:.0f} ({run['speeds'][n][2]:.0f})"
+            for n in sizes
+            if n in run["speeds"]
+        ]
         if cells:
             print(f"| {name} | {run['start_s']:.1f} s | {run['rss_mib']:.0f} MiB | " + " | ".join(cells) + " |")
     print("\nper-layer error against ggml's own file (K max / V max / K last / V last); restore into ggml")
