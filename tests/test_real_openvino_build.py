@@ -30,7 +30,7 @@ from supervisor.decoder import DecoderClient
 from supervisor.llama_server import model_args
 from supervisor.process import ChildProcess
 
-from .rig import real_llama_server
+from .rig import openvino_llama_server, real_llama_server
 
 pytestmark = pytest.mark.real
 
@@ -45,13 +45,6 @@ PROMPT = "Summarise this passage in three sentences.\n\n" + TEXT * 4
 LENGTHS = (7, 150, 600)  # a short one, and two across the static path's prefill chunks
 # The measured errors (docs/benchmarks.md) with room: per layer, K at most 2.6%, V at most 4.9%.
 K_BOUND, V_BOUND = 0.05, 0.10
-
-
-def openvino_llama_server() -> Path:
-    found = locate.llama_server("", "openvino")
-    if found is None or not found.is_file():
-        pytest.fail("no OpenVINO llama-server: run scripts/setup (it builds one into the cache)")
-    return found
 
 
 @attrs.frozen
