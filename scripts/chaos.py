@@ -864,10 +864,10 @@ async def burst(run: Run, tally: Tally) -> None:
         granted: list[str] = []
         serve, hold = completions.serve, slots.hold
 
-        async def counting_serve(endpoint: str, body: dict[str, Any], out: Any, line: Any) -> None:
+        async def counting_serve(endpoint: str, body: dict[str, Any], out: Any, line: Any, headers: Any = ()) -> None:
             current_req.set(line.req)
             arrived.append(line.req)
-            await serve(endpoint, body, out, line)
+            await serve(endpoint, body, out, line, headers)
 
         @asynccontextmanager
         async def recording_hold(*args: Any, **kwargs: Any) -> AsyncIterator[int]:
