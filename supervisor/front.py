@@ -6,7 +6,8 @@ request (llama-server then stops working on it) and releases the slot.  A stream
 ``X-Conversation-Id`` is the exception once the decoder's reply has begun: llama-server goes on
 into the conversation's stream session for a replay, so onebitd goes on reading it, the slot held,
 for at most ``server.detach_timeout_s`` (``outcome=detached``).  Exactly one route line is logged
-per completion request, whatever happened.
+per completion request, whatever happened.  Vertex AI's prediction route, where onebitd's
+environment asks for it, runs each of its instances through the same table (supervisor/vertex.py).
 """
 
 from __future__ import annotations
@@ -650,7 +651,7 @@ class Front:
                 watch.gone.append(message.get("reason", ""))
                 if out.complete:
                     return
-                if watch.conversation is None or not out.started:
+                if watch.conversation is None or not out.streaming:
                     watch.scope.cancel()
                     return
                 watch.detached.append(True)

@@ -46,6 +46,7 @@ class Responder:
         # from here on (the README's openai example closes on ``data: [DONE]``) and that is no
         # cancellation.
         self.complete = False
+        self.streaming = False  # the response is an event stream (its body comes as it is made)
 
     @property
     def started(self) -> bool:
@@ -54,6 +55,7 @@ class Responder:
     async def start(self, status: int, headers: Iterable[tuple[str, str]] = (), *, source: str = "onebitd") -> None:
         self.status = status
         every = [*headers, *self._headers, (SOURCE_HEADER, source)]
+        self.streaming = any(k == "Content-Type" and v.startswith("text/event-stream") for k, v in every)
         await self._send(
             {
                 "type": "http.response.start",
