@@ -316,6 +316,11 @@ async def _messages(fake: FakeLlama, body: Any) -> httpx.Response:
     return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=Events(events()))
 
 
+async def _cors_proxy(fake: FakeLlama, body: Any) -> httpx.Response:
+    """llama-server without --ui-mcp-proxy (server.cpp's res_403)."""
+    return httpx.Response(403, json={"error": {"message": "this feature is disabled", "type": "feature_disabled"}})
+
+
 Handler = Callable[[FakeLlama, Any], Awaitable[httpx.Response]]
 OTHERS: dict[str, Handler] = {
     "/props": _props,
@@ -329,4 +334,5 @@ OTHERS: dict[str, Handler] = {
     "/rerank": _rerank,
     "/v1/messages": _messages,
     "/v1/messages/count_tokens": _count_tokens,
+    "/cors-proxy": _cors_proxy,
 }

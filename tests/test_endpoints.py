@@ -478,3 +478,19 @@ def test_the_protocol_docs_table_names_every_route_of_llama_servers() -> None:
     table = text[text.index("## The HTTP API") : text.index("### CORS")]
     missing = [path for _method, path in llama_server_routes() if f"`{path}" not in table]
     assert missing == []
+
+
+async def test_the_cors_proxy_is_relayed_as_llama_server_answers_it_with_keys_and_cors_applied(
+    tmp_path: Path,
+) -> None:
+    rig = make_rig(tmp_path, api_keys=("k",))
+    key = {"authorization": "Bearer k"}
+    assert (await rig.call("GET", "/cors-proxy", query="url=http%3A%2F%2Fexample")).status == 401
+    reply = await rig.call("GET", "/cors-proxy", headers={**key, "origin": "http://localhost:5173"}, query="url=x")
+    assert (reply.status, reply.headers["x-onebit-source"]) == (403, "decoder")
+    assert reply.json()["error"]["type"] == "feature_disabled"
+    assert reply.headers["access-control-allow-origin"] == "http://localhost:5173"
+    assert ("/cors-proxy", "url=x", {}) in rig.fake.seen
+    cross = await rig.call("POST", "/cors-proxy", {"jsonrpc": "2.0"}, {**key, "origin": "https://evil.example"})
+    assert (cross.status, cross.json()["error"]["code"]) == (403, "cross_origin")
+    assert [seen for seen in rig.fake.seen if seen[0] == "/cors-proxy" and seen[2]] == []
