@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import attrs
 import trio
 
+from . import decoder as decoder_api
 from .child import ChildState, ChildStatistics
 from .config import HybridConfig
 from .decoder import DecoderClient
@@ -146,10 +147,9 @@ def error_summary(status: int, body: bytes) -> str:
     """A decoder error for the route line and the log: its ``error.message`` where it has one."""
     message = body.decode("utf-8", "replace")[:2000] or f"decoder answered {status}"
     with contextlib.suppress(ValueError):
-        data = json.loads(body)
-        error = data.get("error") if isinstance(data, dict) else None
-        if isinstance(error, dict) and "message" in error:
-            message = str(error["message"])
+        words = decoder_api.error_message(json.loads(body))
+        if words is not None:
+            message = words
     return f"decoder answered {status}: {message}"
 
 
@@ -204,13 +204,6 @@ STATE_BYTES_PER_TOKEN = 23_040
 # (docs/reliability.md).  Polled this often: the decoder's state is another process's.
 SETTLE_TIMEOUT_S = 120.0
 SETTLE_POLL_S = 0.05
-
-
-def slot_processing(reply_status: int, slots: Any, slot: int) -> bool:
-    """Whether the decoder's ``GET /slots`` answer says ``slot`` is still processing a task."""
-    if reply_status != 200 or not isinstance(slots, list):
-        return False
-    return any(isinstance(s, dict) and s.get("id") == slot and s.get("is_processing") is True for s in slots)
 
 
 def prompt_text(endpoint: str, body: dict[str, Any]) -> str:
@@ -492,8 +485,7 @@ class Completions:
         with trio.CancelScope(shield=True, deadline=trio.current_time() + SETTLE_TIMEOUT_S) as scope:
             while self.decoder.state is ChildState.READY:
                 try:
-                    reply = await self.client.request("GET", "/slots")
-                    busy = slot_processing(reply.status, reply.json(), slot)
+                    busy = await decoder_api.slot_busy(self.client, slot)
                 except DecoderError:
                     return
                 if not busy:
