@@ -11,7 +11,7 @@ import contextlib
 import json
 import logging
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -20,7 +20,7 @@ import trio
 
 from . import decoder as decoder_api
 from .child import ChildState, ChildStatistics
-from .config import HybridConfig
+from .config import HybridConfig, source
 from .decoder import DecoderClient
 from .errors import DecoderError, DecoderUnavailable
 from .prefix_store import Entry
@@ -245,14 +245,14 @@ class Completions:
         decoder: Decoder,
         client: DecoderClient,
         slots: SlotPool,
-        settings: HybridConfig,
+        settings: HybridConfig | Callable[[], HybridConfig],
         hybrid: Hybrid | None = None,
         slot_context: int | None = None,
     ) -> None:
         self.decoder = decoder
         self.client = client
         self.slots = slots
-        self.settings = settings
+        self._settings = source(settings)
         self.hybrid = hybrid
         # The tokens one decoder slot holds, prompt and reply: model.ctx_size / model.parallel, as
         # llama-server divides its context (None: not checked here, the decoder still is).
@@ -260,9 +260,9 @@ class Completions:
         # Hybrid requests whose decoder re-evaluated the prompt although the restore succeeded.
         self.restore_unused = 0
         self.rates = Rates(
-            decoder_ms_per_token=settings.decoder_ms_per_token,
-            provider_ms_per_token=settings.provider_ms_per_token,
-            handoff_ms_per_mib=settings.handoff_ms_per_mib,
+            decoder_ms_per_token=self.settings.decoder_ms_per_token,
+            provider_ms_per_token=self.settings.provider_ms_per_token,
+            handoff_ms_per_mib=self.settings.handoff_ms_per_mib,
             state_bytes_per_token=STATE_BYTES_PER_TOKEN,
         )
         # Requests whose reply the decoder is generating now: a plain prefill would stall them.
@@ -286,9 +286,14 @@ class Completions:
             finally:
                 self.stored, self._background = None, None
 
+    @property
+    def settings(self) -> HybridConfig:
+        """The settings now: a request reads them once, at its start, and keeps them."""
+        return self._settings()
+
     def configure(self, settings: HybridConfig) -> None:
-        """Swap in new settings; requests in flight keep the ones they started with."""
-        self.settings = settings
+        """Fixed settings in place of the source it was given (a test's, or a tool's)."""
+        self._settings = source(settings)
 
     def check_ready(self) -> None:
         state = self.decoder.state

@@ -22,7 +22,7 @@ import trio
 
 from .child import ChildState
 from .completion import Completions, Decoder, relay_reply
-from .config import ServerConfig
+from .config import ServerConfig, source
 from .cors import Cors, host_of, is_loopback
 from .decoder import DecoderClient
 from .endpoints import Endpoint, Kind, lookup
@@ -76,7 +76,7 @@ class InflightRequest:
 class Front:
     def __init__(
         self,
-        server: ServerConfig,
+        server: ServerConfig | Callable[[], ServerConfig],
         *,
         decoder: Decoder,
         client: DecoderClient,
@@ -85,7 +85,9 @@ class Front:
         metrics: Callable[[], bytes] | None = None,
         providers: Callable[[], ProviderReadiness] = ProviderReadiness,
     ) -> None:
-        self.server = server
+        """``server``: the settings, or where to read them at each request (the daemon's one config,
+        swapped whole by a reload; the bind address and port are read once, by :meth:`bind`)."""
+        self._server = source(server)
         self.decoder = decoder
         self.providers = providers
         self.client = client
@@ -98,10 +100,23 @@ class Front:
         self.inflight: dict[str, InflightRequest] = {}
         self._inflight_changed = trio.Event()
         self._draining = False
-        self._loopback_only = all(is_loopback(host) for host in server.host)
-        self._keys = [key.encode() for key in server.api_keys]
-        self._cors = Cors(server.cors_origins)
+        first = self._server()
+        self._loopback_only = all(is_loopback(host) for host in first.host)
+        # What a request's checks derive from the settings, rebuilt when a reload swapped them.
+        self._access_for = first
+        self._keys = [key.encode() for key in first.api_keys]
+        self._cors = Cors(first.cors_origins)
         self._http_server: HttpServer | None = None
+
+    @property
+    def server(self) -> ServerConfig:
+        return self._server()
+
+    def _access(self, server: ServerConfig) -> None:
+        if server is not self._access_for:
+            self._access_for = server
+            self._keys = [key.encode() for key in server.api_keys]
+            self._cors = Cors(server.cors_origins)
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
@@ -133,13 +148,11 @@ class Front:
         if self._http_server is not None:
             self._http_server.close()
 
-    def configure(self, server: ServerConfig) -> None:
-        """Take the settings `onebitctl reload` may change live (bind address and port stay)."""
-        self.server = attrs.evolve(server, host=self.server.host, port=self.server.port)
-        self._keys = [key.encode() for key in server.api_keys]
-        self._cors = Cors(server.cors_origins)
+    def reloaded(self) -> None:
+        """The settings were swapped: supervisor/server.py holds its idle timeout as a value of its
+        own (read at each idle period), so it gets the new one here."""
         if self._http_server is not None:
-            self._http_server.idle_timeout_s = server.idle_timeout_s
+            self._http_server.idle_timeout_s = self.server.idle_timeout_s
 
     async def wait_inflight_changed(self) -> None:
         await self._inflight_changed.wait()
@@ -216,6 +229,7 @@ class Front:
         method: str = scope["method"]
         path: str = scope["path"]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        self._access(self.server)
         out = Responder(send, started, self._cors.headers(headers.get("origin")))
         methods = lookup(path)
         routed = methods is not None and any(endpoint.routed for endpoint in methods.values())
