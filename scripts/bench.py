@@ -139,8 +139,18 @@ class Spawned:
     direct: httpx.AsyncClient
 
 
+def _within(data: dict[str, Any], shape: dict[str, Any]) -> dict[str, Any]:
+    return {
+        key: _within(value, shape[key]) if isinstance(value, dict) and isinstance(shape[key], dict) else value
+        for key, value in data.items()
+        if key in shape
+    }
+
+
 @asynccontextmanager
-async def spawn_onebitd(config: Config, runtime_dir: Path, log: TextIO, *, root: Path = ROOT) -> AsyncIterator[Spawned]:
+async def spawn_onebitd(
+    config: Config, runtime_dir: Path, log: TextIO, *, root: Path = ROOT, shape: dict[str, Any] | None = None
+) -> AsyncIterator[Spawned]:
     """onebitd in a process of its own, ready (its sd_notify READY=1), and the two clients; ``root``:
     the checkout whose onebitd it is (``versus`` runs another's beside this one).
 
@@ -148,7 +158,10 @@ async def spawn_onebitd(config: Config, runtime_dir: Path, log: TextIO, *, root:
     OpenAI client and onebitd do in service.  The process is stopped (SIGTERM) and reaped when the
     block ends, and it stops and reaps its decoder."""
     config_path = runtime_dir / "onebit.toml"
-    config_path.write_text(tomli_w.dumps(configuration.unstructure(config)))
+    written = configuration.unstructure(config)
+    if shape is not None:  # another checkout: only the keys its config knows (one added since is an error there)
+        written = _within(written, shape)
+    config_path.write_text(tomli_w.dumps(written))
     notify_path = runtime_dir / "notify.sock"
     notify = trio.socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     await notify.bind(str(notify_path))
@@ -253,15 +266,40 @@ async def decoder_version(config: Config) -> str:
 
 
 def machine() -> str:
+    """The CPU as the kernel tells it, with family, model and clock: a VM's model name ("AMD EPYC") is
+    the same for every generation, and onebitd's CPU per request differs by 2x between them."""
     cpu = platform.processor() or platform.machine()
+    fields: dict[str, str] = {}
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
         for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+            name, _, value = line.partition(":")
+            if not name.strip():
+                break  # the first CPU's block is enough
+            fields.setdefault(name.strip(), value.strip())
+    cpu = fields.get("model name", cpu)
+    if "cpu family" in fields:
+        cpu += f", family {fields['cpu family']} model {fields.get('model', '?')}"
+    if "cpu MHz" in fields:
+        cpu += f", {float(fields['cpu MHz']):.0f} MHz"
     usable = len(os.sched_getaffinity(0))
-    return f"{usable} CPUs ({cpu}), {platform.system()} {platform.release()}, Python {platform.python_version()}"
+    return (
+        f"{usable} CPUs ({cpu}), {platform.system()} {platform.release()}, Python {platform.python_version()}; "
+        f"python probe {python_probe_ms():.1f} ms"
+    )
+
+
+def python_probe_ms() -> float:
+    """A fixed pure-Python workload (dict stores, str(), a loop: onebitd's kind of code), the best of
+    five runs: how fast this machine runs Python, to compare the CPU figures of two machines by."""
+    best = math.inf
+    for _ in range(5):
+        started = time.perf_counter()
+        table: dict[int, str] = {}
+        for i in range(200_000):
+            table[i & 1023] = str(i)
+        best = min(best, time.perf_counter() - started)
+    return best * 1000
 
 
 def busy_ticks() -> int:

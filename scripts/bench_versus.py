@@ -17,14 +17,17 @@ its requests at (a)'s cost).  Direct llama-server is
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import attrs
+import trio
 
 from supervisor import locate
 
@@ -43,6 +46,14 @@ def _tree(bench: ModuleType, path: Path) -> Path:
     if not (path / "supervisor" / "daemon.py").is_file():
         raise bench.BenchError(f"--tree {path}: no supervisor/daemon.py there")
     return path
+
+
+async def _shape(tree: Path) -> dict[str, Any]:
+    """The keys the other checkout's config knows (its defaults, unstructured), asked of its own code."""
+    script = "import json; from supervisor import config as c; print(json.dumps(c.unstructure(c.loads(''))))"
+    done = await trio.run_process([sys.executable, "-c", script], cwd=str(tree), capture_stdout=True)
+    shape: dict[str, Any] = json.loads(done.stdout)
+    return shape
 
 
 async def run(args: argparse.Namespace, bench: ModuleType) -> int:
@@ -71,7 +82,7 @@ async def run(args: argparse.Namespace, bench: ModuleType) -> int:
             )
             async with (
                 bench.spawn_onebitd(configs[0], dirs[0], log) as mine,
-                bench.spawn_onebitd(configs[1], dirs[1], log, root=other) as theirs,
+                bench.spawn_onebitd(configs[1], dirs[1], log, root=other, shape=await _shape(other)) as theirs,
             ):
                 spawned = (mine, theirs)
                 ours = (*[s.pid for s in spawned], *[s.decoder_pid for s in spawned])

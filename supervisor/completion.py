@@ -52,9 +52,9 @@ log = logging.getLogger("onebit.hybrid")
 EMBEDDING_ENDPOINTS = ("/embeddings", "/v1/embeddings", "/rerank")
 
 SSE_HEADERS = [
-    ("content-type", "text/event-stream"),
-    ("cache-control", "no-cache"),
-    ("x-accel-buffering", "no"),  # a reverse proxy in front must not buffer the stream either
+    ("Content-Type", "text/event-stream"),
+    ("Cache-Control", "no-cache"),
+    ("X-Accel-Buffering", "no"),  # a reverse proxy in front must not buffer the stream either
 ]
 
 

@@ -174,6 +174,9 @@ class ServerConfig:
     # A connection with no request in progress (before its first head, or between two) is closed after
     # this: a head sent byte by byte is bounded by it too.  Changed by a reload for the next idle period.
     idle_timeout_s: float = field(default=75.0, validator=_at_least(0.1), metadata=LIVE)
+    # A client that takes no byte of its response for this long loses its connection, and its request
+    # is cancelled as if it had hung up (nginx's send_timeout is 60 s).  Changed by a reload at once.
+    write_timeout_s: float = field(default=60.0, validator=_at_least(0.1), metadata=LIVE)
 
 
 @frozen

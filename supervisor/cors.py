@@ -87,9 +87,9 @@ class Cors:
         if not origin or not self.allows(origin):
             return []
         return [
-            ("access-control-allow-origin", origin),
-            ("access-control-allow-credentials", "true"),
-            ("vary", "Origin"),
+            ("Access-Control-Allow-Origin", origin),
+            ("Access-Control-Allow-Credentials", "true"),
+            ("Vary", "Origin"),
         ]
 
     def preflight(self, origin: str | None, requested_headers: str | None) -> list[tuple[str, str]]:
@@ -99,7 +99,7 @@ class Cors:
         if not origin or not self.allows(origin):
             return []
         return [
-            ("access-control-allow-methods", ALLOW_METHODS),
-            ("access-control-allow-headers", requested_headers or "*"),
-            ("access-control-max-age", str(MAX_AGE_S)),
+            ("Access-Control-Allow-Methods", ALLOW_METHODS),
+            ("Access-Control-Allow-Headers", requested_headers or "*"),
+            ("Access-Control-Max-Age", str(MAX_AGE_S)),
         ]

@@ -17,10 +17,14 @@
     ├── PrefixStoreError       the prefix store cannot hand over an entry (gone, or not exposable):
     │                          the request goes on as if there were none
     └── ClientError            the HTTP client sent something we refuse (HTTP 4xx)
+        ├── Malformed              bytes that are not HTTP/1.1 as onebitd takes it (framing.py: 400,
+        │                          431, 501, 505); from llama-server, wire.py makes it DecoderUnavailable
         └── Overloaded             every slot busy and the queue full (HTTP 503)
 
-Foreign exceptions (httpx's, OSError from process spawning) are translated into this tree at exactly
-one seam each: ``decoder.py`` for HTTP, ``process.py`` for processes, ``front.py`` for binding.
+Foreign exceptions are translated into this tree at exactly one seam each: llhttp's (httptools')
+parse errors in ``framing.py``, the decoder socket's and a malformed reply in ``wire.py`` (httpx's,
+for clients beside onebitd, in ``decoder.py``), OSError from process spawning in ``process.py``,
+binding in ``server.py``.
 """
 
 from __future__ import annotations
@@ -98,6 +102,11 @@ class ClientError(OnebitError):
         self.message = message
         self.retry_after = retry_after
         super().__init__(message)
+
+
+class Malformed(ClientError):
+    """Bytes that are not HTTP/1.1 as onebitd takes it (supervisor/framing.py).  ``status`` and
+    ``code`` are the front's answer (400, 431, 501, 505); the decoder client makes it ``DecoderUnavailable``."""
 
 
 class Overloaded(ClientError):

@@ -139,6 +139,7 @@ class Front:
                 hosts=self.server.host,
                 port=self.server.port,
                 idle_timeout_s=self.server.idle_timeout_s,
+                write_timeout_s=self.server.write_timeout_s,
                 shutdown=self._shutdown.wait,
             )
         self._http_server.bind()
@@ -149,10 +150,11 @@ class Front:
             self._http_server.close()
 
     def reloaded(self) -> None:
-        """The settings were swapped: supervisor/server.py holds its idle timeout as a value of its
-        own (read at each idle period), so it gets the new one here."""
+        """The settings were swapped: supervisor/server.py holds its idle and write timeouts as values
+        of its own (read at each idle period, each write), so it gets the new ones here."""
         if self._http_server is not None:
             self._http_server.idle_timeout_s = self.server.idle_timeout_s
+            self._http_server.write_timeout_s = self.server.write_timeout_s
 
     async def wait_inflight_changed(self) -> None:
         await self._inflight_changed.wait()
@@ -304,7 +306,7 @@ class Front:
     async def _local(self, path: str, out: Responder) -> None:
         if path in ("/health", "/v1/health"):
             status, body = self.health()
-            retry = [("retry-after", str(self.server.retry_after_s))] if status != 200 else []
+            retry = [("Retry-After", str(self.server.retry_after_s))] if status != 200 else []
             await out.json(status, body, retry)
         elif path == "/metrics/decoder":
             await self._pass_through(out, "GET", "/metrics", None)
@@ -421,7 +423,7 @@ class Front:
         # Its age and its times count from its arrival, as its first byte's does (out.started_at).
         self.inflight[req] = InflightRequest(req, path, out.started_at, time.time(), line)
         self._changed()
-        gone = trio.Event()
+        gone: list[str] = []  # a hang-up, with the server's reason where it gave one
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._watch_disconnect, receive, nursery.cancel_scope, gone, out)
@@ -445,8 +447,10 @@ class Front:
         finally:
             # A disconnect is reported after a finished response too, and a client may close once it
             # has a stream's final event: neither is a cancellation.
-            if gone.is_set() and not out.complete:
+            if gone and not out.complete:
                 line.outcome = "cancelled"
+                if gone[0]:
+                    line.error = gone[0]
             line.status = out.status or 499  # 499: the client closed before any answer (nginx's code)
             line.first_byte_ms = out.first_byte_ms
             line.total_ms = out.elapsed_ms()
@@ -460,15 +464,16 @@ class Front:
             self._emit_hook(line)
 
     @staticmethod
-    async def _watch_disconnect(receive: Receive, scope: trio.CancelScope, gone: trio.Event, out: Responder) -> None:
+    async def _watch_disconnect(receive: Receive, scope: trio.CancelScope, gone: list[str], out: Responder) -> None:
         """A client that hangs up cancels its request, but only while the response is incomplete:
         the server reports a disconnect after every finished response too, a client may close once
         it has a stream's final event, and what the request does after that (the rest of the
-        relay, verification, bookkeeping) is the server's work, not the client's."""
+        relay, verification, bookkeeping) is the server's work, not the client's.  A client that
+        took nothing for ``server.write_timeout_s`` is reported the same way, with why."""
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                gone.set()
+                gone.append(message.get("reason", ""))
                 if not out.complete:
                     scope.cancel()
                 return

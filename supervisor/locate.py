@@ -23,26 +23,62 @@ def cache_dir() -> Path:
     return Path(base) / "onebit"
 
 
-# The patch scripts/build-llama-server applies before building (the share route's decoder side).
-LLAMA_SERVER_PATCH = Path(__file__).resolve().parent.parent / "scripts" / "llama-server-share.patch"
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+CONSTRAINTS = SCRIPTS.parent / "constraints.txt"
+# The patches scripts/build-llama-server applies before building, per engine, in order.
+LLAMA_SERVER_PATCH = SCRIPTS / "llama-server-share.patch"  # the share route's decoder side
+CPU_PATCH = SCRIPTS / "llama-cpp-cpu.patch"  # ggml's CPU variants: which to build, and the OS check
+OPENVINO_PATCH = SCRIPTS / "llama-server-openvino.patch"  # ggml-openvino: GGML_OP_DUP, Q4_1 zero points
+ENGINES = ("ggml", "openvino")
+# Where $ONEBIT_LLAMA_SERVER... names a binary instead of the build cache, per engine.
+ENGINE_ENV = {"ggml": "ONEBIT_LLAMA_SERVER", "openvino": "ONEBIT_LLAMA_SERVER_OPENVINO"}
 
 
-def llama_server_build_key() -> str:
-    """``<version>-<first 8 hex of the patch's sha256>-portable``: scripts/build-llama-server
-    computes the same ("portable": built for the processor family, not ``-march=native``).
+def engine_patches(engine: str) -> tuple[Path, ...]:
+    if engine == "ggml":
+        return (LLAMA_SERVER_PATCH, CPU_PATCH)
+    if engine == "openvino":
+        return (LLAMA_SERVER_PATCH, OPENVINO_PATCH)
+    raise ValueError(f"unknown llama-server engine {engine!r} (one of {', '.join(ENGINES)})")
 
-    Without the patch file (onebit installed without its source tree) the key is the bare version,
-    the unpatched build's.
-    """
+
+def openvino_version() -> str | None:
+    """The ``openvino==`` pin of constraints.txt, the wheel the OpenVINO build is built against."""
     try:
-        digest = hashlib.sha256(LLAMA_SERVER_PATCH.read_bytes()).hexdigest()[:8]
+        lines = CONSTRAINTS.read_text().splitlines()
     except OSError:
-        return LLAMA_CPP_VERSION
-    return f"{LLAMA_CPP_VERSION}-{digest}-portable"
+        return None
+    for line in lines:
+        if line.startswith("openvino=="):
+            return line.removeprefix("openvino==").strip()
+    return None
 
 
-def cached_llama_server() -> Path:
-    return cache_dir() / f"llama-server-{llama_server_build_key()}" / "bin" / "llama-server"
+def llama_server_build_key(engine: str = "ggml") -> str:
+    """What scripts/build-llama-server names its build after, the same way:
+
+    - ggml: ``<version>-<first 8 hex of the sha256 of its patches>-cpudl`` ("cpudl": the CPU backend as
+      loadable variants, the best one for the processor chosen at start; not ``-march=native``)
+    - openvino: ``<version>-<the same of its patches>-openvino<the openvino pin>``
+
+    Without the patch files (onebit installed without its source tree) the key is the bare version
+    and engine, an unpatched build's.
+    """
+    patches = engine_patches(engine)
+    digest = hashlib.sha256()
+    try:
+        for patch in patches:
+            digest.update(patch.read_bytes())
+    except OSError:
+        return LLAMA_CPP_VERSION if engine == "ggml" else f"{LLAMA_CPP_VERSION}-{engine}"
+    key = f"{LLAMA_CPP_VERSION}-{digest.hexdigest()[:8]}"
+    if engine == "ggml":
+        return f"{key}-cpudl"
+    return f"{key}-openvino{openvino_version() or ''}"
+
+
+def cached_llama_server(engine: str = "ggml") -> Path:
+    return cache_dir() / f"llama-server-{llama_server_build_key(engine)}" / "bin" / "llama-server"
 
 
 def embedded_model() -> Path | None:
@@ -79,16 +115,19 @@ def model_path(configured: str) -> Path | None:
     return embedded_model()
 
 
-def llama_server(binary: str) -> Path | None:
-    """The configured binary, else $ONEBIT_LLAMA_SERVER, else the cached build, else PATH."""
+def llama_server(binary: str, engine: str = "ggml") -> Path | None:
+    """The configured binary, else $ONEBIT_LLAMA_SERVER (``_OPENVINO`` for that engine), else the
+    engine's cached build, else (ggml only) PATH's llama-server."""
     if binary:
         return _expand(binary)
-    env = os.environ.get("ONEBIT_LLAMA_SERVER")
+    env = os.environ.get(ENGINE_ENV[engine]) if engine in ENGINE_ENV else None
     if env:
         return Path(env)
-    cached = cached_llama_server()
+    cached = cached_llama_server(engine)
     if cached.is_file():
         return cached
+    if engine != "ggml":
+        return None  # a llama-server on PATH is a ggml one as far as anyone can tell
     found = shutil.which("llama-server")
     return Path(found) if found else None
 

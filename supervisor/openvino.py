@@ -33,9 +33,8 @@ from . import locate
 from .errors import ChildError
 from .process import ChildProcess
 
-# TEMPORARY shim (issue 21, provider half): the build half adds locate.llama_server(binary, engine)
-# with this same override; until then the OpenVINO binary comes from here only.
-BINARY_ENV = "ONEBIT_LLAMA_SERVER_OPENVINO"
+# Names an OpenVINO llama-server instead of scripts/setup's cached build (supervisor/locate.py).
+BINARY_ENV = locate.ENGINE_ENV["openvino"]
 DEVICE_ENV = "GGML_OPENVINO_DEVICE"
 FORCE_STATIC_ENV = "GGML_OPENVINO_FORCE_STATIC"
 COMPILED_CACHE_ENV = "GGML_OPENVINO_COMPILED_MODEL_CACHE_DIR"
@@ -58,11 +57,8 @@ LIST_TIMEOUT_S = 60.0
 
 
 def llama_server(binary: str) -> Path | None:
-    """The configured OpenVINO binary, else $ONEBIT_LLAMA_SERVER_OPENVINO (TEMPORARY: see BINARY_ENV)."""
-    if binary:
-        return Path(binary).expanduser()
-    env = os.environ.get(BINARY_ENV)
-    return Path(env) if env else None
+    """The configured OpenVINO binary, else $ONEBIT_LLAMA_SERVER_OPENVINO, else scripts/setup's build."""
+    return locate.llama_server(binary, "openvino")
 
 
 def compile_dir(configured: str) -> Path:

@@ -18,7 +18,7 @@ import trio
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
-SOURCE_HEADER = "x-onebit-source"
+SOURCE_HEADER = "X-Onebit-Source"
 
 
 def error_body(status: int, code: str, message: str, *, source: str = "onebitd", type_: str = "") -> bytes:
@@ -87,7 +87,7 @@ class Responder:
         *,
         source: str = "onebitd",
     ) -> None:
-        head = [("content-type", content_type), ("content-length", str(len(body))), *headers]
+        head = [("Content-Type", content_type), ("Content-Length", str(len(body))), *headers]
         await self.start(status, head, source=source)
         await self.body(body, more=False)
 
@@ -104,7 +104,7 @@ class Responder:
         retry_after: int | None = None,
         type_: str = "",
     ) -> None:
-        headers = [("retry-after", str(retry_after))] if retry_after is not None else []
+        headers = [("Retry-After", str(retry_after))] if retry_after is not None else []
         await self.whole(
             status,
             error_body(status, code, message, source=source, type_=type_),

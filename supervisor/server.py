@@ -1,25 +1,23 @@
 """The front's HTTP/1.1 server: an ASGI app served on trio's sockets, one task per connection.
 
-onebitd's overhead in front of llama-server is its own CPU per request (docs/benchmarks.md).  With
-hypercorn, its protocol and h11 were most of it: a task spawned for every request, h11's event
-machine, an ASGI stream object and its lock per response, fourteen scheduler steps per short request.
-What the front needs of a server is small, and this is it:
-
 - **One task per connection** reads a head, runs the app in that same task, writes what the app
   sends straight to the socket, and reads the next head.  A head that declares its length goes out
-  with the body, in one write; a stream's head goes out at once.  The
-  socket is a plain non-blocking socket under ``trio.lowlevel.wait_readable``/``wait_writable``.
-- **Requests** are HTTP/1.1 or 1.0, heads up to :data:`MAX_HEAD_BYTES`, bodies framed by
-  ``Content-Length`` or ``chunked`` (strict: digits, hex, CRLFs), ``Expect: 100-continue`` answered
-  when the app first asks for the body.  Anything else gets an answer in onebitd's JSON error
-  envelope and the connection is closed: 400 (malformed), 431 (head too large), 501 (a transfer
-  coding other than chunked), 505 (another HTTP version).
+  with the body, in one write; a stream's head goes out at once.  The socket is a plain non-blocking
+  socket under ``trio.lowlevel.wait_readable``/``wait_writable``.
+- **Requests** are framed by supervisor/framing.py (llhttp with onebitd's rules): HTTP/1.1 or 1.0,
+  bodies by ``Content-Length`` or ``chunked``, ``Expect: 100-continue`` answered when the app first
+  asks for the body.  What it calls :class:`~supervisor.framing.Malformed` in a head gets an answer
+  in onebitd's JSON error envelope and the connection is closed: 400 (malformed), 431 (head too
+  large), 501 (a transfer coding other than chunked, CONNECT), 505 (another HTTP version); in a body,
+  the app's ``receive()`` raises it (a :class:`~supervisor.errors.ClientError`).
 - **Responses** keep the length the app declares; without one they are chunked (HTTP/1.1) or end
   with the connection (1.0).  HEAD, 1xx, 204 and 304 carry no body.
 - **Keep-alive**, with pipelined requests answered in order.  A connection is idle from the end of
   a response to the end of the next head: it is closed after ``idle_timeout_s`` then, and at once
   when the server stops; a busy one is closed when its response is out.  A body the app did not
   read (a refusal) is read and dropped, up to :data:`DISCARD_BYTES`, so the connection is kept.
+- **Writes** have a deadline: a client that takes no byte of a response for ``write_timeout_s``
+  loses its connection, and the app learns it as a hang-up (``http.disconnect``).
 - **Disconnects**: once the body is read, ``receive()`` waits for the client to hang up and then
   returns ``http.disconnect`` (at once after the response has finished, as the ASGI spec says).
 - **Failures** stay on their connection: a socket error is a gone client, an app that raises is
@@ -28,20 +26,22 @@ What the front needs of a server is small, and this is it:
 
 from __future__ import annotations
 
+import contextlib
 import email.utils
 import errno
 import http
 import logging
-import re
 import socket
+import struct
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
-from urllib.parse import unquote
 
 import trio
 
-from .errors import ClientError, ListenError
+from . import framing
+from .errors import ClientError, ListenError, Malformed
+from .framing import END, NEED_DATA
 from .respond import error_body
 
 log = logging.getLogger("onebit.front")
@@ -51,17 +51,14 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 App = Callable[[Message, Receive, Send], Awaitable[None]]
 
-MAX_HEAD_BYTES = 16 * 1024  # a request line and its headers (h11's and hypercorn's limit)
-MAX_CHUNK_LINE = 1024  # a chunk-size line with its extensions
-MAX_TRAILER_BYTES = 16 * 1024
+MAX_HEAD_BYTES = framing.MAX_HEAD_BYTES
 DISCARD_BYTES = 1 << 20  # a request body the app left unread is dropped up to this; over it, the connection closes
 READ_SIZE = 65536
 LINGER_S = 2.0  # after the last response on a connection, wait this long for the client's close
 BACKLOG = 1024
+# A client that takes no byte of its response for this long is gone (nginx's send_timeout).
+WRITE_TIMEOUT_S = 60.0
 
-_TOKEN = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+")
-_TARGET = re.compile(rb"[\x21-\x7e]+")
-_HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
 _REASONS = {status.value: status.phrase.encode() for status in http.HTTPStatus}
 _NO_BODY = frozenset({204, 304})
 _DISCONNECT: Message = {"type": "http.disconnect"}
@@ -77,18 +74,6 @@ _ACCEPT_SKIP = frozenset(
     if hasattr(errno, name)
 )
 READS_BEFORE_YIELD = 16  # reads that found data ready, in a row, before the connection lets others run
-MAX_BLANK_BYTES = 64  # CRLFs allowed before a request line
-_EXTENSION = re.compile(rb"[\t\x20-\x7e\x80-\xff]*")
-
-
-class _Refusal(Exception):
-    """A request the server itself answers, in the JSON error envelope, and closes the connection on."""
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
 
 
 _date = (0, b"")
@@ -150,11 +135,13 @@ class HttpServer:
         idle_timeout_s: float,
         shutdown: Callable[[], Awaitable[object]],
         graceful_timeout_s: float = 2.0,
+        write_timeout_s: float = WRITE_TIMEOUT_S,
     ) -> None:
         self.app = app
         self.hosts = hosts
         self.port = port
         self.idle_timeout_s = idle_timeout_s  # may change while serving (a reload)
+        self.write_timeout_s = write_timeout_s  # this too
         self.graceful_timeout_s = graceful_timeout_s
         self._shutdown = shutdown
         self.stopping = False
@@ -234,15 +221,17 @@ class HttpServer:
 
 
 class _Connection:
-    """One client connection: its socket, what has been read of it, and the request on it."""
+    """One client connection: its socket, its requests' framing, and the request on it."""
 
     def __init__(self, server: HttpServer, sock: socket.socket) -> None:
         self.server = server
         self.sock = sock
-        self.buffer = bytearray()
+        self.reader = framing.RequestReader()
         self.gone = False  # the client closed or reset the connection, or a write to it failed
         self.broken = False  # a write was cut short: nothing more may be sent on it
+        self.hung_up_why: str | None = None  # why the server took the client for gone, where it did
         self._idle: trio.CancelScope | None = None
+        self._watch: trio.CancelScope | None = None  # wait_disconnect's, cancelled when a write gives up
         self._ready_reads = 0  # reads in a row that found data without waiting
         self._waited = True  # the connection waited for its client since its last request began
         peer = sock.getpeername()
@@ -266,7 +255,7 @@ class _Connection:
                 self._waited = False
                 try:
                     request = await self._next_request()
-                except _Refusal as refusal:
+                except Malformed as refusal:
                     await self._refuse(refusal)
                     linger = True
                     break
@@ -292,39 +281,27 @@ class _Connection:
             self._idle = idle
             if self.server.stopping:
                 idle.cancel()
-            head = await self._read_head()
+            head = await self.next_event()
         self._idle = None
         if head is None or idle.cancelled_caught:
             return None
+        assert isinstance(head, framing.Request), head  # the last request's body was read to its end
         return _Request(self, head)
 
-    async def _read_head(self) -> bytes | None:
-        buffer = self.buffer
-        searched = 0
+    async def next_event(self) -> framing.Event | None:
+        """The next event of the client's stream, read as needed; None at its end."""
+        reader = self.reader
         while True:
-            blank = 0
-            while buffer[blank : blank + 2] == b"\r\n":  # blank lines before a request (RFC 9112 section 2.2)
-                blank += 2
-                if blank > MAX_BLANK_BYTES:
-                    raise _Refusal(400, "bad_request", "too many blank lines before the request line")
-            if blank:
-                del buffer[:blank]
-                searched = 0
-            end = buffer.find(b"\r\n\r\n", searched)
-            if end >= 0:
-                if end > MAX_HEAD_BYTES:
-                    raise _Refusal(431, "head_too_large", f"request head over {MAX_HEAD_BYTES} bytes")
-                head = bytes(buffer[:end])
-                del buffer[: end + 4]
-                return head
-            if len(buffer) > MAX_HEAD_BYTES:
-                raise _Refusal(431, "head_too_large", f"request head over {MAX_HEAD_BYTES} bytes")
-            searched = max(0, len(buffer) - 3)
-            if not await self.fill():
+            event = reader.next_event()
+            if event is not NEED_DATA:
+                return event  # type: ignore[return-value]
+            data = await self._receive()
+            if not data:
                 return None
+            reader.feed(data)
 
-    async def fill(self) -> bool:
-        """Read what the socket has into the buffer; False at the end of the client's stream."""
+    async def _receive(self) -> bytes:
+        """What the socket has; b"" at the end of the client's stream."""
         sock = self.sock
         while True:
             try:
@@ -338,17 +315,18 @@ class _Connection:
                 data = b""
             if not data:
                 self.gone = True
-                return False
-            self.buffer += data
+                return data
             self._ready_reads += 1
             if self._ready_reads % READS_BEFORE_YIELD == 0:
                 await trio.lowlevel.checkpoint()
-            return True
+            return data
 
     async def write(self, data: bytes) -> None:
         """Send all of ``data``; a client that is gone takes nothing more (its request is cancelled by
-        its disconnect), and a write cut short by a cancel leaves the connection unusable."""
+        its disconnect), one that takes no byte for ``write_timeout_s`` is gone, and a write cut short
+        by a cancel leaves the connection unusable."""
         if self.gone or self.broken:
+            await trio.lowlevel.checkpoint()  # an app that sends on and on still lets its disconnect in
             return
         sock = self.sock
         view = memoryview(data)
@@ -357,33 +335,52 @@ class _Connection:
                 try:
                     view = view[sock.send(view) :]
                 except BlockingIOError:
-                    await trio.lowlevel.wait_writable(sock)
+                    timeout = self.server.write_timeout_s
+                    with trio.move_on_after(timeout) as waited:
+                        await trio.lowlevel.wait_writable(sock)
+                    if waited.cancelled_caught:
+                        self._hang_up(
+                            f"the client took no byte of its response for {timeout:g}s (server.write_timeout_s)"
+                        )
+                        return
         except OSError:
             self.gone = True
         except BaseException:
             self.broken = True
             raise
 
+    def _hang_up(self, why: str) -> None:
+        """Take the client for gone: nothing more is sent, the app hears a disconnect, and the close
+        resets the connection (what the kernel still holds for the client is dropped, not kept to send)."""
+        self.gone = self.broken = True
+        with contextlib.suppress(OSError):
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.hung_up_why = why
+        if self._watch is not None:
+            self._watch.cancel()
+
     async def wait_disconnect(self) -> None:
         """Until the client hangs up; for ever if it sends more (the next request, pipelined)."""
         sock = self.sock
-        while not self.gone:
-            if self.buffer:
-                await trio.sleep_forever()
-            await trio.lowlevel.wait_readable(sock)
-            try:
-                peeked = sock.recv(1, socket.MSG_PEEK)
-            except BlockingIOError:
-                continue
-            except OSError:
-                peeked = b""
-            if peeked:
-                await trio.sleep_forever()
-            self.gone = True
+        with trio.CancelScope() as self._watch:
+            while not self.gone:
+                if self.reader.pending:
+                    await trio.sleep_forever()
+                await trio.lowlevel.wait_readable(sock)
+                try:
+                    peeked = sock.recv(1, socket.MSG_PEEK)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    peeked = b""
+                if peeked:
+                    await trio.sleep_forever()
+                self.gone = True
+        self._watch = None
 
-    async def _refuse(self, refusal: _Refusal) -> None:
+    async def _refuse(self, refusal: Malformed) -> None:
         body = error_body(refusal.status, refusal.code, refusal.message)
-        await self.write(_head(refusal.status, [(b"content-type", b"application/json")], len(body), close=True) + body)
+        await self.write(_head(refusal.status, [(b"Content-Type", b"application/json")], len(body), close=True) + body)
 
     async def _linger(self) -> None:
         """Close after the last response without losing it: a close with unread bytes in the socket
@@ -393,20 +390,18 @@ class _Connection:
         except OSError:
             return
         with trio.move_on_after(LINGER_S):
-            while True:
-                self.buffer.clear()
-                if not await self.fill():
-                    return
+            while await self._receive():
+                pass
 
 
 def _head(status: int, headers: list[tuple[bytes, bytes]], length: int | None, *, close: bool) -> bytes:
     lines = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b""))]
     lines += [name + b": " + value + b"\r\n" for name, value in headers]
     if length is not None:
-        lines.append(b"content-length: %d\r\n" % length)
+        lines.append(b"Content-Length: %d\r\n" % length)
     if close:
-        lines.append(b"connection: close\r\n")
-    lines.append(b"date: " + _http_date() + b"\r\n\r\n")
+        lines.append(b"Connection: close\r\n")
+    lines.append(b"Date: " + _http_date() + b"\r\n\r\n")
     return b"".join(lines)
 
 
@@ -414,77 +409,20 @@ class _Request:
     """One request on a connection: its scope, its body as the app reads it, its response as the app
     sends it."""
 
-    def __init__(self, connection: _Connection, head: bytes) -> None:
+    def __init__(self, connection: _Connection, head: framing.Request) -> None:
         self.connection = connection
-        lines = head.split(b"\r\n")
-        parts = lines[0].split(b" ")
-        if len(parts) != 3:
-            raise _Refusal(400, "bad_request", "malformed request line")
-        method, target, version = parts
-        if version == b"HTTP/1.1":
-            self.version = "1.1"
-        elif version == b"HTTP/1.0":
-            self.version = "1.0"
-        elif version.startswith(b"HTTP/") and version[5:].replace(b".", b"").isdigit():
-            raise _Refusal(505, "http_version", f"HTTP version {version.decode('latin-1')} is not supported")
-        else:
-            raise _Refusal(400, "bad_request", "malformed request line")
-        if not _TOKEN.fullmatch(method):
-            raise _Refusal(400, "bad_request", "malformed request method")
-        self.method = method.decode("ascii")
-        headers: list[tuple[bytes, bytes]] = []
-        for line in lines[1:]:
-            name, colon, value = line.partition(b":")
-            if not colon or not _TOKEN.fullmatch(name):
-                raise _Refusal(400, "bad_request", "malformed header line")
-            value = value.strip(b" \t")
-            if b"\n" in value or b"\r" in value or b"\x00" in value:
-                raise _Refusal(400, "bad_request", "malformed header value")
-            headers.append((name.lower(), value))
-        self.headers = headers
-        self.path, self.raw_path, self.query = self._target(target)
-
-        connection_tokens: list[bytes] = []
-        hosts = 0
-        lengths: list[bytes] = []
-        codings: list[bytes] = []
-        expect: list[bytes] = []
-        for name, value in headers:
-            if name == b"content-length":
-                lengths.append(value)
-            elif name == b"transfer-encoding":
-                codings.append(value)
-            elif name == b"connection":
-                connection_tokens.append(value)
-            elif name == b"host":
-                hosts += 1
-            elif name == b"expect":
-                expect.append(value)
-        if self.version == "1.1" and hosts != 1:
-            raise _Refusal(400, "bad_request", "an HTTP/1.1 request needs exactly one Host header")
-        # The request body's framing.
-        self.chunked = False
-        self.remaining = 0  # of a Content-Length body
-        if codings:
-            if lengths:
-                raise _Refusal(400, "bad_request", "both Transfer-Encoding and Content-Length")
-            if _tokens(codings) != [b"chunked"] or self.version == "1.0":
-                raise _Refusal(501, "transfer_encoding", "only Transfer-Encoding: chunked is supported")
-            self.chunked = True
-        elif lengths:
-            declared = {token.strip(b" \t") for value in lengths for token in value.split(b",")}
-            length = declared.pop() if len(declared) == 1 else b""
-            if not length.isdigit() or len(length) > 18:
-                raise _Refusal(400, "bad_request", "malformed Content-Length")
-            self.remaining = int(length)
+        self.head = head
+        self.method = head.method
+        self.version = head.version
+        self.path = head.path
+        self.chunked = head.chunked
+        self.remaining = head.length  # of a Content-Length body, still to come
         self.body_done = not self.chunked and self.remaining == 0
+        if self.body_done:
+            connection.reader.next_event()  # its END, queued behind the head
         self.body_given = False  # the app has had the body's last message (an empty body has one too)
-        self.chunk_left = 0  # bytes of the current chunk still to come
-        self.chunk_state = "size"  # size | data | crlf | trailers
-        self.trailer_bytes = 0
-        tokens = _tokens(connection_tokens)
-        self.keep = b"close" not in tokens and self.version == "1.1"
-        self.continue_due = self.version == "1.1" and b"100-continue" in _tokens(expect)
+        self.keep = head.keep_alive
+        self.continue_due = head.expect_continue
         # The response.
         self.status = 0
         self.response_headers: list[tuple[bytes, bytes]] = []
@@ -495,24 +433,6 @@ class _Request:
         self.sent = 0
         self.bodiless = False
 
-    def _target(self, target: bytes) -> tuple[str, bytes, bytes]:
-        if not _TARGET.fullmatch(target):
-            raise _Refusal(400, "bad_request", "malformed request target")
-        if target.startswith((b"http://", b"https://")):  # absolute-form (a proxy's)
-            slash = target.find(b"/", target.find(b"//") + 2)
-            target = target[slash:] if slash >= 0 else b"/"
-        elif target == b"*" and self.method == "OPTIONS":
-            return "*", b"*", b""
-        elif not target.startswith(b"/"):
-            raise _Refusal(400, "bad_request", "malformed request target")
-        raw_path, _, query = target.partition(b"?")
-        raw_path = raw_path.partition(b"#")[0]
-        try:
-            path = unquote(raw_path.decode("ascii"), errors="strict")
-        except UnicodeDecodeError:
-            raise _Refusal(400, "bad_request", "request path is not UTF-8") from None
-        return path, raw_path, query.partition(b"#")[0]
-
     def scope(self) -> Message:
         connection = self.connection
         return {
@@ -522,10 +442,10 @@ class _Request:
             "method": self.method,
             "scheme": "http",
             "path": self.path,
-            "raw_path": self.raw_path,
-            "query_string": self.query,
+            "raw_path": self.head.raw_path,
+            "query_string": self.head.query,
             "root_path": "",
-            "headers": self.headers,
+            "headers": self.head.headers,
             "client": connection.client,
             "server": connection.local,
             "extensions": {},
@@ -558,7 +478,7 @@ class _Request:
             return
         self.status = 0
         body = error_body(status, code, message)
-        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        headers = [(b"Content-Type", b"application/json"), (b"Content-Length", b"%d" % len(body))]
         await self.send({"type": "http.response.start", "status": status, "headers": headers})
         await self.send({"type": "http.response.body", "body": body})
 
@@ -568,7 +488,7 @@ class _Request:
             try:
                 while not self.body_done:
                     await self._body_part()
-            except _Gone:
+            except (_Gone, Malformed):
                 return
         if waited.cancelled_caught:
             self.keep = False
@@ -586,74 +506,45 @@ class _Request:
                 try:
                     chunk = await self._body_part()
                 except _Gone:
-                    return _DISCONNECT
+                    return self._disconnect()
             self.body_given = self.body_done
             return {"type": "http.request", "body": chunk, "more_body": not self.body_done}
         if not self.finished:
             await self.connection.wait_disconnect()
-        return _DISCONNECT
+        return self._disconnect()
+
+    def _disconnect(self) -> Message:
+        why = self.connection.hung_up_why
+        return _DISCONNECT if why is None else {"type": "http.disconnect", "reason": why}
 
     async def _body_part(self) -> bytes:
-        """The next piece of the body that has come (at least one byte, unless the body is done)."""
-        connection = self.connection
-        buffer = connection.buffer
-        if not self.chunked:
-            if not buffer and not await connection.fill():
-                self.keep = False
-                raise _Gone
-            piece = bytes(buffer[: self.remaining])
-            del buffer[: self.remaining]
-            self.remaining -= len(piece)
-            self.body_done = self.remaining == 0
-            return piece
+        """The next piece of the body that has come (at least one byte, unless the body is done); a
+        malformed body raises :class:`Malformed` (a ClientError) and closes the connection after."""
+        reader = self.connection.reader
+        pieces: list[bytes] = []
         while True:
-            if self.chunk_state == "data":
-                if buffer:
-                    piece = bytes(buffer[: self.chunk_left])
-                    del buffer[: self.chunk_left]
-                    self.chunk_left -= len(piece)
-                    if not self.chunk_left:
-                        self.chunk_state = "crlf"
-                    return piece
-            elif self.chunk_state == "crlf":
-                if len(buffer) >= 2:
-                    if buffer[:2] != b"\r\n":
-                        self._malformed("a chunk does not end with CRLF")
-                    del buffer[:2]
-                    self.chunk_state = "size"
-                    continue
-            else:
-                end = buffer.find(b"\r\n")
-                if end >= 0:
-                    line = bytes(buffer[:end])
-                    del buffer[: end + 2]
-                    if b"\n" in line or b"\r" in line or b"\x00" in line:
-                        self._malformed("a bare CR or LF in a chunk line")
-                    if self.chunk_state == "size":
-                        size, _, extension = line.partition(b";")
-                        if len(line) > MAX_CHUNK_LINE:
-                            self._malformed("chunk size line too long")
-                        if not _HEX.fullmatch(size) or not _EXTENSION.fullmatch(extension):
-                            self._malformed("malformed chunk size")
-                        self.chunk_left = int(size, 16)
-                        self.chunk_state = "data" if self.chunk_left else "trailers"
-                    else:  # trailers: ignored, up to an empty line
-                        self.trailer_bytes += end + 2
-                        if self.trailer_bytes > MAX_TRAILER_BYTES:
-                            self._malformed("chunked trailers too large")
-                        if not line:
-                            self.body_done = True
-                            return b""
-                    continue
-                if len(buffer) > (MAX_CHUNK_LINE if self.chunk_state == "size" else MAX_TRAILER_BYTES):
-                    self._malformed("chunk size line too long")
-            if not await connection.fill():
+            try:
+                event = reader.next_event()
+            except Malformed:
                 self.keep = False
-                raise _Gone
-
-    def _malformed(self, why: str) -> None:
-        self.keep = False
-        raise ClientError(400, "bad_chunked_body", f"malformed chunked request body: {why}")
+                raise
+            if event is END:
+                self.body_done = True
+                break
+            if event is NEED_DATA:
+                if pieces:
+                    break
+                data = await self.connection._receive()
+                if not data:
+                    self.keep = False
+                    raise _Gone
+                reader.feed(data)
+                continue
+            assert isinstance(event, bytes), event
+            pieces.append(event)
+        piece = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        self.remaining -= len(piece)
+        return piece
 
     # -- the response -------------------------------------------------------------------------------
 
@@ -725,7 +616,7 @@ class _Request:
         if length is None and not self.bodiless:
             if self.version == "1.1":
                 self.chunked_out = True
-                headers.append((b"transfer-encoding", b"chunked"))
+                headers.append((b"Transfer-Encoding", b"chunked"))
             else:
                 self.keep = False  # the body ends with the connection
         unread = not self.body_done and (self.continue_due or self.chunked or self.remaining > DISCARD_BYTES)

@@ -1,12 +1,9 @@
 """HTTP/1.1 to a llama-server over its unix socket: the bytes under :class:`~supervisor.decoder.DecoderClient`.
 
-onebitd relays every request through here, so what it costs per request is onebitd's overhead.
-httpx over httpcore took 29% of onebitd's CPU on short completions (py-spy, docs/benchmarks.md):
-its request and response models, a pool built for many hosts, h11's event machine, and a request
-head and body written in two sends.  llama-server needs none of that: one host, requests onebitd
-builds itself, replies framed by ``Content-Length`` or chunked.  So this is a client for exactly
-that, which writes a request in one send, reads a reply with as few receives as it comes in, and
-never waits for more bytes while it holds some for the caller (a stream is relayed as it comes).
+A client for exactly what onebitd asks of llama-server: one host, requests onebitd builds itself,
+each written in one send; replies framed by supervisor/framing.py's :class:`~supervisor.framing.ResponseReader`
+(llhttp), read with as few receives as they come in, and never a wait for more bytes while it holds
+some for the caller (a stream is relayed as it comes).
 
 - :class:`UnixTransport` keeps keep-alive connections, retired before llama-server's own idle close,
   and sends a request again, once, on a new connection when a pooled one was closed before any byte
@@ -15,7 +12,8 @@ never waits for more bytes while it holds some for the caller (a stream is relay
   fake llama-server (tests/fake_llama.py) through the same two calls.
 
 Every failure here is a :class:`~supervisor.errors.DecoderUnavailable`: this module is the seam
-where ``OSError`` and trio's stream errors become onebit's.
+where ``OSError``, trio's stream errors and a reply that is not HTTP (:class:`~supervisor.framing.Malformed`)
+become onebit's.
 """
 
 from __future__ import annotations
@@ -31,7 +29,9 @@ from typing import Protocol
 import attrs
 import trio
 
-from .errors import DecoderUnavailable
+from . import framing
+from .errors import DecoderUnavailable, Malformed
+from .framing import END, NEED_DATA
 
 # llama-server (cpp-httplib) closes a keep-alive connection after 5 s idle; ours are retired at 4 s,
 # which is still past the health check's 2 s interval (a check does not reconnect every time).
@@ -44,7 +44,6 @@ WRITE_TIMEOUT_S = 30.0
 MAX_HEAD = 65536
 RECEIVE = 65536
 _PATH = re.compile(r"/[\x21-\x7e]*").fullmatch
-_HEX = re.compile(rb"[0-9A-Fa-f]{1,16}").fullmatch
 _STALE_ERRNOS = frozenset({errno.EPIPE, errno.ECONNRESET, errno.ECONNABORTED})
 
 
@@ -63,6 +62,7 @@ class Response:
     headers: dict[str, str]  # names lower-case, repeats joined with ", "
     chunks: Callable[[], AsyncGenerator[bytes, None]]
     aclose: Callable[[], Awaitable[None]]
+    fields: list[tuple[bytes, bytes]] = attrs.Factory(list)  # the head's fields, names as the server wrote them
 
     async def read(self) -> bytes:
         return b"".join([chunk async for chunk in self.chunks()])
@@ -83,7 +83,7 @@ class _Connection:
     methods yield to the scheduler on every call, ready or not: two trips per request saved."""
 
     sock: stdlib_socket.socket
-    buffer: bytearray = attrs.Factory(bytearray)
+    reader: framing.ResponseReader = attrs.Factory(lambda: framing.ResponseReader(MAX_HEAD))
     idle_since: float = 0.0
     used: bool = False
 
@@ -209,6 +209,7 @@ class UnixTransport:
         """Write the request, read the reply's head.  :class:`Stale` only from a pooled connection."""
         pooled = connection.used
         connection.used = True
+        connection.reader.expect(method)
         try:
             try:
                 await connection.send_all(request)
@@ -216,8 +217,8 @@ class UnixTransport:
                 if pooled and exc.errno in _STALE_ERRNOS:
                     raise Stale from exc
                 raise
-            status, headers = await self._head(connection, pooled)
-            reply = _Reply(self, connection, method, status, headers)
+            head = await self._head(connection, pooled)
+            reply = _Reply(self, connection, head)
         except Stale:
             connection.close()
             raise
@@ -229,33 +230,31 @@ class UnixTransport:
             raise
         return reply.response()
 
-    async def _head(self, connection: _Connection, pooled: bool) -> tuple[int, dict[str, str]]:
-        buffer = connection.buffer
+    async def _head(self, connection: _Connection, pooled: bool) -> framing.Response:
+        reader = connection.reader
         while True:
-            end = buffer.find(b"\r\n\r\n")
-            while end < 0:
-                if len(buffer) > MAX_HEAD:
-                    raise DecoderUnavailable(f"decoder sent a reply head over {MAX_HEAD} bytes")
+            event = _next(reader)
+            if event is NEED_DATA:
                 data = await connection.receive()
                 if not data:
-                    if buffer:
+                    if reader.pending:
                         raise DecoderUnavailable("decoder closed the connection before its reply head was complete")
                     if pooled:
                         raise Stale
                     raise DecoderUnavailable("decoder closed the connection without answering")
-                buffer += data
-                end = buffer.find(b"\r\n\r\n")
-            lines = bytes(buffer[:end]).decode("latin-1").split("\r\n")
-            del buffer[: end + 4]
-            status = _status(lines[0])
-            if status >= 200:
-                return status, _headers(lines[1:], lines[0])
+                reader.feed(data)
+                continue
+            assert isinstance(event, framing.Response), event
+            if event.status >= 200:
+                return event
             # An informational reply (100 Continue) comes before the real one.
+            end = _next(reader)
+            assert end is END, end
 
     def release(self, connection: _Connection, reusable: bool) -> None:
         """The end of a reply: its connection back to the pool, or closed."""
         self._permits.release()
-        if reusable and not self._closed and not connection.buffer:
+        if reusable and not self._closed and not connection.reader.pending:
             connection.idle_since = trio.current_time()
             self._idle.append(connection)
         else:
@@ -265,31 +264,25 @@ class UnixTransport:
 class _Reply:
     """The body of one reply, framed as its head says, and what happens to its connection after."""
 
-    def __init__(
-        self, pool: UnixTransport, connection: _Connection, method: str, status: int, headers: dict[str, str]
-    ) -> None:
+    def __init__(self, pool: UnixTransport, connection: _Connection, head: framing.Response) -> None:
         self.pool = pool
         self.connection: _Connection | None = connection
-        self.status = status
+        self.head = head
+        self.left = head.length  # of a reply with a Content-Length, the bytes still to come
+        headers: dict[str, str] = {}
+        for name, value in head.headers:
+            key = name.lower().decode("latin-1")
+            text = value.decode("latin-1")
+            headers[key] = f"{headers[key]}, {text}" if key in headers else text
         self.headers = headers
-        self.keep_alive = "close" not in _tokens(headers.get("connection", ""))
-        if method == "HEAD" or status in (204, 304):
-            self.length: int | None = 0
-            self.chunked = False
-        elif "chunked" in _tokens(headers.get("transfer-encoding", "")):
-            self.length, self.chunked = None, True
-        elif "content-length" in headers:
-            value = headers["content-length"]
-            if not (value.isascii() and value.isdigit()):
-                raise DecoderUnavailable(f"decoder sent content-length {value!r}")
-            self.length, self.chunked = int(value), False
-        else:  # the body runs to the end of the connection
-            self.length, self.chunked, self.keep_alive = None, False, False
 
     def response(self) -> Response:
-        if self.length == 0:
+        if self.head.length == 0:
+            assert self.connection is not None
+            end = _next(self.connection.reader)  # queued with the head
+            assert end is END, end
             self._finish()
-        return Response(self.status, self.headers, self.chunks, self.aclose)
+        return Response(self.head.status, self.headers, self.chunks, self.aclose, self.head.headers)
 
     async def aclose(self) -> None:
         """Before the end of the body (a reply read to its end has released its connection)."""
@@ -300,122 +293,58 @@ class _Reply:
     def _finish(self) -> None:
         connection, self.connection = self.connection, None
         if connection is not None:
-            self.pool.release(connection, reusable=self.keep_alive)
+            self.pool.release(connection, reusable=self.head.keep_alive)
 
     def chunks(self) -> AsyncGenerator[bytes, None]:
         connection = self.connection
         if connection is None:
             return _nothing()
-        return self._chunked(connection) if self.chunked else self._plain(connection)
+        return self._body(connection)
 
-    async def _plain(self, connection: _Connection) -> AsyncGenerator[bytes, None]:
-        buffer = connection.buffer
-        left = self.length
+    async def _body(self, connection: _Connection) -> AsyncGenerator[bytes, None]:
+        """Every piece of the body that has come is handed on at once, joined."""
+        reader = connection.reader
         while True:
-            if buffer:
-                take = len(buffer) if left is None else min(left, len(buffer))
-                data = bytes(buffer[:take])
-                del buffer[:take]
-                if left is not None:
-                    left -= take
+            pieces: list[bytes] = []
+            done = False
+            while True:
+                event = _next(reader)
+                if event is NEED_DATA:
+                    break
+                if event is END:
+                    done = True
+                    break
+                assert isinstance(event, bytes), event
+                pieces.append(event)
+            if pieces:
+                data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+                if self.left is not None:
+                    self.left -= len(data)
                 yield data
-            if left == 0:
+            if done:
                 self._finish()
                 return
             more = await connection.receive()
             if not more:
-                if left is None:
+                if self.head.until_eof:
                     self._finish()
                     return
-                raise DecoderUnavailable(f"decoder closed the connection with {left} bytes of its reply unsent")
-            buffer += more
-
-    async def _chunked(self, connection: _Connection) -> AsyncGenerator[bytes, None]:
-        """Every complete or partial chunk's data that has come is handed on at once, joined."""
-        buffer = connection.buffer
-        state, left = _SIZE, 0  # left: data bytes of the current chunk still to come
-        while True:
-            out = bytearray()
-            while True:
-                if state == _DATA:
-                    take = min(left, len(buffer))
-                    out += buffer[:take]
-                    del buffer[:take]
-                    left -= take
-                    if left:
-                        break
-                    state = _CRLF
-                elif state == _CRLF:
-                    if len(buffer) < 2:
-                        break
-                    if buffer[:2] != b"\r\n":
-                        raise DecoderUnavailable("decoder sent a malformed chunk (no CRLF after its data)")
-                    del buffer[:2]
-                    state = _SIZE
-                else:  # a size line, or a line of the trailer that ends the body with an empty one
-                    end = buffer.find(b"\r\n")
-                    if end < 0:
-                        if len(buffer) > MAX_HEAD:
-                            raise DecoderUnavailable("decoder sent a chunk size or trailer line too long")
-                        break
-                    line = bytes(buffer[:end])
-                    del buffer[: end + 2]
-                    if state == _TRAILER:
-                        if not line:
-                            state = _DONE
-                            break
-                    else:
-                        left = _chunk_size(line)
-                        state = _DATA if left else _TRAILER
-            if out:
-                yield bytes(out)
-            if state == _DONE:
-                self._finish()
-                return
-            more = await connection.receive()
-            if not more:
-                raise DecoderUnavailable("decoder closed the connection before the end of its chunked reply")
-            buffer += more
+                if self.head.chunked:
+                    raise DecoderUnavailable("decoder closed the connection before the end of its chunked reply")
+                raise DecoderUnavailable(f"decoder closed the connection with {self.left} bytes of its reply unsent")
+            reader.feed(more)
 
 
-_SIZE, _DATA, _CRLF, _TRAILER, _DONE = range(5)
+def _next(reader: framing.ResponseReader) -> framing.Event | object:
+    try:
+        return reader.next_event()
+    except Malformed as exc:
+        raise DecoderUnavailable(f"decoder sent a {exc.message}") from None
 
 
 async def _nothing() -> AsyncGenerator[bytes, None]:
     return
     yield
-
-
-def _chunk_size(line: bytes) -> int:
-    digits = line.split(b";", 1)[0].strip()
-    if not _HEX(digits):
-        raise DecoderUnavailable(f"decoder sent a malformed chunk size {line[:40]!r}")
-    return int(digits, 16)
-
-
-def _tokens(value: str) -> list[str]:
-    return [token.strip() for token in value.lower().split(",")]
-
-
-def _status(line: str) -> int:
-    parts = line.split(" ", 2)
-    if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit() or len(parts[1]) != 3:
-        raise DecoderUnavailable(f"decoder sent a malformed status line {line[:80]!r}")
-    return int(parts[1])
-
-
-def _headers(lines: list[str], status_line: str) -> dict[str, str]:
-    headers: dict[str, str] = {}
-    for line in lines:
-        name, colon, value = line.partition(":")
-        if not colon or not name or name != name.strip():
-            raise DecoderUnavailable(f"decoder sent a malformed header line {line[:80]!r}")
-        key = name.lower()
-        value = value.strip()
-        headers[key] = f"{headers[key]}, {value}" if key in headers else value
-    if status_line.startswith("HTTP/1.0") and "keep-alive" not in headers.get("connection", "").lower():
-        headers.setdefault("connection", "close")
-    return headers
 
 
 def _describe(exc: BaseException) -> str:

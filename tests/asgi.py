@@ -95,4 +95,5 @@ async def call(
         return Reply(0, {}, b"", [])
     [start, *bodies] = sent
     chunks = [m.get("body", b"") for m in bodies]
-    return Reply(start["status"], {k.decode(): v.decode() for k, v in start["headers"]}, b"".join(chunks), chunks)
+    headers = {k.decode().lower(): v.decode() for k, v in start["headers"]}  # as a client's, case-insensitive
+    return Reply(start["status"], headers, b"".join(chunks), chunks)

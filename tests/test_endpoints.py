@@ -387,3 +387,45 @@ async def test_an_address_that_cannot_be_bound_is_an_error_naming_server_host(tm
     with trio.fail_after(TIMEOUT), pytest.raises(ListenError) as caught:
         await rig.front.run()
     assert str(caught.value) == "server.host: cannot listen on 192.0.2.1 port 0: Cannot assign requested address"
+
+
+# -- a client that takes nothing ---------------------------------------------------------------------
+
+
+async def test_a_client_past_the_write_timeout_is_cancelled_like_a_hang_up_and_its_line_says_why(
+    tmp_path: Path,
+) -> None:
+    # The server's side of it (tests/test_server.py): a write that waited write_timeout_s gives up and
+    # the app hears http.disconnect with the reason.  Here, what the front makes of that.
+    rig = make_rig(tmp_path)
+    why = "the client took no byte of its response for 60s (server.write_timeout_s)"
+    stuck = trio.Event()
+    asked = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal asked
+        if not asked:
+            asked = True
+            body = json.dumps({"messages": MESSAGES, "stream": True, "max_tokens": 3}).encode()
+            return {"type": "http.request", "body": body, "more_body": False}
+        await stuck.wait()
+        return {"type": "http.disconnect", "reason": why}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body":
+            stuck.set()  # the client's socket is full: this write waits until the deadline gives up
+            await trio.sleep_forever()
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "query_string": b"",
+        "headers": [(b"host", b"localhost"), (b"content-type", b"application/json")],
+    }
+    with trio.fail_after(TIMEOUT):
+        await rig.front(scope, receive, send)
+    [line] = rig.lines
+    assert (line.outcome, line.error, line.status) == ("cancelled", why, 200)
+    assert rig.slots.statistics().busy == 0
+    assert rig.front.inflight == {}

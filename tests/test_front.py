@@ -566,3 +566,52 @@ async def test_a_stream_in_flight_at_shutdown_finishes_its_reply(
     assert rest[-1] == "[DONE]"
     [line] = route_lines.lines
     assert (line["outcome"], line["status"]) == ("ok", 200)
+
+
+# -- header names -----------------------------------------------------------------------------------
+
+
+async def _raw_exchange(raw: trio.SocketStream, request: bytes) -> bytes:
+    """One request on a raw connection; the reply's head, byte for byte."""
+    await raw.send_all(request)
+    received = bytearray()
+    await receive_until(raw, received, b"\r\n\r\n")
+    head, _, rest = bytes(received).partition(b"\r\n\r\n")
+    if b"\r\nContent-Length: " in head:
+        length = int(head.split(b"\r\nContent-Length: ", 1)[1].split(b"\r\n", 1)[0])
+        while len(rest) < length:
+            rest += await raw.receive_some()
+    else:
+        while not rest.endswith(b"0\r\n\r\n"):
+            rest += await raw.receive_some()
+    return head + b"\r\n"
+
+
+async def test_header_names_go_out_in_the_case_llama_server_writes_them(short_dir: Path) -> None:
+    # A client that indexes a plain dict of the headers (dict(r.headers)["Access-Control-Allow-Origin"])
+    # finds what it finds straight from llama-server.
+    config = fake_decoder_config(short_dir, server={"cors_origins": ["localhost"]})
+    origin = b"Origin: http://localhost\r\n"
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(config) as running, await open_raw(running) as raw:
+            preflight = await _raw_exchange(
+                raw,
+                b"OPTIONS /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
+                + origin
+                + b"Access-Control-Request-Method: POST\r\n\r\n",
+            )
+            body = json.dumps(chat("hi")).encode()
+            whole = await _raw_exchange(raw, request_head(CHAT, len(body))[:-2] + origin + b"\r\n" + body)
+            streamed_body = json.dumps({**chat("hi"), "stream": True}).encode()
+            streamed = await _raw_exchange(raw, request_head(CHAT, len(streamed_body)) + streamed_body)
+            running.daemon.front.drain()
+            health = await _raw_exchange(raw, b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+    for name in (b"Access-Control-Allow-Origin", b"Access-Control-Allow-Methods", b"Access-Control-Allow-Headers"):
+        assert b"\r\n" + name + b": " in preflight, preflight
+    for name in (b"Content-Type", b"Content-Length", b"Date", b"X-Onebit-Source", b"Access-Control-Allow-Origin"):
+        assert b"\r\n" + name + b": " in whole, whole
+    assert b"\r\nX-Onebit-Source: decoder\r\n" in whole
+    for name in (b"Content-Type", b"Cache-Control", b"X-Accel-Buffering", b"Transfer-Encoding"):
+        assert b"\r\n" + name + b": " in streamed, streamed
+    assert b"\r\nRetry-After: " in health, health
+    assert b"\r\nX-Onebit-Source: onebitd\r\n" in health, health

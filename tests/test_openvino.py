@@ -96,9 +96,10 @@ def test_a_device_or_static_shapes_without_the_openvino_engine_is_an_error(site:
 
 
 def test_an_openvino_provider_without_a_binary_names_the_variable(
-    site: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+    site: dict[str, Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.delenv(openvino.BINARY_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # and no build in the cache
     assert problems(site, ov(site, binary="")) == [
         "site.toml: provider[0].binary: empty, and no OpenVINO llama-server was found"
         f" (run scripts/setup, or set {openvino.BINARY_ENV})"
@@ -116,9 +117,10 @@ def test_the_static_path_is_an_npus_or_forced_by_the_config_or_the_environment()
 
 
 def test_engine_auto_is_openvino_where_its_binary_is_found_else_ggml(
-    site: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+    site: dict[str, Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.delenv(openvino.BINARY_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # and no build in the cache
     assert openvino.engine_of("auto", "") == "ggml"
     monkeypatch.setenv(openvino.BINARY_ENV, site["decoder"]["binary"])
     assert openvino.engine_of("auto", "") == "openvino"

@@ -50,6 +50,7 @@ async def serving(
     hosts: tuple[str, ...] = ("127.0.0.1",),
     idle_timeout_s: float = FOREVER,
     graceful_timeout_s: float = 1.0,
+    write_timeout_s: float = FOREVER,
 ) -> AsyncIterator[Served]:
     """An HttpServer on port 0 for the test's body, stopped after it; all of it within TIMEOUT."""
     stop = trio.Event()
@@ -61,6 +62,7 @@ async def serving(
         idle_timeout_s=idle_timeout_s,
         shutdown=stop.wait,
         graceful_timeout_s=graceful_timeout_s,
+        write_timeout_s=write_timeout_s,
     )
 
     async def run(task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
@@ -678,6 +680,39 @@ async def test_a_response_slower_than_the_idle_timeout_is_not_cut_by_it() -> Non
         await client.send(GET)
         response = await client.response()
     assert (response.status, response.body, response.header("connection")) == (200, b"late", None)
+
+
+# -- the write deadline -------------------------------------------------------------------------------
+
+
+async def test_a_client_that_takes_nothing_for_the_write_timeout_loses_its_connection_as_a_hang_up() -> None:
+    got: list[Message] = []
+    stopped = trio.Event()
+
+    async def flood(scope: Message, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        async with trio.open_nursery() as nursery:
+
+            async def watch() -> None:
+                while (message := await receive())["type"] != "http.disconnect":
+                    pass
+                got.append(message)
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(watch)
+            while True:  # until the disconnect: the client reads nothing, so the buffers fill up
+                await send({"type": "http.response.body", "body": b"x" * 65536, "more_body": True})
+        stopped.set()
+
+    async with serving(flood, write_timeout_s=IDLE) as served, connected(served.port) as client:
+        client.stream.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        await client.send(GET)
+        await stopped.wait()
+        with pytest.raises(trio.BrokenResourceError):  # reset: the server closed with the flood unread
+            await client.rest()
+    [message] = got
+    assert message["type"] == "http.disconnect"
+    assert "server.write_timeout_s" in message["reason"]
 
 
 # -- shutdown -----------------------------------------------------------------------------------------
