@@ -21,13 +21,14 @@ import attrs
 import trio
 
 from .child import ChildState
-from .completion import Completions, Decoder, relay_reply
+from .completion import Completions, Decoder
 from .config import ServerConfig, source
 from .cors import Cors, host_of, is_loopback
 from .decoder import DecoderClient
 from .endpoints import Endpoint, Kind, lookup
 from .errors import ClientError, DecoderError, OnebitError
 from .logs import ROUTE_LOGGER
+from .relay import relay_reply
 from .respond import Responder
 from .routeline import RouteLine
 from .server import HttpServer
