@@ -1,10 +1,15 @@
 """onebitd: the root of the supervision tree.
 
-    onebitd (trio.run)
-    └── Daemon.run ─ nursery
+    onebitd (trio.run) ─ nursery
+    ├── signals                     SIGTERM/SIGINT: stop accepting, finish in-flight, stop children;
+    │                               SIGHUP: reload
+    └── Daemon.run ─ the prefix store (open_prefix_store), then a nursery
         ├── Child(decoder).run      llama-server on <runtime>/decoder.sock: spawn, health-gate, restart
+        ├── Provider.run            each [[provider]] in order: its Child (llama-server, worker) or none (exec)
+        ├── Completions.run         the prefix store's saves, off the requests' path
+        ├── AdminServer.run         <runtime>/admin.sock: onebitctl's verbs
         ├── Front.run               HttpServer on server.host:port; one cancel scope per request
-        └── signals                 SIGTERM/SIGINT: stop accepting, finish in-flight, stop children
+        └── _announce               READY=1 and STATUS= for systemd, once the decoder and providers settled
 
 Start order: the runtime directory's lock, then the front's sockets are bound (a port in use
 stops onebitd before any child is started), then the decoder and the providers are spawned, then

@@ -14,7 +14,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -29,16 +29,13 @@ from .endpoints import Endpoint, Kind, lookup
 from .errors import ClientError, DecoderError, OnebitError
 from .logs import ROUTE_LOGGER
 from .relay import relay_reply
-from .respond import Responder
+from .respond import Receive, Responder, Send
 from .routeline import RouteLine
 from .server import HttpServer
 from .status import FrontStatistics, InflightStatistics
 
 log = logging.getLogger("onebit.front")
 route_log = logging.getLogger(ROUTE_LOGGER)
-
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Answered without an API key, as llama-server answers /health (and onebitd its /metrics).
@@ -196,19 +193,9 @@ class Front:
     # -- ASGI ---------------------------------------------------------------------------------------
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await self._lifespan(receive, send)
-        elif scope["type"] == "http":
+        # supervisor/server.py sends only "http" scopes (no lifespan: the daemon starts and stops us).
+        if scope["type"] == "http":
             await self._http(scope, receive, send)
-
-    async def _lifespan(self, receive: Receive, send: Send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await send({"type": "lifespan.shutdown.complete"})
-                return
 
     def health(self) -> tuple[int, dict[str, Any]]:
         """``/health``'s status and body: ``ok`` once the decoder is ready and every provider's first
