@@ -17,7 +17,7 @@ care.  This is the only module that imports httpx.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Protocol
@@ -215,11 +215,23 @@ class Prefilled:
     prompt_ms: float | None
 
 
-async def _post(client: JsonClient, what: str, path: str, body: Any) -> tuple[int, Any] | Refusal:
+def _is_200(status: int) -> bool:
+    return status == 200
+
+
+def _is_2xx(status: int) -> bool:
+    return 200 <= status < 300
+
+
+async def _post(
+    client: JsonClient, what: str, path: str, body: Any, ok: Callable[[int], bool] = _is_200
+) -> tuple[int, Any] | Refusal:
+    """The answer, or a refusal: none came (status 0), or its status is not ``ok``."""
     try:
-        return await client.post_json(path, body)
+        status, data = await client.post_json(path, body)
     except DecoderError as exc:
         return Refusal.unanswered(what, exc)
+    return (status, data) if ok(status) else Refusal(f"{what} answered {status}", status, data)
 
 
 async def restore(client: JsonClient, slot: int, filename: str, n_tokens: int, *, more: bool = False) -> Refusal | None:
@@ -231,10 +243,9 @@ async def restore(client: JsonClient, slot: int, filename: str, n_tokens: int, *
         return answer
     status, data = answer
     n_restored = data.get("n_restored") if isinstance(data, dict) else None
-    if status == 200 and isinstance(n_restored, int) and (n_restored >= n_tokens if more else n_restored == n_tokens):
+    if isinstance(n_restored, int) and (n_restored >= n_tokens if more else n_restored == n_tokens):
         return None
-    what = f"restore answered {status}" if status != 200 else f"restored {n_restored} of {n_tokens} tokens"
-    return Refusal(what, status, data)
+    return Refusal(f"restored {n_restored} of {n_tokens} tokens", status, data)
 
 
 async def save(client: JsonClient, slot: int, filename: str) -> Saved | Refusal:
@@ -242,9 +253,7 @@ async def save(client: JsonClient, slot: int, filename: str) -> Saved | Refusal:
     answer = await _post(client, "save", f"/slots/{slot}?action=save", {"filename": filename})
     if isinstance(answer, Refusal):
         return answer
-    status, data = answer
-    if status != 200:
-        return Refusal(f"save answered {status}", status, data)
+    _, data = answer
     n_saved = data.get("n_saved") if isinstance(data, dict) else None
     return Saved(n_saved if isinstance(n_saved, int) else None)
 
@@ -252,21 +261,17 @@ async def save(client: JsonClient, slot: int, filename: str) -> Saved | Refusal:
 async def erase(client: JsonClient, slot: int) -> Refusal | None:
     """``POST /slots/S?action=erase``: the slot holds nothing.  Idempotent, so safe to send again."""
     answer = await _post(client, "erase", f"/slots/{slot}?action=erase", {})
-    if isinstance(answer, Refusal):
-        return answer
-    status, data = answer
-    return None if status == 200 else Refusal(f"erase answered {status}", status, data)
+    return answer if isinstance(answer, Refusal) else None
 
 
 async def share(client: JsonClient, slot: int, socket: Path, n_tokens: int) -> str | Refusal:
     """``POST /slots/S?action=share``: the decoder connects to ``socket`` and sends the region of the
     slot's first ``n_tokens`` cells; the answer's ``share_id`` names the share."""
-    answer = await _post(client, "share", f"/slots/{slot}?action=share", {"socket": str(socket), "n_tokens": n_tokens})
+    body = {"socket": str(socket), "n_tokens": n_tokens}
+    answer = await _post(client, "share", f"/slots/{slot}?action=share", body, _is_2xx)
     if isinstance(answer, Refusal):
         return answer
     status, data = answer
-    if not 200 <= status < 300:
-        return Refusal(f"share answered {status}", status, data)
     share_id = data.get("share_id") if isinstance(data, dict) else None
     if not isinstance(share_id, str):
         return Refusal(f"share answered {status} without a share_id", status, data)
@@ -282,11 +287,9 @@ async def adopt(client: JsonClient, slot: int, share_id: str, tokens: list[int])
         # The tokens: the decoder's slot must know what its adopted cells hold, so that the
         # request's common prefix leaves only the last token to evaluate.
         {"share_id": share_id, "n_tokens": len(tokens), "tokens": tokens},
+        _is_2xx,
     )
-    if isinstance(answer, Refusal):
-        return answer
-    status, data = answer
-    return None if 200 <= status < 300 else Refusal(f"adopt answered {status}", status, data)
+    return answer if isinstance(answer, Refusal) else None
 
 
 async def prefill(client: JsonClient, slot: int, tokens: tuple[int, ...] | list[int]) -> Prefilled | Refusal:
@@ -299,9 +302,7 @@ async def prefill(client: JsonClient, slot: int, tokens: tuple[int, ...] | list[
     )
     if isinstance(answer, Refusal):
         return answer
-    status, data = answer
-    if status != 200:
-        return Refusal(f"prefill answered {status}", status, data)
+    _, data = answer
     timings = data.get("timings") if isinstance(data, dict) else None
     prompt_ms = timings.get("prompt_ms") if isinstance(timings, dict) else None
     prompt_n = timings.get("prompt_n") if isinstance(timings, dict) else None
