@@ -40,6 +40,7 @@ import time
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -1020,7 +1021,6 @@ async def soak(run: Run, tally: Tally) -> None:
 
 async def fuzz(run: Run, tally: Tally) -> None:
     """A hypothesis-driven fuzz of heads and bodies; a good request keeps being served meanwhile."""
-    from chaos_fuzz import fuzz_front  # scripts/chaos_fuzz.py: hypothesis is a test dependency
 
     config = chaos_config(
         run.dir("fuzz"),
@@ -1030,6 +1030,57 @@ async def fuzz(run: Run, tally: Tally) -> None:
     )
     async with open_onebitd(config, tally) as od:
         await fuzz_front(od, tally, examples=60 if run.quick else 600)
+
+
+async def send_case(od: Onebitd, raw: bytes) -> tuple[int | None, bool]:
+    """``(status or None, closed)``: what the front answered, and whether it closed in time."""
+    from chaos_fuzz import CASE_BOUND_S
+
+    received = b""
+    with trio.move_on_after(CASE_BOUND_S):
+        async with await open_raw(od) as stream:
+            try:
+                await stream.send_all(raw)
+                while chunk := await stream.receive_some(65536):
+                    received += chunk
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+        status = int(received.split(b" ", 2)[1]) if received.startswith(b"HTTP/1.1 ") else None
+        return status, True
+    return None, False
+
+
+async def fuzz_front(od: Onebitd, tally: Tally, *, examples: int) -> None:
+    # scripts/chaos_fuzz.py: hypothesis is a test dependency, imported only for this scenario.
+    from chaos_fuzz import judge, run_cases
+
+    statuses: dict[str, int] = {}
+    done = trio.Event()
+
+    def record(kind: str, raw: bytes, status: int | None, closed: bool) -> None:
+        key = f"{kind} {status if status is not None else 'closed'}"
+        statuses[key] = statuses.get(key, 0) + 1
+        tally.add(*judge(kind, raw, status, closed))
+
+    async def keep_serving() -> None:
+        served = 0
+        while not done.is_set():
+            verdict, note, _ = await ask(od.front, body_for(SHORT, stream=served % 2 == 1, tokens=2), bound=120)
+            tally.add(verdict, note)
+            served += 1
+            with trio.move_on_after(0.5):
+                await done.wait()
+        tally.figures["good requests served meanwhile"] = served
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(keep_serving)
+        try:
+            await trio.to_thread.run_sync(run_cases, examples, partial(send_case, od), record)
+        finally:
+            done.set()
+    tally.figures["answers"] = dict(sorted(statuses.items()))
+    health = await od.front.get("/health")
+    tally.check(health.status_code == 200, "onebitd healthy after the fuzz")
 
 
 # -- the command line ------------------------------------------------------------------------------

@@ -9,20 +9,18 @@ open after the front's timeouts, is a failure.  Meanwhile one good request after
 answered correctly: the daemon keeps serving others.
 
 hypothesis runs in a worker thread (its ``@given`` is synchronous) and sends each case through
-``trio.from_thread.run``.
+``trio.from_thread.run``.  This module draws and judges the cases; scripts/chaos.py sends them and
+serves the good requests (it imports this module, never the other way round).
 """
 
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
 
 import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-if TYPE_CHECKING:
-    from chaos import Onebitd, Tally
 
 PATHS = ["/v1/chat/completions", "/v1/completions", "/completion", "/tokenize", "/v1/models", "/nope"]
 # Past the front's body and idle timeouts (1 s each in the fuzz config), a case that is still open hangs.
@@ -95,71 +93,36 @@ def cases(draw: st.DrawFn) -> tuple[str, bytes, float]:
     return kind, head(path, [("Content-Length", str(len(body)))]) + body[: draw(st.integers(0, len(body) - 1))], 0
 
 
-async def send_case(od: Onebitd, raw: bytes) -> tuple[int | None, bool]:
-    """``(status or None, closed)``: what the front answered, and whether it closed in time."""
-    from chaos import open_raw
-
-    received = b""
-    with trio.move_on_after(CASE_BOUND_S):
-        async with await open_raw(od) as stream:
-            try:
-                await stream.send_all(raw)
-                while chunk := await stream.receive_some(65536):
-                    received += chunk
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
-        status = int(received.split(b" ", 2)[1]) if received.startswith(b"HTTP/1.1 ") else None
-        return status, True
-    return None, False
+def judge(kind: str, raw: bytes, status: int | None, closed: bool) -> tuple[str, str]:
+    """A case's verdict for the tally, and its note."""
+    if not closed:
+        return "lost", f"{kind}: still open after {CASE_BOUND_S:g}s: {raw[:80]!r}"
+    if status is None or 400 <= status < 500:
+        return "clean", ""
+    if status == 200 and kind == "body" and raw.split(b"\r\n\r\n", 1)[1].startswith(b"{"):
+        return "ok", ""  # a JSON object llama-server took as it was
+    return "bad", f"{kind}: {status} for {raw[:120]!r}"
 
 
-async def fuzz_front(od: Onebitd, tally: Tally, *, examples: int) -> None:
-    from chaos import SHORT, ask, body_for
+def run_cases(
+    examples: int,
+    send: Callable[[bytes], Awaitable[tuple[int | None, bool]]],
+    record: Callable[[str, bytes, int | None, bool], None],
+) -> None:
+    """Draw ``examples`` cases; each goes out through ``send`` (in the trio run: call this in a
+    worker thread) and its ``(status or None, closed)`` to ``record``."""
 
-    statuses: dict[str, int] = {}
-    done = trio.Event()
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(cases())
+    def one(case: tuple[str, bytes, float]) -> None:
+        kind, raw, _ = case
+        status, closed = trio.from_thread.run(send, raw)
+        record(kind, raw, status, closed)
 
-    def run_hypothesis() -> None:
-        @settings(
-            max_examples=examples,
-            deadline=None,
-            database=None,
-            derandomize=True,
-            suppress_health_check=list(HealthCheck),
-        )
-        @given(cases())
-        def one(case: tuple[str, bytes, float]) -> None:
-            kind, raw, _ = case
-            status, closed = trio.from_thread.run(send_case, od, raw)
-            key = f"{kind} {status if status is not None else 'closed'}"
-            statuses[key] = statuses.get(key, 0) + 1
-            if not closed:
-                tally.add("lost", f"{kind}: still open after {CASE_BOUND_S:g}s: {raw[:80]!r}")
-            elif status is None or 400 <= status < 500:
-                tally.add("clean")
-            elif status == 200 and kind == "body" and raw.split(b"\r\n\r\n", 1)[1].startswith(b"{"):
-                tally.add("ok")  # a JSON object llama-server took as it was
-            else:
-                tally.add("bad", f"{kind}: {status} for {raw[:120]!r}")
-
-        one()
-
-    async def keep_serving() -> None:
-        served = 0
-        while not done.is_set():
-            verdict, note, _ = await ask(od.front, body_for(SHORT, stream=served % 2 == 1, tokens=2), bound=120)
-            tally.add(verdict, note)
-            served += 1
-            with trio.move_on_after(0.5):
-                await done.wait()
-        tally.figures["good requests served meanwhile"] = served
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(keep_serving)
-        try:
-            await trio.to_thread.run_sync(run_hypothesis)
-        finally:
-            done.set()
-    tally.figures["answers"] = dict(sorted(statuses.items()))
-    health = await od.front.get("/health")
-    tally.check(health.status_code == 200, "onebitd healthy after the fuzz")
+    one()

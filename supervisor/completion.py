@@ -7,24 +7,24 @@ from the decoder's own ``timings``.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import attrs
 import trio
 
+from . import decoder as decoder_api
 from .child import ChildState, ChildStatistics
-from .config import HybridConfig
+from .config import HybridConfig, source
 from .decoder import DecoderClient
 from .errors import DecoderError, DecoderUnavailable
 from .prefix_store import Entry
 from .providers import Provider, Providers
 from .rates import MIB, Rates
+from .relay import Timings, relay_stream, relay_whole
 from .respond import Responder
 from .routeline import RouteLine
 from .routes.decision import (
@@ -50,113 +50,6 @@ log = logging.getLogger("onebit.hybrid")
 
 # What the model runs for on these is no prompt to hand over: no fallback is logged for them.
 EMBEDDING_ENDPOINTS = ("/embeddings", "/v1/embeddings", "/rerank")
-
-SSE_HEADERS = [
-    ("Content-Type", "text/event-stream"),
-    ("Cache-Control", "no-cache"),
-    ("X-Accel-Buffering", "no"),  # a reverse proxy in front must not buffer the stream either
-]
-
-
-@attrs.define
-class Timings:
-    """What the decoder says it did for a request: from ``timings`` (and ``usage``) in its reply."""
-
-    prompt_n: int | None = None  # prompt tokens it evaluated
-    cache_n: int | None = None  # prompt tokens it reused from the slot's cache
-    prompt_ms: float | None = None
-    usage_prompt_tokens: int | None = None
-    # The decoder sent its stream's first bytes: llama-server answers only once the whole prompt is
-    # evaluated, so the slot holds all of it from here on, whatever becomes of the reply.
-    began: bool = False
-
-    def read(self, data: Any) -> None:
-        if not isinstance(data, dict):
-            return
-        timings = data.get("timings")
-        if isinstance(timings, dict):
-            prompt_n = timings.get("prompt_n")
-            cache_n = timings.get("cache_n")
-            prompt_ms = timings.get("prompt_ms")
-            if isinstance(prompt_n, int):
-                self.prompt_n = prompt_n
-            if isinstance(cache_n, int):
-                self.cache_n = cache_n
-            if isinstance(prompt_ms, int | float):
-                self.prompt_ms = float(prompt_ms)
-        usage = data.get("usage")
-        if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
-            self.usage_prompt_tokens = usage["prompt_tokens"]
-
-    def prompt_tokens(self) -> int | None:
-        """The prompt's length as the decoder saw it, for a request we did not tokenize."""
-        if self.prompt_n is not None:
-            return self.prompt_n + (self.cache_n or 0)
-        return self.usage_prompt_tokens
-
-
-# The event that ends a stream, in each of llama-server's APIs: OpenAI's ``data: [DONE]``,
-# Anthropic's ``message_stop``, the Responses API's ``response.completed``, and llama.cpp's own
-# /completion and /infill, whose last event says ``"stop": true`` (every other one ``false``; inside a
-# JSON string the quotes would be escaped).
-_FINAL_EVENT = re.compile(rb'^data: ?\[DONE\]|^event: ?(?:message_stop|response\.completed)\b|"stop": ?true', re.M)
-
-
-def has_final_event(chunk: bytes) -> bool:
-    """Whether ``chunk`` of a relayed stream holds the stream's final event."""
-    return _FINAL_EVENT.search(chunk) is not None
-
-
-class SseScanner:
-    """Watches a relayed event stream for the events that carry ``timings`` or ``usage``; changes
-    nothing.  Only those are parsed: llama-server puts them in the last event or two, and decoding
-    every token's JSON would cost the relay a parse per chunk."""
-
-    def __init__(self, timings: Timings) -> None:
-        self._timings = timings
-        self._buffer = b""
-
-    def feed(self, chunk: bytes) -> None:
-        if not self._buffer and chunk.endswith(b"\n\n") and b'"timings"' not in chunk and b'"usage"' not in chunk:
-            return  # the common chunk: whole token events and nothing to read: no copy, no split
-        self._buffer += chunk
-        if b"\n\n" not in self._buffer and b"\r\n\r\n" not in self._buffer:
-            return
-        *events, self._buffer = self._buffer.replace(b"\r\n", b"\n").split(b"\n\n")
-        for event in events:
-            if b'"timings"' not in event and b'"usage"' not in event:
-                continue
-            for raw in event.split(b"\n"):
-                if not raw.startswith(b"data:"):
-                    continue
-                payload = raw[5:].strip()
-                if payload == b"[DONE]":
-                    continue
-                try:
-                    self._timings.read(json.loads(payload))
-                except ValueError:
-                    continue
-
-
-async def relay_reply(out: Responder, status: int, headers: Mapping[str, str], body: bytes) -> None:
-    """A decoder's whole reply, success or error, as the decoder wrote it: status, body, content type."""
-    await out.whole(status, body, headers.get("content-type", "application/json"), source="decoder")
-
-
-def error_summary(status: int, body: bytes) -> str:
-    """A decoder error for the route line and the log: its ``error.message`` where it has one."""
-    message = body.decode("utf-8", "replace")[:2000] or f"decoder answered {status}"
-    with contextlib.suppress(ValueError):
-        data = json.loads(body)
-        error = data.get("error") if isinstance(data, dict) else None
-        if isinstance(error, dict) and "message" in error:
-            message = str(error["message"])
-    return f"decoder answered {status}: {message}"
-
-
-def sse_error(message: str) -> bytes:
-    payload = {"error": {"message": message, "type": "server_error", "code": "decoder_lost", "source": "decoder"}}
-    return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
 
 class Decoder(Protocol):
@@ -207,13 +100,6 @@ SETTLE_TIMEOUT_S = 120.0
 SETTLE_POLL_S = 0.05
 
 
-def slot_processing(reply_status: int, slots: Any, slot: int) -> bool:
-    """Whether the decoder's ``GET /slots`` answer says ``slot`` is still processing a task."""
-    if reply_status != 200 or not isinstance(slots, list):
-        return False
-    return any(isinstance(s, dict) and s.get("id") == slot and s.get("is_processing") is True for s in slots)
-
-
 def prompt_text(endpoint: str, body: dict[str, Any]) -> str:
     """A prompt's text for slot affinity, without a round trip to the tokenizer."""
     if endpoint == CHAT:
@@ -253,14 +139,14 @@ class Completions:
         decoder: Decoder,
         client: DecoderClient,
         slots: SlotPool,
-        settings: HybridConfig,
+        settings: HybridConfig | Callable[[], HybridConfig],
         hybrid: Hybrid | None = None,
         slot_context: int | None = None,
     ) -> None:
         self.decoder = decoder
         self.client = client
         self.slots = slots
-        self.settings = settings
+        self._settings = source(settings)
         self.hybrid = hybrid
         # The tokens one decoder slot holds, prompt and reply: model.ctx_size / model.parallel, as
         # llama-server divides its context (None: not checked here, the decoder still is).
@@ -268,9 +154,9 @@ class Completions:
         # Hybrid requests whose decoder re-evaluated the prompt although the restore succeeded.
         self.restore_unused = 0
         self.rates = Rates(
-            decoder_ms_per_token=settings.decoder_ms_per_token,
-            provider_ms_per_token=settings.provider_ms_per_token,
-            handoff_ms_per_mib=settings.handoff_ms_per_mib,
+            decoder_ms_per_token=self.settings.decoder_ms_per_token,
+            provider_ms_per_token=self.settings.provider_ms_per_token,
+            handoff_ms_per_mib=self.settings.handoff_ms_per_mib,
             state_bytes_per_token=STATE_BYTES_PER_TOKEN,
         )
         # Requests whose reply the decoder is generating now: a plain prefill would stall them.
@@ -294,9 +180,14 @@ class Completions:
             finally:
                 self.stored, self._background = None, None
 
+    @property
+    def settings(self) -> HybridConfig:
+        """The settings now: a request reads them once, at its start, and keeps them."""
+        return self._settings()
+
     def configure(self, settings: HybridConfig) -> None:
-        """Swap in new settings; requests in flight keep the ones they started with."""
-        self.settings = settings
+        """Fixed settings in place of the source it was given (a test's, or a tool's)."""
+        self._settings = source(settings)
 
     def check_ready(self) -> None:
         state = self.decoder.state
@@ -449,9 +340,9 @@ class Completions:
             self.decoding += 1
             try:
                 if body.get("stream") is True:
-                    await self._relay_stream(endpoint, forwarded, out, line, timings, headers)
+                    await relay_stream(self.client, endpoint, forwarded, out, line, timings, headers)
                 else:
-                    await self._relay_whole(endpoint, forwarded, out, line, timings, headers)
+                    await relay_whole(self.client, endpoint, forwarded, out, line, timings, headers)
             except trio.Cancelled:
                 # The client hung up mid-stream (a user pressed stop, an agent cancelled).  Once the
                 # decoder began its reply the slot holds the whole prompt: it is kept for the prefix
@@ -496,8 +387,7 @@ class Completions:
         with trio.CancelScope(shield=True, deadline=trio.current_time() + SETTLE_TIMEOUT_S) as scope:
             while self.decoder.state is ChildState.READY:
                 try:
-                    reply = await self.client.request("GET", "/slots")
-                    busy = slot_processing(reply.status, reply.json(), slot)
+                    busy = await decoder_api.slot_busy(self.client, slot)
                 except DecoderError:
                     return
                 if not busy:
@@ -615,62 +505,6 @@ class Completions:
             line.req,
         )
 
-    async def _relay_whole(
-        self,
-        endpoint: str,
-        body: dict[str, Any],
-        out: Responder,
-        line: RouteLine,
-        timings: Timings,
-        headers: Headers = (),
-    ) -> None:
-        reply = await self.client.request("POST", endpoint, body, headers)
-        if 200 <= reply.status < 300:
-            with contextlib.suppress(ValueError):
-                timings.read(json.loads(reply.body))
-            content_type = reply.headers.get("content-type", "application/json")
-            await out.whole(reply.status, reply.body, content_type, source="decoder")
-            return
-        await self._relay_error(reply.status, reply.headers, reply.body, out, line)
-
-    @staticmethod
-    async def _relay_error(
-        status: int, headers: Mapping[str, str], body: bytes, out: Responder, line: RouteLine
-    ) -> None:
-        line.outcome = "error"
-        line.error = error_summary(status, body)
-        await relay_reply(out, status, headers, body)
-
-    async def _relay_stream(
-        self,
-        endpoint: str,
-        body: dict[str, Any],
-        out: Responder,
-        line: RouteLine,
-        timings: Timings,
-        headers: Headers = (),
-    ) -> None:
-        async with self.client.stream(endpoint, body, headers) as upstream:
-            if upstream.status != 200:
-                chunks = [chunk async for chunk in upstream.chunks]
-                await self._relay_error(upstream.status, upstream.headers, b"".join(chunks), out, line)
-                return
-            await out.start(200, SSE_HEADERS, source="decoder")
-            scanner = SseScanner(timings)
-            try:
-                async for chunk in upstream.chunks:
-                    timings.began = True
-                    scanner.feed(chunk)
-                    await out.body(chunk, more=True, final=has_final_event(chunk))
-            except DecoderError as exc:
-                # Headers are gone already: the client learns of the loss as an error event, and the
-                # operator from a warning (the route line, at info, says it too).
-                log.warning("%s: the decoder stopped mid-stream: %s", line.req, exc.message)
-                line.outcome = "error"
-                line.error = exc.message
-                await out.body(sse_error(f"the decoder stopped mid-stream ({exc.public})"), more=True)
-            await out.body(b"", more=False)
-
     async def relay(
         self,
         endpoint: str,
@@ -704,9 +538,9 @@ class Completions:
                 forwarded = {**body, "id_slot": slot}
             try:
                 if body.get("stream") is True:
-                    await self._relay_stream(endpoint, forwarded, out, line, timings, headers)
+                    await relay_stream(self.client, endpoint, forwarded, out, line, timings, headers)
                 else:
-                    await self._relay_whole(endpoint, forwarded, out, line, timings, headers)
+                    await relay_whole(self.client, endpoint, forwarded, out, line, timings, headers)
             finally:
                 if pinned:
                     # Its cache now holds a prompt onebitd did not key: nothing to match a next one on.

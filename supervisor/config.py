@@ -80,6 +80,11 @@ def _non_empty(_inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
         raise _FieldError(attr, "must not be empty")
 
 
+# A field's metadata where `onebitctl reload` applies a change to it in a running daemon: its new value
+# is read from the next request (or idle period) on.  Every other change needs a restart.
+LIVE = {"live": True}
+
+
 @frozen
 class RestartPolicy:
     """When a child that died is started again, and when we give up on it."""
@@ -149,18 +154,18 @@ def _origins(_inst: Any, attr: attrs.Attribute[Any], value: tuple[str, ...]) -> 
 class ServerConfig:
     host: Hosts = field(default=Hosts(("127.0.0.1",)), validator=_hosts)
     port: int = field(default=8080, validator=_between(0, 65535))
-    max_body_bytes: int = field(default=4 * 1024 * 1024, validator=_at_least(1))
+    max_body_bytes: int = field(default=4 * 1024 * 1024, validator=_at_least(1), metadata=LIVE)
     # Requests that wait for a free slot, in arrival order; one more gets 503 with Retry-After.
-    queue_limit: int = field(default=64, validator=_at_least(0))
-    retry_after_s: int = field(default=1, validator=_at_least(0))
-    api_keys: tuple[str, ...] = ()
+    queue_limit: int = field(default=64, validator=_at_least(0), metadata=LIVE)
+    retry_after_s: int = field(default=1, validator=_at_least(0), metadata=LIVE)
+    api_keys: tuple[str, ...] = field(default=(), metadata=LIVE)
     # On SIGTERM in-flight requests get this long to finish before the children are stopped.
-    shutdown_grace_s: float = field(default=30.0, validator=_at_least(0))
+    shutdown_grace_s: float = field(default=30.0, validator=_at_least(0), metadata=LIVE)
     # Empty: $RUNTIME_DIRECTORY (systemd), else $XDG_RUNTIME_DIR/onebit, else /tmp/onebit-<uid>.
     runtime_dir: str = ""
     # Browser pages that may call the API (CORS; supervisor/cors.py): "*", "localhost" (any
     # loopback origin) or exact origins.  A cross-site POST from any other page is refused.
-    cors_origins: tuple[str, ...] = field(default=(cors.LOOPBACK,), validator=_origins)
+    cors_origins: tuple[str, ...] = field(default=(cors.LOOPBACK,), validator=_origins, metadata=LIVE)
     # GET /slots relays the decoder's slots, every client's prompt included (llama-server's --slots);
     # off: 501, as llama-server's --no-slots answers.
     slots_endpoint: bool = False
@@ -168,15 +173,15 @@ class ServerConfig:
     body_timeout_s: float = field(default=30.0, validator=_at_least(0.1))
     # A connection with no request in progress (before its first head, or between two) is closed after
     # this: a head sent byte by byte is bounded by it too.  Changed by a reload for the next idle period.
-    idle_timeout_s: float = field(default=75.0, validator=_at_least(0.1))
+    idle_timeout_s: float = field(default=75.0, validator=_at_least(0.1), metadata=LIVE)
     # A client that takes no byte of its response for this long loses its connection, and its request
     # is cancelled as if it had hung up (nginx's send_timeout is 60 s).  Changed by a reload at once.
-    write_timeout_s: float = field(default=60.0, validator=_at_least(0.1))
+    write_timeout_s: float = field(default=60.0, validator=_at_least(0.1), metadata=LIVE)
     # A stream that carries X-Conversation-Id and whose client hung up is left to finish into the
     # decoder's stream session (a replay may follow), its slot held meanwhile: for at most this long,
     # then it is stopped (DELETE /v1/stream) and the slot freed.  llama-server bounds the stream only
     # by its reply's length; 300 s is as long as it keeps a finished session for a replay.
-    detach_timeout_s: float = field(default=300.0, validator=_at_least(0.1))
+    detach_timeout_s: float = field(default=300.0, validator=_at_least(0.1), metadata=LIVE)
 
 
 @frozen
@@ -221,21 +226,21 @@ class HybridConfig:
     # ONEBIT_KV_SHARE=1 in the environment wins over this key).
     mode: str = field(default="file", validator=_one_of("file", "share"))
     # Below this many prompt tokens the decoder prefills faster than a handoff costs.
-    min_prompt_tokens: int = field(default=256, validator=_at_least(1))
+    min_prompt_tokens: int = field(default=256, validator=_at_least(1), metadata=LIVE)
     # A provider job that takes longer is a failed prefill: the request goes plain.
-    prefill_timeout_s: float = field(default=120.0, validator=_at_least(0.1))
+    prefill_timeout_s: float = field(default=120.0, validator=_at_least(0.1), metadata=LIVE)
     # A hybrid request whose decoder evaluated more prompt tokens than this did not use the restore
     # (llama.cpp can answer a restore with success and re-prefill anyway: ggml-org/llama.cpp#26676).
-    restore_check_tokens: int = field(default=2, validator=_at_least(1))
+    restore_check_tokens: int = field(default=2, validator=_at_least(1), metadata=LIVE)
     # The cost decision (docs/architecture.md, "Choosing a route"): the hybrid route is taken while
     # its estimated time to first token is at most (1 + prefer_margin) x plain's, since moving a
     # prefill off the decoder keeps it free for the streams it decodes ...
-    prefer_margin: float = field(default=0.15, validator=_at_least(0))
+    prefer_margin: float = field(default=0.15, validator=_at_least(0), metadata=LIVE)
     # "cost": the decision above; "length": every prompt of at least min_prompt_tokens is handed
     # over, whatever the decoder's slot already holds (the most decode isolation, at a cost).
-    route_by: str = field(default="cost", validator=_one_of("cost", "length"))
+    route_by: str = field(default="cost", validator=_one_of("cost", "length"), metadata=LIVE)
     # ... or when a plain prefill would stall streams being decoded for longer than this.
-    max_stall_ms: float = field(default=500.0, validator=_at_least(0))
+    max_stall_ms: float = field(default=500.0, validator=_at_least(0), metadata=LIVE)
     # Priors until the children's own timings are measured: milliseconds per prompt token on the
     # decoder and on a provider (SmolLM2-135M on one core of the 2-core test machine: about 4.4),
     # and per MiB of prompt state saved and restored (about 0.75 there: 67 MB in 40 + 10 ms).
@@ -313,8 +318,8 @@ PROVIDER_KINDS: dict[type, str] = {
 
 @frozen
 class LogConfig:
-    format: str = field(default="logfmt", validator=_one_of("logfmt", "json"))
-    level: str = field(default="info", validator=_one_of("debug", "info", "warning", "error"))
+    format: str = field(default="logfmt", validator=_one_of("logfmt", "json"), metadata=LIVE)
+    level: str = field(default="info", validator=_one_of("debug", "info", "warning", "error"), metadata=LIVE)
 
 
 @frozen
@@ -648,3 +653,64 @@ def path_problems(config: Config) -> list[str]:
 def unstructure(config: Config) -> dict[str, Any]:
     result: dict[str, Any] = converter.unstructure(config)
     return result
+
+
+# -- what a reload applies ----------------------------------------------------------------------------
+
+
+# Where a long-lived component reads its settings: once per request (or idle period), from the
+# daemon's one frozen Config that a reload swaps whole.  A bare value is a source that never changes.
+def source(value: T | Callable[[], T]) -> Callable[[], T]:
+    """``value``'s source: itself when it is one (a callable), else one that always gives it."""
+    if callable(value):
+        return value
+    return lambda: value
+
+
+def live_keys(cls: type = Config, prefix: str = "") -> tuple[str, ...]:
+    """The keys (``server.api_keys``) whose fields are marked live, in declaration order."""
+    keys: list[str] = []
+    attrs.resolve_types(cls)  # the annotations are strings (``from __future__ import annotations``)
+    for a in attrs.fields(cls):
+        if a.metadata.get("live"):
+            keys.append(prefix + a.name)
+        elif isinstance(a.type, type) and attrs.has(a.type):
+            keys += live_keys(a.type, f"{prefix}{a.name}.")
+    return tuple(keys)
+
+
+@frozen
+class Reload:
+    config: Config  # the running config with the live keys' new values
+    applied: tuple[str, ...]  # changed keys it takes
+    restart_needed: tuple[str, ...]  # changed keys it does not take
+
+
+def reload(old: Config, new: Config, source: str = "<reload>") -> Reload:
+    """What a reload from ``old`` to ``new`` applies, and what needs a restart.  Pure."""
+    old_flat, new_flat = _flatten(unstructure(old)), _flatten(unstructure(new))
+    changed = sorted(k for k in old_flat.keys() | new_flat.keys() if old_flat.get(k) != new_flat.get(k))
+    live = set(live_keys())
+    applied = tuple(k for k in changed if k in live)
+    merged = unstructure(old)
+    for key in applied:
+        _set(merged, key, new_flat[key])
+    return Reload(structure(merged, source), applied, tuple(k for k in changed if k not in live))
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(_flatten(value, path + "."))
+        else:
+            flat[path] = value
+    return flat
+
+
+def _set(data: dict[str, Any], path: str, value: Any) -> None:
+    *parents, last = path.split(".")
+    for key in parents:
+        data = data[key]
+    data[last] = value

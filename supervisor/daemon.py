@@ -1,10 +1,15 @@
 """onebitd: the root of the supervision tree.
 
-    onebitd (trio.run)
-    └── Daemon.run ─ nursery
+    onebitd (trio.run) ─ nursery
+    ├── signals                     SIGTERM/SIGINT: stop accepting, finish in-flight, stop children;
+    │                               SIGHUP: reload
+    └── Daemon.run ─ the prefix store (open_prefix_store), then a nursery
         ├── Child(decoder).run      llama-server on <runtime>/decoder.sock: spawn, health-gate, restart
+        ├── Provider.run            each [[provider]] in order: its Child (llama-server, worker) or none (exec)
+        ├── Completions.run         the prefix store's saves, off the requests' path
+        ├── AdminServer.run         <runtime>/admin.sock: onebitctl's verbs
         ├── Front.run               HttpServer on server.host:port; one cancel scope per request
-        └── signals                 SIGTERM/SIGINT: stop accepting, finish in-flight, stop children
+        └── _announce               READY=1 and STATUS= for systemd, once the decoder and providers settled
 
 Start order: the runtime directory's lock, then the front's sockets are bound (a port in use
 stops onebitd before any child is started), then the decoder and the providers are spawned, then
@@ -121,42 +126,8 @@ def prepare_runtime_dir(path: Path) -> None:
         leftover.unlink(missing_ok=True)
 
 
-# Keys `onebitctl reload` applies to a running daemon; any other change needs a restart.
-LIVE_KEYS = (
-    "server.api_keys",
-    "server.max_body_bytes",
-    "server.queue_limit",
-    "server.retry_after_s",
-    "server.shutdown_grace_s",
-    "hybrid.min_prompt_tokens",
-    "hybrid.prefer_margin",
-    "hybrid.max_stall_ms",
-    "hybrid.route_by",
-    "hybrid.prefill_timeout_s",
-    "hybrid.restore_check_tokens",
-    "log.level",
-    "log.format",
-)
 # How often STATUS= is refreshed for `systemctl status`.
 STATUS_INTERVAL_S = 5.0
-
-
-def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in data.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, dict):
-            flat.update(_flatten(value, path + "."))
-        else:
-            flat[path] = value
-    return flat
-
-
-def _set(data: dict[str, Any], path: str, value: Any) -> None:
-    *parents, last = path.split(".")
-    for key in parents:
-        data = data[key]
-    data[last] = value
 
 
 class Daemon:
@@ -197,7 +168,7 @@ class Daemon:
             config.decoder.restart,
             cpu_affinity=config.decoder.cpu_affinity,
         )
-        self.slots = SlotPool(config.model.parallel, config.server.queue_limit)
+        self.slots = SlotPool(config.model.parallel, lambda: self.config.server.queue_limit)
         self.state_dir = self.runtime_dir / "state"
         self.providers = Providers([self._provider(spec) for spec in config.provider])
         self.hybrid: Hybrid | None = None
@@ -216,14 +187,14 @@ class Daemon:
             decoder=self.decoder,
             client=self.client,
             slots=self.slots,
-            settings=config.hybrid,
+            settings=lambda: self.config.hybrid,
             hybrid=self.hybrid,
             slot_context=config.model.ctx_size // config.model.parallel,
         )
         self.route_stats = RouteStats()
         self.metrics = Metrics(self._metrics_snapshot)
         self.front = Front(
-            config.server,
+            lambda: self.config.server,
             decoder=self.decoder,
             client=self.client,
             completions=self.completions,
@@ -403,25 +374,18 @@ class Daemon:
                 for line in exc.lines:
                     log.error("reload refused: %s", line)
                 raise
-            old_flat = _flatten(configuration.unstructure(self.config))
-            new_flat = _flatten(configuration.unstructure(new))
-            changed = sorted(k for k in old_flat.keys() | new_flat.keys() if old_flat.get(k) != new_flat.get(k))
-            applied = [k for k in changed if k in LIVE_KEYS]
-            restart = [k for k in changed if k not in LIVE_KEYS]
-            merged = configuration.unstructure(self.config)
-            for key in applied:
-                _set(merged, key, new_flat[key])
-            self._apply(configuration.structure(merged, self.config_path))
+            done = configuration.reload(self.config, new, self.config_path)
+            self._apply(done.config)
         finally:
             self._update_status()
+        applied, restart = list(done.applied), list(done.restart_needed)
         log.info("reload: applied %s; needs a restart: %s", applied or "nothing", restart or "nothing")
         return {"applied": applied, "restart_needed": restart}
 
     def _apply(self, config: Config) -> None:
+        # The one swap: the front, the completions and the slots read self.config at each request.
         self.config = config
-        self.front.configure(config.server)
-        self.slots.configure(config.server.queue_limit)
-        self.completions.configure(config.hybrid)
+        self.front.reloaded()
         logs.setup(config.log.format, config.log.level)
 
     def _update_status(self) -> None:

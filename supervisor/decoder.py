@@ -3,6 +3,12 @@
 :class:`DecoderClient` is how onebitd talks to every llama-server it runs (the decoder, a llama
 provider), over supervisor/wire.py's HTTP/1.1, which raises only :class:`~supervisor.errors.DecoderError`.
 
+The calls onebitd makes of llama-server's own API are spelled here and nowhere else: :func:`restore`,
+:func:`save`, :func:`erase`, :func:`share`, :func:`adopt`, :func:`prefill`, :func:`slot_busy`,
+:func:`tokenize` and :func:`apply_template`.  Each takes any :class:`JsonClient` (a DecoderClient; a
+fake in tests) and returns its value, or a :class:`Refusal` carrying llama-server's words; the slot
+calls never raise for the decoder (no answer at all is a refusal with status 0).
+
 :func:`unix_transport` is for clients that talk to a llama-server directly, beside onebitd (the
 benchmarks' baseline, the tests' references): httpx over the same socket, with the same keep-alive
 care.  This is the only module that imports httpx.
@@ -11,10 +17,10 @@ care.  This is the only module that imports httpx.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import httpx
@@ -151,3 +157,196 @@ class DecoderClient:
                 await chunks.aclose()
             finally:
                 await response.aclose()
+
+
+# -- llama-server's API, typed ------------------------------------------------------------------------
+
+# How much of an answer that is not llama-server's error object a refusal quotes.
+_QUOTED = 300
+
+
+class JsonClient(Protocol):
+    """What the typed calls need of a client: :meth:`DecoderClient.post_json` (a fake in tests)."""
+
+    async def post_json(self, path: str, body: Any) -> tuple[int, Any]: ...
+
+
+def error_message(data: Any) -> str | None:
+    """llama-server's words in an error answer (``{"error": {"message": ...}}``), or None."""
+    error = data.get("error") if isinstance(data, dict) else None
+    if isinstance(error, dict) and "message" in error:
+        return str(error["message"])
+    return None
+
+
+@attrs.frozen
+class Refusal:
+    """llama-server did not do what it was asked: ``what`` says how (``restore answered 400``), and
+    ``status`` and ``data`` are its answer (status 0: it gave none, ``data`` then holds our words)."""
+
+    what: str
+    status: int
+    data: Any
+
+    @classmethod
+    def unanswered(cls, what: str, exc: DecoderError) -> Refusal:
+        return cls(f"{what} answered 0", 0, {"error": {"message": exc.message}})
+
+    @property
+    def words(self) -> str:
+        """llama-server's own words for it: its error message, else the start of its answer."""
+        message = error_message(self.data)
+        return message if message is not None else str(self.data)[:_QUOTED]
+
+    @property
+    def answer(self) -> str:
+        """The whole answer, as JSON (for an answer whose other fields tell more than its message)."""
+        return json.dumps(self.data) if self.data is not None else f"status {self.status}"
+
+    def __str__(self) -> str:
+        return f"{self.what}: {self.words}"
+
+
+@attrs.frozen
+class Saved:
+    n_saved: int | None  # the tokens the file holds, where llama-server said
+
+
+@attrs.frozen
+class Prefilled:
+    prompt_n: int | None  # the prompt tokens it evaluated (its cache held the rest)
+    prompt_ms: float | None
+
+
+def _is_200(status: int) -> bool:
+    return status == 200
+
+
+def _is_2xx(status: int) -> bool:
+    return 200 <= status < 300
+
+
+async def _post(
+    client: JsonClient, what: str, path: str, body: Any, ok: Callable[[int], bool] = _is_200
+) -> tuple[int, Any] | Refusal:
+    """The answer, or a refusal: none came (status 0), or its status is not ``ok``."""
+    try:
+        status, data = await client.post_json(path, body)
+    except DecoderError as exc:
+        return Refusal.unanswered(what, exc)
+    return (status, data) if ok(status) else Refusal(f"{what} answered {status}", status, data)
+
+
+async def restore(client: JsonClient, slot: int, filename: str, n_tokens: int, *, more: bool = False) -> Refusal | None:
+    """``POST /slots/S?action=restore`` of ``filename`` (in the server's ``--slot-save-path``): None
+    when the slot now holds ``n_tokens`` tokens (``more``: at least that many), else why not.  A
+    refused restore may have left cells in the slot: the caller erases it."""
+    answer = await _post(client, "restore", f"/slots/{slot}?action=restore", {"filename": filename})
+    if isinstance(answer, Refusal):
+        return answer
+    status, data = answer
+    n_restored = data.get("n_restored") if isinstance(data, dict) else None
+    if isinstance(n_restored, int) and (n_restored >= n_tokens if more else n_restored == n_tokens):
+        return None
+    return Refusal(f"restored {n_restored} of {n_tokens} tokens", status, data)
+
+
+async def save(client: JsonClient, slot: int, filename: str) -> Saved | Refusal:
+    """``POST /slots/S?action=save`` into ``filename`` (in the server's ``--slot-save-path``)."""
+    answer = await _post(client, "save", f"/slots/{slot}?action=save", {"filename": filename})
+    if isinstance(answer, Refusal):
+        return answer
+    _, data = answer
+    n_saved = data.get("n_saved") if isinstance(data, dict) else None
+    return Saved(n_saved if isinstance(n_saved, int) else None)
+
+
+async def erase(client: JsonClient, slot: int) -> Refusal | None:
+    """``POST /slots/S?action=erase``: the slot holds nothing.  Idempotent, so safe to send again."""
+    answer = await _post(client, "erase", f"/slots/{slot}?action=erase", {})
+    return answer if isinstance(answer, Refusal) else None
+
+
+async def share(client: JsonClient, slot: int, socket: Path, n_tokens: int) -> str | Refusal:
+    """``POST /slots/S?action=share``: the decoder connects to ``socket`` and sends the region of the
+    slot's first ``n_tokens`` cells; the answer's ``share_id`` names the share."""
+    body = {"socket": str(socket), "n_tokens": n_tokens}
+    answer = await _post(client, "share", f"/slots/{slot}?action=share", body, _is_2xx)
+    if isinstance(answer, Refusal):
+        return answer
+    status, data = answer
+    share_id = data.get("share_id") if isinstance(data, dict) else None
+    if not isinstance(share_id, str):
+        return Refusal(f"share answered {status} without a share_id", status, data)
+    return share_id
+
+
+async def adopt(client: JsonClient, slot: int, share_id: str, tokens: list[int]) -> Refusal | None:
+    """``POST /slots/S?action=adopt``: the slot takes the shared region's cells as ``tokens``'."""
+    answer = await _post(
+        client,
+        "adopt",
+        f"/slots/{slot}?action=adopt",
+        # The tokens: the decoder's slot must know what its adopted cells hold, so that the
+        # request's common prefix leaves only the last token to evaluate.
+        {"share_id": share_id, "n_tokens": len(tokens), "tokens": tokens},
+        _is_2xx,
+    )
+    return answer if isinstance(answer, Refusal) else None
+
+
+async def prefill(client: JsonClient, slot: int, tokens: tuple[int, ...] | list[int]) -> Prefilled | Refusal:
+    """``POST /completion`` of ``tokens`` into ``slot`` with nothing generated: its KV, cached."""
+    answer = await _post(
+        client,
+        "prefill",
+        "/completion",
+        {"prompt": list(tokens), "n_predict": 0, "id_slot": slot, "cache_prompt": True},
+    )
+    if isinstance(answer, Refusal):
+        return answer
+    _, data = answer
+    timings = data.get("timings") if isinstance(data, dict) else None
+    prompt_ms = timings.get("prompt_ms") if isinstance(timings, dict) else None
+    prompt_n = timings.get("prompt_n") if isinstance(timings, dict) else None
+    return Prefilled(
+        prompt_n if isinstance(prompt_n, int) else None,
+        float(prompt_ms) if isinstance(prompt_ms, int | float) else None,
+    )
+
+
+def slot_processing(reply_status: int, slots: Any, slot: int) -> bool:
+    """Whether the decoder's ``GET /slots`` answer says ``slot`` is still processing a task."""
+    if reply_status != 200 or not isinstance(slots, list):
+        return False
+    return any(isinstance(s, dict) and s.get("id") == slot and s.get("is_processing") is True for s in slots)
+
+
+async def slot_busy(client: DecoderClient, slot: int) -> bool:
+    """``GET /slots``: whether llama-server is still working on ``slot``.  Raises DecoderError."""
+    reply = await client.request("GET", "/slots")
+    return slot_processing(reply.status, reply.json(), slot)
+
+
+def is_token_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+async def apply_template(client: JsonClient, body: dict[str, Any]) -> str:
+    """``POST /apply-template``: a chat request's prompt, templated as its chat endpoint would.
+    Raises DecoderError."""
+    status, data = await client.post_json("/apply-template", body)
+    if status != 200 or not isinstance(data, dict) or not isinstance(data.get("prompt"), str):
+        raise DecoderProtocolError(f"/apply-template answered {status}", upstream_status=status)
+    return str(data["prompt"])
+
+
+async def tokenize(client: JsonClient, prompt: Any) -> list[int]:
+    """``POST /tokenize`` with the special-token flags llama-server's completion path uses.  Raises
+    DecoderError."""
+    status, data = await client.post_json("/tokenize", {"content": prompt, "add_special": True, "parse_special": True})
+    tokens = data.get("tokens") if isinstance(data, dict) else None
+    if status != 200 or not is_token_list(tokens):
+        raise DecoderProtocolError(f"/tokenize answered {status}", upstream_status=status)
+    assert isinstance(tokens, list)
+    return tokens

@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 import attrs
 
+from . import decoder
 from .errors import DecoderError, ProviderError, ProviderStateRefused
 from .providers import Provider
 from .routes.decision import Outcome, Step
@@ -261,7 +262,9 @@ class Probe:
             raise ProviderError(f"fidelity: {exc}") from None
 
     async def _erase(self, slot: int) -> None:
-        await self._post(f"/slots/{slot}?action=erase", {})
+        refused = await decoder.erase(self.client, slot)
+        if refused is not None and refused.status == 0:
+            raise ProviderError(f"fidelity: {refused.words}")
 
     async def _post(self, path: str, body: Any) -> tuple[int, Any]:
         try:

@@ -142,7 +142,6 @@ class _Reader:
         self._special: dict[bytes, list[bytes]] = {}  # the values of the fields in _SPECIAL, by lower-case name
         self._fields = 0
         self._trailer_bytes = 0
-        self._complete = False  # the message's end was parsed in the piece being fed
         self._fresh = False  # a new parser took over in the piece being fed: the old one's end is no end
 
     # -- the public surface -------------------------------------------------------------------------
@@ -186,8 +185,12 @@ class _Reader:
                 self._blank += pos - start
                 if self._blank > MAX_BLANK_BYTES:
                     raise Malformed(400, "bad_request", "too many blank lines before the request line")
-                if pos < size:
+                if pos < size:  # a message begins
                     self._state, self._head, self._tail = _HEAD, 0, b""
+                    self._url = b""
+                    self._headers = []
+                    self._special = {}
+                    self._fields = self._trailer_bytes = 0
             elif state == _HEAD:
                 end = self._find_end(data, pos)
                 stop = size if end < 0 else end
@@ -226,7 +229,7 @@ class _Reader:
         return at + 4 if at >= 0 else -1
 
     def _parse(self, piece: bytes, *, body: bool) -> None:
-        self._complete = self._fresh = False
+        self._fresh = False
         try:
             self._parser.feed_data(piece)
         except httptools.HttpParserUpgrade:
@@ -243,14 +246,7 @@ class _Reader:
 
     # -- llhttp's callbacks -------------------------------------------------------------------------
 
-    def on_message_begin(self) -> None:
-        if self._complete:  # cannot happen: no piece fed holds bytes after a message's end
-            raise Malformed(400, "bad_request", "a message began inside the piece that ended the last")
-        self._url = b""
-        self._headers = []
-        self._special = {}
-        self._fields = 0
-        self._trailer_bytes = 0
+    # No on_message_begin (a call less a message): _feed resets the message's state where it begins.
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -278,7 +274,6 @@ class _Reader:
             return
         self._events.append(END)
         self._state, self._blank, self._line, self._tail = _BOUNDARY, 0, 0, b""
-        self._complete = True
 
     def _framing(self, version: str) -> tuple[bool, int, list[bytes]]:
         """(chunked, length, Connection tokens) from the head's fields, by onebitd's rules."""

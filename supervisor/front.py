@@ -19,7 +19,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote
 
@@ -28,14 +28,15 @@ import trio
 
 from . import vertex as aip
 from .child import ChildState
-from .completion import SSE_HEADERS, Completions, Decoder, relay_reply, sse_error
-from .config import ServerConfig
+from .completion import Completions, Decoder
+from .config import ServerConfig, source
 from .cors import Cors, host_of, is_loopback
 from .decoder import DecoderClient
 from .endpoints import ROUTES, Endpoint, Kind, lookup
 from .errors import ClientError, DecoderError, OnebitError
 from .logs import ROUTE_LOGGER
-from .respond import Responder
+from .relay import SSE_HEADERS, relay_reply, sse_error
+from .respond import Receive, Responder, Send
 from .routeline import RouteLine
 from .server import HttpServer
 from .status import FrontStatistics, InflightStatistics
@@ -43,9 +44,6 @@ from .vertex import Vertex
 
 log = logging.getLogger("onebit.front")
 route_log = logging.getLogger(ROUTE_LOGGER)
-
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Answered without an API key, as llama-server answers /health (and onebitd its /metrics).
@@ -127,7 +125,7 @@ class InflightRequest:
 class Front:
     def __init__(
         self,
-        server: ServerConfig,
+        server: ServerConfig | Callable[[], ServerConfig],
         *,
         decoder: Decoder,
         client: DecoderClient,
@@ -137,7 +135,9 @@ class Front:
         providers: Callable[[], ProviderReadiness] = ProviderReadiness,
         vertex: Vertex | None = None,
     ) -> None:
-        self.server = server
+        """``server``: the settings, or where to read them at each request (the daemon's one config,
+        swapped whole by a reload; the bind address and port are read once, by :meth:`bind`)."""
+        self._server = source(server)
         self.decoder = decoder
         self.providers = providers
         self.client = client
@@ -150,9 +150,12 @@ class Front:
         self.inflight: dict[str, InflightRequest] = {}
         self._inflight_changed = trio.Event()
         self._draining = False
-        self._loopback_only = all(is_loopback(host) for host in server.host)
-        self._keys = [key.encode() for key in server.api_keys]
-        self._cors = Cors(server.cors_origins)
+        first = self._server()
+        self._loopback_only = all(is_loopback(host) for host in first.host)
+        # What a request's checks derive from the settings, rebuilt when a reload swapped them.
+        self._access_for = first
+        self._keys = [key.encode() for key in first.api_keys]
+        self._cors = Cors(first.cors_origins)
         self._http_server: HttpServer | None = None
         # Vertex AI's routes, where onebitd's environment asks for them (AIP_MODE=PREDICTION).
         self.vertex = vertex
@@ -165,6 +168,16 @@ class Front:
                 self._health_paths += (vertex.health,)
         self._public = (*PUBLIC, *self._health_paths)
         self._aliases = aip.aliases(ROUTES)
+
+    @property
+    def server(self) -> ServerConfig:
+        return self._server()
+
+    def _access(self, server: ServerConfig) -> None:
+        if server is not self._access_for:
+            self._access_for = server
+            self._keys = [key.encode() for key in server.api_keys]
+            self._cors = Cors(server.cors_origins)
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
@@ -197,14 +210,12 @@ class Front:
         if self._http_server is not None:
             self._http_server.close()
 
-    def configure(self, server: ServerConfig) -> None:
-        """Take the settings `onebitctl reload` may change live (bind address and port stay)."""
-        self.server = attrs.evolve(server, host=self.server.host, port=self.server.port)
-        self._keys = [key.encode() for key in server.api_keys]
-        self._cors = Cors(server.cors_origins)
+    def reloaded(self) -> None:
+        """The settings were swapped: supervisor/server.py holds its idle and write timeouts as values
+        of its own (read at each idle period, each write), so it gets the new ones here."""
         if self._http_server is not None:
-            self._http_server.idle_timeout_s = server.idle_timeout_s
-            self._http_server.write_timeout_s = server.write_timeout_s
+            self._http_server.idle_timeout_s = self.server.idle_timeout_s
+            self._http_server.write_timeout_s = self.server.write_timeout_s
 
     async def wait_inflight_changed(self) -> None:
         await self._inflight_changed.wait()
@@ -245,19 +256,9 @@ class Front:
     # -- ASGI ---------------------------------------------------------------------------------------
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await self._lifespan(receive, send)
-        elif scope["type"] == "http":
+        # supervisor/server.py sends only "http" scopes (no lifespan: the daemon starts and stops us).
+        if scope["type"] == "http":
             await self._http(scope, receive, send)
-
-    async def _lifespan(self, receive: Receive, send: Send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await send({"type": "lifespan.shutdown.complete"})
-                return
 
     def health(self) -> tuple[int, dict[str, Any]]:
         """``/health``'s status and body: ``ok`` once the decoder is ready and every provider's first
@@ -281,6 +282,7 @@ class Front:
         method: str = scope["method"]
         path: str = scope["path"]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        self._access(self.server)
         out = Responder(send, started, self._cors.headers(headers.get("origin")))
         methods = self._extra.get(path) or lookup(path)
         routed = methods is not None and any(endpoint.routed for endpoint in methods.values())

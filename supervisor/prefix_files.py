@@ -27,6 +27,7 @@ from typing import Any
 
 import attrs
 
+from . import statefile
 from .prefix_index import token_key
 
 log = logging.getLogger("onebit.prefix")
@@ -36,7 +37,7 @@ TEMP_PREFIX = ".tmp-"
 STATE = ".state"
 SIDECAR = ".json"
 # llama_state_seq_save_file starts with LLAMA_STATE_SEQ_MAGIC ('ggsq' as a little-endian u32).
-STATE_MAGIC = (0x67677371).to_bytes(4, "little")
+STATE_MAGIC = statefile.MAGIC.to_bytes(4, "little")
 
 
 @attrs.frozen

@@ -16,7 +16,10 @@ from typing import Any
 
 import trio
 
-Send = Callable[[dict[str, Any]], Awaitable[None]]
+# The ASGI callables, declared once: supervisor/server.py calls the app with them, front.py is the app.
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
 
 SOURCE_HEADER = "X-Onebit-Source"
 

@@ -35,20 +35,16 @@ import socket
 import struct
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import trio
 
 from . import framing
 from .errors import ClientError, ListenError, Malformed
 from .framing import END, NEED_DATA
-from .respond import error_body
+from .respond import Message, Receive, Send, error_body
 
 log = logging.getLogger("onebit.front")
 
-Message = dict[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 App = Callable[[Message, Receive, Send], Awaitable[None]]
 
 MAX_HEAD_BYTES = framing.MAX_HEAD_BYTES

@@ -52,8 +52,9 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-STATE_MAGIC = 0x67677371
-STATE_VERSION = 4
+from .statefile import MAGIC as STATE_MAGIC
+from .statefile import VERSION as STATE_VERSION
+
 # Regions per job: one per slot today; more than this is not a layout.
 _MAX_FDS = 64
 # The worker's own llama-server answers a local prefill within this, or is broken.

@@ -20,6 +20,7 @@ from contextlib import asynccontextmanager
 import attrs
 import trio
 
+from .config import source
 from .errors import Overloaded
 
 # A shared prefix shorter than this says nothing about a conversation (every chat starts with the
@@ -77,9 +78,11 @@ class SlotStatistics:
 
 
 class SlotPool:
-    def __init__(self, n_slots: int, queue_limit: int) -> None:
+    def __init__(self, n_slots: int, queue_limit: int | Callable[[], int]) -> None:
+        """``queue_limit``: a number, or where to read it at each request (``server.queue_limit``,
+        which a reload changes: waiters already queued stay queued)."""
         self.n_slots = n_slots
-        self.queue_limit = queue_limit
+        self._queue_limit = source(queue_limit)
         self._semaphore = trio.Semaphore(n_slots)
         self._free = set(range(n_slots))
         self._held = [PromptKey() for _ in range(n_slots)]
@@ -88,9 +91,9 @@ class SlotPool:
         self._hits = 0
         self._misses = 0
 
-    def configure(self, queue_limit: int) -> None:
-        """A reload's new ``server.queue_limit``: waiters already queued stay queued."""
-        self.queue_limit = queue_limit
+    @property
+    def queue_limit(self) -> int:
+        return self._queue_limit()
 
     def statistics(self) -> SlotStatistics:
         return SlotStatistics(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import typing
@@ -385,3 +386,36 @@ async def test_check_config_exits_non_zero_with_the_lines_on_stderr(site: dict[s
         f'onebitd: {path}: model.ctx_size: expected int, got "4k"',
         f"onebitd: {path}: server.port: must be between 0 and 65535, got 70000",
     ]
+
+
+# -- what a reload applies ----------------------------------------------------------------------------
+
+
+def test_the_operations_guide_lists_exactly_the_keys_marked_live() -> None:
+    text = (Path(__file__).parent.parent / "docs" / "operations.md").read_text()
+    paragraph = text.split("Keys that change live", 1)[1].split("\n\n", 1)[0]
+    listed = re.findall(r"`([a-z_]+\.[a-z_.]+)`", paragraph)
+    assert listed == list(configuration.live_keys())
+
+
+def test_a_reload_applies_the_live_keys_and_names_the_rest_without_taking_them() -> None:
+    old = configuration.Config()
+    new = attrs.evolve(
+        old,
+        server=attrs.evolve(old.server, idle_timeout_s=5.0, port=9000),
+        hybrid=attrs.evolve(old.hybrid, route_by="length"),
+        model=attrs.evolve(old.model, ctx_size=8192),
+    )
+    done = configuration.reload(old, new)
+    assert done.applied == ("hybrid.route_by", "server.idle_timeout_s")
+    assert done.restart_needed == ("model.ctx_size", "server.port")
+    assert done.config == attrs.evolve(
+        old,
+        server=attrs.evolve(old.server, idle_timeout_s=5.0),
+        hybrid=attrs.evolve(old.hybrid, route_by="length"),
+    )
+
+
+def test_a_reload_without_changes_applies_nothing() -> None:
+    done = configuration.reload(configuration.Config(), configuration.Config())
+    assert (done.applied, done.restart_needed) == ((), ())

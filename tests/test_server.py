@@ -19,7 +19,8 @@ import trio
 import trio.testing
 
 from supervisor.errors import ClientError, ListenError
-from supervisor.server import MAX_HEAD_BYTES, App, HttpServer, Message, Receive, Send
+from supervisor.respond import Message, Receive, Send
+from supervisor.server import MAX_HEAD_BYTES, App, HttpServer
 
 TIMEOUT = 10
 FOREVER = TIMEOUT * 10  # a timeout the test's own TIMEOUT runs out before

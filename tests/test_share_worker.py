@@ -9,7 +9,9 @@ from typing import Any
 
 import pytest
 
-from supervisor.share_worker import STATE_MAGIC, STATE_VERSION, Refused, SlotState, write_rows
+from supervisor.share_worker import Refused, SlotState, write_rows
+from supervisor.statefile import MAGIC as STATE_MAGIC
+from supervisor.statefile import VERSION as STATE_VERSION
 
 ROW = 8
 N_LAYER = 2

@@ -7,7 +7,7 @@ import pytest
 import trio
 import trio.testing
 
-from supervisor.completion import slot_processing
+from supervisor.decoder import slot_processing
 from supervisor.slots import SlotPool
 
 

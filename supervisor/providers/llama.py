@@ -26,12 +26,12 @@ from typing import Any
 
 import trio
 
-from .. import openvino
+from .. import decoder, openvino
 from ..child import Child, ChildState
 from ..config import Config
 from ..config import LlamaServerProvider as LlamaServerProviderConfig
 from ..decoder import DecoderClient
-from ..errors import ChildError, DecoderError, ProviderError
+from ..errors import ChildError, ProviderError
 from ..llama_server import LlamaServerLauncher, connection_limit
 from ..share_worker import Refused, write_saved_state
 from ..slots import PromptKey, SlotPool
@@ -255,27 +255,17 @@ class LlamaServerProvider:
 
     async def _prefill_in(self, slot: int, job: PrefillJob) -> Claim:
         client = self.launcher.client
-        try:
-            status, data = await client.post_json(
-                "/completion",
-                {"prompt": list(job.tokens), "n_predict": 0, "id_slot": slot, "cache_prompt": True},
-            )
-            if status != 200:
-                raise ProviderError(f"{self.name}: prefill answered {status}: {_message(data)}")
-            timings = data.get("timings") if isinstance(data, dict) else None
-            prompt_ms = timings.get("prompt_ms") if isinstance(timings, dict) else None
-            status, saved = await client.post_json(f"/slots/{slot}?action=save", {"filename": job.state_file.name})
-            if status != 200:
-                raise ProviderError(f"{self.name}: save answered {status}: {_message(saved)}")
-        except DecoderError as exc:
-            raise ProviderError(f"{self.name}: {exc.message}") from exc
-        n_saved = saved.get("n_saved") if isinstance(saved, dict) else None
-        prompt_n = timings.get("prompt_n") if isinstance(timings, dict) else None
-        return Claim(
-            n_tokens=n_saved if isinstance(n_saved, int) else None,
-            prefill_ms=float(prompt_ms) if isinstance(prompt_ms, int | float) else None,
-            evaluated=prompt_n if isinstance(prompt_n, int) else None,
-        )
+        done = await decoder.prefill(client, slot, job.tokens)
+        if isinstance(done, decoder.Refusal):
+            raise self._refused(done)
+        saved = await decoder.save(client, slot, job.state_file.name)
+        if isinstance(saved, decoder.Refusal):
+            raise self._refused(saved)
+        return Claim(n_tokens=saved.n_saved, prefill_ms=done.prompt_ms, evaluated=done.prompt_n)
+
+    def _refused(self, refused: decoder.Refusal) -> ProviderError:
+        # No answer at all: the connection's own words, as the decoder client gave them.
+        return ProviderError(f"{self.name}: {refused.words if refused.status == 0 else refused}")
 
     async def _share_in(self, slot: int, job: ShareJob) -> Claim:
         """Prefill and save as for a file job, then write the saved rows into the lent region."""
@@ -302,9 +292,3 @@ class LlamaServerProvider:
             device=self.device,
             refused=self.refused,
         )
-
-
-def _message(data: Any) -> str:
-    if isinstance(data, dict) and isinstance(data.get("error"), dict):
-        return str(data["error"].get("message", data))
-    return str(data)[:500]

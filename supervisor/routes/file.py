@@ -13,12 +13,12 @@ import logging
 import secrets
 from collections import deque
 from pathlib import Path
-from typing import Any, Protocol
 
 import attrs
 import trio
 
-from ..errors import DecoderError
+from .. import decoder
+from ..decoder import JsonClient
 from ..providers import PrefillJob, Provider
 from .decision import Outcome, Reason, Route, Step
 from .prefill import prefill
@@ -29,10 +29,8 @@ log = logging.getLogger("onebit.hybrid")
 ABANDONED_KEPT = 256
 
 
-class SlotClient(Protocol):
-    """The part of the decoder the handoff uses (DecoderClient; a fake in tests)."""
-
-    async def post_json(self, path: str, body: Any) -> tuple[int, Any]: ...
+# The part of the decoder the handoffs use (DecoderClient; a fake in tests).
+SlotClient = JsonClient
 
 
 async def erase_slot(client: SlotClient, slot: int, after: str) -> None:
@@ -40,12 +38,11 @@ async def erase_slot(client: SlotClient, slot: int, after: str) -> None:
     the decoder closed under us is worth one retry; a failure is logged, not raised (the request
     still goes on, and the decoder re-evaluates a prompt whose cells it does not trust)."""
     for attempt in (1, 2):
-        try:
-            await client.post_json(f"/slots/{slot}?action=erase", {})
+        refused = await decoder.erase(client, slot)
+        if refused is None or refused.status != 0:
             return
-        except DecoderError as exc:
-            if attempt == 2:
-                log.warning("hybrid: erasing slot %d after %s failed: %s", slot, after, exc.message)
+        if attempt == 2:
+            log.warning("hybrid: erasing slot %d after %s failed: %s", slot, after, refused.words)
 
 
 class FileHandoff:
@@ -108,32 +105,20 @@ class FileHandoff:
     async def _restore(self, slot: int, path: Path, expected: int, prefill_ms: float | None) -> Outcome:
         started = trio.current_time()
         try:
-            status, data = await self.client.post_json(f"/slots/{slot}?action=restore", {"filename": path.name})
-        except DecoderError as exc:
-            status, data = 0, {"error": {"message": exc.message}}
+            refused = await decoder.restore(self.client, slot, path.name, expected)
         finally:
             restore_ms = (trio.current_time() - started) * 1000
             # Synchronous on purpose: an await here could be cancelled and leave the file behind.
             path.unlink(missing_ok=True)  # noqa: ASYNC240
-        n_restored = data.get("n_restored") if isinstance(data, dict) else None
-        if status == 200 and n_restored == expected:
+        if refused is None:
             return Outcome(Route.FILE, prefill_ms=prefill_ms, restore_ms=restore_ms)
         # A half-restored slot must not leak its cells into the plain request that follows.
         await erase_slot(self.client, slot, "a refused restore")
-        what = f"restore answered {status}" if status != 200 else f"restored {n_restored} of {expected} tokens"
         return Outcome(
             Route.FILE,
             Step.RESTORE,
             Reason.RESTORE_REFUSED,
-            f"{what}: {_message(data)}",
+            str(refused),
             prefill_ms=prefill_ms,
             restore_ms=restore_ms,
         )
-
-
-def _message(data: object) -> str:
-    if isinstance(data, dict):
-        error = data.get("error")
-        if isinstance(error, dict):
-            return str(error.get("message", error))
-    return str(data)[:300]

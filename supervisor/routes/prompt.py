@@ -9,14 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..decoder import DecoderClient
-from ..errors import DecoderProtocolError
+from .. import decoder
+from ..decoder import JsonClient, is_token_list
 
 CHAT = "/v1/chat/completions"
-
-
-def _is_token_list(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
 def handoff_unsupported(endpoint: str, body: dict[str, Any]) -> str | None:
@@ -33,30 +29,22 @@ def handoff_unsupported(endpoint: str, body: dict[str, Any]) -> str | None:
                 return "non-text message content"
         return None
     prompt = body.get("prompt")
-    if isinstance(prompt, str) or _is_token_list(prompt):
+    if isinstance(prompt, str) or is_token_list(prompt):
         return None
-    if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or _is_token_list(prompt[0])):
+    if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or is_token_list(prompt[0])):
         return None
     return "not a single prompt"
 
 
-async def tokens_for(client: DecoderClient, endpoint: str, body: dict[str, Any]) -> list[int]:
+async def tokens_for(client: JsonClient, endpoint: str, body: dict[str, Any]) -> list[int]:
     """The prompt's tokens, as the decoder will evaluate them.  Raises DecoderError."""
     if endpoint == CHAT:
         template = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "id_slot")}
-        status, data = await client.post_json("/apply-template", template)
-        if status != 200 or not isinstance(data, dict) or not isinstance(data.get("prompt"), str):
-            raise DecoderProtocolError(f"/apply-template answered {status}", upstream_status=status)
-        prompt: Any = data["prompt"]
+        prompt: Any = await decoder.apply_template(client, template)
     else:
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and not _is_token_list(prompt):
+        if isinstance(prompt, list) and len(prompt) == 1 and not is_token_list(prompt):
             prompt = prompt[0]
-        if _is_token_list(prompt):
+        if is_token_list(prompt):
             return list(prompt)
-    status, data = await client.post_json("/tokenize", {"content": prompt, "add_special": True, "parse_special": True})
-    tokens = data.get("tokens") if isinstance(data, dict) else None
-    if status != 200 or not _is_token_list(tokens):
-        raise DecoderProtocolError(f"/tokenize answered {status}", upstream_status=status)
-    assert isinstance(tokens, list)
-    return tokens
+    return await decoder.tokenize(client, prompt)

@@ -29,7 +29,8 @@ from typing import Any
 import attrs
 import trio
 
-from ..errors import DecoderError, ShareRefused
+from .. import decoder
+from ..errors import ShareRefused
 from ..providers import Provider, ShareJob
 from .decision import Outcome, Reason, Route, Step
 from .file import SlotClient, erase_slot
@@ -57,10 +58,6 @@ class SharedRegion:
         for fd in fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
-
-
-def _error_text(status: int, data: Any) -> str:
-    return json.dumps(data) if data is not None else f"status {status}"
 
 
 async def _receive_header(conn: trio.socket.SocketType) -> tuple[bytes, list[int]]:
@@ -135,17 +132,12 @@ class ShareHandshake:
                 listener.listen(1)
             except OSError as exc:
                 raise ShareRefused(f"cannot listen on {path}: {exc.strerror or exc}") from None
-            try:
-                status, data = await self.client.post_json(
-                    f"/slots/{slot}?action=share", {"socket": str(path), "n_tokens": n_tokens}
-                )
-            except DecoderError as exc:
-                raise ShareRefused(f"share failed: {exc.message}") from None
-            if not 200 <= status < 300:
-                raise ShareRefused(f"share answered {status}: {_error_text(status, data)}")
-            share_id = data.get("share_id") if isinstance(data, dict) else None
-            if not isinstance(share_id, str):
-                raise ShareRefused(f"share answered {status} without a share_id: {_error_text(status, data)}")
+            share_id = await decoder.share(self.client, slot, path, n_tokens)
+            if isinstance(share_id, decoder.Refusal):
+                if share_id.status == 0:
+                    raise ShareRefused(f"share failed: {share_id.words}")
+                # The whole answer: a share's refusal says which part of the layout it cannot lend.
+                raise ShareRefused(f"{share_id.what}: {share_id.answer}")
             with trio.move_on_after(self.connect_timeout_s) as waited:
                 conn, _ = await listener.accept()
             if waited.cancelled_caught:
@@ -238,22 +230,14 @@ class ShareHandoff:
                     prefill_ms=done.prefill_ms,
                     share_ms=share_ms,
                 )
-            try:
-                status, data = await self.client.post_json(
-                    f"/slots/{slot}?action=adopt",
-                    # The tokens: the decoder's slot must know what its adopted cells hold, so that the
-                    # request's common prefix leaves only the last token to evaluate.
-                    {"share_id": region.share_id, "n_tokens": expected, "tokens": tokens},
-                )
-            except DecoderError as exc:
-                status, data = 0, {"error": {"message": exc.message}}
-            if not 200 <= status < 300:
+            refused = await decoder.adopt(self.client, slot, region.share_id, tokens)
+            if refused is not None:
                 await self._erase(slot)
                 return Outcome(
                     Route.SHARE,
                     Step.ADOPT,
                     Reason.ADOPT_REFUSED,
-                    f"adopt answered {status}: {_error_text(status, data)}",
+                    f"{refused.what}: {refused.answer}",
                     prefill_ms=done.prefill_ms,
                     share_ms=share_ms,
                 )

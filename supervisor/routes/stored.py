@@ -26,7 +26,8 @@ from pathlib import Path
 import attrs
 import trio
 
-from ..errors import DecoderError, PrefixStoreError
+from .. import decoder
+from ..errors import PrefixStoreError
 from ..prefix_store import Entry, PrefixStore
 from .file import SlotClient, erase_slot
 
@@ -61,21 +62,17 @@ class StoredPrefixes:
         started = trio.current_time()
         try:
             async with self.store.exposed(entry, self.state_dir) as name:
-                try:
-                    status, data = await self.client.post_json(f"/slots/{slot}?action=restore", {"filename": name})
-                except DecoderError as exc:
-                    status, data = 0, {"error": {"message": exc.message}}
+                # The slot may hold more than the entry: a saved reply's tokens after its prefix.
+                refused = await decoder.restore(self.client, slot, name, entry.n_tokens, more=True)
         except PrefixStoreError as exc:
             return Restored(None, why=str(exc))
         ms = (trio.current_time() - started) * 1000
-        n_restored = data.get("n_restored") if isinstance(data, dict) else None
-        if status == 200 and isinstance(n_restored, int) and n_restored >= entry.n_tokens:
+        if refused is None:
             self.store.record_restore(ms)
             return Restored(entry, ms)
-        what = f"restore answered {status}" if status != 200 else f"restored {n_restored} of {entry.n_tokens} tokens"
-        self.store.drop(entry, reason=what)
+        self.store.drop(entry, reason=refused.what)
         await erase_slot(self.client, slot, "a refused prefix-store restore")
-        return Restored(None, ms, what)
+        return Restored(None, ms, refused.what)
 
     def unused(self, entry: Entry, cache_n: int | None) -> bool:
         """The decoder's ``cache_n`` after a restored request says whether it used the entry; an
@@ -102,13 +99,10 @@ class StoredPrefixes:
         """Save the slot into the state directory (shielded, bounded): the file, or None."""
         path = self.state_dir / f"{req}-{secrets.token_hex(4)}.keep"
         with trio.CancelScope(shield=True), trio.move_on_after(SAVE_TIMEOUT_S):
-            try:
-                status, data = await self.client.post_json(f"/slots/{slot}?action=save", {"filename": path.name})
-            except DecoderError as exc:
-                status, data = 0, {"error": exc.message}
-            if status == 200:
+            saved = await decoder.save(self.client, slot, path.name)
+            if isinstance(saved, decoder.Saved):
                 return path
-            log.info("prefix store: saving slot %d answered %s: %s", slot, status, data)
+            log.info("prefix store: saving slot %d answered %s: %s", slot, saved.status, saved.words)
         path.unlink(missing_ok=True)
         return None
 
