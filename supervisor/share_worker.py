@@ -54,6 +54,7 @@ from typing import Any
 
 from .statefile import MAGIC as STATE_MAGIC
 from .statefile import VERSION as STATE_VERSION
+from .statefile import Reader, StateFileError
 
 # Regions per job: one per slot today; more than this is not a layout.
 _MAX_FDS = 64
@@ -89,26 +90,14 @@ def call(path: str, method: str, url: str, body: object | None = None) -> tuple[
         conn.close()
 
 
-class _Reader:
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-        self.at = 0
+class _Reader(Reader):
+    """statefile's reader, its truncation a refusal of the share (this worker's one error)."""
 
     def take(self, n: int) -> bytes:
-        if n < 0 or self.at + n > len(self.data):
-            raise Refused(f"the state file ends at byte {len(self.data)}, inside a field at {self.at}")
-        chunk = self.data[self.at : self.at + n]
-        self.at += n
-        return chunk
-
-    def u32(self) -> int:
-        return int(struct.unpack("<I", self.take(4))[0])
-
-    def i32(self) -> int:
-        return int(struct.unpack("<i", self.take(4))[0])
-
-    def u64(self) -> int:
-        return int(struct.unpack("<Q", self.take(8))[0])
+        try:
+            return super().take(n)
+        except StateFileError:
+            raise Refused(f"the state file ends at byte {len(self.data)}, inside a field at {self.at}") from None
 
 
 def unpack_prompt(packed: list[int]) -> list[int]:

@@ -64,7 +64,9 @@ class SlotState:
         return len(self.positions)
 
 
-class _Reader:
+class Reader:
+    """Little-endian fields read in order from a state file's bytes; StateFileError past the end."""
+
     def __init__(self, data: bytes) -> None:
         self.data = data
         self.at = 0
@@ -125,7 +127,7 @@ def _width(ggml_type: int, row_bytes: int) -> int:
 
 
 def _parse(data: bytes, cell_ext: bool) -> SlotState:
-    r = _Reader(data)
+    r = Reader(data)
     if r.u32() != MAGIC:
         raise StateFileError("not a llama.cpp slot state file (no 'ggsq' magic)")
     version = r.u32()
