@@ -19,14 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import trio
 
 from . import locate
 from .config import Config, ModelConfig
 from .decoder import DecoderClient
 from .errors import ChildError
 from .openvino import UNIFIED_ARGS
-from .process import ChildProcess
+from .process import output_of
 
 # The patched llama-server's switch (scripts/llama-server-share.patch): its KV cache on memfd regions.
 KV_SHARE_ENV = "LLAMA_KV_SHARE"
@@ -145,18 +144,11 @@ async def server_version(binary: Path, *, timeout_s: float = 30.0) -> str:
 
     Raises :class:`~supervisor.errors.ChildError` when it cannot be run or says nothing in time.
     """
-    lines: list[str] = []
-    process = await ChildProcess.spawn("llama-server --version", [str(binary), "--version"])
-    try:
-        with trio.move_on_after(timeout_s):
-            await process.pump_output(lines.append)
-            await process.wait()
-    finally:
-        await process.stop(grace=0)
+    lines, returncode = await output_of("llama-server --version", [str(binary), "--version"], timeout_s=timeout_s)
     said = [line.strip() for line in lines if line.strip()]
     version = [line for line in said if line.startswith("version:")]
-    if process.returncode != 0 or not said:
-        raise ChildError(f"{binary} --version: {process.returncode}, said {' | '.join(said)[:200]!r}")
+    if returncode != 0 or not said:
+        raise ChildError(f"{binary} --version: {returncode}, said {' | '.join(said)[:200]!r}")
     return " | ".join(version + [line for line in said if line.startswith("built with")]) or said[0]
 
 

@@ -27,11 +27,9 @@ import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-import trio
-
 from . import locate
 from .errors import ChildError
-from .process import ChildProcess
+from .process import output_of
 
 # Names an OpenVINO llama-server instead of scripts/setup's cached build (supervisor/locate.py).
 BINARY_ENV = locate.ENGINE_ENV["openvino"]
@@ -124,19 +122,13 @@ def environment(device: str, *, static_shapes: bool, cache: Path) -> dict[str, s
 
 async def list_devices(binary: Path, *, timeout_s: float = LIST_TIMEOUT_S) -> list[str]:
     """The devices the binary's OpenVINO runtime offers.  Raises ChildError when it cannot say."""
-    lines: list[str] = []
     # GGML_OPENVINO_DEVICE unset: the backend then picks CPU and lists everything, where a device
     # that is not there would abort the listing.
     env = {key: value for key, value in os.environ.items() if key != DEVICE_ENV}
-    process = await ChildProcess.spawn("llama-server --list-devices", [str(binary), "--list-devices"], env=env)
-    try:
-        with trio.move_on_after(timeout_s):
-            await process.pump_output(lines.append)
-            await process.wait()
-    finally:
-        await process.stop(grace=0)
+    argv = [str(binary), "--list-devices"]
+    lines, returncode = await output_of("llama-server --list-devices", argv, timeout_s=timeout_s, env=env)
     devices = parse_devices(lines)
     if not devices:
         said = " | ".join(line.strip() for line in lines if line.strip())[-300:]
-        raise ChildError(f"{binary} --list-devices ({process.returncode}) named no OpenVINO device: {said!r}")
+        raise ChildError(f"{binary} --list-devices ({returncode}) named no OpenVINO device: {said!r}")
     return devices

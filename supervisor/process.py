@@ -278,6 +278,22 @@ class ChildProcess:
         return code
 
 
+async def output_of(
+    name: str, argv: Sequence[str], *, timeout_s: float, env: Mapping[str, str] | None = None
+) -> tuple[list[str], int | None]:
+    """Run ``argv`` once (``llama-server --version``, ``--list-devices``): its output lines and its
+    exit status, or None when it was still running after ``timeout_s`` (then it is stopped)."""
+    lines: list[str] = []
+    process = await ChildProcess.spawn(name, argv, env=env)
+    try:
+        with trio.move_on_after(timeout_s):
+            await process.pump_output(lines.append)
+            await process.wait()
+    finally:
+        await process.stop(grace=0)
+    return lines, process.returncode
+
+
 def describe_exit(code: int) -> str:
     if code < 0:
         try:
