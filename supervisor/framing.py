@@ -163,6 +163,30 @@ class _Reader:
             raise self._error
         return NEED_DATA
 
+    def take_body(self) -> tuple[bytes, bool]:
+        """What has come of the current message's body (its pieces joined; b"" when none), and whether
+        its END came too (taken with it).  A body found malformed before its END raises
+        :class:`Malformed` at once, the pieces before the fault dropped.  Only between a head and its END."""
+        events = self._events
+        if self._error is not None and END not in events:
+            raise self._error
+        if not events:
+            return b"", False
+        first = events.popleft()
+        if first is END:
+            return b"", True
+        assert isinstance(first, bytes), first
+        if not events:
+            return first, False
+        pieces = [first]
+        while events:
+            event = events.popleft()
+            if event is END:
+                return b"".join(pieces), True
+            assert isinstance(event, bytes), event
+            pieces.append(event)
+        return b"".join(pieces), False
+
     @property
     def pending(self) -> bool:
         """Whether anything of a next message (or an error) has come beyond the events handed out."""
@@ -387,6 +411,20 @@ class ResponseReader(_Reader):
     def expect(self, method: str) -> None:
         """The next reply answers ``method`` (a HEAD's carries no body, whatever its head says)."""
         self._head_request = method == "HEAD"
+
+    def feed(self, data: bytes) -> None:
+        # The common piece, a chunked reply's next chunks with no CRLF CRLF in them (nor one begun in
+        # the bytes before): what _feed would make of it, in a call to llhttp and none around it.
+        if self._state == _CHUNKED and self._error is None:
+            tail = self._tail
+            if _HEAD_END not in data and _HEAD_END not in tail + data[:3]:
+                self._tail = data[-3:] if len(data) >= 3 else (tail + data)[-3:]
+                try:
+                    self._parse(data, body=True)
+                except Malformed as exc:
+                    self._error = exc
+                return
+        super().feed(data)
 
     def _feed_chunked(self, data: bytes, pos: int) -> int:
         # A chunked body ends with a CRLF CRLF: fed up to each one, it ends where a piece ends.

@@ -40,7 +40,7 @@ import trio
 
 from . import framing
 from .errors import ClientError, ListenError, Malformed
-from .framing import END, NEED_DATA
+from .framing import NEED_DATA
 from .respond import Message, Receive, Send, error_body
 
 log = logging.getLogger("onebit.front")
@@ -227,7 +227,7 @@ class _Connection:
         self.broken = False  # a write was cut short: nothing more may be sent on it
         self.hung_up_why: str | None = None  # why the server took the client for gone, where it did
         self._idle: trio.CancelScope | None = None
-        self._watch: trio.CancelScope | None = None  # wait_disconnect's, cancelled when a write gives up
+        self._watch: trio.CancelScope | None = None  # wait_disconnect's after a pipelined request
         self._ready_reads = 0  # reads in a row that found data without waiting
         self._waited = True  # the connection waited for its client since its last request began
         peer = sock.getpeername()
@@ -305,8 +305,12 @@ class _Connection:
             except BlockingIOError:
                 self._ready_reads = 0
                 self._waited = True
-                await trio.lowlevel.wait_readable(sock)
-                continue
+                try:
+                    await trio.lowlevel.wait_readable(sock)
+                except trio.ClosedResourceError:  # the server took the client for gone (_hang_up)
+                    data = b""
+                else:
+                    continue
             except OSError:
                 data = b""
             if not data:
@@ -339,7 +343,7 @@ class _Connection:
                             f"the client took no byte of its response for {timeout:g}s (server.write_timeout_s)"
                         )
                         return
-        except OSError:
+        except (OSError, trio.ClosedResourceError):  # the latter: another write's _hang_up
             self.gone = True
         except BaseException:
             self.broken = True
@@ -352,27 +356,38 @@ class _Connection:
         with contextlib.suppress(OSError):
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         self.hung_up_why = why
+        # A wait_disconnect learns it: its wait for the socket raises ClosedResourceError, or its
+        # wait for nothing (after a pipelined request) is cancelled.
+        trio.lowlevel.notify_closing(self.sock)
         if self._watch is not None:
             self._watch.cancel()
 
     async def wait_disconnect(self) -> None:
-        """Until the client hangs up; for ever if it sends more (the next request, pipelined)."""
+        """Until the client hangs up, or the server takes it for gone (:meth:`_hang_up`); for ever
+        if it sends more (the next request, pipelined).  The common wait, for the socket, needs no
+        cancel scope of its own: ``_hang_up`` ends it with ``notify_closing``."""
         sock = self.sock
-        with trio.CancelScope() as self._watch:
-            while not self.gone:
-                if self.reader.pending:
-                    await trio.sleep_forever()
-                await trio.lowlevel.wait_readable(sock)
+        while not self.gone:
+            if not self.reader.pending:
+                try:
+                    await trio.lowlevel.wait_readable(sock)
+                except trio.ClosedResourceError:
+                    return
                 try:
                     peeked = sock.recv(1, socket.MSG_PEEK)
                 except BlockingIOError:
                     continue
                 except OSError:
                     peeked = b""
-                if peeked:
+                if not peeked:
+                    self.gone = True
+                    return
+            # The next request has begun: only a hang-up of the server's own ends the wait.
+            try:
+                with trio.CancelScope() as self._watch:
                     await trio.sleep_forever()
-                self.gone = True
-        self._watch = None
+            finally:
+                self._watch = None
 
     async def _refuse(self, refusal: Malformed) -> None:
         body = error_body(refusal.status, refusal.code, refusal.message)
@@ -517,28 +532,22 @@ class _Request:
         """The next piece of the body that has come (at least one byte, unless the body is done); a
         malformed body raises :class:`Malformed` (a ClientError) and closes the connection after."""
         reader = self.connection.reader
-        pieces: list[bytes] = []
         while True:
             try:
-                event = reader.next_event()
+                piece, done = reader.take_body()
             except Malformed:
                 self.keep = False
                 raise
-            if event is END:
+            if done:
                 self.body_done = True
                 break
-            if event is NEED_DATA:
-                if pieces:
-                    break
-                data = await self.connection._receive()
-                if not data:
-                    self.keep = False
-                    raise _Gone
-                reader.feed(data)
-                continue
-            assert isinstance(event, bytes), event
-            pieces.append(event)
-        piece = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+            if piece:
+                break
+            data = await self.connection._receive()
+            if not data:
+                self.keep = False
+                raise _Gone
+            reader.feed(data)
         self.remaining -= len(piece)
         return piece
 

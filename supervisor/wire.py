@@ -315,19 +315,11 @@ class _Reply:
         """Every piece of the body that has come is handed on at once, joined."""
         reader = connection.reader
         while True:
-            pieces: list[bytes] = []
-            done = False
-            while True:
-                event = _next(reader)
-                if event is NEED_DATA:
-                    break
-                if event is END:
-                    done = True
-                    break
-                assert isinstance(event, bytes), event
-                pieces.append(event)
-            if pieces:
-                data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+            try:
+                data, done = reader.take_body()
+            except Malformed as exc:
+                raise DecoderUnavailable(f"decoder sent a {exc.message}") from None
+            if data:
                 if self.left is not None:
                     self.left -= len(data)
                 yield data
