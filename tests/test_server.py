@@ -716,6 +716,34 @@ async def test_a_client_that_takes_nothing_for_the_write_timeout_loses_its_conne
     assert "server.write_timeout_s" in message["reason"]
 
 
+async def test_the_write_timeout_s_hang_up_reaches_an_app_watching_while_the_next_request_waits() -> None:
+    # A pipelined request behind this one: the disconnect watch has no socket to wait on, only the hang-up.
+    got: list[Message] = []
+    stopped = trio.Event()
+
+    async def flood(scope: Message, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        async with trio.open_nursery() as nursery:
+
+            async def watch() -> None:
+                while (message := await receive())["type"] != "http.disconnect":
+                    pass
+                got.append(message)
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(watch)
+            while True:
+                await send({"type": "http.response.body", "body": b"x" * 65536, "more_body": True})
+        stopped.set()
+
+    async with serving(flood, write_timeout_s=IDLE) as served, connected(served.port) as client:
+        client.stream.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        await client.send(GET + GET)
+        await stopped.wait()
+    [message] = got
+    assert "server.write_timeout_s" in message["reason"]
+
+
 # -- shutdown -----------------------------------------------------------------------------------------
 
 
