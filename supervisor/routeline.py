@@ -13,6 +13,7 @@ with a ``fallback`` of ``provider-failed`` it is the one that failed, and the de
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import attrs
@@ -80,7 +81,7 @@ class RouteLine:
         return {name: getattr(self, name) for name in FIELDS}
 
     def logfmt(self) -> str:
-        return " ".join(f"{name}={_logfmt_value(name, value)}" for name, value in self.fields().items())
+        return " ".join([f"{name}={_logfmt_value(name, getattr(self, name))}" for name in FIELDS])
 
     def json(self) -> str:
         return json.dumps(self.fields(), separators=(",", ":"))
@@ -94,6 +95,8 @@ def _logfmt_value(name: str, value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.1f}" if value else "0"
     text = str(value)
-    if not text or any(c in text for c in ' "=\\') or any(ord(c) < 32 for c in text):
-        return json.dumps(text)
-    return text
+    return text if _PLAIN(text) else json.dumps(text)
+
+
+# A value written as it is: not empty, and no space, quote, equals sign, backslash or control character.
+_PLAIN = re.compile(r'[^\x00-\x20"=\\]+').fullmatch
