@@ -97,7 +97,12 @@ class SseScanner:
         self._buffer = b""
 
     def feed(self, chunk: bytes) -> None:
-        if not self._buffer and chunk.endswith(b"\n\n") and b'"timings"' not in chunk and b'"usage"' not in chunk:
+        if (
+            not self._buffer
+            and chunk.endswith(b"\n\n")
+            and chunk.rfind(b'"timings"') < 0
+            and chunk.rfind(b'"usage"') < 0
+        ):
             return  # the common chunk: whole token events and nothing to read: no copy, no split
         self._buffer += chunk
         if b"\n\n" not in self._buffer and b"\r\n\r\n" not in self._buffer:
