@@ -105,14 +105,6 @@ def prompt_text(endpoint: str, body: dict[str, Any]) -> str:
     return prompt if isinstance(prompt, str) else json.dumps(prompt, separators=(",", ":"))
 
 
-# A decoder state, as a client is told it in a 503.
-_WORDS = {
-    ChildState.STOPPED: "not started yet",
-    ChildState.STARTING: "starting (loading its model)",
-    ChildState.BACKOFF: "restarting after a crash",
-    ChildState.STOPPING: "stopping",
-}
-
 # How a fallback is worded in the log, by the route the request goes on to.
 _GOES_ON = {
     Route.PLAIN: "the backend prefills this request itself",
@@ -194,7 +186,7 @@ class Completions:
         if state is ChildState.FAILED:
             failed = f"the decoder has failed ({self.decoder.statistics().last_exit}); see onebitd's log"
             raise DecoderUnavailable(failed, public=failed)
-        words = f"the decoder is {_WORDS.get(state, state.value)}; try again shortly"
+        words = f"the decoder is {state.words}; try again shortly"
         raise DecoderUnavailable(words, public=words)
 
     async def _plan(self, endpoint: str, body: dict[str, Any], req: str) -> Plan:

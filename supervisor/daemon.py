@@ -3,16 +3,17 @@
     onebitd (trio.run) ─ nursery
     ├── signals                     SIGTERM/SIGINT: stop accepting, finish in-flight, stop children;
     │                               SIGHUP: reload
-    └── Daemon.run ─ the prefix store (open_prefix_store), then a nursery
+    └── Daemon.run ─ the KV layout (_choose_layout), the prefix store (open_prefix_store), a nursery
         ├── Child(decoder).run      llama-server on <runtime>/decoder.sock: spawn, health-gate, restart
         ├── Provider.run            each [[provider]] in order: its Child (llama-server, worker) or none (exec)
-        ├── Completions.run         the prefix store's saves, off the requests' path
+        ├── Completions.run         with StoredPrefixes.run: the prefix store's saves, off the requests' path
         ├── AdminServer.run         <runtime>/admin.sock: onebitctl's verbs
         ├── Front.run               HttpServer on server.host:port; one cancel scope per request
         └── _announce               READY=1 and STATUS= for systemd, once the decoder and providers settled
 
 Start order: the runtime directory's lock, then the front's sockets are bound (a port in use
-stops onebitd before any child is started), then the decoder and the providers are spawned, then
+stops onebitd before any child is started), then the OpenVINO providers' devices are asked for and
+one KV layout chosen, the prefix store is opened, the decoder and the providers are spawned, then
 the front serves and ``task_status.started`` reports the bound addresses; READY=1 follows once the
 decoder is healthy and every provider's first start is over.  Shutdown is the reverse: the front
 stops accepting and waits for in-flight requests up to ``server.shutdown_grace_s``, then the
@@ -285,7 +286,7 @@ class Daemon:
 
     def _provider_children(self) -> list[Child]:
         """The children of the providers that have one (exec providers start a process per job)."""
-        return [child for p in self.providers.all if isinstance(child := getattr(p, "child", None), Child)]
+        return [p.child for p in self.providers.all if p.child is not None]
 
     def provider_readiness(self) -> ProviderReadiness:
         return ProviderReadiness(
@@ -519,8 +520,7 @@ class Daemon:
         for provider in not_ready:
             if provider.statistics().refused is not None:
                 continue  # its refusal was logged, one line, with why
-            its = getattr(provider, "child", None)
-            why = its.statistics().last_exit if isinstance(its, Child) else None
+            why = provider.child.statistics().last_exit if provider.child is not None else None
             log.error(
                 "provider %s is not ready (%s): requests take the plain route until it is",
                 provider.name,
