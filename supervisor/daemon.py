@@ -386,7 +386,6 @@ class Daemon:
     def _apply(self, config: Config) -> None:
         # The one swap: the front, the completions and the slots read self.config at each request.
         self.config = config
-        self.front.reloaded()
         logs.setup(config.log.format, config.log.level)
 
     def _update_status(self) -> None:
