@@ -22,7 +22,7 @@ from .child import ChildState, ChildStatistics
 from .config import HybridConfig, source
 from .decoder import DecoderClient
 from .errors import DecoderError, DecoderUnavailable
-from .prefix_store import Entry
+from .prefix.store import Entry
 from .providers import Provider, Providers
 from .rates import Rates
 from .relay import Timings, relay_stream, relay_whole

@@ -54,7 +54,7 @@ from .llama_server import LlamaServerLauncher, connection_limit, model_alias, se
 from .metrics import LiveStatistics, Metrics
 from .notify import Notifier, run_watchdog, watchdog_interval
 from .openvino import UNIFIED_ARGS
-from .prefix_store import PrefixStore, open_prefix_store
+from .prefix.store import PrefixStore, open_prefix_store
 from .providers import Provider, Providers
 from .providers.exec import ExecProvider
 from .providers.llama import LlamaServerProvider

@@ -3,7 +3,7 @@ route is chosen (:meth:`StoredPrefixes.before`), and keep a prompt's state after
 (:meth:`~StoredPrefixes.after`, :meth:`~StoredPrefixes.after_hang_up`).
 
 Restoring: ``POST /slots/S?action=restore`` of the entry, exposed under a fresh name in the
-decoder's ``--slot-save-path`` (supervisor/prefix_store.py pins it meanwhile).  The slot then holds
+decoder's ``--slot-save-path`` (supervisor/prefix/store.py pins it meanwhile).  The slot then holds
 the entry's tokens and the decoder (or a hybrid route) prefills only the rest.  A restore the decoder
 refuses drops the entry and erases the slot: the request goes on as if there were none.
 
@@ -30,7 +30,7 @@ import trio
 
 from .. import decoder
 from ..errors import PrefixStoreError
-from ..prefix_store import Entry, PrefixStore
+from ..prefix.store import Entry, PrefixStore
 from ..rates import MIB
 from ..slots import PromptKey, SlotPool
 from .decision import worth_restoring
