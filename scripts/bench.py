@@ -15,7 +15,8 @@ and most of its noise, cancels out; nothing here passes or fails on speed.  Exit
 every request succeeded, 1 otherwise, 2 for a set-up problem.
 
 Adding a subcommand: write an ``arguments(parser)`` function and an ``async run(args) -> int``
-coroutine (use :func:`open_onebitd` for the daemon and its two clients) and add one
+coroutine (use supervisor/testing.py's ``run_daemon`` and ``Running.clients`` for the daemon and its
+two clients) and add one
 :class:`Subcommand` line to ``SUBCOMMANDS`` at the bottom.
 """
 
@@ -49,11 +50,11 @@ sys.path.insert(0, str(ROOT))  # measure the tree this script sits in, whatever 
 
 from supervisor import config as configuration  # noqa: E402
 from supervisor import locate, logs  # noqa: E402
-from supervisor.child import ChildState  # noqa: E402
 from supervisor.config import Config  # noqa: E402
 from supervisor.daemon import Daemon  # noqa: E402
 from supervisor.decoder import unix_transport  # noqa: E402
-from supervisor.errors import ConfigError  # noqa: E402
+from supervisor.errors import ChildError, ConfigError  # noqa: E402
+from supervisor.testing import run_daemon  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_handoff  # noqa: E402
@@ -90,42 +91,6 @@ def bench_config(
     config = configuration.structure(data, "bench")
     configuration.check(config, "bench")
     return config
-
-
-@attrs.frozen
-class Onebitd:
-    """A running onebitd, an HTTP client for it, and a client straight to its decoder's socket."""
-
-    daemon: Daemon
-    url: str
-    front: httpx.AsyncClient
-    direct: httpx.AsyncClient
-
-
-@asynccontextmanager
-async def open_onebitd(config: Config) -> AsyncIterator[Onebitd]:
-    """Run onebitd in this trio run until the block ends; then stop it and reap its children."""
-    daemon = Daemon(config)
-    async with trio.open_nursery() as nursery:
-        started = await nursery.start(daemon.run)
-        try:
-            with trio.fail_after(READY_TIMEOUT_S):
-                state = await daemon.decoder.wait_state(ChildState.READY, ChildState.FAILED)
-            if state is ChildState.FAILED:
-                raise BenchError(f"the decoder failed to start: {daemon.decoder.statistics().last_exit}")
-            timeout = httpx.Timeout(REQUEST_TIMEOUT_S)
-            # Enough connections that concurrent streams never queue inside the client.
-            limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
-            # Straight to llama-server as onebitd's own client goes: keep-alive connections retired
-            # before llama-server's 5 s idle close, which would otherwise fail a request now and then.
-            transport = unix_transport(daemon.launcher.socket)
-            async with (
-                httpx.AsyncClient(base_url=started.binds[0], timeout=timeout, limits=limits) as front,
-                httpx.AsyncClient(transport=transport, base_url="http://decoder", timeout=timeout) as direct,
-            ):
-                yield Onebitd(daemon, started.binds[0], front, direct)
-        finally:
-            daemon.request_stop()
 
 
 @attrs.frozen
@@ -536,11 +501,14 @@ async def open_target(
         # onebitd logs as it does in service (route lines, the decoder's output): that work counts.
         logs.setup("logfmt", "info", stream=log)
         try:
-            async with open_onebitd(config) as onebitd:
-                daemon = onebitd.daemon
+            async with (
+                run_daemon(config, ready_timeout_s=READY_TIMEOUT_S) as running,
+                running.clients(request_timeout_s=REQUEST_TIMEOUT_S) as clients,
+            ):
+                daemon = running.daemon
                 yield Target(
-                    onebitd.front,
-                    onebitd.direct,
+                    clients.front,
+                    clients.direct,
                     cpu=time.process_time,
                     rss=lambda: rss_of("self"),
                     ours=lambda: (os.getpid(), *((daemon.decoder.pid,) if daemon.decoder.pid else ())),
@@ -812,7 +780,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for line in exc.lines if isinstance(exc, ConfigError) else [str(exc)]:
                 print(f"scripts/bench: {line}", file=sys.stderr)
         status = 2
-    except* BenchError as group:
+    except* (BenchError, ChildError) as group:  # ChildError: the decoder failed to start
         for exc in leaves(group):
             print(f"scripts/bench: {exc}", file=sys.stderr)
         status = 1

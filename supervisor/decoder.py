@@ -12,7 +12,8 @@ refusal with status 0).
 
 :func:`unix_transport` is for clients that talk to a llama-server directly, beside onebitd (the
 benchmarks' baseline, the tests' references): httpx over the same socket, with the same keep-alive
-care.  This is the only module that imports httpx.
+care.  This is the only module of onebitd's that imports httpx (supervisor/testing.py, the harness
+the tests and the scripts run onebitd in, opens its clients with it too).
 """
 
 from __future__ import annotations
