@@ -1,4 +1,5 @@
-"""The package's modules: every one imports on its own, and no import runs in a circle.
+"""The package's modules: every one imports on its own, no import runs in a circle, and
+docs/architecture.md's module table names each of them.
 
 The graph is read from the source (every ``import`` and ``from ... import`` of a supervisor module,
 at any depth of a module, ``TYPE_CHECKING`` blocks included), so a circle that Python would only
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import re
 from pathlib import Path
 
 import pytest
@@ -84,3 +86,13 @@ def test_the_graph_is_read_from_the_source() -> None:
 
 def test_no_import_runs_in_a_circle() -> None:
     assert a_cycle() is None, " -> ".join(a_cycle() or [])
+
+
+def test_the_architecture_module_table_names_every_module_and_no_other() -> None:
+    doc = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    table = doc.split("\n## Modules\n", 1)[1].split("\n## ", 1)[0]
+    named = {f"supervisor/{path}" for path in re.findall(r"`([a-z_/]+\.py)`", table)}
+    modules = {str(path.relative_to(PACKAGE.parent)) for path in MODULES.values() if path.name != "__init__.py"}
+    assert sorted(modules - named) == []
+    rows = {f"supervisor/{path}" for path in re.findall(r"^\| `([a-z_/]+\.py)`", table, re.MULTILINE)}
+    assert sorted(rows - modules) == []
