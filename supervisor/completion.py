@@ -238,12 +238,14 @@ class Completions:
         return restored.entry
 
     def _choose(self, plan: Plan, slot: int, restored: bool, settings: HybridConfig) -> Choice:
+        """The route and every reason for it (routes.decision.choose), from the plan and the slot."""
         hybrid = self.hybrid
         provider = plan.provider
         generation = self.decoder.generation
         share = hybrid is not None and hybrid.share is not None
         costs, share_refused = None, False
-        # What only a prompt a provider could take is priced by (asking a share refusal logs it).
+        # Only a prompt a provider could take is priced, and only for it is the share refusal asked
+        # after (the first answer logs it).
         if hybrid is not None and provider is not None and plan.tokens is not None:
             share_refused = hybrid.share is not None and hybrid.share.refused_by(generation)
             if settings.route_by == "cost":

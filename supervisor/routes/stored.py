@@ -10,8 +10,9 @@ refuses drops the entry and erases the slot: the request goes on as if there wer
 Keeping: after the last byte of a reply, while the request still holds its slot (no one else may
 change its cells), ``POST /slots/S?action=save`` into the state directory; the store's ``put_file``
 then moves the file onto its disk off the request's path, in the nursery :meth:`StoredPrefixes.run`
-holds.  On every route: after a hybrid route's
-reply the slot holds the reply's tokens too, which its handed-over state file lacks.
+holds.  On every route: after a hybrid route's reply the slot holds the reply's tokens too, which its
+handed-over state file lacks.  A stream whose client hung up once the decoder began its reply is kept
+the same way, once the decoder reports the slot idle.
 
 Which tokens an entry is for: a prompt's prefix that another recent prompt shared (the system prompt
 and tool list a chat's users all send: the part the next request will start with too) when one is
@@ -56,6 +57,10 @@ NOTHING = Restored(None)
 
 
 class StoredPrefixes:
+    """The prefix store as a request meets it; :class:`~supervisor.completion.Completions` calls
+    :meth:`before` once the request holds its slot, :meth:`after` (or :meth:`after_hang_up`) while
+    it still does.  What it restored goes back to the caller, which writes the route line."""
+
     def __init__(self, *, client: SlotClient, state_dir: Path, store: PrefixStore) -> None:
         self.client = client
         self.state_dir = state_dir
