@@ -261,6 +261,7 @@ class Completions:
         return choose(
             enabled=hybrid is not None,
             share=share,
+            provider_picked=provider is not None,
             provider_ready=provider is not None and provider.ready,
             prompt_tokens=None if plan.tokens is None else len(plan.tokens),
             min_prompt_tokens=settings.min_prompt_tokens,

@@ -267,6 +267,15 @@ R = Reason
         ({"unsupported": True, "prompt_tokens": None}, Route.PLAIN, (R.UNSUPPORTED,)),
         ({"prompt_tokens": None}, Route.PLAIN, (R.TOKENIZE_FAILED,)),
         ({"provider_ready": False, "prompt_tokens": None}, Route.PLAIN, (R.NO_PROVIDER,)),
+        # A provider picked at the request's start that is gone once it holds its slot:
+        ({"provider_picked": True, "provider_ready": False}, Route.PLAIN, (R.NO_PROVIDER,)),
+        ({"provider_picked": True, "provider_ready": False, "prompt_tokens": None}, Route.PLAIN, (R.TOKENIZE_FAILED,)),
+        (
+            {"provider_picked": True, "provider_ready": False, "unsupported": True, "prompt_tokens": None},
+            Route.PLAIN,
+            (R.UNSUPPORTED,),
+        ),
+        ({"provider_picked": False, "unsupported": True, "prompt_tokens": None}, Route.PLAIN, (R.NO_PROVIDER,)),
         ({"prompt_tokens": 255}, Route.PLAIN, (R.SHORT_PROMPT,)),
         ({"prompt_tokens": 255, "restored": True}, Route.PLAIN, (R.SHORT_PROMPT, R.STORED)),
         ({"costs": HOLDS_MOST}, Route.PLAIN, (R.CACHED,)),

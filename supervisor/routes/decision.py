@@ -179,23 +179,27 @@ def choose(
     share_refused: bool,
     costs: Costs | None = None,
     policy: Policy = Policy(),
+    provider_picked: bool | None = None,
     unsupported: bool = False,
     over_context: bool = False,
     restored: bool = False,
 ) -> Choice:
     """The route a request starts on, and every reason it is kept plain; nothing else decides them.
 
-    ``enabled``: the hybrid routes are on; ``provider_ready``: a provider was picked and is still
-    ready; ``unsupported``: a prompt shape no provider can take (not tokenized); ``prompt_tokens``
+    ``enabled``: the hybrid routes are on; ``provider_picked``: a provider was ready when the request
+    came (None: as ``provider_ready``); ``provider_ready``: one is ready now, once the request holds
+    its slot; ``unsupported``: a prompt shape no provider can take (not tokenized); ``prompt_tokens``
     None: the prompt was not tokenized (past the reasons above: tokenizing it failed);
     ``over_context``: it does not fit a slot's context; ``restored``: the prefix store restored a
-    prefix of it into the slot.  The first that holds decides, in this order:
+    prefix of it into the slot.  The first that holds decides, in this order (a prompt no provider
+    could take is named so, whether or not its provider is still there):
 
         over_context            plain  over-context
         not enabled             plain  (disabled: no fallback)
-        not provider_ready      plain  no-provider
+        not provider_picked     plain  no-provider
         unsupported             plain  unsupported-request
         prompt_tokens None      plain  tokenize-failed
+        not provider_ready      plain  no-provider
         under min_prompt_tokens plain  short-prompt
         the costs               plain  cached or plain-cheaper
         share and share_refused file   share-refused-earlier
@@ -219,12 +223,14 @@ def choose(
         return plain(Reason.OVER_CONTEXT)
     if not enabled:
         return plain(Reason.DISABLED)
-    if not provider_ready:
+    if not (provider_ready if provider_picked is None else provider_picked):
         return plain(Reason.NO_PROVIDER)
     if unsupported:
         return plain(Reason.UNSUPPORTED)
     if prompt_tokens is None:
         return plain(Reason.TOKENIZE_FAILED)
+    if not provider_ready:
+        return plain(Reason.NO_PROVIDER)
     if prompt_tokens < min_prompt_tokens:
         return plain(Reason.SHORT_PROMPT)
     guess = None
