@@ -10,7 +10,7 @@ import pytest
 import tomli_w
 
 from supervisor import config as configuration
-from supervisor import modelspec
+from supervisor import locate, modelspec
 from supervisor.config import Config
 from supervisor.errors import ConfigError
 
@@ -167,3 +167,19 @@ def test_a_reload_from_one_model_to_several_needs_a_restart(site: dict[str, Any]
     done = configuration.reload(load(one), load(site), SOURCE)
     assert "model" in done.restart_needed
     assert done.config.model_tables == ()
+
+
+def test_the_default_directories_are_per_instance_keyed_on_the_port(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv("RUNTIME_DIRECTORY", raising=False)
+    monkeypatch.delenv("CACHE_DIRECTORY", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert locate.runtime_dir("") == tmp_path / "run" / "onebit"  # 8080: where it always was
+    assert locate.runtime_dir("", port=8081) == tmp_path / "run" / "onebit-8081"
+    assert locate.prefix_store_dir("", port=8081) == tmp_path / "cache" / "onebit" / "prefix-8081"
+    assert locate.runtime_dir("/srv/x", port=8081) == Path("/srv/x")
+    # Under systemd each unit has its own directories already.
+    monkeypatch.setenv("RUNTIME_DIRECTORY", "/run/onebit")
+    assert locate.runtime_dir("", port=8081) == Path("/run/onebit")

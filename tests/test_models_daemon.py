@@ -16,6 +16,7 @@ from supervisor.config import Config
 from supervisor.daemon import Daemon
 from supervisor.model import ModelState
 
+from .helpers import wait_until
 from .rig import FAKE_DECODER, Control, DecoderModes, RouteLines, fake_decoder_config, make_config, run_daemon
 
 TIMEOUT = 30
@@ -103,3 +104,31 @@ async def test_with_one_model_a_request_may_name_any_model_as_llama_server_allow
             assert reply.status_code == 200
             (line,) = await route_lines.wait(1)
             assert (line["model"], line["load_ms"]) == ("fake", None)
+
+
+async def test_a_mixed_burst_is_served_with_one_swap_the_loaded_models_requests_first(
+    short_dir: Path, control: Control
+) -> None:
+    config = several(short_dir, ["a", "b"], max_loaded=1)
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(config) as running, httpx.AsyncClient(base_url=running.url) as client:
+            models = running.daemon.models
+            a, b = models.get("a"), models.get("b")
+            assert a is not None
+            assert b is not None
+            control.set(decoder=DecoderModes(hold=True))  # a's requests stay in its decoder meanwhile
+            statuses: list[int] = []
+
+            async def one(name: str) -> None:
+                reply = await client.post("/completion", json={"model": name, "prompt": "hello there", "n_predict": 2})
+                statuses.append(reply.status_code)
+
+            async with trio.open_nursery() as nursery:
+                for name in ["a", "b", "a", "b", "a", "b"]:
+                    nursery.start_soon(one, name)
+                # Every request arrived: b's wait for a, which is busy with its own.
+                await wait_until(lambda: a.users == 3 and models.statistics().waiting == 3)
+                assert b.state is ModelState.UNLOADED
+                control.set(decoder=DecoderModes())
+            assert statuses == [200] * 6
+            assert (a.loads, b.loads, models.swaps) == (1, 1, 1)
