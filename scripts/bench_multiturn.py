@@ -123,7 +123,8 @@ async def open_side(config: Config) -> AsyncIterator[tuple[Daemon, httpx.AsyncCl
             with trio.fail_after(TIMEOUT_S):
                 await daemon.decoder.wait_state(ChildState.READY)
                 for provider in daemon.providers.all:
-                    await provider.child.wait_state(ChildState.READY)  # type: ignore[attr-defined]
+                    if provider.child is not None:
+                        await provider.child.wait_state(ChildState.READY)
             timeout = httpx.Timeout(TIMEOUT_S)
             # Straight to llama-server: keep-alive connections retired before its 5 s idle close.
             transport = unix_transport(daemon.launcher.socket)

@@ -333,7 +333,7 @@ class Onebitd:
     def supervised_pids(self) -> set[int]:
         pids = {self.daemon.decoder.pid}
         for provider in self.daemon.providers.all:
-            child = getattr(provider, "child", None)
+            child = provider.child
             if child is not None:
                 pids.add(child.pid)
         return {pid for pid in pids if pid is not None}
@@ -457,7 +457,7 @@ async def open_onebitd(config: Config, tally: Tally) -> AsyncIterator[Onebitd]:
                 with trio.fail_after(300):
                     await daemon.decoder.wait_state(ChildState.READY)
                     for provider in daemon.providers.all:
-                        child = getattr(provider, "child", None)
+                        child = provider.child
                         if child is not None:
                             await child.wait_state(ChildState.READY)
                 limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
@@ -627,7 +627,7 @@ def provider_pid(od: Onebitd) -> int | None:
         # The job's program: onebitd's child running llama_exec_provider.py.
         jobs = [pid for pid, cmd in children_of(os.getpid()).items() if "llama_exec_provider.py" in cmd]
         return jobs[0] if jobs else None
-    child = getattr(provider, "child", None)
+    child = provider.child
     return None if child is None else child.pid
 
 
@@ -641,7 +641,7 @@ async def wait_provider_job(od: Onebitd) -> int:
 
 
 async def provider_ready(od: Onebitd, generation: int) -> None:
-    child = getattr(od.daemon.providers.all[0], "child", None)
+    child = od.daemon.providers.all[0].child
     if child is None:
         return
     while not (child.generation > generation and child.state is ChildState.READY):  # noqa: ASYNC110
@@ -655,7 +655,7 @@ def provider_fault(kind: str) -> Scenario:
             await ask_until_ok(od.front, tally, body_for(LONG, stream=False, tokens=4), bound=REQUEST_BOUND_S)
             tally.check((await od.line())["route"] == "file", "the first long prompt takes the file route")
             for fault in ("SIGKILL", "SIGSTOP"):
-                child = getattr(od.daemon.providers.all[0], "child", None)
+                child = od.daemon.providers.all[0].child
                 generation = child.generation if child is not None else 0
                 result: list[tuple[str, str, int]] = []
                 async with trio.open_nursery() as nursery:

@@ -34,7 +34,7 @@ from trio_websocket import (
 
 from .config import converter
 from .errors import AdminError, AdminUnavailable, ClientError, ConfigError, DecoderError
-from .prefix_store import PrefixStore
+from .prefix.store import PrefixStore
 from .routestats import RouteStats
 from .status import DaemonStatistics, ModelStatistics, to_wire
 

@@ -42,7 +42,7 @@ import trio
 from . import __version__, admin, locate
 from . import config as configuration
 from .errors import ConfigError, OnebitError
-from .prefix_store import StoreStatistics
+from .prefix.store import StoreStatistics
 from .routeline import RouteLine
 from .status import DaemonStatistics, from_wire
 

@@ -55,7 +55,7 @@ from .metrics import LiveStatistics, Metrics
 from .model import SHARE_CONNECT_TIMEOUT_S, Model, ModelState, share_enabled
 from .models import Models
 from .notify import Notifier, run_watchdog, watchdog_interval
-from .prefix_store import PrefixStore, open_prefix_store
+from .prefix.store import PrefixStore, open_prefix_store
 from .providers import Providers
 from .routeline import RouteLine
 from .routestats import RouteStats
@@ -327,7 +327,6 @@ class Daemon:
     def _apply(self, config: Config) -> None:
         # The one swap: the front, the completions and the slots read self.config at each request.
         self.config = config
-        self.front.reloaded()
         logs.setup(config.log.format, config.log.level)
         if self.models.several:
             # Models added or removed: the others are not touched.
@@ -458,8 +457,7 @@ class Daemon:
         for provider in not_ready:
             if provider.statistics().refused is not None:
                 continue  # its refusal was logged, one line, with why
-            its = getattr(provider, "child", None)
-            why = its.statistics().last_exit if isinstance(its, Child) else None
+            why = provider.child.statistics().last_exit if provider.child is not None else None
             log.error(
                 "provider %s is not ready (%s): requests take the plain route until it is",
                 provider.name,

@@ -269,8 +269,8 @@ class Front:
                 self,
                 hosts=self.server.host,
                 port=self.server.port,
-                idle_timeout_s=self.server.idle_timeout_s,
-                write_timeout_s=self.server.write_timeout_s,
+                idle_timeout_s=lambda: self.server.idle_timeout_s,
+                write_timeout_s=lambda: self.server.write_timeout_s,
                 shutdown=self._shutdown.wait,
             )
         self._http_server.bind()
@@ -279,13 +279,6 @@ class Front:
         """Close what :meth:`bind` bound if :meth:`run` never served on it."""
         if self._http_server is not None:
             self._http_server.close()
-
-    def reloaded(self) -> None:
-        """The settings were swapped: supervisor/server.py holds its idle and write timeouts as values
-        of its own (read at each idle period, each write), so it gets the new ones here."""
-        if self._http_server is not None:
-            self._http_server.idle_timeout_s = self.server.idle_timeout_s
-            self._http_server.write_timeout_s = self.server.write_timeout_s
 
     async def wait_inflight_changed(self) -> None:
         await self._inflight_changed.wait()

@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from .child import ChildStatistics
-from .prefix_store import StoreStatistics
+from .prefix.store import StoreStatistics
 from .providers.base import ProviderStatistics
 from .routeline import RouteLine
 from .slots import SlotStatistics

@@ -43,7 +43,7 @@ from .errors import DecoderUnavailable, ProviderStateRefused
 from .llama_server import LlamaServerLauncher, connection_limit, model_alias
 from .modelspec import ModelSpec
 from .openvino import UNIFIED_ARGS
-from .prefix_store import PrefixStore
+from .prefix.store import PrefixStore
 from .providers import Provider, Providers
 from .providers.exec import ExecProvider
 from .providers.llama import LlamaServerProvider
@@ -217,7 +217,7 @@ class Parts:
 
     def provider_children(self) -> list[Child]:
         """The children of the providers that have one (exec providers start a process per job)."""
-        return [child for p in self.providers.all if isinstance(child := getattr(p, "child", None), Child)]
+        return [p.child for p in self.providers.all if p.child is not None]
 
     def sockets(self) -> list[Path]:
         return [self.client.socket, *(p.launcher.socket for p in self.llama_providers())]

@@ -20,7 +20,7 @@ from cattrs.gen import make_dict_structure_fn
 from .child import ChildStatistics
 from .config import converter
 from .errors import AdminUnavailable
-from .prefix_store import StoreStatistics
+from .prefix.store import StoreStatistics
 from .providers.base import ProviderStatistics
 from .routestats import FirstByte
 from .slots import SlotStatistics

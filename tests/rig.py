@@ -24,11 +24,11 @@ import trio
 
 from supervisor import config as configuration
 from supervisor import locate, openvino
-from supervisor.child import ChildState
+from supervisor.child import Child, ChildState
 from supervisor.config import Config
 from supervisor.daemon import Daemon, Started
 from supervisor.errors import ProviderError
-from supervisor.providers import Claim, Job, PrefillJob, ProviderStatistics
+from supervisor.providers import Claim, Job, PrefillJob, Provider, ProviderStatistics
 
 from . import fake_control, fake_decoder, fake_provider, fake_share_provider
 
@@ -234,10 +234,16 @@ async def complete(client: httpx.AsyncClient, prompt: str = PROMPT, n: int = N_P
     return content
 
 
+def child_of(provider: Provider) -> Child:
+    """The child a llama-server or worker provider supervises."""
+    assert provider.child is not None, f"provider {provider.name} supervises no child"
+    return provider.child
+
+
 async def ready(running: Running, kind: str) -> None:
     """A worker takes jobs once its ready line came; an exec provider needs nothing."""
     if kind == "worker":
-        await running.daemon.providers.all[0].child.wait_state(ChildState.READY)  # type: ignore[attr-defined]
+        await child_of(running.daemon.providers.all[0]).wait_state(ChildState.READY)
 
 
 @attrs.define
@@ -313,6 +319,7 @@ class ScriptedProvider:
     ready: bool = True
     busy: int = 0
     jobs: list[PrefillJob] = attrs.Factory(list)
+    child: Child | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started(self)

@@ -34,7 +34,7 @@ from supervisor.daemon import Daemon
 from supervisor.errors import AdminUnavailable
 from supervisor.front import InflightRequest
 from supervisor.logs import ROUTE_LOGGER
-from supervisor.prefix_store import PrefixStore
+from supervisor.prefix.store import PrefixStore
 from supervisor.providers import ProviderStatistics
 from supervisor.routeline import RouteLine
 from supervisor.routestats import FirstByte, RouteStats
