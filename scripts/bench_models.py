@@ -175,10 +175,17 @@ async def run_side(args: argparse.Namespace, *, store: bool) -> dict[str, Any]:
                                     if kind == "warm":
                                         warm.append(ms)
                                     else:
+                                        other = daemon.models.get(MODELS[1 - MODELS.index(name)])
+                                        this = daemon.models.get(name)
+                                        assert other is not None
+                                        assert this is not None
                                         swapback.append(
                                             {
                                                 "ttft_ms": ms,
                                                 "load_ms": line.get("load_ms") or 0.0,
+                                                # Of that wait: the other model's unload, this one's load.
+                                                "unload": other.last_unload_ms or 0.0,
+                                                "decoder_load": this.last_load_ms or 0.0,
                                                 "restored": line.get("restored_tokens") or 0,
                                                 "prefilled": line.get("decoder_prompt_n") or 0,
                                             }
@@ -210,12 +217,16 @@ async def run(args: argparse.Namespace) -> int:
     sides = {"(a) store": await run_side(args, store=True), "(b) no store": await run_side(args, store=False)}
     ok = True
     for name, side in sides.items():
-        print(f"\n{name}: swap-back turns (time to first token, the wait for the model's load, tokens)")
-        print(f"{'ttft ms':>10}{'load_ms':>10}{'ttft-load':>11}{'restored':>10}{'prefilled':>11}")
+        print(
+            f"\n{name}: swap-back turns (time to first token; load_ms, the wait for the model's load: the other's"
+            " unload, then this one's decoder start; tokens)"
+        )
+        heads = [("ttft ms", 10), ("load_ms", 10), ("(unload", 9), ("load)", 8), ("ttft-load", 11)]
+        print("".join(f"{head:>{width}}" for head, width in [*heads, ("restored", 10), ("prefilled", 11)]))
         for s in side["swapback"]:
             print(
-                f"{s['ttft_ms']:>10.1f}{s['load_ms']:>10.1f}{s['ttft_ms'] - s['load_ms']:>11.1f}"
-                f"{s['restored']:>10}{s['prefilled']:>11}"
+                f"{s['ttft_ms']:>10.1f}{s['load_ms']:>10.1f}{s['unload']:>9.0f}{s['decoder_load']:>8.0f}"
+                f"{s['ttft_ms'] - s['load_ms']:>11.1f}{s['restored']:>10}{s['prefilled']:>11}"
             )
         print(f"warm turns: median {_median(side['warm']):.1f} ms over {len(side['warm'])}")
         statuses = side["burst"]["statuses"]

@@ -265,7 +265,8 @@ class Model:
         self._wanted = False
         self.users = 0
         self.loads = 0
-        self.last_load_ms: float | None = None
+        self.last_load_ms: float | None = None  # its decoder's spawn to healthy
+        self.last_unload_ms: float | None = None  # its slots kept and its children stopped
         self.last_used: float | None = None  # trio clock: the scheduler's LRU order
         self._last_used_wall: float | None = None
         self.store = PrefixStore.disabled("not opened yet", level=logging.DEBUG)
@@ -328,6 +329,7 @@ class Model:
             users=self.users,
             loads=self.loads,
             last_load_ms=None if self.last_load_ms is None else round(self.last_load_ms, 1),
+            last_unload_ms=None if self.last_unload_ms is None else round(self.last_unload_ms, 1),
             last_used=self._last_used_wall,
             memory_mib=round(self.memory_mib(), 1),
             estimate_mib=round(self.estimate_mib, 1),
@@ -474,6 +476,7 @@ class Model:
                         self._set(ModelState.LOADING, "its decoder is restarting")
                     await self._woken()
                 self._set(ModelState.UNLOADING, "no longer wanted")
+                unloading = trio.current_time()
                 if parts.decoder.state is ChildState.READY:
                     await self._keep_slots(stored)
                 nursery.cancel_scope.cancel()
@@ -488,7 +491,8 @@ class Model:
                     with contextlib.suppress(OSError):
                         path.unlink(missing_ok=True)
             if clean:
-                self._set(ModelState.UNLOADED, "its children stopped")
+                self.last_unload_ms = (trio.current_time() - unloading) * 1000
+                self._set(ModelState.UNLOADED, f"its children stopped in {self.last_unload_ms:.0f} ms")
                 self.parts = self._parts()
 
     async def _keep_slots(self, stored: StoredPrefixes) -> None:

@@ -67,7 +67,8 @@ class ModelStatistics:
     ttl_s: float
     users: int  # requests holding it now
     loads: int
-    last_load_ms: float | None
+    last_load_ms: float | None  # its decoder's spawn to healthy, the last time
+    last_unload_ms: float | None  # its slots kept and its children stopped, the last time
     last_used: float | None  # wall-clock seconds since the epoch
     memory_mib: float  # measured (its children's RSS) while loaded, else the estimate
     estimate_mib: float
