@@ -12,9 +12,11 @@ import tomli_w
 import trio
 
 from supervisor import config as configuration
+from supervisor import ctl
 from supervisor.config import Config
 from supervisor.daemon import Daemon
 from supervisor.model import ModelState
+from supervisor.status import from_wire, to_wire
 
 from .helpers import wait_until
 from .rig import FAKE_DECODER, Control, DecoderModes, RouteLines, fake_decoder_config, make_config, run_daemon
@@ -132,3 +134,14 @@ async def test_a_mixed_burst_is_served_with_one_swap_the_loaded_models_requests_
                 control.set(decoder=DecoderModes())
             assert statuses == [200] * 6
             assert (a.loads, b.loads, models.swaps) == (1, 1, 1)
+            metrics = (await client.get("/metrics")).text
+            assert 'onebit_model_state{model="b",state="loaded"} 1.0' in metrics
+            assert 'onebit_model_loads_total{model="b"} 1.0' in metrics
+            assert "onebit_model_swaps_total 1.0" in metrics
+            assert 'onebit_model_requests_total{model="a",outcome="ok"} 3.0' in metrics
+            # onebitctl status: a table of the models, read back from the wire as onebitctl reads it.
+            table = ctl.render_status(from_wire(to_wire(running.daemon.statistics())))
+            rows = {line.split()[0]: line.split() for line in table.splitlines() if line.startswith(("a ", "b "))}
+            assert rows["a"][1:3] == ["(default)", "unloaded"]
+            assert rows["b"][1] == "loaded"
+            assert "1 swaps; 0 waiting for a load" in table
