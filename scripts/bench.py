@@ -5,6 +5,7 @@
     scripts/bench providers [--quick]  first token: plain vs the file route on a ggml and an OpenVINO provider
     scripts/bench multiturn [--quick]  chats over many turns: plain, hybrid, llama-server direct
     scripts/bench prefix [--quick]     a long shared prompt across a decoder crash, with and without the store
+    scripts/bench models [--quick]     two models through a one-model budget: swaps, with and without the store
 
 Every subcommand runs onebitd (port 0, a runtime directory under /tmp), waits until its decoder is
 ready, measures, then stops the daemon, which stops and reaps its children, whatever happened (an
@@ -58,6 +59,7 @@ from supervisor.testing import run_daemon  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_handoff  # noqa: E402
+import bench_models  # noqa: E402
 import bench_multiturn  # noqa: E402
 import bench_prefix  # noqa: E402
 import bench_providers  # noqa: E402
@@ -773,6 +775,12 @@ SUBCOMMANDS = [
         help="a long shared prompt across a decoder crash, with the prefix store and without",
         arguments=bench_prefix.arguments,
         run=bench_prefix.run,
+    ),
+    Subcommand(
+        name="models",
+        help="two models through max_loaded = 1: swapped-back turns with the prefix store and without, a burst",
+        arguments=bench_models.arguments,
+        run=bench_models.run,
     ),
     Subcommand(
         name="versus",

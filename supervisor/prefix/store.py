@@ -479,7 +479,7 @@ async def open_prefix_store(
     if not cache.enabled:
         store = PrefixStore.disabled("cache.enabled is false", level=logging.INFO)
     else:
-        directory = locate.prefix_store_dir(cache.dir)
+        directory = locate.prefix_store_dir(cache.dir, port=config.server.port)
         try:
             fingerprint = await trio.to_thread.run_sync(
                 functools.partial(StateFingerprint.of, config, server_version, kv_unified=kv_unified, engines=engines)
