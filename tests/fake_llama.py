@@ -36,7 +36,7 @@ import trio
 from supervisor import wire
 from supervisor.decoder import DecoderClient
 from supervisor.errors import DecoderUnavailable
-from supervisor.prefix_files import STATE_MAGIC
+from supervisor.statefile import MAGIC_BYTES as STATE_MAGIC
 
 from . import fake_decoder
 from .fake_decoder import HttpError, Modes, chatml, parse_job, token_id
