@@ -125,6 +125,7 @@ class _Reader:
     """What both readers share: feeding llhttp piece by piece, the event queue, the limits."""
 
     _parser: httptools.HttpRequestParser | httptools.HttpResponseParser
+    _whole_chunks = False  # True: a chunked body is fed up to each CRLF CRLF (a reply's), not line by line
 
     def __init__(self, max_head: int) -> None:
         self.max_head = max_head
@@ -151,6 +152,15 @@ class _Reader:
         if self._error is not None:
             return
         try:
+            if self._state == _CHUNKED and self._whole_chunks:
+                # The common piece of a reply's chunked body (an event stream's next chunks): no CRLF
+                # CRLF in it, nor one begun in the bytes before, so _feed would make one piece of it.
+                # (rfind: CPython's reverse search is twice as quick as its forward one for this needle.)
+                joined = self._tail + data
+                if joined.rfind(_HEAD_END) < 0:
+                    self._tail = joined[-3:]
+                    self._parse(data, body=True)
+                    return
             self._feed(data)
         except Malformed as exc:
             self._error = exc
@@ -405,6 +415,8 @@ def _target(target: bytes, method: str) -> tuple[str, bytes, bytes]:
 class ResponseReader(_Reader):
     """The replies on one connection to llama-server; :meth:`expect` says what each answers."""
 
+    _whole_chunks = True
+
     def __init__(self, max_head: int) -> None:
         super().__init__(max_head)
         self._parser = httptools.HttpResponseParser(self)
@@ -414,21 +426,6 @@ class ResponseReader(_Reader):
     def expect(self, method: str) -> None:
         """The next reply answers ``method`` (a HEAD's carries no body, whatever its head says)."""
         self._head_request = method == "HEAD"
-
-    def feed(self, data: bytes) -> None:
-        # The common piece, a chunked reply's next chunks with no CRLF CRLF in them (nor one begun in
-        # the bytes before): what _feed would make of it, in a call to llhttp and none around it.
-        # (rfind: CPython's reverse search is twice as quick as its forward one for this needle.)
-        if self._state == _CHUNKED and self._error is None:
-            joined = self._tail + data
-            if joined.rfind(_HEAD_END) < 0:
-                self._tail = joined[-3:]
-                try:
-                    self._parse(data, body=True)
-                except Malformed as exc:
-                    self._error = exc
-                return
-        _Reader.feed(self, data)
 
     def _feed_chunked(self, data: bytes, pos: int) -> int:
         # A chunked body ends with a CRLF CRLF: fed up to each one, it ends where a piece ends.
