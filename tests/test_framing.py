@@ -276,6 +276,32 @@ def test_a_client_that_sent_only_what_was_answered_has_nothing_pending() -> None
     assert reader.pending  # a blank line: the start of a next request
 
 
+def test_take_body_hands_out_the_pieces_come_so_far_joined_and_then_the_end() -> None:
+    reader = framing.ResponseReader(65536)
+    reader.expect("GET")
+    reader.feed(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n")
+    assert isinstance(reader.next_event(), framing.Response)
+    assert reader.take_body() == (b"abcde", False)
+    assert reader.take_body() == (b"", False)
+    reader.feed(b"1\r\nf\r\n0\r\n\r\n")
+    assert reader.take_body() == (b"f", True)
+    assert not reader.pending
+
+
+def test_take_body_raises_for_a_body_malformed_before_its_end_but_not_for_the_next_message() -> None:
+    reader = framing.RequestReader()
+    reader.feed(b"POST / HTTP/1.1\r\n" + H + b"Transfer-Encoding: chunked\r\n\r\n3\r\nabc\r\nzz\r\n")
+    assert isinstance(reader.next_event(), framing.Request)
+    with pytest.raises(Malformed, match="chunk"):
+        reader.take_body()
+    reader = framing.RequestReader()
+    reader.feed(b"POST / HTTP/1.1\r\n" + H + b"Content-Length: 2\r\n\r\nokGET / HTTP/1.1\nHost: x\n\n")
+    assert isinstance(reader.next_event(), framing.Request)
+    assert reader.take_body() == (b"ok", True)
+    with pytest.raises(Malformed, match="malformed"):
+        reader.next_event()
+
+
 # -- replies --------------------------------------------------------------------------------------
 
 
