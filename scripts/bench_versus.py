@@ -66,9 +66,18 @@ async def run(args: argparse.Namespace, bench: ModuleType) -> int:
         log_path = Path(args.log) if args.log else dirs[0] / "onebitd.log"
         with log_path.open("w") as log:
             ctx_size = max(2048, 256 * args.parallel)
+            # One llama-server for both sides, named in both configs: left to itself, each checkout's
+            # onebitd finds the build its own patches key (an older checkout, an older build), and the
+            # two decoders would differ (a portable AVX2 build against this tree's CPU variants).
+            binary = locate.llama_server("")
+            if binary is None:
+                raise bench.BenchError("no llama-server built: run scripts/setup")
             configs = [
-                bench.bench_config(directory, parallel=args.parallel, ctx_size=ctx_size, threads=args.threads)
-                for directory in dirs
+                attrs.evolve(config, decoder=attrs.evolve(config.decoder, binary=str(binary)))
+                for config in (
+                    bench.bench_config(directory, parallel=args.parallel, ctx_size=ctx_size, threads=args.threads)
+                    for directory in dirs
+                )
             ]
             model = locate.model_path(configs[0].model.path)
             print("onebit versus: onebitd from this tree and from another, side by side, each with its own decoder")
