@@ -5,6 +5,8 @@
     scripts/bench providers [--quick]  first token: plain vs the file route on a ggml and an OpenVINO provider
     scripts/bench multiturn [--quick]  chats over many turns: plain, hybrid, llama-server direct
     scripts/bench prefix [--quick]     a long shared prompt across a decoder crash, with and without the store
+    scripts/bench agent [--quick]      an agent's session through anthropic-python and openai-python's Responses
+                                       client: direct, plain, hybrid, and after a full restart
 
 Every subcommand runs onebitd (port 0, a runtime directory under /tmp), waits until its decoder is
 ready, measures, then stops the daemon, which stops and reaps its children, whatever happened (an
@@ -56,6 +58,7 @@ from supervisor.decoder import unix_transport  # noqa: E402
 from supervisor.errors import ConfigError  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_agent  # noqa: E402
 import bench_handoff  # noqa: E402
 import bench_multiturn  # noqa: E402
 import bench_prefix  # noqa: E402
@@ -756,6 +759,12 @@ SUBCOMMANDS = [
         help="a long shared prompt across a decoder crash, with the prefix store and without",
         arguments=bench_prefix.arguments,
         run=bench_prefix.run,
+    ),
+    Subcommand(
+        name="agent",
+        help="an agent's session through anthropic-python and the Responses client: direct, plain, hybrid, restarted",
+        arguments=bench_agent.arguments,
+        run=bench_agent.run,
     ),
     Subcommand(
         name="versus",
