@@ -266,8 +266,10 @@ async def open_side(config: Config) -> AsyncIterator[tuple[Daemon, str]]:
         try:
             with trio.fail_after(TIMEOUT_S):
                 await daemon.decoder.wait_state(ChildState.READY)
-                for provider in daemon.providers.all:
-                    await provider.wait_settled()
+                # Ready, not only settled: a provider takes jobs once its check against the decoder
+                # admitted it, which comes after the decoder is up (a first turn before would go plain).
+                while not all(provider.ready for provider in daemon.providers.all):  # noqa: ASYNC110
+                    await trio.sleep(0.05)
             yield daemon, started.binds[0]
         finally:
             daemon.request_stop()
