@@ -466,6 +466,7 @@ async def test_an_anthropic_message_restored_from_the_store_is_counted_when_the_
         store.close()
     assert first.status == again.status == 200
     cold, warm = rig.lines
+    assert cold.prompt_tokens is not None
     assert warm.restored_tokens == cold.prompt_tokens == warm.prompt_tokens
     assert warm.fallback == "no-provider>stored"
     assert rig.completions.restore_unused == (1 if unused else 0)
