@@ -5,6 +5,7 @@
     scripts/bench providers [--quick]  first token: plain vs the file route on a ggml and an OpenVINO provider
     scripts/bench multiturn [--quick]  chats over many turns: plain, hybrid, llama-server direct
     scripts/bench prefix [--quick]     a long shared prompt across a decoder crash, with and without the store
+    scripts/bench models [--quick]     two models through a one-model budget: swaps, with and without the store
     scripts/bench agent [--quick]      an agent's session through anthropic-python and openai-python's Responses
                                        client: direct, plain, hybrid, and after a full restart
 
@@ -17,7 +18,8 @@ and most of its noise, cancels out; nothing here passes or fails on speed.  Exit
 every request succeeded, 1 otherwise, 2 for a set-up problem.
 
 Adding a subcommand: write an ``arguments(parser)`` function and an ``async run(args) -> int``
-coroutine (use :func:`open_onebitd` for the daemon and its two clients) and add one
+coroutine (use supervisor/testing.py's ``run_daemon`` and ``Running.clients`` for the daemon and its
+two clients) and add one
 :class:`Subcommand` line to ``SUBCOMMANDS`` at the bottom.
 """
 
@@ -51,15 +53,16 @@ sys.path.insert(0, str(ROOT))  # measure the tree this script sits in, whatever 
 
 from supervisor import config as configuration  # noqa: E402
 from supervisor import locate, logs  # noqa: E402
-from supervisor.child import ChildState  # noqa: E402
 from supervisor.config import Config  # noqa: E402
 from supervisor.daemon import Daemon  # noqa: E402
 from supervisor.decoder import unix_transport  # noqa: E402
-from supervisor.errors import ConfigError  # noqa: E402
+from supervisor.errors import ChildError, ConfigError  # noqa: E402
+from supervisor.testing import run_daemon  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_agent  # noqa: E402
 import bench_handoff  # noqa: E402
+import bench_models  # noqa: E402
 import bench_multiturn  # noqa: E402
 import bench_prefix  # noqa: E402
 import bench_providers  # noqa: E402
@@ -93,42 +96,6 @@ def bench_config(
     config = configuration.structure(data, "bench")
     configuration.check(config, "bench")
     return config
-
-
-@attrs.frozen
-class Onebitd:
-    """A running onebitd, an HTTP client for it, and a client straight to its decoder's socket."""
-
-    daemon: Daemon
-    url: str
-    front: httpx.AsyncClient
-    direct: httpx.AsyncClient
-
-
-@asynccontextmanager
-async def open_onebitd(config: Config) -> AsyncIterator[Onebitd]:
-    """Run onebitd in this trio run until the block ends; then stop it and reap its children."""
-    daemon = Daemon(config)
-    async with trio.open_nursery() as nursery:
-        started = await nursery.start(daemon.run)
-        try:
-            with trio.fail_after(READY_TIMEOUT_S):
-                state = await daemon.decoder.wait_state(ChildState.READY, ChildState.FAILED)
-            if state is ChildState.FAILED:
-                raise BenchError(f"the decoder failed to start: {daemon.decoder.statistics().last_exit}")
-            timeout = httpx.Timeout(REQUEST_TIMEOUT_S)
-            # Enough connections that concurrent streams never queue inside the client.
-            limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
-            # Straight to llama-server as onebitd's own client goes: keep-alive connections retired
-            # before llama-server's 5 s idle close, which would otherwise fail a request now and then.
-            transport = unix_transport(daemon.launcher.socket)
-            async with (
-                httpx.AsyncClient(base_url=started.binds[0], timeout=timeout, limits=limits) as front,
-                httpx.AsyncClient(transport=transport, base_url="http://decoder", timeout=timeout) as direct,
-            ):
-                yield Onebitd(daemon, started.binds[0], front, direct)
-        finally:
-            daemon.request_stop()
 
 
 @attrs.frozen
@@ -539,11 +506,14 @@ async def open_target(
         # onebitd logs as it does in service (route lines, the decoder's output): that work counts.
         logs.setup("logfmt", "info", stream=log)
         try:
-            async with open_onebitd(config) as onebitd:
-                daemon = onebitd.daemon
+            async with (
+                run_daemon(config, ready_timeout_s=READY_TIMEOUT_S) as running,
+                running.clients(request_timeout_s=REQUEST_TIMEOUT_S) as clients,
+            ):
+                daemon = running.daemon
                 yield Target(
-                    onebitd.front,
-                    onebitd.direct,
+                    clients.front,
+                    clients.direct,
                     cpu=time.process_time,
                     rss=lambda: rss_of("self"),
                     ours=lambda: (os.getpid(), *((daemon.decoder.pid,) if daemon.decoder.pid else ())),
@@ -589,7 +559,21 @@ def cpu_lines(direct: Side, front: Side, requests: int, streams: int, what: str)
     return lines
 
 
+@attrs.frozen
+class Measured:
+    """What one overhead run measured on both sides, for :func:`report_overhead`."""
+
+    direct: Side
+    front: Side
+    what: str  # what the CPU and RSS figures cover
+    rss_before: float
+    rss_after: float
+    noise: str  # the other processes' share of the machine, as a line
+    tracer: bench_trace.Tracer | None
+
+
 async def overhead(args: argparse.Namespace) -> int:
+    """``scripts/bench overhead``: the set-up said, both sides measured alternately, the ratios."""
     short, streams = load_bodies(args)
     if args.trace and args.onebitd != "inline":
         print("scripts/bench: --trace patches the daemon's objects: onebitd runs inline", file=sys.stderr)
@@ -602,69 +586,109 @@ async def overhead(args: argparse.Namespace) -> int:
         )
         if args.self_cpus:
             os.sched_setaffinity(0, args.self_cpus)
-        model = locate.model_path(config.model.path)
-        print("onebit overhead: onebitd over HTTP vs the same llama-server straight over its unix socket")
-        print(f"machine: {machine()}")
-        print(f"decoder: {await decoder_version(config)}")
-        print(
-            f"model: {model.name if model else '?'}, ctx_size {ctx_size}, parallel {args.parallel}, "
-            f"threads {args.threads or 'default'}"
-        )
-        print(
-            "onebitd: "
-            + (
-                "in this process, sharing its event loop with the clients"
-                if args.onebitd == "inline"
-                else "its own process (python -m supervisor.daemon), as in service"
-            )
-        )
-        if args.decoder_cpus or args.self_cpus:
-            print(
-                f"pinned: decoder on CPUs {args.decoder_cpus or 'any'}, "
-                f"onebitd and the clients on {args.self_cpus or 'any'}"
-            )
-        print(
-            f"(a) short completions, not streamed: {args.pairs} alternating pairs after {args.warmup} warm-up, "
-            f"max_tokens {args.max_tokens}"
-        )
-        print(
-            f"(b) {args.streams} concurrent streams x {args.stream_tokens} tokens, "
-            f"{args.rounds} alternating round(s) per side after 1 warm-up"
-        )
-        sys.stdout.flush()
+        await print_setup(args, config, ctx_size)
         log_path = Path(args.log) if args.log else runtime_dir / "onebitd.log"
         with log_path.open("w") as log:
-            direct, front = Side(), Side()
             async with open_target(args, config, runtime_dir, log) as target:
-                tracer = bench_trace.Tracer() if args.trace else None
-                if tracer is not None and target.daemon is not None:
-                    tracer.install(target.daemon)
-                rss_before = target.rss()
-                noise = Noise.start(target.ours())
-                cpu = target.cpu
-                for i in range(args.warmup + args.pairs):
-                    measured = i >= args.warmup
-                    # Alternate who goes first, so neither side always meets a just-warmed decoder.
-                    pairs = [(target.direct, direct), (target.front, front)]
-                    latencies = {}
-                    for client, side in pairs[::-1] if i % 2 else pairs:
-                        latencies[client] = await short_completion(client, short, side if measured else None, cpu)
-                    if measured:
-                        front.latencies.append(latencies[target.front])
-                        direct.latencies.append(latencies[target.direct])
-                await stream_round(target.direct, streams, Side(), cpu)
-                await stream_round(target.front, streams, Side(), cpu)
-                for r in range(args.rounds):
-                    order = [(target.front, front), (target.direct, direct)]
-                    for client, side in order if r % 2 else order[::-1]:
-                        if tracer is not None and client is target.front:
-                            tracer.clear()
-                        await stream_round(client, streams, side, cpu)
-                noise_line = noise.report(target.ours())
-                rss_after = target.rss()
+                measured = await measure(args, target, short, streams)
     finally:
         shutil.rmtree(runtime_dir, ignore_errors=True)
+    report_overhead(args, measured)
+    return 0
 
+
+async def print_setup(args: argparse.Namespace, config: Config, ctx_size: int) -> None:
+    """What runs where, and what each part of the run sends."""
+    model = locate.model_path(config.model.path)
+    print("onebit overhead: onebitd over HTTP vs the same llama-server straight over its unix socket")
+    print(f"machine: {machine()}")
+    print(f"decoder: {await decoder_version(config)}")
+    print(
+        f"model: {model.name if model else '?'}, ctx_size {ctx_size}, parallel {args.parallel}, "
+        f"threads {args.threads or 'default'}"
+    )
+    print(
+        "onebitd: "
+        + (
+            "in this process, sharing its event loop with the clients"
+            if args.onebitd == "inline"
+            else "its own process (python -m supervisor.daemon), as in service"
+        )
+    )
+    if args.decoder_cpus or args.self_cpus:
+        print(
+            f"pinned: decoder on CPUs {args.decoder_cpus or 'any'}, "
+            f"onebitd and the clients on {args.self_cpus or 'any'}"
+        )
+    print(
+        f"(a) short completions, not streamed: {args.pairs} alternating pairs after {args.warmup} warm-up, "
+        f"max_tokens {args.max_tokens}"
+    )
+    print(
+        f"(b) {args.streams} concurrent streams x {args.stream_tokens} tokens, "
+        f"{args.rounds} alternating round(s) per side after 1 warm-up"
+    )
+    sys.stdout.flush()
+
+
+async def measure(
+    args: argparse.Namespace, target: Target, short: dict[str, Any], streams: list[dict[str, Any]]
+) -> Measured:
+    """(a) then (b), each side in turn, with onebitd's RSS before and after and the machine's noise."""
+    direct, front = Side(), Side()
+    tracer = bench_trace.Tracer() if args.trace else None
+    if tracer is not None and target.daemon is not None:
+        tracer.install(target.daemon)
+    rss_before = target.rss()
+    noise = Noise.start(target.ours())
+    await short_pairs(args, target, short, direct, front)
+    await stream_rounds(args, target, streams, direct, front, tracer)
+    noise_line = noise.report(target.ours())
+    return Measured(direct, front, target.what, rss_before, target.rss(), noise_line, tracer)
+
+
+async def short_pairs(
+    args: argparse.Namespace, target: Target, short: dict[str, Any], direct: Side, front: Side
+) -> None:
+    """(a): short completions in pairs, one per side, after the warm-up ones."""
+    for i in range(args.warmup + args.pairs):
+        measured = i >= args.warmup
+        # Alternate who goes first, so neither side always meets a just-warmed decoder.
+        pairs = [(target.direct, direct), (target.front, front)]
+        latencies = {}
+        for client, side in pairs[::-1] if i % 2 else pairs:
+            latencies[client] = await short_completion(client, short, side if measured else None, target.cpu)
+        if measured:
+            front.latencies.append(latencies[target.front])
+            direct.latencies.append(latencies[target.direct])
+
+
+async def stream_rounds(
+    args: argparse.Namespace,
+    target: Target,
+    streams: list[dict[str, Any]],
+    direct: Side,
+    front: Side,
+    tracer: bench_trace.Tracer | None,
+) -> None:
+    """(b): a warm-up round per side, then rounds of concurrent streams, the sides alternating."""
+    await stream_round(target.direct, streams, Side(), target.cpu)
+    await stream_round(target.front, streams, Side(), target.cpu)
+    for r in range(args.rounds):
+        order = [(target.front, front), (target.direct, direct)]
+        for client, side in order if r % 2 else order[::-1]:
+            if tracer is not None and client is target.front:
+                tracer.clear()
+            await stream_round(client, streams, side, target.cpu)
+
+
+def verdict(met: bool) -> str:
+    return "met" if met else "not met"
+
+
+def report_overhead(args: argparse.Namespace, measured: Measured) -> None:
+    """The table, the ratios against their aims, and what onebitd's CPU and memory came to."""
+    direct, front = measured.direct, measured.front
     direct_median, front_median = statistics.median(direct.latencies), statistics.median(front.latencies)
     print()
     print_table(
@@ -685,10 +709,6 @@ async def overhead(args: argparse.Namespace) -> int:
     first = statistics.median(front.first_tokens) / statistics.median(direct.first_tokens)
     # Rounds r of each side ran back to back: their ratio is the least exposed to drift in the load.
     paired = statistics.median(f / d for f, d in zip(front.round_rates, direct.round_rates, strict=True))
-
-    def verdict(met: bool) -> str:
-        return "met" if met else "not met"
-
     print()
     print(f"added at the median: {added_ms:+.2f} ms   (aim: at most 1 ms; {verdict(added_ms <= 1)})")
     print(f"added at the p99: {added_p99:+.2f} ms   (aim: at most 3 ms; {verdict(added_p99 <= 3)})")
@@ -702,15 +722,14 @@ async def overhead(args: argparse.Namespace) -> int:
             f"(b) first token, ms, {name}: min {firsts[0] * 1000:.1f}  median {statistics.median(firsts) * 1000:.1f}  "
             f"max {firsts[-1] * 1000:.1f}"
         )
-    for line in cpu_lines(direct, front, len(front.latencies), args.streams * args.rounds, target.what):
+    for line in cpu_lines(direct, front, len(front.latencies), args.streams * args.rounds, measured.what):
         print(line)
-    print(f"rss, {target.what}: {rss_before:.1f} MiB before, {rss_after:.1f} MiB after")
-    print(noise_line)
+    print(f"rss, {measured.what}: {measured.rss_before:.1f} MiB before, {measured.rss_after:.1f} MiB after")
+    print(measured.noise)
     if args.trace:
         print()
         bench_trace.report("direct", direct.records, None)
-        bench_trace.report("through onebitd", front.records, tracer)
-    return 0
+        bench_trace.report("through onebitd", front.records, measured.tracer)
 
 
 # -- the command line ------------------------------------------------------------------------------
@@ -767,6 +786,12 @@ SUBCOMMANDS = [
         run=bench_agent.run,
     ),
     Subcommand(
+        name="models",
+        help="two models through max_loaded = 1: swapped-back turns with the prefix store and without, a burst",
+        arguments=bench_models.arguments,
+        run=bench_models.run,
+    ),
+    Subcommand(
         name="versus",
         help="onebitd from this tree against onebitd from another checkout, side by side: CPU and latency",
         arguments=versus_arguments,
@@ -821,7 +846,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for line in exc.lines if isinstance(exc, ConfigError) else [str(exc)]:
                 print(f"scripts/bench: {line}", file=sys.stderr)
         status = 2
-    except* BenchError as group:
+    except* (BenchError, ChildError) as group:  # ChildError: the decoder failed to start
         for exc in leaves(group):
             print(f"scripts/bench: {exc}", file=sys.stderr)
         status = 1

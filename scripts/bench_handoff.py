@@ -46,12 +46,12 @@ sys.path.insert(0, str(ROOT))
 
 from supervisor import config as configuration  # noqa: E402
 from supervisor import locate  # noqa: E402
-from supervisor.child import ChildState  # noqa: E402
 from supervisor.config import Config  # noqa: E402
 from supervisor.daemon import Daemon  # noqa: E402
 from supervisor.decoder import unix_transport  # noqa: E402
 from supervisor.providers.llama import LlamaServerProvider  # noqa: E402
 from supervisor.share_worker import SlotState, write_rows  # noqa: E402
+from supervisor.testing import run_daemon  # noqa: E402
 
 TIMEOUT_S = 600  # one 2k-token prefill on a loaded 2-core machine is seconds, not minutes
 SIZES = (256, 1024, 2048)
@@ -90,29 +90,19 @@ class Rig:
 
 @asynccontextmanager
 async def open_rig(config: Config, *, check_fidelity: bool = True) -> AsyncIterator[Rig]:
-    daemon = Daemon(config, check_fidelity=check_fidelity)
-    async with trio.open_nursery() as nursery:
-        started = await nursery.start(daemon.run)
-        try:
-            (provider,) = daemon.providers.all
-            assert isinstance(provider, LlamaServerProvider)
-            with trio.fail_after(TIMEOUT_S):
-                await daemon.decoder.wait_state(ChildState.READY)
-                await provider.child.wait_state(ChildState.READY)
-            timeout = httpx.Timeout(TIMEOUT_S)
-            # As onebitd's own client: keep-alive connections retired before llama-server's 5 s idle
-            # close (a bare transport reuses one at that moment: "Server disconnected without sending
-            # a response").
-            decoder_t = unix_transport(daemon.launcher.socket)
-            provider_t = unix_transport(provider.launcher.socket)
-            async with (
-                httpx.AsyncClient(base_url=started.binds[0], timeout=timeout) as front,
-                httpx.AsyncClient(transport=decoder_t, base_url="http://d", timeout=timeout) as decoder,
-                httpx.AsyncClient(transport=provider_t, base_url="http://p", timeout=timeout) as provider_client,
-            ):
-                yield Rig(daemon, front, decoder, provider_client)
-        finally:
-            daemon.request_stop()
+    async with (
+        run_daemon(config, check_fidelity=check_fidelity, providers_ready=True, ready_timeout_s=TIMEOUT_S) as running,
+        # httpx's own pool limits for the front, as before the harness.
+        running.clients(request_timeout_s=TIMEOUT_S, max_connections=100, keepalive=20) as clients,
+    ):
+        (provider,) = running.daemon.providers.all
+        assert isinstance(provider, LlamaServerProvider)
+        # As onebitd's own client: keep-alive connections retired before llama-server's 5 s idle
+        # close (a bare transport reuses one at that moment: "Server disconnected without sending
+        # a response").
+        provider_t = unix_transport(provider.launcher.socket)
+        async with httpx.AsyncClient(transport=provider_t, base_url="http://p", timeout=TIMEOUT_S) as provider_client:
+            yield Rig(running.daemon, clients.front, clients.direct, provider_client)
 
 
 async def prompt_of(decoder: httpx.AsyncClient, n_tokens: int, salt: int) -> tuple[str, int]:

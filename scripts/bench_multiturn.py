@@ -41,11 +41,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from supervisor import config as configuration  # noqa: E402
-from supervisor.child import ChildState  # noqa: E402
 from supervisor.config import Config  # noqa: E402
 from supervisor.daemon import Daemon  # noqa: E402
-from supervisor.decoder import unix_transport  # noqa: E402
 from supervisor.logs import ROUTE_LOGGER  # noqa: E402
+from supervisor.testing import run_daemon  # noqa: E402
 
 TIMEOUT_S = 600
 TOPICS = ("lighthouses", "sourdough bread", "glaciers", "violins", "honeybees", "volcanoes")
@@ -116,24 +115,12 @@ class Sample:
 
 @asynccontextmanager
 async def open_side(config: Config) -> AsyncIterator[tuple[Daemon, httpx.AsyncClient, httpx.AsyncClient]]:
-    daemon = Daemon(config)
-    async with trio.open_nursery() as nursery:
-        started = await nursery.start(daemon.run)
-        try:
-            with trio.fail_after(TIMEOUT_S):
-                await daemon.decoder.wait_state(ChildState.READY)
-                for provider in daemon.providers.all:
-                    await provider.child.wait_state(ChildState.READY)  # type: ignore[attr-defined]
-            timeout = httpx.Timeout(TIMEOUT_S)
-            # Straight to llama-server: keep-alive connections retired before its 5 s idle close.
-            transport = unix_transport(daemon.launcher.socket)
-            async with (
-                httpx.AsyncClient(base_url=started.binds[0], timeout=timeout) as front,
-                httpx.AsyncClient(transport=transport, base_url="http://decoder", timeout=timeout) as direct,
-            ):
-                yield daemon, front, direct
-        finally:
-            daemon.request_stop()
+    # httpx's own pool limits for the front, as before the harness.
+    async with (
+        run_daemon(config, providers_ready=True, ready_timeout_s=TIMEOUT_S) as running,
+        running.clients(request_timeout_s=TIMEOUT_S, max_connections=100, keepalive=20) as clients,
+    ):
+        yield running.daemon, clients.front, clients.direct
 
 
 async def turn(client: httpx.AsyncClient, messages: list[dict[str, str]], max_tokens: int) -> tuple[float, str, int]:

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from supervisor import config as configuration  # noqa: E402
 from supervisor.child import ChildState  # noqa: E402
 from supervisor.config import Config  # noqa: E402
-from supervisor.daemon import Daemon  # noqa: E402
+from supervisor.testing import run_daemon  # noqa: E402
 
 TIMEOUT_S = 900
 
@@ -86,34 +86,29 @@ async def run_side(args: argparse.Namespace, *, store: bool) -> dict[str, Any]:
     runtime_dir = Path(tempfile.mkdtemp(prefix="ob-bench-", dir="/tmp"))
     system = system_prompt(args.system_words)
     try:
-        daemon = Daemon(side_config(runtime_dir, store=store))
-        async with trio.open_nursery() as nursery:
-            started = await nursery.start(daemon.run)
-            try:
-                with trio.fail_after(TIMEOUT_S):
-                    await daemon.decoder.wait_state(ChildState.READY)
-                    async with httpx.AsyncClient(base_url=started.binds[0], timeout=TIMEOUT_S) as client:
-                        before = [
-                            await first_token_ms(client, system, f"Question {i}: where does parcel {i * 3} go?")
-                            for i in range(args.before)
-                        ]
-                        if store:  # the store's writes run off the requests' path: let them land
-                            with trio.fail_after(120):
-                                while daemon.store.statistics().stores < 2:  # noqa: ASYNC110
-                                    await trio.sleep(0.05)
-                        decoder = daemon.decoder
-                        pid, generation = decoder.pid, decoder.generation
-                        assert pid is not None
-                        os.kill(pid, signal.SIGKILL)
-                        while not (decoder.generation > generation and decoder.state is ChildState.READY):
-                            await decoder.wait_state(*(s for s in ChildState if s is not decoder.state))
-                        after = [
-                            await first_token_ms(client, system, f"Question {i}: where does parcel {i * 5} go?")
-                            for i in range(args.before, args.before + args.after)
-                        ]
-                    entries = daemon.store.statistics().entries
-            finally:
-                daemon.request_stop()
+        async with run_daemon(side_config(runtime_dir, store=store), ready_timeout_s=TIMEOUT_S) as running:
+            daemon = running.daemon
+            with trio.fail_after(TIMEOUT_S):
+                async with httpx.AsyncClient(base_url=running.url, timeout=TIMEOUT_S) as client:
+                    before = [
+                        await first_token_ms(client, system, f"Question {i}: where does parcel {i * 3} go?")
+                        for i in range(args.before)
+                    ]
+                    if store:  # the store's writes run off the requests' path: let them land
+                        with trio.fail_after(120):
+                            while daemon.store.statistics().stores < 2:  # noqa: ASYNC110
+                                await trio.sleep(0.05)
+                    decoder = daemon.decoder
+                    pid, generation = decoder.pid, decoder.generation
+                    assert pid is not None
+                    os.kill(pid, signal.SIGKILL)
+                    while not (decoder.generation > generation and decoder.state is ChildState.READY):
+                        await decoder.wait_state(*(s for s in ChildState if s is not decoder.state))
+                    after = [
+                        await first_token_ms(client, system, f"Question {i}: where does parcel {i * 5} go?")
+                        for i in range(args.before, args.before + args.after)
+                    ]
+                entries = daemon.store.statistics().entries
         return {"before": before, "after": after, "entries": entries}
     finally:
         shutil.rmtree(runtime_dir, ignore_errors=True)

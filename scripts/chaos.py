@@ -56,10 +56,10 @@ from supervisor import locate  # noqa: E402
 from supervisor.child import ChildState  # noqa: E402
 from supervisor.config import Config  # noqa: E402
 from supervisor.daemon import Daemon  # noqa: E402
-from supervisor.decoder import unix_transport  # noqa: E402
 from supervisor.llama_server import connection_limit, model_args  # noqa: E402
 from supervisor.logs import ROUTE_LOGGER  # noqa: E402
 from supervisor.providers.exec import ExecProvider  # noqa: E402
+from supervisor.testing import Clients, Running, run_daemon  # noqa: E402
 
 TESTS = ROOT / "tests"
 COMPLETIONS = "/v1/completions"
@@ -323,17 +323,37 @@ async def stopped(pid: int) -> AsyncIterator[None]:
 
 @attrs.frozen
 class Onebitd:
-    daemon: Daemon
-    url: str
-    front: httpx.AsyncClient
-    direct: httpx.AsyncClient  # straight to the decoder's socket
-    runtime: Path
+    """onebitd as chaos sees it: running in this trio run (supervisor/testing.py), its two clients,
+    the route lines it logged, and what it left behind."""
+
+    running: Running
+    clients: Clients
     lines: list[dict[str, Any]]
+
+    @property
+    def daemon(self) -> Daemon:
+        return self.running.daemon
+
+    @property
+    def url(self) -> str:
+        return self.running.url
+
+    @property
+    def front(self) -> httpx.AsyncClient:
+        return self.clients.front
+
+    @property
+    def direct(self) -> httpx.AsyncClient:  # straight to the decoder's socket
+        return self.clients.direct
+
+    @property
+    def runtime(self) -> Path:
+        return self.running.runtime
 
     def supervised_pids(self) -> set[int]:
         pids = {self.daemon.decoder.pid}
         for provider in self.daemon.providers.all:
-            child = getattr(provider, "child", None)
+            child = provider.child
             if child is not None:
                 pids.add(child.pid)
         return {pid for pid in pids if pid is not None}
@@ -444,37 +464,23 @@ def hybrid_config(runtime: Path, kind: str, work: Path, **sections: Any) -> Conf
 async def open_onebitd(config: Config, tally: Tally) -> AsyncIterator[Onebitd]:
     """onebitd in this trio run; on the way out, its leftovers (running, then stopped) go to ``tally``."""
     runtime = Path(config.server.runtime_dir)
-    daemon = Daemon(config)
     lines: list[dict[str, Any]] = []
     handler = RouteLines(lines)
     route_log = logging.getLogger(ROUTE_LOGGER)
     route_log.addHandler(handler)
     every_pid: set[int] = set()
     try:
-        async with trio.open_nursery() as nursery:
-            started = await nursery.start(daemon.run)
-            try:
-                with trio.fail_after(300):
-                    await daemon.decoder.wait_state(ChildState.READY)
-                    for provider in daemon.providers.all:
-                        child = getattr(provider, "child", None)
-                        if child is not None:
-                            await child.wait_state(ChildState.READY)
-                limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
-                transport = unix_transport(daemon.launcher.socket)
-                async with (
-                    httpx.AsyncClient(base_url=started.binds[0], timeout=REQUEST_BOUND_S, limits=limits) as front,
-                    httpx.AsyncClient(transport=transport, base_url="http://decoder", timeout=60) as direct,
-                ):
-                    od = Onebitd(daemon, started.binds[0], front, direct, runtime, lines)
-                    yield od
-                    every_pid |= od.supervised_pids()
-                    with trio.move_on_after(60):
-                        await daemon.front.wait_idle()
-                    tally.leftovers += od.leftovers()
-                    every_pid |= set(children_of(os.getpid()))
-            finally:
-                daemon.request_stop()
+        async with (
+            run_daemon(config, providers_ready=True, ready_timeout_s=300) as running,
+            running.clients(request_timeout_s=REQUEST_BOUND_S, direct_timeout_s=60, max_connections=512) as clients,
+        ):
+            od = Onebitd(running, clients, lines)
+            yield od
+            every_pid |= od.supervised_pids()
+            with trio.move_on_after(60):
+                await od.daemon.front.wait_idle()
+            tally.leftovers += od.leftovers()
+            every_pid |= set(children_of(os.getpid()))
     finally:
         route_log.removeHandler(handler)
     # Its children must be reaped; their own children (a worker's llama-server), killed with their
@@ -627,7 +633,7 @@ def provider_pid(od: Onebitd) -> int | None:
         # The job's program: onebitd's child running llama_exec_provider.py.
         jobs = [pid for pid, cmd in children_of(os.getpid()).items() if "llama_exec_provider.py" in cmd]
         return jobs[0] if jobs else None
-    child = getattr(provider, "child", None)
+    child = provider.child
     return None if child is None else child.pid
 
 
@@ -641,7 +647,7 @@ async def wait_provider_job(od: Onebitd) -> int:
 
 
 async def provider_ready(od: Onebitd, generation: int) -> None:
-    child = getattr(od.daemon.providers.all[0], "child", None)
+    child = od.daemon.providers.all[0].child
     if child is None:
         return
     while not (child.generation > generation and child.state is ChildState.READY):  # noqa: ASYNC110
@@ -655,7 +661,7 @@ def provider_fault(kind: str) -> Scenario:
             await ask_until_ok(od.front, tally, body_for(LONG, stream=False, tokens=4), bound=REQUEST_BOUND_S)
             tally.check((await od.line())["route"] == "file", "the first long prompt takes the file route")
             for fault in ("SIGKILL", "SIGSTOP"):
-                child = getattr(od.daemon.providers.all[0], "child", None)
+                child = od.daemon.providers.all[0].child
                 generation = child.generation if child is not None else 0
                 result: list[tuple[str, str, int]] = []
                 async with trio.open_nursery() as nursery:

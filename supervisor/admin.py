@@ -33,10 +33,10 @@ from trio_websocket import (
 )
 
 from .config import converter
-from .errors import AdminError, AdminUnavailable, ConfigError
-from .prefix_store import PrefixStore
+from .errors import AdminError, AdminUnavailable, ClientError, ConfigError, DecoderError
+from .prefix.store import PrefixStore
 from .routestats import RouteStats
-from .status import DaemonStatistics, to_wire
+from .status import DaemonStatistics, ModelStatistics, to_wire
 
 log = logging.getLogger("onebit.admin")
 
@@ -45,7 +45,9 @@ class Managed(Protocol):
     """What the verbs need of the daemon."""
 
     route_stats: RouteStats
-    store: PrefixStore
+
+    @property
+    def store(self) -> PrefixStore: ...
 
     def statistics(self) -> DaemonStatistics: ...
 
@@ -58,6 +60,10 @@ class Managed(Protocol):
     async def wait_inflight_changed(self) -> None: ...
 
     def reload(self) -> dict[str, Any]: ...
+
+    async def load(self, name: str) -> ModelStatistics: ...
+
+    async def unload(self, name: str) -> ModelStatistics: ...
 
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -120,6 +126,35 @@ async def verb_reload(daemon: Managed, args: dict[str, Any], send: Send) -> Any:
         raise AdminError("the new config has errors; the running one stays", lines=exc.lines) from None
 
 
+def _model_name(verb: str, args: dict[str, Any]) -> str:
+    name = args.get("model")
+    if not isinstance(name, str) or not name:
+        raise AdminError(f"{verb}: model must be the name of a model")
+    return name
+
+
+async def verb_load(daemon: Managed, args: dict[str, Any], send: Send) -> Any:
+    """``{"verb": "load", "args": {"model": NAME}}`` -> ``{"ok": true, "result": <the model's
+    statistics>}``: load the model now (unloading the least recently used idle ones in its way) and
+    answer once it is loaded or failed, or after models.load_timeout_s (its state says which)."""
+    try:
+        return converter.unstructure(await daemon.load(_model_name("load", args)))
+    except ClientError as exc:
+        raise AdminError(exc.message) from None
+    except DecoderError as exc:
+        raise AdminError(exc.public) from None
+
+
+async def verb_unload(daemon: Managed, args: dict[str, Any], send: Send) -> Any:
+    """``{"verb": "unload", "args": {"model": NAME}}`` -> ``{"ok": true, "result": <the model's
+    statistics>}``: unload the model once the requests that hold it are done (its slots' prompts are
+    kept in the prefix store first); answers once it is unloaded.  A request for it loads it again."""
+    try:
+        return converter.unstructure(await daemon.unload(_model_name("unload", args)))
+    except ClientError as exc:
+        raise AdminError(exc.message) from None
+
+
 def seconds(text: str) -> float:
     """A number of seconds >= 0, from a command line."""
     try:
@@ -140,6 +175,7 @@ class Argument:
     type: Callable[[str], Any]  # the command line's text to the value sent; ValueError names what it expected
     metavar: str
     help: str
+    positional: bool = False  # ``onebitctl VERB VALUE``, required, rather than ``--name VALUE``
 
 
 @attrs.frozen
@@ -181,6 +217,8 @@ VERBS: dict[str, Verb] = {
     "reload": Verb(verb_reload),
     "cache list": Verb(verb_cache_list),
     "cache clear": Verb(verb_cache_clear),
+    "load": Verb(verb_load, (Argument("model", str, "MODEL", "the model's name or alias", positional=True),)),
+    "unload": Verb(verb_unload, (Argument("model", str, "MODEL", "the model's name or alias", positional=True),)),
 }
 
 

@@ -13,7 +13,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Protocol
 
 import attrs
@@ -43,8 +43,19 @@ class ChildState(enum.Enum):
     FAILED = "failed"  # too many failures in the window: requests get 503 at once
     STOPPING = "stopping"
 
+    @property
+    def words(self) -> str:
+        """The state as a client is told it: ``the decoder is <words>``."""
+        return _WORDS.get(self, self.value)
+
 
 S = ChildState
+# The states whose name alone does not tell a client what is going on.
+_WORDS = {
+    S.STOPPED: "not started yet",
+    S.STARTING: "starting (loading its model)",
+    S.BACKOFF: "restarting after a crash",
+}
 TRANSITIONS: dict[ChildState, frozenset[ChildState]] = {
     S.STOPPED: frozenset({S.STARTING, S.STOPPING}),
     S.STARTING: frozenset({S.READY, S.BACKOFF, S.FAILED, S.STOPPING}),
@@ -73,8 +84,16 @@ class Launcher(Protocol):
     async def healthy(self) -> bool:
         """One health check; False for anything but a clear yes."""
 
-    # Optional, read with getattr: ``env`` (a mapping), ``pass_fds`` (a sequence of fds to inherit)
-    # and ``spawned()`` (called right after every spawn attempt, to close the parent's copies).
+    @property
+    def env(self) -> Mapping[str, str] | None:
+        """The child's environment, read at every spawn (None: onebitd's own)."""
+
+    @property
+    def pass_fds(self) -> Sequence[int]:
+        """Descriptors the child inherits at their numbers (a worker's end of its socketpair)."""
+
+    def spawned(self) -> None:
+        """Runs right after every spawn attempt, to close the parent's copies of what it passed."""
 
 
 @attrs.frozen
@@ -210,9 +229,8 @@ class Child:
                 self.name,
                 self.launcher.argv(),
                 cpu_affinity=self.cpu_affinity,
-                # Optional launcher extras (a worker provider hands its socketpair end over).
-                env=getattr(self.launcher, "env", None),
-                pass_fds=getattr(self.launcher, "pass_fds", ()),
+                env=self.launcher.env,
+                pass_fds=self.launcher.pass_fds,
             )
         except ChildError as exc:
             if task_status is not None:
@@ -220,9 +238,7 @@ class Child:
             self._last_exit = str(exc)
             return str(exc)
         finally:
-            spawned = getattr(self.launcher, "spawned", None)
-            if spawned is not None:
-                spawned()
+            self.launcher.spawned()
         self._process = process
         if task_status is not None:
             task_status.started(self)

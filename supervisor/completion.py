@@ -1,16 +1,17 @@
-"""A completion request's path to the decoder: admission, a slot, the relay, the route line's numbers.
+"""A completion request's story: admission, a slot, the route, the relay, the route line's numbers.
 
-The HTTP front hands over a parsed JSON object; this module pins it to a slot we own (``id_slot``),
-relays the decoder's answer (whole, or chunk by chunk for ``stream: true``) and fills the route line
-from the decoder's own ``timings``.
+The HTTP front hands over a parsed JSON object; this module plans it (a provider, the prompt's tokens),
+pins it to a slot we own (``id_slot``), lets the prefix store restore a prefix into the slot
+(routes/stored.py), has routes/decision.py's ``choose`` pick the route and the reasons, walks
+``DEGRADE`` with what the handoffs return, relays the decoder's answer (supervisor/relay.py: whole,
+or chunk by chunk for ``stream: true``) and fills the route line from the decoder's own ``timings``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import attrs
@@ -21,9 +22,9 @@ from .child import ChildState, ChildStatistics
 from .config import HybridConfig, source
 from .decoder import DecoderClient
 from .errors import ChatFormRefused, DecoderError, DecoderUnavailable
-from .prefix_store import Entry
+from .prefix.store import Entry
 from .providers import Provider, Providers
-from .rates import MIB, Rates
+from .rates import Rates
 from .relay import Timings, relay_stream, relay_whole
 from .respond import Responder
 from .routeline import RouteLine
@@ -37,7 +38,6 @@ from .routes.decision import (
     choose,
     degrade,
     restore_used,
-    worth_restoring,
 )
 from .routes.file import FileHandoff
 from .routes.prompt import CHAT, MESSAGES, RESPONSES, chat_form, handoff_unsupported, tokens_for
@@ -75,29 +75,27 @@ class Hybrid:
 
 @attrs.frozen
 class Plan:
-    """What is known before a slot is taken: the prompt's key, its tokens, a provider, and a reason
-    the request cannot be handed over at all (then plain, whatever the costs)."""
+    """What is known before a slot is taken: the prompt's key, its tokens (None: not tokenized, or
+    over a slot's context), the provider picked, and what keeps the prompt from a provider whatever
+    the costs (:func:`~supervisor.routes.decision.choose` weighs it all once the slot is held)."""
 
     key: PromptKey
     tokens: list[int] | None
     provider: Provider | None
-    reason: Reason | None = None
-    # False for a prompt the decoder will refuse: its slot keeps the memory of what it holds.
-    remember: bool = True
+    unsupported: bool = False  # a prompt shape no provider takes: not tokenized
+    over_context: bool = False  # the decoder will refuse it with its own 400
     n_tokens: int | None = None  # the prompt's length where it was tokenized
+    refused: bool = False  # a Messages or Responses body llama-server will not convert (its own 400)
+
+    @property
+    def remember(self) -> bool:
+        """False for a prompt the decoder will refuse: its slot keeps the memory of what it holds."""
+        return not (self.over_context or self.refused)
 
 
 # The state one prompt token takes in a slot state file, until a handoff measures it: SmolLM2-135M's
 # f16 cache (30 layers x K and V x 192 values x 2 bytes), about 22 KiB as measured.
 STATE_BYTES_PER_TOKEN = 23_040
-
-
-# A request that leaves its slot unfinished keeps it until the decoder says the slot is idle, for at
-# most this long: llama-server finishes a prefill it has begun before it notices the hang-up, and an
-# abandoned prefill of a full 1024-token slot took 50 to 80 s on this project's loaded 2-core machine
-# (docs/reliability.md).  Polled this often: the decoder's state is another process's.
-SETTLE_TIMEOUT_S = 120.0
-SETTLE_POLL_S = 0.05
 
 
 def prompt_text(endpoint: str, body: dict[str, Any]) -> str:
@@ -109,14 +107,6 @@ def prompt_text(endpoint: str, body: dict[str, Any]) -> str:
     prompt = body.get("prompt")
     return prompt if isinstance(prompt, str) else json.dumps(prompt, separators=(",", ":"))
 
-
-# A decoder state, as a client is told it in a 503.
-_WORDS = {
-    ChildState.STOPPED: "not started yet",
-    ChildState.STARTING: "starting (loading its model)",
-    ChildState.BACKOFF: "restarting after a crash",
-    ChildState.STOPPING: "stopping",
-}
 
 # How a fallback is worded in the log, by the route the request goes on to.
 _GOES_ON = {
@@ -166,22 +156,23 @@ class Completions:
         self.decoding = 0
         # The decoder process the slots' memory is about: a restarted decoder holds nothing.
         self._slots_generation = decoder.generation
-        # The prefix store, and the nursery its writes run in off the requests' path: set by run().
+        # The prefix store: set by run().
         self.stored: StoredPrefixes | None = None
-        self._background: trio.Nursery | None = None
 
     async def run(
         self, stored: StoredPrefixes | None = None, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        """Hold the nursery that work after a reply runs in (the prefix store's writes), for as
+        """Serve with the prefix store ``stored``, its writes running off the requests' path, for as
         long as the daemon serves."""
         async with trio.open_nursery() as nursery:
-            self.stored, self._background = stored, nursery
+            if stored is not None:
+                await nursery.start(stored.run)
+            self.stored = stored
             try:
                 task_status.started()
                 await trio.sleep_forever()
             finally:
-                self.stored, self._background = None, None
+                self.stored = None
 
     @property
     def settings(self) -> HybridConfig:
@@ -199,44 +190,33 @@ class Completions:
         if state is ChildState.FAILED:
             failed = f"the decoder has failed ({self.decoder.statistics().last_exit}); see onebitd's log"
             raise DecoderUnavailable(failed, public=failed)
-        words = f"the decoder is {_WORDS.get(state, state.value)}; try again shortly"
+        words = f"the decoder is {state.words}; try again shortly"
         raise DecoderUnavailable(words, public=words)
 
     async def _plan(self, endpoint: str, body: dict[str, Any], req: str) -> Plan:
-        """Tokenize the prompt when a hybrid route is possible, or the prefix store may hold or keep
-        it; the rest is decided once the request has its slot (what the slot holds is a cost).  A
-        Messages or Responses request is read in the chat form llama-server converts it into."""
-        hybrid = self.hybrid
-        provider = hybrid.providers.pick() if hybrid is not None else None
-        reason: Reason | None = None
-        if hybrid is None:
-            reason = Reason.DISABLED
-        elif provider is None:
-            reason = Reason.NO_PROVIDER
+        """Pick a provider, and tokenize the prompt when one can take it, or the prefix store may
+        hold or keep it; the route is chosen once the request has its slot (what the slot holds is a
+        cost).  A Messages or Responses request is read in the chat form llama-server converts it into."""
+        provider = self.hybrid.providers.pick() if self.hybrid is not None else None
         try:
             endpoint, body = chat_form(endpoint, body)
         except ChatFormRefused as exc:
             # llama-server refuses it too, with its own 400, which is relayed: nothing to route.
             log.info("hybrid: %s is not a request llama-server converts (%s); relayed for its answer", req, exc)
-            return Plan(
-                PromptKey(prompt_text(endpoint, body)), None, None, reason or Reason.UNSUPPORTED, remember=False
-            )
+            return Plan(PromptKey(prompt_text(endpoint, body)), None, provider, unsupported=True, refused=True)
         text = prompt_text(endpoint, body)
         why = handoff_unsupported(endpoint, body)
         if why is not None:
-            if reason is None:
+            if provider is not None:
                 log.info("hybrid: %s cannot be handed over (%s); the backend prefills it", req, why)
-            return Plan(PromptKey(text), None, None, reason or Reason.UNSUPPORTED)
-        stored = self.stored
-        # A prompt's text is at least as long as its tokens: a short text cannot make an entry.
-        for_store = stored is not None and stored.enabled and len(text) >= stored.store.min_tokens
-        if reason is not None and not for_store:
-            return Plan(PromptKey(text), None, None, reason)
+            return Plan(PromptKey(text), None, provider, unsupported=True)
+        if provider is None and (self.stored is None or not self.stored.may_hold(text)):
+            return Plan(PromptKey(text), None, None)
         try:
             tokens = await tokens_for(self.client, endpoint, body)
         except DecoderError as exc:
             log.warning("hybrid: tokenizing %s failed (%s); the backend prefills it", req, exc.message)
-            return Plan(PromptKey(text), None, None, reason or Reason.TOKENIZE_FAILED)
+            return Plan(PromptKey(text), None, provider)
         if self.slot_context is not None and len(tokens) >= self.slot_context:
             # No room for the prompt and a token of reply: the decoder refuses it with its own 400
             # (exceed_context_size_error, with n_prompt_tokens and n_ctx), which is relayed.  Before
@@ -247,63 +227,60 @@ class Completions:
                 len(tokens),
                 self.slot_context,
             )
-            return Plan(PromptKey(text), None, None, Reason.OVER_CONTEXT, remember=False, n_tokens=len(tokens))
-        return Plan(PromptKey(text, tuple(tokens)), tokens, provider if reason is None else None, reason)
+            return Plan(PromptKey(text), None, provider, over_context=True, n_tokens=len(tokens))
+        return Plan(PromptKey(text, tuple(tokens)), tokens, provider)
 
     async def _from_store(self, plan: Plan, slot: int, line: RouteLine) -> Entry | None:
-        """Restore the longest stored prefix of the prompt into the slot, when that spares more
-        prefill than it costs; the entry restored."""
-        stored = self.stored
-        if stored is None or plan.tokens is None or not stored.enabled:
+        """The prefix store's longest prefix of the prompt, restored into the slot when worth it."""
+        if self.stored is None:
             return None
-        entry = stored.lookup(plan.tokens)
-        if entry is None:
-            return None
-        decoder_rate = self.rates.decoder.get(self.decoder.generation)
-        restore_ms = self.rates.handoff.get(0) * entry.state_bytes / MIB
-        worth = worth_restoring(
-            entry_tokens=entry.n_tokens,
-            decoder_cached=self.slots.cached(slot, plan.key),
-            decoder_ms_per_token=decoder_rate,
-            restore_ms=restore_ms,
+        restored = await self.stored.before(
+            slot,
+            plan.key,
+            self.slots,
+            decoder_ms_per_token=self.rates.decoder.get(self.decoder.generation),
+            restore_ms_per_mib=self.rates.handoff.get(0),
+            req=line.req,
         )
-        if not worth:
-            return None
-        restored = await stored.restore(slot, entry)
         line.restore_ms += restored.ms
-        if restored.entry is None:
-            if restored.why:
-                log.warning("prefix store: %s; the request goes on without it (%s)", restored.why, line.req)
-            self.slots.forget(slot)
-            return None
-        self.slots.remember(slot, PromptKey(tokens=entry.tokens))
-        line.restored_tokens = entry.n_tokens
-        return entry
+        if restored.entry is not None:
+            line.restored_tokens = restored.entry.n_tokens
+        return restored.entry
 
-    def _choose(self, plan: Plan, slot: int, settings: HybridConfig) -> Choice:
+    def _choose(self, plan: Plan, slot: int, restored: bool, settings: HybridConfig) -> Choice:
+        """The route and every reason for it (routes.decision.choose), from the plan and the slot."""
         hybrid = self.hybrid
-        if plan.reason is not None or hybrid is None or plan.provider is None or plan.tokens is None:
-            return Choice(Route.PLAIN, plan.reason)
+        provider = plan.provider
         generation = self.decoder.generation
-        n = len(plan.tokens)
-        decoder_rate, provider_rate = self.rates.prefill(generation, plan.provider.name)
-        costs = Costs(
-            decoder_cached=self.slots.cached(slot, plan.key),
-            provider_cached=plan.provider.cached_tokens(tuple(plan.tokens)),
-            decoder_ms_per_token=decoder_rate,
-            provider_ms_per_token=provider_rate,
-            handoff_ms=self.rates.handoff_ms(n),
-            streams_decoding=self.decoding,
-        )
+        share = hybrid is not None and hybrid.share is not None
+        costs, share_refused = None, False
+        # Only a prompt a provider could take is priced, and only for it is the share refusal asked
+        # after (the first answer logs it).
+        if hybrid is not None and provider is not None and plan.tokens is not None:
+            share_refused = hybrid.share is not None and hybrid.share.refused_by(generation)
+            if settings.route_by == "cost":
+                decoder_rate, provider_rate = self.rates.prefill(generation, provider.name)
+                costs = Costs(
+                    decoder_cached=self.slots.cached(slot, plan.key),
+                    provider_cached=provider.cached_tokens(tuple(plan.tokens)),
+                    decoder_ms_per_token=decoder_rate,
+                    provider_ms_per_token=provider_rate,
+                    handoff_ms=self.rates.handoff_ms(len(plan.tokens)),
+                    streams_decoding=self.decoding,
+                )
         return choose(
-            enabled=True,
-            share=hybrid.share is not None,
-            provider_ready=plan.provider.ready,
-            prompt_tokens=n,
+            enabled=hybrid is not None,
+            share=share,
+            provider_picked=provider is not None,
+            provider_ready=provider is not None and provider.ready,
+            prompt_tokens=None if plan.tokens is None else len(plan.tokens),
             min_prompt_tokens=settings.min_prompt_tokens,
-            share_refused=hybrid.share is not None and hybrid.share.refused_by(generation),
-            costs=costs if settings.route_by == "cost" else None,
+            share_refused=share_refused,
+            costs=costs,
             policy=Policy(prefer_margin=settings.prefer_margin, max_stall_ms=settings.max_stall_ms),
+            unsupported=plan.unsupported,
+            over_context=plan.over_context,
+            restored=restored,
         )
 
     async def serve(
@@ -320,19 +297,13 @@ class Completions:
             line.prompt_tokens = len(plan.tokens)
         elif plan.n_tokens is not None:
             line.prompt_tokens = plan.n_tokens
-        reasons: list[Reason] = []
         timings = Timings()
         async with self.slots.hold(plan.key if plan.remember else None, settle=self._settle) as slot:
             line.slot = slot
             self.check_ready()  # it may have died while we queued
             entry = await self._from_store(plan, slot, line)
-            choice = self._choose(plan, slot, settings)
-            if choice.reason is not None and choice.reason is not Reason.DISABLED:
-                reasons.append(choice.reason)
-            if entry is not None and choice.route is Route.PLAIN:
-                # The store served: say so, after what else kept the request plain (no provider ready,
-                # a short prompt); "cached" is then the store's doing, not the slot's.
-                reasons[:] = [*(reason for reason in reasons if reason is not Reason.CACHED), Reason.STORED]
+            choice = self._choose(plan, slot, entry is not None, settings)
+            reasons = list(choice.reasons)
             if choice.estimate is not None:
                 line.est_plain_ms = choice.estimate.plain_ms
                 line.est_hybrid_ms = choice.estimate.hybrid_ms
@@ -359,8 +330,10 @@ class Completions:
                 # The client hung up mid-stream (a user pressed stop, an agent cancelled).  Once the
                 # decoder began its reply the slot holds the whole prompt: it is kept for the prefix
                 # store as after a finished reply, or it is lost across a restart.
-                if timings.began:
-                    await self._keep_after_hang_up(plan, slot, line, entry)
+                if timings.began and self.stored is not None:
+                    await self.stored.after_hang_up(
+                        slot, plan.key, self.slots, req=line.req, restored=entry, settle=self._settle, ready=self._ready
+                    )
                 raise
             finally:
                 self.decoding -= 1
@@ -377,38 +350,21 @@ class Completions:
                     log.warning("prefix store: the decoder did not use the restored prefix (%s)", line.req)
                 # Saved after the reply, on every route: the slot then holds the reply's tokens too,
                 # which a conversation's next turn starts with (a handed-over state file lacks them).
-                await self._keep_slot(plan, slot, line, entry)
+                if self.stored is not None:
+                    await self.stored.after(slot, plan.key, self.slots, req=line.req, restored=entry)
 
-    async def _keep_after_hang_up(self, plan: Plan, slot: int, line: RouteLine, restored: Entry | None) -> None:
-        """Save a slot its client left mid-stream for the prefix store: once the decoder has
-        stopped in it (it notices the closed connection at its next token), while the request still
-        holds it.  Shielded from the cancellation that brought us here; bounded by ``_settle``'s
-        and the save's own timeouts."""
-        with trio.CancelScope(shield=True):
-            if self.stored is None or plan.tokens is None or not self.stored.enabled:
-                return
-            await self._settle(slot)
-            if self.decoder.state is ChildState.READY:
-                await self._keep_slot(plan, slot, line, restored)
+    def _ready(self) -> bool:
+        return self.decoder.state is ChildState.READY
 
     async def _settle(self, slot: int) -> None:
-        """The request left ``slot`` unfinished (its client hung up, or something failed): llama-server
-        may still be prefilling it, and a request pinned to the slot would wait behind that work, or
-        see its restore deferred.  Keep the slot until the decoder reports it idle; the next request
-        meanwhile takes another free slot, or waits in our queue.  Shielded from the cancellation that
-        brought us here, bounded by ``SETTLE_TIMEOUT_S``, and over as soon as the decoder is not ready
-        (a new decoder's slots are idle)."""
-        with trio.CancelScope(shield=True, deadline=trio.current_time() + SETTLE_TIMEOUT_S) as scope:
-            while self.decoder.state is ChildState.READY:
-                try:
-                    busy = await decoder_api.slot_busy(self.client, slot)
-                except DecoderError:
-                    return
-                if not busy:
-                    return
-                await trio.sleep(SETTLE_POLL_S)  # another process's state: polled
-        if scope.cancelled_caught:
-            log.warning("slot %d still busy in the decoder after %gs; handing it out anyway", slot, SETTLE_TIMEOUT_S)
+        """The request left ``slot`` unfinished (its client hung up, or something failed): a request
+        pinned to the slot would wait behind what llama-server still does there, or see its restore
+        deferred.  Keep the slot until the decoder reports it idle (:func:`decoder.wait_slot_idle`);
+        the next request meanwhile takes another free slot, or waits in our queue."""
+        if not await decoder_api.wait_slot_idle(self.client, slot, running=self._ready):
+            log.warning(
+                "slot %d still busy in the decoder after %gs; handing it out anyway", slot, decoder_api.SETTLE_TIMEOUT_S
+            )
 
     async def _hand_over(
         self,
@@ -473,29 +429,6 @@ class Completions:
             provider=plan.provider,
             timeout_s=settings.prefill_timeout_s,
         )
-
-    def _spawn_keep(self, tokens: Sequence[int], path: Path) -> None:
-        if self.stored is None or self._background is None:
-            path.unlink(missing_ok=True)
-            return
-        self._background.start_soon(self.stored.keep, tuple(tokens), path)
-
-    async def _keep_slot(self, plan: Plan, slot: int, line: RouteLine, restored: Entry | None) -> None:
-        """Save a plain request's slot for the prefix store when it holds a prompt worth keeping."""
-        stored = self.stored
-        if stored is None or self._background is None or plan.tokens is None or not stored.enabled:
-            return
-        shared, extends = self.slots.shared(plan.key)
-        if restored is not None:
-            # It went on from a stored prefix, as a conversation's next turn goes on from the last:
-            # kept whole, the next turn finds all of it (the store makes one entry of repeats).
-            shared, extends = restored.n_tokens, True
-        tokens = stored.candidate(plan.tokens, shared, extends)
-        if tokens is None:
-            return
-        path = await stored.save(slot, line.req)
-        if path is not None:
-            self._spawn_keep(tokens, path)
 
     @staticmethod
     def _record(timings: Timings, line: RouteLine) -> None:

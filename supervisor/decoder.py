@@ -4,14 +4,16 @@
 provider), over supervisor/wire.py's HTTP/1.1, which raises only :class:`~supervisor.errors.DecoderError`.
 
 The calls onebitd makes of llama-server's own API are spelled here and nowhere else: :func:`restore`,
-:func:`save`, :func:`erase`, :func:`share`, :func:`adopt`, :func:`prefill`, :func:`slot_busy`,
-:func:`tokenize` and :func:`apply_template`.  Each takes any :class:`JsonClient` (a DecoderClient; a
-fake in tests) and returns its value, or a :class:`Refusal` carrying llama-server's words; the slot
-calls never raise for the decoder (no answer at all is a refusal with status 0).
+:func:`save`, :func:`erase`, :func:`share`, :func:`adopt`, :func:`prefill`, :func:`slot_busy` (and
+:func:`wait_slot_idle`, which polls it), :func:`tokenize` and :func:`apply_template`.  Each takes any
+:class:`JsonClient` (a DecoderClient; a fake in tests) and returns its value, or a :class:`Refusal`
+carrying llama-server's words; the slot calls never raise for the decoder (no answer at all is a
+refusal with status 0).
 
 :func:`unix_transport` is for clients that talk to a llama-server directly, beside onebitd (the
 benchmarks' baseline, the tests' references): httpx over the same socket, with the same keep-alive
-care.  This is the only module that imports httpx.
+care.  This is the only module of onebitd's that imports httpx (supervisor/testing.py, the harness
+the tests and the scripts run onebitd in, opens its clients with it too).
 """
 
 from __future__ import annotations
@@ -326,6 +328,32 @@ async def slot_busy(client: DecoderClient, slot: int) -> bool:
     """``GET /slots``: whether llama-server is still working on ``slot``.  Raises DecoderError."""
     reply = await client.request("GET", "/slots")
     return slot_processing(reply.status, reply.json(), slot)
+
+
+# A request that leaves its slot unfinished keeps it until the decoder says the slot is idle, for at
+# most this long: llama-server finishes a prefill it has begun before it notices the hang-up, and an
+# abandoned prefill of a full 1024-token slot took 50 to 80 s on this project's loaded 2-core machine
+# (docs/reliability.md).  Polled this often: the decoder's state is another process's.
+SETTLE_TIMEOUT_S = 120.0
+SETTLE_POLL_S = 0.05
+
+
+async def wait_slot_idle(client: DecoderClient, slot: int, *, running: Callable[[], bool]) -> bool:
+    """Poll ``GET /slots`` until llama-server is no longer working on ``slot``: after a request left
+    the slot unfinished (its client hung up, or something failed), llama-server may still be
+    prefilling it.  Shielded from the cancellation that brought the caller here, bounded by
+    ``SETTLE_TIMEOUT_S``, and over as soon as ``running()`` is false (a new decoder's slots are idle)
+    or the decoder gives no answer.  False: the slot was still busy at the deadline."""
+    with trio.CancelScope(shield=True, deadline=trio.current_time() + SETTLE_TIMEOUT_S) as scope:
+        while running():
+            try:
+                busy = await slot_busy(client, slot)
+            except DecoderError:
+                return True
+            if not busy:
+                return True
+            await trio.sleep(SETTLE_POLL_S)  # another process's state: polled
+    return not scope.cancelled_caught
 
 
 def is_token_list(value: Any) -> bool:

@@ -116,7 +116,7 @@ ROUTES: dict[str, dict[str, Endpoint]] = {
     "/lora-adapters": {"GET": _RELAY, "POST": _SETTINGS},
     "/slots": {"GET": _RELAY},  # only with server.slots_endpoint: it shows every client's prompt
     # Resumable streams (llama-server's server-stream.h): the session lives in the decoder, which
-    # owns every conversation (onebitd runs one model).  ``conv_id`` travels in the query.
+    # owns every conversation (the default model's).  ``conv_id`` travels in the query.
     "/v1/stream": {"GET": _REPLAY, "DELETE": _RELAY},
     "/v1/streams/lookup": {"POST": _RELAY},
     # 403 "this feature is disabled" unless the decoder runs with --ui-mcp-proxy (decoder.extra_args).
@@ -125,7 +125,10 @@ ROUTES: dict[str, dict[str, Endpoint]] = {
 
 # llama-server's routes (method, path) that onebitd does not serve, and why (docs/protocol.md's table
 # says the same): 404, or 405 where onebitd serves the path by another method.
-_ROUTER = "llama-server's router mode (many models, loaded on demand): onebitd runs one model"
+_ROUTER = (
+    "llama-server's router mode's model management: onebitd's models are its config's ([[model]] tables), "
+    "loaded on demand by a request's model, or by onebitctl load MODEL"
+)
 _AUDIO = "multipart audio needs a speech model onebitd does not run"
 _TOOLS = "llama-server's web UI tools and MCP servers; onebitd runs it with --no-webui"
 UNSERVED: dict[tuple[str, str], str] = {

@@ -19,8 +19,9 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any, Protocol
 from urllib.parse import quote
 
 import attrs
@@ -93,7 +94,62 @@ class Kept:
             return body.decode("utf-8", "replace")
 
 
+class Served(Protocol):
+    """What a request needs of the model that serves it (supervisor/model.py's Model)."""
+
+    @property
+    def completions(self) -> Completions: ...
+
+    @property
+    def client(self) -> DecoderClient: ...
+
+    @property
+    def decoder(self) -> Decoder: ...
+
+
+class Router(Protocol):
+    """Which model serves a request (supervisor/models.py's Models)."""
+
+    @property
+    def several(self) -> bool: ...
+
+    @property
+    def default(self) -> Served: ...
+
+    def use(self, asked: Any, line: RouteLine | None = None) -> AbstractAsyncContextManager[Served]:
+        """The model the request's ``model`` names, held for the block; ClientError 404 for none."""
+        ...
+
+    def health_state(self) -> ChildState: ...
+
+    def listing(self) -> dict[str, Any]: ...
+
+
 @attrs.frozen
+class One:
+    """The router of a front with one model and nothing else (a test's, a tool's)."""
+
+    completions: Completions
+    client: DecoderClient
+    decoder: Decoder
+    several = False
+
+    @property
+    def default(self) -> Served:
+        return self
+
+    @asynccontextmanager
+    async def use(self, asked: Any, line: RouteLine | None = None) -> AsyncIterator[Served]:
+        yield self
+
+    def health_state(self) -> ChildState:
+        return self.decoder.state
+
+    def listing(self) -> dict[str, Any]:
+        return {}
+
+
+@attrs.define
 class Watch:
     """What a request's hang-up watcher is given, and what it reports back."""
 
@@ -102,6 +158,7 @@ class Watch:
     detached: list[bool]
     conversation: str | None
     line: RouteLine
+    client: DecoderClient  # the decoder of the model serving it, once known
 
 
 @attrs.frozen
@@ -130,18 +187,18 @@ class Front:
         decoder: Decoder,
         client: DecoderClient,
         completions: Completions,
+        models: Router | None = None,
         emit: Callable[[RouteLine], None] | None = None,
         metrics: Callable[[], bytes] | None = None,
         providers: Callable[[], ProviderReadiness] = ProviderReadiness,
         vertex: Vertex | None = None,
     ) -> None:
         """``server``: the settings, or where to read them at each request (the daemon's one config,
-        swapped whole by a reload; the bind address and port are read once, by :meth:`bind`)."""
+        swapped whole by a reload; the bind address and port are read once, by :meth:`bind`).
+        ``models``: which model serves a request (the daemon's); without it, the one ``decoder``."""
         self._server = source(server)
-        self.decoder = decoder
+        self.router: Router = models if models is not None else One(completions, client, decoder)
         self.providers = providers
-        self.client = client
-        self.completions = completions
         self._emit_hook = emit
         self.metrics = metrics
         self._shutdown = trio.Event()
@@ -173,6 +230,19 @@ class Front:
     def server(self) -> ServerConfig:
         return self._server()
 
+    # The default model's parts now (a model's parts are built afresh at each load).
+    @property
+    def decoder(self) -> Decoder:
+        return self.router.default.decoder
+
+    @property
+    def client(self) -> DecoderClient:
+        return self.router.default.client
+
+    @property
+    def completions(self) -> Completions:
+        return self.router.default.completions
+
     def _access(self, server: ServerConfig) -> None:
         if server is not self._access_for:
             self._access_for = server
@@ -199,8 +269,8 @@ class Front:
                 self,
                 hosts=self.server.host,
                 port=self.server.port,
-                idle_timeout_s=self.server.idle_timeout_s,
-                write_timeout_s=self.server.write_timeout_s,
+                idle_timeout_s=lambda: self.server.idle_timeout_s,
+                write_timeout_s=lambda: self.server.write_timeout_s,
                 shutdown=self._shutdown.wait,
             )
         self._http_server.bind()
@@ -209,13 +279,6 @@ class Front:
         """Close what :meth:`bind` bound if :meth:`run` never served on it."""
         if self._http_server is not None:
             self._http_server.close()
-
-    def reloaded(self) -> None:
-        """The settings were swapped: supervisor/server.py holds its idle and write timeouts as values
-        of its own (read at each idle period, each write), so it gets the new ones here."""
-        if self._http_server is not None:
-            self._http_server.idle_timeout_s = self.server.idle_timeout_s
-            self._http_server.write_timeout_s = self.server.write_timeout_s
 
     async def wait_inflight_changed(self) -> None:
         await self._inflight_changed.wait()
@@ -266,7 +329,7 @@ class Front:
         still loading); the providers not ready are named."""
         if self.draining:
             return 503, {"status": "draining"}
-        state = self.decoder.state
+        state = self.router.health_state()
         providers = self.providers()
         named = {"providers_not_ready": list(providers.not_ready)} if providers.not_ready else {}
         if state is ChildState.READY and providers.settled:
@@ -338,7 +401,9 @@ class Front:
             target = f"{path}?{query}" if query else path
             body = await self._read_json(receive, headers) if method == "POST" else None
             asked = "GET" if method == "HEAD" else method
-            if endpoint.streamed:
+            if path in ("/v1/models", "/models") and self.router.several:
+                await out.json(200, self.router.listing())  # every model, with its state
+            elif endpoint.streamed:
                 await self._relay_streamed(out, target, receive)
             else:
                 await self._pass_through(out, asked, target, body)
@@ -526,8 +591,10 @@ class Front:
         return body
 
     async def _pass_through(self, out: Responder, method: str, path: str, body: Any) -> None:
-        self.completions.check_ready()
-        reply = await self.client.request(method, path, body)
+        """Relayed to the model the body names (the default one without a body, or a name)."""
+        async with self.router.use(body.get("model") if isinstance(body, dict) else None) as served:
+            served.completions.check_ready()
+            reply = await served.client.request(method, path, body)
         await relay_reply(out, reply.status, reply.headers, reply.body)
 
     async def _relay_streamed(self, out: Responder, path: str, receive: Receive) -> None:
@@ -590,15 +657,17 @@ class Front:
         passed = [(CONVERSATION_HEADER, conversation)] if conversation else []
         try:
             async with trio.open_nursery() as nursery:
-                watch = Watch(nursery.cancel_scope, gone, detached, conversation, line)
+                watch = Watch(nursery.cancel_scope, gone, detached, conversation, line, self.client)
                 nursery.start_soon(self._watch_disconnect, receive, watch, out)
                 try:
-                    if endpoint.kind is Kind.COMPLETION:
-                        await self.completions.serve(endpoint.canonical, body, out, line, passed)
-                    else:
-                        await self.completions.relay(
-                            endpoint.canonical, body, out, line, passed, pinned=endpoint.pinned
-                        )
+                    async with self.router.use(body.get("model"), line) as served:
+                        watch.client = served.client
+                        if endpoint.kind is Kind.COMPLETION:
+                            await served.completions.serve(endpoint.canonical, body, out, line, passed)
+                        else:
+                            await served.completions.relay(
+                                endpoint.canonical, body, out, line, passed, pinned=endpoint.pinned
+                            )
                 except ClientError as exc:
                     line.outcome, line.error = "error", exc.message
                     await out.error(exc.status, exc.code, exc.message, retry_after=exc.retry_after)
@@ -662,7 +731,7 @@ class Front:
         await trio.sleep(timeout)
         with trio.CancelScope(shield=True), trio.move_on_after(STOP_TIMEOUT_S):
             try:
-                await self.client.request("DELETE", f"/v1/stream?conv_id={quote(watch.conversation, safe='')}")
+                await watch.client.request("DELETE", f"/v1/stream?conv_id={quote(watch.conversation, safe='')}")
             except DecoderError as exc:
                 log.warning("%s: stopping its detached stream failed: %s", watch.line.req, exc.message)
         watch.line.error = f"the detached stream ran past server.detach_timeout_s ({timeout:g}s); stopped"

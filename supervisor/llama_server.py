@@ -130,6 +130,11 @@ class LlamaServerLauncher:
         env.update(self.engine_env)
         return env
 
+    pass_fds: Sequence[int] = ()  # llama-server inherits nothing but its standard streams
+
+    def spawned(self) -> None:
+        return
+
     def prepare(self) -> None:
         # A socket file left by a killed child makes the next bind fail with EADDRINUSE.
         self.socket.unlink(missing_ok=True)

@@ -133,7 +133,21 @@ def llama_server(binary: str, engine: str = "ggml") -> Path | None:
     return Path(found) if found else None
 
 
-def runtime_dir(configured: str) -> Path:
+# The port whose instance keeps the plain default directories (server.port's default): another
+# port's onebitd gets directories of its own, so that two can run side by side unconfigured.
+DEFAULT_PORT = 8080
+
+
+def _instance(name: str, port: int) -> str:
+    """``name`` for the default port (and port 0, an ephemeral one: nothing stable to key on), else
+    ``name-<port>``."""
+    return name if port in (DEFAULT_PORT, 0) else f"{name}-{port}"
+
+
+def runtime_dir(configured: str, *, port: int = DEFAULT_PORT) -> Path:
+    """The configured directory, else systemd's ``RuntimeDirectory=`` (one per unit), else
+    ``$XDG_RUNTIME_DIR/onebit``, else ``/tmp/onebit-<uid>``; ``-<port>`` after the last two for an
+    instance on another port than 8080."""
     if configured:
         return _expand(configured)
     systemd = os.environ.get("RUNTIME_DIRECTORY")
@@ -141,12 +155,13 @@ def runtime_dir(configured: str) -> Path:
         return Path(systemd.split(":")[0])
     xdg = os.environ.get("XDG_RUNTIME_DIR")
     if xdg:
-        return Path(xdg) / "onebit"
-    return Path(f"/tmp/onebit-{os.getuid()}")
+        return Path(xdg) / _instance("onebit", port)
+    return Path(_instance(f"/tmp/onebit-{os.getuid()}", port))
 
 
-def prefix_store_dir(configured: str) -> Path:
-    """The prefix store's directory: the configured one, else systemd's ``CacheDirectory=``, else XDG's.
+def prefix_store_dir(configured: str, *, port: int = DEFAULT_PORT) -> Path:
+    """The prefix store's directory: the configured one, else systemd's ``CacheDirectory=``, else XDG's
+    (``prefix-<port>`` for an instance on another port than 8080: a store has one onebitd).
 
     Under the shipped unit ``$CACHE_DIRECTORY`` is /var/cache/onebit and ``$XDG_CACHE_HOME`` is
     /var/cache, so both lookups name the same /var/cache/onebit/prefix.
@@ -156,7 +171,7 @@ def prefix_store_dir(configured: str) -> Path:
     systemd = os.environ.get("CACHE_DIRECTORY")
     if systemd:
         return Path(systemd.split(":")[0]) / "prefix"
-    return cache_dir() / "prefix"
+    return cache_dir() / _instance("prefix", port)
 
 
 def executable_problem(key: str, path: Path | None, what: str) -> list[str]:

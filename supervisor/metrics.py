@@ -15,11 +15,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from .child import ChildStatistics
-from .prefix_store import StoreStatistics
+from .prefix.store import StoreStatistics
 from .providers.base import ProviderStatistics
 from .routeline import RouteLine
 from .slots import SlotStatistics
-from .status import FrontStatistics
+from .status import FrontStatistics, ModelsStatistics
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -42,6 +42,7 @@ class LiveStatistics:
     restore_unused: int
     store: StoreStatistics
     providers: tuple[ProviderStatistics, ...] = ()
+    models: ModelsStatistics | None = None
 
 
 Snapshot = Callable[[], LiveStatistics]
@@ -65,6 +66,8 @@ class _Live(Collector):
         yield state
         if stats.providers:
             yield from _providers(stats.providers)
+        if stats.models is not None:
+            yield from _models(stats.models)
         slots = stats.slots
         yield GaugeMetricFamily("onebit_slots_busy", "Decoder slots held by requests", value=slots.busy)
         yield GaugeMetricFamily("onebit_slots", "Decoder slots", value=slots.total)
@@ -100,6 +103,32 @@ class _Live(Collector):
             "Time spent restoring stored prefixes into decoder slots",
             value=(store.restore_ms_mean or 0.0) * store.restores / 1000,
         )
+
+
+# A model's states (supervisor/model.py's ModelState), in the order they come.
+MODEL_STATES = ("unloaded", "loading", "loaded", "failed", "unloading")
+
+
+def _models(models: ModelsStatistics) -> Iterator[Any]:
+    """Per model: its state, its memory (measured while loaded, else estimated), loads, requests
+    holding it; the swaps the scheduler made."""
+    state = GaugeMetricFamily("onebit_model_state", "1 for the state a model is in", labels=["model", "state"])
+    memory = GaugeMetricFamily(
+        "onebit_model_memory_bytes",
+        "A model's memory: its children's RSS while loaded, else estimated",
+        labels=["model"],
+    )
+    loads = CounterMetricFamily("onebit_model_loads", "Times a model was loaded", labels=["model"])
+    users = GaugeMetricFamily("onebit_model_users", "Requests holding a model", labels=["model"])
+    for model in models.models:
+        for name in MODEL_STATES:
+            state.add_metric([model.name, name], 1.0 if model.state == name else 0.0)
+        memory.add_metric([model.name], model.memory_mib * 1024 * 1024)
+        loads.add_metric([model.name], model.loads)
+        users.add_metric([model.name], model.users)
+    yield from (state, memory, loads, users)
+    yield CounterMetricFamily("onebit_model_swaps", "Models unloaded to make room for another", value=models.swaps)
+    yield GaugeMetricFamily("onebit_model_waiting", "Requests waiting for their model to load", value=models.waiting)
 
 
 def _providers(providers: tuple[ProviderStatistics, ...]) -> Iterator[Any]:
@@ -169,6 +198,19 @@ class Metrics:
             ["route"],
             registry=self.registry,
         )
+        self.model_requests = Counter(
+            "onebit_model_requests",
+            "Completion requests by the model that served them, and outcome",
+            ["model", "outcome"],
+            registry=self.registry,
+        )
+        self.load_wait = Histogram(
+            "onebit_model_load_wait_seconds",
+            "Time a request waited for its model to load (several models)",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.registry.register(_Live(snapshot))
 
     def observe(self, line: RouteLine) -> None:
@@ -188,6 +230,10 @@ class Metrics:
             self.prompt_tokens.labels(line.route).inc(line.prompt_tokens)
         if line.decoder_prompt_n is not None:
             self.decoder_prompt_tokens.labels(line.route).inc(line.decoder_prompt_n)
+        if line.model is not None:
+            self.model_requests.labels(line.model, line.outcome).inc()
+            if line.load_ms is not None:
+                self.load_wait.labels(line.model).observe(line.load_ms / 1000)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

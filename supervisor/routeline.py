@@ -41,6 +41,8 @@ FIELDS = (
     "provider",
     "engine",
     "device",
+    "model",
+    "load_ms",
     "error",
 )
 
@@ -72,6 +74,8 @@ class RouteLine:
     provider: str | None = None  # the provider asked to prefill, and what it computes on
     engine: str | None = None
     device: str | None = None
+    model: str | None = None  # the model that served it (a name of [[model]], or the one model's)
+    load_ms: float | None = None  # how long it waited for its model to load (several models only)
     error: str | None = None
 
     def fields(self) -> dict[str, Any]:

@@ -18,6 +18,9 @@
   read (a refusal) is read and dropped, up to :data:`DISCARD_BYTES`, so the connection is kept.
 - **Writes** have a deadline: a client that takes no byte of a response for ``write_timeout_s``
   loses its connection, and the app learns it as a hang-up (``http.disconnect``).
+- **Settings**: both timeouts are sources (a value, or a function that gives the value now: the
+  daemon's one live config), read at each idle period and each write, so a reload applies from the
+  next.
 - **Disconnects**: once the body is read, ``receive()`` waits for the client to hang up and then
   returns ``http.disconnect`` (at once after the response has finished, as the ASGI spec says).
 - **Failures** stay on their connection: a socket error is a gone client, an app that raises is
@@ -39,6 +42,7 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from . import framing
+from .config import source
 from .errors import ClientError, ListenError, Malformed
 from .framing import END, NEED_DATA
 from .respond import Message, Receive, Send, error_body
@@ -128,22 +132,37 @@ class HttpServer:
         *,
         hosts: tuple[str, ...],
         port: int,
-        idle_timeout_s: float,
+        idle_timeout_s: float | Callable[[], float],
         shutdown: Callable[[], Awaitable[object]],
         graceful_timeout_s: float = 2.0,
-        write_timeout_s: float = WRITE_TIMEOUT_S,
+        write_timeout_s: float | Callable[[], float] = WRITE_TIMEOUT_S,
     ) -> None:
         self.app = app
         self.hosts = hosts
         self.port = port
-        self.idle_timeout_s = idle_timeout_s  # may change while serving (a reload)
-        self.write_timeout_s = write_timeout_s  # this too
+        self._idle_timeout_s = source(idle_timeout_s)
+        self._write_timeout_s = source(write_timeout_s)
         self.graceful_timeout_s = graceful_timeout_s
         self._shutdown = shutdown
         self.stopping = False
         self._connections: set[_Connection] = set()
         self._left = trio.Event()
         self._bound: list[socket.socket] = []
+
+    @property
+    def idle_timeout_s(self) -> float:
+        """Now: read at the start of each idle period."""
+        return self._idle_timeout_s()
+
+    @idle_timeout_s.setter
+    def idle_timeout_s(self, value: float) -> None:
+        """A fixed value in place of the source it was given (a test's)."""
+        self._idle_timeout_s = source(value)
+
+    @property
+    def write_timeout_s(self) -> float:
+        """Now: read at each write."""
+        return self._write_timeout_s()
 
     def bind(self) -> None:
         """Bind every address now (ListenError naming the key otherwise), for :meth:`run` to serve

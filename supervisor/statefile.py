@@ -15,7 +15,8 @@ The extension (2D position and token) is there only for M-RoPE and PLE models, w
 not say: a file that does not parse to its end without it is read again with it.  Only a plain KV
 cache is understood (not the SWA pair, recurrent or hybrid memories); the K and V types may be f32,
 f16, bf16 or q8_0.  :func:`layer_errors` compares two files layer by layer; ``scripts/slotdiff``
-prints it.  prefix_files.py checks a file's magic only; this module is the one that reads the rest.
+prints it.  The prefix store checks a file's magic only (:func:`has_magic`); share_worker.py reads
+a file's fields with :class:`Reader`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pathlib import Path
 import attrs
 
 MAGIC = 0x67677371  # LLAMA_STATE_SEQ_MAGIC, 'ggsq'
+MAGIC_BYTES = MAGIC.to_bytes(4, "little")  # what a state file's first four bytes are
 VERSION = 4  # LLAMA_STATE_SEQ_VERSION
 CELL_EXT_BYTES = 12  # llama_kv_cell_ext: i32 x, i32 y, i32 tok
 
@@ -192,6 +194,13 @@ def parse(data: bytes) -> SlotState:
 
 def read(path: Path) -> SlotState:
     return parse(path.read_bytes())
+
+
+def has_magic(path: Path) -> bool:
+    """Whether the file starts as a slot state file does, read no further (the prefix store's check
+    of a file it takes or finds).  Raises OSError."""
+    with open(path, "rb") as f:
+        return f.read(len(MAGIC_BYTES)) == MAGIC_BYTES
 
 
 @attrs.frozen

@@ -20,7 +20,7 @@ from cattrs.gen import make_dict_structure_fn
 from .child import ChildStatistics
 from .config import converter
 from .errors import AdminUnavailable
-from .prefix_store import StoreStatistics
+from .prefix.store import StoreStatistics
 from .providers.base import ProviderStatistics
 from .routestats import FirstByte
 from .slots import SlotStatistics
@@ -56,6 +56,40 @@ class DaemonInfo:
 
 
 @attrs.frozen
+class ModelStatistics:
+    """One model of the daemon's (supervisor/model.py)."""
+
+    name: str
+    aliases: tuple[str, ...]
+    state: str  # unloaded, loading, loaded, failed, unloading
+    default: bool
+    pin: bool
+    ttl_s: float
+    users: int  # requests holding it now
+    loads: int
+    last_load_ms: float | None  # its decoder's spawn to healthy, the last time
+    last_unload_ms: float | None  # its slots kept and its children stopped, the last time
+    last_used: float | None  # wall-clock seconds since the epoch
+    memory_mib: float  # measured (its children's RSS) while loaded, else the estimate
+    estimate_mib: float
+    pid: int | None  # its decoder's
+    state_since: float
+
+
+@attrs.frozen
+class ModelsStatistics:
+    """The daemon's models and their scheduler (supervisor/models.py)."""
+
+    default: str
+    max_loaded: int
+    memory_budget_mib: int
+    memory_mib: float  # the resident models', measured or estimated
+    waiting: int  # requests waiting for a model to load
+    swaps: int  # unloads made to load another model
+    models: tuple[ModelStatistics, ...]
+
+
+@attrs.frozen
 class DaemonStatistics:
     """``Daemon.statistics()``; the route statistics' fields sit at the top level, as on the wire."""
 
@@ -72,6 +106,7 @@ class DaemonStatistics:
     watchers: int
     watch_dropped: int
     store: StoreStatistics | None = None  # the prefix store (None from a daemon that predates it)
+    models: ModelsStatistics | None = None  # None from a daemon that predates several models
 
 
 def to_wire(stats: DaemonStatistics) -> dict[str, Any]:

@@ -39,8 +39,8 @@ import trio
 from supervisor import wire
 from supervisor.decoder import DecoderClient
 from supervisor.errors import ChatFormRefused, DecoderUnavailable
-from supervisor.prefix_files import STATE_MAGIC
 from supervisor.routes import chatform
+from supervisor.statefile import MAGIC_BYTES as STATE_MAGIC
 
 from . import fake_decoder
 from .fake_decoder import HttpError, Modes, chatml, content_text, parse_job, token_id

@@ -1,5 +1,6 @@
 """The rig the daemon-level and route tests share: configs for onebitd with the fakes, onebitd run in
-this trio run, the fakes' control file, the route lines, and the pieces of a hybrid-route test.
+this trio run (supervisor/testing.py's ``run_daemon``, which scripts/bench.py and scripts/chaos.py
+use too), the fakes' control file, the route lines, and the pieces of a hybrid-route test.
 
 tests/conftest.py turns these into fixtures (``control``, ``route_lines``, ``route_rig``); tests/helpers.py
 has the HTTP and waiting helpers.
@@ -12,8 +13,6 @@ import json
 import logging
 import os
 import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +23,14 @@ import trio
 
 from supervisor import config as configuration
 from supervisor import locate, openvino
-from supervisor.child import ChildState
+from supervisor.child import Child, ChildState
 from supervisor.config import Config
-from supervisor.daemon import Daemon, Started
 from supervisor.errors import ProviderError
-from supervisor.providers import Claim, Job, PrefillJob, ProviderStatistics
+from supervisor.providers import Claim, Job, PrefillJob, Provider, ProviderStatistics
+
+# Re-exported: the tests run onebitd through the rig.
+from supervisor.testing import Running as Running
+from supervisor.testing import run_daemon as run_daemon
 
 from . import fake_control, fake_decoder, fake_provider, fake_share_provider
 
@@ -102,30 +104,6 @@ def fake_decoder_config(runtime_dir: Path, *, model_file: Path | None = None, **
     model_section = {"path": str(model), "parallel": 2}
     model_section.update(sections.pop("model", {}))
     return make_config(runtime_dir, decoder=decoder, model=model_section, **sections)
-
-
-@attrs.frozen
-class Running:
-    daemon: Daemon
-    started: Started
-
-    @property
-    def url(self) -> str:
-        return self.started.binds[0]
-
-
-@asynccontextmanager
-async def run_daemon(config: Config, *, wait_ready: bool = True, check_fidelity: bool = True) -> AsyncIterator[Running]:
-    """Run onebitd in this trio run; stop it (drain, stop children, reap) on the way out."""
-    daemon = Daemon(config, check_fidelity=check_fidelity)
-    async with trio.open_nursery() as nursery:
-        started: Started = await nursery.start(daemon.run)
-        if wait_ready:
-            await daemon.decoder.wait_state(ChildState.READY)
-        try:
-            yield Running(daemon, started)
-        finally:
-            daemon.request_stop()
 
 
 def env_without(*names: str) -> dict[str, str]:
@@ -234,10 +212,16 @@ async def complete(client: httpx.AsyncClient, prompt: str = PROMPT, n: int = N_P
     return content
 
 
+def child_of(provider: Provider) -> Child:
+    """The child a llama-server or worker provider supervises."""
+    assert provider.child is not None, f"provider {provider.name} supervises no child"
+    return provider.child
+
+
 async def ready(running: Running, kind: str) -> None:
     """A worker takes jobs once its ready line came; an exec provider needs nothing."""
     if kind == "worker":
-        await running.daemon.providers.all[0].child.wait_state(ChildState.READY)  # type: ignore[attr-defined]
+        await child_of(running.daemon.providers.all[0]).wait_state(ChildState.READY)
 
 
 @attrs.define
@@ -313,6 +297,7 @@ class ScriptedProvider:
     ready: bool = True
     busy: int = 0
     jobs: list[PrefillJob] = attrs.Factory(list)
+    child: Child | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started(self)

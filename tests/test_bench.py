@@ -66,6 +66,19 @@ async def test_the_prefix_benchmark_in_quick_mode_exits_0_and_prints_its_ratios(
 
 
 @pytest.mark.real
+async def test_the_models_benchmark_in_quick_mode_exits_0_and_leaves_nothing() -> None:
+    real_llama_server()
+    with trio.fail_after(600):
+        result = await trio.run_process(
+            [sys.executable, str(BENCH), "models", "--quick"], capture_stdout=True, capture_stderr=True, check=False
+        )
+    out = result.stdout.decode()
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    assert re.search(rf"^\(a\) swap-back / warm, medians: {NUMBER}x; without load_ms {NUMBER}x", out, re.MULTILINE), out
+    assert out.count("left after the stop: files none, children none") == 2, out
+
+
+@pytest.mark.real
 async def test_the_versus_benchmark_in_quick_mode_exits_0_and_prints_both_trees() -> None:
     real_llama_server()
     # This tree against itself: what is checked is that both onebitds start, alternate and report.

@@ -55,6 +55,12 @@ class FakeLauncher:
     def prepare(self) -> None:
         self.health_file.unlink(missing_ok=True)
 
+    env = None
+    pass_fds = ()
+
+    def spawned(self) -> None:
+        return
+
     async def healthy(self) -> bool:
         await trio.lowlevel.checkpoint()
         ok = self._published()

@@ -24,7 +24,7 @@ from supervisor.completion import Completions, Hybrid
 from supervisor.config import HybridConfig, ServerConfig
 from supervisor.front import Front
 from supervisor.llama_server import StateFingerprint
-from supervisor.prefix_store import PrefixStore
+from supervisor.prefix.store import PrefixStore
 from supervisor.providers import Provider, Providers
 from supervisor.routeline import RouteLine
 from supervisor.routes.decision import DEGRADE, Step

@@ -167,9 +167,14 @@ def test_every_verb_of_onebitds_table_reaches_onebitd_with_its_arguments_from_th
         return {"ok": False, "error": "refused by the test", "lines": ["why"]}
 
     monkeypatch.setattr(admin, "call", call)
-    options = [option for argument in admin.VERBS[name].arguments for option in (f"--{argument.name}", "2.5")]
+    arguments = admin.VERBS[name].arguments
+    options = [
+        option
+        for argument in arguments
+        for option in (("2.5",) if argument.positional else (f"--{argument.name}", "2.5"))
+    ]
     assert ctl.main(["--socket", "/nonexistent/admin.sock", *name.split(), *options]) == 1
-    expected = {argument.name: 2.5 for argument in admin.VERBS[name].arguments}
+    expected = {argument.name: argument.type("2.5") for argument in arguments}
     assert sent == [(Path("/nonexistent/admin.sock"), name, expected)]
     assert capsys.readouterr().err == "onebitctl: refused by the test\nonebitctl: why\n"
 

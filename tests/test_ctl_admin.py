@@ -34,11 +34,11 @@ from supervisor.daemon import Daemon
 from supervisor.errors import AdminUnavailable
 from supervisor.front import InflightRequest
 from supervisor.logs import ROUTE_LOGGER
-from supervisor.prefix_store import PrefixStore
+from supervisor.prefix.store import PrefixStore
 from supervisor.providers import ProviderStatistics
 from supervisor.routeline import RouteLine
 from supervisor.routestats import FirstByte, RouteStats
-from supervisor.status import DaemonStatistics, from_wire, to_wire
+from supervisor.status import DaemonStatistics, ModelStatistics, from_wire, to_wire
 
 from .helpers import CHAT, chat, client_for, open_held_streams, streamed_text, wait_until
 from .rig import (
@@ -398,6 +398,12 @@ class Draining:
 
     def reload(self) -> dict[str, Any]:
         return {}
+
+    async def load(self, name: str) -> ModelStatistics:
+        raise NotImplementedError
+
+    async def unload(self, name: str) -> ModelStatistics:
+        raise NotImplementedError
 
     def end_one(self) -> None:
         self.inflight -= 1

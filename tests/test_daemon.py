@@ -16,12 +16,13 @@ import tomli_w
 import trio
 
 from supervisor import config as configuration
+from supervisor.child import ChildState
 from supervisor.daemon import Daemon, leaves, local_url
 from supervisor.errors import ConfigError, ListenError, RuntimeDirInUse
 
 from . import fake_provider
 from .helpers import wait_until
-from .rig import Control, ProviderModes, fake_decoder_config, run_daemon
+from .rig import Control, ProviderModes, child_of, fake_decoder_config, run_daemon
 
 TIMEOUT = 30
 ROOT = Path(__file__).parent.parent
@@ -87,7 +88,7 @@ async def test_a_clean_stop_removes_the_sockets_and_the_lock_it_made_and_nothing
     with trio.fail_after(TIMEOUT):
         async with run_daemon(config) as running:
             provider = running.daemon.providers.all[0]
-            await provider.child.wait_state(provider.child.state.READY)  # type: ignore[attr-defined]
+            await child_of(provider).wait_state(ChildState.READY)
             made = {"decoder.sock", "provider-p0.sock", "onebitd.lock", "admin.sock"}
             assert made <= set(os.listdir(short_dir))
     assert made.isdisjoint(os.listdir(short_dir))
@@ -116,7 +117,7 @@ async def test_health_says_loading_until_a_providers_first_start_is_over_then_ok
             loading = await client.get("/health")
             status = running.daemon.state()
             ready_early = running.daemon.ready.is_set()
-            pid = running.daemon.providers.all[0].child.pid  # type: ignore[attr-defined]
+            pid = child_of(running.daemon.providers.all[0]).pid
             assert pid is not None
             os.kill(pid, signal.SIGUSR1)
             await running.daemon.ready.wait()

@@ -25,13 +25,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from supervisor import config as configuration
-from supervisor import locate, prefix_files, prefix_index
+from supervisor import locate
 from supervisor.decoder import DecoderClient
 from supervisor.errors import PrefixStoreError
 from supervisor.llama_server import LlamaServerLauncher, StateFingerprint
-from supervisor.prefix_files import STATE_MAGIC, Disk
-from supervisor.prefix_index import BLOCK, PrefixIndex, token_key
-from supervisor.prefix_store import MAX_PENDING_PUTS, PrefixStore, open_prefix_store
+from supervisor.prefix import files as prefix_files
+from supervisor.prefix import index as prefix_index
+from supervisor.prefix.files import Disk
+from supervisor.prefix.index import BLOCK, PrefixIndex, token_key
+from supervisor.prefix.store import MAX_PENDING_PUTS, PrefixStore, open_prefix_store
+from supervisor.statefile import MAGIC_BYTES as STATE_MAGIC
 
 from .rig import make_config
 

@@ -36,7 +36,7 @@ from supervisor.routes.prompt import chat_form, tokens_for
 from supervisor.share_worker import unpack_prompt
 
 from .helpers import wait_until
-from .rig import HANDOFF_ALWAYS, RouteLines, Running, make_config, real_llama_server, run_daemon
+from .rig import HANDOFF_ALWAYS, RouteLines, Running, child_of, make_config, real_llama_server, run_daemon
 
 pytestmark = [
     pytest.mark.real,
@@ -449,7 +449,7 @@ async def test_both_apis_take_the_file_route_and_answer_what_the_decoder_answers
     with trio.fail_after(DEADLINE_S):
         async with run_daemon(hybrid_config(short_dir)) as running:
             provider = running.daemon.providers.all[0]
-            await provider.child.wait_state(ChildState.READY)  # type: ignore[attr-defined]
+            await child_of(provider).wait_state(ChildState.READY)
             cold_message = await cold_reply(running, "/v1/messages", message_body)
             cold_response = await cold_reply(running, "/v1/responses", responses_body)
             async with open_anthropic(running) as client:

@@ -20,7 +20,7 @@ from supervisor.config import Config
 from supervisor.decoder import unix_transport
 from supervisor.llama_server import model_args
 
-from .rig import HANDOFF_ALWAYS, TESTS, RouteLines, make_config, real_llama_server, run_daemon
+from .rig import HANDOFF_ALWAYS, TESTS, RouteLines, child_of, make_config, real_llama_server, run_daemon
 
 pytestmark = pytest.mark.real
 
@@ -92,7 +92,7 @@ async def test_the_file_route_gives_the_plain_routes_greedy_reply_with_one_promp
     with trio.fail_after(180):
         async with run_daemon(hybrid_config(short_dir)) as running:
             provider = running.daemon.providers.all[0]
-            await provider.child.wait_state(ChildState.READY)  # type: ignore[attr-defined]
+            await child_of(provider).wait_state(ChildState.READY)
             body = body_for(endpoint, stream)
             expected, plain_timings = await plain_reply(running.daemon.launcher.socket, endpoint, body)
             async with httpx.AsyncClient(base_url=running.url, timeout=120) as client:
@@ -119,7 +119,7 @@ async def test_eight_concurrent_hybrid_requests_over_four_slots_are_all_correct(
     with trio.fail_after(300):
         async with run_daemon(hybrid_config(short_dir)) as running:
             provider = running.daemon.providers.all[0]
-            await provider.child.wait_state(ChildState.READY)  # type: ignore[attr-defined]
+            await child_of(provider).wait_state(ChildState.READY)
             expected = [
                 (await plain_reply(running.daemon.launcher.socket, endpoint, body_for(endpoint, False, q)))[0]
                 for q in questions
@@ -191,7 +191,7 @@ async def test_a_worker_provider_with_its_own_llama_server_serves_the_file_route
     with trio.fail_after(180):
         async with run_daemon(config) as running:
             worker = running.daemon.providers.all[0]
-            await worker.child.wait_state(ChildState.READY)  # type: ignore[attr-defined]
+            await child_of(worker).wait_state(ChildState.READY)
             expected = [
                 (await plain_reply(running.daemon.launcher.socket, endpoint, body_for(endpoint, False, q)))[0]
                 for q in (QUESTION, QUESTION + " Be brief.")
@@ -201,7 +201,7 @@ async def test_a_worker_provider_with_its_own_llama_server_serves_the_file_route
                     await ask(client, endpoint, body_for(endpoint, False, q))
                     for q in (QUESTION, QUESTION + " Be brief.")
                 ]
-            worker_pid = worker.child.pid  # type: ignore[attr-defined]
+            worker_pid = child_of(worker).pid
     assert got == expected
     assert [line["route"] for line in route_lines.lines] == ["file", "file"]
     assert all(line["decoder_prompt_n"] <= 2 for line in route_lines.lines)
@@ -231,7 +231,7 @@ async def test_with_kv_share_on_a_stock_llama_server_refuses_and_every_request_t
     with caplog.at_level(logging.INFO, logger="onebit.hybrid"), trio.fail_after(180):
         async with run_daemon(config) as running:
             provider = running.daemon.providers.all[0]
-            await provider.child.wait_state(ChildState.READY)  # type: ignore[attr-defined]
+            await child_of(provider).wait_state(ChildState.READY)
             expected = [
                 (await plain_reply(running.daemon.launcher.socket, endpoint, body_for(endpoint, False, q)))[0]
                 for q in questions

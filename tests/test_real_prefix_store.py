@@ -25,7 +25,7 @@ import trio
 from supervisor.config import Config
 from supervisor.decoder import DecoderClient
 from supervisor.llama_server import LlamaServerLauncher, StateFingerprint, server_version
-from supervisor.prefix_store import PrefixStore
+from supervisor.prefix.store import PrefixStore
 from supervisor.process import ChildProcess
 
 from .rig import make_config, real_llama_server

@@ -26,7 +26,7 @@ from supervisor.child import ChildState
 from supervisor.config import Config
 
 from .helpers import CHAT
-from .rig import RouteLines, make_config, real_llama_server, run_daemon
+from .rig import RouteLines, child_of, make_config, real_llama_server, run_daemon
 
 pytestmark = pytest.mark.real
 
@@ -127,7 +127,7 @@ async def test_a_chats_later_turns_stay_plain_because_the_decoder_holds_them_and
         async with run_daemon(config(second_dir, hybrid=False)) as running:
             expected = await reference(running.daemon.launcher.socket)
         async with run_daemon(config(short_dir, hybrid=True)) as running:
-            await running.daemon.providers.all[0].child.wait_state(ChildState.READY)  # type: ignore[attr-defined]
+            await child_of(running.daemon.providers.all[0]).wait_state(ChildState.READY)
             got = await converse(running.url, expected)
     lines = route_lines.lines
     differ = [

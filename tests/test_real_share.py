@@ -24,7 +24,7 @@ from supervisor.config import Config
 from supervisor.decoder import unix_transport
 from supervisor.llama_server import model_args
 
-from .rig import HANDOFF_ALWAYS, TESTS, RouteLines, make_config, real_llama_server, run_daemon
+from .rig import HANDOFF_ALWAYS, TESTS, RouteLines, child_of, make_config, real_llama_server, run_daemon
 from .test_real_hybrid import QUESTION, ask, body_for, plain_reply
 
 pytestmark = pytest.mark.real
@@ -59,7 +59,7 @@ async def test_the_share_route_gives_the_plain_routes_greedy_reply_on_every_endp
     with trio.fail_after(300):
         async with run_daemon(share_config(short_dir)) as running:
             worker = running.daemon.providers.all[0]
-            await worker.child.wait_state(ChildState.READY)  # type: ignore[attr-defined]
+            await child_of(worker).wait_state(ChildState.READY)
             expected = [
                 await plain_reply(running.daemon.launcher.socket, endpoint, body_for(endpoint, False))
                 for endpoint, _ in cases
@@ -99,7 +99,7 @@ async def test_share_mode_on_the_embedded_default_takes_the_share_route_with_its
     with trio.fail_after(240):
         async with run_daemon(config) as running:
             provider = running.daemon.providers.all[0]
-            await provider.child.wait_state(ChildState.READY)  # type: ignore[attr-defined]
+            await child_of(provider).wait_state(ChildState.READY)
             expected, _ = await plain_reply(running.daemon.launcher.socket, endpoint, body_for(endpoint, False))
             async with httpx.AsyncClient(base_url=running.url, timeout=120) as client:
                 got = [await ask(client, endpoint, body_for(endpoint, stream)) for stream in (False, True)]
@@ -134,7 +134,7 @@ async def test_a_share_that_cannot_be_adopted_is_served_plain_and_correct(
     with caplog.at_level(logging.INFO, logger="onebit.hybrid"), trio.fail_after(240):
         async with run_daemon(share_config(short_dir, fault=fault)) as running:
             worker = running.daemon.providers.all[0]
-            await worker.child.wait_state(ChildState.READY)  # type: ignore[attr-defined]
+            await child_of(worker).wait_state(ChildState.READY)
             expected, plain_timings = await plain_reply(running.daemon.launcher.socket, endpoint, body)
             async with httpx.AsyncClient(base_url=running.url, timeout=120) as client:
                 got = await ask(client, endpoint, body)
@@ -156,7 +156,7 @@ async def test_with_flash_attention_off_the_decoder_refuses_to_share_and_the_fil
     with caplog.at_level(logging.INFO, logger="onebit.hybrid"), trio.fail_after(240):
         async with run_daemon(share_config(short_dir, decoder_args=("-fa", "off"))) as running:
             worker = running.daemon.providers.all[0]
-            await worker.child.wait_state(ChildState.READY)  # type: ignore[attr-defined]
+            await child_of(worker).wait_state(ChildState.READY)
             async with httpx.AsyncClient(base_url=running.url, timeout=120) as client:
                 got = [await ask(client, endpoint, body_for(endpoint, False, q)) for q in questions]
     # No comparison with the plain reply here: without flash attention llama.cpp's CPU kernels for a

@@ -241,6 +241,58 @@ def test_a_remembered_share_refusal_still_applies_after_the_cost_decision() -> N
     assert (picked.route, picked.reason) == (Route.FILE, Reason.SHARE_REMEMBERED)
 
 
+# -- every plain reason, in one table ----------------------------------------------------------------
+
+# The cost of a prompt the decoder's slot holds most of (cached) and of one a slow provider would take
+# longer over (plain-cheaper), for the 300-token prompt of HYBRID.
+HOLDS_MOST = attrs.evolve(COLD, decoder_cached=150, provider_ms_per_token=8.0)
+SLOWER = attrs.evolve(COLD, provider_ms_per_token=8.0)
+R = Reason
+
+
+@pytest.mark.parametrize(
+    ("changes", "route", "reasons"),
+    [
+        ({}, Route.FILE, ()),
+        ({"share": True}, Route.SHARE, ()),
+        ({"share": True, "share_refused": True}, Route.FILE, (R.SHARE_REMEMBERED,)),
+        ({"over_context": True, "enabled": False}, Route.PLAIN, (R.OVER_CONTEXT,)),
+        ({"over_context": True, "provider_ready": False}, Route.PLAIN, (R.OVER_CONTEXT,)),
+        ({"enabled": False}, Route.PLAIN, ()),
+        ({"enabled": False, "restored": True}, Route.PLAIN, (R.STORED,)),
+        ({"enabled": False, "unsupported": True, "prompt_tokens": None}, Route.PLAIN, ()),
+        ({"provider_ready": False}, Route.PLAIN, (R.NO_PROVIDER,)),
+        ({"provider_ready": False, "restored": True}, Route.PLAIN, (R.NO_PROVIDER, R.STORED)),
+        ({"provider_ready": False, "unsupported": True, "prompt_tokens": None}, Route.PLAIN, (R.NO_PROVIDER,)),
+        ({"unsupported": True, "prompt_tokens": None}, Route.PLAIN, (R.UNSUPPORTED,)),
+        ({"prompt_tokens": None}, Route.PLAIN, (R.TOKENIZE_FAILED,)),
+        ({"provider_ready": False, "prompt_tokens": None}, Route.PLAIN, (R.NO_PROVIDER,)),
+        # A provider picked at the request's start that is gone once it holds its slot:
+        ({"provider_picked": True, "provider_ready": False}, Route.PLAIN, (R.NO_PROVIDER,)),
+        ({"provider_picked": True, "provider_ready": False, "prompt_tokens": None}, Route.PLAIN, (R.TOKENIZE_FAILED,)),
+        (
+            {"provider_picked": True, "provider_ready": False, "unsupported": True, "prompt_tokens": None},
+            Route.PLAIN,
+            (R.UNSUPPORTED,),
+        ),
+        ({"provider_picked": False, "unsupported": True, "prompt_tokens": None}, Route.PLAIN, (R.NO_PROVIDER,)),
+        ({"prompt_tokens": 255}, Route.PLAIN, (R.SHORT_PROMPT,)),
+        ({"prompt_tokens": 255, "restored": True}, Route.PLAIN, (R.SHORT_PROMPT, R.STORED)),
+        ({"costs": HOLDS_MOST}, Route.PLAIN, (R.CACHED,)),
+        ({"costs": HOLDS_MOST, "restored": True}, Route.PLAIN, (R.STORED,)),
+        ({"costs": SLOWER}, Route.PLAIN, (R.PLAIN_CHEAPER,)),
+        ({"costs": SLOWER, "restored": True}, Route.PLAIN, (R.PLAIN_CHEAPER, R.STORED)),
+        ({"costs": COLD, "restored": True}, Route.FILE, ()),
+        ({"share": True, "share_refused": True, "restored": True}, Route.FILE, (R.SHARE_REMEMBERED,)),
+    ],
+)
+def test_choose_decides_the_route_and_every_reason_the_route_line_prints(
+    changes: dict[str, Any], route: Route, reasons: tuple[Reason, ...]
+) -> None:
+    picked = choice(**changes)
+    assert (picked.route, picked.reasons) == (route, reasons)
+
+
 # -- the slot choice --------------------------------------------------------------------------------
 
 

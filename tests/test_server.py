@@ -9,7 +9,7 @@ import logging
 import select
 import socket
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -49,9 +49,9 @@ async def serving(
     app: App,
     *,
     hosts: tuple[str, ...] = ("127.0.0.1",),
-    idle_timeout_s: float = FOREVER,
+    idle_timeout_s: float | Callable[[], float] = FOREVER,
     graceful_timeout_s: float = 1.0,
-    write_timeout_s: float = FOREVER,
+    write_timeout_s: float | Callable[[], float] = FOREVER,
 ) -> AsyncIterator[Served]:
     """An HttpServer on port 0 for the test's body, stopped after it; all of it within TIMEOUT."""
     stop = trio.Event()
@@ -668,6 +668,15 @@ async def test_a_connection_that_sends_half_a_head_is_closed_after_the_idle_time
 async def test_an_idle_timeout_changed_while_serving_applies_to_the_next_connection() -> None:
     async with serving(echo, idle_timeout_s=FOREVER) as served:
         served.server.idle_timeout_s = IDLE
+        async with connected(served.port) as client:
+            assert await client.rest() == b""
+
+
+async def test_an_idle_timeout_read_from_a_source_is_the_sources_value_at_the_next_connection() -> None:
+    # The daemon's source: its one live config, which a reload swaps.
+    timeouts: dict[str, float] = {"idle": FOREVER}
+    async with serving(echo, idle_timeout_s=lambda: timeouts["idle"]) as served:
+        timeouts["idle"] = IDLE
         async with connected(served.port) as client:
             assert await client.rest() == b""
 

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import attrs
 import trio
 
-from ..config import converter
+from ..child import Child, ChildStatistics
 from ..errors import ProviderError
 
 
@@ -124,12 +124,12 @@ class JobCounts:
         kind: str,
         *,
         ready: bool,
-        child: Any = None,
+        child: ChildStatistics | None = None,
         engine: str | None = None,
         device: str | None = None,
         refused: str | None = None,
     ) -> ProviderStatistics:
-        """A provider's snapshot; ``child``: its supervised child's statistics (attrs), if it has one."""
+        """A provider's snapshot; ``child``: its supervised child's statistics, if it has one."""
         return ProviderStatistics(
             name=name,
             kind=kind,
@@ -137,7 +137,7 @@ class JobCounts:
             busy=self.busy,
             jobs=self.jobs,
             failures=self.failures,
-            child=None if child is None else converter.unstructure(child),
+            child=child,
             engine=engine,
             device=device,
             refused=refused,
@@ -152,7 +152,7 @@ class ProviderStatistics:
     busy: int
     jobs: int
     failures: int
-    child: dict[str, Any] | None  # the supervised child's statistics, for kinds that have one
+    child: ChildStatistics | None  # the supervised child's statistics, for kinds that have one
     # What a llama-server provider computes on (engine ggml or openvino, and the device it resolved);
     # None for the kinds that do not say.
     engine: str | None = None
@@ -171,6 +171,11 @@ class Provider(Protocol):
     device: str | None
     # Can take a ShareJob (write into the decoder's region); llama-server providers cannot.
     supports_share: bool
+
+    @property
+    def child(self) -> Child | None:
+        """The child it supervises between jobs (a llama-server, a worker); None for a kind that
+        starts a process per job (exec)."""
 
     @property
     def ready(self) -> bool:

@@ -14,6 +14,7 @@ from typing import Any
 
 import trio
 
+from ..child import Child
 from ..config import ExecProvider as ExecProviderConfig
 from ..errors import ChildError, ProviderError
 from ..process import ChildProcess, describe_exit
@@ -33,6 +34,7 @@ class ExecProvider:
     supports_share = True  # the region fds are inherited at the numbers the job lists
     engine: str | None = None  # a program of its own: onebitd does not know what it runs on
     device: str | None = None
+    child: Child | None = None  # a process per job, none between them
 
     def __init__(self, spec: ExecProviderConfig) -> None:
         self.name = spec.name

@@ -151,11 +151,22 @@ def estimate(prompt_tokens: int, costs: Costs) -> Estimate:
     return Estimate(plain_ms=plain, hybrid_ms=hybrid)
 
 
+def _alone(reason: Reason | None) -> tuple[Reason, ...]:
+    return () if reason is None or reason is Reason.DISABLED else (reason,)
+
+
 @attrs.frozen
 class Choice:
     route: Route
     reason: Reason | None = None  # set when a cheaper-for-the-decoder route was not taken
     estimate: Estimate | None = None  # set when the cost decision ran
+    # The route line's fallback chain as the request starts, in its order: the reason alone (none
+    # for ``disabled``, which is no fallback), or with ``stored`` after it.
+    reasons: tuple[Reason, ...] = attrs.field()
+
+    @reasons.default
+    def _reason_alone(self) -> tuple[Reason, ...]:
+        return _alone(self.reason)
 
 
 def choose(
@@ -168,33 +179,72 @@ def choose(
     share_refused: bool,
     costs: Costs | None = None,
     policy: Policy = Policy(),
+    provider_picked: bool | None = None,
+    unsupported: bool = False,
+    over_context: bool = False,
+    restored: bool = False,
 ) -> Choice:
-    """The route a request starts on.  ``prompt_tokens`` None: the prompt could not be tokenized.
+    """The route a request starts on, and every reason it is kept plain; nothing else decides them.
+
+    ``enabled``: the hybrid routes are on; ``provider_picked``: a provider was ready when the request
+    came (None: as ``provider_ready``); ``provider_ready``: one is ready now, once the request holds
+    its slot; ``unsupported``: a prompt shape no provider can take (not tokenized); ``prompt_tokens``
+    None: the prompt was not tokenized (past the reasons above: tokenizing it failed);
+    ``over_context``: it does not fit a slot's context; ``restored``: the prefix store restored a
+    prefix of it into the slot.  The first that holds decides, in this order (a prompt no provider
+    could take is named so, whether or not its provider is still there):
+
+        over_context            plain  over-context
+        not enabled             plain  (disabled: no fallback)
+        not provider_picked     plain  no-provider
+        unsupported             plain  unsupported-request
+        prompt_tokens None      plain  tokenize-failed
+        not provider_ready      plain  no-provider
+        under min_prompt_tokens plain  short-prompt
+        the costs               plain  cached or plain-cheaper
+        share and share_refused file   share-refused-earlier
+        otherwise               share or file
 
     With ``costs`` the hybrid route must also pay: the tokens the decoder's slot lacks must reach the
     floor (else plain, ``cached``), and the hybrid estimate must be within the policy's margin of
     plain's, or a plain prefill would stall other streams too long; else plain, ``cached`` when the
-    decoder already holds most of the prompt, ``plain-cheaper`` otherwise."""
+    decoder already holds most of the prompt, ``plain-cheaper`` otherwise.
+
+    A plain request that the prefix store served says ``stored`` last, after what else kept it
+    plain; ``cached`` is then the store's doing, not the slot's, and is left out."""
+
+    def plain(reason: Reason | None, guess: Estimate | None = None) -> Choice:
+        if not restored:
+            return Choice(Route.PLAIN, reason, guess)
+        kept = tuple(r for r in _alone(reason) if r is not Reason.CACHED)
+        return Choice(Route.PLAIN, reason, guess, (*kept, Reason.STORED))
+
+    if over_context:
+        return plain(Reason.OVER_CONTEXT)
     if not enabled:
-        return Choice(Route.PLAIN, Reason.DISABLED)
-    if not provider_ready:
-        return Choice(Route.PLAIN, Reason.NO_PROVIDER)
+        return plain(Reason.DISABLED)
+    if not (provider_ready if provider_picked is None else provider_picked):
+        return plain(Reason.NO_PROVIDER)
+    if unsupported:
+        return plain(Reason.UNSUPPORTED)
     if prompt_tokens is None:
-        return Choice(Route.PLAIN, Reason.TOKENIZE_FAILED)
+        return plain(Reason.TOKENIZE_FAILED)
+    if not provider_ready:
+        return plain(Reason.NO_PROVIDER)
     if prompt_tokens < min_prompt_tokens:
-        return Choice(Route.PLAIN, Reason.SHORT_PROMPT)
+        return plain(Reason.SHORT_PROMPT)
     guess = None
     if costs is not None:
         guess = estimate(prompt_tokens, costs)
         # The floor is on the prefill a handoff would spare: a prompt whose slot already holds all
         # but a few tokens (a chat's next turn) leaves nothing worth moving.
         if prompt_tokens - costs.decoder_cached < min_prompt_tokens:
-            return Choice(Route.PLAIN, Reason.CACHED, guess)
+            return plain(Reason.CACHED, guess)
         worth_it = guess.hybrid_ms <= guess.plain_ms * (1 + policy.prefer_margin)
         spares_streams = costs.streams_decoding > 0 and guess.plain_ms > policy.max_stall_ms
         if not (worth_it or spares_streams):
             holds_most = 2 * costs.decoder_cached >= prompt_tokens
-            return Choice(Route.PLAIN, Reason.CACHED if holds_most else Reason.PLAIN_CHEAPER, guess)
+            return plain(Reason.CACHED if holds_most else Reason.PLAIN_CHEAPER, guess)
     if share and share_refused:
         # This decoder process refused to share before: asking again costs a round trip per request.
         return Choice(Route.FILE, Reason.SHARE_REMEMBERED, guess)

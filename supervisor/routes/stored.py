@@ -1,15 +1,18 @@
 """The prefix store's part in a request: restore a stored prefix into the request's slot before the
-route is chosen, and keep a prompt's state after the reply.
+route is chosen (:meth:`StoredPrefixes.before`), and keep a prompt's state after the reply
+(:meth:`~StoredPrefixes.after`, :meth:`~StoredPrefixes.after_hang_up`).
 
 Restoring: ``POST /slots/S?action=restore`` of the entry, exposed under a fresh name in the
-decoder's ``--slot-save-path`` (supervisor/prefix_store.py pins it meanwhile).  The slot then holds
+decoder's ``--slot-save-path`` (supervisor/prefix/store.py pins it meanwhile).  The slot then holds
 the entry's tokens and the decoder (or a hybrid route) prefills only the rest.  A restore the decoder
 refuses drops the entry and erases the slot: the request goes on as if there were none.
 
 Keeping: after the last byte of a reply, while the request still holds its slot (no one else may
 change its cells), ``POST /slots/S?action=save`` into the state directory; the store's ``put_file``
-then moves the file onto its disk off the request's path.  On every route: after a hybrid route's
-reply the slot holds the reply's tokens too, which its handed-over state file lacks.
+then moves the file onto its disk off the request's path, in the nursery :meth:`StoredPrefixes.run`
+holds.  On every route: after a hybrid route's reply the slot holds the reply's tokens too, which its
+handed-over state file lacks.  A stream whose client hung up once the decoder began its reply is kept
+the same way, once the decoder reports the slot idle.
 
 Which tokens an entry is for: a prompt's prefix that another recent prompt shared (the system prompt
 and tool list a chat's users all send: the part the next request will start with too) when one is
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import attrs
@@ -28,10 +31,15 @@ import trio
 
 from .. import decoder
 from ..errors import PrefixStoreError
-from ..prefix_store import Entry, PrefixStore
+from ..prefix.store import Entry, PrefixStore
+from ..rates import MIB
+from ..slots import PromptKey, SlotPool
+from .decision import worth_restoring
 from .file import SlotClient, erase_slot
 
 log = logging.getLogger("onebit.prefix")
+# What a request's story says of the store (a restore it goes on without) is logged with its route.
+hybrid_log = logging.getLogger("onebit.hybrid")
 
 # A local save or restore answers in milliseconds (67 MB in 40 ms here); one that takes this long is
 # stuck, and the request's slot must not stay held for it.
@@ -45,15 +53,115 @@ class Restored:
     why: str = ""  # why a restore failed, for the log
 
 
+NOTHING = Restored(None)
+
+
 class StoredPrefixes:
+    """The prefix store as a request meets it; :class:`~supervisor.completion.Completions` calls
+    :meth:`before` once the request holds its slot, :meth:`after` (or :meth:`after_hang_up`) while
+    it still does.  What it restored goes back to the caller, which writes the route line."""
+
     def __init__(self, *, client: SlotClient, state_dir: Path, store: PrefixStore) -> None:
         self.client = client
         self.state_dir = state_dir
         self.store = store
+        # The nursery the store's writes run in, off the requests' path: set by run().
+        self._writes: trio.Nursery | None = None
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Hold the nursery the store's writes run in, for as long as the daemon serves."""
+        async with trio.open_nursery() as nursery:
+            self._writes = nursery
+            try:
+                task_status.started()
+                await trio.sleep_forever()
+            finally:
+                self._writes = None
 
     @property
     def enabled(self) -> bool:
         return self.store.enabled
+
+    def may_hold(self, text: str) -> bool:
+        """Whether a prompt of this text may have an entry, or make one: a prompt's text is at least
+        as long as its tokens, so a short text cannot."""
+        return self.enabled and len(text) >= self.store.min_tokens
+
+    async def before(
+        self,
+        slot: int,
+        key: PromptKey,
+        slots: SlotPool,
+        *,
+        decoder_ms_per_token: float,
+        restore_ms_per_mib: float,
+        req: str,
+    ) -> Restored:
+        """Restore the longest stored prefix of the prompt into the slot, when that spares more
+        prefill than it costs; ``slots`` then knows what the slot holds."""
+        if key.tokens is None or not self.enabled:
+            return NOTHING
+        entry = self.lookup(key.tokens)
+        if entry is None:
+            return NOTHING
+        worth = worth_restoring(
+            entry_tokens=entry.n_tokens,
+            decoder_cached=slots.cached(slot, key),
+            decoder_ms_per_token=decoder_ms_per_token,
+            restore_ms=restore_ms_per_mib * entry.state_bytes / MIB,
+        )
+        if not worth:
+            return NOTHING
+        restored = await self.restore(slot, entry)
+        if restored.entry is None:
+            if restored.why:
+                hybrid_log.warning("prefix store: %s; the request goes on without it (%s)", restored.why, req)
+            slots.forget(slot)
+        else:
+            slots.remember(slot, PromptKey(tokens=entry.tokens))
+        return restored
+
+    async def after(self, slot: int, key: PromptKey, slots: SlotPool, *, req: str, restored: Entry | None) -> None:
+        """Save a request's slot for the store, after its reply, when it holds a prompt worth keeping."""
+        if self._writes is None or key.tokens is None or not self.enabled:
+            return
+        shared, extends = slots.shared(key)
+        if restored is not None:
+            # It went on from a stored prefix, as a conversation's next turn goes on from the last:
+            # kept whole, the next turn finds all of it (the store makes one entry of repeats).
+            shared, extends = restored.n_tokens, True
+        tokens = self.candidate(key.tokens, shared, extends)
+        if tokens is None:
+            return
+        path = await self.save(slot, req)
+        if path is None:
+            return
+        if self._writes is None:
+            path.unlink(missing_ok=True)
+            return
+        self._writes.start_soon(self.keep, tokens, path)
+
+    async def after_hang_up(
+        self,
+        slot: int,
+        key: PromptKey,
+        slots: SlotPool,
+        *,
+        req: str,
+        restored: Entry | None,
+        settle: Callable[[int], Awaitable[None]],
+        ready: Callable[[], bool],
+    ) -> None:
+        """Save a slot its client left mid-stream: once the decoder has stopped in it (``settle``: it
+        notices the closed connection at its next token), while the request still holds it, if the
+        decoder is still ``ready``.  Shielded from the cancellation that brought us here; bounded by
+        the settle's and the save's own timeouts."""
+        with trio.CancelScope(shield=True):
+            if key.tokens is None or not self.enabled:
+                return
+            await settle(slot)
+            if ready():
+                await self.after(slot, key, slots, req=req, restored=restored)
 
     def lookup(self, tokens: Sequence[int]) -> Entry | None:
         return self.store.lookup(tokens)

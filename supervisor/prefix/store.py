@@ -10,7 +10,7 @@ restore.  The store keeps saved states across decoder and onebitd restarts, with
 - :meth:`PrefixStore.put_file`: takes a state file llama-server saved and commits it (off the
   request's path: the caller spawns it).  :meth:`PrefixStore.drop`: an entry the decoder refused.
 
-Files and their guarantees are in :mod:`supervisor.prefix_files`.  The store's bookkeeping lives on
+Files and their guarantees are in :mod:`supervisor.prefix.files`.  The store's bookkeeping lives on
 the trio thread; only file work runs in worker threads, and writes take turns (one lock), so what is
 on disk never exceeds ``max_bytes``.  Nothing here raises an ``OSError`` at its caller: a store that
 cannot work is disabled (one log line) and the daemon goes on without it.
@@ -32,12 +32,13 @@ from pathlib import Path
 import attrs
 import trio
 
-from . import locate, prefix_files
-from .config import Config
-from .errors import PrefixStoreError
-from .llama_server import StateFingerprint
-from .prefix_files import Disk, Entry
-from .prefix_index import PrefixIndex, token_key
+from .. import locate
+from ..config import Config
+from ..errors import PrefixStoreError
+from ..llama_server import StateFingerprint
+from . import files as prefix_files
+from .files import Disk, Entry
+from .index import PrefixIndex, token_key
 
 __all__ = ["Entry", "PrefixStore", "StoreStatistics", "open_prefix_store"]
 
@@ -478,7 +479,7 @@ async def open_prefix_store(
     if not cache.enabled:
         store = PrefixStore.disabled("cache.enabled is false", level=logging.INFO)
     else:
-        directory = locate.prefix_store_dir(cache.dir)
+        directory = locate.prefix_store_dir(cache.dir, port=config.server.port)
         try:
             fingerprint = await trio.to_thread.run_sync(
                 functools.partial(StateFingerprint.of, config, server_version, kv_unified=kv_unified, engines=engines)

@@ -1,6 +1,6 @@
 """The prefix store's files: the on-disk format, the crash-safe write, and the scan at open.
 
-An entry ``K`` (:func:`~supervisor.prefix_index.token_key` of its tokens) is two files in the store
+An entry ``K`` (:func:`~supervisor.prefix.index.token_key` of its tokens) is two files in the store
 directory::
 
     K.state   the llama.cpp slot state file, byte for byte as llama-server saved it
@@ -27,8 +27,8 @@ from typing import Any
 
 import attrs
 
-from . import statefile
-from .prefix_index import token_key
+from .. import statefile
+from .index import token_key
 
 log = logging.getLogger("onebit.prefix")
 
@@ -36,13 +36,11 @@ FORMAT = 1
 TEMP_PREFIX = ".tmp-"
 STATE = ".state"
 SIDECAR = ".json"
-# llama_state_seq_save_file starts with LLAMA_STATE_SEQ_MAGIC ('ggsq' as a little-endian u32).
-STATE_MAGIC = statefile.MAGIC.to_bytes(4, "little")
 
 
 @attrs.frozen
 class Entry:
-    """One committed entry, as :class:`~supervisor.prefix_store.PrefixStore` hands it out."""
+    """One committed entry, as :class:`~supervisor.prefix.store.PrefixStore` hands it out."""
 
     key: str
     tokens: tuple[int, ...]
@@ -126,11 +124,6 @@ def remove(directory: Path, key: str) -> None:
     _unlink(state_path(directory, key))
 
 
-def has_state_magic(path: Path) -> bool:
-    with open(path, "rb") as f:
-        return f.read(len(STATE_MAGIC)) == STATE_MAGIC
-
-
 def write_entry(disk: Disk, directory: Path, key: str, source: Path, sidecar: bytes, state_bytes: int) -> None:
     """Commit ``source`` as entry ``key`` (see the module docstring); raises OSError, leaving no file."""
     suffix = os.urandom(4).hex()
@@ -141,7 +134,7 @@ def write_entry(disk: Disk, directory: Path, key: str, source: Path, sidecar: by
     try:
         disk.move_in(source, temp_state)
         size = temp_state.stat().st_size
-        if size != state_bytes or not has_state_magic(temp_state):
+        if size != state_bytes or not statefile.has_magic(temp_state):
             raise OSError(errno.EINVAL, f"not the llama.cpp state file it was ({size} bytes)")
         os.rename(temp_state, final_state)
         disk.write(temp_sidecar, sidecar)
@@ -194,7 +187,7 @@ def _read_entry(directory: Path, key: str, fingerprint: Mapping[str, Any]) -> En
     state = state_path(directory, key)
     try:
         stat = state.stat()
-        magic = has_state_magic(state)
+        magic = statefile.has_magic(state)
     except OSError:
         return "torn: no state file"
     if stat.st_size != state_bytes:

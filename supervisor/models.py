@@ -1,0 +1,437 @@
+"""The models a daemon serves: which one a request names, and which are loaded.
+
+A request goes by its body's ``model`` (a name or an alias; none: ``models.default``).  With
+several models (``[[model]]`` tables) an unknown one is a 404 naming those there are, and a
+request for a model that is not loaded waits for it (bounded by ``server.queue_limit`` waiters and
+``models.load_timeout_s``: then 503 with Retry-After) while the scheduler loads it.  With the single
+``[model]`` table every request goes to its one model whatever it names, as llama-server does.
+
+The scheduler's decisions are pure functions over :class:`Candidate` snapshots, with table tests
+(tests/test_models.py):
+
+- :func:`victims`: which loaded models to unload so that another fits within ``max_loaded`` and
+  ``memory_budget_mib`` (least recently used first; never a pinned one, never one in use);
+- :func:`starving`: whether a waiting model has waited past its bound, so that new requests for the
+  models in its way wait too (no model starves);
+- :func:`expired`: the idle models past their ``ttl_s``.
+
+No thrash: a request for a loaded model is served at once, so the requests already queued for a
+model are served before it is swapped out; a swap is made once the models in the way are idle, or,
+past :data:`STARVE_S` of waiting, once the requests already in them are done.
+
+:meth:`Models.run` is the one task that decides; requests and admin verbs wake it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import trio
+
+from .child import ChildState
+from .config import Config
+from .errors import ClientError, DecoderUnavailable, Overloaded
+from .model import Model, ModelState, StoreOpener
+from .routeline import RouteLine
+from .status import ModelsStatistics
+
+log = logging.getLogger("onebit.models")
+
+# A model waiting for its load has waited this long: new requests for the models in its way wait
+# behind it, so that a stream of requests for a loaded model cannot keep another out for ever.
+# Long enough for a burst of requests for the loaded model to be served together (one swap per
+# burst), short against models.load_timeout_s (120 s).
+STARVE_S = 10.0
+# The scheduler looks again at least this often: idle models' ttl_s, measured memory.
+TICK_S = 1.0
+
+
+@attrs.frozen
+class Candidate:
+    """A model as the scheduler sees it, at one moment."""
+
+    name: str
+    resident: bool  # loaded, loading or unloading: it takes memory now
+    users: int = 0  # requests holding it
+    pin: bool = False
+    last_used: float = 0.0  # trio clock
+    memory_mib: float = 0.0  # measured when loaded, else estimated
+    ttl_s: float = 0.0
+    blocked: bool = False  # a starving model waits for it: it takes no new requests
+
+    @property
+    def evictable(self) -> bool:
+        return self.resident and not self.pin and self.users == 0
+
+
+def victims(
+    want: Candidate, models: Sequence[Candidate], *, max_loaded: int, budget_mib: float
+) -> tuple[str, ...] | None:
+    """The models to unload before ``want`` is loaded (least recently used first): () when it fits
+    now, None when it cannot fit until a model in use (or pinned) lets go."""
+    others = [m for m in models if m.resident and m.name != want.name]
+    count = len(others)
+    memory = sum(m.memory_mib for m in others)
+
+    def fits() -> bool:
+        within_count = max_loaded <= 0 or count + 1 <= max_loaded
+        within_memory = budget_mib <= 0 or memory + want.memory_mib <= budget_mib
+        return within_count and within_memory
+
+    chosen: list[str] = []
+    for model in sorted((m for m in others if m.evictable), key=lambda m: m.last_used):
+        if fits():
+            break
+        chosen.append(model.name)
+        count -= 1
+        memory -= model.memory_mib
+    if not fits():
+        if budget_mib > 0 and not others and want.memory_mib > budget_mib:
+            return ()  # alone it is over the budget: loaded anyway, the budget cannot be kept otherwise
+        return None
+    return tuple(chosen)
+
+
+def in_the_way(want: Candidate, models: Sequence[Candidate], *, max_loaded: int, budget_mib: float) -> tuple[str, ...]:
+    """The models in use whose unload ``want`` waits for: what :func:`victims` would take were
+    every model idle."""
+    idle = [attrs.evolve(m, users=0) for m in models]
+    chosen = victims(want, idle, max_loaded=max_loaded, budget_mib=budget_mib) or ()
+    busy = {m.name for m in models if m.users}
+    return tuple(name for name in chosen if name in busy)
+
+
+def starving(waited_s: float, bound_s: float = STARVE_S) -> bool:
+    """A model whose oldest request has waited this long blocks new requests for those in its way."""
+    return waited_s >= bound_s
+
+
+def expired(models: Sequence[Candidate], now: float) -> tuple[str, ...]:
+    """The idle loaded models past their ``ttl_s`` (0: never); pinned ones stay."""
+    return tuple(
+        m.name
+        for m in models
+        if m.resident and m.ttl_s > 0 and m.users == 0 and not m.pin and now - m.last_used >= m.ttl_s
+    )
+
+
+class Models:
+    """The registry of models and the scheduler of their loads."""
+
+    def __init__(self, models: Sequence[Model], *, live: Callable[[], Config], several: bool) -> None:
+        """``several``: [[model]] tables (requests go by ``model``, and wait for a load); else one model."""
+        self.all: list[Model] = list(models)
+        self._live = live
+        self.several = several
+        self._names: dict[str, Model] = {}
+        self._index()
+        self._wake = trio.Event()
+        # Each model's waiters: when each began waiting (trio clock), in arrival order.
+        self._waiting: dict[str, list[float]] = {}
+        self.swaps = 0
+        self._nursery: trio.Nursery | None = None
+        self._open_store: StoreOpener | None = None
+        self._scopes: dict[str, trio.CancelScope] = {}
+        # Every preloaded model's first load is over (loaded or failed): /health, READY=1.
+        self.settled = trio.Event()
+
+    def _index(self) -> None:
+        self._names = {name: model for model in self.all for name in model.spec.names}
+
+    @property
+    def default(self) -> Model:
+        return next((m for m in self.all if m.spec.default), self.all[0])
+
+    def get(self, name: str) -> Model | None:
+        return self._names.get(name)
+
+    def names(self) -> list[str]:
+        return [m.name for m in self.all]
+
+    def find(self, asked: Any) -> Model:
+        """The model a request's ``model`` field names; ClientError 404 for an unknown one."""
+        if not self.several or asked is None or asked == "":
+            return self.default
+        if not isinstance(asked, str):
+            raise ClientError(400, "bad_model", "model must be a string naming a model")
+        model = self._names.get(asked)
+        if model is None:
+            raise ClientError(
+                404, "model_not_found", f"no model named {asked!r}; models here: {', '.join(self.names())}"
+            )
+        return model
+
+    # -- a request's hold on its model -----------------------------------------------------------
+
+    @asynccontextmanager
+    async def use(self, asked: Any, line: RouteLine | None = None) -> AsyncIterator[Model]:
+        """The model ``asked`` names, loaded and held for the block (it is not unloaded under it).
+        ``line``: its ``model`` and ``load_ms`` are filled in."""
+        model = self.find(asked)
+        if line is not None:
+            line.model = model.name
+        if self.several and not self._admissible(model):
+            await self._wait_for(model, line)
+        model.hold()
+        try:
+            yield model
+        finally:
+            model.release()
+            self.kick()
+
+    def _admissible(self, model: Model) -> bool:
+        return model.state is ModelState.LOADED and model.wanted and not self._blocked(model)
+
+    async def _wait_for(self, model: Model, line: RouteLine | None) -> None:
+        if model.state is ModelState.FAILED:
+            model.check_serving()
+        waiting = sum(len(w) for w in self._waiting.values())
+        if waiting >= self._live().server.queue_limit:
+            raise Overloaded(f"{waiting} requests are waiting for models to load, and the queue is full")
+        began = trio.current_time()
+        queue = self._waiting.setdefault(model.name, [])
+        queue.append(began)
+        self.kick()
+        timeout = self._live().models.load_timeout_s
+        try:
+            with trio.move_on_after(timeout):
+                while not self._admissible(model):
+                    if model.state is ModelState.FAILED:
+                        model.check_serving()
+                    await self._changed()
+                return
+            words = f"model {model.name} was not loaded within models.load_timeout_s ({timeout:g}s)"
+            raise DecoderUnavailable(words, public=words)
+        finally:
+            queue.remove(began)
+            if not queue:
+                del self._waiting[model.name]
+            if line is not None:
+                line.load_ms = (trio.current_time() - began) * 1000
+            self.kick()
+
+    async def _changed(self) -> None:
+        """Until a model's state changed, or the scheduler decided something."""
+        async with trio.open_nursery() as nursery:
+
+            async def first(wait: Callable[[], Any]) -> None:
+                await wait()
+                nursery.cancel_scope.cancel()
+
+            for model in self.all:
+                nursery.start_soon(first, model.wait_changed)
+            nursery.start_soon(first, self._wake.wait)
+
+    def kick(self) -> None:
+        """Something changed that the scheduler (and the waiters) should look at."""
+        self._wake.set()
+        self._wake = trio.Event()
+
+    # -- the scheduler -----------------------------------------------------------------------------
+
+    def candidates(self, now: float) -> list[Candidate]:
+        """Every model now; a request waiting for a model counts as one of its users."""
+        return [
+            Candidate(
+                name=m.name,
+                resident=m.state is not ModelState.UNLOADED or m.wanted,
+                users=m.users + len(self._waiting.get(m.name, ())),
+                pin=m.table.pin,
+                last_used=m.last_used if m.last_used is not None else -1e9,
+                memory_mib=m.memory_mib(),
+                ttl_s=m.table.ttl_s,
+            )
+            for m in self.all
+        ]
+
+    def _starving(self, now: float) -> list[Model]:
+        """The waiting models past STARVE_S, oldest first."""
+        found = [
+            (queue[0], self._names[name])
+            for name, queue in self._waiting.items()
+            if name in self._names and starving(now - queue[0])
+        ]
+        return [model for _since, model in sorted(found, key=lambda pair: pair[0])]
+
+    def _blocked(self, model: Model) -> bool:
+        """New requests for ``model`` wait: a starving model waits for it to be unloaded."""
+        now = trio.current_time()
+        models = self.config_limits()
+        for hungry in self._starving(now):
+            if hungry is model:
+                continue
+            candidates = self.candidates(now)
+            want = next(c for c in candidates if c.name == hungry.name)
+            if model.name in in_the_way(want, candidates, **models):
+                return True
+        return not model.wanted
+
+    def config_limits(self) -> dict[str, Any]:
+        settings = self._live().models
+        return {"max_loaded": settings.max_loaded, "budget_mib": float(settings.memory_budget_mib)}
+
+    def decide(self) -> None:
+        """One round of decisions: idle unloads, then loads for the waiting models (oldest first),
+        unloading what is in their way once it is idle.  A model an older waiter is loading, or
+        unloading to make room, is claimed: a younger waiter neither evicts nor re-loads it."""
+        now = trio.current_time()
+        for name in expired(self.candidates(now), now):
+            model = self._names[name]
+            if model.wanted:
+                log.info("model %s: idle for its ttl_s (%gs): unloading", name, model.table.ttl_s)
+                model.want(False)
+        limits = self.config_limits()
+        claimed: set[str] = set()
+        for name, _queue in sorted(self._waiting.items(), key=lambda item: item[1][0]):
+            waiting = self._names.get(name)
+            if waiting is None:
+                continue  # removed by a reload: its waiters time out
+            if waiting.wanted or name in claimed:
+                claimed.add(name)
+                continue
+            candidates = [c if c.name not in claimed else attrs.evolve(c, pin=True) for c in self.candidates(now)]
+            want = next(c for c in candidates if c.name == name)
+            unload = victims(want, candidates, **limits)
+            if unload is None:
+                continue  # what is in its way is in use: its waiters wait (starving() bounds it)
+            claimed.add(name)
+            claimed.update(unload)
+            for victim in unload:
+                if self._names[victim].wanted:
+                    log.info("model %s: unloading to make room for %s", victim, name)
+                    self.swaps += 1
+                    self._names[victim].want(False)
+            if not unload:
+                waiting.want(True)  # else loaded once they are gone: they are resident until unloaded
+
+    async def run(
+        self, open_store: StoreOpener | None = None, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Run every model (each ``started`` with its prefix store open), preload, then decide
+        whenever something changed (and every TICK_S, for ttl_s)."""
+        async with trio.open_nursery() as nursery:
+            self._nursery, self._open_store = nursery, open_store
+            for model in self.all:
+                await nursery.start(self._run_model, model)
+            for model in self.all:
+                if model.spec.preload:
+                    model.want(True)
+            nursery.start_soon(self._settle)
+            task_status.started()
+            while True:
+                self.decide()
+                with trio.move_on_after(TICK_S):
+                    await self._changed()
+
+    async def _run_model(self, model: Model, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        with trio.CancelScope() as scope:
+            self._scopes[model.name] = scope
+            await model.run(self._open_store, task_status=task_status)
+
+    async def _settle(self) -> None:
+        for model in self.all:
+            if model.spec.preload:
+                await model.wait_state(ModelState.LOADED, ModelState.FAILED)
+        self.settled.set()
+
+    # -- a reload ---------------------------------------------------------------------------------
+
+    def add(self, model: Model) -> None:
+        """A model a reload added: run (and preload) it; the others are not touched."""
+        assert self._nursery is not None
+        self.all.append(model)
+        self._index()
+        self._nursery.start_soon(self._run_model, model)
+        if model.spec.preload:
+            model.want(True)
+        self.kick()
+
+    def remove(self, name: str) -> None:
+        """A model a reload removed: no new request goes to it; it is unloaded once those that hold
+        it are done, then its task ends."""
+        model = self._by_name(name)
+        self.all.remove(model)
+        self._index()
+        model.want(False)
+        assert self._nursery is not None
+        self._nursery.start_soon(self._retire, model)
+        self.kick()
+
+    async def _retire(self, model: Model) -> None:
+        await model.wait_state(ModelState.UNLOADED)
+        self._scopes.pop(model.name).cancel()
+
+    # -- what the admin verbs ask ------------------------------------------------------------------
+
+    async def load(self, name: str) -> Model:
+        """Load ``name`` now (unloading what is in its way, once idle) and wait until it is loaded
+        or failed; bounded by models.load_timeout_s."""
+        model = self._by_name(name)
+        if self.several:
+            async with self.use(model.name):
+                return model
+        model.want(True)
+        with trio.move_on_after(self._live().models.load_timeout_s):
+            await model.wait_state(ModelState.LOADED, ModelState.FAILED)
+        return model
+
+    def _by_name(self, name: str) -> Model:
+        model = self._names.get(name)
+        if model is None:
+            raise ClientError(
+                404, "model_not_found", f"no model named {name!r}; models here: {', '.join(self.names())}"
+            )
+        return model
+
+    async def unload(self, name: str) -> Model:
+        """Unload ``name`` once no request holds it; wait until it is unloaded."""
+        model = self._by_name(name)
+        model.want(False)
+        self.kick()
+        await model.wait_state(ModelState.UNLOADED)
+        return model
+
+    def health_state(self) -> ChildState:
+        """What ``/health`` says of the models: the one model's decoder; with several, ready once
+        every preloaded model's first load is over, unless every model has failed."""
+        if not self.several:
+            return self.default.decoder.state
+        if not self.settled.is_set():
+            return ChildState.STARTING
+        if all(m.state is ModelState.FAILED for m in self.all):
+            return ChildState.FAILED
+        return ChildState.READY
+
+    def statistics(self) -> ModelsStatistics:
+        settings = self._live().models
+        return ModelsStatistics(
+            default=self.default.name,
+            max_loaded=settings.max_loaded,
+            memory_budget_mib=settings.memory_budget_mib,
+            memory_mib=round(sum(m.memory_mib() for m in self.all if m.state is not ModelState.UNLOADED), 1),
+            waiting=sum(len(w) for w in self._waiting.values()),
+            swaps=self.swaps,
+            models=tuple(m.statistics() for m in self.all),
+        )
+
+    def listing(self) -> dict[str, Any]:
+        """``GET /v1/models`` with several models: every one, with its state (OpenAI's list, and
+        llama-server's router mode's ``status``)."""
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": m.name,
+                    "object": "model",
+                    "owned_by": "onebitd",
+                    "created": int(m.statistics().state_since),
+                    "aliases": list(m.spec.aliases),
+                    "status": {"value": m.state.value},
+                }
+                for m in self.all
+            ],
+        }

@@ -1,0 +1,9 @@
+"""The prefix store: llama.cpp slot state files of long prompt prefixes, kept on disk.
+
+    store   PrefixStore: lookup, pins, puts within max_bytes, statistics; open_prefix_store
+    files   the on-disk format of an entry, the crash-safe write, the scan at open
+    index   PrefixIndex: the longest stored prefix of a prompt (pure, in memory)
+
+A request meets it through supervisor/routes/stored.py; the state file's own format is
+supervisor/statefile.py's.
+"""

@@ -1,0 +1,104 @@
+"""onebitd inside this trio run: the one harness the tests, the benchmarks and the chaos runs share.
+
+:func:`run_daemon` starts a :class:`~supervisor.daemon.Daemon` in a nursery of the caller's trio run,
+waits until its decoder is ready (and, asked, every provider's child), and yields a :class:`Running`;
+on the way out, whatever happened, it asks the daemon to stop, which drains, stops its children and
+reaps them.  :meth:`Running.clients` opens the two HTTP clients a measurement compares: one through
+onebitd's front, one straight to the decoder's socket.  Nothing in onebitd itself imports this module
+(as nothing in trio imports trio.testing).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import attrs
+import httpx
+import trio
+
+from .child import ChildState
+from .config import Config
+from .daemon import Daemon, Started
+from .decoder import unix_transport
+from .errors import ChildError
+
+
+@attrs.frozen
+class Clients:
+    front: httpx.AsyncClient  # through onebitd
+    direct: httpx.AsyncClient  # straight to the decoder's socket, as onebitd's own client goes
+
+
+@attrs.frozen
+class Running:
+    daemon: Daemon
+    started: Started
+
+    @property
+    def url(self) -> str:
+        return self.started.binds[0]
+
+    @property
+    def runtime(self) -> Path:
+        return self.started.runtime_dir
+
+    @asynccontextmanager
+    async def clients(
+        self,
+        *,
+        request_timeout_s: float,
+        direct_timeout_s: float | None = None,
+        max_connections: int = 64,
+        keepalive: int = 64,
+    ) -> AsyncIterator[Clients]:
+        """A client of onebitd's front (``max_connections``, ``keepalive``: its pool) and one of its
+        decoder's socket (``direct_timeout_s``: its own timeout, else ``request_timeout_s``), for the
+        block.  The direct one retires keep-alive connections before llama-server's 5 s idle close,
+        as onebitd's own does (decoder.unix_transport), which would otherwise fail a request now and
+        then."""
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=keepalive)
+        transport = unix_transport(self.daemon.launcher.socket)
+        direct_timeout = request_timeout_s if direct_timeout_s is None else direct_timeout_s
+        async with (
+            httpx.AsyncClient(base_url=self.url, timeout=request_timeout_s, limits=limits) as front,
+            httpx.AsyncClient(transport=transport, base_url="http://decoder", timeout=direct_timeout) as direct,
+        ):
+            yield Clients(front, direct)
+
+
+async def wait_daemon_ready(daemon: Daemon, *, providers: bool = False) -> None:
+    """Until the decoder is ready (ChildError when it failed instead) and, with ``providers``, every
+    provider's child too."""
+    if await daemon.decoder.wait_state(ChildState.READY, ChildState.FAILED) is ChildState.FAILED:
+        raise ChildError(f"the decoder failed to start: {daemon.decoder.statistics().last_exit}")
+    if providers:
+        for provider in daemon.providers.all:
+            if provider.child is not None:
+                await provider.child.wait_state(ChildState.READY)
+
+
+@asynccontextmanager
+async def run_daemon(
+    config: Config,
+    *,
+    wait_ready: bool = True,
+    providers_ready: bool = False,
+    check_fidelity: bool = True,
+    ready_timeout_s: float = math.inf,
+) -> AsyncIterator[Running]:
+    """Run onebitd in this trio run for the block; ``wait_ready``: first until it is ready
+    (``providers_ready``: its providers' children too), for at most ``ready_timeout_s``.  Stopped on
+    the way out (drain, stop the children, reap them)."""
+    daemon = Daemon(config, check_fidelity=check_fidelity)
+    async with trio.open_nursery() as nursery:
+        started: Started = await nursery.start(daemon.run)
+        try:
+            if wait_ready:
+                with trio.fail_after(ready_timeout_s):
+                    await wait_daemon_ready(daemon, providers=providers_ready)
+            yield Running(daemon, started)
+        finally:
+            daemon.request_stop()

@@ -1,0 +1,84 @@
+"""The scheduler's decisions, as tables: which models an unload makes room with, when a waiting
+model starves, which idle models are past their ttl_s."""
+
+from __future__ import annotations
+
+import pytest
+
+from supervisor.models import Candidate, expired, in_the_way, starving, victims
+
+
+def c(name: str, **kw: object) -> Candidate:
+    return Candidate(name=name, **{"resident": True, **kw})  # type: ignore[arg-type]
+
+
+# (the models now, the one wanted, max_loaded, budget_mib, what victims() says)
+VICTIMS = [
+    pytest.param([c("a")], c("b", resident=False), 0, 0, (), id="no-limits-nothing-to-unload"),
+    pytest.param([c("a")], c("b", resident=False), 2, 0, (), id="room-under-max-loaded"),
+    pytest.param([c("a", last_used=5), c("b", last_used=1)], c("x", resident=False), 2, 0, ("b",), id="lru-goes"),
+    pytest.param([c("a", users=1)], c("b", resident=False), 1, 0, None, id="in-use-never-unloaded"),
+    pytest.param([c("a", pin=True)], c("b", resident=False), 1, 0, None, id="pinned-never-unloaded"),
+    pytest.param(
+        [c("a", pin=True), c("b", last_used=9)], c("x", resident=False), 2, 0, ("b",), id="pinned-skipped-for-lru"
+    ),
+    pytest.param(
+        [c("a", memory_mib=400, last_used=1), c("b", memory_mib=300, last_used=2)],
+        c("x", resident=False, memory_mib=500),
+        0,
+        1000,
+        ("a",),
+        id="budget-unloads-until-it-fits",
+    ),
+    pytest.param(
+        [c("a", memory_mib=400, last_used=1), c("b", memory_mib=300, last_used=2)],
+        c("x", resident=False, memory_mib=900),
+        0,
+        1000,
+        ("a", "b"),
+        id="budget-unloads-several",
+    ),
+    pytest.param([], c("x", resident=False, memory_mib=2000), 0, 1000, (), id="alone-over-budget-loads-anyway"),
+    pytest.param(
+        [c("a", memory_mib=100, users=1)],
+        c("x", resident=False, memory_mib=2000),
+        0,
+        1000,
+        None,
+        id="over-budget-with-a-busy-one-waits",
+    ),
+    pytest.param([c("a", resident=False)], c("b", resident=False), 1, 0, (), id="unloaded-ones-take-no-room"),
+]
+
+
+@pytest.mark.parametrize(("models", "want", "max_loaded", "budget", "expected"), VICTIMS)
+def test_victims(
+    models: list[Candidate], want: Candidate, max_loaded: int, budget: float, expected: tuple[str, ...] | None
+) -> None:
+    assert victims(want, [*models, want], max_loaded=max_loaded, budget_mib=budget) == expected
+
+
+def test_in_the_way_names_the_busy_models_a_load_waits_for() -> None:
+    models = [c("a", users=2, last_used=1), c("b", last_used=2), c("x", resident=False)]
+    assert in_the_way(models[2], models, max_loaded=2, budget_mib=0) == ("a",)
+    assert in_the_way(models[2], models, max_loaded=3, budget_mib=0) == ()
+
+
+@pytest.mark.parametrize(("waited", "bound", "expected"), [(0.0, 10.0, False), (9.9, 10.0, False), (10.0, 10.0, True)])
+def test_starving(waited: float, bound: float, expected: bool) -> None:
+    assert starving(waited, bound) is expected
+
+
+EXPIRED = [
+    pytest.param([c("a", ttl_s=10, last_used=0)], 10.0, ("a",), id="idle-past-ttl"),
+    pytest.param([c("a", ttl_s=10, last_used=1)], 10.0, (), id="idle-within-ttl"),
+    pytest.param([c("a", ttl_s=0, last_used=0)], 1e9, (), id="ttl-0-never"),
+    pytest.param([c("a", ttl_s=10, last_used=0, users=1)], 99.0, (), id="in-use"),
+    pytest.param([c("a", ttl_s=10, last_used=0, pin=True)], 99.0, (), id="pinned"),
+    pytest.param([c("a", ttl_s=10, last_used=0, resident=False)], 99.0, (), id="not-loaded"),
+]
+
+
+@pytest.mark.parametrize(("models", "now", "expected"), EXPIRED)
+def test_expired(models: list[Candidate], now: float, expected: tuple[str, ...]) -> None:
+    assert expired(models, now) == expected

@@ -1,0 +1,147 @@
+"""Several models with the fake decoder, for what the real one cannot be made to do: a model that
+does not load in time, and a reload that adds and removes models while the others run on."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import tomli_w
+import trio
+
+from supervisor import config as configuration
+from supervisor import ctl
+from supervisor.config import Config
+from supervisor.daemon import Daemon
+from supervisor.model import ModelState
+from supervisor.status import from_wire, to_wire
+
+from .helpers import wait_until
+from .rig import FAKE_DECODER, Control, DecoderModes, RouteLines, fake_decoder_config, make_config, run_daemon
+
+TIMEOUT = 30
+
+
+def several(runtime_dir: Path, names: list[str], **models: Any) -> Config:
+    """A config whose [[model]] tables are ``names``, each the fake decoder on its own fake file."""
+    launcher = runtime_dir / "fake-llama-server"
+    launcher.write_text(f'#!/bin/sh\nexec {sys.executable} {FAKE_DECODER} "$@"\n')
+    launcher.chmod(0o755)
+    tables = []
+    for name in names:
+        path = runtime_dir / f"{name}.gguf"
+        path.write_bytes(b"GGUF fake model for tests\n")
+        tables.append({"name": name, "path": str(path), "parallel": 2})
+    return make_config(
+        runtime_dir,
+        decoder={"binary": str(launcher), "health": {"interval_s": 0.2, "stop_grace_s": 2.0}},
+        model=tables,
+        models=models,
+    )
+
+
+async def test_a_model_that_does_not_load_in_time_is_a_503_with_retry_after(
+    short_dir: Path, control: Control, route_lines: RouteLines
+) -> None:
+    config = several(short_dir, ["a", "b"], load_timeout_s=0.5)
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(config) as running, httpx.AsyncClient(base_url=running.url) as client:
+            control.set(decoder=DecoderModes(exit=1))  # every decoder started from now on crashes at once
+            reply = await client.post("/completion", json={"model": "b", "prompt": "hello there", "n_predict": 2})
+            assert reply.status_code == 503
+            assert reply.headers["retry-after"] == "1"
+            assert "model b" in reply.json()["error"]["message"]
+            (line,) = await route_lines.wait(1)
+            assert (line["model"], line["status"], line["outcome"]) == ("b", 503, "error")
+            assert line["load_ms"] > 0
+            control.set(decoder=DecoderModes())
+            ok = await client.post("/completion", json={"model": "a", "prompt": "hello there", "n_predict": 2})
+            assert ok.status_code == 200
+
+
+async def test_a_reload_adds_and_removes_models_and_leaves_the_others_running(
+    short_dir: Path, control: Control
+) -> None:
+    config = several(short_dir, ["a", "b"])
+    path = short_dir / "onebit.toml"
+    path.write_text(tomli_w.dumps(configuration.unstructure(config)))
+    daemon = Daemon(configuration.load(path), config_path=str(path))
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            started = await nursery.start(daemon.run)
+            try:
+                async with httpx.AsyncClient(base_url=started.binds[0]) as client:
+                    body = {"prompt": "hello there", "n_predict": 2}
+                    assert (await client.post("/completion", json={**body, "model": "b"})).status_code == 200
+                    a = daemon.models.get("a")
+                    assert a is not None
+                    pid = a.decoder.pid
+                    changed = several(short_dir, ["a", "c"])
+                    path.write_text(tomli_w.dumps(configuration.unstructure(changed)))
+                    done = daemon.reload()
+                    assert done["applied"] == ["model[c]", "model[b]"]
+                    assert daemon.models.get("b") is None
+                    listing = (await client.get("/v1/models")).json()
+                    assert [entry["id"] for entry in listing["data"]] == ["a", "c"]
+                    assert (await client.post("/completion", json={**body, "model": "c"})).status_code == 200
+                    refused = await client.post("/completion", json={**body, "model": "b"})
+                    assert refused.status_code == 404
+                    assert a.decoder.pid == pid
+                    assert a.state is ModelState.LOADED
+            finally:
+                daemon.request_stop()
+
+
+async def test_with_one_model_a_request_may_name_any_model_as_llama_server_allows(
+    short_dir: Path, control: Control, route_lines: RouteLines
+) -> None:
+    with trio.fail_after(TIMEOUT):
+        async with (
+            run_daemon(fake_decoder_config(short_dir)) as running,
+            httpx.AsyncClient(base_url=running.url) as client,
+        ):
+            reply = await client.post("/completion", json={"model": "gpt-4", "prompt": "hello there", "n_predict": 2})
+            assert reply.status_code == 200
+            (line,) = await route_lines.wait(1)
+            assert (line["model"], line["load_ms"]) == ("fake", None)
+
+
+async def test_a_mixed_burst_is_served_with_one_swap_the_loaded_models_requests_first(
+    short_dir: Path, control: Control
+) -> None:
+    config = several(short_dir, ["a", "b"], max_loaded=1)
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(config) as running, httpx.AsyncClient(base_url=running.url) as client:
+            models = running.daemon.models
+            a, b = models.get("a"), models.get("b")
+            assert a is not None
+            assert b is not None
+            control.set(decoder=DecoderModes(hold=True))  # a's requests stay in its decoder meanwhile
+            statuses: list[int] = []
+
+            async def one(name: str) -> None:
+                reply = await client.post("/completion", json={"model": name, "prompt": "hello there", "n_predict": 2})
+                statuses.append(reply.status_code)
+
+            async with trio.open_nursery() as nursery:
+                for name in ["a", "b", "a", "b", "a", "b"]:
+                    nursery.start_soon(one, name)
+                # Every request arrived: b's wait for a, which is busy with its own.
+                await wait_until(lambda: a.users == 3 and models.statistics().waiting == 3)
+                assert b.state is ModelState.UNLOADED
+                control.set(decoder=DecoderModes())
+            assert statuses == [200] * 6
+            assert (a.loads, b.loads, models.swaps) == (1, 1, 1)
+            metrics = (await client.get("/metrics")).text
+            assert 'onebit_model_state{model="b",state="loaded"} 1.0' in metrics
+            assert 'onebit_model_loads_total{model="b"} 1.0' in metrics
+            assert "onebit_model_swaps_total 1.0" in metrics
+            assert 'onebit_model_requests_total{model="a",outcome="ok"} 3.0' in metrics
+            # onebitctl status: a table of the models, read back from the wire as onebitctl reads it.
+            table = ctl.render_status(from_wire(to_wire(running.daemon.statistics())))
+            rows = {line.split()[0]: line.split() for line in table.splitlines() if line.startswith(("a ", "b "))}
+            assert rows["a"][1:3] == ["(default)", "unloaded"]
+            assert rows["b"][1] == "loaded"
+            assert "1 swaps; 0 waiting for a load" in table
