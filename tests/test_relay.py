@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from supervisor.relay import SseScanner, Timings
+from supervisor.relay import SseScanner, Timings, sse_error
 
 TIMINGS = {"cache_n": 90, "prompt_n": 10, "prompt_ms": 12.5}
 
@@ -64,3 +64,15 @@ def test_an_anthropic_stream_says_what_the_decoder_evaluated_in_its_first_event(
     for event, data in (("message_start", start), ("message_delta", delta), ("message_stop", {"type": "message_stop"})):
         scanner.feed(f"event: {event}\ndata: {json.dumps(data)}\n\n".encode())
     assert (timings.prompt_n, timings.cache_n, timings.prompt_tokens()) == (3, 7, 10)
+
+
+def test_a_dropped_stream_ends_with_an_error_event_in_its_apis_shape() -> None:
+    anthropic = sse_error("the decoder stopped mid-stream", anthropic=True)
+    event, data = anthropic.decode().strip().split("\n")
+    assert event == "event: error"
+    assert json.loads(data.removeprefix("data: ")) == {
+        "type": "error",
+        "error": {"type": "api_error", "message": "the decoder stopped mid-stream"},
+    }
+    openai = json.loads(sse_error("the decoder stopped mid-stream").decode().removeprefix("data: "))
+    assert openai["error"]["code"] == "decoder_lost"
