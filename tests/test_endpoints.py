@@ -25,6 +25,7 @@ from supervisor.endpoints import ROUTES, UNSERVED, Endpoint, Kind, lookup
 from supervisor.errors import ListenError
 from supervisor.front import Front
 from supervisor.providers import Providers
+from supervisor.respond import anthropic_error_body
 from supervisor.routeline import RouteLine
 from supervisor.routes import chatform
 from supervisor.routes.file import FileHandoff
@@ -421,6 +422,24 @@ async def test_onebitds_refusals_on_anthropics_paths_are_in_anthropics_shape(
     reply = await rig.call(method, path, body)
     assert anthropic_error(reply) == expected
     assert [s for s in rig.fake.seen if s[0].startswith("/v1/messages")] == []
+
+
+@pytest.mark.parametrize(
+    ("status", "type_"),
+    [
+        (400, "invalid_request_error"),
+        (405, "invalid_request_error"),
+        (408, "timeout_error"),
+        (431, "invalid_request_error"),
+        (502, "api_error"),
+        (503, "overloaded_error"),
+    ],
+)
+def test_every_status_has_an_anthropic_error_type(status: int, type_: str) -> None:
+    assert json.loads(anthropic_error_body(status, "why")) == {
+        "type": "error",
+        "error": {"type": type_, "message": "why"},
+    }
 
 
 async def test_a_busy_draining_or_unready_onebitd_is_overloaded_in_anthropics_words(tmp_path: Path) -> None:
