@@ -43,10 +43,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from supervisor import config as configuration  # noqa: E402
-from supervisor.child import ChildState  # noqa: E402
 from supervisor.config import Config  # noqa: E402
 from supervisor.daemon import Daemon  # noqa: E402
 from supervisor.logs import ROUTE_LOGGER  # noqa: E402
+from supervisor.testing import run_daemon  # noqa: E402
 
 TIMEOUT_S = 900
 CLIENTS = ("anthropic", "responses")
@@ -260,19 +260,13 @@ def side_config(runtime_dir: Path, store: Path, *, hybrid: bool) -> Config:
 
 @asynccontextmanager
 async def open_side(config: Config) -> AsyncIterator[tuple[Daemon, str]]:
-    daemon = Daemon(config)
-    async with trio.open_nursery() as nursery:
-        started = await nursery.start(daemon.run)
-        try:
-            with trio.fail_after(TIMEOUT_S):
-                await daemon.decoder.wait_state(ChildState.READY)
-                # Ready, not only settled: a provider takes jobs once its check against the decoder
-                # admitted it, which comes after the decoder is up (a first turn before would go plain).
-                while not all(provider.ready for provider in daemon.providers.all):  # noqa: ASYNC110
-                    await trio.sleep(0.05)
-            yield daemon, started.binds[0]
-        finally:
-            daemon.request_stop()
+    async with run_daemon(config, ready_timeout_s=TIMEOUT_S) as running:
+        # Ready, not only started: a provider takes jobs once its check against the decoder admitted
+        # it, which comes after the decoder is up (a first turn before would go plain).
+        with trio.fail_after(TIMEOUT_S):
+            while not all(provider.ready for provider in running.daemon.providers.all):  # noqa: ASYNC110
+                await trio.sleep(0.05)
+        yield running.daemon, running.url
 
 
 async def stores_settled(daemon: Daemon, n: int) -> None:
