@@ -97,12 +97,10 @@ def victims(
 
 
 def in_the_way(want: Candidate, models: Sequence[Candidate], *, max_loaded: int, budget_mib: float) -> tuple[str, ...]:
-    """The models in use whose unload ``want`` waits for: what :func:`victims` would take were
-    every model idle."""
+    """The models ``want`` waits to unload, busy or not: what :func:`victims` would take were every
+    model idle.  Those of a starving model take no new requests."""
     idle = [attrs.evolve(m, users=0) for m in models]
-    chosen = victims(want, idle, max_loaded=max_loaded, budget_mib=budget_mib) or ()
-    busy = {m.name for m in models if m.users}
-    return tuple(name for name in chosen if name in busy)
+    return victims(want, idle, max_loaded=max_loaded, budget_mib=budget_mib) or ()
 
 
 def starving(waited_s: float, bound_s: float = STARVE_S) -> bool:
@@ -233,13 +231,15 @@ class Models:
 
     # -- the scheduler -----------------------------------------------------------------------------
 
-    def candidates(self, now: float) -> list[Candidate]:
-        """Every model now; a request waiting for a model counts as one of its users."""
+    def candidates(self, now: float, held: frozenset[str] = frozenset()) -> list[Candidate]:
+        """Every model now.  A request waiting for a model counts as one of its users (a model loaded
+        for its waiters is not unloaded before they take it), unless the model is ``held`` for a
+        starving one: its waiters wait for that one to be served."""
         return [
             Candidate(
                 name=m.name,
                 resident=m.state is not ModelState.UNLOADED or m.wanted,
-                users=m.users + len(self._waiting.get(m.name, ())),
+                users=m.users + (0 if m.name in held else len(self._waiting.get(m.name, ()))),
                 pin=m.table.pin,
                 last_used=m.last_used if m.last_used is not None else -1e9,
                 memory_mib=m.memory_mib(),
@@ -253,22 +253,31 @@ class Models:
         found = [
             (queue[0], self._names[name])
             for name, queue in self._waiting.items()
-            if name in self._names and starving(now - queue[0])
+            if name in self._names and starving(now - queue[0], STARVE_S)
         ]
         return [model for _since, model in sorted(found, key=lambda pair: pair[0])]
 
+    def _held(self, now: float) -> frozenset[str]:
+        """The models that take no new requests: those in the way of a starving model."""
+        hungry = self._starving(now)
+        if not hungry:
+            return frozenset()
+        bare = self.candidates(now, held=frozenset(self._names))  # their users, without waiters
+        held: set[str] = set()
+        for model in hungry:
+            want = next(c for c in bare if c.name == model.name)
+            since = self._waiting[model.name][0]
+            # A model whose own waiters came first is not held for a younger one's sake.
+            held.update(
+                name
+                for name in in_the_way(want, bare, **self.config_limits())
+                if not (self._waiting.get(name) and self._waiting[name][0] < since)
+            )
+        return frozenset(held - {model.name for model in hungry})
+
     def _blocked(self, model: Model) -> bool:
-        """New requests for ``model`` wait: a starving model waits for it to be unloaded."""
-        now = trio.current_time()
-        models = self.config_limits()
-        for hungry in self._starving(now):
-            if hungry is model:
-                continue
-            candidates = self.candidates(now)
-            want = next(c for c in candidates if c.name == hungry.name)
-            if model.name in in_the_way(want, candidates, **models):
-                return True
-        return not model.wanted
+        """New requests for ``model`` wait: it is going, or a starving model waits for its unload."""
+        return not model.wanted or model.name in self._held(trio.current_time())
 
     def config_limits(self) -> dict[str, Any]:
         settings = self._live().models
@@ -285,6 +294,7 @@ class Models:
                 log.info("model %s: idle for its ttl_s (%gs): unloading", name, model.table.ttl_s)
                 model.want(False)
         limits = self.config_limits()
+        held = self._held(now)
         claimed: set[str] = set()
         for name, _queue in sorted(self._waiting.items(), key=lambda item: item[1][0]):
             waiting = self._names.get(name)
@@ -293,7 +303,7 @@ class Models:
             if waiting.wanted or name in claimed:
                 claimed.add(name)
                 continue
-            candidates = [c if c.name not in claimed else attrs.evolve(c, pin=True) for c in self.candidates(now)]
+            candidates = [c if c.name not in claimed else attrs.evolve(c, pin=True) for c in self.candidates(now, held)]
             want = next(c for c in candidates if c.name == name)
             unload = victims(want, candidates, **limits)
             if unload is None:

@@ -58,9 +58,10 @@ def test_victims(
     assert victims(want, [*models, want], max_loaded=max_loaded, budget_mib=budget) == expected
 
 
-def test_in_the_way_names_the_busy_models_a_load_waits_for() -> None:
+def test_in_the_way_names_what_a_load_waits_to_unload_busy_or_not() -> None:
     models = [c("a", users=2, last_used=1), c("b", last_used=2), c("x", resident=False)]
     assert in_the_way(models[2], models, max_loaded=2, budget_mib=0) == ("a",)
+    assert in_the_way(models[2], models, max_loaded=1, budget_mib=0) == ("a", "b")
     assert in_the_way(models[2], models, max_loaded=3, budget_mib=0) == ()
 
 
