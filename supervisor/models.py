@@ -233,13 +233,13 @@ class Models:
 
     def candidates(self, now: float, held: frozenset[str] = frozenset()) -> list[Candidate]:
         """Every model now.  A request waiting for a model counts as one of its users (a model loaded
-        for its waiters is not unloaded before they take it), unless the model is ``held`` for a
-        starving one: its waiters wait for that one to be served."""
+        for its waiters is not unloaded before they take it), unless the model is on its way out or
+        ``held`` for a starving one: its waiters wait for the other to be served."""
         return [
             Candidate(
                 name=m.name,
                 resident=m.state is not ModelState.UNLOADED or m.wanted,
-                users=m.users + (0 if m.name in held else len(self._waiting.get(m.name, ()))),
+                users=m.users + (len(self._waiting.get(m.name, ())) if m.wanted and m.name not in held else 0),
                 pin=m.table.pin,
                 last_used=m.last_used if m.last_used is not None else -1e9,
                 memory_mib=m.memory_mib(),
@@ -307,7 +307,10 @@ class Models:
             want = next(c for c in candidates if c.name == name)
             unload = victims(want, candidates, **limits)
             if unload is None:
-                continue  # what is in its way is in use: its waiters wait (starving() bounds it)
+                # What is in its way is in use: its waiters wait (starving() bounds it), and no younger
+                # waiter evicts or re-loads what it waits for.
+                claimed.update(in_the_way(want, candidates, **limits))
+                continue
             claimed.add(name)
             claimed.update(unload)
             for victim in unload:
