@@ -13,7 +13,9 @@ The scheduler's decisions are pure functions over :class:`Candidate` snapshots, 
   ``memory_budget_mib`` (least recently used first; never a pinned one, never one in use);
 - :func:`starving`: whether a waiting model has waited past its bound, so that new requests for the
   models in its way wait too (no model starves);
-- :func:`expired`: the idle models past their ``ttl_s``.
+- :func:`expired`: the idle models past their ``ttl_s``;
+- :func:`plan`: a round's loads and unloads for the waiting models, oldest first, each one's claim
+  on what it loads or waits to unload kept from the younger ones.
 
 No thrash: a request for a loaded model is served at once, so the requests already queued for a
 model are served before it is swapped out; a swap is made once the models in the way are idle, or,
@@ -115,6 +117,45 @@ def expired(models: Sequence[Candidate], now: float) -> tuple[str, ...]:
         for m in models
         if m.resident and m.ttl_s > 0 and m.users == 0 and not m.pin and now - m.last_used >= m.ttl_s
     )
+
+
+@attrs.frozen
+class Plan:
+    """One round's decisions: the models to load now, and those to unload to make room."""
+
+    load: tuple[str, ...] = ()
+    unload: tuple[str, ...] = ()
+
+
+def plan(
+    waiting: Sequence[str], models: Sequence[Candidate], wanted: frozenset[str], *, max_loaded: int, budget_mib: float
+) -> Plan:
+    """What to do for the models requests wait for (``waiting``: oldest waiter first), given the
+    models now and those already ``wanted`` loaded.  A model fits now: it is loaded.  Idle models in
+    its way: they are unloaded, and it is loaded once they are gone.  Busy ones in its way: it waits.
+    Whatever an older waiter loads, unloads or waits to unload is claimed: a younger one neither
+    evicts nor re-loads it (no thrash)."""
+    pool = {m.name: m for m in models}
+    claimed: set[str] = set()
+    load: list[str] = []
+    unload: list[str] = []
+    for name in waiting:
+        if name in wanted or name in claimed or name not in pool:
+            claimed.add(name)
+            continue
+        candidates = [m if m.name not in claimed else attrs.evolve(m, pin=True) for m in pool.values()]
+        want = pool[name]
+        chosen = victims(want, candidates, max_loaded=max_loaded, budget_mib=budget_mib)
+        if chosen is None:
+            claimed.update(in_the_way(want, candidates, max_loaded=max_loaded, budget_mib=budget_mib))
+            continue
+        claimed.add(name)
+        claimed.update(chosen)
+        unload += [victim for victim in chosen if victim in wanted and victim not in unload]
+        if not chosen:
+            load.append(name)
+            pool[name] = attrs.evolve(want, resident=True)  # it takes its room from the next waiter
+    return Plan(tuple(load), tuple(unload))
 
 
 class Models:
@@ -293,33 +334,16 @@ class Models:
             if model.wanted:
                 log.info("model %s: idle for its ttl_s (%gs): unloading", name, model.table.ttl_s)
                 model.want(False)
-        limits = self.config_limits()
         held = self._held(now)
-        claimed: set[str] = set()
-        for name, _queue in sorted(self._waiting.items(), key=lambda item: item[1][0]):
-            waiting = self._names.get(name)
-            if waiting is None:
-                continue  # removed by a reload: its waiters time out
-            if waiting.wanted or name in claimed:
-                claimed.add(name)
-                continue
-            candidates = [c if c.name not in claimed else attrs.evolve(c, pin=True) for c in self.candidates(now, held)]
-            want = next(c for c in candidates if c.name == name)
-            unload = victims(want, candidates, **limits)
-            if unload is None:
-                # What is in its way is in use: its waiters wait (starving() bounds it), and no younger
-                # waiter evicts or re-loads what it waits for.
-                claimed.update(in_the_way(want, candidates, **limits))
-                continue
-            claimed.add(name)
-            claimed.update(unload)
-            for victim in unload:
-                if self._names[victim].wanted:
-                    log.info("model %s: unloading to make room for %s", victim, name)
-                    self.swaps += 1
-                    self._names[victim].want(False)
-            if not unload:
-                waiting.want(True)  # else loaded once they are gone: they are resident until unloaded
+        waiting = [name for name, _queue in sorted(self._waiting.items(), key=lambda item: item[1][0])]
+        wanted = frozenset(m.name for m in self.all if m.wanted)
+        decided = plan(waiting, self.candidates(now, held), wanted, **self.config_limits())
+        for name in decided.unload:
+            log.info("model %s: unloading to make room for %s", name, ", ".join(waiting))
+            self.swaps += 1
+            self._names[name].want(False)
+        for name in decided.load:
+            self._names[name].want(True)
 
     async def run(
         self, open_store: StoreOpener | None = None, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
