@@ -516,7 +516,10 @@ class Model:
 
 def _table_now(config: Config, spec: ModelSpec) -> ModelConfig:
     """What the running config says of a model now, by name (a reload swaps the config whole)."""
-    for table in config.model_tables or (config.model,):
-        if model_name(table) == spec.name:
+    if not config.model_tables:
+        return config.model
+    for table in config.model_tables:
+        # A name or an alias says it without a look at the file system (model_name's stem).
+        if (table.name or table.alias or model_name(table)) == spec.name:
             return table
     return spec.table

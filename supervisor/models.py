@@ -213,7 +213,10 @@ class Models:
         model = self.find(asked)
         if line is not None:
             line.model = model.name
-        if self.several and not self._admissible(model):
+        # With one model, a request goes to it as it is (a decoder starting or restarting is a 503, as
+        # ever), unless it was unloaded (ttl_s, onebitctl unload): then it is loaded again, as one of
+        # several would be.
+        if (self.several or not model.wanted) and not self._admissible(model):
             await self._wait_for(model, line)
         model.hold()
         try:
@@ -329,11 +332,16 @@ class Models:
         unloading what is in their way once it is idle.  A model an older waiter is loading, or
         unloading to make room, is claimed: a younger waiter neither evicts nor re-loads it."""
         now = trio.current_time()
-        for name in expired(self.candidates(now), now):
-            model = self._names[name]
-            if model.wanted:
-                log.info("model %s: idle for its ttl_s (%gs): unloading", name, model.table.ttl_s)
-                model.want(False)
+        # Every request's end wakes this: what costs (a model's memory reads /proc) is done only when
+        # there is something to decide.
+        if any(m.table.ttl_s > 0 for m in self.all):
+            for name in expired(self.candidates(now), now):
+                model = self._names[name]
+                if model.wanted:
+                    log.info("model %s: idle for its ttl_s (%gs): unloading", name, model.table.ttl_s)
+                    model.want(False)
+        if not self._waiting:
+            return
         held = self._held(now)
         waiting = [name for name, _queue in sorted(self._waiting.items(), key=lambda item: item[1][0])]
         wanted = frozenset(m.name for m in self.all if m.wanted)

@@ -178,3 +178,20 @@ async def test_a_model_waiting_past_its_bound_holds_new_requests_for_the_one_in_
                 control.set(decoder=DecoderModes())
             assert answered == [("a", 200), ("b", 200), ("a", 200)]
             assert models.swaps == 2
+
+
+async def test_one_model_unloaded_by_onebitctl_is_loaded_again_by_the_next_request(
+    short_dir: Path, control: Control, route_lines: RouteLines
+) -> None:
+    with trio.fail_after(TIMEOUT):
+        async with (
+            run_daemon(fake_decoder_config(short_dir)) as running,
+            httpx.AsyncClient(base_url=running.url) as client,
+        ):
+            unloaded = await running.daemon.unload("fake")
+            assert unloaded.state == "unloaded"
+            reply = await client.post("/completion", json={"prompt": "hello there", "n_predict": 2})
+            assert reply.status_code == 200
+            (line,) = await route_lines.wait(1)
+            assert line["load_ms"] > 0
+            assert running.daemon.models.default.loads == 2
