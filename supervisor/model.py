@@ -270,6 +270,8 @@ class Model:
         self.last_used: float | None = None  # trio clock: the scheduler's LRU order
         self._last_used_wall: float | None = None
         self.store = PrefixStore.disabled("not opened yet", level=logging.DEBUG)
+        # Called after every transition: the scheduler's (Models.kick) once it holds the model.
+        self.on_change: Callable[[], None] = lambda: None
         self.parts = self._parts()
 
     def _parts(self) -> Parts:
@@ -393,6 +395,7 @@ class Model:
         log.info("model %s: %s -> %s%s", self.name, old.value, new.value, f" ({why})" if why else "")
         self._changed.set()
         self._changed = trio.Event()
+        self.on_change()
 
     def _on_decoder(self, _child: Child, _old: ChildState, _new: ChildState, _why: str) -> None:
         self._wake.set()

@@ -180,6 +180,8 @@ class Models:
 
     def _index(self) -> None:
         self._names = {name: model for model in self.all for name in model.spec.names}
+        for model in self.all:
+            model.on_change = self.kick
 
     @property
     def default(self) -> Model:
@@ -257,16 +259,8 @@ class Models:
             self.kick()
 
     async def _changed(self) -> None:
-        """Until a model's state changed, or the scheduler decided something."""
-        async with trio.open_nursery() as nursery:
-
-            async def first(wait: Callable[[], Any]) -> None:
-                await wait()
-                nursery.cancel_scope.cancel()
-
-            for model in self.all:
-                nursery.start_soon(first, model.wait_changed)
-            nursery.start_soon(first, self._wake.wait)
+        """Until a model's state changed (each one kicks), or a request began or ended."""
+        await self._wake.wait()
 
     def kick(self) -> None:
         """Something changed that the scheduler (and the waiters) should look at."""
