@@ -209,10 +209,16 @@ class Models:
     # -- a request's hold on its model -----------------------------------------------------------
 
     @asynccontextmanager
-    async def use(self, asked: Any, line: RouteLine | None = None) -> AsyncIterator[Model]:
+    async def use(self, asked: Any, line: RouteLine | None = None, *, any_loaded: bool = False) -> AsyncIterator[Model]:
         """The model ``asked`` names, loaded and held for the block (it is not unloaded under it).
-        ``line``: its ``model`` and ``load_ms`` are filled in."""
+        ``line``: its ``model`` and ``load_ms`` are filled in.  ``any_loaded``: with several models,
+        a request that names none goes to the default one if it is loaded, else to the most recently
+        used loaded one, and loads the default one only when none is."""
         model = self.find(asked)
+        if any_loaded and self.several and not self._admissible(model):
+            loaded = [m for m in self.all if self._admissible(m)]
+            if loaded:
+                model = max(loaded, key=lambda m: m.last_used or 0.0)
         if line is not None:
             line.model = model.name
         # With one model, a request goes to it as it is (a decoder starting or restarting is a 503, as

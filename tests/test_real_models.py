@@ -126,6 +126,12 @@ async def test_a_swap_within_max_loaded_keeps_the_conversation_in_the_prefix_sto
             assert line["decoder_prompt_n"] < 50
             assert running.daemon.models.swaps == 2
             assert states((await client.get("/v1/models")).json()) == {"big": "loaded", "small": "unloaded"}
+            # A relayed GET that names no model goes to a loaded one: it swaps nothing in.
+            await complete(client, "small", "The sky is")
+            props = await client.get("/props")
+            assert props.status_code == 200
+            assert props.json()["model_alias"] == "small"
+            assert running.daemon.models.swaps == 3
 
 
 async def test_a_model_in_use_is_not_unloaded_under_its_request(short_dir: Path, route_lines: RouteLines) -> None:
