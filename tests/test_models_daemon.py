@@ -119,6 +119,7 @@ async def test_a_mixed_burst_is_served_with_one_swap_the_loaded_models_requests_
             a, b = models.get("a"), models.get("b")
             assert a is not None
             assert b is not None
+            await a.wait_state(ModelState.LOADED)
             control.set(decoder=DecoderModes(hold=True))  # a's requests stay in its decoder meanwhile
             statuses: list[int] = []
 
@@ -158,6 +159,7 @@ async def test_a_model_waiting_past_its_bound_holds_new_requests_for_the_one_in_
             models = running.daemon.models
             a = models.get("a")
             assert a is not None
+            await a.wait_state(ModelState.LOADED)
             control.set(decoder=DecoderModes(hold=True))
             answered: list[tuple[str, int]] = []
 
@@ -188,6 +190,7 @@ async def test_one_model_unloaded_by_onebitctl_is_loaded_again_by_the_next_reque
             run_daemon(fake_decoder_config(short_dir)) as running,
             httpx.AsyncClient(base_url=running.url) as client,
         ):
+            await running.daemon.models.default.wait_state(ModelState.LOADED)
             unloaded = await running.daemon.unload("fake")
             assert unloaded.state == "unloaded"
             reply = await client.post("/completion", json={"prompt": "hello there", "n_predict": 2})

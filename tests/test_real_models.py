@@ -55,6 +55,8 @@ async def serving(short_dir: Path, **models: Any) -> AsyncIterator[tuple[Running
         run_daemon(config_for(short_dir, tables=tables, **models)) as running,
         httpx.AsyncClient(base_url=running.url, timeout=DEADLINE_S) as client,
     ):
+        # run_daemon waits for the default decoder; its model is loaded once its owner task saw that.
+        await running.daemon.models.default.wait_state(ModelState.LOADED)
         yield running, client
 
 
