@@ -377,8 +377,8 @@ class Model:
     def release(self) -> None:
         self.users -= 1
         self.touch()
-        if not self.users:
-            self._wake.set()  # an unload may be waiting for the last request
+        if not self.users and not self._wanted:
+            self._wake.set()  # its unload waits for the last request
 
     def touch(self) -> None:
         self.last_used = trio.current_time()

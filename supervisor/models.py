@@ -231,7 +231,8 @@ class Models:
             yield model
         finally:
             model.release()
-            self.kick()
+            if self._waiting:
+                self.kick()  # a swap may wait for this model to be idle (ttl_s is looked at every TICK_S)
 
     def _admissible(self, model: Model) -> bool:
         return model.state is ModelState.LOADED and model.wanted and not self._blocked(model)
