@@ -337,6 +337,7 @@ class Model:
             estimate_mib=round(self.estimate_mib, 1),
             pid=self.parts.decoder.pid,
             state_since=self._state_since,
+            slots=self.parts.slots.statistics(),
         )
 
     async def wait_state(self, *states: ModelState) -> ModelState:

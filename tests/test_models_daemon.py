@@ -141,11 +141,13 @@ async def test_a_mixed_burst_is_served_with_one_swap_the_loaded_models_requests_
             assert 'onebit_model_loads_total{model="b"} 1.0' in metrics
             assert "onebit_model_swaps_total 1.0" in metrics
             assert 'onebit_model_requests_total{model="a",outcome="ok"} 3.0' in metrics
+            assert 'onebit_model_slots_busy{model="b"} 0.0' in metrics
             # onebitctl status: a table of the models, read back from the wire as onebitctl reads it.
             table = ctl.render_status(from_wire(to_wire(running.daemon.statistics())))
             rows = {line.split()[0]: line.split() for line in table.splitlines() if line.startswith(("a ", "b "))}
             assert rows["a"][1:3] == ["(default)", "unloaded"]
             assert rows["b"][1] == "loaded"
+            assert rows["b"][5] == "0/2"  # its slots: none busy of 2
             assert "1 swaps; 0 waiting for a load" in table
 
 
