@@ -399,7 +399,7 @@ class Models:
     def remove(self, name: str) -> None:
         """A model a reload removed: no new request goes to it; it is unloaded once those that hold
         it are done, then its task ends."""
-        model = self._by_name(name)
+        model = self.named(name)
         self.all.remove(model)
         self._index()
         model.want(False)
@@ -416,7 +416,7 @@ class Models:
     async def load(self, name: str) -> Model:
         """Load ``name`` now (unloading what is in its way, once idle) and wait until it is loaded
         or failed; bounded by models.load_timeout_s."""
-        model = self._by_name(name)
+        model = self.named(name)
         if self.several:
             async with self.use(model.name):
                 return model
@@ -425,7 +425,8 @@ class Models:
             await model.wait_state(ModelState.LOADED, ModelState.FAILED)
         return model
 
-    def _by_name(self, name: str) -> Model:
+    def named(self, name: str) -> Model:
+        """The model of that name or alias; ClientError 404 naming the models there are."""
         model = self._names.get(name)
         if model is None:
             raise ClientError(
@@ -435,7 +436,7 @@ class Models:
 
     async def unload(self, name: str) -> Model:
         """Unload ``name`` once no request holds it; wait until it is unloaded."""
-        model = self._by_name(name)
+        model = self.named(name)
         model.want(False)
         self.kick()
         await model.wait_state(ModelState.UNLOADED)

@@ -118,6 +118,14 @@ async def test_a_swap_within_max_loaded_keeps_the_conversation_in_the_prefix_sto
             assert big is not None
             assert big.state is ModelState.UNLOADED
             assert big.store.statistics().entries >= 1
+            # Each model's store of its own (another ctx_size, another fingerprint): onebitctl cache list --model.
+            path = running.daemon.admin.path
+            listed = {name: await admin.call(path, "cache list", {"model": name}) for name in ("big", "small")}
+            assert len(listed["big"]["result"]["entries"]) == big.store.statistics().entries
+            assert listed["small"]["result"]["entries"] == []
+            assert listed["big"]["result"]["statistics"]["directory"].endswith("model-big")
+            unknown = await admin.call(path, "cache list", {"model": "nope"})
+            assert unknown["ok"] is False
             turn2 = await complete(client, "big", LONG + turn1["content"] + " Now say word42.")
             assert turn2["content"]
             line = (await route_lines.wait(3))[-1]
