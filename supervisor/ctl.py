@@ -409,6 +409,7 @@ def _models_table(stats: DaemonStatistics) -> list[str]:
             m.state,
             f"{m.memory_mib:.0f} MiB",
             m.users,
+            f"{m.slots.busy}/{m.slots.total}" if m.slots is not None else None,
             m.loads,
             None if m.last_load_ms is None else f"{m.last_load_ms:.0f} ms",
             m.pin,
@@ -418,7 +419,7 @@ def _models_table(stats: DaemonStatistics) -> list[str]:
     ]
     limits = [f"max_loaded {models.max_loaded or '-'}", f"budget {models.memory_budget_mib or '-'} MiB"]
     return [
-        *_table(("MODEL", "STATE", "MEMORY", "USERS", "LOADS", "LAST LOAD", "PIN", "TTL"), rows),
+        *_table(("MODEL", "STATE", "MEMORY", "USERS", "SLOTS", "LOADS", "LAST LOAD", "PIN", "TTL"), rows),
         f"models: {models.memory_mib:.0f} MiB resident; {', '.join(limits)}; "
         f"{models.swaps} swaps; {models.waiting} waiting for a load",
         "",

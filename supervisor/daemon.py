@@ -297,6 +297,9 @@ class Daemon:
             self.front.resume()
         self._update_status()
 
+    def store_of(self, name: str) -> PrefixStore:
+        return self.models.named(name).store
+
     async def load(self, name: str) -> ModelStatistics:
         return (await self.models.load(name)).statistics()
 

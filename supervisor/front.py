@@ -116,8 +116,11 @@ class Router(Protocol):
     @property
     def default(self) -> Served: ...
 
-    def use(self, asked: Any, line: RouteLine | None = None) -> AbstractAsyncContextManager[Served]:
-        """The model the request's ``model`` names, held for the block; ClientError 404 for none."""
+    def use(
+        self, asked: Any, line: RouteLine | None = None, *, any_loaded: bool = False
+    ) -> AbstractAsyncContextManager[Served]:
+        """The model the request's ``model`` names, held for the block; ClientError 404 for none.
+        ``any_loaded``: a request that names none may go to any loaded model (a relayed GET)."""
         ...
 
     def health_state(self) -> ChildState: ...
@@ -139,7 +142,9 @@ class One:
         return self
 
     @asynccontextmanager
-    async def use(self, asked: Any, line: RouteLine | None = None) -> AsyncIterator[Served]:
+    async def use(
+        self, asked: Any, line: RouteLine | None = None, *, any_loaded: bool = False
+    ) -> AsyncIterator[Served]:
         yield self
 
     def health_state(self) -> ChildState:
@@ -592,7 +597,9 @@ class Front:
 
     async def _pass_through(self, out: Responder, method: str, path: str, body: Any) -> None:
         """Relayed to the model the body names (the default one without a body, or a name)."""
-        async with self.router.use(body.get("model") if isinstance(body, dict) else None) as served:
+        asked = body.get("model") if isinstance(body, dict) else None
+        # A relay that names no model (a GET: /props, /slots, a monitor's poll) loads none.
+        async with self.router.use(asked, any_loaded=asked is None) as served:
             served.completions.check_ready()
             reply = await served.client.request(method, path, body)
         await relay_reply(out, reply.status, reply.headers, reply.body)

@@ -120,13 +120,18 @@ def _models(models: ModelsStatistics) -> Iterator[Any]:
     )
     loads = CounterMetricFamily("onebit_model_loads", "Times a model was loaded", labels=["model"])
     users = GaugeMetricFamily("onebit_model_users", "Requests holding a model", labels=["model"])
+    busy = GaugeMetricFamily("onebit_model_slots_busy", "A model's decoder slots held by requests", labels=["model"])
+    queued = GaugeMetricFamily("onebit_model_queue_depth", "Requests waiting for a slot of a model", labels=["model"])
     for model in models.models:
+        if model.slots is not None:
+            busy.add_metric([model.name], model.slots.busy)
+            queued.add_metric([model.name], model.slots.queued)
         for name in MODEL_STATES:
             state.add_metric([model.name, name], 1.0 if model.state == name else 0.0)
         memory.add_metric([model.name], model.memory_mib * 1024 * 1024)
         loads.add_metric([model.name], model.loads)
         users.add_metric([model.name], model.users)
-    yield from (state, memory, loads, users)
+    yield from (state, memory, loads, users, busy, queued)
     yield CounterMetricFamily("onebit_model_swaps", "Models unloaded to make room for another", value=models.swaps)
     yield GaugeMetricFamily("onebit_model_waiting", "Requests waiting for their model to load", value=models.waiting)
 

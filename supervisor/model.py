@@ -270,6 +270,8 @@ class Model:
         self.last_used: float | None = None  # trio clock: the scheduler's LRU order
         self._last_used_wall: float | None = None
         self.store = PrefixStore.disabled("not opened yet", level=logging.DEBUG)
+        # Called after every transition: the scheduler's (Models.kick) once it holds the model.
+        self.on_change: Callable[[], None] = lambda: None
         self.parts = self._parts()
 
     def _parts(self) -> Parts:
@@ -335,6 +337,7 @@ class Model:
             estimate_mib=round(self.estimate_mib, 1),
             pid=self.parts.decoder.pid,
             state_since=self._state_since,
+            slots=self.parts.slots.statistics(),
         )
 
     async def wait_state(self, *states: ModelState) -> ModelState:
@@ -375,8 +378,8 @@ class Model:
     def release(self) -> None:
         self.users -= 1
         self.touch()
-        if not self.users:
-            self._wake.set()  # an unload may be waiting for the last request
+        if not self.users and not self._wanted:
+            self._wake.set()  # its unload waits for the last request
 
     def touch(self) -> None:
         self.last_used = trio.current_time()
@@ -393,6 +396,7 @@ class Model:
         log.info("model %s: %s -> %s%s", self.name, old.value, new.value, f" ({why})" if why else "")
         self._changed.set()
         self._changed = trio.Event()
+        self.on_change()
 
     def _on_decoder(self, _child: Child, _old: ChildState, _new: ChildState, _why: str) -> None:
         self._wake.set()
@@ -516,7 +520,10 @@ class Model:
 
 def _table_now(config: Config, spec: ModelSpec) -> ModelConfig:
     """What the running config says of a model now, by name (a reload swaps the config whole)."""
-    for table in config.model_tables or (config.model,):
-        if model_name(table) == spec.name:
+    if not config.model_tables:
+        return config.model
+    for table in config.model_tables:
+        # A name or an alias says it without a look at the file system (model_name's stem).
+        if (table.name or table.alias or model_name(table)) == spec.name:
             return table
     return spec.table

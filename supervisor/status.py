@@ -74,6 +74,7 @@ class ModelStatistics:
     estimate_mib: float
     pid: int | None  # its decoder's
     state_since: float
+    slots: SlotStatistics | None = None  # its decoder's slots (None from an older daemon)
 
 
 @attrs.frozen

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import tomli_w
 import trio
 
@@ -118,6 +119,7 @@ async def test_a_mixed_burst_is_served_with_one_swap_the_loaded_models_requests_
             a, b = models.get("a"), models.get("b")
             assert a is not None
             assert b is not None
+            await a.wait_state(ModelState.LOADED)
             control.set(decoder=DecoderModes(hold=True))  # a's requests stay in its decoder meanwhile
             statuses: list[int] = []
 
@@ -139,9 +141,62 @@ async def test_a_mixed_burst_is_served_with_one_swap_the_loaded_models_requests_
             assert 'onebit_model_loads_total{model="b"} 1.0' in metrics
             assert "onebit_model_swaps_total 1.0" in metrics
             assert 'onebit_model_requests_total{model="a",outcome="ok"} 3.0' in metrics
+            assert 'onebit_model_slots_busy{model="b"} 0.0' in metrics
             # onebitctl status: a table of the models, read back from the wire as onebitctl reads it.
             table = ctl.render_status(from_wire(to_wire(running.daemon.statistics())))
             rows = {line.split()[0]: line.split() for line in table.splitlines() if line.startswith(("a ", "b "))}
             assert rows["a"][1:3] == ["(default)", "unloaded"]
             assert rows["b"][1] == "loaded"
+            assert rows["b"][5] == "0/2"  # its slots: none busy of 2
             assert "1 swaps; 0 waiting for a load" in table
+
+
+async def test_a_model_waiting_past_its_bound_holds_new_requests_for_the_one_in_its_way(
+    short_dir: Path, control: Control, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("supervisor.models.STARVE_S", 0.2)
+    config = several(short_dir, ["a", "b"], max_loaded=1)
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(config) as running, httpx.AsyncClient(base_url=running.url, timeout=TIMEOUT) as client:
+            models = running.daemon.models
+            a = models.get("a")
+            assert a is not None
+            await a.wait_state(ModelState.LOADED)
+            control.set(decoder=DecoderModes(hold=True))
+            answered: list[tuple[str, int]] = []
+
+            async def one(name: str) -> None:
+                reply = await client.post("/completion", json={"model": name, "prompt": "hello there", "n_predict": 2})
+                answered.append((name, reply.status_code))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(one, "a")  # held in a's decoder: a stays in use
+                await wait_until(lambda: a.users == 1)
+                nursery.start_soon(one, "b")
+                await wait_until(lambda: models.statistics().waiting == 1)
+                began = trio.current_time()
+                await wait_until(lambda: trio.current_time() - began > 0.2)  # b starves
+                nursery.start_soon(one, "a")  # waits behind b, though a is loaded
+                await wait_until(lambda: models.statistics().waiting == 2)
+                assert a.users == 1
+                control.set(decoder=DecoderModes())
+            assert answered == [("a", 200), ("b", 200), ("a", 200)]
+            assert models.swaps == 2
+
+
+async def test_one_model_unloaded_by_onebitctl_is_loaded_again_by_the_next_request(
+    short_dir: Path, control: Control, route_lines: RouteLines
+) -> None:
+    with trio.fail_after(TIMEOUT):
+        async with (
+            run_daemon(fake_decoder_config(short_dir)) as running,
+            httpx.AsyncClient(base_url=running.url) as client,
+        ):
+            await running.daemon.models.default.wait_state(ModelState.LOADED)
+            unloaded = await running.daemon.unload("fake")
+            assert unloaded.state == "unloaded"
+            reply = await client.post("/completion", json={"prompt": "hello there", "n_predict": 2})
+            assert reply.status_code == 200
+            (line,) = await route_lines.wait(1)
+            assert line["load_ms"] > 0
+            assert running.daemon.models.default.loads == 2

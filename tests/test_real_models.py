@@ -55,6 +55,8 @@ async def serving(short_dir: Path, **models: Any) -> AsyncIterator[tuple[Running
         run_daemon(config_for(short_dir, tables=tables, **models)) as running,
         httpx.AsyncClient(base_url=running.url, timeout=DEADLINE_S) as client,
     ):
+        # run_daemon waits for the default decoder; its model is loaded once its owner task saw that.
+        await running.daemon.models.default.wait_state(ModelState.LOADED)
         yield running, client
 
 
@@ -116,6 +118,14 @@ async def test_a_swap_within_max_loaded_keeps_the_conversation_in_the_prefix_sto
             assert big is not None
             assert big.state is ModelState.UNLOADED
             assert big.store.statistics().entries >= 1
+            # Each model's store of its own (another ctx_size, another fingerprint): onebitctl cache list --model.
+            path = running.daemon.admin.path
+            listed = {name: await admin.call(path, "cache list", {"model": name}) for name in ("big", "small")}
+            assert len(listed["big"]["result"]["entries"]) == big.store.statistics().entries
+            assert listed["small"]["result"]["entries"] == []
+            assert listed["big"]["result"]["statistics"]["directory"].endswith("model-big")
+            unknown = await admin.call(path, "cache list", {"model": "nope"})
+            assert unknown["ok"] is False
             turn2 = await complete(client, "big", LONG + turn1["content"] + " Now say word42.")
             assert turn2["content"]
             line = (await route_lines.wait(3))[-1]
@@ -126,6 +136,12 @@ async def test_a_swap_within_max_loaded_keeps_the_conversation_in_the_prefix_sto
             assert line["decoder_prompt_n"] < 50
             assert running.daemon.models.swaps == 2
             assert states((await client.get("/v1/models")).json()) == {"big": "loaded", "small": "unloaded"}
+            # A relayed GET that names no model goes to a loaded one: it swaps nothing in.
+            await complete(client, "small", "The sky is")
+            props = await client.get("/props")
+            assert props.status_code == 200
+            assert props.json()["model_alias"] == "small"
+            assert running.daemon.models.swaps == 3
 
 
 async def test_a_model_in_use_is_not_unloaded_under_its_request(short_dir: Path, route_lines: RouteLines) -> None:
