@@ -48,7 +48,7 @@ async def test_a_model_that_does_not_load_in_time_is_a_503_with_retry_after(
 ) -> None:
     config = several(short_dir, ["a", "b"], load_timeout_s=0.5)
     with trio.fail_after(TIMEOUT):
-        async with run_daemon(config) as running, httpx.AsyncClient(base_url=running.url) as client:
+        async with run_daemon(config) as running, httpx.AsyncClient(base_url=running.url, timeout=TIMEOUT) as client:
             control.set(decoder=DecoderModes(exit=1))  # every decoder started from now on crashes at once
             reply = await client.post("/completion", json={"model": "b", "prompt": "hello there", "n_predict": 2})
             assert reply.status_code == 503
@@ -101,7 +101,7 @@ async def test_with_one_model_a_request_may_name_any_model_as_llama_server_allow
     with trio.fail_after(TIMEOUT):
         async with (
             run_daemon(fake_decoder_config(short_dir)) as running,
-            httpx.AsyncClient(base_url=running.url) as client,
+            httpx.AsyncClient(base_url=running.url, timeout=TIMEOUT) as client,
         ):
             reply = await client.post("/completion", json={"model": "gpt-4", "prompt": "hello there", "n_predict": 2})
             assert reply.status_code == 200
@@ -114,7 +114,7 @@ async def test_a_mixed_burst_is_served_with_one_swap_the_loaded_models_requests_
 ) -> None:
     config = several(short_dir, ["a", "b"], max_loaded=1)
     with trio.fail_after(TIMEOUT):
-        async with run_daemon(config) as running, httpx.AsyncClient(base_url=running.url) as client:
+        async with run_daemon(config) as running, httpx.AsyncClient(base_url=running.url, timeout=TIMEOUT) as client:
             models = running.daemon.models
             a, b = models.get("a"), models.get("b")
             assert a is not None
@@ -190,7 +190,7 @@ async def test_one_model_unloaded_by_onebitctl_is_loaded_again_by_the_next_reque
     with trio.fail_after(TIMEOUT):
         async with (
             run_daemon(fake_decoder_config(short_dir)) as running,
-            httpx.AsyncClient(base_url=running.url) as client,
+            httpx.AsyncClient(base_url=running.url, timeout=TIMEOUT) as client,
         ):
             await running.daemon.models.default.wait_state(ModelState.LOADED)
             unloaded = await running.daemon.unload("fake")
