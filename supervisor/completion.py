@@ -85,6 +85,8 @@ class Plan:
     unsupported: bool = False  # a prompt shape no provider takes: not tokenized
     over_context: bool = False  # the decoder will refuse it with its own 400
     n_tokens: int | None = None  # the prompt's length where it was tokenized
+    # None picked because a shared provider runs for another model (providers/seat.py): why.
+    away: Reason | None = None
 
     @property
     def remember(self) -> bool:
@@ -193,8 +195,16 @@ class Completions:
         """Pick a provider, and tokenize the prompt when one can take it, or the prefix store may
         hold or keep it; the route is chosen once the request has its slot (what the slot holds is a
         cost)."""
-        text = prompt_text(endpoint, body)
         provider = self.hybrid.providers.pick() if self.hybrid is not None else None
+        away = self.hybrid.providers.away() if self.hybrid is not None and provider is None else None
+        if away is not None:
+            plan = await self._plan_with(None, endpoint, body, req)
+            log.info("hybrid: %s goes without its provider (%s); the backend prefills it", req, away.value)
+            return attrs.evolve(plan, away=away)
+        return await self._plan_with(provider, endpoint, body, req)
+
+    async def _plan_with(self, provider: Provider | None, endpoint: str, body: dict[str, Any], req: str) -> Plan:
+        text = prompt_text(endpoint, body)
         why = handoff_unsupported(endpoint, body)
         if why is not None:
             if provider is not None:
@@ -271,6 +281,7 @@ class Completions:
             unsupported=plan.unsupported,
             over_context=plan.over_context,
             restored=restored,
+            provider_away=plan.away,
         )
 
     async def serve(

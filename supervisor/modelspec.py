@@ -82,6 +82,17 @@ def specs(config: Config) -> tuple[ModelSpec, ...]:
     return tuple(result)
 
 
+def shared_providers(config: Config) -> frozenset[str]:
+    """The providers that several ``[[model]]`` tables name: each runs for one model at a time
+    (supervisor/providers/seat.py).  The default model's implicit share is only those no other
+    model took, so it never shares."""
+    counts: dict[str, int] = {}
+    for table in config.model_tables:
+        for name in set(table.providers or ()):
+            counts[name] = counts.get(name, 0) + 1
+    return frozenset(name for name, count in counts.items() if count > 1)
+
+
 def estimate_mib(spec: ModelSpec) -> float:
     """What the model takes loaded, before its decoder's memory is measured: the GGUF file (its
     weights are mapped whole) and its KV cache for ``ctx_size`` (from the GGUF's header).  0 when
