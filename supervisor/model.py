@@ -363,6 +363,8 @@ class Model:
             pid=self.parts.decoder.pid,
             state_since=self._state_since,
             slots=self.parts.slots.statistics(),
+            providers=tuple(self.parts.providers.statistics()),
+            store=self.store.statistics(),
         )
 
     async def wait_state(self, *states: ModelState) -> ModelState:

@@ -268,3 +268,15 @@ async def test_a_provider_two_models_name_is_restarted_for_the_other_which_goes_
             jobs = control.events("provider", "job")
             assert [(event["job"]["model"], event["pid"] == first_pid) for event in jobs] == [("a", True), ("b", False)]
             assert a.seat.swaps == 1
+            # Each model's providers and prefix store, in /metrics (labelled model) and onebitctl status.
+            metrics = (await client.get("/metrics")).text
+            where = 'device="-",engine="-",kind="worker"'
+            assert f'onebit_provider_ready{{{where},model="a",provider="npu0"}} 0.0' in metrics
+            assert f'onebit_provider_ready{{{where},model="b",provider="npu0"}} 1.0' in metrics
+            assert f'onebit_provider_jobs_total{{{where},model="b",provider="npu0"}} 1.0' in metrics
+            assert 'onebit_prefix_store_enabled{model="a"} 1.0' in metrics
+            assert 'onebit_prefix_store_enabled{model="b"} 1.0' in metrics
+            table = ctl.render_status(from_wire(to_wire(running.daemon.statistics())))
+            rows = [line.split() for line in table.splitlines() if line.split()[1:2] == ["npu0"]]
+            assert [(row[0], row[5]) for row in rows] == [("a", "no"), ("b", "yes")]
+            assert sum(line.startswith(("prefix store a: ", "prefix store b: ")) for line in table.splitlines()) == 2
