@@ -231,17 +231,17 @@ class Parts:
         return None
 
     def llama_providers(self) -> list[LlamaServerProvider]:
-        """Those that run for this model alone (a shared one's layout is chosen per start)."""
-        return [p for p in self.providers.all if isinstance(p, LlamaServerProvider)]
+        """Its llama-server providers; of one several models name, this model's last start's (its
+        device and layout are chosen on it before the first start, and the fingerprint names it)."""
+        providers = [p.last if isinstance(p, Tenant) else p for p in self.providers.all]
+        return [p for p in providers if isinstance(p, LlamaServerProvider)]
 
     def provider_children(self) -> list[Child]:
         """The children of the providers that have one (exec providers start a process per job)."""
         return [p.child for p in self.providers.all if p.child is not None]
 
     def sockets(self) -> list[Path]:
-        shared = [t.last for t in self.providers.all if isinstance(t, Tenant)]
-        llama = [*self.llama_providers(), *(p for p in shared if isinstance(p, LlamaServerProvider))]
-        return [self.client.socket, *(p.launcher.socket for p in llama)]
+        return [self.client.socket, *(p.launcher.socket for p in self.llama_providers())]
 
 
 # How the daemon opens a model's prefix store (it knows the decoder's version): open for the
