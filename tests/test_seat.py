@@ -5,12 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.config import Config
-from supervisor.modelspec import shared_providers
 from supervisor.providers.seat import REASONS, Action, decide
 from supervisor.routes.decision import Reason, Route, choose
-
-from .rig import make_config
 
 
 @pytest.mark.parametrize(
@@ -69,24 +65,3 @@ def test_over_context_still_comes_first() -> None:
         provider_away=Reason.PROVIDER_SWAPPING,
     )
     assert choice.reasons == (Reason.OVER_CONTEXT,)
-
-
-def config_naming(tmp_path_factory: pytest.TempPathFactory, providers: list[list[str] | None]) -> Config:
-    runtime = tmp_path_factory.mktemp("seat")
-    tables = []
-    for index, named in enumerate(providers):
-        path = runtime / f"m{index}.gguf"
-        path.write_bytes(b"GGUF fake model for tests\n")
-        tables.append({"name": f"m{index}", "path": str(path), **({"providers": named} if named is not None else {})})
-    return make_config(
-        runtime,
-        model=tables,
-        provider=[{"kind": "exec", "name": name, "command": ["/bin/true"]} for name in ("p", "q")],
-    )
-
-
-def test_a_provider_is_shared_when_two_model_tables_name_it(tmp_path_factory: pytest.TempPathFactory) -> None:
-    assert shared_providers(config_naming(tmp_path_factory, [["p"], ["p", "q"], None])) == {"p"}
-    # The default model's implicit share is what no other model took: never shared.
-    assert shared_providers(config_naming(tmp_path_factory, [None, ["p"]])) == frozenset()
-    assert shared_providers(Config()) == frozenset()
