@@ -9,6 +9,7 @@ import os
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -236,11 +237,14 @@ async def test_one_ggml_provider_both_models_name_is_swapped_to_each_and_takes_t
                 assert isinstance(provider, Tenant)
                 return provider
 
-            await wait_until(lambda: tenant("big").ready)
+            def ready(name: str) -> bool:
+                return tenant(name).ready
+
+            await wait_until(partial(ready, "big"))
             order = ["big", "small", "small", "big", "big"]
             for turn, name in enumerate(order):
                 if turn in (2, 4):  # after each swap was asked for: its model's process up
-                    await wait_until(lambda name=name: tenant(name).ready)  # type: ignore[misc]
+                    await wait_until(partial(ready, name))
                 await complete(client, name, f"{LONG} turn {turn}")
             lines = await route_lines.wait(len(order))
             assert [(line["model"], line["route"], line.get("fallback")) for line in lines] == [
