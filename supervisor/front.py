@@ -37,7 +37,7 @@ from .endpoints import ROUTES, Endpoint, Kind, lookup
 from .errors import ClientError, DecoderError, OnebitError
 from .logs import ROUTE_LOGGER
 from .relay import SSE_HEADERS, relay_reply, sse_error
-from .respond import Receive, Responder, Send
+from .respond import Receive, Responder, Send, speaks_anthropic
 from .routeline import RouteLine
 from .server import HttpServer
 from .status import FrontStatistics, InflightStatistics
@@ -351,7 +351,7 @@ class Front:
         path: str = scope["path"]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         self._access(self.server)
-        out = Responder(send, started, self._cors.headers(headers.get("origin")))
+        out = Responder(send, started, self._cors.headers(headers.get("origin")), anthropic=speaks_anthropic(path))
         methods = self._extra.get(path) or lookup(path)
         routed = methods is not None and any(endpoint.routed for endpoint in methods.values())
         try:

@@ -86,7 +86,7 @@ class _Live(Collector):
         yield GaugeMetricFamily("onebit_draining", "1 while draining", value=1.0 if stats.front.draining else 0.0)
         yield CounterMetricFamily(
             "onebit_restore_unused",
-            "Hybrid requests whose decoder re-evaluated the prompt despite a successful handoff",
+            "Requests whose decoder re-evaluated the prompt despite a successful restore (a handoff, the prefix store)",
             value=stats.restore_unused,
         )
         stores: list[tuple[str | None, StoreStatistics]] = [(None, stats.store)]
