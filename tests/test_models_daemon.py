@@ -24,7 +24,7 @@ from supervisor.providers.seat import Tenant
 from supervisor.status import from_wire, to_wire
 
 from . import fake_provider
-from .helpers import gone, wait_until
+from .helpers import gone, reaped, wait_until
 from .rig import (
     FAKE_DECODER,
     HANDOFF_ALWAYS,
@@ -218,6 +218,11 @@ async def test_one_model_unloaded_by_onebitctl_is_loaded_again_by_the_next_reque
             assert running.daemon.models.default.loads == 2
 
 
+def left_in(runtime: Path) -> list[str]:
+    """Files in the models' runtime directories (sockets, state files) once onebitd stopped."""
+    return sorted(str(p.relative_to(runtime)) for p in runtime.glob("model-*/**/*") if not p.is_dir())
+
+
 def tenant_of(running: Any, name: str) -> Tenant:
     model = running.daemon.models.get(name)
     assert model is not None
@@ -280,3 +285,6 @@ async def test_a_provider_two_models_name_is_restarted_for_the_other_which_goes_
             rows = [line.split() for line in table.splitlines() if line.split()[1:2] == ["npu0"]]
             assert [(row[0], row[5]) for row in rows] == [("a", "no"), ("b", "yes")]
             assert sum(line.startswith(("prefix store a: ", "prefix store b: ")) for line in table.splitlines()) == 2
+        # Both workers reaped, and neither model's provider socket or state file left behind.
+        assert [reaped(event["pid"]) for event in control.events("provider", "start")] == [True, True]
+        assert not left_in(short_dir)
