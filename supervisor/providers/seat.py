@@ -135,11 +135,12 @@ class Tenant:
         self.inner: Provider | None = None
         self._started = False  # its process's start is over (ready, failed or refused)
         self._jobs = 0
-        self.last = make()  # what statistics() shows while it does not run
+        self.last = make()  # the running one, or the one that ran last (statistics, the layout)
         self.kind = self.last.kind
+        self.supports_share = self.last.supports_share
+        # What it computes on, for the route line: the running one's, once its start is over.
         self.engine = self.last.engine
         self.device = self.last.device
-        self.supports_share = self.last.supports_share
 
     @property
     def child(self) -> Child | None:
@@ -199,8 +200,7 @@ class Tenant:
             self.seat.changed()  # its holder's tenant may wait for its last job to stop
 
     def statistics(self) -> ProviderStatistics:
-        shown = self.inner if self.inner is not None else self.last
-        stats = shown.statistics()
+        stats = self.last.statistics()
         return ProviderStatistics(
             name=stats.name,
             kind=stats.kind,
@@ -267,6 +267,7 @@ class Tenant:
     async def _timed(self, inner: Provider, began: float) -> None:
         await inner.wait_settled()
         self._started = True
+        self.engine, self.device = inner.engine, inner.device
         self.seat.start_ms = (trio.current_time() - began) * 1000
         log.info(
             "provider %s: started for model %s in %.0f ms (%s)",
