@@ -266,6 +266,8 @@ class Tenant:
 
     async def _timed(self, inner: Provider, began: float) -> None:
         await inner.wait_settled()
+        if inner.child is not None:  # a provider without a start-time check is settled at its spawn
+            await inner.child.wait_first_start()
         self._started = True
         self.engine, self.device = inner.engine, inner.device
         self.seat.start_ms = (trio.current_time() - began) * 1000
