@@ -86,6 +86,8 @@ class Plan:
     over_context: bool = False  # the decoder will refuse it with its own 400
     n_tokens: int | None = None  # the prompt's length where it was tokenized
     refused: bool = False  # a Messages or Responses body llama-server will not convert (its own 400)
+    # None picked because a shared provider runs for another model (providers/seat.py): why.
+    away: Reason | None = None
 
     @property
     def remember(self) -> bool:
@@ -198,6 +200,14 @@ class Completions:
         hold or keep it; the route is chosen once the request has its slot (what the slot holds is a
         cost).  A Messages or Responses request is read in the chat form llama-server converts it into."""
         provider = self.hybrid.providers.pick() if self.hybrid is not None else None
+        away = self.hybrid.providers.away() if self.hybrid is not None and provider is None else None
+        if away is not None:
+            plan = await self._plan_with(None, endpoint, body, req)
+            log.info("hybrid: %s goes without its provider (%s); the backend prefills it", req, away.value)
+            return attrs.evolve(plan, away=away)
+        return await self._plan_with(provider, endpoint, body, req)
+
+    async def _plan_with(self, provider: Provider | None, endpoint: str, body: dict[str, Any], req: str) -> Plan:
         try:
             endpoint, body = chat_form(endpoint, body)
         except ChatFormRefused as exc:
@@ -281,6 +291,7 @@ class Completions:
             unsupported=plan.unsupported,
             over_context=plan.over_context,
             restored=restored,
+            provider_away=plan.away,
         )
 
     async def serve(

@@ -75,6 +75,8 @@ class ModelStatistics:
     pid: int | None  # its decoder's
     state_since: float
     slots: SlotStatistics | None = None  # its decoder's slots (None from an older daemon)
+    providers: tuple[ProviderStatistics, ...] = ()  # its providers (an older daemon: none said)
+    store: StoreStatistics | None = None  # its prefix store (None from an older daemon)
 
 
 @attrs.frozen

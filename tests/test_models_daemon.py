@@ -1,8 +1,11 @@
 """Several models with the fake decoder, for what the real one cannot be made to do: a model that
-does not load in time, and a reload that adds and removes models while the others run on."""
+does not load in time, a reload that adds and removes models while the others run on, and a
+provider two models name restarted for the one that asks while that one's requests go plain."""
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,16 +20,29 @@ from supervisor import ctl
 from supervisor.config import Config
 from supervisor.daemon import Daemon
 from supervisor.model import ModelState
+from supervisor.providers.seat import Tenant
 from supervisor.status import from_wire, to_wire
 
-from .helpers import wait_until
-from .rig import FAKE_DECODER, Control, DecoderModes, RouteLines, fake_decoder_config, make_config, run_daemon
+from . import fake_provider
+from .helpers import gone, reaped, wait_until
+from .rig import (
+    FAKE_DECODER,
+    HANDOFF_ALWAYS,
+    Control,
+    DecoderModes,
+    ProviderModes,
+    RouteLines,
+    fake_decoder_config,
+    make_config,
+    run_daemon,
+)
 
 TIMEOUT = 30
 
 
-def several(runtime_dir: Path, names: list[str], **models: Any) -> Config:
-    """A config whose [[model]] tables are ``names``, each the fake decoder on its own fake file."""
+def several(runtime_dir: Path, names: list[str], *, table: dict[str, Any] | None = None, **models: Any) -> Config:
+    """A config whose [[model]] tables are ``names``, each the fake decoder on its own fake file
+    (``table``: keys every table has too)."""
     launcher = runtime_dir / "fake-llama-server"
     launcher.write_text(f'#!/bin/sh\nexec {sys.executable} {FAKE_DECODER} "$@"\n')
     launcher.chmod(0o755)
@@ -34,7 +50,7 @@ def several(runtime_dir: Path, names: list[str], **models: Any) -> Config:
     for name in names:
         path = runtime_dir / f"{name}.gguf"
         path.write_bytes(b"GGUF fake model for tests\n")
-        tables.append({"name": name, "path": str(path), "parallel": 2})
+        tables.append({"name": name, "path": str(path), "parallel": 2, **(table or {})})
     return make_config(
         runtime_dir,
         decoder={"binary": str(launcher), "health": {"interval_s": 0.2, "stop_grace_s": 2.0}},
@@ -200,3 +216,75 @@ async def test_one_model_unloaded_by_onebitctl_is_loaded_again_by_the_next_reque
             (line,) = await route_lines.wait(1)
             assert line["load_ms"] > 0
             assert running.daemon.models.default.loads == 2
+
+
+def left_in(runtime: Path) -> list[str]:
+    """Files in the models' runtime directories (sockets, state files) once onebitd stopped."""
+    return sorted(str(p.relative_to(runtime)) for p in runtime.glob("model-*/**/*") if not p.is_dir())
+
+
+def tenant_of(running: Any, name: str) -> Tenant:
+    model = running.daemon.models.get(name)
+    assert model is not None
+    (tenant,) = model.parts.providers.all
+    assert isinstance(tenant, Tenant)
+    return tenant
+
+
+async def test_a_provider_two_models_name_is_restarted_for_the_other_which_goes_plain_meanwhile(
+    short_dir: Path, control: Control, route_lines: RouteLines
+) -> None:
+    worker = {"kind": "worker", "name": "npu0", "command": [sys.executable, str(fake_provider.PATH), "--worker"]}
+    base = several(short_dir, ["a", "b"], table={"providers": ["npu0"]})
+    config = make_config(
+        short_dir,
+        decoder=configuration.unstructure(base)["decoder"],
+        model=configuration.unstructure(base)["model"],
+        hybrid={"enabled": True, "mode": "file", "min_prompt_tokens": 4, **HANDOFF_ALWAYS},
+        provider=[worker],
+    )
+    body = {"prompt": "the quick brown fox jumps over the lazy dog", "n_predict": 2}
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(config) as running, httpx.AsyncClient(base_url=running.url) as client:
+            a = tenant_of(running, "a")
+            await wait_until(lambda: a.ready)
+            assert (await client.post("/completion", json={"model": "a", **body})).status_code == 200
+            (first_pid,) = [event["pid"] for event in control.events("provider", "start")]
+            # b's worker will hold its ready line: b's requests go plain while it starts.
+            control.set(provider=ProviderModes(ready_on_signal=True))
+            assert (await client.post("/completion", json={"model": "b", **body})).status_code == 200
+            b = tenant_of(running, "b")
+            await wait_until(lambda: bool(control.events("provider", "waiting")))
+            assert gone(first_pid)  # a's process stopped before b's started
+            assert (await client.post("/completion", json={"model": "b", **body})).status_code == 200
+            (waiting,) = control.events("provider", "waiting")
+            os.kill(waiting["pid"], signal.SIGUSR1)
+            await wait_until(lambda: b.ready)
+            assert not a.ready
+            assert (await client.post("/completion", json={"model": "b", **body})).status_code == 200
+            lines = await route_lines.wait(4)
+            assert [(line["model"], line["route"], line.get("fallback")) for line in lines] == [
+                ("a", "file", None),
+                ("b", "plain", "provider-swapping"),  # the handover it asked for
+                ("b", "plain", "provider-swapping"),  # b's worker starting
+                ("b", "file", None),
+            ]
+            # Each job went to a process started with its own model's parameters.
+            jobs = control.events("provider", "job")
+            assert [(event["job"]["model"], event["pid"] == first_pid) for event in jobs] == [("a", True), ("b", False)]
+            assert a.seat.swaps == 1
+            # Each model's providers and prefix store, in /metrics (labelled model) and onebitctl status.
+            metrics = (await client.get("/metrics")).text
+            where = 'device="-",engine="-",kind="worker"'
+            assert f'onebit_provider_ready{{{where},model="a",provider="npu0"}} 0.0' in metrics
+            assert f'onebit_provider_ready{{{where},model="b",provider="npu0"}} 1.0' in metrics
+            assert f'onebit_provider_jobs_total{{{where},model="b",provider="npu0"}} 1.0' in metrics
+            assert 'onebit_prefix_store_enabled{model="a"} 1.0' in metrics
+            assert 'onebit_prefix_store_enabled{model="b"} 1.0' in metrics
+            table = ctl.render_status(from_wire(to_wire(running.daemon.statistics())))
+            rows = [line.split() for line in table.splitlines() if line.split()[1:2] == ["npu0"]]
+            assert [(row[0], row[5]) for row in rows] == [("a", "no"), ("b", "yes")]
+            assert sum(line.startswith(("prefix store a: ", "prefix store b: ")) for line in table.splitlines()) == 2
+        # Both workers reaped, and neither model's provider socket or state file left behind.
+        assert [reaped(event["pid"]) for event in control.events("provider", "start")] == [True, True]
+        assert not left_in(short_dir)
