@@ -6,6 +6,8 @@
     scripts/bench multiturn [--quick]  chats over many turns: plain, hybrid, llama-server direct
     scripts/bench prefix [--quick]     a long shared prompt across a decoder crash, with and without the store
     scripts/bench models [--quick]     two models through a one-model budget: swaps, with and without the store
+    scripts/bench agent [--quick]      an agent's session through anthropic-python and openai-python's Responses
+                                       client: direct, plain, hybrid, and after a full restart
 
 Every subcommand runs onebitd (port 0, a runtime directory under /tmp), waits until its decoder is
 ready, measures, then stops the daemon, which stops and reaps its children, whatever happened (an
@@ -58,6 +60,7 @@ from supervisor.errors import ChildError, ConfigError  # noqa: E402
 from supervisor.testing import run_daemon  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_agent  # noqa: E402
 import bench_handoff  # noqa: E402
 import bench_models  # noqa: E402
 import bench_multiturn  # noqa: E402
@@ -775,6 +778,12 @@ SUBCOMMANDS = [
         help="a long shared prompt across a decoder crash, with the prefix store and without",
         arguments=bench_prefix.arguments,
         run=bench_prefix.run,
+    ),
+    Subcommand(
+        name="agent",
+        help="an agent's session through anthropic-python and the Responses client: direct, plain, hybrid, restarted",
+        arguments=bench_agent.arguments,
+        run=bench_agent.run,
     ),
     Subcommand(
         name="models",

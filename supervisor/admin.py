@@ -61,6 +61,10 @@ class Managed(Protocol):
 
     def reload(self) -> dict[str, Any]: ...
 
+    def store_of(self, name: str) -> PrefixStore:
+        """A model's prefix store; ClientError for a model there is not."""
+        ...
+
     async def load(self, name: str) -> ModelStatistics: ...
 
     async def unload(self, name: str) -> ModelStatistics: ...
@@ -185,10 +189,11 @@ class Verb:
 
 
 async def verb_cache_list(daemon: Managed, args: dict[str, Any], send: Send) -> Any:
-    """``{"verb": "cache list"}`` -> ``{"ok": true, "result": {"statistics": {...}, "entries": [{"key",
-    "n_tokens", "state_bytes", "disk_bytes", "created", "last_used"}, ...]}}``: the prefix store's
-    entries, most recently used first (tokens left out)."""
-    store = daemon.store
+    """``{"verb": "cache list", "args": {"model": NAME}}`` (``model`` optional) -> ``{"ok": true,
+    "result": {"statistics": {...}, "entries": [{"key", "n_tokens", "state_bytes", "disk_bytes",
+    "created", "last_used"}, ...]}}``: the prefix store's entries (the model's, else the default
+    model's), most recently used first (tokens left out)."""
+    store = _store(daemon, args)
     entries = [
         {
             "key": entry.key,
@@ -204,10 +209,27 @@ async def verb_cache_list(daemon: Managed, args: dict[str, Any], send: Send) -> 
 
 
 async def verb_cache_clear(daemon: Managed, args: dict[str, Any], send: Send) -> Any:
-    """``{"verb": "cache clear"}`` -> ``{"ok": true, "result": {"removed": N}}``: every entry not in
-    use is removed from the prefix store (an entry being restored goes when its restore ends)."""
-    return {"removed": await daemon.store.clear()}
+    """``{"verb": "cache clear", "args": {"model": NAME}}`` (``model`` optional) -> ``{"ok": true,
+    "result": {"removed": N}}``: every entry not in use is removed from the prefix store (the
+    model's, else the default model's; an entry being restored goes when its restore ends)."""
+    return {"removed": await _store(daemon, args).clear()}
 
+
+def _store(daemon: Managed, args: dict[str, Any]) -> PrefixStore:
+    """The prefix store of ``args["model"]`` (each model has its own), else the default model's."""
+    name = args.get("model")
+    if name is None:
+        return daemon.store
+    if not isinstance(name, str):
+        raise AdminError("model must be the name of a model")
+    try:
+        return daemon.store_of(name)
+    except ClientError as exc:
+        raise AdminError(exc.message) from None
+
+
+# The cache verbs' argument: each model has a prefix store of its own.
+_STORE_OF = Argument("model", str, "MODEL", "that model's prefix store (default: the default model's)")
 
 VERBS: dict[str, Verb] = {
     "status": Verb(verb_status),
@@ -215,8 +237,8 @@ VERBS: dict[str, Verb] = {
     "resume": Verb(verb_resume),
     "watch": Verb(verb_watch),
     "reload": Verb(verb_reload),
-    "cache list": Verb(verb_cache_list),
-    "cache clear": Verb(verb_cache_clear),
+    "cache list": Verb(verb_cache_list, (_STORE_OF,)),
+    "cache clear": Verb(verb_cache_clear, (_STORE_OF,)),
     "load": Verb(verb_load, (Argument("model", str, "MODEL", "the model's name or alias", positional=True),)),
     "unload": Verb(verb_unload, (Argument("model", str, "MODEL", "the model's name or alias", positional=True),)),
 }

@@ -21,7 +21,7 @@ from . import decoder as decoder_api
 from .child import ChildState, ChildStatistics
 from .config import HybridConfig, source
 from .decoder import DecoderClient
-from .errors import DecoderError, DecoderUnavailable
+from .errors import ChatFormRefused, DecoderError, DecoderUnavailable
 from .prefix.store import Entry
 from .providers import Provider, Providers
 from .rates import Rates
@@ -40,7 +40,7 @@ from .routes.decision import (
     restore_used,
 )
 from .routes.file import FileHandoff
-from .routes.prompt import CHAT, handoff_unsupported, tokens_for
+from .routes.prompt import CHAT, MESSAGES, RESPONSES, chat_form, handoff_unsupported, tokens_for
 from .routes.share import ShareHandoff
 from .routes.stored import StoredPrefixes
 from .slots import PromptKey, SlotPool
@@ -85,11 +85,14 @@ class Plan:
     unsupported: bool = False  # a prompt shape no provider takes: not tokenized
     over_context: bool = False  # the decoder will refuse it with its own 400
     n_tokens: int | None = None  # the prompt's length where it was tokenized
+    refused: bool = False  # a Messages or Responses body llama-server will not convert (its own 400)
+    # None picked because a shared provider runs for another model (providers/seat.py): why.
+    away: Reason | None = None
 
     @property
     def remember(self) -> bool:
         """False for a prompt the decoder will refuse: its slot keeps the memory of what it holds."""
-        return not self.over_context
+        return not (self.over_context or self.refused)
 
 
 # The state one prompt token takes in a slot state file, until a handoff measures it: SmolLM2-135M's
@@ -99,8 +102,10 @@ STATE_BYTES_PER_TOKEN = 23_040
 
 def prompt_text(endpoint: str, body: dict[str, Any]) -> str:
     """A prompt's text for slot affinity, without a round trip to the tokenizer."""
-    if endpoint == CHAT:
+    if endpoint in (CHAT, MESSAGES):
         return json.dumps(body.get("messages"), separators=(",", ":"), ensure_ascii=False)
+    if endpoint == RESPONSES:
+        return json.dumps(body.get("input"), separators=(",", ":"), ensure_ascii=False)
     prompt = body.get("prompt")
     return prompt if isinstance(prompt, str) else json.dumps(prompt, separators=(",", ":"))
 
@@ -140,7 +145,8 @@ class Completions:
         # The tokens one decoder slot holds, prompt and reply: model.ctx_size / model.parallel, as
         # llama-server divides its context (None: not checked here, the decoder still is).
         self.slot_context = slot_context
-        # Hybrid requests whose decoder re-evaluated the prompt although the restore succeeded.
+        # Requests whose decoder re-evaluated the prompt although the restore (a handoff's, or the
+        # prefix store's) succeeded.
         self.restore_unused = 0
         self.rates = Rates(
             decoder_ms_per_token=self.settings.decoder_ms_per_token,
@@ -192,9 +198,23 @@ class Completions:
     async def _plan(self, endpoint: str, body: dict[str, Any], req: str) -> Plan:
         """Pick a provider, and tokenize the prompt when one can take it, or the prefix store may
         hold or keep it; the route is chosen once the request has its slot (what the slot holds is a
-        cost)."""
-        text = prompt_text(endpoint, body)
+        cost).  A Messages or Responses request is read in the chat form llama-server converts it into."""
         provider = self.hybrid.providers.pick() if self.hybrid is not None else None
+        away = self.hybrid.providers.away() if self.hybrid is not None and provider is None else None
+        if away is not None:
+            plan = await self._plan_with(None, endpoint, body, req)
+            log.info("hybrid: %s goes without its provider (%s); the backend prefills it", req, away.value)
+            return attrs.evolve(plan, away=away)
+        return await self._plan_with(provider, endpoint, body, req)
+
+    async def _plan_with(self, provider: Provider | None, endpoint: str, body: dict[str, Any], req: str) -> Plan:
+        try:
+            endpoint, body = chat_form(endpoint, body)
+        except ChatFormRefused as exc:
+            # llama-server refuses it too, with its own 400, which is relayed: nothing to route.
+            log.info("hybrid: %s is not a request llama-server converts (%s); relayed for its answer", req, exc)
+            return Plan(PromptKey(prompt_text(endpoint, body)), None, provider, unsupported=True, refused=True)
+        text = prompt_text(endpoint, body)
         why = handoff_unsupported(endpoint, body)
         if why is not None:
             if provider is not None:
@@ -271,6 +291,7 @@ class Completions:
             unsupported=plan.unsupported,
             over_context=plan.over_context,
             restored=restored,
+            provider_away=plan.away,
         )
 
     async def serve(
@@ -335,6 +356,8 @@ class Completions:
                 if route is not Route.PLAIN:
                     self._verify_handoff(line, reasons, settings)
                 elif entry is not None and self.stored is not None and self.stored.unused(entry, timings.cache_n):
+                    # A conversion of the prompt that differs from the decoder's lands here too.
+                    self.restore_unused += 1
                     log.warning("prefix store: the decoder did not use the restored prefix (%s)", line.req)
                 # Saved after the reply, on every route: the slot then holds the reply's tokens too,
                 # which a conversation's next turn starts with (a handed-over state file lacks them).
@@ -450,8 +473,9 @@ class Completions:
         *,
         pinned: bool,
     ) -> None:
-        """A request that runs the model but that no hybrid route takes (embeddings, rerank, infill,
-        the Anthropic and Responses APIs): plain, on a slot of its own, whole or streamed.
+        """A request that runs the model but that no hybrid route takes (embeddings, rerank, infill):
+        plain, on a slot of its own, whole or streamed.  (Anthropic's Messages and OpenAI's Responses
+        are routed by :meth:`serve`, in the chat form llama-server converts them into.)
 
         ``pinned``: llama-server honours ``id_slot`` on this endpoint.  Where it does not, holding a
         slot still keeps the requests onebitd lets through at the decoder's slot count, but

@@ -743,7 +743,7 @@ def model_keys(config: Config) -> list[tuple[str, ModelConfig]]:
 
 def _model_problems(config: Config) -> list[str]:
     """``key: what`` for names two models answer to, a default no model has, and providers that
-    are not configured or prefill for two models (a provider runs with one model's parameters)."""
+    are not configured (one several models name runs for one at a time: supervisor/providers/seat.py)."""
     lines: list[str] = []
     taken: dict[str, str] = {}
     for key, model in model_keys(config):
@@ -757,15 +757,10 @@ def _model_problems(config: Config) -> list[str]:
         known = ", ".join(sorted(taken))
         lines.append(f"models.default: no model is named {config.models.default!r} (models: {known})")
     configured = {provider.name for provider in config.provider}
-    owner: dict[str, str] = {}
     for key, model in model_keys(config):
         for index, name in enumerate(model.providers or ()):
             if name not in configured:
                 lines.append(f"{key}.providers[{index}]: no [[provider]] is named {name!r}")
-            elif name in owner:
-                lines.append(f"{key}.providers[{index}]: {name!r} already prefills for {owner[name]}")
-            else:
-                owner[name] = key
     return lines
 
 

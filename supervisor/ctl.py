@@ -355,9 +355,11 @@ def render_status(stats: DaemonStatistics) -> str:
         [(c.name, c.state, c.pid, c.restarts, c.last_exit) for c in stats.children],
     )
     lines.append("")
-    if stats.models is not None and len(stats.models.models) > 1:
+    several = stats.models is not None and len(stats.models.models) > 1
+    if several:
         lines += _models_table(stats)
-    if stats.providers:
+        lines += _models_providers(stats)
+    elif stats.providers:
         lines += _table(
             ("PROVIDER", "KIND", "ENGINE", "DEVICE", "READY", "BUSY", "JOBS", "FAILURES"),
             [(p.name, p.kind, p.engine, p.device, p.ready, p.busy, p.jobs, p.failures) for p in stats.providers],
@@ -366,12 +368,13 @@ def render_status(stats: DaemonStatistics) -> str:
     else:
         lines.append("providers: none")
     slots = stats.slots
-    lines += [
-        "",
-        f"slots: {slots.busy} busy, {slots.free} free of {slots.total}; "
-        f"queue: {slots.queued} waiting (limit {slots.queue_limit})",
-        "",
-    ]
+    if not several:  # several: each model's are its SLOTS column
+        lines += [
+            "",
+            f"slots: {slots.busy} busy, {slots.free} free of {slots.total}; "
+            f"queue: {slots.queued} waiting (limit {slots.queue_limit})",
+        ]
+    lines.append("")
     if stats.inflight:
         lines += _table(
             ("IN FLIGHT", "ROUTE", "ENDPOINT", "AGE"),
@@ -395,9 +398,31 @@ def render_status(stats: DaemonStatistics) -> str:
         f"requests: {requests}",
         f"fallbacks: {_counts(stats.fallbacks) or 'none'}",
         f"first byte: {first_byte}",
-        f"prefix store: {_store_line(stats.store)}",
     ]
+    if several and stats.models is not None and any(m.store is not None for m in stats.models.models):
+        lines += [f"prefix store {m.name}: {_store_line(m.store)}" for m in stats.models.models]
+    else:
+        lines.append(f"prefix store: {_store_line(stats.store)}")
     return "\n".join(lines) + "\n"
+
+
+def _models_providers(stats: DaemonStatistics) -> list[str]:
+    """Each model's providers (a provider several models name is on each of their rows: READY
+    where it runs for that model now)."""
+    assert stats.models is not None
+    rows = [
+        (m.name, p.name, p.kind, p.engine, p.device, p.ready, p.busy, p.jobs, p.failures)
+        for m in stats.models.models
+        for p in m.providers
+    ]
+    if not rows:
+        return ["providers: none"]
+    models = stats.models.models
+    refused = [f"provider {p.name} ({m.name}) refused: {p.refused}" for m in models for p in m.providers if p.refused]
+    return [
+        *_table(("MODEL", "PROVIDER", "KIND", "ENGINE", "DEVICE", "READY", "BUSY", "JOBS", "FAILURES"), rows),
+        *refused,
+    ]
 
 
 def _models_table(stats: DaemonStatistics) -> list[str]:
@@ -409,6 +434,7 @@ def _models_table(stats: DaemonStatistics) -> list[str]:
             m.state,
             f"{m.memory_mib:.0f} MiB",
             m.users,
+            f"{m.slots.busy}/{m.slots.total}" if m.slots is not None else None,
             m.loads,
             None if m.last_load_ms is None else f"{m.last_load_ms:.0f} ms",
             m.pin,
@@ -418,7 +444,7 @@ def _models_table(stats: DaemonStatistics) -> list[str]:
     ]
     limits = [f"max_loaded {models.max_loaded or '-'}", f"budget {models.memory_budget_mib or '-'} MiB"]
     return [
-        *_table(("MODEL", "STATE", "MEMORY", "USERS", "LOADS", "LAST LOAD", "PIN", "TTL"), rows),
+        *_table(("MODEL", "STATE", "MEMORY", "USERS", "SLOTS", "LOADS", "LAST LOAD", "PIN", "TTL"), rows),
         f"models: {models.memory_mib:.0f} MiB resident; {', '.join(limits)}; "
         f"{models.swaps} swaps; {models.waiting} waiting for a load",
         "",

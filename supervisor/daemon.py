@@ -57,6 +57,7 @@ from .models import Models
 from .notify import Notifier, run_watchdog, watchdog_interval
 from .prefix.store import PrefixStore, open_prefix_store
 from .providers import Providers
+from .providers.seat import Seats
 from .routeline import RouteLine
 from .routestats import RouteStats
 from .slots import SlotPool
@@ -118,6 +119,7 @@ class Daemon:
         self.config_path = config_path
         self.notifier = notifier or Notifier("")
         self.runtime_dir = locate.runtime_dir(config.server.runtime_dir, port=config.server.port)
+        self.seats = Seats()  # the providers several models name, one device each
         self.models = Models(
             [self._model(spec) for spec in modelspec.specs(config)],
             live=lambda: self.config,
@@ -156,6 +158,7 @@ class Daemon:
             live=lambda: self.config,
             estimate_mib=modelspec.estimate_mib(spec),
             check_fidelity=self.check_fidelity,
+            seats=self.seats,
         )
 
     # -- the default model's parts: what one model's daemon had (tests, onebitctl, the admin verbs) --
@@ -296,6 +299,9 @@ class Daemon:
             log.info("resuming: taking new requests again")
             self.front.resume()
         self._update_status()
+
+    def store_of(self, name: str) -> PrefixStore:
+        return self.models.named(name).store
 
     async def load(self, name: str) -> ModelStatistics:
         return (await self.models.load(name)).statistics()

@@ -3,9 +3,10 @@
 The paths are llama-server's own route table (tools/server/server.cpp of build 11434), so a client
 written for llama-server finds every endpoint it knows at the same path, by every spelling:
 
-- ``COMPLETION``: the completion endpoints, routed (a slot of onebitd's, maybe a hybrid route);
-- ``SLOT``: the model runs on a slot (embeddings, rerank, infill, the Anthropic and Responses APIs):
-  relayed on the plain route with a slot of its own, so onebitd's slot count stays the decoder's;
+- ``COMPLETION``: the completion endpoints, routed (a slot of onebitd's, maybe a hybrid route), the
+  Anthropic and Responses APIs among them (read in the chat form llama-server converts them into);
+- ``SLOT``: the model runs on a slot (embeddings, rerank, infill): relayed on the plain route with a
+  slot of its own, so onebitd's slot count stays the decoder's;
 - ``RELAY``: relayed as is (no slot: tokenizing, token counts, the model list, ``/props``, the
   resumable streams' replay, lookup and stop, ``/cors-proxy``);
 - ``LOCAL``: answered by onebitd itself (``/health``, ``/metrics``);
@@ -41,8 +42,9 @@ class Endpoint:
     # The path asked of the decoder, and the endpoint the handoff logic knows it by: every spelling
     # of one llama-server handler maps to one path (``/chat/completions`` is ``/v1/chat/completions``).
     canonical: str = ""
-    # SLOT: llama-server honours ``id_slot`` here.  Embeddings and rerank tasks take no ``id_slot``,
-    # and the Anthropic conversion drops it: those run on a slot llama-server picks.
+    # SLOT: llama-server honours ``id_slot`` here.  Embeddings and rerank tasks take no ``id_slot``:
+    # those run on a slot llama-server picks.  (A stock llama-server's Anthropic conversion drops it
+    # too; scripts/llama-server-agent.patch keeps it, so /v1/messages is pinned like chat.)
     pinned: bool = True
     # REFUSED: why, in the answer's words.
     why: str = ""
@@ -89,9 +91,9 @@ ROUTES: dict[str, dict[str, Endpoint]] = {
     "/completions": {"POST": _completion("/completion")},
     "/completion": {"POST": _completion("/completion")},
     "/infill": {"POST": _slot("/infill")},
-    "/v1/responses": {"POST": _slot("/v1/responses")},
-    "/responses": {"POST": _slot("/v1/responses")},
-    "/v1/messages": {"POST": _slot("/v1/messages", pinned=False)},
+    "/v1/responses": {"POST": _completion("/v1/responses")},
+    "/responses": {"POST": _completion("/v1/responses")},
+    "/v1/messages": {"POST": _completion("/v1/messages")},
     "/embedding": {"POST": _slot("/embeddings", pinned=False)},
     "/embeddings": {"POST": _slot("/embeddings", pinned=False)},
     "/v1/embeddings": {"POST": _slot("/v1/embeddings", pinned=False)},

@@ -16,6 +16,8 @@
     ├── AdminUnavailable       no onebitd answers on the admin socket
     ├── PrefixStoreError       the prefix store cannot hand over an entry (gone, or not exposable):
     │                          the request goes on as if there were none
+    ├── ChatFormRefused        an Anthropic or Responses body llama-server's conversion to chat form
+    │                          refuses (routes/chatform.py): sent on as it is, the decoder answers it
     └── ClientError            the HTTP client sent something we refuse (HTTP 4xx)
         ├── Malformed              bytes that are not HTTP/1.1 as onebitd takes it (framing.py: 400,
         │                          431, 501, 505); from llama-server, wire.py makes it DecoderUnavailable
@@ -95,6 +97,11 @@ class ProviderStateRefused(ProviderError):
 
 class PrefixStoreError(OnebitError):
     """A prefix store entry could not be handed to the decoder; the store itself stays usable."""
+
+
+class ChatFormRefused(OnebitError):
+    """A /v1/messages or /v1/responses body that llama-server would not convert into a chat request,
+    in its words: onebitd has no prompt to route, and lets the decoder answer with its own error."""
 
 
 class ClientError(OnebitError):

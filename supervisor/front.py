@@ -37,7 +37,7 @@ from .endpoints import ROUTES, Endpoint, Kind, lookup
 from .errors import ClientError, DecoderError, OnebitError
 from .logs import ROUTE_LOGGER
 from .relay import SSE_HEADERS, relay_reply, sse_error
-from .respond import Receive, Responder, Send
+from .respond import Receive, Responder, Send, speaks_anthropic
 from .routeline import RouteLine
 from .server import HttpServer
 from .status import FrontStatistics, InflightStatistics
@@ -116,8 +116,11 @@ class Router(Protocol):
     @property
     def default(self) -> Served: ...
 
-    def use(self, asked: Any, line: RouteLine | None = None) -> AbstractAsyncContextManager[Served]:
-        """The model the request's ``model`` names, held for the block; ClientError 404 for none."""
+    def use(
+        self, asked: Any, line: RouteLine | None = None, *, any_loaded: bool = False
+    ) -> AbstractAsyncContextManager[Served]:
+        """The model the request's ``model`` names, held for the block; ClientError 404 for none.
+        ``any_loaded``: a request that names none may go to any loaded model (a relayed GET)."""
         ...
 
     def health_state(self) -> ChildState: ...
@@ -139,7 +142,9 @@ class One:
         return self
 
     @asynccontextmanager
-    async def use(self, asked: Any, line: RouteLine | None = None) -> AsyncIterator[Served]:
+    async def use(
+        self, asked: Any, line: RouteLine | None = None, *, any_loaded: bool = False
+    ) -> AsyncIterator[Served]:
         yield self
 
     def health_state(self) -> ChildState:
@@ -346,7 +351,7 @@ class Front:
         path: str = scope["path"]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         self._access(self.server)
-        out = Responder(send, started, self._cors.headers(headers.get("origin")))
+        out = Responder(send, started, self._cors.headers(headers.get("origin")), anthropic=speaks_anthropic(path))
         methods = self._extra.get(path) or lookup(path)
         routed = methods is not None and any(endpoint.routed for endpoint in methods.values())
         try:
@@ -592,7 +597,9 @@ class Front:
 
     async def _pass_through(self, out: Responder, method: str, path: str, body: Any) -> None:
         """Relayed to the model the body names (the default one without a body, or a name)."""
-        async with self.router.use(body.get("model") if isinstance(body, dict) else None) as served:
+        asked = body.get("model") if isinstance(body, dict) else None
+        # A relay that names no model (a GET: /props, /slots, a monitor's poll) loads none.
+        async with self.router.use(asked, any_loaded=asked is None) as served:
             served.completions.check_ready()
             reply = await served.client.request(method, path, body)
         await relay_reply(out, reply.status, reply.headers, reply.body)

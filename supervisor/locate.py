@@ -28,6 +28,7 @@ CONSTRAINTS = SCRIPTS.parent / "constraints.txt"
 # The patches scripts/build-llama-server applies before building, per engine, in order.
 LLAMA_SERVER_PATCH = SCRIPTS / "llama-server-share.patch"  # the share route's decoder side
 CPU_PATCH = SCRIPTS / "llama-cpp-cpu.patch"  # ggml's CPU variants: which to build, and the OS check
+AGENT_PATCH = SCRIPTS / "llama-server-agent.patch"  # ggml: /v1/messages keeps id_slot and cache_prompt
 OPENVINO_PATCH = SCRIPTS / "llama-server-openvino.patch"  # ggml-openvino: GGML_OP_DUP, Q4_1 zero points
 ENGINES = ("ggml", "openvino")
 # Where $ONEBIT_LLAMA_SERVER... names a binary instead of the build cache, per engine.
@@ -36,7 +37,7 @@ ENGINE_ENV = {"ggml": "ONEBIT_LLAMA_SERVER", "openvino": "ONEBIT_LLAMA_SERVER_OP
 
 def engine_patches(engine: str) -> tuple[Path, ...]:
     if engine == "ggml":
-        return (LLAMA_SERVER_PATCH, CPU_PATCH)
+        return (LLAMA_SERVER_PATCH, CPU_PATCH, AGENT_PATCH)
     if engine == "openvino":
         return (LLAMA_SERVER_PATCH, OPENVINO_PATCH)
     raise ValueError(f"unknown llama-server engine {engine!r} (one of {', '.join(ENGINES)})")

@@ -7,6 +7,7 @@ can never disagree.  Live numbers (children, slots, queue, drain) are read when 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import attrs
@@ -64,8 +65,16 @@ class _Live(Collector):
                 state.add_metric([child.name, name], 1.0 if child.state == name else 0.0)
         yield restarts
         yield state
-        if stats.providers:
-            yield from _providers(stats.providers)
+        several = stats.models is not None and len(stats.models.models) > 1
+        if several and stats.models is not None:
+            # Each model's providers and prefix store, labelled by model (the default's alone otherwise).
+            owned: list[tuple[str | None, ProviderStatistics]] = [
+                (m.name, p) for m in stats.models.models for p in m.providers
+            ]
+            if owned:
+                yield from _providers(owned, by_model=True)
+        elif stats.providers:
+            yield from _providers([(None, p) for p in stats.providers], by_model=False)
         if stats.models is not None:
             yield from _models(stats.models)
         slots = stats.slots
@@ -77,32 +86,52 @@ class _Live(Collector):
         yield GaugeMetricFamily("onebit_draining", "1 while draining", value=1.0 if stats.front.draining else 0.0)
         yield CounterMetricFamily(
             "onebit_restore_unused",
-            "Hybrid requests whose decoder re-evaluated the prompt despite a successful handoff",
+            "Requests whose decoder re-evaluated the prompt despite a successful restore (a handoff, the prefix store)",
             value=stats.restore_unused,
         )
-        store = stats.store
-        yield GaugeMetricFamily(
-            "onebit_prefix_store_enabled", "1 while the prefix store is on", value=float(store.enabled)
-        )
-        yield GaugeMetricFamily("onebit_prefix_store_entries", "Prefixes in the store", value=store.entries)
-        yield GaugeMetricFamily("onebit_prefix_store_bytes", "Bytes the store holds on disk", value=store.bytes)
-        yield GaugeMetricFamily("onebit_prefix_store_max_bytes", "cache.max_bytes", value=store.max_bytes)
-        for name, value, what in (
-            ("hits", store.hits, "Lookups that found a stored prefix"),
-            ("misses", store.misses, "Lookups that found none"),
-            ("evictions", store.evictions, "Entries evicted to stay within cache.max_bytes"),
-            ("stores", store.stores, "Entries committed"),
-            ("store_failures", store.store_failures, "Entries dropped by a failed write (disk full, ...)"),
-            ("drops", store.drops, "Entries dropped: refused or unused by the decoder, or stale at start"),
-            ("restores", store.restores, "Stored prefixes restored into a decoder slot"),
-        ):
-            yield CounterMetricFamily(f"onebit_prefix_store_{name}", what, value=value)
-        # In seconds, summed: rate(this) / rate(onebit_prefix_store_restores_total) is the mean.
-        yield CounterMetricFamily(
-            "onebit_prefix_store_restore_seconds",
-            "Time spent restoring stored prefixes into decoder slots",
-            value=(store.restore_ms_mean or 0.0) * store.restores / 1000,
-        )
+        stores: list[tuple[str | None, StoreStatistics]] = [(None, stats.store)]
+        if several and stats.models is not None:
+            stores = [(m.name, m.store) for m in stats.models.models if m.store is not None] or stores
+        yield from _stores(stores)
+
+
+def _field(name: str, store: StoreStatistics) -> float:
+    value: float = getattr(store, name)
+    return value
+
+
+def _stores(stores: list[tuple[str | None, StoreStatistics]]) -> Iterator[Any]:
+    """The prefix store's figures; labelled ``model`` when there are several models' stores."""
+    labels = ["model"] if stores[0][0] is not None else []
+
+    def family(kind: type[Any], name: str, what: str, value: Callable[[StoreStatistics], float]) -> Any:
+        metric = kind(name, what, labels=labels)
+        for model, store in stores:
+            metric.add_metric([model] if model is not None else [], value(store))
+        return metric
+
+    gauge, counter = GaugeMetricFamily, CounterMetricFamily
+    yield family(gauge, "onebit_prefix_store_enabled", "1 while the prefix store is on", lambda s: float(s.enabled))
+    yield family(gauge, "onebit_prefix_store_entries", "Prefixes in the store", lambda s: s.entries)
+    yield family(gauge, "onebit_prefix_store_bytes", "Bytes the store holds on disk", lambda s: s.bytes)
+    yield family(gauge, "onebit_prefix_store_max_bytes", "cache.max_bytes", lambda s: s.max_bytes)
+    for name, what in (
+        ("hits", "Lookups that found a stored prefix"),
+        ("misses", "Lookups that found none"),
+        ("evictions", "Entries evicted to stay within cache.max_bytes"),
+        ("stores", "Entries committed"),
+        ("store_failures", "Entries dropped by a failed write (disk full, ...)"),
+        ("drops", "Entries dropped: refused or unused by the decoder, or stale at start"),
+        ("restores", "Stored prefixes restored into a decoder slot"),
+    ):
+        yield family(counter, f"onebit_prefix_store_{name}", what, partial(_field, name))
+    # In seconds, summed: rate(this) / rate(onebit_prefix_store_restores_total) is the mean.
+    yield family(
+        counter,
+        "onebit_prefix_store_restore_seconds",
+        "Time spent restoring stored prefixes into decoder slots",
+        lambda s: (s.restore_ms_mean or 0.0) * s.restores / 1000,
+    )
 
 
 # A model's states (supervisor/model.py's ModelState), in the order they come.
@@ -120,20 +149,27 @@ def _models(models: ModelsStatistics) -> Iterator[Any]:
     )
     loads = CounterMetricFamily("onebit_model_loads", "Times a model was loaded", labels=["model"])
     users = GaugeMetricFamily("onebit_model_users", "Requests holding a model", labels=["model"])
+    busy = GaugeMetricFamily("onebit_model_slots_busy", "A model's decoder slots held by requests", labels=["model"])
+    queued = GaugeMetricFamily("onebit_model_queue_depth", "Requests waiting for a slot of a model", labels=["model"])
     for model in models.models:
+        if model.slots is not None:
+            busy.add_metric([model.name], model.slots.busy)
+            queued.add_metric([model.name], model.slots.queued)
         for name in MODEL_STATES:
             state.add_metric([model.name, name], 1.0 if model.state == name else 0.0)
         memory.add_metric([model.name], model.memory_mib * 1024 * 1024)
         loads.add_metric([model.name], model.loads)
         users.add_metric([model.name], model.users)
-    yield from (state, memory, loads, users)
+    yield from (state, memory, loads, users, busy, queued)
     yield CounterMetricFamily("onebit_model_swaps", "Models unloaded to make room for another", value=models.swaps)
     yield GaugeMetricFamily("onebit_model_waiting", "Requests waiting for their model to load", value=models.waiting)
 
 
-def _providers(providers: tuple[ProviderStatistics, ...]) -> Iterator[Any]:
-    """Per provider, labelled with what it computes on: ready (0 while refused), jobs, failures."""
-    labels = ["provider", "kind", "engine", "device"]
+def _providers(providers: list[tuple[str | None, ProviderStatistics]], *, by_model: bool) -> Iterator[Any]:
+    """Per provider, labelled with what it computes on (and, ``by_model``, the model it prefills
+    for: a provider several models name is on each one's series): ready (0 while refused), jobs,
+    failures."""
+    labels = [*(["model"] if by_model else []), "provider", "kind", "engine", "device"]
     ready = GaugeMetricFamily("onebit_provider_ready", "1 while a provider takes jobs", labels=labels)
     refused = GaugeMetricFamily(
         "onebit_provider_refused", "1 for a provider refused at start (device missing, fidelity)", labels=labels
@@ -142,8 +178,8 @@ def _providers(providers: tuple[ProviderStatistics, ...]) -> Iterator[Any]:
     failures = CounterMetricFamily(
         "onebit_provider_failures", "Prefill jobs a provider failed (the request went plain)", labels=labels
     )
-    for p in providers:
-        where = [p.name, p.kind, p.engine or "-", p.device or "-"]
+    for model, p in providers:
+        where = [*([model or "-"] if by_model else []), p.name, p.kind, p.engine or "-", p.device or "-"]
         ready.add_metric(where, 1.0 if p.ready else 0.0)
         refused.add_metric(where, 1.0 if p.refused else 0.0)
         jobs.add_metric(where, p.jobs)

@@ -28,11 +28,12 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import trio
 
-from . import fidelity, openvino
+from . import fidelity, modelspec, openvino
 from .child import Child, ChildState
 from .completion import Completions, Hybrid
 from .config import Config, HybridConfig, ModelConfig, ProviderConfig, model_name
@@ -47,6 +48,7 @@ from .prefix.store import PrefixStore
 from .providers import Provider, Providers
 from .providers.exec import ExecProvider
 from .providers.llama import LlamaServerProvider
+from .providers.seat import Seats, Tenant
 from .providers.worker import WorkerProvider
 from .routes.file import FileHandoff
 from .routes.share import ShareHandoff, ShareHandshake
@@ -99,6 +101,8 @@ class Parts:
         kv_unified: bool,
         check_fidelity: bool,
         on_decoder: Callable[[Child, ChildState, ChildState, str], None],
+        seats: Seats | None = None,
+        model_idle: Callable[[], bool] = lambda: True,
     ) -> None:
         config = spec.config
         self.config = config
@@ -130,7 +134,17 @@ class Parts:
             on_transition=on_decoder,
         )
         self.slots = SlotPool(config.model.parallel, lambda: live().server.queue_limit)
-        self.providers = Providers([self._provider(provider, kv_unified) for provider in config.provider])
+        # A provider several models name is a seat of one device (providers/seat.py): this model's
+        # process on it runs only while the model holds it.
+        shared = modelspec.shared_providers(live()) if seats is not None else frozenset()
+        self.providers = Providers(
+            [
+                Tenant(seats.get(p.name), spec.name, partial(self._shared, p), model_idle)
+                if seats is not None and p.name in shared
+                else self._provider(p, kv_unified)
+                for p in config.provider
+            ]
+        )
         self.hybrid: Hybrid | None = None
         if config.hybrid.enabled and self.providers.all:
             self.hybrid = Hybrid(
@@ -165,6 +179,10 @@ class Parts:
             model=model_alias(self.config),
             n_ctx=self.config.model.ctx_size,
         )
+
+    def _shared(self, spec: ProviderConfig) -> Provider:
+        """A shared provider's process for one start: the model's layout as chosen by then."""
+        return self._provider(spec, self.launcher.kv_unified)
 
     def _provider(self, spec: ProviderConfig, kv_unified: bool) -> Provider:
         if isinstance(spec, LlamaServerProviderConfig):
@@ -213,7 +231,10 @@ class Parts:
         return None
 
     def llama_providers(self) -> list[LlamaServerProvider]:
-        return [p for p in self.providers.all if isinstance(p, LlamaServerProvider)]
+        """Its llama-server providers; of one several models name, this model's last start's (its
+        device and layout are chosen on it before the first start, and the fingerprint names it)."""
+        providers = [p.last if isinstance(p, Tenant) else p for p in self.providers.all]
+        return [p for p in providers if isinstance(p, LlamaServerProvider)]
 
     def provider_children(self) -> list[Child]:
         """The children of the providers that have one (exec providers start a process per job)."""
@@ -249,6 +270,7 @@ class Model:
         live: Callable[[], Config],
         estimate_mib: float = 0.0,
         check_fidelity: bool = True,
+        seats: Seats | None = None,
     ) -> None:
         """``runtime_dir``: the daemon's; ``live``: the daemon's config now (a reload swaps it)."""
         self.spec = spec
@@ -256,6 +278,7 @@ class Model:
         self.dir = runtime_dir / spec.subdir if spec.subdir else runtime_dir
         self._live = live
         self.check_fidelity = check_fidelity
+        self.seats = seats
         self.estimate_mib = estimate_mib
         self.kv_unified = False  # decided by choose_layout(), before any child starts
         self._state = ModelState.UNLOADED
@@ -270,6 +293,8 @@ class Model:
         self.last_used: float | None = None  # trio clock: the scheduler's LRU order
         self._last_used_wall: float | None = None
         self.store = PrefixStore.disabled("not opened yet", level=logging.DEBUG)
+        # Called after every transition: the scheduler's (Models.kick) once it holds the model.
+        self.on_change: Callable[[], None] = lambda: None
         self.parts = self._parts()
 
     def _parts(self) -> Parts:
@@ -280,6 +305,8 @@ class Model:
             kv_unified=self.kv_unified,
             check_fidelity=self.check_fidelity,
             on_decoder=self._on_decoder,
+            seats=self.seats,
+            model_idle=lambda: self.users == 0,
         )
 
     # -- what others read ----------------------------------------------------------------------------
@@ -335,6 +362,9 @@ class Model:
             estimate_mib=round(self.estimate_mib, 1),
             pid=self.parts.decoder.pid,
             state_since=self._state_since,
+            slots=self.parts.slots.statistics(),
+            providers=tuple(self.parts.providers.statistics()),
+            store=self.store.statistics(),
         )
 
     async def wait_state(self, *states: ModelState) -> ModelState:
@@ -375,8 +405,8 @@ class Model:
     def release(self) -> None:
         self.users -= 1
         self.touch()
-        if not self.users:
-            self._wake.set()  # an unload may be waiting for the last request
+        if not self.users and not self._wanted:
+            self._wake.set()  # its unload waits for the last request
 
     def touch(self) -> None:
         self.last_used = trio.current_time()
@@ -393,6 +423,7 @@ class Model:
         log.info("model %s: %s -> %s%s", self.name, old.value, new.value, f" ({why})" if why else "")
         self._changed.set()
         self._changed = trio.Event()
+        self.on_change()
 
     def _on_decoder(self, _child: Child, _old: ChildState, _new: ChildState, _why: str) -> None:
         self._wake.set()
@@ -516,7 +547,10 @@ class Model:
 
 def _table_now(config: Config, spec: ModelSpec) -> ModelConfig:
     """What the running config says of a model now, by name (a reload swaps the config whole)."""
-    for table in config.model_tables or (config.model,):
-        if model_name(table) == spec.name:
+    if not config.model_tables:
+        return config.model
+    for table in config.model_tables:
+        # A name or an alias says it without a look at the file system (model_name's stem).
+        if (table.name or table.alias or model_name(table)) == spec.name:
             return table
     return spec.table

@@ -13,7 +13,9 @@ The scheduler's decisions are pure functions over :class:`Candidate` snapshots, 
   ``memory_budget_mib`` (least recently used first; never a pinned one, never one in use);
 - :func:`starving`: whether a waiting model has waited past its bound, so that new requests for the
   models in its way wait too (no model starves);
-- :func:`expired`: the idle models past their ``ttl_s``.
+- :func:`expired`: the idle models past their ``ttl_s``;
+- :func:`plan`: a round's loads and unloads for the waiting models, oldest first, each one's claim
+  on what it loads or waits to unload kept from the younger ones.
 
 No thrash: a request for a loaded model is served at once, so the requests already queued for a
 model are served before it is swapped out; a swap is made once the models in the way are idle, or,
@@ -97,12 +99,10 @@ def victims(
 
 
 def in_the_way(want: Candidate, models: Sequence[Candidate], *, max_loaded: int, budget_mib: float) -> tuple[str, ...]:
-    """The models in use whose unload ``want`` waits for: what :func:`victims` would take were
-    every model idle."""
+    """The models ``want`` waits to unload, busy or not: what :func:`victims` would take were every
+    model idle.  Those of a starving model take no new requests."""
     idle = [attrs.evolve(m, users=0) for m in models]
-    chosen = victims(want, idle, max_loaded=max_loaded, budget_mib=budget_mib) or ()
-    busy = {m.name for m in models if m.users}
-    return tuple(name for name in chosen if name in busy)
+    return victims(want, idle, max_loaded=max_loaded, budget_mib=budget_mib) or ()
 
 
 def starving(waited_s: float, bound_s: float = STARVE_S) -> bool:
@@ -117,6 +117,45 @@ def expired(models: Sequence[Candidate], now: float) -> tuple[str, ...]:
         for m in models
         if m.resident and m.ttl_s > 0 and m.users == 0 and not m.pin and now - m.last_used >= m.ttl_s
     )
+
+
+@attrs.frozen
+class Plan:
+    """One round's decisions: the models to load now, and those to unload to make room."""
+
+    load: tuple[str, ...] = ()
+    unload: tuple[str, ...] = ()
+
+
+def plan(
+    waiting: Sequence[str], models: Sequence[Candidate], wanted: frozenset[str], *, max_loaded: int, budget_mib: float
+) -> Plan:
+    """What to do for the models requests wait for (``waiting``: oldest waiter first), given the
+    models now and those already ``wanted`` loaded.  A model fits now: it is loaded.  Idle models in
+    its way: they are unloaded, and it is loaded once they are gone.  Busy ones in its way: it waits.
+    Whatever an older waiter loads, unloads or waits to unload is claimed: a younger one neither
+    evicts nor re-loads it (no thrash)."""
+    pool = {m.name: m for m in models}
+    claimed: set[str] = set()
+    load: list[str] = []
+    unload: list[str] = []
+    for name in waiting:
+        if name in wanted or name in claimed or name not in pool:
+            claimed.add(name)
+            continue
+        candidates = [m if m.name not in claimed else attrs.evolve(m, pin=True) for m in pool.values()]
+        want = pool[name]
+        chosen = victims(want, candidates, max_loaded=max_loaded, budget_mib=budget_mib)
+        if chosen is None:
+            claimed.update(in_the_way(want, candidates, max_loaded=max_loaded, budget_mib=budget_mib))
+            continue
+        claimed.add(name)
+        claimed.update(chosen)
+        unload += [victim for victim in chosen if victim in wanted and victim not in unload]
+        if not chosen:
+            load.append(name)
+            pool[name] = attrs.evolve(want, resident=True)  # it takes its room from the next waiter
+    return Plan(tuple(load), tuple(unload))
 
 
 class Models:
@@ -141,6 +180,8 @@ class Models:
 
     def _index(self) -> None:
         self._names = {name: model for model in self.all for name in model.spec.names}
+        for model in self.all:
+            model.on_change = self.kick
 
     @property
     def default(self) -> Model:
@@ -168,20 +209,30 @@ class Models:
     # -- a request's hold on its model -----------------------------------------------------------
 
     @asynccontextmanager
-    async def use(self, asked: Any, line: RouteLine | None = None) -> AsyncIterator[Model]:
+    async def use(self, asked: Any, line: RouteLine | None = None, *, any_loaded: bool = False) -> AsyncIterator[Model]:
         """The model ``asked`` names, loaded and held for the block (it is not unloaded under it).
-        ``line``: its ``model`` and ``load_ms`` are filled in."""
+        ``line``: its ``model`` and ``load_ms`` are filled in.  ``any_loaded``: with several models,
+        a request that names none goes to the default one if it is loaded, else to the most recently
+        used loaded one, and loads the default one only when none is."""
         model = self.find(asked)
+        if any_loaded and self.several and not self._admissible(model):
+            loaded = [m for m in self.all if self._admissible(m)]
+            if loaded:
+                model = max(loaded, key=lambda m: m.last_used or 0.0)
         if line is not None:
             line.model = model.name
-        if self.several and not self._admissible(model):
+        # With one model, a request goes to it as it is (a decoder starting or restarting is a 503, as
+        # ever), unless it was unloaded (ttl_s, onebitctl unload): then it is loaded again, as one of
+        # several would be.
+        if (self.several or not model.wanted) and not self._admissible(model):
             await self._wait_for(model, line)
         model.hold()
         try:
             yield model
         finally:
             model.release()
-            self.kick()
+            if self._waiting:
+                self.kick()  # a swap may wait for this model to be idle (ttl_s is looked at every TICK_S)
 
     def _admissible(self, model: Model) -> bool:
         return model.state is ModelState.LOADED and model.wanted and not self._blocked(model)
@@ -215,16 +266,8 @@ class Models:
             self.kick()
 
     async def _changed(self) -> None:
-        """Until a model's state changed, or the scheduler decided something."""
-        async with trio.open_nursery() as nursery:
-
-            async def first(wait: Callable[[], Any]) -> None:
-                await wait()
-                nursery.cancel_scope.cancel()
-
-            for model in self.all:
-                nursery.start_soon(first, model.wait_changed)
-            nursery.start_soon(first, self._wake.wait)
+        """Until a model's state changed (each one kicks), or a request began or ended."""
+        await self._wake.wait()
 
     def kick(self) -> None:
         """Something changed that the scheduler (and the waiters) should look at."""
@@ -233,13 +276,15 @@ class Models:
 
     # -- the scheduler -----------------------------------------------------------------------------
 
-    def candidates(self, now: float) -> list[Candidate]:
-        """Every model now; a request waiting for a model counts as one of its users."""
+    def candidates(self, now: float, held: frozenset[str] = frozenset()) -> list[Candidate]:
+        """Every model now.  A request waiting for a model counts as one of its users (a model loaded
+        for its waiters is not unloaded before they take it), unless the model is on its way out or
+        ``held`` for a starving one: its waiters wait for the other to be served."""
         return [
             Candidate(
                 name=m.name,
                 resident=m.state is not ModelState.UNLOADED or m.wanted,
-                users=m.users + len(self._waiting.get(m.name, ())),
+                users=m.users + (len(self._waiting.get(m.name, ())) if m.wanted and m.name not in held else 0),
                 pin=m.table.pin,
                 last_used=m.last_used if m.last_used is not None else -1e9,
                 memory_mib=m.memory_mib(),
@@ -253,22 +298,31 @@ class Models:
         found = [
             (queue[0], self._names[name])
             for name, queue in self._waiting.items()
-            if name in self._names and starving(now - queue[0])
+            if name in self._names and starving(now - queue[0], STARVE_S)
         ]
         return [model for _since, model in sorted(found, key=lambda pair: pair[0])]
 
+    def _held(self, now: float) -> frozenset[str]:
+        """The models that take no new requests: those in the way of a starving model."""
+        hungry = self._starving(now)
+        if not hungry:
+            return frozenset()
+        bare = self.candidates(now, held=frozenset(self._names))  # their users, without waiters
+        held: set[str] = set()
+        for model in hungry:
+            want = next(c for c in bare if c.name == model.name)
+            since = self._waiting[model.name][0]
+            # A model whose own waiters came first is not held for a younger one's sake.
+            held.update(
+                name
+                for name in in_the_way(want, bare, **self.config_limits())
+                if not (self._waiting.get(name) and self._waiting[name][0] < since)
+            )
+        return frozenset(held - {model.name for model in hungry})
+
     def _blocked(self, model: Model) -> bool:
-        """New requests for ``model`` wait: a starving model waits for it to be unloaded."""
-        now = trio.current_time()
-        models = self.config_limits()
-        for hungry in self._starving(now):
-            if hungry is model:
-                continue
-            candidates = self.candidates(now)
-            want = next(c for c in candidates if c.name == hungry.name)
-            if model.name in in_the_way(want, candidates, **models):
-                return True
-        return not model.wanted
+        """New requests for ``model`` wait: it is going, or a starving model waits for its unload."""
+        return not model.wanted or model.name in self._held(trio.current_time())
 
     def config_limits(self) -> dict[str, Any]:
         settings = self._live().models
@@ -279,34 +333,26 @@ class Models:
         unloading what is in their way once it is idle.  A model an older waiter is loading, or
         unloading to make room, is claimed: a younger waiter neither evicts nor re-loads it."""
         now = trio.current_time()
-        for name in expired(self.candidates(now), now):
-            model = self._names[name]
-            if model.wanted:
-                log.info("model %s: idle for its ttl_s (%gs): unloading", name, model.table.ttl_s)
-                model.want(False)
-        limits = self.config_limits()
-        claimed: set[str] = set()
-        for name, _queue in sorted(self._waiting.items(), key=lambda item: item[1][0]):
-            waiting = self._names.get(name)
-            if waiting is None:
-                continue  # removed by a reload: its waiters time out
-            if waiting.wanted or name in claimed:
-                claimed.add(name)
-                continue
-            candidates = [c if c.name not in claimed else attrs.evolve(c, pin=True) for c in self.candidates(now)]
-            want = next(c for c in candidates if c.name == name)
-            unload = victims(want, candidates, **limits)
-            if unload is None:
-                continue  # what is in its way is in use: its waiters wait (starving() bounds it)
-            claimed.add(name)
-            claimed.update(unload)
-            for victim in unload:
-                if self._names[victim].wanted:
-                    log.info("model %s: unloading to make room for %s", victim, name)
-                    self.swaps += 1
-                    self._names[victim].want(False)
-            if not unload:
-                waiting.want(True)  # else loaded once they are gone: they are resident until unloaded
+        # Every request's end wakes this: what costs (a model's memory reads /proc) is done only when
+        # there is something to decide.
+        if any(m.table.ttl_s > 0 for m in self.all):
+            for name in expired(self.candidates(now), now):
+                model = self._names[name]
+                if model.wanted:
+                    log.info("model %s: idle for its ttl_s (%gs): unloading", name, model.table.ttl_s)
+                    model.want(False)
+        if not self._waiting:
+            return
+        held = self._held(now)
+        waiting = [name for name, _queue in sorted(self._waiting.items(), key=lambda item: item[1][0])]
+        wanted = frozenset(m.name for m in self.all if m.wanted)
+        decided = plan(waiting, self.candidates(now, held), wanted, **self.config_limits())
+        for name in decided.unload:
+            log.info("model %s: unloading to make room for %s", name, ", ".join(waiting))
+            self.swaps += 1
+            self._names[name].want(False)
+        for name in decided.load:
+            self._names[name].want(True)
 
     async def run(
         self, open_store: StoreOpener | None = None, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -353,7 +399,7 @@ class Models:
     def remove(self, name: str) -> None:
         """A model a reload removed: no new request goes to it; it is unloaded once those that hold
         it are done, then its task ends."""
-        model = self._by_name(name)
+        model = self.named(name)
         self.all.remove(model)
         self._index()
         model.want(False)
@@ -370,7 +416,7 @@ class Models:
     async def load(self, name: str) -> Model:
         """Load ``name`` now (unloading what is in its way, once idle) and wait until it is loaded
         or failed; bounded by models.load_timeout_s."""
-        model = self._by_name(name)
+        model = self.named(name)
         if self.several:
             async with self.use(model.name):
                 return model
@@ -379,7 +425,8 @@ class Models:
             await model.wait_state(ModelState.LOADED, ModelState.FAILED)
         return model
 
-    def _by_name(self, name: str) -> Model:
+    def named(self, name: str) -> Model:
+        """The model of that name or alias; ClientError 404 naming the models there are."""
         model = self._names.get(name)
         if model is None:
             raise ClientError(
@@ -389,7 +436,7 @@ class Models:
 
     async def unload(self, name: str) -> Model:
         """Unload ``name`` once no request holds it; wait until it is unloaded."""
-        model = self._by_name(name)
+        model = self.named(name)
         model.want(False)
         self.kick()
         await model.wait_state(ModelState.UNLOADED)

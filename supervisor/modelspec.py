@@ -17,7 +17,7 @@ from __future__ import annotations
 import attrs
 
 from . import gguf, locate
-from .config import Config, ModelConfig, model_name
+from .config import Config, LlamaServerProvider, ModelConfig, model_name
 
 # The prefix a model's directory takes under the runtime and cache directories ([[model]] tables):
 # never one of the daemon's own names there (state, prefix, admin.sock).
@@ -82,21 +82,42 @@ def specs(config: Config) -> tuple[ModelSpec, ...]:
     return tuple(result)
 
 
+def shared_providers(config: Config) -> frozenset[str]:
+    """The providers that several ``[[model]]`` tables name: each runs for one model at a time
+    (supervisor/providers/seat.py).  The default model's implicit share is only those no other
+    model took, so it never shares."""
+    counts: dict[str, int] = {}
+    for table in config.model_tables:
+        for name in set(table.providers or ()):
+            counts[name] = counts.get(name, 0) + 1
+    return frozenset(name for name, count in counts.items() if count > 1)
+
+
 def estimate_mib(spec: ModelSpec) -> float:
-    """What the model takes loaded, before its decoder's memory is measured: the GGUF file (its
-    weights are mapped whole) and its KV cache for ``ctx_size`` (from the GGUF's header).  0 when
-    the file cannot be read; a header this reader does not know counts the file alone."""
+    """What the model takes loaded, before its processes' memory is measured (:func:`footprint_mib`):
+    the GGUF file, and for its decoder and each of its llama-server providers a KV cache for
+    ``ctx_size`` (from the GGUF's header) and ``--cache-ram``.  0 when the file cannot be read; a
+    header this reader does not know counts no KV."""
     path = locate.model_path(spec.table.path)
     if path is None:
         return 0.0
+    table = spec.table
+    processes = 1 + sum(isinstance(p, LlamaServerProvider) for p in spec.config.provider)
     try:
         size = path.stat().st_size
         with open(path, "rb") as file:
             shape = gguf.read_shape(file)
+        kv = shape.kv_bytes_per_token(table.cache_type_k, table.cache_type_v) * table.ctx_size
     except OSError:
         return 0.0
     except gguf.NotGguf:
-        return size / MIB
-    table = spec.table
-    kv = shape.kv_bytes_per_token(table.cache_type_k, table.cache_type_v) * table.ctx_size
-    return (size + kv) / MIB
+        kv = 0.0
+    return footprint_mib(size, kv, processes=processes, cache_ram_mib=spec.config.cache.ram_mib)
+
+
+def footprint_mib(file_bytes: int, kv_bytes: float, *, processes: int, cache_ram_mib: int) -> float:
+    """The weights once (every llama-server of a model maps the one file, which the page cache holds
+    once), and per process its KV cache and its prompt cache's bound (``cache.ram_mib``, its
+    ``--cache-ram``; -1, unbounded, counts nothing, as 0).  Pure."""
+    per_process = kv_bytes + max(cache_ram_mib, 0) * MIB
+    return (file_bytes + processes * per_process) / MIB

@@ -33,9 +33,18 @@ SSE_HEADERS = [
 ]
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @attrs.define
 class Timings:
-    """What the decoder says it did for a request: from ``timings`` (and ``usage``) in its reply."""
+    """What the decoder says it did for a request: from ``timings`` (and ``usage``) in its reply.
+
+    llama-server's Anthropic replies have no ``timings``: their ``usage`` says it instead
+    (``input_tokens`` evaluated, ``cache_read_input_tokens`` reused), and so does a Responses reply's
+    (``input_tokens`` in all, ``input_tokens_details.cached_tokens`` reused); ``timings`` win where
+    both come."""
 
     prompt_n: int | None = None  # prompt tokens it evaluated
     cache_n: int | None = None  # prompt tokens it reused from the slot's cache
@@ -44,6 +53,7 @@ class Timings:
     # The decoder sent its stream's first bytes: llama-server answers only once the whole prompt is
     # evaluated, so the slot holds all of it from here on, whatever becomes of the reply.
     began: bool = False
+    _timed: bool = False  # prompt_n and cache_n came from ``timings``
 
     def read(self, data: Any) -> None:
         if not isinstance(data, dict):
@@ -55,13 +65,36 @@ class Timings:
             prompt_ms = timings.get("prompt_ms")
             if isinstance(prompt_n, int):
                 self.prompt_n = prompt_n
+                self._timed = True
             if isinstance(cache_n, int):
                 self.cache_n = cache_n
             if isinstance(prompt_ms, int | float):
                 self.prompt_ms = float(prompt_ms)
         usage = data.get("usage")
-        if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+        for holder in ("message", "response"):  # Anthropic's message_start, Responses' response.completed
+            inner = data.get(holder)
+            if isinstance(inner, dict) and isinstance(inner.get("usage"), dict):
+                usage = inner["usage"]
+        if isinstance(usage, dict):
+            self._read_usage(usage)
+
+    def _read_usage(self, usage: dict[str, Any]) -> None:
+        if _is_int(usage.get("prompt_tokens")):
             self.usage_prompt_tokens = usage["prompt_tokens"]
+            return
+        inputs, details = usage.get("input_tokens"), usage.get("input_tokens_details")
+        if not _is_int(inputs):
+            return
+        if isinstance(details, dict) and _is_int(details.get("cached_tokens")):
+            cached = details["cached_tokens"]
+            evaluated = inputs - cached
+        elif _is_int(usage.get("cache_read_input_tokens")):
+            cached, evaluated = usage["cache_read_input_tokens"], inputs
+        else:
+            return
+        self.usage_prompt_tokens = evaluated + cached
+        if not self._timed:
+            self.prompt_n, self.cache_n = evaluated, cached
 
     def prompt_tokens(self) -> int | None:
         """The prompt's length as the decoder saw it, for a request we did not tokenize."""
@@ -138,7 +171,11 @@ def error_summary(status: int, body: bytes) -> str:
     return f"decoder answered {status}: {message}"
 
 
-def sse_error(message: str) -> bytes:
+def sse_error(message: str, *, anthropic: bool = False) -> bytes:
+    """The event that ends a stream the decoder dropped; Anthropic's ``error`` event on /v1/messages."""
+    if anthropic:
+        event = {"type": "error", "error": {"type": "api_error", "message": message}}
+        return b"event: error\ndata: " + json.dumps(event).encode() + b"\n\n"
     payload = {"error": {"message": message, "type": "server_error", "code": "decoder_lost", "source": "decoder"}}
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
@@ -198,5 +235,7 @@ async def relay_stream(
             log.warning("%s: the decoder stopped mid-stream: %s", line.req, exc.message)
             line.outcome = "error"
             line.error = exc.message
-            await out.body(sse_error(f"the decoder stopped mid-stream ({exc.public})"), more=True)
+            await out.body(
+                sse_error(f"the decoder stopped mid-stream ({exc.public})", anthropic=out.anthropic), more=True
+            )
         await out.body(b"", more=False)

@@ -4,6 +4,10 @@ Every error onebitd itself answers has one shape, and says who produced it:
 
     {"error": {"message": "...", "type": "invalid_request_error", "code": "bad_json", "source": "onebitd"}}
 
+except on Anthropic's paths (``/v1/messages``...), where an Anthropic client reads Anthropic's shape:
+
+    {"type": "error", "error": {"type": "invalid_request_error", "message": "..."}}
+
 What the decoder answered (a reply, or an error in llama-server's own shape) is relayed as it wrote it.
 Every response says who produced it in ``X-Onebit-Source: onebitd|decoder``.
 """
@@ -22,6 +26,24 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 SOURCE_HEADER = "X-Onebit-Source"
+ANTHROPIC_PATHS = "/v1/messages"  # the path and those below it (count_tokens)
+
+# Anthropic's error types by status (its API's errors page); another 4xx is an invalid request, and
+# another 5xx an API error.  onebitd's 503s (every slot busy, the decoder not ready, draining) are
+# what Anthropic calls overloaded.
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
 
 
 def error_body(status: int, code: str, message: str, *, source: str = "onebitd", type_: str = "") -> bytes:
@@ -33,11 +55,24 @@ def error_body(status: int, code: str, message: str, *, source: str = "onebitd",
     return json.dumps(envelope).encode()
 
 
+def anthropic_error_body(status: int, message: str) -> bytes:
+    type_ = _ANTHROPIC_TYPES.get(status) or ("invalid_request_error" if status < 500 else "api_error")
+    return json.dumps({"type": "error", "error": {"type": type_, "message": message}}).encode()
+
+
+def speaks_anthropic(path: str) -> bool:
+    return path == ANTHROPIC_PATHS or path.startswith(ANTHROPIC_PATHS + "/")
+
+
 class Responder:
     """Wraps ASGI ``send``: remembers whether the response started and when the first byte left."""
 
-    def __init__(self, send: Send, started_at: float, headers: Iterable[tuple[str, str]] = ()) -> None:
+    def __init__(
+        self, send: Send, started_at: float, headers: Iterable[tuple[str, str]] = (), *, anthropic: bool = False
+    ) -> None:
         self._send = send
+        # onebitd's own errors in Anthropic's shape (a request on its API's paths).
+        self.anthropic = anthropic
         # The request's arrival (trio clock): the one origin of every time the route line gives.
         self.started_at = started_at
         self._headers = list(headers)  # on every response (the CORS headers)
@@ -110,12 +145,11 @@ class Responder:
         type_: str = "",
     ) -> None:
         headers = [("Retry-After", str(retry_after))] if retry_after is not None else []
-        await self.whole(
-            status,
-            error_body(status, code, message, source=source, type_=type_),
-            "application/json",
-            headers,
-        )
+        if self.anthropic:
+            body = anthropic_error_body(status, message)
+        else:
+            body = error_body(status, code, message, source=source, type_=type_)
+        await self.whole(status, body, "application/json", headers)
 
     async def llama_error(self, status: int, type_: str, message: str) -> None:
         """onebitd's answer in llama-server's error shape, where it stands in for an answer llama-server

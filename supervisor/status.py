@@ -74,6 +74,9 @@ class ModelStatistics:
     estimate_mib: float
     pid: int | None  # its decoder's
     state_since: float
+    slots: SlotStatistics | None = None  # its decoder's slots (None from an older daemon)
+    providers: tuple[ProviderStatistics, ...] = ()  # its providers (an older daemon: none said)
+    store: StoreStatistics | None = None  # its prefix store (None from an older daemon)
 
 
 @attrs.frozen

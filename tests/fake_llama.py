@@ -11,9 +11,12 @@ every fake decoder understands (``fake.modes = Modes(restore_refuse=True)``).
 
 Beyond the completions it answers the other endpoints onebitd relays in llama-server's shapes, as a
 decoder started without ``--embeddings``/``--reranking`` does: ``GET /props``, ``/slots``,
-``/v1/models``, ``/models``, ``/lora-adapters``, ``/metrics``; ``POST /v1/messages`` (whole or
-streamed, Anthropic's shape), ``/v1/messages/count_tokens``; embeddings and rerank 501.  ``seen``
-keeps every request's path, query and body, for tests to see what onebitd asked.
+``/v1/models``, ``/models``, ``/lora-adapters``, ``/metrics``; ``POST /v1/messages/count_tokens``;
+embeddings and rerank 501.  ``POST /v1/messages`` and ``/v1/responses`` (whole or streamed, in
+Anthropic's and the Responses API's shapes, with their ``usage``) are completions on a slot like
+chat's: converted as llama-server converts them (supervisor/routes/chatform.py, as patched: ``id_slot``
+kept) and templated as chat is.  ``seen`` keeps every request's path, query and body, for tests to
+see what onebitd asked.
 
 The slot cache is llama-server's: a slot holding a prefix of the prompt evaluates only the rest (at
 least one token), a restore fills the slot from a ``{"fake_state": true, "tokens": [...]}`` file in
@@ -35,11 +38,12 @@ import trio
 
 from supervisor import wire
 from supervisor.decoder import DecoderClient
-from supervisor.errors import DecoderUnavailable
+from supervisor.errors import ChatFormRefused, DecoderUnavailable
+from supervisor.routes import chatform
 from supervisor.statefile import MAGIC_BYTES as STATE_MAGIC
 
 from . import fake_decoder
-from .fake_decoder import HttpError, Modes, chatml, parse_job, token_id
+from .fake_decoder import HttpError, Modes, chatml, content_text, parse_job, token_id
 
 COMPLETIONS = ("/completion", "/v1/completions", "/v1/chat/completions")
 
@@ -99,6 +103,8 @@ class FakeLlama:
                 return self.slot_action(int(path.split("/")[2]), parse_qs(request.url.query.decode()), body)
             if path in COMPLETIONS:
                 return await self.completion(path, body)
+            if path in chatform.ENDPOINTS:
+                return await self.agent(path, body)
         except HttpError as exc:
             return httpx.Response(exc.status, json=exc.body())
         return httpx.Response(
@@ -168,16 +174,7 @@ class FakeLlama:
             return httpx.Response(
                 400, json={"error": {**error, "n_prompt_tokens": len(prompt), "n_ctx": self.n_ctx_slot}}
             )
-        slot = body.get("id_slot", 0)
-        held = self.slots[slot]
-        common = 0
-        for a, b in zip(held, prompt, strict=False):
-            if a != b:
-                break
-            common += 1
-        cache_n = max(0, min(common, len(prompt) - 1)) if body.get("cache_prompt", True) else 0
-        self.slots[slot] = prompt
-        self.requests.append(Request(path, slot, prompt, len(prompt) - cache_n, cache_n))
+        cache_n = self.evaluate(path, body, prompt)
         words = [job.echo[i % len(job.echo)] for i in range(job.n_predict)]
         me = cast(Any, self)  # fake_decoder's reply builders read only ``alias``
         if not job.stream:
@@ -194,6 +191,36 @@ class FakeLlama:
                 yield b"data: [DONE]\n\n"
 
         return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=Events(events()))
+
+    def evaluate(self, path: str, body: dict[str, Any], prompt: list[int]) -> int:
+        """Put ``prompt`` in the slot ``body`` asks for, reusing what the slot held; its cache_n."""
+        slot = body.get("id_slot", 0)
+        held = self.slots[slot]
+        common = 0
+        for a, b in zip(held, prompt, strict=False):
+            if a != b:
+                break
+            common += 1
+        cache_n = max(0, min(common, len(prompt) - 1)) if body.get("cache_prompt", True) else 0
+        self.slots[slot] = prompt
+        self.requests.append(Request(path, slot, prompt, len(prompt) - cache_n, cache_n))
+        return cache_n
+
+    async def agent(self, path: str, body: dict[str, Any]) -> httpx.Response:
+        """Anthropic's Messages or OpenAI's Responses: the chat form's last message's words echoed."""
+        if self.modes.hang:
+            await self.release.wait()
+        try:
+            chat = chatform.to_chat(path, body)
+        except ChatFormRefused as exc:
+            raise HttpError(400, str(exc)) from None
+        prompt = self.tokenize(chatml(chat.get("messages")))
+        cache_n = self.evaluate(path, chat, prompt)
+        words = content_text(chat["messages"][-1].get("content")).split() or ["ok"]
+        out = [words[i % len(words)] for i in range(int(chat.get("max_tokens") or 4))]
+        if path == chatform.MESSAGES:
+            return _anthropic(out, len(prompt), cache_n, stream=body.get("stream") is True)
+        return _responses(out, len(prompt), cache_n, stream=body.get("stream") is True)
 
 
 class Events(httpx.AsyncByteStream):
@@ -295,23 +322,55 @@ async def _count_tokens(fake: FakeLlama, body: Any) -> httpx.Response:
     return httpx.Response(200, json={"input_tokens": len(chatml(body.get("messages")).split())})
 
 
-async def _messages(fake: FakeLlama, body: Any) -> httpx.Response:
-    """Anthropic's Messages API: the last message's words echoed, ``max_tokens`` of them."""
-    words = str(body["messages"][-1]["content"]).split() or ["ok"]
-    out = [words[i % len(words)] for i in range(int(body.get("max_tokens", 4)))]
-    usage = {"input_tokens": len(chatml(body["messages"]).split()), "output_tokens": len(out)}
-    if body.get("stream") is not True:
+def _sse(event: str, data: dict[str, Any]) -> bytes:
+    return f"event: {event}\ndata: ".encode() + json.dumps(data).encode() + b"\n\n"
+
+
+def _anthropic(out: list[str], n_prompt: int, cache_n: int, *, stream: bool) -> httpx.Response:
+    """llama-server's Anthropic reply: no ``timings``; ``usage`` says what was evaluated and reused."""
+    usage = {"cache_read_input_tokens": cache_n, "input_tokens": n_prompt - cache_n, "output_tokens": len(out)}
+    if not stream:
         content = [{"type": "text", "text": " ".join(out)}]
-        return httpx.Response(200, json={"type": "message", "role": "assistant", "content": content, "usage": usage})
+        message = {"type": "message", "role": "assistant", "content": content, "usage": usage}
+        return httpx.Response(200, json={"id": "msg_fake", **message, "stop_reason": "max_tokens"})
 
     async def events() -> AsyncGenerator[bytes, None]:
-        yield b'event: message_start\ndata: {"type": "message_start"}\n\n'
+        start = {"id": "msg_fake", "type": "message", "role": "assistant", "content": []}
+        yield _sse(
+            "message_start", {"type": "message_start", "message": {**start, "usage": {**usage, "output_tokens": 0}}}
+        )
         for word in out:
             delta = {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": word}}
-            yield b"event: content_block_delta\ndata: " + json.dumps(delta).encode() + b"\n\n"
-        stop = {"type": "message_delta", "usage": usage}
-        yield b"event: message_delta\ndata: " + json.dumps(stop).encode() + b"\n\n"
-        yield b'event: message_stop\ndata: {"type": "message_stop"}\n\n'
+            yield _sse("content_block_delta", delta)
+        stop = {"type": "message_delta", "delta": {"stop_reason": "max_tokens"}, "usage": {"output_tokens": len(out)}}
+        yield _sse("message_delta", stop)
+        yield _sse("message_stop", {"type": "message_stop"})
+
+    return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=Events(events()))
+
+
+def _responses(out: list[str], n_prompt: int, cache_n: int, *, stream: bool) -> httpx.Response:
+    """llama-server's Responses reply: ``usage`` whole, and ``timings`` on a stream's last event."""
+    usage = {
+        "input_tokens": n_prompt,
+        "output_tokens": len(out),
+        "total_tokens": n_prompt + len(out),
+        "input_tokens_details": {"cached_tokens": cache_n},
+    }
+    text = " ".join(out)
+    item = {"id": "msg_fake", "type": "message", "role": "assistant", "status": "completed"}
+    output = [{**item, "content": [{"type": "output_text", "text": text, "annotations": []}]}]
+    response = {"id": "resp_fake", "object": "response", "status": "completed", "output": output, "usage": usage}
+    if not stream:
+        return httpx.Response(200, json=response)
+
+    async def events() -> AsyncGenerator[bytes, None]:
+        yield _sse("response.created", {"type": "response.created", "response": {"id": "resp_fake"}})
+        for word in out:
+            yield _sse("response.output_text.delta", {"type": "response.output_text.delta", "delta": word})
+        completed = {"type": "response.completed", "response": response}
+        completed["timings"] = fake_decoder.timings(cache_n, n_prompt - cache_n, len(out))
+        yield _sse("response.completed", completed)
 
     return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=Events(events()))
 
@@ -332,7 +391,6 @@ OTHERS: dict[str, Handler] = {
     "/embeddings": _embeddings,
     "/v1/embeddings": _embeddings,
     "/rerank": _rerank,
-    "/v1/messages": _messages,
     "/v1/messages/count_tokens": _count_tokens,
     "/cors-proxy": _cors_proxy,
 }

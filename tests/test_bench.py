@@ -98,3 +98,23 @@ async def test_the_versus_benchmark_in_quick_mode_exits_0_and_prints_both_trees(
     assert found, out
     assert int(found.group(1)) > 0, out
     assert int(found.group(2)) > 0, out
+
+
+@pytest.mark.real
+async def test_the_agent_benchmark_in_quick_mode_exits_0_and_prints_its_ratios() -> None:
+    real_llama_server()
+    # Five sides, two SDKs, three turns each: about two minutes on a busy 2-core machine.
+    with trio.fail_after(600):
+        result = await trio.run_process(
+            [sys.executable, str(BENCH), "agent", "--quick"], capture_stdout=True, capture_stderr=True, check=False
+        )
+    out = result.stdout.decode()
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    for client in ("anthropic", "responses"):
+        assert re.search(rf"^{client}:$", out, re.MULTILINE), out
+    assert len(re.findall(rf"^turns 2-3, summed: plain/direct {NUMBER}x, hybrid/direct {NUMBER}x", out, re.M)) == 2
+    assert len(re.findall(rf"^after the restart, turn 1: direct' cold / onebitd {NUMBER}x", out, re.M)) == 2
+    # Routed: every turn through onebitd has its slot and its cached tokens in its route line.
+    assert (
+        len(re.findall(r"^ +plain slot:route:cached/prompt tokens per turn( +\d+:plain:\d+/\d+){3}$", out, re.M)) == 2
+    )

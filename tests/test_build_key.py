@@ -50,6 +50,7 @@ def test_the_two_engines_build_apart() -> None:
     [
         ("ggml", "LLAMA_SERVER_PATCH"),
         ("ggml", "CPU_PATCH"),
+        ("ggml", "AGENT_PATCH"),
         ("openvino", "LLAMA_SERVER_PATCH"),
         ("openvino", "OPENVINO_PATCH"),
     ],
@@ -64,6 +65,17 @@ def test_a_changed_patch_changes_the_build_key(
     after = locate.llama_server_build_key(engine)
     assert after != before
     assert after.startswith(f"{locate.LLAMA_CPP_VERSION}-")
+
+
+def test_the_agent_patch_is_the_decoder_build_s_alone(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The OpenVINO provider only prefills through /completion: its build (and key) stay without it."""
+    assert locate.AGENT_PATCH in locate.engine_patches("ggml")
+    assert locate.AGENT_PATCH not in locate.engine_patches("openvino")
+    openvino = locate.llama_server_build_key("openvino")
+    changed = tmp_path / "changed.patch"
+    changed.write_bytes(locate.AGENT_PATCH.read_bytes() + b"\n")
+    monkeypatch.setattr(locate, "AGENT_PATCH", changed)
+    assert locate.llama_server_build_key("openvino") == openvino
 
 
 def test_a_changed_openvino_pin_changes_only_the_openvino_key(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

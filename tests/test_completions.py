@@ -441,3 +441,35 @@ async def test_a_stream_the_decoder_drops_mid_way_is_a_warning_and_an_error_even
     [line] = rig.lines
     assert line.outcome == "error"
     assert hybrid_warnings(caplog) == [f"{line.req}: the decoder stopped mid-stream: {line.error}"]
+
+
+@pytest.mark.parametrize("unused", [False, True], ids=["used", "unused"])
+async def test_an_anthropic_message_restored_from_the_store_is_counted_when_the_decoder_leaves_it_unused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, unused: bool
+) -> None:
+    rig = make_rig(tmp_path, ScriptedProvider(ready=False))
+    store = await PrefixStore.open(tmp_path / "store", fingerprint=FINGERPRINT, max_bytes=1 << 20, min_tokens=4)
+    stored = StoredPrefixes(client=rig.completions.client, state_dir=tmp_path, store=store)
+    body = {"system": "You are terse.", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 3}
+    try:
+        with trio.fail_after(TIMEOUT):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(rig.completions.run, stored)
+                first = await rig.post("/v1/messages", body)
+                await wait_until(lambda: store.statistics().stores == 1)
+                rig.fake.slots = [[], []]  # the decoder restarted
+                rig.completions.decoder.generation += 1  # type: ignore[misc]
+                rig.fake.modes = Modes(restore_unused=unused)
+                again = await rig.post("/v1/messages", body)
+                nursery.cancel_scope.cancel()
+    finally:
+        store.close()
+    assert first.status == again.status == 200
+    cold, warm = rig.lines
+    assert cold.prompt_tokens is not None
+    assert warm.restored_tokens == cold.prompt_tokens == warm.prompt_tokens
+    assert warm.fallback == "no-provider>stored"
+    assert rig.completions.restore_unused == (1 if unused else 0)
+    assert warm.cached_tokens == (0 if unused else cold.prompt_tokens - 1)
+    warned = [r.getMessage() for r in caplog.records if "did not use the restored prefix" in r.getMessage()]
+    assert len(warned) == (1 if unused else 0)

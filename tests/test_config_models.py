@@ -14,6 +14,8 @@ from supervisor import locate, modelspec
 from supervisor.config import Config
 from supervisor.errors import ConfigError
 
+from .rig import make_config
+
 SOURCE = "site.toml"
 
 
@@ -102,14 +104,12 @@ def test_a_default_no_model_has_is_an_error_naming_the_models(site: dict[str, An
     ]
 
 
-def test_an_unknown_provider_and_one_named_by_two_models_are_errors(site: dict[str, Any]) -> None:
+def test_an_unknown_provider_is_an_error_and_one_named_by_two_models_is_shared(site: dict[str, Any]) -> None:
     site["provider"] = [{"kind": "exec", "name": "a", "command": ["/bin/true"]}]
     site["model"][0]["providers"] = ["a", "nope"]
     site["model"][1]["providers"] = ["a"]
-    assert problems(site) == [
-        "site.toml: model[0].providers[1]: no [[provider]] is named 'nope'",
-        "site.toml: model[1].providers[0]: 'a' already prefills for model[0]",
-    ]
+    # A provider two models name runs for one at a time (supervisor/providers/seat.py).
+    assert problems(site) == ["site.toml: model[0].providers[1]: no [[provider]] is named 'nope'"]
 
 
 def test_a_wrong_value_in_a_model_table_is_named_with_its_index(site: dict[str, Any]) -> None:
@@ -183,3 +183,63 @@ def test_the_default_directories_are_per_instance_keyed_on_the_port(
     # Under systemd each unit has its own directories already.
     monkeypatch.setenv("RUNTIME_DIRECTORY", "/run/onebit")
     assert locate.runtime_dir("", port=8081) == Path("/run/onebit")
+
+
+def config_naming(tmp_path_factory: pytest.TempPathFactory, providers: list[list[str] | None]) -> Config:
+    runtime = tmp_path_factory.mktemp("seat")
+    tables = []
+    for index, named in enumerate(providers):
+        path = runtime / f"m{index}.gguf"
+        path.write_bytes(b"GGUF fake model for tests\n")
+        tables.append({"name": f"m{index}", "path": str(path), **({"providers": named} if named is not None else {})})
+    return make_config(
+        runtime,
+        model=tables,
+        provider=[{"kind": "exec", "name": name, "command": ["/bin/true"]} for name in ("p", "q")],
+    )
+
+
+def test_a_provider_is_shared_when_two_model_tables_name_it(tmp_path_factory: pytest.TempPathFactory) -> None:
+    assert modelspec.shared_providers(config_naming(tmp_path_factory, [["p"], ["p", "q"], None])) == {"p"}
+    # The default model's implicit share is what no other model took: never shared.
+    assert modelspec.shared_providers(config_naming(tmp_path_factory, [None, ["p"]])) == frozenset()
+    assert modelspec.shared_providers(Config()) == frozenset()
+
+
+MIB = 1024 * 1024
+
+
+@pytest.mark.parametrize(
+    ("processes", "cache_ram_mib", "mib"),
+    [
+        (1, 0, 100 + 10),  # the decoder alone, no prompt cache: the file and its KV
+        (2, 0, 100 + 2 * 10),  # a llama-server provider: its own KV, the file mapped once
+        (2, 1024, 100 + 2 * (10 + 1024)),  # each process's --cache-ram bound
+        (1, -1, 100 + 10),  # unbounded: nothing to count
+    ],
+)
+def test_a_models_estimate_counts_the_file_once_and_each_processs_kv_and_prompt_cache(
+    processes: int, cache_ram_mib: int, mib: float
+) -> None:
+    assert modelspec.footprint_mib(100 * MIB, 10 * MIB, processes=processes, cache_ram_mib=cache_ram_mib) == mib
+
+
+def test_the_estimate_counts_the_models_llama_server_providers(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    runtime = tmp_path_factory.mktemp("estimate")
+    base = make_config(runtime, cache={"ram_mib": 0})
+    with_provider = make_config(
+        runtime, cache={"ram_mib": 0}, provider=[{"kind": "llama-server", "name": "p0", "threads": 1}]
+    )
+    (alone,), (helped,) = modelspec.specs(base), modelspec.specs(with_provider)
+    file_mib = locate_size(alone) / MIB
+    kv_mib = modelspec.estimate_mib(alone) - file_mib
+    assert kv_mib > 0
+    assert modelspec.estimate_mib(helped) == pytest.approx(file_mib + 2 * kv_mib)
+
+
+def locate_size(spec: modelspec.ModelSpec) -> int:
+    path = locate.model_path(spec.table.path)
+    assert path is not None
+    return path.stat().st_size

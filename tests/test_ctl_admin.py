@@ -399,6 +399,9 @@ class Draining:
     def reload(self) -> dict[str, Any]:
         return {}
 
+    def store_of(self, name: str) -> PrefixStore:
+        raise NotImplementedError
+
     async def load(self, name: str) -> ModelStatistics:
         raise NotImplementedError
 

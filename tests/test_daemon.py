@@ -112,7 +112,7 @@ async def test_health_says_loading_until_a_providers_first_start_is_over_then_ok
         provider=[worker([sys.executable, str(fake_provider.PATH), "--worker"])],
     )
     with trio.fail_after(TIMEOUT):
-        async with run_daemon(config) as running, httpx.AsyncClient(base_url=running.url) as client:
+        async with run_daemon(config) as running, httpx.AsyncClient(base_url=running.url, timeout=TIMEOUT) as client:
             await wait_until(lambda: bool(control.events("provider", "waiting")))
             loading = await client.get("/health")
             status = running.daemon.state()
@@ -138,7 +138,7 @@ async def test_a_provider_that_failed_its_start_is_named_by_health_and_the_log(
         short_dir, hybrid={"enabled": True}, provider=[worker([sys.executable, "-c", "raise SystemExit(3)"])]
     )
     with trio.fail_after(TIMEOUT):
-        async with run_daemon(config) as running, httpx.AsyncClient(base_url=running.url) as client:
+        async with run_daemon(config) as running, httpx.AsyncClient(base_url=running.url, timeout=TIMEOUT) as client:
             await running.daemon.ready.wait()
             ok = await client.get("/health")
     assert ok.status_code == 200

@@ -7,6 +7,7 @@ tests/test_real_compat.py asks the same of the real llama-server, side by side w
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import httpx
 import pytest
 import trio
 
+from supervisor.child import ChildState
 from supervisor.completion import Completions, Hybrid
 from supervisor.config import HybridConfig, ServerConfig
 from supervisor.decoder import DecoderClient
@@ -23,12 +25,15 @@ from supervisor.endpoints import ROUTES, UNSERVED, Endpoint, Kind, lookup
 from supervisor.errors import ListenError
 from supervisor.front import Front
 from supervisor.providers import Providers
+from supervisor.respond import anthropic_error_body
 from supervisor.routeline import RouteLine
+from supervisor.routes import chatform
 from supervisor.routes.file import FileHandoff
 from supervisor.slots import SlotPool
 
 from . import asgi
 from .asgi import ReadyDecoder, Reply
+from .fake_decoder import chatml
 from .fake_llama import Events, FakeLlama, HttpxWire
 from .rig import ScriptedProvider
 
@@ -117,33 +122,94 @@ async def test_every_completion_spelling_is_routed_pinned_and_logged_like_its_v1
 
 def test_the_table_has_every_completion_spelling_llama_server_serves() -> None:
     assert sorted(completion_paths(Kind.COMPLETION)) == sorted(
-        ["/v1/chat/completions", "/chat/completions", "/v1/completions", "/completions", "/completion"]
+        [
+            *("/v1/chat/completions", "/chat/completions", "/v1/completions", "/completions", "/completion"),
+            *("/v1/messages", "/v1/responses", "/responses"),  # the agent APIs, read in chat form
+        ]
     )
 
 
 # -- endpoints that run the model on a slot ---------------------------------------------------------
 
 
-async def test_an_anthropic_message_takes_a_slot_of_its_own_and_says_why_it_is_not_handed_over(
-    tmp_path: Path,
+@pytest.mark.parametrize(
+    ("path", "body", "asked"),
+    [
+        ("/v1/messages", {"system": "Be brief.", "messages": MESSAGES, "max_tokens": 3}, "/v1/messages"),
+        ("/v1/responses", {"instructions": "Be brief.", "input": PROMPT, "max_output_tokens": 3}, "/v1/responses"),
+        ("/responses", {"instructions": "Be brief.", "input": MESSAGES, "max_output_tokens": 3}, "/v1/responses"),
+    ],
+)
+async def test_an_agent_api_request_is_routed_like_chat_pinned_to_the_slot_it_restored_into(
+    tmp_path: Path, path: str, body: dict[str, Any], asked: str
 ) -> None:
     rig = make_rig(tmp_path, hybrid=True)
-    reply = await rig.call("POST", "/v1/messages", {"messages": MESSAGES, "max_tokens": 3})
+    reply = await rig.call("POST", path, body)
     assert (reply.status, reply.headers["x-onebit-source"]) == (200, "decoder")
-    assert reply.json()["content"][0]["text"] == "the quick brown"
-    [(_path, _query, forwarded)] = [s for s in rig.fake.seen if s[0] == "/v1/messages"]
-    # llama-server drops id_slot when it converts a message: onebitd does not pretend to pin it.
-    assert "id_slot" not in forwarded
+    [request] = rig.fake.requests
+    [(_path, _query, forwarded)] = [s for s in rig.fake.seen if s[0] == asked]
+    # Sent on its own endpoint, the client's body as it was, pinned: the reply is llama-server's.
+    assert forwarded == {**body, "id_slot": request.slot, "cache_prompt": True}
     [line] = rig.lines
     assert (line.endpoint, line.route, line.fallback, line.slot, line.outcome) == (
-        "/v1/messages",
-        "plain",
-        "unsupported-request",
+        path,
+        "file",
         None,
+        request.slot,
         "ok",
     )
+    # The tokens handed over are the chat form's, as the decoder templates it.
+    chat = chatform.to_chat(asked, body)
+    assert line.prompt_tokens == len(FakeLlama.tokenize(chatml(chat["messages"]))) == len(request.prompt)
+    assert (line.decoder_prompt_n, line.cached_tokens) == (request.prompt_n, request.cache_n)
+    assert request.prompt_n == 1
+    assert rig.fake.actions[0] == ("restore", request.slot)
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/responses"])
+async def test_an_agent_conversations_next_turn_goes_back_to_its_slot_and_reuses_it(tmp_path: Path, path: str) -> None:
+    rig = make_rig(tmp_path)
+    turns: list[dict[str, Any]] = [{"role": "user", "content": PROMPT}]
+    for _ in range(2):
+        body = {"messages": turns, "max_tokens": 3} if path == "/v1/messages" else {"input": turns}
+        reply = await rig.call("POST", path, body)
+        assert reply.status == 200
+        turns = [*turns, {"role": "assistant", "content": "fine"}, {"role": "user", "content": "and then?"}]
+        if path == "/v1/responses":
+            turns[-2] = {"type": "message", **turns[-2]}
+    first, second = rig.fake.requests
+    assert first.slot == second.slot
+    assert second.cache_n >= len(first.prompt) - 1 > 0  # the whole first prompt (its last token again, maybe)
+    assert [line.slot for line in rig.lines] == [first.slot, first.slot]
+    assert [line.cached_tokens for line in rig.lines] == [0, second.cache_n]
+    assert [line.prompt_tokens for line in rig.lines] == [len(first.prompt), len(second.prompt)]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "why"),
+    [
+        (
+            "/v1/messages",
+            {"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "x"}}]}]},
+            "non-text message content",
+        ),
+        ("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_file"}]}]}, "llama-server converts"),
+        ("/v1/messages", {"max_tokens": 3}, "llama-server converts"),
+    ],
+)
+async def test_an_agent_api_request_that_cannot_be_handed_over_goes_plain_and_says_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, path: str, body: dict[str, Any], why: str
+) -> None:
+    caplog.set_level(logging.INFO, logger="onebit.hybrid")
+    rig = make_rig(tmp_path, hybrid=True)
+    reply = await rig.call("POST", path, body)
+    [line] = rig.lines
+    assert (line.route, line.fallback) == ("plain", "unsupported-request")
     assert rig.fake.actions == []
-    assert rig.slots.statistics().busy == 0
+    assert any(why in r.getMessage() for r in caplog.records if r.name == "onebit.hybrid")
+    if why == "llama-server converts":
+        # llama-server's own refusal, relayed.
+        assert (reply.status, reply.headers["x-onebit-source"], line.outcome) == (400, "decoder", "error")
 
 
 async def test_infill_and_responses_are_pinned_to_the_slot_they_hold(tmp_path: Path) -> None:
@@ -187,12 +253,12 @@ async def test_an_embedding_the_decoder_refuses_is_relayed_as_it_wrote_it_with_a
 async def test_a_slot_endpoint_queues_for_a_slot_like_a_completion(tmp_path: Path) -> None:
     rig = make_rig(tmp_path, queue_limit=0)
     async with rig.slots.hold(), rig.slots.hold():
-        reply = await rig.call("POST", "/v1/messages", {"messages": MESSAGES, "max_tokens": 3})
+        reply = await rig.call("POST", "/infill", {"input_prefix": "def f(", "input_suffix": ""})
     assert reply.status == 503
     assert reply.json()["error"]["code"] == "overloaded"
-    assert [s for s in rig.fake.seen if s[0] == "/v1/messages"] == []
+    assert [s for s in rig.fake.seen if s[0] == "/infill"] == []
     [line] = rig.lines
-    assert (line.endpoint, line.status, line.outcome) == ("/v1/messages", 503, "error")
+    assert (line.endpoint, line.status, line.outcome) == ("/infill", 503, "error")
 
 
 # -- relayed, refused, served -----------------------------------------------------------------------
@@ -316,6 +382,90 @@ async def test_a_context_overflow_is_relayed_byte_for_byte(tmp_path: Path, path:
     assert (line.status, line.outcome) == (400, "error")
     assert line.error is not None
     assert line.error.startswith("decoder answered 400: request (5000 tokens) exceeds")
+
+
+# -- Anthropic's error shape ------------------------------------------------------------------------
+
+
+def anthropic_error(reply: Reply) -> tuple[int, str]:
+    """The status and Anthropic error type of onebitd's own refusal, in Anthropic's shape exactly."""
+    assert reply.headers["x-onebit-source"] == "onebitd"
+    data = reply.json()
+    assert list(data) == ["type", "error"]
+    assert data["type"] == "error"
+    assert sorted(data["error"]) == ["message", "type"]
+    assert data["error"]["message"]
+    return reply.status, data["error"]["type"]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "server", "expected"),
+    [
+        ("POST", "/v1/messages", {"messages": MESSAGES}, {"api_keys": ("k",)}, (401, "authentication_error")),
+        (
+            "POST",
+            "/v1/messages/count_tokens",
+            {"messages": MESSAGES},
+            {"api_keys": ("k",)},
+            (401, "authentication_error"),
+        ),
+        ("GET", "/v1/messages", None, {}, (405, "invalid_request_error")),
+        ("POST", "/v1/messages/batches", {"requests": []}, {}, (404, "not_found_error")),
+        ("POST", "/v1/messages", "not an object", {}, (400, "invalid_request_error")),
+        ("POST", "/v1/messages", {"messages": MESSAGES * 50}, {"max_body_bytes": 256}, (413, "request_too_large")),
+    ],
+)
+async def test_onebitds_refusals_on_anthropics_paths_are_in_anthropics_shape(
+    tmp_path: Path, method: str, path: str, body: Any, server: dict[str, Any], expected: tuple[int, str]
+) -> None:
+    rig = make_rig(tmp_path, **server)
+    reply = await rig.call(method, path, body)
+    assert anthropic_error(reply) == expected
+    assert [s for s in rig.fake.seen if s[0].startswith("/v1/messages")] == []
+
+
+@pytest.mark.parametrize(
+    ("status", "type_"),
+    [
+        (400, "invalid_request_error"),
+        (405, "invalid_request_error"),
+        (408, "timeout_error"),
+        (431, "invalid_request_error"),
+        (502, "api_error"),
+        (503, "overloaded_error"),
+    ],
+)
+def test_every_status_has_an_anthropic_error_type(status: int, type_: str) -> None:
+    assert json.loads(anthropic_error_body(status, "why")) == {
+        "type": "error",
+        "error": {"type": type_, "message": "why"},
+    }
+
+
+async def test_a_busy_draining_or_unready_onebitd_is_overloaded_in_anthropics_words(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path, queue_limit=0)
+    body = {"messages": MESSAGES, "max_tokens": 3}
+    async with rig.slots.hold(), rig.slots.hold():
+        busy = await rig.call("POST", "/v1/messages", body)
+    assert anthropic_error(busy) == (503, "overloaded_error")
+    assert busy.headers["retry-after"] == "1"
+    rig.front.drain()
+    assert anthropic_error(await rig.call("POST", "/v1/messages", body)) == (503, "overloaded_error")
+    rig.front.resume()
+    assert isinstance(rig.front.decoder, ReadyDecoder)
+    rig.front.decoder.state = ChildState.STARTING
+    unready = await rig.call("POST", "/v1/messages", body)
+    assert anthropic_error(unready) == (503, "overloaded_error")
+    assert "starting" in unready.json()["error"]["message"]
+    assert [line.status for line in rig.lines] == [503, 503, 503]
+
+
+async def test_the_responses_api_keeps_openais_error_shape(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path, api_keys=("k",))
+    reply = await rig.call("POST", "/v1/responses", {"input": PROMPT})
+    assert reply.status == 401
+    assert reply.json()["error"]["type"] == "authentication_error"
+    assert reply.json()["error"]["code"] == "invalid_api_key"
 
 
 # -- CORS and keys ----------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.models import Candidate, expired, in_the_way, starving, victims
+from supervisor.models import Candidate, Plan, expired, in_the_way, plan, starving, victims
 
 
 def c(name: str, **kw: object) -> Candidate:
@@ -58,9 +58,10 @@ def test_victims(
     assert victims(want, [*models, want], max_loaded=max_loaded, budget_mib=budget) == expected
 
 
-def test_in_the_way_names_the_busy_models_a_load_waits_for() -> None:
+def test_in_the_way_names_what_a_load_waits_to_unload_busy_or_not() -> None:
     models = [c("a", users=2, last_used=1), c("b", last_used=2), c("x", resident=False)]
     assert in_the_way(models[2], models, max_loaded=2, budget_mib=0) == ("a",)
+    assert in_the_way(models[2], models, max_loaded=1, budget_mib=0) == ("a", "b")
     assert in_the_way(models[2], models, max_loaded=3, budget_mib=0) == ()
 
 
@@ -82,3 +83,53 @@ EXPIRED = [
 @pytest.mark.parametrize(("models", "now", "expected"), EXPIRED)
 def test_expired(models: list[Candidate], now: float, expected: tuple[str, ...]) -> None:
     assert expired(models, now) == expected
+
+
+# (the models now, those waited for (oldest first), those wanted, max_loaded, what plan() says)
+PLANS = [
+    pytest.param([c("a"), c("x", resident=False)], ["x"], {"a"}, 0, Plan(load=("x",)), id="room-load-now"),
+    pytest.param([c("a"), c("x", resident=False)], ["x"], {"a"}, 1, Plan(unload=("a",)), id="idle-in-the-way-unloaded"),
+    pytest.param([c("a", users=1), c("x", resident=False)], ["x"], {"a"}, 1, Plan(), id="busy-in-the-way-waits"),
+    pytest.param(
+        [c("a"), c("x", resident=False), c("y", resident=False)],
+        ["x", "a"],
+        {"a"},
+        1,
+        Plan(unload=("a",)),
+        id="younger-waiter-for-a-claimed-model-waits",
+    ),
+    pytest.param(
+        [c("a"), c("x", resident=False)],
+        ["x", "a"],
+        set(),
+        1,
+        Plan(),
+        id="a-model-on-its-way-out-is-not-loaded-back-for-a-younger-waiter",
+    ),
+    pytest.param([c("a"), c("x")], ["x"], {"a", "x"}, 1, Plan(), id="wanted-already-nothing-to-do"),
+    pytest.param(
+        [c("x", resident=False), c("y", resident=False)], ["x", "y"], set(), 0, Plan(load=("x", "y")), id="both-fit"
+    ),
+    pytest.param(
+        [c("a", last_used=1), c("x", resident=False), c("y", resident=False)],
+        ["x", "y"],
+        {"a"},
+        2,
+        Plan(load=("x",), unload=("a",)),
+        id="the-second-makes-room-beside-the-first",
+    ),
+    pytest.param(
+        [c("a", users=1), c("x", resident=False), c("y", resident=False)],
+        ["x", "y"],
+        {"a"},
+        2,
+        Plan(load=("x",)),
+        id="the-second-waits-when-the-room-left-is-busy",
+    ),
+    pytest.param([c("a")], ["gone"], {"a"}, 1, Plan(), id="a-removed-model-is-skipped"),
+]
+
+
+@pytest.mark.parametrize(("models", "waiting", "wanted", "max_loaded", "expected"), PLANS)
+def test_plan(models: list[Candidate], waiting: list[str], wanted: set[str], max_loaded: int, expected: Plan) -> None:
+    assert plan(waiting, models, frozenset(wanted), max_loaded=max_loaded, budget_mib=0) == expected

@@ -1,13 +1,17 @@
 """Several models with the fake decoder, for what the real one cannot be made to do: a model that
-does not load in time, and a reload that adds and removes models while the others run on."""
+does not load in time, a reload that adds and removes models while the others run on, and a
+provider two models name restarted for the one that asks while that one's requests go plain."""
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import tomli_w
 import trio
 
@@ -16,16 +20,29 @@ from supervisor import ctl
 from supervisor.config import Config
 from supervisor.daemon import Daemon
 from supervisor.model import ModelState
+from supervisor.providers.seat import Tenant
 from supervisor.status import from_wire, to_wire
 
-from .helpers import wait_until
-from .rig import FAKE_DECODER, Control, DecoderModes, RouteLines, fake_decoder_config, make_config, run_daemon
+from . import fake_provider
+from .helpers import gone, reaped, wait_until
+from .rig import (
+    FAKE_DECODER,
+    HANDOFF_ALWAYS,
+    Control,
+    DecoderModes,
+    ProviderModes,
+    RouteLines,
+    fake_decoder_config,
+    make_config,
+    run_daemon,
+)
 
 TIMEOUT = 30
 
 
-def several(runtime_dir: Path, names: list[str], **models: Any) -> Config:
-    """A config whose [[model]] tables are ``names``, each the fake decoder on its own fake file."""
+def several(runtime_dir: Path, names: list[str], *, table: dict[str, Any] | None = None, **models: Any) -> Config:
+    """A config whose [[model]] tables are ``names``, each the fake decoder on its own fake file
+    (``table``: keys every table has too)."""
     launcher = runtime_dir / "fake-llama-server"
     launcher.write_text(f'#!/bin/sh\nexec {sys.executable} {FAKE_DECODER} "$@"\n')
     launcher.chmod(0o755)
@@ -33,7 +50,7 @@ def several(runtime_dir: Path, names: list[str], **models: Any) -> Config:
     for name in names:
         path = runtime_dir / f"{name}.gguf"
         path.write_bytes(b"GGUF fake model for tests\n")
-        tables.append({"name": name, "path": str(path), "parallel": 2})
+        tables.append({"name": name, "path": str(path), "parallel": 2, **(table or {})})
     return make_config(
         runtime_dir,
         decoder={"binary": str(launcher), "health": {"interval_s": 0.2, "stop_grace_s": 2.0}},
@@ -47,7 +64,7 @@ async def test_a_model_that_does_not_load_in_time_is_a_503_with_retry_after(
 ) -> None:
     config = several(short_dir, ["a", "b"], load_timeout_s=0.5)
     with trio.fail_after(TIMEOUT):
-        async with run_daemon(config) as running, httpx.AsyncClient(base_url=running.url) as client:
+        async with run_daemon(config) as running, httpx.AsyncClient(base_url=running.url, timeout=TIMEOUT) as client:
             control.set(decoder=DecoderModes(exit=1))  # every decoder started from now on crashes at once
             reply = await client.post("/completion", json={"model": "b", "prompt": "hello there", "n_predict": 2})
             assert reply.status_code == 503
@@ -100,7 +117,7 @@ async def test_with_one_model_a_request_may_name_any_model_as_llama_server_allow
     with trio.fail_after(TIMEOUT):
         async with (
             run_daemon(fake_decoder_config(short_dir)) as running,
-            httpx.AsyncClient(base_url=running.url) as client,
+            httpx.AsyncClient(base_url=running.url, timeout=TIMEOUT) as client,
         ):
             reply = await client.post("/completion", json={"model": "gpt-4", "prompt": "hello there", "n_predict": 2})
             assert reply.status_code == 200
@@ -113,11 +130,12 @@ async def test_a_mixed_burst_is_served_with_one_swap_the_loaded_models_requests_
 ) -> None:
     config = several(short_dir, ["a", "b"], max_loaded=1)
     with trio.fail_after(TIMEOUT):
-        async with run_daemon(config) as running, httpx.AsyncClient(base_url=running.url) as client:
+        async with run_daemon(config) as running, httpx.AsyncClient(base_url=running.url, timeout=TIMEOUT) as client:
             models = running.daemon.models
             a, b = models.get("a"), models.get("b")
             assert a is not None
             assert b is not None
+            await a.wait_state(ModelState.LOADED)
             control.set(decoder=DecoderModes(hold=True))  # a's requests stay in its decoder meanwhile
             statuses: list[int] = []
 
@@ -139,9 +157,134 @@ async def test_a_mixed_burst_is_served_with_one_swap_the_loaded_models_requests_
             assert 'onebit_model_loads_total{model="b"} 1.0' in metrics
             assert "onebit_model_swaps_total 1.0" in metrics
             assert 'onebit_model_requests_total{model="a",outcome="ok"} 3.0' in metrics
+            assert 'onebit_model_slots_busy{model="b"} 0.0' in metrics
             # onebitctl status: a table of the models, read back from the wire as onebitctl reads it.
             table = ctl.render_status(from_wire(to_wire(running.daemon.statistics())))
             rows = {line.split()[0]: line.split() for line in table.splitlines() if line.startswith(("a ", "b "))}
             assert rows["a"][1:3] == ["(default)", "unloaded"]
             assert rows["b"][1] == "loaded"
+            assert rows["b"][5] == "0/2"  # its slots: none busy of 2
             assert "1 swaps; 0 waiting for a load" in table
+
+
+async def test_a_model_waiting_past_its_bound_holds_new_requests_for_the_one_in_its_way(
+    short_dir: Path, control: Control, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("supervisor.models.STARVE_S", 0.2)
+    config = several(short_dir, ["a", "b"], max_loaded=1)
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(config) as running, httpx.AsyncClient(base_url=running.url, timeout=TIMEOUT) as client:
+            models = running.daemon.models
+            a = models.get("a")
+            assert a is not None
+            await a.wait_state(ModelState.LOADED)
+            control.set(decoder=DecoderModes(hold=True))
+            answered: list[tuple[str, int]] = []
+
+            async def one(name: str) -> None:
+                reply = await client.post("/completion", json={"model": name, "prompt": "hello there", "n_predict": 2})
+                answered.append((name, reply.status_code))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(one, "a")  # held in a's decoder: a stays in use
+                await wait_until(lambda: a.users == 1)
+                nursery.start_soon(one, "b")
+                await wait_until(lambda: models.statistics().waiting == 1)
+                began = trio.current_time()
+                await wait_until(lambda: trio.current_time() - began > 0.2)  # b starves
+                nursery.start_soon(one, "a")  # waits behind b, though a is loaded
+                await wait_until(lambda: models.statistics().waiting == 2)
+                assert a.users == 1
+                control.set(decoder=DecoderModes())
+            assert answered == [("a", 200), ("b", 200), ("a", 200)]
+            assert models.swaps == 2
+
+
+async def test_one_model_unloaded_by_onebitctl_is_loaded_again_by_the_next_request(
+    short_dir: Path, control: Control, route_lines: RouteLines
+) -> None:
+    with trio.fail_after(TIMEOUT):
+        async with (
+            run_daemon(fake_decoder_config(short_dir)) as running,
+            httpx.AsyncClient(base_url=running.url, timeout=TIMEOUT) as client,
+        ):
+            await running.daemon.models.default.wait_state(ModelState.LOADED)
+            unloaded = await running.daemon.unload("fake")
+            assert unloaded.state == "unloaded"
+            reply = await client.post("/completion", json={"prompt": "hello there", "n_predict": 2})
+            assert reply.status_code == 200
+            (line,) = await route_lines.wait(1)
+            assert line["load_ms"] > 0
+            assert running.daemon.models.default.loads == 2
+
+
+def left_in(runtime: Path) -> list[str]:
+    """Files in the models' runtime directories (sockets, state files) once onebitd stopped."""
+    return sorted(str(p.relative_to(runtime)) for p in runtime.glob("model-*/**/*") if not p.is_dir())
+
+
+def tenant_of(running: Any, name: str) -> Tenant:
+    model = running.daemon.models.get(name)
+    assert model is not None
+    (tenant,) = model.parts.providers.all
+    assert isinstance(tenant, Tenant)
+    return tenant
+
+
+async def test_a_provider_two_models_name_is_restarted_for_the_other_which_goes_plain_meanwhile(
+    short_dir: Path, control: Control, route_lines: RouteLines
+) -> None:
+    worker = {"kind": "worker", "name": "npu0", "command": [sys.executable, str(fake_provider.PATH), "--worker"]}
+    base = several(short_dir, ["a", "b"], table={"providers": ["npu0"]})
+    config = make_config(
+        short_dir,
+        decoder=configuration.unstructure(base)["decoder"],
+        model=configuration.unstructure(base)["model"],
+        hybrid={"enabled": True, "mode": "file", "min_prompt_tokens": 4, **HANDOFF_ALWAYS},
+        provider=[worker],
+    )
+    body = {"prompt": "the quick brown fox jumps over the lazy dog", "n_predict": 2}
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(config) as running, httpx.AsyncClient(base_url=running.url) as client:
+            a = tenant_of(running, "a")
+            await wait_until(lambda: a.ready)
+            assert (await client.post("/completion", json={"model": "a", **body})).status_code == 200
+            (first_pid,) = [event["pid"] for event in control.events("provider", "start")]
+            # b's worker will hold its ready line: b's requests go plain while it starts.
+            control.set(provider=ProviderModes(ready_on_signal=True))
+            assert (await client.post("/completion", json={"model": "b", **body})).status_code == 200
+            b = tenant_of(running, "b")
+            await wait_until(lambda: bool(control.events("provider", "waiting")))
+            assert gone(first_pid)  # a's process stopped before b's started
+            assert (await client.post("/completion", json={"model": "b", **body})).status_code == 200
+            (waiting,) = control.events("provider", "waiting")
+            os.kill(waiting["pid"], signal.SIGUSR1)
+            await wait_until(lambda: b.ready)
+            assert not a.ready
+            assert (await client.post("/completion", json={"model": "b", **body})).status_code == 200
+            lines = await route_lines.wait(4)
+            assert [(line["model"], line["route"], line.get("fallback")) for line in lines] == [
+                ("a", "file", None),
+                ("b", "plain", "provider-swapping"),  # the handover it asked for
+                ("b", "plain", "provider-swapping"),  # b's worker starting
+                ("b", "file", None),
+            ]
+            # Each job went to a process started with its own model's parameters.
+            jobs = control.events("provider", "job")
+            assert [(event["job"]["model"], event["pid"] == first_pid) for event in jobs] == [("a", True), ("b", False)]
+            assert a.seat.swaps == 1
+            # Each model's providers and prefix store, in /metrics (labelled model) and onebitctl status.
+            metrics = (await client.get("/metrics")).text
+            where = 'device="-",engine="-",kind="worker"'
+            assert f'onebit_provider_ready{{{where},model="a",provider="npu0"}} 0.0' in metrics
+            assert f'onebit_provider_ready{{{where},model="b",provider="npu0"}} 1.0' in metrics
+            assert f'onebit_provider_jobs_total{{{where},model="b",provider="npu0"}} 1.0' in metrics
+            assert 'onebit_prefix_store_enabled{model="a"} 1.0' in metrics
+            assert 'onebit_prefix_store_enabled{model="b"} 1.0' in metrics
+            table = ctl.render_status(from_wire(to_wire(running.daemon.statistics())))
+            rows = [line.split() for line in table.splitlines() if line.split()[1:2] == ["npu0"]]
+            assert [(row[0], row[5]) for row in rows] == [("a", "no"), ("b", "yes")]
+            assert sum(line.startswith(("prefix store a: ", "prefix store b: ")) for line in table.splitlines()) == 2
+        # Both workers reaped, and neither model's provider socket or state file left behind.
+        assert [reaped(event["pid"]) for event in control.events("provider", "start")] == [True, True]
+        assert not left_in(short_dir)

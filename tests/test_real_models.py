@@ -1,7 +1,7 @@
 """Several models against the real llama-server: the shipped GGUF served under two names with different
 ctx_size, loaded on demand, swapped within max_loaded = 1 without losing a conversation's prompt (the
 next turn restores it from the prefix store), never unloaded under a request, unloaded when idle past
-ttl_s, and loaded or unloaded by onebitctl."""
+ttl_s, loaded or unloaded by onebitctl, and one ggml provider both name, handed over to each in turn."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +19,10 @@ import trio
 
 from supervisor import admin
 from supervisor.model import ModelState
+from supervisor.providers.seat import Tenant
 
 from .helpers import wait_until
-from .rig import RouteLines, Running, make_config, real_llama_server, run_daemon
+from .rig import HANDOFF_ALWAYS, RouteLines, Running, make_config, real_llama_server, run_daemon
 
 pytestmark = pytest.mark.real
 
@@ -55,6 +57,8 @@ async def serving(short_dir: Path, **models: Any) -> AsyncIterator[tuple[Running
         run_daemon(config_for(short_dir, tables=tables, **models)) as running,
         httpx.AsyncClient(base_url=running.url, timeout=DEADLINE_S) as client,
     ):
+        # run_daemon waits for the default decoder; its model is loaded once its owner task saw that.
+        await running.daemon.models.default.wait_state(ModelState.LOADED)
         yield running, client
 
 
@@ -116,6 +120,14 @@ async def test_a_swap_within_max_loaded_keeps_the_conversation_in_the_prefix_sto
             assert big is not None
             assert big.state is ModelState.UNLOADED
             assert big.store.statistics().entries >= 1
+            # Each model's store of its own (another ctx_size, another fingerprint): onebitctl cache list --model.
+            path = running.daemon.admin.path
+            listed = {name: await admin.call(path, "cache list", {"model": name}) for name in ("big", "small")}
+            assert len(listed["big"]["result"]["entries"]) == big.store.statistics().entries
+            assert listed["small"]["result"]["entries"] == []
+            assert listed["big"]["result"]["statistics"]["directory"].endswith("model-big")
+            unknown = await admin.call(path, "cache list", {"model": "nope"})
+            assert unknown["ok"] is False
             turn2 = await complete(client, "big", LONG + turn1["content"] + " Now say word42.")
             assert turn2["content"]
             line = (await route_lines.wait(3))[-1]
@@ -126,6 +138,12 @@ async def test_a_swap_within_max_loaded_keeps_the_conversation_in_the_prefix_sto
             assert line["decoder_prompt_n"] < 50
             assert running.daemon.models.swaps == 2
             assert states((await client.get("/v1/models")).json()) == {"big": "loaded", "small": "unloaded"}
+            # A relayed GET that names no model goes to a loaded one: it swaps nothing in.
+            await complete(client, "small", "The sky is")
+            props = await client.get("/props")
+            assert props.status_code == 200
+            assert props.json()["model_alias"] == "small"
+            assert running.daemon.models.swaps == 3
 
 
 async def test_a_model_in_use_is_not_unloaded_under_its_request(short_dir: Path, route_lines: RouteLines) -> None:
@@ -190,3 +208,53 @@ async def test_onebitctl_loads_and_unloads_a_model(short_dir: Path) -> None:
             refused = await admin.call(running.daemon.admin.path, "load", {"model": "nope"})
             assert refused["ok"] is False
             assert "big" in refused["error"]
+
+
+async def test_one_ggml_provider_both_models_name_is_swapped_to_each_and_takes_the_file_route(
+    short_dir: Path, route_lines: RouteLines
+) -> None:
+    real_llama_server()
+    tables = [{**table, "providers": ["p0"]} for table in TABLES]
+    config = make_config(
+        short_dir,
+        model=tables,
+        decoder={"threads": 1},
+        cache={"ram_mib": 0, "min_tokens": 64},
+        hybrid={"enabled": True, "min_prompt_tokens": 16, **HANDOFF_ALWAYS},
+        provider=[{"kind": "llama-server", "name": "p0", "threads": 1}],
+    )
+    with trio.fail_after(DEADLINE_S):
+        async with (
+            run_daemon(config) as running,
+            httpx.AsyncClient(base_url=running.url, timeout=DEADLINE_S) as client,
+        ):
+            models = running.daemon.models
+
+            def tenant(name: str) -> Tenant:
+                model = models.get(name)
+                assert model is not None
+                (provider,) = model.parts.providers.all
+                assert isinstance(provider, Tenant)
+                return provider
+
+            def ready(name: str) -> bool:
+                return tenant(name).ready
+
+            await wait_until(partial(ready, "big"))
+            order = ["big", "small", "small", "big", "big"]
+            for turn, name in enumerate(order):
+                if turn in (2, 4):  # after each swap was asked for: its model's process up
+                    await wait_until(partial(ready, name))
+                await complete(client, name, f"{LONG} turn {turn}")
+            lines = await route_lines.wait(len(order))
+            assert [(line["model"], line["route"], line.get("fallback")) for line in lines] == [
+                ("big", "file", None),
+                ("small", "plain", "provider-swapping"),
+                ("small", "file", None),
+                ("big", "plain", "provider-swapping"),
+                ("big", "file", None),
+            ]
+            seat = tenant("big").seat
+            assert seat.swaps == 2
+            assert seat.start_ms is not None
+            print(f"p0 started for {seat.holder} in {seat.start_ms:.0f} ms")

@@ -4,6 +4,7 @@
     llama     a second llama-server used only for prefill
     exec      a program started per job
     worker    a long-lived program taking jobs over a socketpair
+    seat      a provider several models name: one model's process at a time
 
 The wire contract a vendor implements is docs/protocol.md.
 """

@@ -19,6 +19,7 @@ import trio
 
 from ..child import Child, ChildStatistics
 from ..errors import ProviderError
+from ..routes.decision import Reason
 
 
 @attrs.frozen
@@ -213,6 +214,15 @@ class Providers:
         if not ready:
             return None
         return min(ready, key=lambda p: p.busy)
+
+    def away(self) -> Reason | None:
+        """No provider was ready: when one is a shared provider running for another model, ask for
+        it (supervisor/providers/seat.py) and say why this request goes without it."""
+        reasons = [claim() for p in self.all if (claim := getattr(p, "claim", None)) is not None]
+        for reason in (Reason.PROVIDER_SWAPPING, Reason.PROVIDER_OTHER_MODEL):
+            if reason in reasons:
+                return reason
+        return None
 
     def statistics(self) -> list[ProviderStatistics]:
         return [p.statistics() for p in self.all]

@@ -34,6 +34,10 @@ class Reason(enum.Enum):
     DISABLED = "disabled"  # hybrid off: not logged as a fallback
     SHORT_PROMPT = "short-prompt"
     NO_PROVIDER = "no-provider"
+    # A provider several models name runs for one at a time (supervisor/providers/seat.py): it is
+    # being restarted for this request's model, or it runs for another model that is busy.
+    PROVIDER_SWAPPING = "provider-swapping"
+    PROVIDER_OTHER_MODEL = "provider-other-model"
     UNSUPPORTED = "unsupported-request"  # a prompt shape we cannot hand over (several prompts, ...)
     TOKENIZE_FAILED = "tokenize-failed"
     PROVIDER_FAILED = "provider-failed"
@@ -183,20 +187,23 @@ def choose(
     unsupported: bool = False,
     over_context: bool = False,
     restored: bool = False,
+    provider_away: Reason | None = None,
 ) -> Choice:
     """The route a request starts on, and every reason it is kept plain; nothing else decides them.
 
     ``enabled``: the hybrid routes are on; ``provider_picked``: a provider was ready when the request
     came (None: as ``provider_ready``); ``provider_ready``: one is ready now, once the request holds
-    its slot; ``unsupported``: a prompt shape no provider can take (not tokenized); ``prompt_tokens``
-    None: the prompt was not tokenized (past the reasons above: tokenizing it failed);
+    its slot; ``provider_away``: why none was picked when the only one runs for another model
+    (``provider-swapping``, ``provider-other-model``; None: ``no-provider``); ``unsupported``: a
+    prompt shape no provider can take (not tokenized); ``prompt_tokens`` None: the prompt was not
+    tokenized (past the reasons above: tokenizing it failed);
     ``over_context``: it does not fit a slot's context; ``restored``: the prefix store restored a
     prefix of it into the slot.  The first that holds decides, in this order (a prompt no provider
     could take is named so, whether or not its provider is still there):
 
         over_context            plain  over-context
         not enabled             plain  (disabled: no fallback)
-        not provider_picked     plain  no-provider
+        not provider_picked     plain  provider_away, or no-provider
         unsupported             plain  unsupported-request
         prompt_tokens None      plain  tokenize-failed
         not provider_ready      plain  no-provider
@@ -224,7 +231,7 @@ def choose(
     if not enabled:
         return plain(Reason.DISABLED)
     if not (provider_ready if provider_picked is None else provider_picked):
-        return plain(Reason.NO_PROVIDER)
+        return plain(provider_away or Reason.NO_PROVIDER)
     if unsupported:
         return plain(Reason.UNSUPPORTED)
     if prompt_tokens is None:

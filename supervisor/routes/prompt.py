@@ -2,7 +2,9 @@
 
 Chat requests are templated by the decoder itself (``/apply-template``: the same Jinja template,
 tools and kwargs its chat endpoint would use), then tokenized by the decoder (``/tokenize`` with the
-special-token flags its completion path uses).  A provider never templates or tokenizes on its own.
+special-token flags its completion path uses).  Anthropic's ``/v1/messages`` and OpenAI's
+``/v1/responses`` are first put in the chat form llama-server makes of them (routes/chatform.py,
+:func:`chat_form`), then read as chat.  A provider never templates or tokenizes on its own.
 """
 
 from __future__ import annotations
@@ -11,12 +13,24 @@ from typing import Any
 
 from .. import decoder
 from ..decoder import JsonClient, is_token_list
+from . import chatform
 
 CHAT = "/v1/chat/completions"
+MESSAGES = chatform.MESSAGES
+RESPONSES = chatform.RESPONSES
+
+
+def chat_form(endpoint: str, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The endpoint and body the rest of this module reads: a Messages or Responses request as the
+    chat request llama-server converts it into, anything else as it is.  Raises ChatFormRefused."""
+    if endpoint in chatform.ENDPOINTS:
+        return CHAT, chatform.to_chat(endpoint, body)
+    return endpoint, body
 
 
 def handoff_unsupported(endpoint: str, body: dict[str, Any]) -> str | None:
-    """Why this request's prompt cannot be handed over, or None when it can."""
+    """Why this request's prompt cannot be handed over, or None when it can (``endpoint`` and
+    ``body`` in :func:`chat_form`)."""
     if endpoint == CHAT:
         messages = body.get("messages")
         if not isinstance(messages, list):
@@ -37,9 +51,10 @@ def handoff_unsupported(endpoint: str, body: dict[str, Any]) -> str | None:
 
 
 async def tokens_for(client: JsonClient, endpoint: str, body: dict[str, Any]) -> list[int]:
-    """The prompt's tokens, as the decoder will evaluate them.  Raises DecoderError."""
+    """The prompt's tokens, as the decoder will evaluate them (``endpoint`` and ``body`` in
+    :func:`chat_form`).  Raises DecoderError."""
     if endpoint == CHAT:
-        template = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "id_slot")}
+        template = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "id_slot", "cache_prompt")}
         prompt: Any = await decoder.apply_template(client, template)
     else:
         prompt = body.get("prompt")
