@@ -46,7 +46,7 @@ from supervisor import config as configuration  # noqa: E402
 from supervisor.config import Config  # noqa: E402
 from supervisor.daemon import Daemon  # noqa: E402
 from supervisor.logs import ROUTE_LOGGER  # noqa: E402
-from supervisor.testing import run_daemon  # noqa: E402
+from supervisor.testing import RouteLines, run_daemon  # noqa: E402
 
 TIMEOUT_S = 900
 CLIENTS = ("anthropic", "responses")
@@ -230,17 +230,6 @@ async def run_session(ask: Asker, session: Session) -> list[float]:
     return times
 
 
-class Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[dict[str, Any]] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        fields = getattr(record, "route_fields", None)
-        if isinstance(fields, dict):
-            self.lines.append(fields)
-
-
 def side_config(runtime_dir: Path, store: Path, *, hybrid: bool) -> Config:
     cpus = sorted(os.sched_getaffinity(0))
     decoder_cpus, provider_cpus = ([cpus[0]], [cpus[1]]) if len(cpus) >= 2 else (cpus, cpus)
@@ -285,7 +274,7 @@ async def run(args: argparse.Namespace) -> int:
         f"tools), {args.max_tokens} reply tokens a turn, through anthropic-python and openai-python's Responses "
         "client; first-token ms per turn"
     )
-    lines = Lines()
+    lines = RouteLines()
     logger = logging.getLogger(ROUTE_LOGGER)
     logger.addHandler(lines)
     logger.setLevel(logging.INFO)
@@ -303,8 +292,7 @@ async def run(args: argparse.Namespace) -> int:
         # A line is written when its request ends: after its reply, and after the slot is saved for
         # the prefix store, so the last turn's may come after its client has everything.
         with trio.fail_after(120):
-            while len(lines.lines) < before + args.turns:  # noqa: ASYNC110  # no event announces it
-                await trio.sleep(0.05)
+            await lines.wait(before + args.turns)
         mine = lines.lines[before : before + args.turns]
         seen[side, client] = sorted(mine, key=lambda line: int(str(line["req"]).rsplit("-", 1)[1]))
 

@@ -41,6 +41,7 @@ from supervisor import config as configuration  # noqa: E402
 from supervisor.config import Config  # noqa: E402
 from supervisor.daemon import Daemon  # noqa: E402
 from supervisor.logs import ROUTE_LOGGER  # noqa: E402
+from supervisor.testing import RouteLines  # noqa: E402
 
 TIMEOUT_S = 900
 MODELS = ("alpha", "beta")
@@ -72,28 +73,6 @@ def side_config(runtime_dir: Path, *, store: bool) -> Config:
 def document(words: int, seed: int) -> str:
     facts = [f"Fact {i}: box {i * seed % 89} holds item {i * 7 % 101} in colour {i % 5}." for i in range(2000)]
     return " ".join(" ".join(facts).split()[:words])
-
-
-class Lines(logging.Handler):
-    """The route lines, as onebitd logs them (each once its request is over: after the last byte)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[dict[str, Any]] = []
-        self._changed = trio.Event()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        fields = getattr(record, "route_fields", None)
-        if isinstance(fields, dict):
-            self.lines.append(fields)
-            self._changed.set()
-            self._changed = trio.Event()
-
-    async def wait(self, n: int) -> dict[str, Any]:
-        """The n-th line, once it came."""
-        while len(self.lines) < n:
-            await self._changed.wait()
-        return self.lines[n - 1]
 
 
 async def turn(client: httpx.AsyncClient, model: str, messages: list[dict[str, str]]) -> tuple[float, str]:
@@ -143,7 +122,7 @@ def leftovers(runtime: Path, pids: list[int]) -> tuple[list[str], list[int]]:
 
 async def run_side(args: argparse.Namespace, *, store: bool) -> dict[str, Any]:
     runtime_dir = Path(tempfile.mkdtemp(prefix="ob-bench-", dir="/tmp"))
-    lines = Lines()
+    lines = RouteLines()
     route_log = logging.getLogger(ROUTE_LOGGER)
     route_log.addHandler(lines)
     route_log.setLevel(logging.INFO)

@@ -31,7 +31,6 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import attrs
 import httpx
@@ -44,7 +43,7 @@ from supervisor import config as configuration  # noqa: E402
 from supervisor.config import Config  # noqa: E402
 from supervisor.daemon import Daemon  # noqa: E402
 from supervisor.logs import ROUTE_LOGGER  # noqa: E402
-from supervisor.testing import run_daemon  # noqa: E402
+from supervisor.testing import RouteLines, run_daemon  # noqa: E402
 
 TIMEOUT_S = 600
 TOPICS = ("lighthouses", "sourdough bread", "glaciers", "violins", "honeybees", "volcanoes")
@@ -94,17 +93,6 @@ def side_config(runtime_dir: Path, args: argparse.Namespace, *, hybrid: bool) ->
     return config
 
 
-class Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[dict[str, Any]] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        fields = getattr(record, "route_fields", None)
-        if isinstance(fields, dict):
-            self.lines.append(fields)
-
-
 @attrs.frozen
 class Sample:
     ttft_ms: float
@@ -148,7 +136,7 @@ async def turn(client: httpx.AsyncClient, messages: list[dict[str, str]], max_to
 async def run_side(args: argparse.Namespace, name: str, hybrid: bool, direct: bool) -> list[list[Sample]]:
     """samples[turn][chat]"""
     runtime_dir = Path(tempfile.mkdtemp(prefix="ob-bench-", dir="/tmp"))
-    lines = Lines()
+    lines = RouteLines()
     logging.getLogger(ROUTE_LOGGER).addHandler(lines)
     logging.getLogger(ROUTE_LOGGER).setLevel(logging.INFO)
     try:
@@ -166,8 +154,7 @@ async def run_side(args: argparse.Namespace, name: str, hybrid: bool, direct: bo
                     chat.append({"role": "assistant", "content": reply})
                     if not direct:  # the route line comes once the request is done, after the last byte
                         with trio.fail_after(60):
-                            while len(lines.lines) <= before:  # noqa: ASYNC110
-                                await trio.sleep(0.005)
+                            await lines.wait(before + 1)
                     line = lines.lines[before] if len(lines.lines) > before else {}
                     row.append(Sample(ttft, prompt_n, line.get("provider_prompt_n"), line.get("route", "direct")))
                 samples.append(row)

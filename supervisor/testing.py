@@ -10,10 +10,12 @@ onebitd's front, one straight to the decoder's socket.  Nothing in onebitd itsel
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import attrs
 import httpx
@@ -102,3 +104,26 @@ async def run_daemon(
             yield Running(daemon, started)
         finally:
             daemon.request_stop()
+
+
+class RouteLines(logging.Handler):
+    """The fields of every route line onebitd logs (each once its request is over: after the last
+    byte, and after its slot was saved for the prefix store), for a benchmark to read back."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[dict[str, Any]] = []
+        self._changed = trio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        fields = getattr(record, "route_fields", None)
+        if isinstance(fields, dict):
+            self.lines.append(fields)
+            self._changed.set()
+            self._changed = trio.Event()
+
+    async def wait(self, n: int) -> dict[str, Any]:
+        """The n-th line, once it came."""
+        while len(self.lines) < n:
+            await self._changed.wait()
+        return self.lines[n - 1]
