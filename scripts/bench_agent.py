@@ -3,13 +3,21 @@
 A system prompt and tool definitions of about 3,000 tokens, then T turns (default 8), each adding the
 assistant's reply, a tool call, its result and a short user message, the whole conversation re-sent
 every turn, streamed, greedy.  Once through anthropic-python (``/v1/messages``) and once through
-openai-python's Responses client (``/v1/responses``), on these sides, one after another:
+openai-python's Responses client (``/v1/responses``), on these sides:
 
-    direct   the decoder's llama-server reached over its socket (onebitd's own, with the same flags)
+    direct   a llama-server of its own with the decoder's flags and CPU (one per onebitd below)
     plain    onebitd with hybrid off: slot affinity and the prefix store
-    hybrid   onebitd with a llama-server provider (the file route, the cost decision)
+    at once  plain again, each turn sent the moment the last one's stream ended, as an agent does
+    hybrid   onebitd with a llama-server provider (the file route, the cost decision), with a direct
+             side of its own
     restart  onebitd stopped and started again on the plain side's prefix store: the same session
-    direct'  the same session straight to the restarted llama-server (its cache is gone)
+    direct'  the direct session again, on a llama-server started afresh (its cache is gone)
+
+Each onebitd side runs turn by turn with its direct one, the order swapped every turn (ABBA), so
+the machine's drift falls on both alike; after each onebitd turn the bench waits for its route line
+and the prefix store's write, so the next turn of either side runs on a quiet machine.  What that
+wait hides is measured beside it: ``keep``, how long the request held its slot after its last event
+(the save for the store, which a next turn sent at once would wait behind), and the ``at once`` side.
 
 Per turn the time to the first token (the first content event), and the ratios against direct side by
 side; on hybrid, the prompt tokens the decoder evaluated on turn 1 (handed over: one or two).  Aims:
@@ -35,6 +43,7 @@ from typing import Any
 
 import anthropic
 import attrs
+import httpx
 import httpx2
 import openai
 import trio
@@ -45,7 +54,9 @@ sys.path.insert(0, str(ROOT))
 from supervisor import config as configuration  # noqa: E402
 from supervisor.config import Config  # noqa: E402
 from supervisor.daemon import Daemon  # noqa: E402
+from supervisor.decoder import unix_transport  # noqa: E402
 from supervisor.logs import ROUTE_LOGGER  # noqa: E402
+from supervisor.process import ChildProcess  # noqa: E402
 from supervisor.testing import RouteLines, run_daemon  # noqa: E402
 
 TIMEOUT_S = 900
@@ -158,7 +169,14 @@ class Session:
         ]
 
 
-async def turn_anthropic(client: anthropic.AsyncAnthropic, body: dict[str, Any]) -> tuple[float, str]:
+@attrs.frozen
+class Turn:
+    first_ms: float  # the request's start to its first content event
+    text: str
+    ended: float  # perf_counter when the stream's last event came
+
+
+async def turn_anthropic(client: anthropic.AsyncAnthropic, body: dict[str, Any]) -> Turn:
     """First-token milliseconds and the reply's text, streamed."""
     start = time.perf_counter()
     first: float | None = None
@@ -173,10 +191,11 @@ async def turn_anthropic(client: anthropic.AsyncAnthropic, body: dict[str, Any])
                 text.append(event.delta.text)
         elif event.type == "message_stop":
             first = first or time.perf_counter()
-    return ((first or time.perf_counter()) - start) * 1000, "".join(text)
+    ended = time.perf_counter()
+    return Turn(((first or ended) - start) * 1000, "".join(text), ended)
 
 
-async def turn_responses(client: openai.AsyncOpenAI, body: dict[str, Any]) -> tuple[float, str]:
+async def turn_responses(client: openai.AsyncOpenAI, body: dict[str, Any]) -> Turn:
     start = time.perf_counter()
     first: float | None = None
     text: list[str] = []
@@ -188,10 +207,11 @@ async def turn_responses(client: openai.AsyncOpenAI, body: dict[str, Any]) -> tu
                 text.append(event.delta)
         elif event.type == "response.completed":
             first = first or time.perf_counter()
-    return ((first or time.perf_counter()) - start) * 1000, "".join(text)
+    ended = time.perf_counter()
+    return Turn(((first or ended) - start) * 1000, "".join(text), ended)
 
 
-Asker = Callable[[dict[str, Any]], Awaitable[tuple[float, str]]]
+Asker = Callable[[dict[str, Any]], Awaitable[Turn]]
 
 
 @asynccontextmanager
@@ -220,14 +240,55 @@ async def askers(base_url: str, socket: Path | None = None) -> AsyncIterator[dic
         }
 
 
-async def run_session(ask: Asker, session: Session) -> list[float]:
-    session.first()
-    times: list[float] = []
-    for turn in range(session.turns):
-        ms, reply = await ask(session.body())
-        times.append(ms)
-        session.add(turn, reply)
-    return times
+@attrs.define
+class Side:
+    """One session on one side: how it is asked, and what each turn measured."""
+
+    name: str
+    ask: Asker
+    session: Session
+    daemon: Daemon | None = None  # onebitd's sides: their route lines, their prefix store
+    first_ms: list[float] = attrs.Factory(list)
+    keep_ms: list[float] = attrs.Factory(list)  # a turn's last event to its route line: the slot kept
+    lines: list[dict[str, Any]] = attrs.Factory(list)
+
+
+async def lockstep(sides: list[Side], lines: RouteLines) -> None:
+    """The sides' sessions turn by turn: turn k of each before turn k+1 of any, the order swapped
+    every turn (ABBA), so that the machine's drift falls on both alike.  After an onebitd side's
+    turn, its route line (written once the slot was saved for the prefix store) and the store's
+    write of that file: the next turn, of either side, runs on a quiet machine."""
+    for side in sides:
+        side.session.first()
+    for turn in range(sides[0].session.turns):
+        for side in sides if turn % 2 == 0 else reversed(sides):
+            before = len(lines.lines)
+            got = await side.ask(side.session.body())
+            side.first_ms.append(got.first_ms)
+            side.session.add(turn, got.text)
+            if side.daemon is None:
+                continue
+            with trio.fail_after(120):
+                line = await lines.wait(before + 1)
+                side.keep_ms.append((lines.at[before] - got.ended) * 1000)
+                side.lines.append(line)
+                await writes_settled(side.daemon)
+
+
+async def at_once(side: Side, lines: RouteLines) -> None:
+    """The session as an agent sends it: each turn the moment the last one's stream ended."""
+    side.session.first()
+    before = len(lines.lines)
+    for turn in range(side.session.turns):
+        got = await side.ask(side.session.body())
+        side.first_ms.append(got.first_ms)
+        side.session.add(turn, got.text)
+    assert side.daemon is not None
+    with trio.fail_after(120):
+        await lines.wait(before + side.session.turns)
+        mine = lines.lines[before : before + side.session.turns]
+        side.lines = sorted(mine, key=lambda line: int(str(line["req"]).rsplit("-", 1)[1]))
+        await writes_settled(side.daemon)
 
 
 def side_config(runtime_dir: Path, store: Path, *, hybrid: bool) -> Config:
@@ -258,11 +319,43 @@ async def open_side(config: Config) -> AsyncIterator[tuple[Daemon, str]]:
         yield running.daemon, running.url
 
 
-async def stores_settled(daemon: Daemon, n: int) -> None:
-    """The store's writes run off the requests' path: wait for them to land before a restart."""
-    with trio.fail_after(120):
-        while daemon.store.statistics().stores < n:  # noqa: ASYNC110  # no event announces it
-            await trio.sleep(0.05)
+@asynccontextmanager
+async def open_direct(daemon: Daemon, config: Config, directory: Path) -> AsyncIterator[Path]:
+    """The direct side: a llama-server of its own with the decoder's flags (its binary, model, slots,
+    threads and CPU), on its own socket, so that no request of onebitd's ever takes its slots.  The
+    sides run turn by turn, never at once, so sharing the decoder's CPU costs neither anything."""
+    argv = list(daemon.launcher.argv())
+    socket, state = directory / "direct.sock", directory / "direct-state"
+    state.mkdir(mode=0o700, parents=True)
+    argv[argv.index("--host") + 1] = str(socket)
+    argv[argv.index("--slot-save-path") + 1] = str(state)
+    process = await ChildProcess.spawn(
+        "direct", argv, env=daemon.launcher.env, cpu_affinity=config.decoder.cpu_affinity
+    )
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(process.pump_output)
+            async with httpx.AsyncClient(transport=unix_transport(socket), base_url="http://direct") as client:
+                with trio.fail_after(TIMEOUT_S):
+                    while True:  # a process of its own loading its model: poll its health
+                        try:
+                            if (await client.get("/health")).status_code == 200:
+                                break
+                        except httpx.TransportError:
+                            pass
+                        await trio.sleep(0.05)
+            yield socket
+            nursery.cancel_scope.cancel()
+    finally:
+        with trio.CancelScope(shield=True):
+            await process.stop(grace=5)
+
+
+async def writes_settled(daemon: Daemon) -> None:
+    """The prefix store's writes run off the requests' path: wait until none is left."""
+    stored = daemon.completions.stored
+    while stored is not None and stored.writing:  # noqa: ASYNC110  # no event announces it
+        await trio.sleep(0.01)
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -272,7 +365,7 @@ async def run(args: argparse.Namespace) -> int:
     print(
         f"onebit agent: a {args.turns}-turn session (~{args.system_words}-word system prompt and {len(TOOL_NAMES)} "
         f"tools), {args.max_tokens} reply tokens a turn, through anthropic-python and openai-python's Responses "
-        "client; first-token ms per turn"
+        "client; first-token ms per turn; each onebitd side turn by turn with a direct one (ABBA)"
     )
     lines = RouteLines()
     logger = logging.getLogger(ROUTE_LOGGER)
@@ -280,85 +373,115 @@ async def run(args: argparse.Namespace) -> int:
     logger.setLevel(logging.INFO)
     root = Path(tempfile.mkdtemp(prefix="ob-bench-", dir="/tmp"))
     store = root / "store"
-    times: dict[tuple[str, str], list[float]] = {}
-    seen: dict[tuple[str, str], list[dict[str, Any]]] = {}  # each onebitd session's route lines, in turn order
+    sides: dict[tuple[str, str], Side] = {}
 
-    def session(client: str, nonce: str) -> Session:
-        return Session(client, nonce, system, args.turns, args.max_tokens)
+    def side(name: str, client: str, ask: Asker, nonce: str, daemon: Daemon | None = None) -> Side:
+        made = Side(name, ask, Session(client, nonce, system, args.turns, args.max_tokens), daemon)
+        sides[name, client] = made
+        return made
 
-    async def through(side: str, ask: Asker, client: str, nonce: str) -> None:
-        before = len(lines.lines)
-        times[side, client] = await run_session(ask, session(client, nonce))
-        # A line is written when its request ends: after its reply, and after the slot is saved for
-        # the prefix store, so the last turn's may come after its client has everything.
-        with trio.fail_after(120):
-            await lines.wait(before + args.turns)
-        mine = lines.lines[before : before + args.turns]
-        seen[side, client] = sorted(mine, key=lambda line: int(str(line["req"]).rsplit("-", 1)[1]))
-
+    plain = side_config(root / "plain", store, hybrid=False)
+    hybrid = side_config(root / "hybrid", root / "hybrid-store", hybrid=True)
     try:
         with trio.fail_after(TIMEOUT_S * 4):
-            async with open_side(side_config(root / "plain", store, hybrid=False)) as (daemon, url):
-                async with askers("http://decoder", daemon.launcher.socket) as direct, askers(url) as front:
-                    for client in CLIENTS:
-                        times["direct", client] = await run_session(direct[client], session(client, f"d-{client}"))
-                        await through("plain", front[client], client, f"p-{client}")
-                await stores_settled(daemon, 2)
-            hybrid = side_config(root / "hybrid", root / "hybrid-store", hybrid=True)
-            async with open_side(hybrid) as (daemon, url), askers(url) as front:
-                for client in CLIENTS:
-                    await through("hybrid", front[client], client, f"h-{client}")
-            # A full restart: onebitd and its llama-server; the plain side's store is still on disk.
             async with (
-                open_side(side_config(root / "plain", store, hybrid=False)) as (daemon, url),
-                askers("http://decoder", daemon.launcher.socket) as direct,
+                open_side(plain) as (daemon, url),
+                open_direct(daemon, plain, root / "direct") as direct_socket,
+                askers("http://direct", direct_socket) as direct,
                 askers(url) as front,
             ):
                 for client in CLIENTS:
-                    await through("restart", front[client], client, f"p-{client}")
-                    times["direct'", client] = await run_session(direct[client], session(client, f"d-{client}"))
+                    await lockstep(
+                        [
+                            side("direct", client, direct[client], f"d-{client}"),
+                            side("plain", client, front[client], f"p-{client}", daemon),
+                        ],
+                        lines,
+                    )
+                # As an agent sends it, the next turn at once: does it find its slot?
+                for client in CLIENTS:
+                    await at_once(side("at-once", client, front[client], f"a-{client}", daemon), lines)
+            async with (
+                open_side(hybrid) as (daemon, url),
+                open_direct(daemon, hybrid, root / "direct-h") as direct_socket,
+                askers("http://direct", direct_socket) as direct,
+                askers(url) as front,
+            ):
+                for client in CLIENTS:
+                    await lockstep(
+                        [
+                            side("direct-h", client, direct[client], f"dh-{client}"),
+                            side("hybrid", client, front[client], f"h-{client}", daemon),
+                        ],
+                        lines,
+                    )
+            # A full restart: onebitd and its llama-server; the plain side's store is still on disk.
+            async with (
+                open_side(plain) as (daemon, url),
+                open_direct(daemon, plain, root / "direct-restarted") as direct_socket,
+                askers("http://direct", direct_socket) as direct,
+                askers(url) as front,
+            ):
+                for client in CLIENTS:
+                    await lockstep(
+                        [
+                            side("restart", client, front[client], f"p-{client}", daemon),
+                            side("direct'", client, direct[client], f"d-{client}"),
+                        ],
+                        lines,
+                    )
     finally:
         logger.removeHandler(lines)
         shutil.rmtree(root, ignore_errors=True)
 
     for client in CLIENTS:
-        base = times["direct", client]
-        print()
-        print(f"{client}:")
-        print(
-            f"{'turn':>4}{'direct':>10}{'plain':>10}{'/direct':>9}{'hybrid':>10}{'/direct':>9}"
-            f"{'restart':>10}{'direct`':>10}{'direct`/restart':>17}"
-        )
-        for turn in range(args.turns):
-            d, p, h = base[turn], times["plain", client][turn], times["hybrid", client][turn]
-            r, c = times["restart", client][turn], times["direct'", client][turn]
-            print(f"{turn + 1:>4}{d:>10.1f}{p:>10.1f}{p / d:>9.2f}{h:>10.1f}{h / d:>9.2f}", end="")
-            print(f"{r:>10.1f}{c:>10.1f}{c / r:>17.2f}")
-        later = slice(1, None)
-        if args.turns > 1:
-            plain_ratio = sum(times["plain", client][later]) / sum(base[later])
-            hybrid_ratio = sum(times["hybrid", client][later]) / sum(base[later])
-            print(
-                f"turns 2-{args.turns}, summed: plain/direct {plain_ratio:.2f}x, hybrid/direct {hybrid_ratio:.2f}x"
-                "   (aim: at most 1.05x)"
-            )
-        for side in ("plain", "hybrid", "restart"):
-            turns = "  ".join(
-                f"{line['slot']}:{line['route']}:{line['cached_tokens']}/{line['prompt_tokens']}"
-                for line in seen[side, client]
-            )
-            print(f"{side:>8} slot:route:cached/prompt tokens per turn  {turns}")
-        line = seen["hybrid", client][0]
-        print(
-            f"hybrid turn 1: route={line['route']} decoder evaluated {line['decoder_prompt_n']} of "
-            f"{line['prompt_tokens']} prompt tokens   (aim: at most 2)"
-        )
-        line = seen["restart", client][0]
-        first = times["direct'", client][0] / times["restart", client][0]
-        print(
-            f"after the restart, turn 1: direct' cold / onebitd {first:.2f}x   (aim: at least 5x); "
-            f"restored {line['restored_tokens']} tokens, the decoder evaluated {line['decoder_prompt_n']}"
-        )
-        median = statistics.median(p / d for p, d in zip(times["plain", client], base, strict=True))
-        print(f"median turn, plain/direct: {median:.2f}x")
+        report(client, args.turns, {name: s for (name, c), s in sides.items() if c == client})
     return 0
+
+
+def report(client: str, turns: int, sides: dict[str, Side]) -> None:
+    ms = {name: s.first_ms for name, s in sides.items()}
+    print()
+    print(f"{client}:")
+    print(
+        f"{'turn':>4}{'direct':>9}{'plain':>9}{'/direct':>8}{'keep':>7}{'direct':>9}{'hybrid':>9}{'/direct':>8}"
+        f"{'restart':>9}{'direct`':>9}{'direct`/restart':>16}{'at once':>9}"
+    )
+    for t in range(turns):
+        d, p, keep = ms["direct"][t], ms["plain"][t], sides["plain"].keep_ms[t]
+        dh, h = ms["direct-h"][t], ms["hybrid"][t]
+        r, c, a = ms["restart"][t], ms["direct'"][t], ms["at-once"][t]
+        print(f"{t + 1:>4}{d:>9.1f}{p:>9.1f}{p / d:>8.2f}{keep:>7.1f}{dh:>9.1f}{h:>9.1f}{h / dh:>8.2f}", end="")
+        print(f"{r:>9.1f}{c:>9.1f}{c / r:>16.2f}{a:>9.1f}")
+    later = slice(1, None)
+    if turns > 1:
+        plain_ratio = sum(ms["plain"][later]) / sum(ms["direct"][later])
+        hybrid_ratio = sum(ms["hybrid"][later]) / sum(ms["direct-h"][later])
+        print(
+            f"turns 2-{turns}, summed: plain/direct {plain_ratio:.2f}x, hybrid/direct {hybrid_ratio:.2f}x"
+            "   (aim: at most 1.05x)"
+        )
+        kept = sides["plain"].keep_ms[later]
+        print(
+            f"plain's slot kept after the reply (the save for the prefix store), turns 2-{turns}: median "
+            f"{statistics.median(kept):.1f} ms, max {max(kept):.1f} ms"
+        )
+    for name in ("plain", "at-once", "hybrid", "restart"):
+        per_turn = "  ".join(
+            f"{line['slot']}:{line['route']}:{line['cached_tokens']}/{line['prompt_tokens']}"
+            for line in sides[name].lines
+        )
+        print(f"{name:>8} slot:route:cached/prompt tokens per turn  {per_turn}")
+    line = sides["hybrid"].lines[0]
+    print(
+        f"hybrid turn 1: route={line['route']} decoder evaluated {line['decoder_prompt_n']} of "
+        f"{line['prompt_tokens']} prompt tokens   (aim: at most 2)"
+    )
+    line = sides["restart"].lines[0]
+    first = ms["direct'"][0] / ms["restart"][0]
+    print(
+        f"after the restart, turn 1: direct' cold / onebitd {first:.2f}x   (aim: at least 5x); "
+        f"restored {line['restored_tokens']} tokens, the decoder evaluated {line['decoder_prompt_n']}"
+    )
+    median = statistics.median(p / d for p, d in zip(ms["plain"], ms["direct"], strict=True))
+    print(f"median turn, plain/direct: {median:.2f}x")

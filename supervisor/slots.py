@@ -27,6 +27,9 @@ from .errors import Overloaded
 # same template tokens, every chat's JSON with the same characters): below it, the LRU slot is taken.
 USEFUL_TOKENS = 16
 USEFUL_CHARS = 64
+# How long a request waits for a slot that is only being saved (the prefix store's save after a
+# reply, bounded at 30 s in routes/stored.py): past that it takes a free one.
+KEEP_WAIT_S = 35.0
 
 
 @attrs.frozen
@@ -75,6 +78,9 @@ class SlotStatistics:
     # Slots handed out to the free slot whose prompt matched, and to the least recently used one.
     affinity_hits: int = 0
     affinity_misses: int = 0
+    # Requests that waited for their conversation's slot while it was being saved, and those waiting now.
+    keep_waits: int = 0
+    keep_waiting: int = 0
 
 
 class SlotPool:
@@ -90,6 +96,10 @@ class SlotPool:
         self._used = [0] * n_slots  # when each slot was last handed out, in hand-outs
         self._hits = 0
         self._misses = 0
+        # Slots whose request has answered and holds on only to save the slot: what each will hold.
+        self._keeping: dict[int, tuple[PromptKey, trio.Event]] = {}
+        self._keep_waits = 0
+        self._keep_waiting = 0
 
     @property
     def queue_limit(self) -> int:
@@ -104,6 +114,8 @@ class SlotPool:
             queue_limit=self.queue_limit,
             affinity_hits=self._hits,
             affinity_misses=self._misses,
+            keep_waits=self._keep_waits,
+            keep_waiting=self._keep_waiting,
         )
 
     def holds(self, slot: int) -> PromptKey:
@@ -147,6 +159,38 @@ class SlotPool:
                     best, extends = n, n == len(held.tokens)
         return best, extends
 
+    def keeping(self, slot: int, key: PromptKey) -> None:
+        """The request holding ``slot`` has sent its last byte and holds on only to save the slot
+        (routes/stored.py): until it lets go, a request that continues ``key`` (a conversation's next
+        turn, sent the moment the reply ended) waits for this slot rather than take a cold free one.
+        llama-server reached directly has no such gap: it saves between two tasks of its own."""
+        self._keeping[slot] = (key, trio.Event())
+
+    async def _wait_for_kept(self, key: PromptKey) -> None:
+        """Wait (bounded) for a slot being saved when it holds more of ``key`` than every free slot."""
+        if not self._keeping:
+            return
+        best_free = 0
+        for slot in self._free:
+            n, useful = shared(self._held[slot], key)
+            if useful:
+                best_free = max(best_free, n)
+        wanted: trio.Event | None = None
+        best = best_free
+        for kept, event in self._keeping.values():
+            n, useful = shared(kept, key)
+            if useful and n > best:
+                wanted, best = event, n
+        if wanted is None:
+            return
+        self._keep_waits += 1
+        self._keep_waiting += 1
+        try:
+            with trio.move_on_after(KEEP_WAIT_S):
+                await wanted.wait()
+        finally:
+            self._keep_waiting -= 1
+
     def _pick(self, key: PromptKey | None) -> int:
         lru = min(self._free, key=lambda s: self._used[s])
         if key is None:
@@ -172,6 +216,8 @@ class SlotPool:
         next request must not be pinned behind that work.  ``settle`` shields itself, bounded."""
         if self._semaphore.value == 0 and self._semaphore.statistics().tasks_waiting >= self.queue_limit:
             raise Overloaded()
+        if key is not None:
+            await self._wait_for_kept(key)
         await self._semaphore.acquire()
         slot = self._pick(key)
         self._free.discard(slot)
@@ -187,3 +233,6 @@ class SlotPool:
                 self._held[slot] = key
             self._free.add(slot)
             self._semaphore.release()
+            kept = self._keeping.pop(slot, None)
+            if kept is not None:
+                kept[1].set()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -113,12 +114,14 @@ class RouteLines(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.INFO)
         self.lines: list[dict[str, Any]] = []
+        self.at: list[float] = []  # when each line came, by time.perf_counter()
         self._changed = trio.Event()
 
     def emit(self, record: logging.LogRecord) -> None:
         fields = getattr(record, "route_fields", None)
         if isinstance(fields, dict):
             self.lines.append(fields)
+            self.at.append(time.perf_counter())
             self._changed.set()
             self._changed = trio.Event()
 

@@ -73,6 +73,9 @@ class FakeLlama:
     actions: list[tuple[str, int]] = attrs.Factory(list)  # (action, slot), in order
     # Set while a streamed reply is paused after its first token (modes.hold).
     release: trio.Event = attrs.Factory(trio.Event)
+    # When set: a slot save waits for it (``saving`` counts the saves waiting).
+    save_gate: trio.Event | None = None
+    saving: int = 0
 
     def __attrs_post_init__(self) -> None:
         self.slots = [[] for _ in range(self.n_slots)]
@@ -100,6 +103,10 @@ class FakeLlama:
             if path == "/apply-template":
                 return httpx.Response(200, json={"prompt": chatml(body.get("messages"))})
             if path.startswith("/slots/"):
+                if self.save_gate is not None and "action=save" in request.url.query.decode():
+                    self.saving += 1
+                    await self.save_gate.wait()
+                    self.saving -= 1
                 return self.slot_action(int(path.split("/")[2]), parse_qs(request.url.query.decode()), body)
             if path in COMPLETIONS:
                 return await self.completion(path, body)

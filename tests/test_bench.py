@@ -118,3 +118,8 @@ async def test_the_agent_benchmark_in_quick_mode_exits_0_and_prints_its_ratios()
     assert (
         len(re.findall(r"^ +plain slot:route:cached/prompt tokens per turn( +\d+:plain:\d+/\d+){3}$", out, re.M)) == 2
     )
+    assert (
+        len(re.findall(r"^ +at-once slot:route:cached/prompt tokens per turn( +\d+:plain:\d+/\d+){3}$", out, re.M)) == 2
+    )
+    kept = rf"^plain's slot kept after the reply \(the save for the prefix store\), turns 2-3: median {NUMBER} ms"
+    assert len(re.findall(kept, out, re.M)) == 2, out

@@ -419,6 +419,34 @@ async def test_a_prompt_restored_from_the_store_says_stored_and_its_restore_time
     assert warm.restore_ms > 0
 
 
+async def test_a_next_turn_sent_while_its_slot_is_saved_for_the_store_waits_for_that_slot(tmp_path: Path) -> None:
+    # An agent sends its next turn the moment a reply ends, while onebitd still holds the slot to
+    # save it for the prefix store; the other slot is free, and holds nothing of the conversation.
+    rig = make_rig(tmp_path, ScriptedProvider(ready=False))
+    store = await PrefixStore.open(tmp_path / "store", fingerprint=FINGERPRINT, max_bytes=1 << 20, min_tokens=4)
+    stored = StoredPrefixes(client=rig.completions.client, state_dir=tmp_path, store=store)
+    gate = rig.fake.save_gate = trio.Event()
+    # Long enough for slot affinity to count the shared prefix as a conversation (slots.USEFUL_TOKENS).
+    turn1 = {**body_for(False), "prompt": f"{PROMPT} {PROMPT}"}
+    turn2 = {**turn1, "prompt": f"{PROMPT} {PROMPT} and then a second question"}
+    try:
+        with trio.fail_after(TIMEOUT):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(rig.completions.run, stored)
+                async with trio.open_nursery() as turns:
+                    turns.start_soon(rig.post, "/completion", turn1)
+                    await wait_until(lambda: rig.fake.saving == 1)
+                    turns.start_soon(rig.post, "/completion", turn2)
+                    await wait_until(lambda: rig.completions.slots.statistics().keep_waiting == 1)
+                    gate.set()
+                nursery.cancel_scope.cancel()
+    finally:
+        store.close()
+    first, second = rig.lines
+    assert second.slot == first.slot
+    assert rig.completions.slots.statistics().keep_waits == 1
+
+
 async def test_a_stream_the_decoder_drops_mid_way_is_a_warning_and_an_error_event(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

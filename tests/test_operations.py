@@ -67,6 +67,8 @@ async def test_status_answers_while_the_decoder_loads_then_while_it_serves(short
         "queue_limit": 64,
         "affinity_hits": 0,
         "affinity_misses": 0,
+        "keep_waits": 0,
+        "keep_waiting": 0,
     }
     for key in ("routes", "fallbacks", "first_byte", "inflight", "providers"):
         assert key in serving

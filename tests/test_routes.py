@@ -24,7 +24,7 @@ from supervisor.routes.decision import (
     claim_matches,
     restore_used,
 )
-from supervisor.slots import PromptKey, SlotPool, common_prefix
+from supervisor.slots import KEEP_WAIT_S, PromptKey, SlotPool, common_prefix
 
 # A request that could take a hybrid route: each test changes one input.
 HYBRID: dict[str, Any] = {
@@ -312,6 +312,57 @@ async def test_a_request_gets_the_free_slot_holding_the_longest_prefix_of_its_pr
         assert pool.holds(slot) == key(*SYSTEM, 7)
         assert pool.cached(slot, key(*SYSTEM, 7, 8, 9)) == 41
     assert pool.statistics().affinity_hits == 1
+
+
+async def test_a_next_turn_sent_while_its_slot_is_being_saved_waits_for_that_slot_not_a_cold_one() -> None:
+    pool = SlotPool(2, queue_limit=8)
+    turn1 = key(*SYSTEM, 1, 2, 3)
+    got: list[int] = []
+
+    async def next_turn(prompt: PromptKey) -> None:
+        async with pool.hold(prompt) as slot:
+            got.append(slot)
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery, pool.hold(turn1) as first:
+            pool.keeping(first, turn1)  # the reply is out; the slot is being saved
+            nursery.start_soon(next_turn, key(*SYSTEM, 1, 2, 3, 4, 5))
+            await trio.testing.wait_all_tasks_blocked()
+            # The other slot is free, and cold: the next turn waits for its own.
+            assert got == []
+            assert (pool.statistics().keep_waiting, pool.statistics().free) == (1, 1)
+    assert got == [first]
+    assert (pool.statistics().keep_waits, pool.statistics().keep_waiting) == (1, 0)
+
+
+async def test_a_request_that_does_not_continue_the_slot_being_saved_takes_a_free_slot_at_once() -> None:
+    pool = SlotPool(2, queue_limit=8)
+    async with pool.hold(key(*SYSTEM, 5)) as warm:
+        pass
+    turn1 = key(*SYSTEM, 1, 2, 3)
+    with trio.fail_after(5):
+        async with pool.hold() as saving:
+            assert saving != warm
+            pool.keeping(saving, turn1)
+            # A free slot holds as much of it (the system prompt) as the slot being saved.
+            async with pool.hold(key(*SYSTEM, 9)) as slot:
+                assert slot == warm
+            # Nothing in common with the slot being saved.
+            async with pool.hold(key(7, 7, 7)) as slot:
+                assert slot == warm
+    assert pool.statistics().keep_waits == 0
+
+
+async def test_a_wait_for_a_slot_being_saved_is_bounded(autojump_clock: trio.testing.MockClock) -> None:
+    pool = SlotPool(2, queue_limit=8)
+    turn1 = key(*SYSTEM, 1, 2, 3)
+    with trio.fail_after(KEEP_WAIT_S * 2):
+        async with pool.hold(turn1) as first:
+            pool.keeping(first, turn1)
+            started = trio.current_time()
+            async with pool.hold(key(*SYSTEM, 1, 2, 3, 4)) as slot:
+                assert slot != first
+            assert trio.current_time() - started == pytest.approx(KEEP_WAIT_S)
 
 
 async def test_without_a_useful_match_the_least_recently_used_free_slot_is_taken() -> None:

@@ -79,6 +79,11 @@ class StoredPrefixes:
                 self._writes = None
 
     @property
+    def writing(self) -> int:
+        """The store's writes started and not yet done."""
+        return len(self._writes.child_tasks) if self._writes is not None else 0
+
+    @property
     def enabled(self) -> bool:
         return self.store.enabled
 
@@ -133,6 +138,7 @@ class StoredPrefixes:
         tokens = self.candidate(key.tokens, shared, extends)
         if tokens is None:
             return
+        slots.keeping(slot, key)  # a next turn sent at once waits for this slot, not a cold one
         path = await self.save(slot, req)
         if path is None:
             return
