@@ -14,6 +14,7 @@ import httpx
 import pytest
 import tomli_w
 import trio
+import trio.testing
 
 from supervisor import config as configuration
 from supervisor.child import ChildState
@@ -128,6 +129,35 @@ async def test_health_says_loading_until_a_providers_first_start_is_over_then_ok
     assert not ready_early
     assert ok.status_code == 200
     assert ok.json() == {"status": "ok"}
+
+
+async def test_a_llama_server_provider_slower_to_start_than_the_decoder_is_waited_for_not_called_failed(
+    short_dir: Path, control: Control, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="onebit.daemon")
+    # The provider (the fake decoder again, with no start-time check: the ggml engine) loads its
+    # model only once the test says so; the decoder at once.
+    go = short_dir / "provider-go"
+    slow = short_dir / "slow-llama-server"
+    launcher = short_dir / "fake-llama-server"
+    slow.write_text(f'#!/bin/sh\nwhile [ ! -e {go} ]; do sleep 0.01; done\nexec {launcher} "$@"\n')
+    slow.chmod(0o755)
+    config = fake_decoder_config(
+        short_dir, hybrid={"enabled": True}, provider=[{"kind": "llama-server", "name": "p0", "binary": str(slow)}]
+    )
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(config, wait_ready=False) as running:
+            provider = running.daemon.providers.all[0]
+            await running.daemon.decoder.wait_state(ChildState.READY)
+            await trio.testing.wait_all_tasks_blocked()
+            ready_early = running.daemon.ready.is_set()
+            go.touch()
+            await running.daemon.ready.wait()
+            ready = provider.ready
+    assert not ready_early
+    assert ready
+    errors = [r.getMessage() for r in caplog.records if r.name == "onebit.daemon" and r.levelno >= logging.WARNING]
+    assert errors == []
 
 
 async def test_a_provider_that_failed_its_start_is_named_by_health_and_the_log(

@@ -209,6 +209,9 @@ class LlamaServerProvider:
         """Once its child is ready, run the gate: admitted (True) for as long as the daemon runs, or
         refused (False).  A gate that cannot finish (the child or the decoder died under it) runs again."""
         if self.gate is None:
+            # Nothing to check (the ggml engine's handoffs are exact): admitted once it is healthy.
+            # Settled only then, or when that first start fails: the daemon's readiness waits for it.
+            await self.child.wait_state(ChildState.READY)
             return True
         while True:
             await self.child.wait_state(ChildState.READY)
