@@ -472,6 +472,10 @@ def report(client: str, turns: int, sides: dict[str, Side]) -> None:
             for line in sides[name].lines
         )
         print(f"{name:>8} slot:route:cached/prompt tokens per turn  {per_turn}")
+    estimates = "  ".join(
+        f"{line['est_plain_ms'] or 0:.0f}/{line['est_hybrid_ms'] or 0:.0f}" for line in sides["hybrid"].lines
+    )
+    print(f"  hybrid the cost decision's estimates, plain/hybrid ms per turn  {estimates}")
     line = sides["hybrid"].lines[0]
     print(
         f"hybrid turn 1: route={line['route']} decoder evaluated {line['decoder_prompt_n']} of "
