@@ -64,6 +64,13 @@ def setup(fmt: str = "logfmt", level: str = "info", stream: TextIO | None = None
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
+    # No line here shows a record's caller, thread or process, and finding them costs every record
+    # a walk up the stack and three lookups (the logging HOWTO's "Optimization"): a request's route
+    # line is one record.
+    logging._srcfile = None
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False
     # httpx logs every decoder call (health checks included) at INFO: noise next to the route line.
     # trio-websocket logs its handshake and frames at DEBUG, six lines per onebitctl call: its own
     # debugging, not onebitd's (log.level = "debug" is for onebitd's and llama-server's lines).
