@@ -242,8 +242,8 @@ class Completions:
 
     async def _from_store(self, plan: Plan, slot: int, line: RouteLine) -> Entry | None:
         """The prefix store's longest prefix of the prompt, restored into the slot when worth it."""
-        if self.stored is None:
-            return None
+        if self.stored is None or plan.key.tokens is None:
+            return None  # an untokenized prompt (most short ones) has no stored prefix to look up
         restored = await self.stored.before(
             slot,
             plan.key,

@@ -559,13 +559,14 @@ class Front:
                 )
 
     async def _read_json(self, receive: Receive, headers: dict[str, str]) -> dict[str, Any]:
-        limit = self.server.max_body_bytes
+        server = self.server
+        limit = server.max_body_bytes
         declared = headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise ClientError(413, "body_too_large", f"request body over server.max_body_bytes ({limit})")
         chunks: list[bytes] = []
         size = 0
-        timeout = self.server.body_timeout_s
+        timeout = server.body_timeout_s
         with trio.move_on_after(timeout) as reading:
             while True:
                 message = await receive()

@@ -24,6 +24,10 @@ class TextFormatter(logging.Formatter):
     def __init__(self, *, journal: bool) -> None:
         super().__init__()
         self.journal = journal
+        # The last second's stamp: a line's time is written to the second and its milliseconds,
+        # and most lines (a request's route line among them) share their second with the one before.
+        self._second = -1
+        self._stamp = ""
 
     def format(self, record: logging.LogRecord) -> str:
         level = record.levelname.lower()
@@ -32,8 +36,10 @@ class TextFormatter(logging.Formatter):
             message += "\n" + self.formatException(record.exc_info)
         if self.journal:
             return f"<{_SYSLOG_PRIORITY.get(record.levelname, 6)}>{level} {record.name}: {message}"
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(record.created))
-        return f"{stamp}.{int(record.msecs):03d} {level} {record.name}: {message}"
+        second = int(record.created)
+        if second != self._second:
+            self._second, self._stamp = second, time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(second))
+        return f"{self._stamp}.{int(record.msecs):03d} {level} {record.name}: {message}"
 
 
 class JsonFormatter(logging.Formatter):
@@ -64,6 +70,13 @@ def setup(fmt: str = "logfmt", level: str = "info", stream: TextIO | None = None
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
+    # No line here shows a record's caller, thread or process, and finding them costs every record
+    # a walk up the stack and three lookups (the logging HOWTO's "Optimization"): a request's route
+    # line is one record.
+    logging._srcfile = None
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False
     # httpx logs every decoder call (health checks included) at INFO: noise next to the route line.
     # trio-websocket logs its handshake and frames at DEBUG, six lines per onebitctl call: its own
     # debugging, not onebitd's (log.level = "debug" is for onebitd's and llama-server's lines).

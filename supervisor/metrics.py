@@ -13,6 +13,7 @@ from typing import Any
 import attrs
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from .child import ChildStatistics
@@ -187,6 +188,23 @@ def _providers(providers: list[tuple[str | None, ProviderStatistics]], *, by_mod
     yield from (ready, refused, jobs, failures)
 
 
+class Children:
+    """Each labelled metric's child for a set of label values, made once and kept: prometheus-client's
+    ``labels()`` checks and converts the values and takes the metric's lock on every call, and every
+    request asks for five or six.  The label values are routes, outcomes, fallback reasons and model
+    names, so what is kept is what prometheus-client's metrics keep themselves."""
+
+    def __init__(self) -> None:
+        self._made: dict[tuple[Any, ...], Any] = {}
+
+    def __call__(self, metric: MetricWrapperBase, *values: str) -> Any:
+        key = (metric, *values)
+        child = self._made.get(key)
+        if child is None:
+            child = self._made[key] = metric.labels(*values)
+        return child
+
+
 class Metrics:
     def __init__(self, snapshot: Snapshot) -> None:
         self.registry = CollectorRegistry()
@@ -248,28 +266,30 @@ class Metrics:
             registry=self.registry,
         )
         self.registry.register(_Live(snapshot))
+        self._children = Children()
 
     def observe(self, line: RouteLine) -> None:
-        self.requests.labels(line.route, line.outcome, line.fallback or "-").inc()
+        children = self._children
+        children(self.requests, line.route, line.outcome, line.fallback or "-").inc()
         if line.first_byte_ms is not None and line.outcome in ("ok", "detached"):
             # Served requests only: a 503 or a refusal answered in a fraction of a millisecond would
             # make latency look better the more requests are turned away.
-            self.first_byte.labels(line.route).observe(line.first_byte_ms / 1000)
+            children(self.first_byte, line.route).observe(line.first_byte_ms / 1000)
         if line.route != "plain" and line.prefill_ms and line.outcome != "cancelled":  # a whole prefill only
             where = (line.provider or "-", line.engine or "-", line.device or "-")
-            self.prefill.labels(line.route, *where).observe(line.prefill_ms / 1000)
+            children(self.prefill, line.route, *where).observe(line.prefill_ms / 1000)
         if line.restore_ms:
             self.restore.observe(line.restore_ms / 1000)
         if line.share_ms:
             self.share.observe(line.share_ms / 1000)
         if line.prompt_tokens is not None:
-            self.prompt_tokens.labels(line.route).inc(line.prompt_tokens)
+            children(self.prompt_tokens, line.route).inc(line.prompt_tokens)
         if line.decoder_prompt_n is not None:
-            self.decoder_prompt_tokens.labels(line.route).inc(line.decoder_prompt_n)
+            children(self.decoder_prompt_tokens, line.route).inc(line.decoder_prompt_n)
         if line.model is not None:
-            self.model_requests.labels(line.model, line.outcome).inc()
+            children(self.model_requests, line.model, line.outcome).inc()
             if line.load_ms is not None:
-                self.load_wait.labels(line.model).observe(line.load_ms / 1000)
+                children(self.load_wait, line.model).observe(line.load_ms / 1000)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

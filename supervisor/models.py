@@ -27,8 +27,7 @@ past :data:`STARVE_S` of waiting, once the requests already in them are done.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -167,6 +166,7 @@ class Models:
         self._live = live
         self.several = several
         self._names: dict[str, Model] = {}
+        self._default: Model | None = None
         self._index()
         self._wake = trio.Event()
         # Each model's waiters: when each began waiting (trio clock), in arrival order.
@@ -180,12 +180,15 @@ class Models:
 
     def _index(self) -> None:
         self._names = {name: model for model in self.all for name in model.spec.names}
+        self._default = next((m for m in self.all if m.spec.default), self.all[0]) if self.all else None
         for model in self.all:
             model.on_change = self.kick
 
     @property
     def default(self) -> Model:
-        return next((m for m in self.all if m.spec.default), self.all[0])
+        """The model a request that names none goes to (``models.default``; else the first)."""
+        assert self._default is not None
+        return self._default
 
     def get(self, name: str) -> Model | None:
         return self._names.get(name)
@@ -208,31 +211,43 @@ class Models:
 
     # -- a request's hold on its model -----------------------------------------------------------
 
-    @asynccontextmanager
-    async def use(self, asked: Any, line: RouteLine | None = None, *, any_loaded: bool = False) -> AsyncIterator[Model]:
-        """The model ``asked`` names, loaded and held for the block (it is not unloaded under it).
-        ``line``: its ``model`` and ``load_ms`` are filled in.  ``any_loaded``: with several models,
-        a request that names none goes to the default one if it is loaded, else to the most recently
-        used loaded one, and loads the default one only when none is."""
+    def use(self, asked: Any, line: RouteLine | None = None, *, any_loaded: bool = False) -> Held:
+        """The model ``asked`` names, loaded and held for an ``async with`` block (it is not unloaded
+        under it).  ``line``: its ``model`` and ``load_ms`` are filled in.  ``any_loaded``: with
+        several models, a request that names none goes to the default one if it is loaded, else to
+        the most recently used loaded one, and loads the default one only when none is."""
+        return Held(self, asked, line, any_loaded)
+
+    async def _take(self, asked: Any, line: RouteLine | None, any_loaded: bool) -> Model:
+        """:class:`Held`'s entry: the model, once it may be used, held."""
+        if not self.several:
+            model = self.default
+            if line is not None:
+                line.model = model.name
+            # With one model, a request goes to it as it is (a decoder starting or restarting is a
+            # 503, as ever), unless it was unloaded (ttl_s, onebitctl unload): then it is loaded
+            # again, as one of several would be.
+            if not model.wanted:
+                await self._wait_for(model, line)
+            model.hold()
+            return model
         model = self.find(asked)
-        if any_loaded and self.several and not self._admissible(model):
+        if any_loaded and not self._admissible(model):
             loaded = [m for m in self.all if self._admissible(m)]
             if loaded:
                 model = max(loaded, key=lambda m: m.last_used or 0.0)
         if line is not None:
             line.model = model.name
-        # With one model, a request goes to it as it is (a decoder starting or restarting is a 503, as
-        # ever), unless it was unloaded (ttl_s, onebitctl unload): then it is loaded again, as one of
-        # several would be.
-        if (self.several or not model.wanted) and not self._admissible(model):
+        if not self._admissible(model):
             await self._wait_for(model, line)
         model.hold()
-        try:
-            yield model
-        finally:
-            model.release()
-            if self._waiting:
-                self.kick()  # a swap may wait for this model to be idle (ttl_s is looked at every TICK_S)
+        return model
+
+    def _let_go(self, model: Model) -> None:
+        """:class:`Held`'s exit."""
+        model.release()
+        if self._waiting:
+            self.kick()  # a swap may wait for this model to be idle (ttl_s is looked at every TICK_S)
 
     def _admissible(self, model: Model) -> bool:
         return model.state is ModelState.LOADED and model.wanted and not self._blocked(model)
@@ -482,3 +497,26 @@ class Models:
                 for m in self.all
             ],
         }
+
+
+class Held:
+    """A request's hold on its model (:meth:`Models.use`): taken on entry (waiting for a load when
+    the model is not loaded), let go on exit.  A class, not an ``asynccontextmanager``: every
+    request enters one, and a generator's machinery would cost as much as the hold itself."""
+
+    __slots__ = ("_any_loaded", "_asked", "_line", "_model", "_models")
+
+    def __init__(self, models: Models, asked: Any, line: RouteLine | None, any_loaded: bool) -> None:
+        self._models = models
+        self._asked = asked
+        self._line = line
+        self._any_loaded = any_loaded
+        self._model: Model | None = None
+
+    async def __aenter__(self) -> Model:
+        self._model = await self._models._take(self._asked, self._line, self._any_loaded)
+        return self._model
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        assert self._model is not None
+        self._models._let_go(self._model)

@@ -54,6 +54,8 @@ class RouteStats:
             self.fallbacks[line.fallback] += 1
         if line.first_byte_ms is not None and line.outcome == "ok":
             self._first_byte.append(line.first_byte_ms)
+        if not self._watchers:
+            return
         fields = line.fields()
         for watcher in list(self._watchers):
             try:

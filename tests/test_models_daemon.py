@@ -218,6 +218,32 @@ async def test_one_model_unloaded_by_onebitctl_is_loaded_again_by_the_next_reque
             assert running.daemon.models.default.loads == 2
 
 
+async def test_one_model_idle_past_its_ttl_is_loaded_again_by_the_next_request_and_let_go_after_each(
+    short_dir: Path, control: Control, route_lines: RouteLines
+) -> None:
+    # Not loaded at start: the first request loads it, as the next one does once it went idle.
+    config = fake_decoder_config(short_dir, model={"ttl_s": 0.2, "preload": False})
+    with trio.fail_after(TIMEOUT):
+        async with (
+            run_daemon(config, wait_ready=False) as running,
+            httpx.AsyncClient(base_url=running.url, timeout=TIMEOUT) as client,
+        ):
+            model = running.daemon.models.default
+            for n in (1, 2):
+                reply = await client.post("/completion", json={"prompt": "hello there", "n_predict": 2})
+                assert reply.status_code == 200
+                line = (await route_lines.wait(n))[n - 1]
+                assert line["load_ms"] > 0
+                assert model.loads == n
+                while model.state is not ModelState.UNLOADED:  # idle past its ttl_s
+                    await model.wait_changed()
+            refused = await client.post("/completion", json={"prompt": "hello there", "n_predict": "two"})
+            assert refused.status_code == 400
+            await route_lines.wait(3)
+            assert model.loads == 3
+            assert model.users == 0  # held by each request, let go whether it ended well or not
+
+
 def left_in(runtime: Path) -> list[str]:
     """Files in the models' runtime directories (sockets, state files) once onebitd stopped."""
     return sorted(str(p.relative_to(runtime)) for p in runtime.glob("model-*/**/*") if not p.is_dir())
