@@ -291,6 +291,7 @@ class Model:
         self.last_load_ms: float | None = None  # its decoder's spawn to healthy
         self.last_unload_ms: float | None = None  # its slots kept and its children stopped
         self.last_used: float | None = None  # trio clock: the scheduler's LRU order
+        self.loaded_at: float | None = None  # trio clock: its last load's end (idle since, if unused since)
         self._last_used_wall: float | None = None
         self.store = PrefixStore.disabled("not opened yet", level=logging.DEBUG)
         # Called after every transition: the scheduler's (Models.kick) once it holds the model.
@@ -408,6 +409,13 @@ class Model:
         if not self.users and not self._wanted:
             self._wake.set()  # its unload waits for the last request
 
+    def idle_since(self, now: float) -> float:
+        """Since when it has been idle, for ``ttl_s`` and the LRU order: its last use or the end of
+        its last load, whichever came later (a preloaded model, or one ``onebitctl load`` brought
+        back, is not idle since before it was loaded); ``now`` while its first load is under way."""
+        times = [t for t in (self.last_used, self.loaded_at) if t is not None]
+        return max(times) if times else now
+
     def touch(self) -> None:
         self.last_used = trio.current_time()
         self._last_used_wall = time.time()
@@ -499,6 +507,7 @@ class Model:
                     if decoder is ChildState.READY and self._state is ModelState.LOADING:
                         self.loads += 1
                         self.last_load_ms = (trio.current_time() - began) * 1000
+                        self.loaded_at = trio.current_time()
                         self._set(ModelState.LOADED, f"in {self.last_load_ms:.0f} ms")
                     elif decoder is ChildState.FAILED and self._state is not ModelState.FAILED:
                         self._set(ModelState.FAILED, parts.decoder.statistics().last_exit or "its decoder failed")

@@ -59,7 +59,7 @@ class Candidate:
     resident: bool  # loaded, loading or unloading: it takes memory now
     users: int = 0  # requests holding it
     pin: bool = False
-    last_used: float = 0.0  # trio clock
+    last_used: float = 0.0  # trio clock: idle since (Model.idle_since)
     memory_mib: float = 0.0  # measured when loaded, else estimated
     ttl_s: float = 0.0
     blocked: bool = False  # a starving model waits for it: it takes no new requests
@@ -301,7 +301,7 @@ class Models:
                 resident=m.state is not ModelState.UNLOADED or m.wanted,
                 users=m.users + (len(self._waiting.get(m.name, ())) if m.wanted and m.name not in held else 0),
                 pin=m.table.pin,
-                last_used=m.last_used if m.last_used is not None else -1e9,
+                last_used=m.idle_since(now),
                 memory_mib=m.memory_mib(),
                 ttl_s=m.table.ttl_s,
             )

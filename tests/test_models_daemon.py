@@ -244,6 +244,22 @@ async def test_one_model_idle_past_its_ttl_is_loaded_again_by_the_next_request_a
             assert model.users == 0  # held by each request, let go whether it ended well or not
 
 
+async def test_a_preloaded_model_with_a_ttl_is_loaded_and_idle_from_then_not_from_before_its_load(
+    short_dir: Path, control: Control
+) -> None:
+    # Preloaded (the default) and never asked for: its ttl_s counts from the end of its load.
+    config = fake_decoder_config(short_dir, model={"ttl_s": 0.2})
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(config, wait_ready=False) as running:
+            model = running.daemon.models.default
+            while model.state is not ModelState.LOADED:
+                await model.wait_changed()
+            assert model.loads == 1
+            while model.state is not ModelState.UNLOADED:  # then idle past its ttl_s
+                await model.wait_changed()
+    assert model.loads == 1
+
+
 def left_in(runtime: Path) -> list[str]:
     """Files in the models' runtime directories (sockets, state files) once onebitd stopped."""
     return sorted(str(p.relative_to(runtime)) for p in runtime.glob("model-*/**/*") if not p.is_dir())
