@@ -252,11 +252,9 @@ async def test_a_preloaded_model_with_a_ttl_is_loaded_and_idle_from_then_not_fro
     with trio.fail_after(TIMEOUT):
         async with run_daemon(config, wait_ready=False) as running:
             model = running.daemon.models.default
-            while model.state is not ModelState.LOADED:
-                await model.wait_changed()
+            await model.wait_state(ModelState.LOADED)
             assert model.loads == 1
-            while model.state is not ModelState.UNLOADED:  # then idle past its ttl_s
-                await model.wait_changed()
+            await model.wait_state(ModelState.UNLOADED)  # then idle past its ttl_s
     assert model.loads == 1
 
 
