@@ -68,8 +68,13 @@ class Response:
     chunks: Callable[[], AsyncGenerator[bytes, None]]
     aclose: Callable[[], Awaitable[None]]
     fields: list[tuple[bytes, bytes]] = attrs.Factory(list)  # the head's fields, names as the server wrote them
+    # The whole body at once, where the transport reads it so (no generator for a body that came
+    # with its head, as a short reply's does); else the chunks, joined.
+    whole: Callable[[], Awaitable[bytes]] | None = None
 
     async def read(self) -> bytes:
+        if self.whole is not None:
+            return await self.whole()
         return b"".join([chunk async for chunk in self.chunks()])
 
 
@@ -292,7 +297,7 @@ class _Reply:
             end = _next(self.connection.reader)  # queued with the head
             assert end is END, end
             self._finish()
-        return Response(self.head.status, self.headers, self.chunks, self.aclose, self.head.headers)
+        return Response(self.head.status, self.headers, self.chunks, self.aclose, self.head.headers, self.read)
 
     async def aclose(self) -> None:
         """Before the end of the body (a reply read to its end has released its connection)."""
@@ -311,30 +316,56 @@ class _Reply:
             return _nothing()
         return self._body(connection)
 
+    async def read(self) -> bytes:
+        """The whole body (b"" once it was read)."""
+        connection = self.connection
+        if connection is None:
+            return b""
+        pieces: list[bytes] = []
+        while True:
+            data, done = self._take(connection)
+            if done:
+                if not pieces:
+                    return data
+                pieces.append(data)
+                return b"".join(pieces)
+            pieces.append(data)
+            if not await self._more(connection):
+                return b"".join(pieces)
+
     async def _body(self, connection: _Connection) -> AsyncGenerator[bytes, None]:
         """Every piece of the body that has come is handed on at once, joined."""
-        reader = connection.reader
         while True:
-            try:
-                data, done = reader.take_body()
-            except Malformed as exc:
-                raise DecoderUnavailable(f"decoder sent a {exc.message}") from None
+            data, done = self._take(connection)
             if data:
-                if self.left is not None:
-                    self.left -= len(data)
                 yield data
-            if done:
-                self._finish()
+            if done or not await self._more(connection):
                 return
-            more = await connection.receive()
-            if not more:
-                if self.head.until_eof:
-                    self._finish()
-                    return
-                if self.head.chunked:
-                    raise DecoderUnavailable("decoder closed the connection before the end of its chunked reply")
-                raise DecoderUnavailable(f"decoder closed the connection with {self.left} bytes of its reply unsent")
-            reader.feed(more)
+
+    def _take(self, connection: _Connection) -> tuple[bytes, bool]:
+        """What has come of the body, and whether that is its end (the connection then released)."""
+        try:
+            data, done = connection.reader.take_body()
+        except Malformed as exc:
+            raise DecoderUnavailable(f"decoder sent a {exc.message}") from None
+        if data and self.left is not None:
+            self.left -= len(data)
+        if done:
+            self._finish()
+        return data, done
+
+    async def _more(self, connection: _Connection) -> bool:
+        """Wait for more of the body and feed it; False at its end (a body that runs to the close)."""
+        more = await connection.receive()
+        if not more:
+            if self.head.until_eof:
+                self._finish()
+                return False
+            if self.head.chunked:
+                raise DecoderUnavailable("decoder closed the connection before the end of its chunked reply")
+            raise DecoderUnavailable(f"decoder closed the connection with {self.left} bytes of its reply unsent")
+        connection.reader.feed(more)
+        return True
 
 
 def _next(reader: framing.ResponseReader) -> framing.Event | object:

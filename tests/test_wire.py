@@ -165,6 +165,19 @@ async def test_a_chunked_body_split_at_every_byte_is_put_back_together(tmp_path:
     assert server.connections == 1
 
 
+async def test_a_reply_without_a_length_is_read_to_the_close_and_its_connection_not_kept(tmp_path: Path) -> None:
+    async def to_the_close(stream: trio.SocketStream, seen: Seen, n: int) -> bool:
+        await stream.send_all(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nab")
+        await trio.testing.wait_all_tasks_blocked()  # the client has read the first piece and waits
+        await stream.send_all(b"cd")
+        return False  # closes the connection: the end of the body
+
+    async with serving(tmp_path, to_the_close) as (server, transport):
+        assert await call(transport) == (200, b"abcd")
+        assert await call(transport) == (200, b"abcd")
+    assert server.connections == 2
+
+
 async def test_a_pooled_connection_closed_unanswered_sends_the_request_again_on_a_new_one(tmp_path: Path) -> None:
     async def once_per_connection(stream: trio.SocketStream, seen: Seen, n: int) -> bool:
         await stream.send_all(reply(200, b"%d" % n))
