@@ -294,10 +294,20 @@ async def output_of(
     return lines, process.returncode
 
 
+# What a signal that ends a child by itself says about the machine, for the operator reading the log.
+_MEANING = {
+    # llama-server (ggml) ran an instruction the processor or its OS refuses: a build for another
+    # processor, or a CPU variant whose code faults here (docs/benchmarks.md, "Which CPU variant").
+    signal.SIGILL: "an instruction this processor or its OS refuses",
+}
+
+
 def describe_exit(code: int) -> str:
     if code < 0:
         try:
-            return f"killed by {signal.Signals(-code).name}"
+            sig = signal.Signals(-code)
         except ValueError:
             return f"killed by signal {-code}"
+        meaning = _MEANING.get(sig)
+        return f"killed by {sig.name}" + (f" ({meaning})" if meaning else "")
     return f"exit status {code}"

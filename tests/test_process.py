@@ -19,7 +19,7 @@ import trio
 
 from supervisor import config as configuration
 from supervisor.errors import ChildError
-from supervisor.process import ChildProcess
+from supervisor.process import ChildProcess, describe_exit
 
 from .fake_child import grandchild, kill_grandchild, running, wait_gone
 from .rig import env_without, fake_decoder_config
@@ -30,6 +30,22 @@ REPO = Path(__file__).parent.parent
 
 def fake_child(health: Path, *mode: str) -> list[str]:
     return [sys.executable, str(FAKE_CHILD), str(health), *mode]
+
+
+@pytest.mark.parametrize(
+    ("code", "words"),
+    [
+        (0, "exit status 0"),
+        (3, "exit status 3"),
+        (-signal.SIGTERM, "killed by SIGTERM"),
+        # A ggml CPU variant whose code faults here (the AMX tile config once did): the operator is
+        # told what the signal means, not only its name.
+        (-signal.SIGILL, "killed by SIGILL (an instruction this processor or its OS refuses)"),
+        (-200, "killed by signal 200"),
+    ],
+)
+def test_an_exit_is_told_in_words_and_sigill_says_what_it_means(code: int, words: str) -> None:
+    assert describe_exit(code) == words
 
 
 @pytest.mark.parametrize("gather_s", [0.0, 0.02])
