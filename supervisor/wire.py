@@ -324,14 +324,9 @@ class _Reply:
         pieces: list[bytes] = []
         while True:
             data, done = self._take(connection)
-            if done:
-                if not pieces:
-                    return data
-                pieces.append(data)
-                return b"".join(pieces)
             pieces.append(data)
-            if not await self._more(connection):
-                return b"".join(pieces)
+            if done or not await self._more(connection):
+                return b"".join(pieces)  # one piece (the common body): that piece itself, no copy
 
     async def _body(self, connection: _Connection) -> AsyncGenerator[bytes, None]:
         """Every piece of the body that has come is handed on at once, joined."""
