@@ -17,6 +17,7 @@ evil.example may not make a browser post to it), which llama-server's default ``
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from urllib.parse import urlsplit
 
@@ -31,6 +32,7 @@ ALLOW_METHODS = "GET, POST, DELETE, OPTIONS"
 MAX_AGE_S = 600
 
 
+@functools.lru_cache(maxsize=256)  # asked of every request's Host: the same few names
 def is_loopback(host: str) -> bool:
     host = host.strip("[]").lower()
     if host in LOOPBACK_NAMES or host.endswith(".localhost"):

@@ -39,7 +39,7 @@ from .logs import ROUTE_LOGGER
 from .relay import SSE_HEADERS, relay_reply, sse_error
 from .respond import Receive, Responder, Send, speaks_anthropic
 from .routeline import RouteLine
-from .server import HttpServer
+from .server import HANG_UP, HangUp, HttpServer
 from .status import FrontStatistics, InflightStatistics
 from .vertex import Vertex
 
@@ -210,7 +210,7 @@ class Front:
         self._ids = itertools.count(1)
         self._prefix = f"{os.getpid():x}"
         self.inflight: dict[str, InflightRequest] = {}
-        self._inflight_changed = trio.Event()
+        self._inflight_changed: trio.Event | None = None  # made by the first waiter: most requests have none
         self._draining = False
         first = self._server()
         self._loopback_only = all(is_loopback(host) for host in first.host)
@@ -286,6 +286,8 @@ class Front:
             self._http_server.close()
 
     async def wait_inflight_changed(self) -> None:
+        if self._inflight_changed is None:
+            self._inflight_changed = trio.Event()
         await self._inflight_changed.wait()
 
     def stop(self) -> None:
@@ -294,11 +296,12 @@ class Front:
 
     async def wait_idle(self) -> None:
         while self.inflight:
-            await self._inflight_changed.wait()
+            await self.wait_inflight_changed()
 
     def _changed(self) -> None:
-        self._inflight_changed.set()
-        self._inflight_changed = trio.Event()
+        if self._inflight_changed is not None:
+            self._inflight_changed.set()
+            self._inflight_changed = None
 
     # -- draining and what is in flight -------------------------------------------------------------
 
@@ -420,7 +423,9 @@ class Front:
             self._check_draining()
             conversation = self._conversation(headers)
             body = await self._read_json(receive, headers)
-            await self._completion(path, body, receive, out, endpoint, conversation)
+            extensions = scope.get("extensions") or {}
+            hang_up = extensions.get(HANG_UP) if conversation is None else None
+            await self._completion(path, body, receive, out, endpoint, conversation, hang_up)
 
     def _check_draining(self) -> None:
         if self.draining:
@@ -567,7 +572,7 @@ class Front:
         chunks: list[bytes] = []
         size = 0
         timeout = server.body_timeout_s
-        with trio.move_on_after(timeout) as reading:
+        with trio.CancelScope(deadline=trio.current_time() + timeout) as reading:
             while True:
                 message = await receive()
                 if message["type"] == "http.disconnect":
@@ -654,7 +659,11 @@ class Front:
         out: Responder,
         endpoint: Endpoint,
         conversation: str | None = None,
+        hang_up: HangUp | None = None,
     ) -> None:
+        """Served in a cancel scope that a hang-up cancels.  The server tells a hang-up itself
+        (``hang_up``, :class:`~supervisor.server.HangUp`) to a request without a conversation id;
+        one with an id, which may go on detached, has a task that waits on ``receive``."""
         req = f"{self._prefix}-{next(self._ids)}"
         line = RouteLine(req=req, endpoint=path)
         # Its age and its times count from its arrival, as its first byte's does (out.started_at).
@@ -664,30 +673,25 @@ class Front:
         detached: list[bool] = []  # the hang-up left the stream to finish into its session
         passed = [(CONVERSATION_HEADER, conversation)] if conversation else []
         try:
-            async with trio.open_nursery() as nursery:
-                watch = Watch(nursery.cancel_scope, gone, detached, conversation, line, self.client)
-                nursery.start_soon(self._watch_disconnect, receive, watch, out)
-                try:
-                    async with self.router.use(body.get("model"), line) as served:
-                        watch.client = served.client
-                        if endpoint.kind is Kind.COMPLETION:
-                            await served.completions.serve(endpoint.canonical, body, out, line, passed)
-                        else:
-                            await served.completions.relay(
-                                endpoint.canonical, body, out, line, passed, pinned=endpoint.pinned
-                            )
-                except ClientError as exc:
-                    line.outcome, line.error = "error", exc.message
-                    await out.error(exc.status, exc.code, exc.message, retry_after=exc.retry_after)
-                except DecoderError as exc:
-                    line.outcome, line.error = "error", exc.message
-                    if not out.started:
-                        await out.error(exc.status, exc.code, exc.public, retry_after=self._retry_after(exc))
-                except OnebitError as exc:
-                    line.outcome, line.error = "error", str(exc)
-                    if not out.started:
-                        await out.error(500, "internal", str(exc))
-                nursery.cancel_scope.cancel()
+            if hang_up is not None:
+                with trio.CancelScope() as scope:
+
+                    def on_gone(why: str) -> None:
+                        gone.append(why)
+                        if not out.complete:
+                            scope.cancel()
+
+                    hang_up.watch(on_gone)
+                    try:
+                        await self._serve(body, out, line, endpoint, passed, None)
+                    finally:
+                        hang_up.unwatch(on_gone)
+            else:
+                async with trio.open_nursery() as nursery:
+                    watch = Watch(nursery.cancel_scope, gone, detached, conversation, line, self.client)
+                    nursery.start_soon(self._watch_disconnect, receive, watch, out)
+                    await self._serve(body, out, line, endpoint, passed, watch)
+                    nursery.cancel_scope.cancel()
         finally:
             # A disconnect is reported after a finished response too, and a client may close once it
             # has a stream's final event: neither is a cancellation.
@@ -704,6 +708,35 @@ class Front:
             del self.inflight[req]
             self._changed()
             self.emit(line)
+
+    async def _serve(
+        self,
+        body: dict[str, Any],
+        out: Responder,
+        line: RouteLine,
+        endpoint: Endpoint,
+        passed: list[tuple[str, str]],
+        watch: Watch | None,
+    ) -> None:
+        try:
+            async with self.router.use(body.get("model"), line) as served:
+                if watch is not None:
+                    watch.client = served.client
+                if endpoint.kind is Kind.COMPLETION:
+                    await served.completions.serve(endpoint.canonical, body, out, line, passed)
+                else:
+                    await served.completions.relay(endpoint.canonical, body, out, line, passed, pinned=endpoint.pinned)
+        except ClientError as exc:
+            line.outcome, line.error = "error", exc.message
+            await out.error(exc.status, exc.code, exc.message, retry_after=exc.retry_after)
+        except DecoderError as exc:
+            line.outcome, line.error = "error", exc.message
+            if not out.started:
+                await out.error(exc.status, exc.code, exc.public, retry_after=self._retry_after(exc))
+        except OnebitError as exc:
+            line.outcome, line.error = "error", str(exc)
+            if not out.started:
+                await out.error(500, "internal", str(exc))
 
     def emit(self, line: RouteLine) -> None:
         route_log.info(line.logfmt(), extra={"route_fields": line.fields()})

@@ -23,6 +23,11 @@
   next.
 - **Disconnects**: once the body is read, ``receive()`` waits for the client to hang up and then
   returns ``http.disconnect`` (at once after the response has finished, as the ASGI spec says).
+  Without a task of its own: the scope's ``extensions["onebit.hang_up"]`` (a :class:`HangUp`)
+  calls a function the app gives it when the client hangs up.  Either way one task per connection,
+  started for its first watch, waits for the socket while a request runs, and stays waiting after
+  it: when the next request comes it hands the socket to the connection's task, so a request
+  costs no task, no cancel and no new wait.
 - **Failures** stay on their connection: a socket error is a gone client, an app that raises is
   logged with its traceback and answered 500 if nothing was sent yet.
 """
@@ -38,6 +43,7 @@ import socket
 import struct
 import time
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import trio
 
@@ -62,6 +68,20 @@ WRITE_TIMEOUT_S = 60.0
 _REASONS = {status.value: status.phrase.encode() for status in http.HTTPStatus}
 _NO_BODY = frozenset({204, 304})
 _DISCONNECT: Message = {"type": "http.disconnect"}
+HANG_UP = "onebit.hang_up"  # the scope's extension: the request's HangUp
+
+
+class HangUp(Protocol):
+    """A request's hang-up, told to a function: ``watch(on_gone)`` calls ``on_gone(why)`` once if the
+    client hangs up (or the server takes it for gone: ``why`` then says why, else it is "") before
+    ``unwatch(on_gone)``; at once if it is gone already.  After the next request has begun on the
+    connection (pipelined) only the server's own hang-up is told."""
+
+    def watch(self, on_gone: Callable[[str], None]) -> None: ...
+
+    def unwatch(self, on_gone: Callable[[str], None]) -> None: ...
+
+
 _ACCEPT_RETRY = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 # accept(2) passes on a pending connection's own network errors: that connection is gone, the next
 # one is not (trio's SocketListener's list).
@@ -222,7 +242,7 @@ class HttpServer:
                 sock.setblocking(False)
                 if sock.family != socket.AF_UNIX:
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                connection = _Connection(self, sock)  # asks the peer's address: a reset client has none
+                connection = _Connection(self, sock, nursery)  # asks the peer's address: a reset client has none
             except OSError:
                 sock.close()
                 continue
@@ -238,7 +258,7 @@ class HttpServer:
 class _Connection:
     """One client connection: its socket, its requests' framing, and the request on it."""
 
-    def __init__(self, server: HttpServer, sock: socket.socket) -> None:
+    def __init__(self, server: HttpServer, sock: socket.socket, nursery: trio.Nursery) -> None:
         self.server = server
         self.sock = sock
         self.reader = framing.RequestReader()
@@ -246,7 +266,17 @@ class _Connection:
         self.broken = False  # a write was cut short: nothing more may be sent on it
         self.hung_up_why: str | None = None  # why the server took the client for gone, where it did
         self._idle: trio.CancelScope | None = None
-        self._watch: trio.CancelScope | None = None  # wait_disconnect's after a pipelined request
+        self._nursery = nursery  # where the watcher runs
+        # The hang-up watch (_watcher).  Only one task may wait for a socket: while the watcher
+        # does, the connection's own task waits for its word instead (_wait_readable).
+        self._on_gone: list[Callable[[str], None]] = []
+        self._watcher_started = False
+        self._armed = False  # the watcher is to wait for the socket
+        self._watching = False  # the watcher waits for the socket now
+        self._reading = False  # the connection's task waits for the socket now
+        self._closed = False
+        self._arm = trio.lowlevel.ParkingLot()  # the watcher, while not armed
+        self._readable = trio.lowlevel.ParkingLot()  # the connection's task, while the watcher waits
         self._ready_reads = 0  # reads in a row that found data without waiting
         self._waited = True  # the connection waited for its client since its last request began
         peer = sock.getpeername()
@@ -285,6 +315,8 @@ class _Connection:
             log.warning("a client connection failed; it was closed", exc_info=True)
         finally:
             self.server._gone(self)
+            self._closed = True
+            self._arm.unpark_all()
             trio.lowlevel.notify_closing(self.sock)
             self.sock.close()
 
@@ -325,7 +357,7 @@ class _Connection:
                 self._ready_reads = 0
                 self._waited = True
                 try:
-                    await trio.lowlevel.wait_readable(sock)
+                    await self._wait_readable()
                 except trio.ClosedResourceError:  # the server took the client for gone (_hang_up)
                     data = b""
                 else:
@@ -339,6 +371,21 @@ class _Connection:
             if self._ready_reads % READS_BEFORE_YIELD == 0:
                 await trio.lowlevel.checkpoint()
             return data
+
+    async def _wait_readable(self) -> None:
+        if self._watching:
+            await self._readable.park()  # the watcher's word
+            if self.broken:
+                raise trio.ClosedResourceError
+            return
+        self._reading = True
+        try:
+            await trio.lowlevel.wait_readable(self.sock)
+        finally:
+            self._reading = False
+            if self._on_gone and self._watcher_started:
+                self._armed = True  # a watch the watcher gave way to while this task waited
+                self._arm.unpark()
 
     async def write(self, data: bytes) -> None:
         """Send all of ``data``; a client that is gone takes nothing more (its request is cancelled by
@@ -375,38 +422,85 @@ class _Connection:
         with contextlib.suppress(OSError):
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         self.hung_up_why = why
-        # A wait_disconnect learns it: its wait for the socket raises ClosedResourceError, or its
-        # wait for nothing (after a pipelined request) is cancelled.
+        self._tell_gone()
+        # Whoever waits for the socket learns it: the wait raises ClosedResourceError.
         trio.lowlevel.notify_closing(self.sock)
-        if self._watch is not None:
-            self._watch.cancel()
 
-    async def wait_disconnect(self) -> None:
-        """Until the client hangs up, or the server takes it for gone (:meth:`_hang_up`); for ever
-        if it sends more (the next request, pipelined).  The common wait, for the socket, needs no
-        cancel scope of its own: ``_hang_up`` ends it with ``notify_closing``."""
+    # -- the hang-up watch --------------------------------------------------------------------------
+
+    def watch(self, on_gone: Callable[[str], None]) -> None:
+        """See :class:`HangUp`."""
+        if self.gone:
+            on_gone(self.hung_up_why or "")
+            return
+        self._on_gone.append(on_gone)
+        if self.reader.pending or self._watching:
+            return  # the next request has begun (only _hang_up tells), or the watcher waits already
+        self._armed = True
+        if self._watcher_started:
+            self._arm.unpark()
+        else:
+            self._watcher_started = True
+            self._nursery.start_soon(self._watcher)
+
+    def unwatch(self, on_gone: Callable[[str], None]) -> None:
+        with contextlib.suppress(ValueError):
+            self._on_gone.remove(on_gone)
+
+    def _tell_gone(self) -> None:
+        told, self._on_gone = self._on_gone, []
+        for on_gone in told:
+            on_gone(self.hung_up_why or "")
+
+    async def _watcher(self) -> None:
+        """Waits for the socket while armed (a request watches); when it is readable, wakes the
+        connection's task if that waits for it, and tells a watched request's hang-up (the next
+        request's bytes, pipelined, are no hang-up).  It stays waiting after the request that armed
+        it, so that the connection's next wait for the socket is its word, not a wait of its own."""
         sock = self.sock
-        while not self.gone:
-            if not self.reader.pending:
-                try:
-                    await trio.lowlevel.wait_readable(sock)
-                except trio.ClosedResourceError:
-                    return
+        while not self._closed:
+            if not self._armed or self._reading:
+                self._armed = False
+                await self._arm.park()
+                continue
+            self._watching = True
+            closed = False
+            try:
+                await trio.lowlevel.wait_readable(sock)
+            except trio.ClosedResourceError:
+                closed = True
+            finally:
+                self._watching = False
+            self._armed = False
+            self._readable.unpark_all()
+            if closed:
+                self._watcher_started = False
+                return  # _hang_up told the watch, or the connection is closing
+            if self._on_gone and not self.reader.pending:
                 try:
                     peeked = sock.recv(1, socket.MSG_PEEK)
                 except BlockingIOError:
+                    self._armed = True  # woken for nothing: wait again
                     continue
                 except OSError:
                     peeked = b""
                 if not peeked:
                     self.gone = True
-                    return
-            # The next request has begun: only a hang-up of the server's own ends the wait.
-            try:
-                with trio.CancelScope() as self._watch:
-                    await trio.sleep_forever()
-            finally:
-                self._watch = None
+                    self._tell_gone()
+
+    async def wait_disconnect(self) -> None:
+        """Until the client hangs up, or the server takes it for gone (:meth:`_hang_up`); for ever
+        if it sends more (the next request, pipelined)."""
+        gone = trio.Event()
+
+        def on_gone(why: str) -> None:
+            gone.set()
+
+        self.watch(on_gone)
+        try:
+            await gone.wait()
+        finally:
+            self.unwatch(on_gone)
 
     async def _refuse(self, refusal: Malformed) -> None:
         body = error_body(refusal.status, refusal.code, refusal.message)
@@ -478,7 +572,7 @@ class _Request:
             "headers": self.head.headers,
             "client": connection.client,
             "server": connection.local,
-            "extensions": {},
+            "extensions": {HANG_UP: connection},
         }
 
     async def serve(self) -> bool:

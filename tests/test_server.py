@@ -20,7 +20,7 @@ import trio.testing
 
 from supervisor.errors import ClientError, ListenError
 from supervisor.respond import Message, Receive, Send
-from supervisor.server import MAX_HEAD_BYTES, App, HttpServer
+from supervisor.server import HANG_UP, MAX_HEAD_BYTES, App, HangUp, HttpServer
 
 TIMEOUT = 10
 FOREVER = TIMEOUT * 10  # a timeout the test's own TIMEOUT runs out before
@@ -690,6 +690,111 @@ async def test_a_response_slower_than_the_idle_timeout_is_not_cut_by_it() -> Non
         await client.send(GET)
         response = await client.response()
     assert (response.status, response.body, response.header("connection")) == (200, b"late", None)
+
+
+# -- the hang-up told to a function (the scope's extension) -------------------------------------------
+
+
+async def test_a_watched_request_is_told_its_hang_up_with_no_task_of_its_own() -> None:
+    told: list[str] = []
+    watching = trio.Event()
+    hung_up = trio.Event()
+
+    async def app(scope: Message, receive: Receive, send: Send) -> None:
+        hang_up: HangUp = scope["extensions"][HANG_UP]
+        assert await read_body(receive) == b"hello"
+
+        def on_gone(why: str) -> None:
+            told.append(why)
+            hung_up.set()
+
+        hang_up.watch(on_gone)
+        watching.set()
+        await hung_up.wait()
+        hang_up.unwatch(on_gone)
+
+    async with serving(app) as served:
+        async with connected(served.port) as client:
+            await client.send(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello")
+            await watching.wait()
+            await trio.testing.wait_all_tasks_blocked()
+            assert told == []  # the client is still there
+        await hung_up.wait()
+    assert told == [""]
+
+
+async def test_the_watcher_hands_the_socket_back_between_keep_alive_requests_and_unwatch_ends_a_watch() -> None:
+    # Each request watches and unwatches; the watcher goes on waiting for the socket after each, so
+    # the next request's bytes reach the connection through it.  None of them hangs up.
+    told: list[str] = []
+
+    async def app(scope: Message, receive: Receive, send: Send) -> None:
+        hang_up: HangUp = scope["extensions"][HANG_UP]
+        await read_body(receive)
+        hang_up.watch(told.append)
+        await trio.testing.wait_all_tasks_blocked()  # the watcher is waiting for the socket
+        await answer(send, 200, scope["path"].encode())
+        hang_up.unwatch(told.append)
+
+    async with serving(app) as served, connected(served.port) as client:
+        for index in range(5):
+            await trio.testing.wait_all_tasks_blocked()  # the connection waits for the next head
+            await client.send(b"GET /%d HTTP/1.1\r\nHost: x\r\n\r\n" % index)
+            response = await client.response()
+            assert (response.status, response.body) == (200, b"/%d" % index)
+    assert told == []
+
+
+async def test_the_next_request_arriving_while_one_is_watched_is_no_hang_up() -> None:
+    # The watcher wakes for /b's bytes while /a runs: the client is still there, and /a is not told.
+    told: list[str] = []
+    watching = trio.Event()
+    go = trio.Event()
+
+    async def app(scope: Message, receive: Receive, send: Send) -> None:
+        hang_up: HangUp = scope["extensions"][HANG_UP]
+        hang_up.watch(told.append)
+        if scope["path"] == "/a":
+            watching.set()
+            await go.wait()
+        await answer(send, 200, scope["path"].encode())
+        hang_up.unwatch(told.append)
+
+    async with serving(app) as served, connected(served.port) as client:
+        await client.send(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n")
+        await watching.wait()
+        await client.send(b"GET /b HTTP/1.1\r\nHost: x\r\n\r\n")
+        await trio.testing.wait_all_tasks_blocked()  # the watcher has seen /b's bytes
+        go.set()
+        first, second = await client.response(), await client.response()
+        assert (first.body, second.body) == (b"/a", b"/b")
+    assert told == []
+
+
+async def test_the_write_timeout_is_told_to_a_watched_request_with_why() -> None:
+    told: list[str] = []
+    stopped = trio.Event()
+
+    async def flood(scope: Message, receive: Receive, send: Send) -> None:
+        hang_up: HangUp = scope["extensions"][HANG_UP]
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        with trio.CancelScope() as cancel:
+
+            def on_gone(why: str) -> None:
+                told.append(why)
+                cancel.cancel()
+
+            hang_up.watch(on_gone)
+            while True:  # until the hang-up: the client reads nothing, so the buffers fill up
+                await send({"type": "http.response.body", "body": b"x" * 65536, "more_body": True})
+        stopped.set()
+
+    async with serving(flood, write_timeout_s=IDLE) as served, connected(served.port) as client:
+        client.stream.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        await client.send(GET)
+        await stopped.wait()
+    [why] = told
+    assert "server.write_timeout_s" in why
 
 
 # -- the write deadline -------------------------------------------------------------------------------
