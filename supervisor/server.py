@@ -366,6 +366,7 @@ class _Connection:
                 data = b""
             if not data:
                 self.gone = True
+                self._tell_gone()
                 return data
             self._ready_reads += 1
             if self._ready_reads % READS_BEFORE_YIELD == 0:
@@ -375,8 +376,8 @@ class _Connection:
     async def _wait_readable(self) -> None:
         if self._watching:
             await self._readable.park()  # the watcher's word
-            if self.broken:
-                raise trio.ClosedResourceError
+            if self.hung_up_why is not None:
+                raise trio.ClosedResourceError  # as a wait of its own would: _hang_up's notify_closing
             return
         self._reading = True
         try:
@@ -411,6 +412,7 @@ class _Connection:
                         return
         except (OSError, trio.ClosedResourceError):  # the latter: another write's _hang_up
             self.gone = True
+            self._tell_gone()
         except BaseException:
             self.broken = True
             raise
@@ -448,9 +450,14 @@ class _Connection:
             self._on_gone.remove(on_gone)
 
     def _tell_gone(self) -> None:
+        """Tell every watch (each once); one that raises is logged, and fails neither the others nor
+        the task telling them (the watcher's would be the whole server's)."""
         told, self._on_gone = self._on_gone, []
         for on_gone in told:
-            on_gone(self.hung_up_why or "")
+            try:
+                on_gone(self.hung_up_why or "")
+            except Exception:
+                log.exception("a request's hang-up watch failed")
 
     async def _watcher(self) -> None:
         """Waits for the socket while armed (a request watches); when it is readable, wakes the

@@ -771,6 +771,37 @@ async def test_the_next_request_arriving_while_one_is_watched_is_no_hang_up() ->
     assert told == []
 
 
+async def test_a_watch_that_raises_is_logged_and_the_server_serves_on(caplog: pytest.LogCaptureFixture) -> None:
+    watching = trio.Event()
+    told = trio.Event()
+
+    async def app(scope: Message, receive: Receive, send: Send) -> None:
+        if scope["path"] == "/next":
+            await answer(send, 200, b"served")
+            return
+        hang_up: HangUp = scope["extensions"][HANG_UP]
+
+        def on_gone(why: str) -> None:
+            told.set()
+            raise RuntimeError("a watch that fails")
+
+        hang_up.watch(on_gone)
+        watching.set()
+        await told.wait()
+
+    async with serving(app) as served:
+        async with connected(served.port) as client:
+            await client.send(GET)
+            await watching.wait()
+        await told.wait()
+        async with connected(served.port) as client:
+            await client.send(b"GET /next HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert (await client.response()).body == b"served"
+    [record] = [r for r in caplog.records if "hang-up watch failed" in r.getMessage()]
+    assert record.exc_info is not None
+    assert "a watch that fails" in str(record.exc_info[1])
+
+
 async def test_the_write_timeout_is_told_to_a_watched_request_with_why() -> None:
     told: list[str] = []
     stopped = trio.Event()
