@@ -18,7 +18,11 @@
   read (a refusal) is read and dropped, up to :data:`DISCARD_BYTES`, so the connection is kept.
 - **Writes** have a deadline: a client that takes no byte of a response for ``write_timeout_s``
   loses its connection, and the app learns it as a hang-up (``http.disconnect``).
-- **Settings**: both timeouts are sources (a value, or a function that gives the value now: the
+- **Bodies** have one: a body not all come ``body_timeout_s`` after the request's first wait for it
+  makes the app's ``receive()`` raise a 408 :class:`~supervisor.errors.ClientError` (a slowloris
+  body), and the connection closes after the answer.  Only a wait for the socket has a deadline: a
+  body that came with its head costs none.
+- **Settings**: the timeouts are sources (a value, or a function that gives the value now: the
   daemon's one live config), read at each idle period and each write, so a reload applies from the
   next.
 - **Disconnects**: once the body is read, ``receive()`` waits for the client to hang up and then
@@ -64,11 +68,13 @@ LINGER_S = 2.0  # after the last response on a connection, wait this long for th
 BACKLOG = 1024
 # A client that takes no byte of its response for this long is gone (nginx's send_timeout).
 WRITE_TIMEOUT_S = 60.0
+BODY_TIMEOUT_S = 30.0  # a request's body must have come this long after its head, else 408
 
 _REASONS = {status.value: status.phrase.encode() for status in http.HTTPStatus}
 _NO_BODY = frozenset({204, 304})
 _DISCONNECT: Message = {"type": "http.disconnect"}
 HANG_UP = "onebit.hang_up"  # the scope's extension: the request's HangUp
+_ASGI: Message = {"version": "3.0", "spec_version": "2.3"}
 
 
 class HangUp(Protocol):
@@ -156,12 +162,14 @@ class HttpServer:
         shutdown: Callable[[], Awaitable[object]],
         graceful_timeout_s: float = 2.0,
         write_timeout_s: float | Callable[[], float] = WRITE_TIMEOUT_S,
+        body_timeout_s: float | Callable[[], float] = BODY_TIMEOUT_S,
     ) -> None:
         self.app = app
         self.hosts = hosts
         self.port = port
         self._idle_timeout_s = source(idle_timeout_s)
         self._write_timeout_s = source(write_timeout_s)
+        self._body_timeout_s = source(body_timeout_s)
         self.graceful_timeout_s = graceful_timeout_s
         self._shutdown = shutdown
         self.stopping = False
@@ -183,6 +191,11 @@ class HttpServer:
     def write_timeout_s(self) -> float:
         """Now: read at each write."""
         return self._write_timeout_s()
+
+    @property
+    def body_timeout_s(self) -> float:
+        """Now: read at a request's first wait for its body."""
+        return self._body_timeout_s()
 
     def bind(self) -> None:
         """Bind every address now (ListenError naming the key otherwise), for :meth:`run` to serve
@@ -267,6 +280,7 @@ class _Connection:
         self.hung_up_why: str | None = None  # why the server took the client for gone, where it did
         self._idle: trio.CancelScope | None = None
         self._nursery = nursery  # where the watcher runs
+        self.extensions: Message = {HANG_UP: self}  # every request's scope's
         # The hang-up watch (_watcher).  Only one task may wait for a socket: while the watcher
         # does, the connection's own task waits for its word instead (_wait_readable).
         self._on_gone: list[Callable[[str], None]] = []
@@ -552,6 +566,7 @@ class _Request:
         if self.body_done:
             connection.reader.next_event()  # its END, queued behind the head
         self.body_given = False  # the app has had the body's last message (an empty body has one too)
+        self.body_deadline: float | None = None  # set at the first wait for the body
         self.keep = head.keep_alive
         self.continue_due = head.expect_continue
         # The response.
@@ -568,7 +583,7 @@ class _Request:
         connection = self.connection
         return {
             "type": "http",
-            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "asgi": _ASGI,
             "http_version": self.version,
             "method": self.method,
             "scheme": "http",
@@ -579,7 +594,7 @@ class _Request:
             "headers": self.head.headers,
             "client": connection.client,
             "server": connection.local,
-            "extensions": {HANG_UP: connection},
+            "extensions": connection.extensions,
         }
 
     async def serve(self) -> bool:
@@ -619,7 +634,8 @@ class _Request:
             try:
                 while not self.body_done:
                     await self._body_part()
-            except (_Gone, Malformed):
+            except (_Gone, ClientError):  # the latter: malformed, or past its deadline
+                self.keep = False
                 return
         if waited.cancelled_caught:
             self.keep = False
@@ -663,7 +679,16 @@ class _Request:
                 break
             if piece:
                 break
-            data = await self.connection._receive()
+            if self.body_deadline is None:
+                self.body_deadline = trio.current_time() + self.connection.server.body_timeout_s
+            with trio.CancelScope(deadline=self.body_deadline) as waiting:
+                data = await self.connection._receive()
+            if waiting.cancelled_caught:
+                self.keep = False
+                timeout = self.connection.server.body_timeout_s
+                raise ClientError(
+                    408, "body_timeout", f"request body not received within server.body_timeout_s ({timeout:g})"
+                )
             if not data:
                 self.keep = False
                 raise _Gone

@@ -52,6 +52,7 @@ async def serving(
     idle_timeout_s: float | Callable[[], float] = FOREVER,
     graceful_timeout_s: float = 1.0,
     write_timeout_s: float | Callable[[], float] = FOREVER,
+    body_timeout_s: float | Callable[[], float] = FOREVER,
 ) -> AsyncIterator[Served]:
     """An HttpServer on port 0 for the test's body, stopped after it; all of it within TIMEOUT."""
     stop = trio.Event()
@@ -64,6 +65,7 @@ async def serving(
         shutdown=stop.wait,
         graceful_timeout_s=graceful_timeout_s,
         write_timeout_s=write_timeout_s,
+        body_timeout_s=body_timeout_s,
     )
 
     async def run(task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
@@ -690,6 +692,20 @@ async def test_a_response_slower_than_the_idle_timeout_is_not_cut_by_it() -> Non
         await client.send(GET)
         response = await client.response()
     assert (response.status, response.body, response.header("connection")) == (200, b"late", None)
+
+
+# -- the body's deadline -------------------------------------------------------------------------------
+
+
+async def test_a_body_that_stops_coming_is_a_408_past_body_timeout_s_and_the_connection_closes() -> None:
+    async with serving(echo, body_timeout_s=IDLE) as served, connected(served.port) as client:
+        await client.send(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nabc")
+        response = await client.response()
+        assert response.status == 408
+        assert response.json()["error"]["code"] == "body_timeout"
+        assert "server.body_timeout_s (0.2)" in response.json()["error"]["message"]
+        assert response.header("connection") == "close"
+        assert await client.rest() == b""
 
 
 # -- the hang-up told to a function (the scope's extension) -------------------------------------------
