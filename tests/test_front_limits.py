@@ -1,18 +1,20 @@
 """What a malformed or stalled request gets from the front, against tests/fake_decoder.py: a body
 nested too deeply is a 400 (not a 500), a body that stops arriving is a 408 after
-``server.body_timeout_s``, and a head that never ends is closed after ``server.idle_timeout_s``.
+``server.body_timeout_s``, a head that never ends is closed after ``server.idle_timeout_s``, and a
+client that stops reading its stream is cancelled after ``server.write_timeout_s``.
 scripts/chaos's ``fuzz`` scenario does the same and more against the real llama-server."""
 
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 import trio
 import trio.testing
 
 from .helpers import CHAT, assert_envelope, client_for, open_raw, receive_until, request_head
-from .rig import Control, DecoderModes, fake_decoder_config, run_daemon
+from .rig import Control, DecoderModes, RouteLines, fake_decoder_config, run_daemon
 
 TIMEOUT = 20  # seconds; a test that needs more is stuck, not slow
 
@@ -41,6 +43,26 @@ async def test_a_body_that_stops_arriving_gets_408_after_body_timeout_s(short_di
     assert head.split(b" ")[1] == b"408"
     assert json.loads(payload)["error"]["code"] == "body_timeout"
     assert control.entries() == []
+
+
+async def test_a_client_that_stops_reading_its_stream_is_cancelled_after_write_timeout_s(
+    short_dir: Path, control: Control, route_lines: RouteLines
+) -> None:
+    # Through the real server: the write deadline hangs up on the client, the server tells the
+    # request's watch, and the request is cancelled like a hang-up, its line saying why.
+    config = fake_decoder_config(short_dir, server={"write_timeout_s": 0.3})
+    word = "w" * 2000  # every streamed token a 2 KB event: the socket's buffers fill after a few hundred
+    data = json.dumps({"messages": [{"role": "user", "content": word}], "stream": True, "max_tokens": 100_000})
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(config) as running, await open_raw(running) as raw:
+            raw.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            await raw.send_all(request_head(CHAT, len(data)) + data.encode())
+            (line,) = await route_lines.wait(1)  # the client reads nothing meanwhile
+            [entry] = await control.wait_entries(1)
+    assert (line["outcome"], line["status"]) == ("cancelled", 200)
+    assert "server.write_timeout_s" in line["error"]
+    assert entry["disconnected"] is True  # the decoder's request was closed
+    assert entry["sent"] < 100_000
 
 
 async def test_a_head_that_never_ends_is_closed_after_idle_timeout_s(short_dir: Path, control: Control) -> None:
