@@ -181,7 +181,8 @@ class ServerConfig:
     # GET /slots relays the decoder's slots, every client's prompt included (llama-server's --slots);
     # off: 501, as llama-server's --no-slots answers.
     slots_endpoint: bool = False
-    # A request's body must have arrived this long after its head, else 408 (a slowloris body).
+    # A request's body must have arrived this long after the server first waits for it (at once after
+    # its head, unless the body came with it), else 408 (a slowloris body).
     body_timeout_s: float = field(default=30.0, validator=_at_least(0.1))
     # A connection with no request in progress (before its first head, or between two) is closed after
     # this: a head sent byte by byte is bounded by it too.  Changed by a reload for the next idle period.

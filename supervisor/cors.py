@@ -32,8 +32,14 @@ ALLOW_METHODS = "GET, POST, DELETE, OPTIONS"
 MAX_AGE_S = 600
 
 
-@functools.lru_cache(maxsize=256)  # asked of every request's Host: the same few names
 def is_loopback(host: str) -> bool:
+    # Asked of every request's Host: the same few names, cached (a name longer than DNS allows,
+    # which a client may send to fill the cache, is not).
+    return _is_loopback(host) if len(host) <= 255 else _is_loopback.__wrapped__(host)
+
+
+@functools.lru_cache(maxsize=256)
+def _is_loopback(host: str) -> bool:
     host = host.strip("[]").lower()
     if host in LOOPBACK_NAMES or host.endswith(".localhost"):
         return True

@@ -166,6 +166,13 @@ class Watch:
     client: DecoderClient  # the decoder of the model serving it, once known
 
 
+def _hang_up_of(scope: dict[str, Any]) -> HangUp | None:
+    """The server's hang-up watch for this request (supervisor/server.py), where it offers one."""
+    extensions = scope.get("extensions") or {}
+    hang_up: HangUp | None = extensions.get(HANG_UP)
+    return hang_up
+
+
 @attrs.frozen
 class InflightRequest:
     req: str
@@ -413,19 +420,18 @@ class Front:
             if path in ("/v1/models", "/models") and self.router.several:
                 await out.json(200, self.router.listing())  # every model, with its state
             elif endpoint.streamed:
-                await self._relay_streamed(out, target, receive)
+                await self._relay_streamed(out, target, receive, _hang_up_of(scope))
             else:
                 await self._pass_through(out, asked, target, body)
         elif endpoint.kind is Kind.PREDICT:
             self._check_draining()
             body = await self._read_json(receive, headers)
-            await self._predict(body, receive, out)
+            await self._predict(body, receive, out, _hang_up_of(scope))
         else:
             self._check_draining()
             conversation = self._conversation(headers)
             body = await self._read_json(receive, headers)
-            extensions = scope.get("extensions") or {}
-            hang_up = extensions.get(HANG_UP) if conversation is None else None
+            hang_up = _hang_up_of(scope) if conversation is None else None
             await self._completion(path, body, receive, out, endpoint, conversation, hang_up)
 
     def _check_draining(self) -> None:
@@ -434,7 +440,7 @@ class Front:
                 503, "draining", "onebitd is draining: not taking new requests", retry_after=self.server.retry_after_s
             )
 
-    async def _predict(self, body: dict[str, Any], receive: Receive, out: Responder) -> None:
+    async def _predict(self, body: dict[str, Any], receive: Receive, out: Responder, hang_up: HangUp | None) -> None:
         """Vertex AI's prediction: every instance at once, each through onebitd's table as a request
         of its own would go (a completion takes a slot and logs its route line), answered together."""
         try:
@@ -443,12 +449,9 @@ class Front:
             await out.llama_error(400, "invalid_request_error", exc.message)
             return
         predictions: list[Any] = [None] * len(instances)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._cancel_on_hang_up, receive, nursery.cancel_scope)
-            async with trio.open_nursery() as each:
-                for index, instance in enumerate(instances):
-                    each.start_soon(self._predict_one, index, instance, predictions)
-            nursery.cancel_scope.cancel()
+        async with self._hang_up_cancels(receive, hang_up), trio.open_nursery() as each:
+            for index, instance in enumerate(instances):
+                each.start_soon(self._predict_one, index, instance, predictions)
         await out.json(200, {"predictions": predictions})
 
     async def _predict_one(self, index: int, instance: Any, predictions: list[Any]) -> None:
@@ -606,32 +609,57 @@ class Front:
             reply = await served.client.request(method, path, body)
         await relay_reply(out, reply.status, reply.headers, reply.body)
 
-    async def _relay_streamed(self, out: Responder, path: str, receive: Receive) -> None:
+    async def _relay_streamed(self, out: Responder, path: str, receive: Receive, hang_up: HangUp | None) -> None:
         """A GET whose answer comes as it is made (a stream session's replay, which waits for the
         live bytes until the session ends): relayed chunk by chunk; a client that hangs up closes
         the decoder's request, which ends the decoder's reading for it."""
         self.completions.check_ready()
+        async with (
+            self._hang_up_cancels(receive, hang_up),
+            self.client.stream(path, None, method="GET") as upstream,
+        ):
+            if upstream.status != 200:
+                body = b"".join([chunk async for chunk in upstream.chunks])
+                await relay_reply(out, upstream.status, upstream.headers, body)
+            else:
+                await out.start(200, SSE_HEADERS, source="decoder")
+                try:
+                    async for chunk in upstream.chunks:
+                        await out.body(chunk, more=True)
+                except DecoderError as exc:
+                    log.warning("%s: the decoder stopped mid-replay: %s", path, exc.message)
+                    await out.body(sse_error(f"the decoder stopped mid-stream ({exc.public})"), more=True)
+                await out.body(b"", more=False)
+
+    @asynccontextmanager
+    async def _hang_up_cancels(self, receive: Receive, hang_up: HangUp | None) -> AsyncIterator[None]:
+        """The block in a scope that the client's hang-up cancels: told by the server where it can
+        (``hang_up``, no task; ``_completion`` does the same inline, with its own rule), else found
+        by a task reading ``receive``.  A body the block never read is the server's to drop."""
+        if hang_up is not None:
+            with trio.CancelScope() as scope:
+
+                def on_gone(why: str) -> None:
+                    scope.cancel()
+
+                hang_up.watch(on_gone)
+                try:
+                    yield
+                finally:
+                    hang_up.unwatch(on_gone)
+            return
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._cancel_on_hang_up, receive, nursery.cancel_scope)
-            async with self.client.stream(path, None, method="GET") as upstream:
-                if upstream.status != 200:
-                    body = b"".join([chunk async for chunk in upstream.chunks])
-                    await relay_reply(out, upstream.status, upstream.headers, body)
-                else:
-                    await out.start(200, SSE_HEADERS, source="decoder")
-                    try:
-                        async for chunk in upstream.chunks:
-                            await out.body(chunk, more=True)
-                    except DecoderError as exc:
-                        log.warning("%s: the decoder stopped mid-replay: %s", path, exc.message)
-                        await out.body(sse_error(f"the decoder stopped mid-stream ({exc.public})"), more=True)
-                    await out.body(b"", more=False)
+            yield
             nursery.cancel_scope.cancel()
 
     @staticmethod
     async def _cancel_on_hang_up(receive: Receive, scope: trio.CancelScope) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
+        try:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+        except ClientError:
+            pass  # a body that broke off (malformed, or past server.body_timeout_s): the client is gone too
         scope.cancel()
 
     @staticmethod

@@ -1,4 +1,5 @@
-"""The front's HTTP/1.1 server: an ASGI app served on trio's sockets, one task per connection.
+"""The front's HTTP/1.1 server: an ASGI app served on trio's sockets, one task per connection
+(and its hang-up watcher, from the first request that watches).
 
 - **One task per connection** reads a head, runs the app in that same task, writes what the app
   sends straight to the socket, and reads the next head.  A head that declares its length goes out
@@ -15,7 +16,8 @@
 - **Keep-alive**, with pipelined requests answered in order.  A connection is idle from the end of
   a response to the end of the next head: it is closed after ``idle_timeout_s`` then, and at once
   when the server stops; a busy one is closed when its response is out.  A body the app did not
-  read (a refusal) is read and dropped, up to :data:`DISCARD_BYTES`, so the connection is kept.
+  read (a refusal) is read and dropped, up to :data:`DISCARD_BYTES` and within ``body_timeout_s``,
+  so the connection is kept (else it closes, with no other answer).
 - **Writes** have a deadline: a client that takes no byte of a response for ``write_timeout_s``
   loses its connection, and the app learns it as a hang-up (``http.disconnect``).
 - **Bodies** have one: a body not all come ``body_timeout_s`` after the request's first wait for it
@@ -23,8 +25,8 @@
   body), and the connection closes after the answer.  Only a wait for the socket has a deadline: a
   body that came with its head costs none.
 - **Settings**: the timeouts are sources (a value, or a function that gives the value now: the
-  daemon's one live config), read at each idle period and each write, so a reload applies from the
-  next.
+  daemon's one live config), read at each idle period, each write and each body's first wait, so a
+  reload applies from the next.
 - **Disconnects**: once the body is read, ``receive()`` waits for the client to hang up and then
   returns ``http.disconnect`` (at once after the response has finished, as the ASGI spec says).
   Without a task of its own: the scope's ``extensions["onebit.hang_up"]`` (a :class:`HangUp`)
@@ -33,7 +35,8 @@
   it: when the next request comes it hands the socket to the connection's task, so a request
   costs no task, no cancel and no new wait.
 - **Failures** stay on their connection: a socket error is a gone client, an app that raises is
-  logged with its traceback and answered 500 if nothing was sent yet.
+  logged with its traceback and answered 500 if nothing was sent yet, a watch that raises or a
+  watcher that fails is logged (the latter's connection is hung up on).
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ LINGER_S = 2.0  # after the last response on a connection, wait this long for th
 BACKLOG = 1024
 # A client that takes no byte of its response for this long is gone (nginx's send_timeout).
 WRITE_TIMEOUT_S = 60.0
-BODY_TIMEOUT_S = 30.0  # a request's body must have come this long after its head, else 408
+BODY_TIMEOUT_S = 30.0  # a request's body must have come this long after the first wait for it, else 408
 
 _REASONS = {status.value: status.phrase.encode() for status in http.HTTPStatus}
 _NO_BODY = frozenset({204, 304})
@@ -399,8 +402,7 @@ class _Connection:
         finally:
             self._reading = False
             if self._on_gone and self._watcher_started:
-                self._armed = True  # a watch the watcher gave way to while this task waited
-                self._arm.unpark()
+                self._arm_watcher()  # a watch the watcher gave way to while this task waited
 
     async def write(self, data: bytes) -> None:
         """Send all of ``data``; a client that is gone takes nothing more (its request is cancelled by
@@ -452,6 +454,10 @@ class _Connection:
         self._on_gone.append(on_gone)
         if self.reader.pending or self._watching:
             return  # the next request has begun (only _hang_up tells), or the watcher waits already
+        self._arm_watcher()
+
+    def _arm_watcher(self) -> None:
+        """Have the watcher wait for the socket (started here the first time)."""
         self._armed = True
         if self._watcher_started:
             self._arm.unpark()
@@ -477,7 +483,18 @@ class _Connection:
         """Waits for the socket while armed (a request watches); when it is readable, wakes the
         connection's task if that waits for it, and tells a watched request's hang-up (the next
         request's bytes, pipelined, are no hang-up).  It stays waiting after the request that armed
-        it, so that the connection's next wait for the socket is its word, not a wait of its own."""
+        it, so that the connection's next wait for the socket is its word, not a wait of its own.
+        It runs in the server's nursery: a failure of its own hangs up on its connection only."""
+        try:
+            await self._watch_socket()
+        except Exception:
+            log.warning("a connection's hang-up watcher failed; the connection is closed", exc_info=True)
+            self._watcher_started = False
+            self._readable.unpark_all()
+            if self.sock.fileno() != -1:
+                self._hang_up("onebitd's hang-up watch failed")
+
+    async def _watch_socket(self) -> None:
         sock = self.sock
         while not self._closed:
             if not self._armed or self._reading:

@@ -41,6 +41,7 @@ async def test_a_body_that_stops_arriving_gets_408_after_body_timeout_s(short_di
             await receive_until(raw, buffer, b"}}")
     head, _, payload = bytes(buffer).partition(b"\r\n\r\n")
     assert head.split(b" ")[1] == b"408"
+    assert b"connection: close" in head.lower()  # the rest of that body would be the next request
     assert json.loads(payload)["error"]["code"] == "body_timeout"
     assert control.entries() == []
 

@@ -711,7 +711,7 @@ async def test_a_body_that_stops_coming_is_a_408_past_body_timeout_s_and_the_con
 # -- the hang-up told to a function (the scope's extension) -------------------------------------------
 
 
-async def test_a_watched_request_is_told_its_hang_up_with_no_task_of_its_own() -> None:
+async def test_a_watched_request_is_told_its_hang_up() -> None:
     told: list[str] = []
     watching = trio.Event()
     hung_up = trio.Event()
@@ -816,6 +816,38 @@ async def test_a_watch_that_raises_is_logged_and_the_server_serves_on(caplog: py
     [record] = [r for r in caplog.records if "hang-up watch failed" in r.getMessage()]
     assert record.exc_info is not None
     assert "a watch that fails" in str(record.exc_info[1])
+
+
+async def test_a_watcher_that_fails_hangs_up_on_its_connection_only(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def fails(self: object) -> None:
+        raise RuntimeError("the watcher broke")
+
+    monkeypatch.setattr("supervisor.server._Connection._watch_socket", fails)
+    told: list[str] = []
+    done = trio.Event()
+
+    async def app(scope: Message, receive: Receive, send: Send) -> None:
+        if scope["path"] == "/next":
+            await answer(send, 200, b"served")
+            return
+        hang_up: HangUp = scope["extensions"][HANG_UP]
+        hang_up.watch(told.append)
+        await trio.testing.wait_all_tasks_blocked()
+        done.set()
+
+    async with serving(app) as served:
+        async with connected(served.port) as client:
+            await client.send(GET)
+            await done.wait()
+            with pytest.raises(trio.BrokenResourceError):  # hung up on: reset, no response
+                await client.rest()
+        async with connected(served.port) as client:
+            await client.send(b"GET /next HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert (await client.response()).body == b"served"
+    assert told == ["onebitd's hang-up watch failed"]
+    assert any("hang-up watcher failed" in r.getMessage() for r in caplog.records)
 
 
 async def test_the_write_timeout_is_told_to_a_watched_request_with_why() -> None:

@@ -18,6 +18,7 @@ from supervisor.config import HybridConfig, ServerConfig
 from supervisor.front import Front
 from supervisor.metrics import Metrics
 from supervisor.routeline import RouteLine
+from supervisor.server import HttpServer
 from supervisor.slots import SlotPool
 
 from . import asgi
@@ -161,6 +162,37 @@ async def test_a_replay_is_relayed_as_it_comes_and_a_hang_up_closes_it(tmp_path:
     assert reply.chunks[:2] == [b'data: {"n": 1}\n\n', b"data: [DONE]\n\n"]
     assert ("/v1/stream", "conv_id=live&from=0", {}) in rig.fake.seen
     assert rig.lines == []  # no slot, no route line
+
+
+async def test_a_replay_asked_with_a_body_that_never_comes_is_relayed_whole(tmp_path: Path) -> None:
+    # Through onebitd's server: the replay does not read the GET's body, so the body's deadline
+    # (here all but at once) is the server's to keep when it drops the body after the reply, and
+    # never cuts the stream.
+    rig = Rig(tmp_path)
+    stop = trio.Event()
+    server = HttpServer(
+        rig.front, hosts=("127.0.0.1",), port=0, idle_timeout_s=TIMEOUT, shutdown=stop.wait, body_timeout_s=0.001
+    )
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            [url] = await nursery.start(server.run)
+            stream = await trio.open_tcp_stream("127.0.0.1", int(url.rsplit(":", 1)[1]))
+            async with stream:
+                await stream.send_all(
+                    b"GET /v1/stream?conv_id=live&from=0 HTTP/1.1\r\nHost: localhost\r\nContent-Length: 10\r\n\r\nabc"
+                )
+                received = b""
+                while b"\r\n\r\n" not in received:
+                    received += await stream.receive_some()
+                await trio.testing.wait_all_tasks_blocked(cushion=0.05)  # the body's deadline is long past
+                rig.fake.release.set()
+                while data := await stream.receive_some():
+                    received += data
+            stop.set()
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 ")
+    assert b'data: {"n": 1}' in body
+    assert body.endswith(b"0\r\n\r\n")  # the chunked reply's end: whole, then the connection closed
 
 
 async def test_a_replay_of_an_unknown_conversation_is_the_decoders_404(tmp_path: Path) -> None:
