@@ -79,18 +79,6 @@ _DISCONNECT: Message = {"type": "http.disconnect"}
 HANG_UP = "onebit.hang_up"  # the scope's extension: the request's HangUp
 _ASGI: Message = {"version": "3.0", "spec_version": "2.3"}
 
-
-class HangUp(Protocol):
-    """A request's hang-up, told to a function: ``watch(on_gone)`` calls ``on_gone(why)`` once if the
-    client hangs up (or the server takes it for gone: ``why`` then says why, else it is "") before
-    ``unwatch(on_gone)``; at once if it is gone already.  After the next request has begun on the
-    connection (pipelined) only the server's own hang-up is told."""
-
-    def watch(self, on_gone: Callable[[str], None]) -> None: ...
-
-    def unwatch(self, on_gone: Callable[[str], None]) -> None: ...
-
-
 _ACCEPT_RETRY = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 # accept(2) passes on a pending connection's own network errors: that connection is gone, the next
 # one is not (trio's SocketListener's list).
@@ -103,6 +91,17 @@ _ACCEPT_SKIP = frozenset(
     if hasattr(errno, name)
 )
 READS_BEFORE_YIELD = 16  # reads that found data ready, in a row, before the connection lets others run
+
+
+class HangUp(Protocol):
+    """A request's hang-up, told to a function: ``watch(on_gone)`` calls ``on_gone(why)`` once if the
+    client hangs up (or the server takes it for gone: ``why`` then says why, else it is "") before
+    ``unwatch(on_gone)``; at once if it is gone already.  After the next request has begun on the
+    connection (pipelined) only the server's own hang-up is told."""
+
+    def watch(self, on_gone: Callable[[str], None]) -> None: ...
+
+    def unwatch(self, on_gone: Callable[[str], None]) -> None: ...
 
 
 _date = (0, b"")
@@ -651,8 +650,7 @@ class _Request:
             try:
                 while not self.body_done:
                     await self._body_part()
-            except (_Gone, ClientError):  # the latter: malformed, or past its deadline
-                self.keep = False
+            except (_Gone, ClientError):  # the latter: malformed, or past its deadline (keep is off)
                 return
         if waited.cancelled_caught:
             self.keep = False

@@ -234,6 +234,14 @@ async def answer(send: Send, status: int, body: bytes, content_type: bytes = b"t
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
+async def flood(send: Send) -> None:
+    """A stream's head, then 64 KiB pieces until cancelled: a client that reads nothing fills the
+    buffers, and the server's writes wait."""
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+    while True:
+        await send({"type": "http.response.body", "body": b"x" * 65536, "more_body": True})
+
+
 async def echo(scope: Message, receive: Receive, send: Send) -> None:
     """Answers what it was asked, as JSON, after reading the body where the request declares one."""
     body = await read_body(receive) if declares_body(scope) else b""
@@ -850,13 +858,11 @@ async def test_a_watcher_that_fails_hangs_up_on_its_connection_only(
     assert any("hang-up watcher failed" in r.getMessage() for r in caplog.records)
 
 
-async def test_the_write_timeout_is_told_to_a_watched_request_with_why() -> None:
-    told: list[str] = []
-    stopped = trio.Event()
+def flooding_until_told(told: list[str], watching: trio.Event, stopped: trio.Event) -> App:
+    """An app that watches its hang-up and floods its client until it is told (``told``)."""
 
-    async def flood(scope: Message, receive: Receive, send: Send) -> None:
+    async def app(scope: Message, receive: Receive, send: Send) -> None:
         hang_up: HangUp = scope["extensions"][HANG_UP]
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
         with trio.CancelScope() as cancel:
 
             def on_gone(why: str) -> None:
@@ -864,16 +870,39 @@ async def test_the_write_timeout_is_told_to_a_watched_request_with_why() -> None
                 cancel.cancel()
 
             hang_up.watch(on_gone)
-            while True:  # until the hang-up: the client reads nothing, so the buffers fill up
-                await send({"type": "http.response.body", "body": b"x" * 65536, "more_body": True})
+            watching.set()
+            await flood(send)
         stopped.set()
 
-    async with serving(flood, write_timeout_s=IDLE) as served, connected(served.port) as client:
+    return app
+
+
+async def test_the_write_timeout_is_told_to_a_watched_request_with_why() -> None:
+    told: list[str] = []
+    stopped = trio.Event()
+    app = flooding_until_told(told, trio.Event(), stopped)
+    async with serving(app, write_timeout_s=IDLE) as served, connected(served.port) as client:
         client.stream.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         await client.send(GET)
         await stopped.wait()
     [why] = told
     assert "server.write_timeout_s" in why
+
+
+async def test_a_write_that_finds_the_client_gone_tells_the_watch() -> None:
+    # The next request came with this one (pipelined), so the watcher does not wait for the socket:
+    # the client's reset is found by the flood's next write, which tells the watch.
+    told: list[str] = []
+    watching = trio.Event()
+    stopped = trio.Event()
+    async with serving(flooding_until_told(told, watching, stopped)) as served:
+        async with connected(served.port) as client:
+            client.stream.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            await client.send(GET + GET)
+            await watching.wait()
+            client.stream.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        await stopped.wait()  # the close was a reset
+    assert told == [""]
 
 
 # -- the write deadline -------------------------------------------------------------------------------
@@ -883,8 +912,7 @@ async def test_a_client_that_takes_nothing_for_the_write_timeout_loses_its_conne
     got: list[Message] = []
     stopped = trio.Event()
 
-    async def flood(scope: Message, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+    async def flooding(scope: Message, receive: Receive, send: Send) -> None:
         async with trio.open_nursery() as nursery:
 
             async def watch() -> None:
@@ -894,11 +922,10 @@ async def test_a_client_that_takes_nothing_for_the_write_timeout_loses_its_conne
                 nursery.cancel_scope.cancel()
 
             nursery.start_soon(watch)
-            while True:  # until the disconnect: the client reads nothing, so the buffers fill up
-                await send({"type": "http.response.body", "body": b"x" * 65536, "more_body": True})
+            await flood(send)  # until the disconnect
         stopped.set()
 
-    async with serving(flood, write_timeout_s=IDLE) as served, connected(served.port) as client:
+    async with serving(flooding, write_timeout_s=IDLE) as served, connected(served.port) as client:
         client.stream.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         await client.send(GET)
         await stopped.wait()
@@ -914,8 +941,7 @@ async def test_the_write_timeout_s_hang_up_reaches_an_app_watching_while_the_nex
     got: list[Message] = []
     stopped = trio.Event()
 
-    async def flood(scope: Message, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+    async def flooding(scope: Message, receive: Receive, send: Send) -> None:
         async with trio.open_nursery() as nursery:
 
             async def watch() -> None:
@@ -925,11 +951,10 @@ async def test_the_write_timeout_s_hang_up_reaches_an_app_watching_while_the_nex
                 nursery.cancel_scope.cancel()
 
             nursery.start_soon(watch)
-            while True:
-                await send({"type": "http.response.body", "body": b"x" * 65536, "more_body": True})
+            await flood(send)
         stopped.set()
 
-    async with serving(flood, write_timeout_s=IDLE) as served, connected(served.port) as client:
+    async with serving(flooding, write_timeout_s=IDLE) as served, connected(served.port) as client:
         client.stream.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         await client.send(GET + GET)
         await stopped.wait()
