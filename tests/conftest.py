@@ -7,6 +7,7 @@ runtime directories are short ``mkdtemp`` directories under /tmp, removed after 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -18,6 +19,8 @@ from pathlib import Path
 import pytest
 
 from supervisor.logs import ROUTE_LOGGER
+from supervisor.metrics import Metrics
+from supervisor.routeline import RouteLine
 
 from . import fake_control
 from .helpers import gone
@@ -28,6 +31,31 @@ from .rig import Control, RouteLines, RouteRig
 def _no_control_file(monkeypatch: pytest.MonkeyPatch) -> None:
     # A fake started by a test without the control fixture runs with its defaults, whatever our shell says.
     monkeypatch.delenv(fake_control.ENV, raising=False)
+
+
+@pytest.fixture(autouse=True)
+def _capture(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ONEBIT_CAPTURE naming a file, every route line and /metrics text a test renders is appended
+    to it, one JSON list a line: two trees' files compare byte for byte (behaviour kept across a move)."""
+    if not (path := os.environ.get("ONEBIT_CAPTURE")):
+        return
+
+    def record(kind: str, text: str) -> None:
+        with open(path, "a") as out:
+            out.write(json.dumps([request.node.nodeid, kind, text]) + "\n")
+
+    logfmt, render = RouteLine.logfmt, Metrics.render
+
+    def logfmt_kept(self: RouteLine) -> str:
+        record("route", text := logfmt(self))
+        return text
+
+    def render_kept(self: Metrics) -> bytes:
+        record("metrics", (body := render(self)).decode())
+        return body
+
+    monkeypatch.setattr(RouteLine, "logfmt", logfmt_kept)
+    monkeypatch.setattr(Metrics, "render", render_kept)
 
 
 @pytest.fixture
