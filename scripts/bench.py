@@ -52,11 +52,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # measure the tree this script sits in, whatever is installed
 
 from supervisor import config as configuration  # noqa: E402
-from supervisor import locate, logs  # noqa: E402
-from supervisor.config import Config  # noqa: E402
+from supervisor.config import Config, locate  # noqa: E402
 from supervisor.daemon import Daemon  # noqa: E402
-from supervisor.decoder import unix_transport  # noqa: E402
 from supervisor.errors import ChildError, ConfigError  # noqa: E402
+from supervisor.llama.decoder import unix_transport  # noqa: E402
+from supervisor.observe import logs  # noqa: E402
 from supervisor.testing import run_daemon  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -539,7 +539,7 @@ def cpu_lines(direct: Side, front: Side, requests: int, streams: int, what: str)
     """onebitd's CPU: what was measured on the onebitd side beyond the direct side.
 
     Both sides run the same clients and the same onebitd (idle on the direct side but for its
-    health checks), so the difference is onebitd's work on the requests: HTTP in (supervisor/server.py), the
+    health checks), so the difference is onebitd's work on the requests: HTTP in (supervisor/http/server.py), the
     relay, the decoder client, logging.  Per chunk, the stream rounds' share of the per-request
     cost (measured in (a)) is taken out first."""
     per_request = (front.short_cpu - direct.short_cpu) / requests if requests else float("nan")

@@ -27,9 +27,9 @@ from typing import Any
 
 import httpx
 
-from supervisor import locate, statefile
-from supervisor.config import ModelConfig
-from supervisor.llama_server import model_args
+from supervisor.config import ModelConfig, locate
+from supervisor.llama import statefile
+from supervisor.llama.llama_server import model_args
 
 TEXT = (
     "The history of the city begins with a small fishing village on the river delta. Over the centuries "

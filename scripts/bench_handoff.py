@@ -12,7 +12,7 @@ provider are pinned to different cores (``cpu_affinity``).
 
 Part 3, share against file: on one decoder started with ``LLAMA_KV_SHARE=1`` (the patched build),
 per prompt size, a prompt prefilled and saved in slot 1, then handed to slot 0 both ways: a restore
-of the saved file (the file route's last step) against a share, supervisor.share_worker's copy of
+of the saved file (the file route's last step) against a share, supervisor.llama.share_worker's copy of
 the file's rows into the lent region, and an adopt (the share route's last steps); the decoder
 evaluating one prompt token after each is checked, and the greedy reply after the adopt against the
 plain one.
@@ -45,12 +45,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from supervisor import config as configuration  # noqa: E402
-from supervisor import locate  # noqa: E402
-from supervisor.config import Config  # noqa: E402
+from supervisor.config import Config, locate  # noqa: E402
 from supervisor.daemon import Daemon  # noqa: E402
-from supervisor.decoder import unix_transport  # noqa: E402
+from supervisor.llama.decoder import unix_transport  # noqa: E402
+from supervisor.llama.region import SlotState, write_rows  # noqa: E402
 from supervisor.providers.llama import LlamaServerProvider  # noqa: E402
-from supervisor.share_worker import SlotState, write_rows  # noqa: E402
 from supervisor.testing import run_daemon  # noqa: E402
 
 TIMEOUT_S = 600  # one 2k-token prefill on a loaded 2-core machine is seconds, not minutes

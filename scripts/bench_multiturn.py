@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 from supervisor import config as configuration  # noqa: E402
 from supervisor.config import Config  # noqa: E402
 from supervisor.daemon import Daemon  # noqa: E402
-from supervisor.logs import ROUTE_LOGGER  # noqa: E402
+from supervisor.observe.logs import ROUTE_LOGGER  # noqa: E402
 from supervisor.testing import RouteLines, run_daemon  # noqa: E402
 
 TIMEOUT_S = 600

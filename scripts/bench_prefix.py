@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from supervisor import config as configuration  # noqa: E402
-from supervisor.child import ChildState  # noqa: E402
 from supervisor.config import Config  # noqa: E402
+from supervisor.supervise.child import ChildState  # noqa: E402
 from supervisor.testing import run_daemon  # noqa: E402
 
 TIMEOUT_S = 900

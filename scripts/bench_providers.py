@@ -34,10 +34,11 @@ import bench_handoff  # noqa: E402
 from bench_handoff import Rig, first_byte_ms, longest_gap, open_rig, prompt_of  # noqa: E402
 
 from supervisor import config as configuration  # noqa: E402
-from supervisor import fidelity, openvino  # noqa: E402
 from supervisor.config import Config  # noqa: E402
 from supervisor.errors import ConfigError  # noqa: E402
+from supervisor.llama import openvino  # noqa: E402
 from supervisor.providers.llama import LlamaServerProvider  # noqa: E402
+from supervisor.routes import fidelity  # noqa: E402
 
 SIZES = (256, 1024, 2048, 3072)
 

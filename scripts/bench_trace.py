@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 
 from supervisor.daemon import Daemon
-from supervisor.decoder import DecoderClient, Stream
+from supervisor.llama.decoder import DecoderClient, Stream
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 

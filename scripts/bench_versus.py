@@ -29,7 +29,7 @@ from typing import Any
 import attrs
 import trio
 
-from supervisor import locate
+from supervisor.config import locate
 
 NAMES = ("this tree", "other tree")
 

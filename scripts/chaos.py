@@ -52,13 +52,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the tree this script sits in, whatever is installed
 
 from supervisor import config as configuration  # noqa: E402
-from supervisor import locate  # noqa: E402
-from supervisor.child import ChildState  # noqa: E402
-from supervisor.config import Config  # noqa: E402
+from supervisor.config import Config, locate  # noqa: E402
 from supervisor.daemon import Daemon  # noqa: E402
-from supervisor.llama_server import connection_limit, model_args  # noqa: E402
-from supervisor.logs import ROUTE_LOGGER  # noqa: E402
+from supervisor.llama.llama_server import connection_limit, model_args  # noqa: E402
+from supervisor.observe.logs import ROUTE_LOGGER  # noqa: E402
 from supervisor.providers.exec import ExecProvider  # noqa: E402
+from supervisor.supervise.child import ChildState  # noqa: E402
 from supervisor.testing import Clients, Running, run_daemon  # noqa: E402
 
 TESTS = ROOT / "tests"

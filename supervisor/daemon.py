@@ -7,7 +7,7 @@
         ├── Models.run              the scheduler: loads on demand, unloads (LRU, ttl_s), per model:
         │   └── Model.run           its prefix store; per load: its decoder's Child (llama-server on
         │                           <runtime>/decoder.sock, or <runtime>/model-NAME/), its
-        │                           providers, its Completions (supervisor/model.py)
+        │                           providers, its Completions (supervisor/models/model.py)
         ├── AdminServer.run         <runtime>/admin.sock: onebitctl's verbs
         ├── Front.run               HttpServer on server.host:port; one cancel scope per request
         └── _announce               READY=1 and STATUS= for systemd, once the preloaded models settled
@@ -41,28 +41,30 @@ from typing import Any
 import attrs
 import trio
 
-from . import __version__, locate, logs, modelspec
+from . import __version__
 from . import config as configuration
-from .admin import AdminServer
-from .child import Child, ChildState
-from .completion import Completions, Hybrid
-from .config import Config
-from .decoder import DecoderClient
+from .admin.verbs import AdminServer
+from .api.front import Front, ProviderReadiness
+from .api.vertex import Vertex
+from .config import Config, locate, modelspec
 from .errors import ChildError, ConfigError, ListenError, RuntimeDirInUse
-from .front import Front, ProviderReadiness
-from .llama_server import LlamaServerLauncher, server_version
-from .metrics import LiveStatistics, Metrics
-from .model import SHARE_CONNECT_TIMEOUT_S, Model, ModelState, share_enabled
-from .models import Models
-from .notify import Notifier, run_watchdog, watchdog_interval
+from .llama.decoder import DecoderClient
+from .llama.llama_server import LlamaServerLauncher, server_version
+from .llama.slots import SlotPool
+from .models import memory
+from .models.model import SHARE_CONNECT_TIMEOUT_S, Model, ModelState, share_enabled
+from .models.registry import Models
+from .observe import logs
+from .observe.metrics import LiveStatistics, Metrics
+from .observe.routestats import RouteStats
+from .observe.status import DaemonInfo, DaemonStatistics, ModelStatistics
 from .prefix.store import PrefixStore, open_prefix_store
 from .providers import Providers
 from .providers.seat import Seats
 from .routeline import RouteLine
-from .routestats import RouteStats
-from .slots import SlotPool
-from .status import DaemonInfo, DaemonStatistics, ModelStatistics
-from .vertex import Vertex
+from .routes.completion import Completions, Hybrid
+from .supervise.child import Child, ChildState
+from .supervise.notify import Notifier, run_watchdog, watchdog_interval
 
 log = logging.getLogger("onebit.daemon")
 
@@ -137,7 +139,7 @@ class Daemon:
             metrics=self.metrics.render,
             providers=self.provider_readiness,
             # Vertex AI sets AIP_MODE=PREDICTION in the container: onebitd answers its routes, as
-            # llama-server does under it (supervisor/vertex.py).
+            # llama-server does under it (supervisor/api/vertex.py).
             vertex=Vertex.from_environ(os.environ),
         )
         self.admin = AdminServer(self, self.runtime_dir / "admin.sock")
@@ -156,7 +158,7 @@ class Daemon:
             spec,
             runtime_dir=self.runtime_dir,
             live=lambda: self.config,
-            estimate_mib=modelspec.estimate_mib(spec),
+            estimate_mib=memory.estimate_mib(spec),
             check_fidelity=self.check_fidelity,
             seats=self.seats,
         )

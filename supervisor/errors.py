@@ -17,7 +17,7 @@
     ├── PrefixStoreError       the prefix store cannot hand over an entry (gone, or not exposable):
     │                          the request goes on as if there were none
     ├── ChatFormRefused        an Anthropic or Responses body llama-server's conversion to chat form
-    │                          refuses (routes/chatform.py): sent on as it is, the decoder answers it
+    │                          refuses (llama/chatform.py): sent on as it is, the decoder answers it
     └── ClientError            the HTTP client sent something we refuse (HTTP 4xx)
         ├── Malformed              bytes that are not HTTP/1.1 as onebitd takes it (framing.py: 400,
         │                          431, 501, 505); from llama-server, wire.py makes it DecoderUnavailable
@@ -116,7 +116,7 @@ class ClientError(OnebitError):
 
 
 class Malformed(ClientError):
-    """Bytes that are not HTTP/1.1 as onebitd takes it (supervisor/framing.py).  ``status`` and
+    """Bytes that are not HTTP/1.1 as onebitd takes it (supervisor/http/framing.py).  ``status`` and
     ``code`` are the front's answer (400, 431, 501, 505); the decoder client makes it ``DecoderUnavailable``."""
 
 

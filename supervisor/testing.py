@@ -22,11 +22,11 @@ import attrs
 import httpx
 import trio
 
-from .child import ChildState
 from .config import Config
 from .daemon import Daemon, Started
-from .decoder import unix_transport
 from .errors import ChildError
+from .llama.decoder import unix_transport
+from .supervise.child import ChildState
 
 
 @attrs.frozen

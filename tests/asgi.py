@@ -15,8 +15,8 @@ from typing import Any
 import attrs
 import trio
 
-from supervisor.child import ChildState, ChildStatistics
-from supervisor.front import Front
+from supervisor.api.front import Front
+from supervisor.supervise.child import ChildState, ChildStatistics
 
 
 @attrs.define

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.logs import ROUTE_LOGGER
-from supervisor.metrics import Metrics
+from supervisor.observe.logs import ROUTE_LOGGER
+from supervisor.observe.metrics import Metrics
 from supervisor.routeline import RouteLine
 
 from . import fake_control

@@ -14,7 +14,7 @@ decoder started without ``--embeddings``/``--reranking`` does: ``GET /props``, `
 ``/v1/models``, ``/models``, ``/lora-adapters``, ``/metrics``; ``POST /v1/messages/count_tokens``;
 embeddings and rerank 501.  ``POST /v1/messages`` and ``/v1/responses`` (whole or streamed, in
 Anthropic's and the Responses API's shapes, with their ``usage``) are completions on a slot like
-chat's: converted as llama-server converts them (supervisor/routes/chatform.py, as patched: ``id_slot``
+chat's: converted as llama-server converts them (supervisor/llama/chatform.py, as patched: ``id_slot``
 kept) and templated as chat is.  ``seen`` keeps every request's path, query and body, for tests to
 see what onebitd asked.
 
@@ -36,11 +36,11 @@ import attrs
 import httpx
 import trio
 
-from supervisor import wire
-from supervisor.decoder import DecoderClient
 from supervisor.errors import ChatFormRefused, DecoderUnavailable
-from supervisor.routes import chatform
-from supervisor.statefile import MAGIC_BYTES as STATE_MAGIC
+from supervisor.http import wire
+from supervisor.llama import chatform
+from supervisor.llama.decoder import DecoderClient
+from supervisor.llama.statefile import MAGIC_BYTES as STATE_MAGIC
 
 from . import fake_decoder
 from .fake_decoder import HttpError, Modes, chatml, content_text, parse_job, token_id
@@ -250,9 +250,9 @@ class Events(httpx.AsyncByteStream):
 
 
 class HttpxWire:
-    """An httpx transport as the decoder client's :class:`~supervisor.wire.Transport`: what the fakes
+    """An httpx transport as the decoder client's :class:`~supervisor.http.wire.Transport`: what the fakes
     here are written against (handlers that take an ``httpx.Request``), with httpx's errors turned
-    into onebit's as supervisor/wire.py turns the socket's."""
+    into onebit's as supervisor/http/wire.py turns the socket's."""
 
     def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
         self.inner = inner

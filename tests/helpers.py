@@ -15,7 +15,7 @@ import httpx
 import trio
 
 from supervisor.config import Config
-from supervisor.slots import SlotPool
+from supervisor.llama.slots import SlotPool
 
 from .rig import Control, DecoderModes, Running
 

@@ -22,11 +22,11 @@ import pytest
 import trio
 
 from supervisor import config as configuration
-from supervisor import locate, openvino
-from supervisor.child import Child, ChildState
-from supervisor.config import Config
+from supervisor.config import Config, locate
 from supervisor.errors import ProviderError
+from supervisor.llama import openvino
 from supervisor.providers import Claim, Job, PrefillJob, Provider, ProviderStatistics
+from supervisor.supervise.child import Child, ChildState
 
 # Re-exported: the tests run onebitd through the rig.
 from supervisor.testing import Running as Running

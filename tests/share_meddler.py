@@ -1,4 +1,4 @@
-"""supervisor.share_worker with one fault injected, for the share route's fallback tests.
+"""supervisor.llama.share_worker with one fault injected, for the share route's fallback tests.
 
 share_meddler.py MODE DECODER_SOCKET LLAMA_SERVER [llama-server model args]
 
@@ -16,7 +16,7 @@ import sys
 import tempfile
 from typing import Any
 
-from supervisor import share_worker
+from supervisor.llama import share_worker
 
 
 def main() -> int:

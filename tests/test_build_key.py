@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import locate
+from supervisor.config import locate
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,4 +1,4 @@
-"""routes/chatform.py: llama-server's conversions of Anthropic and Responses bodies, step for step.
+"""supervisor/llama/chatform.py: llama-server's conversions of Anthropic and Responses bodies, step for step.
 
 What each case expects is read off tools/server/server-chat.cpp (build 11434), key order included;
 tests/test_real_agent.py holds the conversion equal to the real decoder's tokens.
@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from supervisor.errors import ChatFormRefused
-from supervisor.routes import chatform
-from supervisor.routes.chatform import from_anthropic, from_responses, normalize_billing_header
+from supervisor.llama import chatform
+from supervisor.llama.chatform import from_anthropic, from_responses, normalize_billing_header
 
 TOOL_SCHEMA = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}
 

@@ -20,8 +20,8 @@ import pytest
 import trio
 import trio.testing
 
-from supervisor.child import TRANSITIONS, Child, ChildState
 from supervisor.config import HealthPolicy, RestartPolicy
+from supervisor.supervise.child import TRANSITIONS, Child, ChildState
 
 from .fake_child import grandchild, kill_grandchild, running, wait_gone
 

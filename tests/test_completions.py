@@ -19,19 +19,19 @@ import pytest
 import trio
 import trio.testing
 
-from supervisor.child import ChildState
-from supervisor.completion import Completions, Hybrid
+from supervisor.api.front import Front
 from supervisor.config import HybridConfig, ServerConfig
-from supervisor.front import Front
-from supervisor.llama_server import StateFingerprint
+from supervisor.llama.llama_server import StateFingerprint
+from supervisor.llama.slots import SlotPool
 from supervisor.prefix.store import PrefixStore
 from supervisor.providers import Provider, Providers
 from supervisor.routeline import RouteLine
+from supervisor.routes.completion import Completions, Hybrid
 from supervisor.routes.decision import DEGRADE, Step
 from supervisor.routes.file import FileHandoff
 from supervisor.routes.share import ShareHandoff, ShareHandshake
 from supervisor.routes.stored import StoredPrefixes
-from supervisor.slots import SlotPool
+from supervisor.supervise.child import ChildState
 
 from . import asgi
 from .asgi import ReadyDecoder, Reply

@@ -10,9 +10,9 @@ import pytest
 import tomli_w
 
 from supervisor import config as configuration
-from supervisor import locate, modelspec
-from supervisor.config import Config
+from supervisor.config import Config, locate, modelspec
 from supervisor.errors import ConfigError
+from supervisor.models import memory
 
 from .rig import make_config
 
@@ -221,7 +221,7 @@ MIB = 1024 * 1024
 def test_a_models_estimate_counts_the_file_once_and_each_processs_kv_and_prompt_cache(
     processes: int, cache_ram_mib: int, mib: float
 ) -> None:
-    assert modelspec.footprint_mib(100 * MIB, 10 * MIB, processes=processes, cache_ram_mib=cache_ram_mib) == mib
+    assert memory.footprint_mib(100 * MIB, 10 * MIB, processes=processes, cache_ram_mib=cache_ram_mib) == mib
 
 
 def test_the_estimate_counts_the_models_llama_server_providers(
@@ -234,9 +234,9 @@ def test_the_estimate_counts_the_models_llama_server_providers(
     )
     (alone,), (helped,) = modelspec.specs(base), modelspec.specs(with_provider)
     file_mib = locate_size(alone) / MIB
-    kv_mib = modelspec.estimate_mib(alone) - file_mib
+    kv_mib = memory.estimate_mib(alone) - file_mib
     assert kv_mib > 0
-    assert modelspec.estimate_mib(helped) == pytest.approx(file_mib + 2 * kv_mib)
+    assert memory.estimate_mib(helped) == pytest.approx(file_mib + 2 * kv_mib)
 
 
 def locate_size(spec: modelspec.ModelSpec) -> int:

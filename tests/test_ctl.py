@@ -13,8 +13,10 @@ import pytest
 import tomli_w
 import trio
 
-from supervisor import admin, ctl, daemon
 from supervisor import config as configuration
+from supervisor import daemon
+from supervisor.admin import ctl
+from supervisor.admin import verbs as admin
 
 REPO = Path(__file__).parent.parent
 
@@ -226,7 +228,7 @@ def test_onebitctl_cannot_declare_a_verb_of_onebitds_table_nor_present_one_that_
 
 
 async def test_onebitctl_runs_as_a_program(good_file: Path, bad_file: Path) -> None:
-    command = [sys.executable, "-m", "supervisor.ctl", "config", "check"]
+    command = [sys.executable, "-m", "supervisor.admin.ctl", "config", "check"]
     with trio.fail_after(30):
         good = await trio.run_process([*command, str(good_file)], capture_stdout=True, check=False, cwd=REPO)
         bad = await trio.run_process([*command, str(bad_file)], capture_stderr=True, check=False, cwd=REPO)

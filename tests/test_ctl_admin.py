@@ -27,18 +27,20 @@ import pytest
 import tomli_w
 import trio
 
-from supervisor import __version__, admin, ctl
+from supervisor import __version__
 from supervisor import config as configuration
-from supervisor.child import ChildState
+from supervisor.admin import ctl
+from supervisor.admin import verbs as admin
+from supervisor.api.front import InflightRequest
 from supervisor.daemon import Daemon
 from supervisor.errors import AdminUnavailable
-from supervisor.front import InflightRequest
-from supervisor.logs import ROUTE_LOGGER
+from supervisor.observe.logs import ROUTE_LOGGER
+from supervisor.observe.routestats import FirstByte, RouteStats
+from supervisor.observe.status import DaemonStatistics, ModelStatistics, from_wire, to_wire
 from supervisor.prefix.store import PrefixStore
 from supervisor.providers import ProviderStatistics
 from supervisor.routeline import RouteLine
-from supervisor.routestats import FirstByte, RouteStats
-from supervisor.status import DaemonStatistics, ModelStatistics, from_wire, to_wire
+from supervisor.supervise.child import ChildState
 
 from .helpers import CHAT, chat, client_for, open_held_streams, streamed_text, wait_until
 from .rig import (
@@ -73,7 +75,7 @@ class Done:
 
 
 def command(*args: str | Path) -> list[str]:
-    return [sys.executable, "-m", "supervisor.ctl", *map(str, args)]
+    return [sys.executable, "-m", "supervisor.admin.ctl", *map(str, args)]
 
 
 # As an operator runs it: stdout a pipe, block-buffered, so a line that is not flushed is not seen.

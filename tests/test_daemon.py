@@ -17,9 +17,9 @@ import trio
 import trio.testing
 
 from supervisor import config as configuration
-from supervisor.child import ChildState
 from supervisor.daemon import Daemon, leaves, local_url
 from supervisor.errors import ConfigError, ListenError, RuntimeDirInUse
+from supervisor.supervise.child import ChildState
 
 from . import fake_provider
 from .helpers import wait_until

@@ -17,19 +17,19 @@ import httpx
 import pytest
 import trio
 
-from supervisor.child import ChildState
-from supervisor.completion import Completions, Hybrid
+from supervisor.api.endpoints import ROUTES, UNSERVED, Endpoint, Kind, lookup
+from supervisor.api.front import Front
 from supervisor.config import HybridConfig, ServerConfig
-from supervisor.decoder import DecoderClient
-from supervisor.endpoints import ROUTES, UNSERVED, Endpoint, Kind, lookup
 from supervisor.errors import ListenError
-from supervisor.front import Front
+from supervisor.http.respond import anthropic_error_body
+from supervisor.llama import chatform
+from supervisor.llama.decoder import DecoderClient
+from supervisor.llama.slots import SlotPool
 from supervisor.providers import Providers
-from supervisor.respond import anthropic_error_body
 from supervisor.routeline import RouteLine
-from supervisor.routes import chatform
+from supervisor.routes.completion import Completions, Hybrid
 from supervisor.routes.file import FileHandoff
-from supervisor.slots import SlotPool
+from supervisor.supervise.child import ChildState
 
 from . import asgi
 from .asgi import ReadyDecoder, Reply

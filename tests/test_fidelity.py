@@ -1,4 +1,4 @@
-"""supervisor/fidelity.py without processes: the distance, the bound, and the probe's three paths
+"""supervisor/routes/fidelity.py without processes: the distance, the bound, and the probe's three paths
 against an in-process decoder and handoff."""
 
 from __future__ import annotations
@@ -9,11 +9,12 @@ from typing import Any
 import pytest
 import trio
 
-from supervisor import fidelity
 from supervisor.errors import DecoderError, ProviderError, ProviderStateRefused
-from supervisor.fidelity import Probe, Sample, judge, top_k, total_variation
 from supervisor.providers import Provider
-from supervisor.routes.decision import Outcome, Reason, Route, Step
+from supervisor.reasons import Reason
+from supervisor.routes import fidelity
+from supervisor.routes.decision import Outcome, Route, Step
+from supervisor.routes.fidelity import Probe, Sample, judge, top_k, total_variation
 
 from .rig import ScriptedProvider
 

@@ -1,4 +1,4 @@
-"""supervisor/framing.py without sockets: a table of request and reply streams, each decided (the
+"""supervisor/http/framing.py without sockets: a table of request and reply streams, each decided (the
 requests seen, then the refusal) the same way whatever the reads it comes in, and valid streams cut
 at random points that give the same messages as whole."""
 
@@ -12,9 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from supervisor import framing
 from supervisor.errors import Malformed
-from supervisor.framing import END, MAX_HEAD_BYTES, MAX_HEADERS, NEED_DATA
+from supervisor.http import framing
+from supervisor.http.framing import END, MAX_HEAD_BYTES, MAX_HEADERS, NEED_DATA
 
 H = b"Host: x\r\n"
 

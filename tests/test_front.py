@@ -19,7 +19,7 @@ import pytest
 import trio
 import trio.testing
 
-from supervisor.child import ChildState
+from supervisor.supervise.child import ChildState
 
 from .helpers import (
     CHAT,

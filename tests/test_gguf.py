@@ -7,8 +7,9 @@ import struct
 
 import pytest
 
-from supervisor import gguf, locate
-from supervisor.completion import STATE_BYTES_PER_TOKEN
+from supervisor.config import locate
+from supervisor.llama import gguf
+from supervisor.routes.completion import STATE_BYTES_PER_TOKEN
 
 
 def test_the_shipped_model_takes_per_token_what_its_slot_state_files_take() -> None:

@@ -22,7 +22,8 @@ from supervisor.config import ExecProvider as ExecProviderConfig
 from supervisor.errors import DecoderUnavailable
 from supervisor.providers import Claim, Provider
 from supervisor.providers.exec import ExecProvider
-from supervisor.routes.decision import Outcome, Reason
+from supervisor.reasons import Reason
+from supervisor.routes.decision import Outcome
 from supervisor.routes.file import FileHandoff
 
 from .fake_provider import PATH as FAKE_PROVIDER

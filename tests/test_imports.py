@@ -1,5 +1,6 @@
-"""The package's modules: every one imports on its own, no import runs in a circle, and
-docs/architecture.md's module table names each of them.
+"""The package's modules: every one imports on its own, no import runs in a circle, every import runs
+down the layers (:data:`LAYERS`, the table docs/architecture.md shows), and docs/architecture.md's
+module table names each of them.
 
 The graph is read from the source (every ``import`` and ``from ... import`` of a supervisor module,
 at any depth of a module, ``TYPE_CHECKING`` blocks included), so a circle that Python would only
@@ -18,6 +19,30 @@ import pytest
 import supervisor
 
 PACKAGE = Path(supervisor.__file__).parent
+DOC = PACKAGE.parent / "docs" / "architecture.md"
+
+# The layers, lowest first: a module imports only modules of its own layer and of lower ones.  A
+# folder of supervisor/ is one layer, and so is each module at its top (``__init__``: the package's
+# own, its version).  docs/architecture.md's "Layers" table is this one.
+LAYERS = {
+    "__init__": 0,
+    "errors": 0,
+    "reasons": 0,
+    "routeline": 0,
+    "config": 1,
+    "http": 2,
+    "supervise": 3,
+    "llama": 4,
+    "providers": 5,
+    "prefix": 6,
+    "routes": 7,
+    "observe": 8,
+    "models": 9,
+    "api": 10,
+    "admin": 11,
+    "daemon": 12,
+    "testing": 13,
+}
 
 
 def module_name(path: Path) -> str:
@@ -40,9 +65,9 @@ def imported(name: str, path: Path) -> set[str]:
             if node.level:
                 anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                 base = ".".join([*anchor, *([base] if base else [])])
-            found.add(base)
-            # ``from . import decoder``: the name may be a module of its own.
-            found |= {f"{base}.{alias.name}" for alias in node.names}
+            # ``from . import decoder`` imports the module; ``from .errors import ConfigError``, errors.
+            for alias in node.names:
+                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base)
     return {module for module in found if module in MODULES and module != name}
 
 
@@ -73,23 +98,51 @@ def a_cycle() -> list[str] | None:
     return None
 
 
+def layer(name: str) -> str:
+    """The key of :data:`LAYERS` ``name`` is in: its folder, or itself at the top."""
+    return name.removeprefix("supervisor").lstrip(".").split(".")[0] or "__init__"
+
+
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_every_module_imports(name: str) -> None:
     importlib.import_module(name)
 
 
 def test_the_graph_is_read_from_the_source() -> None:
-    assert "supervisor.routes.decision" in GRAPH["supervisor.completion"]
-    assert "supervisor.statefile" in GRAPH["supervisor.prefix.files"]
-    assert "supervisor.decoder" in GRAPH["supervisor.routes.stored"]  # from .. import decoder
+    assert "supervisor.routes.decision" in GRAPH["supervisor.routes.completion"]
+    assert "supervisor.llama.statefile" in GRAPH["supervisor.prefix.files"]
+    assert "supervisor.llama.decoder" in GRAPH["supervisor.routes.stored"]  # from .. import decoder
 
 
 def test_no_import_runs_in_a_circle() -> None:
     assert a_cycle() is None, " -> ".join(a_cycle() or [])
 
 
+def test_every_module_is_in_a_layer() -> None:
+    assert sorted({layer(name) for name in MODULES} - LAYERS.keys()) == []
+
+
+def test_every_import_runs_down_the_layers() -> None:
+    upward = [
+        f"{name} ({layer(name)}) imports {other} ({layer(other)})"
+        for name in sorted(GRAPH)
+        for other in sorted(GRAPH[name])
+        if LAYERS[layer(other)] > LAYERS[layer(name)]
+    ]
+    assert upward == []
+
+
+def test_the_architecture_layer_table_is_this_one() -> None:
+    table = DOC.read_text().split("\n## Layers\n", 1)[1].split("\n## ", 1)[0]
+    shown: dict[str, int] = {}
+    for rank, cell in re.findall(r"^\| (\d+) \| ([^|]+) \|", table, re.MULTILINE):
+        for key in re.findall(r"`([a-z_]+)(?:/|\.py)`", cell):
+            shown[key] = int(rank)
+    assert shown == {key: rank for key, rank in LAYERS.items() if key != "__init__"}
+
+
 def test_the_architecture_module_table_names_every_module_and_no_other() -> None:
-    doc = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    doc = DOC.read_text()
     table = doc.split("\n## Modules\n", 1)[1].split("\n## ", 1)[0]
     named = {f"supervisor/{path}" for path in re.findall(r"`([a-z_/]+\.py)`", table)}
     modules = {str(path.relative_to(PACKAGE.parent)) for path in MODULES.values() if path.name != "__init__.py"}

@@ -1,4 +1,4 @@
-"""The level each line of llama.cpp's output is logged at (supervisor/llama_log.py)."""
+"""The level each line of llama.cpp's output is logged at (supervisor/supervise/llama_log.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from supervisor.llama_log import level_of
+from supervisor.supervise.llama_log import level_of
 
 
 @pytest.mark.parametrize(

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from supervisor.daemon import Daemon
-from supervisor.decoder import DecoderClient
-from supervisor.llama_server import KV_SHARE_ENV, LlamaServerLauncher
+from supervisor.llama.decoder import DecoderClient
+from supervisor.llama.llama_server import KV_SHARE_ENV, LlamaServerLauncher
 
 from .rig import make_config
 

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from supervisor import logs
-from supervisor.logs import ROUTE_LOGGER
+from supervisor.observe import logs
+from supervisor.observe.logs import ROUTE_LOGGER
 from supervisor.routeline import RouteLine
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.models import Candidate, Plan, expired, in_the_way, plan, starving, victims
+from supervisor.models.schedule import Candidate, Plan, expired, in_the_way, plan, starving, victims
 
 
 def c(name: str, **kw: object) -> Candidate:

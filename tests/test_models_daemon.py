@@ -16,12 +16,12 @@ import tomli_w
 import trio
 
 from supervisor import config as configuration
-from supervisor import ctl
+from supervisor.admin import ctl
 from supervisor.config import Config
 from supervisor.daemon import Daemon
-from supervisor.model import ModelState
+from supervisor.models.model import ModelState
+from supervisor.observe.status import from_wire, to_wire
 from supervisor.providers.seat import Tenant
-from supervisor.status import from_wire, to_wire
 
 from . import fake_provider
 from .helpers import gone, reaped, wait_until
@@ -174,7 +174,7 @@ async def test_a_mixed_burst_is_served_with_one_swap_the_loaded_models_requests_
 async def test_a_model_waiting_past_its_bound_holds_new_requests_for_the_one_in_its_way(
     short_dir: Path, control: Control, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("supervisor.models.STARVE_S", 0.2)
+    monkeypatch.setattr("supervisor.models.registry.STARVE_S", 0.2)
     config = several(short_dir, ["a", "b"], max_loaded=1)
     with trio.fail_after(TIMEOUT):
         async with run_daemon(config) as running, httpx.AsyncClient(base_url=running.url, timeout=TIMEOUT) as client:

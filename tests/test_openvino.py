@@ -9,11 +9,11 @@ import pytest
 import tomli_w
 
 from supervisor import config as configuration
-from supervisor import openvino
 from supervisor.config import LlamaServerProvider
-from supervisor.decoder import DecoderClient
 from supervisor.errors import ConfigError
-from supervisor.llama_server import LlamaServerLauncher, StateFingerprint
+from supervisor.llama import openvino
+from supervisor.llama.decoder import DecoderClient
+from supervisor.llama.llama_server import LlamaServerLauncher, StateFingerprint
 
 SOURCE = "site.toml"
 

@@ -20,12 +20,12 @@ import tomli_w
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from supervisor import admin
 from supervisor import config as configuration
-from supervisor.child import ChildState
+from supervisor.admin import verbs as admin
 from supervisor.daemon import Daemon
 from supervisor.errors import AdminUnavailable, RuntimeDirInUse
-from supervisor.notify import Notifier
+from supervisor.supervise.child import ChildState
+from supervisor.supervise.notify import Notifier
 
 from .helpers import CHAT, chat, client_for, open_held_streams, streamed_text, wait_until
 from .rig import Control, DecoderModes, RouteLines, fake_decoder_config, run_daemon

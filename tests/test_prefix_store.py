@@ -25,16 +25,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from supervisor import config as configuration
-from supervisor import locate
-from supervisor.decoder import DecoderClient
+from supervisor.config import locate
 from supervisor.errors import PrefixStoreError
-from supervisor.llama_server import LlamaServerLauncher, StateFingerprint
+from supervisor.llama.decoder import DecoderClient
+from supervisor.llama.llama_server import LlamaServerLauncher, StateFingerprint
+from supervisor.llama.statefile import MAGIC_BYTES as STATE_MAGIC
 from supervisor.prefix import files as prefix_files
 from supervisor.prefix import index as prefix_index
 from supervisor.prefix.files import Disk
 from supervisor.prefix.index import BLOCK, PrefixIndex, token_key
 from supervisor.prefix.store import MAX_PENDING_PUTS, PrefixStore, open_prefix_store
-from supervisor.statefile import MAGIC_BYTES as STATE_MAGIC
 
 from .rig import make_config
 

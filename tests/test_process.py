@@ -19,7 +19,7 @@ import trio
 
 from supervisor import config as configuration
 from supervisor.errors import ChildError
-from supervisor.process import ChildProcess, describe_exit
+from supervisor.supervise.process import ChildProcess, describe_exit
 
 from .fake_child import grandchild, kill_grandchild, running, wait_gone
 from .rig import env_without, fake_decoder_config

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import trio
 
-from supervisor import openvino
-from supervisor.child import ChildState
 from supervisor.config import Config
 from supervisor.config import LlamaServerProvider as LlamaServerProviderConfig
+from supervisor.llama import openvino
 from supervisor.providers.llama import Gate, LlamaServerProvider
+from supervisor.supervise.child import ChildState
 
 from .helpers import reaped, wait_until
 from .rig import FAKE_DECODER, fake_decoder_config, run_daemon

@@ -17,12 +17,12 @@ import pytest
 import trio
 import trio.testing
 
-from supervisor.child import Child, ChildState
 from supervisor.config import HealthPolicy, RestartPolicy
 from supervisor.config import WorkerProvider as WorkerProviderConfig
 from supervisor.errors import ProviderError
 from supervisor.providers import Claim, PrefillJob
 from supervisor.providers.worker import WorkerProvider
+from supervisor.supervise.child import Child, ChildState
 
 from .fake_provider import PATH as FAKE_PROVIDER
 from .helpers import reaped, wait_until

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.rates import MIB, Rates
+from supervisor.routes.rates import MIB, Rates
 
 
 def rates() -> Rates:

@@ -1,10 +1,10 @@
 """Agent clients against the real parts: anthropic-python on ``/v1/messages`` and openai-python's
 Responses client on ``/v1/responses``, through onebitd, with the real llama-server and SmolLM2.
 
-First the conversion itself: onebitd's chat form of a request (supervisor/routes/chatform.py), templated
+First the conversion itself: onebitd's chat form of a request (supervisor/llama/chatform.py), templated
 and tokenized by the decoder, must be the very tokens the decoder evaluates when it gets the request on
 its own endpoint.  The exact check: the request sent to the decoder pinned to a slot, the slot saved,
-and its state file's tokens read (supervisor/statefile.py): onebitd's tokens are their prefix.
+and its state file's tokens read (supervisor/llama/statefile.py): onebitd's tokens are their prefix.
 
 Then the routes: slot affinity (a conversation's next turn reuses its slot's cache), the hybrid file
 route (the decoder evaluates one or two tokens, and answers what it answers from its own prompt cache), the
@@ -28,12 +28,12 @@ import openai
 import pytest
 import trio
 
-from supervisor import statefile
-from supervisor.child import ChildState
 from supervisor.config import Config
-from supervisor.decoder import DecoderClient, unix_transport
+from supervisor.llama import statefile
+from supervisor.llama.decoder import DecoderClient, unix_transport
+from supervisor.llama.region import unpack_prompt
 from supervisor.routes.prompt import chat_form, tokens_for
-from supervisor.share_worker import unpack_prompt
+from supervisor.supervise.child import ChildState
 
 from .helpers import wait_until
 from .rig import HANDOFF_ALWAYS, RouteLines, Running, child_of, make_config, real_llama_server, run_daemon

@@ -1,4 +1,4 @@
-"""Fidelity across engines on the real parts (supervisor/fidelity.py): the decoder's next-token
+"""Fidelity across engines on the real parts (supervisor/routes/fidelity.py): the decoder's next-token
 distribution after a handoff, against its own cached path, on 33 prompts.  The ggml provider runs the
 decoder's own engine: its handoff is exact.  The OpenVINO provider computes otherwise: it must stay
 within the bound, a factor of the decoder's own cold prefill's distance."""
@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import trio
 
-from supervisor import fidelity
 from supervisor.config import Config
-from supervisor.fidelity import Sample
 from supervisor.providers.llama import LlamaServerProvider
+from supervisor.routes import fidelity
+from supervisor.routes.fidelity import Sample
 
 from .helpers import wait_until
 from .rig import HANDOFF_ALWAYS, Running, make_config, openvino_llama_server, real_llama_server, run_daemon

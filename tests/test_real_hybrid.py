@@ -14,11 +14,10 @@ import httpx
 import pytest
 import trio
 
-from supervisor import locate
-from supervisor.child import ChildState
-from supervisor.config import Config
-from supervisor.decoder import unix_transport
-from supervisor.llama_server import model_args
+from supervisor.config import Config, locate
+from supervisor.llama.decoder import unix_transport
+from supervisor.llama.llama_server import model_args
+from supervisor.supervise.child import ChildState
 
 from .rig import HANDOFF_ALWAYS, TESTS, RouteLines, child_of, make_config, real_llama_server, run_daemon
 

@@ -17,8 +17,8 @@ import httpx
 import pytest
 import trio
 
-from supervisor import admin
-from supervisor.model import ModelState
+from supervisor.admin import verbs as admin
+from supervisor.models.model import ModelState
 from supervisor.providers.seat import Tenant
 
 from .helpers import wait_until

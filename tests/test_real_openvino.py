@@ -20,10 +20,11 @@ import httpx
 import pytest
 import trio
 
-from supervisor import fidelity, openvino
-from supervisor.child import ChildState
 from supervisor.config import Config
+from supervisor.llama import openvino
 from supervisor.providers.llama import LlamaServerProvider
+from supervisor.routes import fidelity
+from supervisor.supervise.child import ChildState
 
 from .helpers import CHAT, chat, wait_until
 from .rig import HANDOFF_ALWAYS, RouteLines, Running, make_config, openvino_llama_server, real_llama_server, run_daemon

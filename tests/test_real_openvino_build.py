@@ -5,7 +5,7 @@ the dynamic path and on the NPU's static one forced on the CPU; its slot files h
 decoder's KV within a few percent per layer (with Q4_1 zero points rounded to integers the last
 layer was 15% off in K and 43% in V); and they restore into the ggml llama-server.
 
-Both servers run with the product's [model] flags (supervisor/llama_server.py's model_args), one at
+Both servers run with the product's [model] flags (supervisor/llama/llama_server.py's model_args), one at
 a time, each on its own unix socket; a scenario per server type runs once and the tests read its
 results.
 """
@@ -24,11 +24,11 @@ import attrs
 import pytest
 import trio
 
-from supervisor import locate, statefile
-from supervisor.config import ModelConfig
-from supervisor.decoder import DecoderClient
-from supervisor.llama_server import model_args
-from supervisor.process import ChildProcess
+from supervisor.config import ModelConfig, locate
+from supervisor.llama import statefile
+from supervisor.llama.decoder import DecoderClient
+from supervisor.llama.llama_server import model_args
+from supervisor.supervise.process import ChildProcess
 
 from .rig import openvino_llama_server, real_llama_server
 

@@ -24,9 +24,9 @@ import pytest
 import trio
 from openai.types.chat import ChatCompletionMessageParam
 
-from supervisor.child import ChildState
-from supervisor.decoder import unix_transport
-from supervisor.logs import ROUTE_LOGGER
+from supervisor.llama.decoder import unix_transport
+from supervisor.observe.logs import ROUTE_LOGGER
+from supervisor.supervise.child import ChildState
 
 from .rig import Running, make_config, real_llama_server, run_daemon
 
@@ -87,7 +87,7 @@ async def open_rig(short_dir: Path) -> AsyncIterator[Rig]:
 def captured(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
     """Route lines, and the decoder's own log lines (onebit relays them under ``onebit.child``)."""
     caplog.set_level(logging.INFO, logger=ROUTE_LOGGER)
-    # llama-server's per-request slot lines are relayed at debug (supervisor/llama_log.py).
+    # llama-server's per-request slot lines are relayed at debug (supervisor/supervise/llama_log.py).
     caplog.set_level(logging.DEBUG, logger="onebit.child")
     return caplog
 
@@ -107,7 +107,7 @@ def released_tokens(caplog: pytest.LogCaptureFixture, task: int) -> int | None:
 
 async def wait_released(caplog: pytest.LogCaptureFixture, task: int) -> int:
     """:func:`released_tokens`, once the decoder's line has come: it reaches onebitd's log through
-    the decoder's output pipe, which onebitd reads every 0.1 s (supervisor/child.py), so it can
+    the decoder's output pipe, which onebitd reads every 0.1 s (supervisor/supervise/child.py), so it can
     come after the decoder reports the slot idle.  The caller's ``fail_after`` bounds the wait."""
     found: list[int] = []
 

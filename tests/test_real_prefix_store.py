@@ -23,10 +23,10 @@ import pytest
 import trio
 
 from supervisor.config import Config
-from supervisor.decoder import DecoderClient
-from supervisor.llama_server import LlamaServerLauncher, StateFingerprint, server_version
+from supervisor.llama.decoder import DecoderClient
+from supervisor.llama.llama_server import LlamaServerLauncher, StateFingerprint, server_version
 from supervisor.prefix.store import PrefixStore
-from supervisor.process import ChildProcess
+from supervisor.supervise.process import ChildProcess
 
 from .rig import make_config, real_llama_server
 

@@ -22,8 +22,8 @@ import httpx
 import pytest
 import trio
 
-from supervisor.child import ChildState
 from supervisor.config import Config
+from supervisor.supervise.child import ChildState
 
 from .helpers import CHAT
 from .rig import RouteLines, child_of, make_config, real_llama_server, run_daemon

@@ -1,5 +1,5 @@
 """The share route against the real parts: the patched llama-server lends a slot's KV cache,
-supervisor.share_worker writes a stock llama-server's rows into it, SmolLM2.  The reply must be the
+supervisor.llama.share_worker writes a stock llama-server's rows into it, SmolLM2.  The reply must be the
 plain route's (which the file route's equals: tests/test_real_hybrid.py), with one prompt token left
 for the decoder; every way the share can fail takes the fallback docs/protocol.md gives."""
 
@@ -18,11 +18,10 @@ import httpx
 import pytest
 import trio
 
-from supervisor import locate
-from supervisor.child import ChildState
-from supervisor.config import Config
-from supervisor.decoder import unix_transport
-from supervisor.llama_server import model_args
+from supervisor.config import Config, locate
+from supervisor.llama.decoder import unix_transport
+from supervisor.llama.llama_server import model_args
+from supervisor.supervise.child import ChildState
 
 from .rig import HANDOFF_ALWAYS, TESTS, RouteLines, child_of, make_config, real_llama_server, run_daemon
 from .test_real_hybrid import QUESTION, ask, body_for, plain_reply
@@ -33,7 +32,7 @@ ENDPOINTS = ["/v1/chat/completions", "/v1/completions", "/completion"]
 
 
 def share_config(runtime: Path, *, fault: str = "", decoder_args: tuple[str, ...] = ()) -> Config:
-    """The share route on, with supervisor.share_worker (or tests/share_meddler.py) as its provider."""
+    """The share route on, with supervisor.llama.share_worker (or tests/share_meddler.py) as its provider."""
     base = make_config(runtime, model={"parallel": 4, "ctx_size": 2048})
     model = locate.model_path(base.model.path)
     assert model is not None
@@ -41,7 +40,7 @@ def share_config(runtime: Path, *, fault: str = "", decoder_args: tuple[str, ...
     if fault:
         command = [sys.executable, str(TESTS / "share_meddler.py"), fault, str(runtime / "decoder.sock"), *server_args]
     else:
-        command = [sys.executable, "-m", "supervisor.share_worker", *server_args]
+        command = [sys.executable, "-m", "supervisor.llama.share_worker", *server_args]
     return make_config(
         runtime,
         model={"parallel": 4, "ctx_size": 2048},

@@ -22,9 +22,9 @@ import httpx
 import pytest
 import trio
 
-from supervisor.child import ChildState
 from supervisor.config import Config
 from supervisor.daemon import Daemon
+from supervisor.supervise.child import ChildState
 
 from .helpers import wait_until
 from .rig import RouteLines, make_config, real_llama_server, run_daemon

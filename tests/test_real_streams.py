@@ -16,8 +16,8 @@ import httpx
 import pytest
 import trio
 
-from supervisor.decoder import unix_transport
-from supervisor.endpoints import ROUTES, Kind
+from supervisor.api.endpoints import ROUTES, Kind
+from supervisor.llama.decoder import unix_transport
 
 from .helpers import open_raw, receive_until, wait_until
 from .rig import RouteLines, Running, make_config, real_llama_server, run_daemon

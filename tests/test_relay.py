@@ -1,4 +1,4 @@
-"""supervisor/relay.py's Timings: what the decoder says it did, in every API's reply shape llama-server writes;
+"""supervisor/routes/relay.py's Timings: what the decoder says it did, in every API's reply shape llama-server writes;
 and the final-event check: the chunk that ends a stream, in each API llama-server streams."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from supervisor.relay import SseScanner, Timings, has_final_event, sse_error
+from supervisor.routes.relay import SseScanner, Timings, has_final_event, sse_error
 
 TIMINGS = {"cache_n": 90, "prompt_n": 10, "prompt_ms": 12.5}
 

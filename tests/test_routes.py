@@ -11,20 +11,20 @@ import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 
+from supervisor.llama.slots import KEEP_WAIT_S, PromptKey, SlotPool, common_prefix
+from supervisor.reasons import Reason
 from supervisor.routes.decision import (
     DEGRADE,
     Choice,
     Costs,
     Estimate,
     Policy,
-    Reason,
     Route,
     Step,
     choose,
     claim_matches,
     restore_used,
 )
-from supervisor.slots import KEEP_WAIT_S, PromptKey, SlotPool, common_prefix
 
 # A request that could take a hybrid route: each test changes one input.
 HYBRID: dict[str, Any] = {

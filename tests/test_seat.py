@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from supervisor.providers.seat import REASONS, Action, decide
-from supervisor.routes.decision import Reason, Route, choose
+from supervisor.reasons import Reason
+from supervisor.routes.decision import Route, choose
 
 
 @pytest.mark.parametrize(

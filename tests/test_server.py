@@ -1,4 +1,4 @@
-"""supervisor/server.py in process, with small ASGI apps, driven by raw bytes over TCP: request framing
+"""supervisor/http/server.py in process, with small ASGI apps, driven by raw bytes over TCP: request framing
 (Content-Length, chunked, 100-continue), keep-alive and pipelining, response framing, the server's own
 refusals, disconnects, failures, the idle timeout, shutdown and binding."""
 
@@ -19,8 +19,8 @@ import trio
 import trio.testing
 
 from supervisor.errors import ClientError, ListenError
-from supervisor.respond import Message, Receive, Send
-from supervisor.server import HANG_UP, MAX_HEAD_BYTES, App, HangUp, HttpServer
+from supervisor.http.respond import Message, Receive, Send
+from supervisor.http.server import HANG_UP, MAX_HEAD_BYTES, App, HangUp, HttpServer
 
 TIMEOUT = 10
 FOREVER = TIMEOUT * 10  # a timeout the test's own TIMEOUT runs out before
@@ -832,7 +832,7 @@ async def test_a_watcher_that_fails_hangs_up_on_its_connection_only(
     async def fails(self: object) -> None:
         raise RuntimeError("the watcher broke")
 
-    monkeypatch.setattr("supervisor.server._Connection._watch_socket", fails)
+    monkeypatch.setattr("supervisor.http.server._Connection._watch_socket", fails)
     told: list[str] = []
     done = trio.Event()
 

@@ -23,7 +23,7 @@ import httpx
 import pytest
 import trio
 
-from supervisor.child import ChildState
+from supervisor.supervise.child import ChildState
 
 from . import fake_decoder, fake_share_provider
 from .helpers import client_for, hang_up_when, reaped, with_model
@@ -54,7 +54,7 @@ def rig(route_rig: RouteRig) -> RouteRig:
 @pytest.fixture
 def fast_connect_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
     # A decoder that never connects is waited for this long; the daemon reads it when it starts.
-    monkeypatch.setattr("supervisor.model.SHARE_CONNECT_TIMEOUT_S", 0.5)
+    monkeypatch.setattr("supervisor.models.model.SHARE_CONNECT_TIMEOUT_S", 0.5)
 
 
 def open_fds() -> list[str]:

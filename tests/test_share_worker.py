@@ -1,4 +1,4 @@
-"""supervisor.share_worker's state file parser and row writer, on state files built to its format.
+"""supervisor.llama.share_worker's state file parser and row writer, on state files built to its format.
 (tests/test_real_share.py runs it on the real llama-server's files.)"""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from supervisor.share_worker import Refused, SlotState, write_rows
-from supervisor.statefile import MAGIC as STATE_MAGIC
-from supervisor.statefile import VERSION as STATE_VERSION
+from supervisor.llama.region import Refused, SlotState, write_rows
+from supervisor.llama.statefile import MAGIC as STATE_MAGIC
+from supervisor.llama.statefile import VERSION as STATE_VERSION
 
 ROW = 8
 N_LAYER = 2

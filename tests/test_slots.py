@@ -7,8 +7,8 @@ import pytest
 import trio
 import trio.testing
 
-from supervisor.decoder import slot_processing
-from supervisor.slots import SlotPool
+from supervisor.llama.decoder import slot_processing
+from supervisor.llama.slots import SlotPool
 
 
 async def test_a_slot_left_by_a_cancellation_is_settled_before_anyone_else_gets_it() -> None:

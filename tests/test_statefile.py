@@ -1,4 +1,4 @@
-"""supervisor/statefile.py on slot files the real llama-server saved: the same prompt prefilled in two
+"""supervisor/llama/statefile.py on slot files the real llama-server saved: the same prompt prefilled in two
 slots reads back equal, layer for layer; another prompt does not; and the reader refuses what is not
 a slot file.  scripts/slotdiff prints the same comparison."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from supervisor import statefile
-from supervisor.statefile import SlotState, StateFileError
+from supervisor.llama import statefile
+from supervisor.llama.statefile import SlotState, StateFileError
 
 from .rig import make_config, real_llama_server, run_daemon
 

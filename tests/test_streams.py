@@ -13,13 +13,13 @@ import pytest
 import trio
 import trio.testing
 
-from supervisor.completion import Completions
+from supervisor.api.front import Front
 from supervisor.config import HybridConfig, ServerConfig
-from supervisor.front import Front
-from supervisor.metrics import Metrics
+from supervisor.http.server import HttpServer
+from supervisor.llama.slots import SlotPool
+from supervisor.observe.metrics import Metrics
 from supervisor.routeline import RouteLine
-from supervisor.server import HttpServer
-from supervisor.slots import SlotPool
+from supervisor.routes.completion import Completions
 
 from . import asgi
 from .asgi import ReadyDecoder

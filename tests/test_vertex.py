@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 import trio
 
-from supervisor.completion import Completions
+from supervisor.api.front import Front
+from supervisor.api.vertex import Vertex, alias
 from supervisor.config import HybridConfig, ServerConfig
-from supervisor.front import Front
+from supervisor.llama.slots import SlotPool
 from supervisor.routeline import RouteLine
-from supervisor.slots import SlotPool
-from supervisor.vertex import Vertex, alias
+from supervisor.routes.completion import Completions
 
 from . import asgi
 from .asgi import ReadyDecoder, Reply

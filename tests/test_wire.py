@@ -1,4 +1,4 @@
-"""supervisor/wire.py against a scripted HTTP/1.1 server on a unix socket: framing, keep-alive, a
+"""supervisor/http/wire.py against a scripted HTTP/1.1 server on a unix socket: framing, keep-alive, a
 pooled connection the server closed, and a stream handed on as it comes."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 import trio
 import trio.testing
 
-from supervisor import wire
 from supervisor.errors import DecoderUnavailable
+from supervisor.http import wire
 
 TIMEOUT = 10
 

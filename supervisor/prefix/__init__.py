@@ -5,5 +5,5 @@
     index   PrefixIndex: the longest stored prefix of a prompt (pure, in memory)
 
 A request meets it through supervisor/routes/stored.py; the state file's own format is
-supervisor/statefile.py's.
+supervisor/llama/statefile.py's.
 """

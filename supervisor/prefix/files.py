@@ -27,7 +27,7 @@ from typing import Any
 
 import attrs
 
-from .. import statefile
+from ..llama import statefile
 from .index import token_key
 
 log = logging.getLogger("onebit.prefix")

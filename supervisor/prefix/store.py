@@ -2,7 +2,8 @@
 
 A long prompt prefix costs the decoder seconds to prefill and llama-server milliseconds to save or
 restore.  The store keeps saved states across decoder and onebitd restarts, within ``max_bytes``
-(least recently used out first), for the decoder whose :class:`~supervisor.llama_server.StateFingerprint` made them.
+(least recently used out first), for the decoder whose
+:class:`~supervisor.llama.llama_server.StateFingerprint` made them.
 
 - :meth:`PrefixStore.lookup` (pure, in memory): the longest entry that is a prefix of a prompt.
 - :meth:`PrefixStore.exposed`: pins an entry and shows it under a fresh name in llama-server's
@@ -32,10 +33,9 @@ from pathlib import Path
 import attrs
 import trio
 
-from .. import locate
-from ..config import Config
+from ..config import Config, locate
 from ..errors import PrefixStoreError
-from ..llama_server import StateFingerprint
+from ..llama.llama_server import StateFingerprint
 from . import files as prefix_files
 from .files import Disk, Entry
 from .index import PrefixIndex, token_key

@@ -17,9 +17,9 @@ from typing import Any, Protocol
 import attrs
 import trio
 
-from ..child import Child, ChildStatistics
 from ..errors import ProviderError
-from ..routes.decision import Reason
+from ..reasons import Reason
+from ..supervise.child import Child, ChildStatistics
 
 
 @attrs.frozen
@@ -159,7 +159,7 @@ class ProviderStatistics:
     engine: str | None = None
     device: str | None = None
     # Why it takes no jobs although it runs: its device is not there, or its replies are too far from
-    # the decoder's (supervisor/fidelity.py).  Set once, at start.
+    # the decoder's (supervisor/routes/fidelity.py).  Set once, at start.
     refused: str | None = None
 
 

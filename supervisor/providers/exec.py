@@ -14,10 +14,10 @@ from typing import Any
 
 import trio
 
-from ..child import Child
 from ..config import ExecProvider as ExecProviderConfig
 from ..errors import ChildError, ProviderError
-from ..process import ChildProcess, describe_exit
+from ..supervise.child import Child
+from ..supervise.process import ChildProcess, describe_exit
 from .base import Claim, Job, JobCounts, ProviderStatistics, ShareJob, parse_claim
 
 # After the program exited, how long its last stdout bytes may take to arrive through the pipe.

@@ -6,11 +6,11 @@ so the state file it writes is one the decoder's restore accepts.  A job is
 ``POST /completion {"prompt": tokens, "n_predict": 0, "id_slot": k}`` then
 ``POST /slots/k?action=save {"filename": <name>}``; cancelling it closes that request.
 
-Its ``engine`` is ggml (the decoder's own, on the CPU) or OpenVINO (supervisor/openvino.py).  An
+Its ``engine`` is ggml (the decoder's own, on the CPU) or OpenVINO (supervisor/llama/openvino.py).  An
 OpenVINO provider asks its runtime for its device before its first start, runs with its compile
 cache under onebitd's cache directory, and on the static path (an NPU) with one slot.  Its start is
 gated twice: llama-server's /health (the model loaded, the warm-up graph compiled), then ``gate``
-(the daemon's fidelity check, supervisor/fidelity.py), run once; a provider the gate refuses runs no
+(the daemon's fidelity check, supervisor/routes/fidelity.py), run once; a provider the gate refuses runs no
 job, says why in ``statistics().refused``, and the other providers go on.
 """
 
@@ -26,15 +26,15 @@ from typing import Any
 
 import trio
 
-from .. import decoder, openvino
-from ..child import Child, ChildState
 from ..config import Config
 from ..config import LlamaServerProvider as LlamaServerProviderConfig
-from ..decoder import DecoderClient
 from ..errors import ChildError, ProviderError
-from ..llama_server import LlamaServerLauncher, connection_limit
-from ..share_worker import Refused, write_saved_state
-from ..slots import PromptKey, SlotPool
+from ..llama import decoder, openvino
+from ..llama.decoder import DecoderClient
+from ..llama.llama_server import LlamaServerLauncher, connection_limit
+from ..llama.region import Refused, write_saved_state
+from ..llama.slots import PromptKey, SlotPool
+from ..supervise.child import Child, ChildState
 from .base import Claim, Job, JobCounts, PrefillJob, ProviderStatistics, ShareJob
 
 log = logging.getLogger("onebit.provider")
@@ -49,7 +49,7 @@ GATE_RETRY_S = 5.0
 class LlamaServerProvider:
     kind = "llama-server"
     # A share job: it prefills into its own cache, saves the slot, and copies each position's K/V rows
-    # from the saved file into the decoder's lent region (supervisor/share_worker.py's format).
+    # from the saved file into the decoder's lent region (supervisor/llama/share_worker.py's format).
     supports_share = True
 
     def __init__(

@@ -27,9 +27,9 @@ from typing import Any
 
 import trio
 
-from ..child import Child
 from ..errors import ProviderError
-from ..routes.decision import Reason
+from ..reasons import Reason
+from ..supervise.child import Child
 from .base import Claim, Job, Provider, ProviderStatistics
 
 log = logging.getLogger("onebit.provider")

@@ -30,9 +30,9 @@ from typing import Any
 import attrs
 import trio
 
-from ..child import Child, ChildState
 from ..config import WorkerProvider as WorkerProviderConfig
 from ..errors import ProviderError
+from ..supervise.child import Child, ChildState
 from .base import Claim, Job, JobCounts, ProviderStatistics, ShareJob, parse_claim
 
 log = logging.getLogger("onebit.provider")

@@ -1,10 +1,15 @@
-"""A request's route: the pure decision and the effects of the two hybrid routes.
+"""A request's route: the pure decision, the effects of the two hybrid routes, and the request's story.
 
-    decision  Route, Reason, Step, the DEGRADE table, choose(): pure, table-tested
-    prompt    the exact tokens the decoder will evaluate for a request
-    prefill   a provider's prefill under a deadline, its claim checked: shared by both hybrid routes
-    file      the file route: a provider writes a slot state file, the decoder restores it
-    share     the share route: the decoder lends its KV region over fds, then adopts the cells
+    decision    Route, Step, the DEGRADE table, choose(): pure, table-tested
+    prompt      the exact tokens the decoder will evaluate for a request
+    prefill     a provider's prefill under a deadline, its claim checked: shared by both hybrid routes
+    file        the file route: a provider writes a slot state file, the decoder restores it
+    share       the share route: the decoder lends its KV region over fds, then adopts the cells
+    stored      the prefix store in a request: the restore before the route, the save after
+    completion  a completion request's story: plan, slot, route, handoff, relay, verification
+    relay       a decoder's reply on its way to the client: whole, streamed, or an error
+    rates       measured prefill and handoff rates, with configured priors
+    fidelity    how far a handoff moves the decoder's next-token distribution
 
 Handoffs return a frozen :class:`~supervisor.routes.decision.Outcome`; ``completion.Completions``
 walks ``DEGRADE`` with them and is the only writer of the route line's route fields.

@@ -17,10 +17,11 @@ from pathlib import Path
 import attrs
 import trio
 
-from .. import decoder
-from ..decoder import JsonClient
+from ..llama import decoder
+from ..llama.decoder import JsonClient
 from ..providers import PrefillJob, Provider
-from .decision import Outcome, Reason, Route, Step
+from ..reasons import Reason
+from .decision import Outcome, Route, Step
 from .prefill import prefill
 
 log = logging.getLogger("onebit.hybrid")

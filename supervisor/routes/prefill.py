@@ -13,7 +13,8 @@ import trio
 
 from ..errors import ProviderError
 from ..providers import Job, Provider
-from .decision import Reason, claim_matches
+from ..reasons import Reason
+from .decision import claim_matches
 
 
 @attrs.frozen

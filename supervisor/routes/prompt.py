@@ -3,7 +3,7 @@
 Chat requests are templated by the decoder itself (``/apply-template``: the same Jinja template,
 tools and kwargs its chat endpoint would use), then tokenized by the decoder (``/tokenize`` with the
 special-token flags its completion path uses).  Anthropic's ``/v1/messages`` and OpenAI's
-``/v1/responses`` are first put in the chat form llama-server makes of them (routes/chatform.py,
+``/v1/responses`` are first put in the chat form llama-server makes of them (supervisor/llama/chatform.py,
 :func:`chat_form`), then read as chat.  A provider never templates or tokenizes on its own.
 """
 
@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import decoder
-from ..decoder import JsonClient, is_token_list
-from . import chatform
+from ..llama import chatform, decoder
+from ..llama.decoder import JsonClient, is_token_list
 
 CHAT = "/v1/chat/completions"
 MESSAGES = chatform.MESSAGES

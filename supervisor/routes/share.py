@@ -29,10 +29,11 @@ from typing import Any
 import attrs
 import trio
 
-from .. import decoder
 from ..errors import ShareRefused
+from ..llama import decoder
 from ..providers import Provider, ShareJob
-from .decision import Outcome, Reason, Route, Step
+from ..reasons import Reason
+from .decision import Outcome, Route, Step
 from .file import SlotClient, erase_slot
 from .prefill import prefill
 

@@ -29,13 +29,13 @@ from pathlib import Path
 import attrs
 import trio
 
-from .. import decoder
 from ..errors import PrefixStoreError
+from ..llama import decoder
+from ..llama.slots import PromptKey, SlotPool
 from ..prefix.store import Entry, PrefixStore
-from ..rates import MIB
-from ..slots import PromptKey, SlotPool
 from .decision import worth_restoring
 from .file import SlotClient, erase_slot
+from .rates import MIB
 
 log = logging.getLogger("onebit.prefix")
 # What a request's story says of the store (a restore it goes on without) is logged with its route.
@@ -57,7 +57,7 @@ NOTHING = Restored(None)
 
 
 class StoredPrefixes:
-    """The prefix store as a request meets it; :class:`~supervisor.completion.Completions` calls
+    """The prefix store as a request meets it; :class:`~supervisor.routes.completion.Completions` calls
     :meth:`before` once the request holds its slot, :meth:`after` (or :meth:`after_hang_up`) while
     it still does.  What it restored goes back to the caller, which writes the route line."""
 

@@ -1,0 +1,380 @@
+"""The client side of the decoder: llama-server's HTTP API over its unix socket.
+
+:class:`DecoderClient` is how onebitd talks to every llama-server it runs (the decoder, a llama
+provider), over supervisor/http/wire.py's HTTP/1.1, which raises only :class:`~supervisor.errors.DecoderError`.
+
+The calls onebitd makes of llama-server's own API are spelled here and nowhere else: :func:`restore`,
+:func:`save`, :func:`erase`, :func:`share`, :func:`adopt`, :func:`prefill`, :func:`slot_busy` (and
+:func:`wait_slot_idle`, which polls it), :func:`tokenize` and :func:`apply_template`.  Each takes any
+:class:`JsonClient` (a DecoderClient; a fake in tests) and returns its value, or a :class:`Refusal`
+carrying llama-server's words; the slot calls never raise for the decoder (no answer at all is a
+refusal with status 0).
+
+:func:`unix_transport` is for clients that talk to a llama-server directly, beside onebitd (the
+benchmarks' baseline, the tests' references): httpx over the same socket, with the same keep-alive
+care.  This is the only module of onebitd's that imports httpx (supervisor/testing.py, the harness
+the tests and the scripts run onebitd in, opens its clients with it too).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, Protocol
+
+import attrs
+import httpx
+import trio
+
+from ..errors import DecoderError, DecoderProtocolError
+from ..http import wire
+
+# A reply's read has no time limit: generation has no natural upper bound (a long reply on a slow
+# CPU); a stuck decoder is caught by the health check, which gives one answer this long.
+_HEALTH_TIMEOUT_S = 5.0
+
+
+@attrs.frozen
+class Reply:
+    status: int
+    headers: Mapping[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        try:
+            return json.loads(self.body)
+        except ValueError:
+            raise DecoderProtocolError(
+                f"decoder answered {self.status} with a body that is not JSON", upstream_status=self.status
+            ) from None
+
+
+@attrs.frozen
+class Stream:
+    status: int
+    headers: Mapping[str, str]
+    chunks: AsyncIterator[bytes]
+
+
+class FreshOnStale(httpx.AsyncBaseTransport):
+    """Sends a request again, once, when the connection it went out on was closed before any byte
+    of an answer came back ("Server disconnected without sending a response"): llama-server (its
+    cpp-httplib) closes pooled keep-alive connections on its own schedule, even ones younger than its
+    5 s idle timeout (seen here on a streamed turn's next request), and a request that got no answer
+    at all was never taken up: sending it again on a new connection cannot do its work twice.
+    Seen in the benchmarks and the real tests as random failures of requests to a healthy decoder."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self._inner = inner
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        try:
+            return await self._inner.handle_async_request(request)
+        except httpx.RemoteProtocolError as exc:
+            if "without sending a response" not in str(exc):
+                raise
+        return await self._inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+def unix_transport(socket: Path, *, max_connections: int = 64) -> httpx.AsyncBaseTransport:
+    """HTTP over llama-server's unix socket, with keep-alive connections retired in time, and a
+    request the server dropped unanswered on a pooled connection sent again once."""
+    return FreshOnStale(
+        httpx.AsyncHTTPTransport(
+            uds=str(socket),
+            # llama-server closes an idle keep-alive connection after 5 s (cpp-httplib's default);
+            # reusing one at that moment fails the request.  Retire ours sooner, but after the
+            # health check's 2 s interval, so that the check does not reconnect every time (the
+            # profile in docs/benchmarks.md); a close that races us anyway is FreshOnStale's.
+            limits=httpx.Limits(max_connections=max_connections, keepalive_expiry=4.0),
+            # A failed connect (the socket not there yet, a restart) is tried once more.
+            retries=1,
+        )
+    )
+
+
+class DecoderClient:
+    """Talks to one llama-server on ``socket``.  Close with :meth:`aclose`.
+
+    The bytes go through ``transport``: :class:`~supervisor.http.wire.UnixTransport` on ``socket`` unless
+    one is given (httpx's ``MockTransport`` style): the tests hand it an in-process fake llama-server
+    (tests/fake_llama.py) and need no process at all."""
+
+    def __init__(self, socket: Path, *, max_connections: int = 64, transport: wire.Transport | None = None) -> None:
+        self.socket = socket
+        self._transport = transport or wire.UnixTransport(socket, max_connections=max_connections)
+
+    async def aclose(self) -> None:
+        await self._transport.aclose()
+
+    async def healthy(self) -> bool:
+        with trio.move_on_after(_HEALTH_TIMEOUT_S):
+            try:
+                response = await self._transport.send("GET", "/health", None)
+                try:
+                    await response.read()
+                finally:
+                    await response.aclose()
+            except DecoderError:
+                return False
+            return response.status == 200
+        return False
+
+    @staticmethod
+    def _encode(body: Any) -> bytes | None:
+        return None if body is None else json.dumps(body).encode()
+
+    async def request(self, method: str, path: str, body: Any = None, headers: wire.Headers = ()) -> Reply:
+        """One request; the whole reply.  ``body`` is sent as JSON when not None."""
+        response = await self._transport.send(method, path, self._encode(body), headers)
+        try:
+            content = await response.read()
+        finally:
+            await response.aclose()
+        return Reply(response.status, response.headers, content)
+
+    async def post_json(self, path: str, body: Any) -> tuple[int, Any]:
+        """POST JSON, expect JSON back (any status); returns ``(status, decoded body)``."""
+        reply = await self.request("POST", path, body)
+        return reply.status, reply.json()
+
+    @asynccontextmanager
+    async def stream(
+        self, path: str, body: Any, headers: wire.Headers = (), *, method: str = "POST"
+    ) -> AsyncIterator[Stream]:
+        """POST (or ``method``) and relay the reply as it comes.  Leaving the block closes the
+        connection (unless the reply was read to its end), which makes llama-server stop working on
+        the request (one that carries ``X-Conversation-Id`` goes on into its stream session)."""
+        response = await self._transport.send(method, path, self._encode(body), headers)
+        chunks = response.chunks()
+        try:
+            yield Stream(response.status, response.headers, chunks)
+        finally:
+            try:
+                await chunks.aclose()
+            finally:
+                await response.aclose()
+
+
+# -- llama-server's API, typed ------------------------------------------------------------------------
+
+# How much of an answer that is not llama-server's error object a refusal quotes.
+_QUOTED = 300
+
+
+class JsonClient(Protocol):
+    """What the typed calls need of a client: :meth:`DecoderClient.post_json` (a fake in tests)."""
+
+    async def post_json(self, path: str, body: Any) -> tuple[int, Any]: ...
+
+
+def error_message(data: Any) -> str | None:
+    """llama-server's words in an error answer (``{"error": {"message": ...}}``), or None."""
+    error = data.get("error") if isinstance(data, dict) else None
+    if isinstance(error, dict) and "message" in error:
+        return str(error["message"])
+    return None
+
+
+@attrs.frozen
+class Refusal:
+    """llama-server did not do what it was asked: ``what`` says how (``restore answered 400``), and
+    ``status`` and ``data`` are its answer (status 0: it gave none, ``data`` then holds our words)."""
+
+    what: str
+    status: int
+    data: Any
+
+    @classmethod
+    def unanswered(cls, what: str, exc: DecoderError) -> Refusal:
+        return cls(f"{what} answered 0", 0, {"error": {"message": exc.message}})
+
+    @property
+    def words(self) -> str:
+        """llama-server's own words for it: its error message, else the start of its answer."""
+        message = error_message(self.data)
+        return message if message is not None else str(self.data)[:_QUOTED]
+
+    @property
+    def answer(self) -> str:
+        """The whole answer, as JSON (for an answer whose other fields tell more than its message)."""
+        return json.dumps(self.data) if self.data is not None else f"status {self.status}"
+
+    def __str__(self) -> str:
+        return f"{self.what}: {self.words}"
+
+
+@attrs.frozen
+class Saved:
+    n_saved: int | None  # the tokens the file holds, where llama-server said
+
+
+@attrs.frozen
+class Prefilled:
+    prompt_n: int | None  # the prompt tokens it evaluated (its cache held the rest)
+    prompt_ms: float | None
+
+
+def _is_200(status: int) -> bool:
+    return status == 200
+
+
+def _is_2xx(status: int) -> bool:
+    return 200 <= status < 300
+
+
+async def _post(
+    client: JsonClient, what: str, path: str, body: Any, ok: Callable[[int], bool] = _is_200
+) -> tuple[int, Any] | Refusal:
+    """The answer, or a refusal: none came (status 0), or its status is not ``ok``."""
+    try:
+        status, data = await client.post_json(path, body)
+    except DecoderError as exc:
+        return Refusal.unanswered(what, exc)
+    return (status, data) if ok(status) else Refusal(f"{what} answered {status}", status, data)
+
+
+async def restore(client: JsonClient, slot: int, filename: str, n_tokens: int, *, more: bool = False) -> Refusal | None:
+    """``POST /slots/S?action=restore`` of ``filename`` (in the server's ``--slot-save-path``): None
+    when the slot now holds ``n_tokens`` tokens (``more``: at least that many), else why not.  A
+    refused restore may have left cells in the slot: the caller erases it."""
+    answer = await _post(client, "restore", f"/slots/{slot}?action=restore", {"filename": filename})
+    if isinstance(answer, Refusal):
+        return answer
+    status, data = answer
+    n_restored = data.get("n_restored") if isinstance(data, dict) else None
+    if isinstance(n_restored, int) and (n_restored >= n_tokens if more else n_restored == n_tokens):
+        return None
+    return Refusal(f"restored {n_restored} of {n_tokens} tokens", status, data)
+
+
+async def save(client: JsonClient, slot: int, filename: str) -> Saved | Refusal:
+    """``POST /slots/S?action=save`` into ``filename`` (in the server's ``--slot-save-path``)."""
+    answer = await _post(client, "save", f"/slots/{slot}?action=save", {"filename": filename})
+    if isinstance(answer, Refusal):
+        return answer
+    _, data = answer
+    n_saved = data.get("n_saved") if isinstance(data, dict) else None
+    return Saved(n_saved if isinstance(n_saved, int) else None)
+
+
+async def erase(client: JsonClient, slot: int) -> Refusal | None:
+    """``POST /slots/S?action=erase``: the slot holds nothing.  Idempotent, so safe to send again."""
+    answer = await _post(client, "erase", f"/slots/{slot}?action=erase", {})
+    return answer if isinstance(answer, Refusal) else None
+
+
+async def share(client: JsonClient, slot: int, socket: Path, n_tokens: int) -> str | Refusal:
+    """``POST /slots/S?action=share``: the decoder connects to ``socket`` and sends the region of the
+    slot's first ``n_tokens`` cells; the answer's ``share_id`` names the share."""
+    body = {"socket": str(socket), "n_tokens": n_tokens}
+    answer = await _post(client, "share", f"/slots/{slot}?action=share", body, _is_2xx)
+    if isinstance(answer, Refusal):
+        return answer
+    status, data = answer
+    share_id = data.get("share_id") if isinstance(data, dict) else None
+    if not isinstance(share_id, str):
+        return Refusal(f"share answered {status} without a share_id", status, data)
+    return share_id
+
+
+async def adopt(client: JsonClient, slot: int, share_id: str, tokens: list[int]) -> Refusal | None:
+    """``POST /slots/S?action=adopt``: the slot takes the shared region's cells as ``tokens``'."""
+    answer = await _post(
+        client,
+        "adopt",
+        f"/slots/{slot}?action=adopt",
+        # The tokens: the decoder's slot must know what its adopted cells hold, so that the
+        # request's common prefix leaves only the last token to evaluate.
+        {"share_id": share_id, "n_tokens": len(tokens), "tokens": tokens},
+        _is_2xx,
+    )
+    return answer if isinstance(answer, Refusal) else None
+
+
+async def prefill(client: JsonClient, slot: int, tokens: tuple[int, ...] | list[int]) -> Prefilled | Refusal:
+    """``POST /completion`` of ``tokens`` into ``slot`` with nothing generated: its KV, cached."""
+    answer = await _post(
+        client,
+        "prefill",
+        "/completion",
+        {"prompt": list(tokens), "n_predict": 0, "id_slot": slot, "cache_prompt": True},
+    )
+    if isinstance(answer, Refusal):
+        return answer
+    _, data = answer
+    timings = data.get("timings") if isinstance(data, dict) else None
+    prompt_ms = timings.get("prompt_ms") if isinstance(timings, dict) else None
+    prompt_n = timings.get("prompt_n") if isinstance(timings, dict) else None
+    return Prefilled(
+        prompt_n if isinstance(prompt_n, int) else None,
+        float(prompt_ms) if isinstance(prompt_ms, int | float) else None,
+    )
+
+
+def slot_processing(reply_status: int, slots: Any, slot: int) -> bool:
+    """Whether the decoder's ``GET /slots`` answer says ``slot`` is still processing a task."""
+    if reply_status != 200 or not isinstance(slots, list):
+        return False
+    return any(isinstance(s, dict) and s.get("id") == slot and s.get("is_processing") is True for s in slots)
+
+
+async def slot_busy(client: DecoderClient, slot: int) -> bool:
+    """``GET /slots``: whether llama-server is still working on ``slot``.  Raises DecoderError."""
+    reply = await client.request("GET", "/slots")
+    return slot_processing(reply.status, reply.json(), slot)
+
+
+# A request that leaves its slot unfinished keeps it until the decoder says the slot is idle, for at
+# most this long: llama-server finishes a prefill it has begun before it notices the hang-up, and an
+# abandoned prefill of a full 1024-token slot took 50 to 80 s on this project's loaded 2-core machine
+# (docs/reliability.md).  Polled this often: the decoder's state is another process's.
+SETTLE_TIMEOUT_S = 120.0
+SETTLE_POLL_S = 0.05
+
+
+async def wait_slot_idle(client: DecoderClient, slot: int, *, running: Callable[[], bool]) -> bool:
+    """Poll ``GET /slots`` until llama-server is no longer working on ``slot``: after a request left
+    the slot unfinished (its client hung up, or something failed), llama-server may still be
+    prefilling it.  Shielded from the cancellation that brought the caller here, bounded by
+    ``SETTLE_TIMEOUT_S``, and over as soon as ``running()`` is false (a new decoder's slots are idle)
+    or the decoder gives no answer.  False: the slot was still busy at the deadline."""
+    with trio.CancelScope(shield=True, deadline=trio.current_time() + SETTLE_TIMEOUT_S) as scope:
+        while running():
+            try:
+                busy = await slot_busy(client, slot)
+            except DecoderError:
+                return True
+            if not busy:
+                return True
+            await trio.sleep(SETTLE_POLL_S)  # another process's state: polled
+    return not scope.cancelled_caught
+
+
+def is_token_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+async def apply_template(client: JsonClient, body: dict[str, Any]) -> str:
+    """``POST /apply-template``: a chat request's prompt, templated as its chat endpoint would.
+    Raises DecoderError."""
+    status, data = await client.post_json("/apply-template", body)
+    if status != 200 or not isinstance(data, dict) or not isinstance(data.get("prompt"), str):
+        raise DecoderProtocolError(f"/apply-template answered {status}", upstream_status=status)
+    return str(data["prompt"])
+
+
+async def tokenize(client: JsonClient, prompt: Any) -> list[int]:
+    """``POST /tokenize`` with the special-token flags llama-server's completion path uses.  Raises
+    DecoderError."""
+    status, data = await client.post_json("/tokenize", {"content": prompt, "add_special": True, "parse_special": True})
+    tokens = data.get("tokens") if isinstance(data, dict) else None
+    if status != 200 or not is_token_list(tokens):
+        raise DecoderProtocolError(f"/tokenize answered {status}", upstream_status=status)
+    assert isinstance(tokens, list)
+    return tokens

@@ -1,0 +1,182 @@
+"""A slot state file's rows written into the region the decoder lent (the share route's provider side):
+what supervisor/llama/share_worker.py and the llama-server provider (supervisor/providers/llama.py) copy.
+
+The slot state file read here is llama.cpp's ``llama_state_seq_save_file`` (``LLAMA_STATE_SEQ_VERSION``
+4), little-endian:
+
+    u32 magic 0x67677371 ('ggsq'), u32 version 4, u32 n_token, i32 token[n_token]
+        (llama-server packs its prompt there: -1, 1 (its version), the count, the tokens, the media
+        count, which must be 0; a list not starting with -1 is taken as the tokens themselves)
+    u32 n_stream; per stream: u32 cell_count, and when cell_count > 0:
+        per cell:  i32 pos, u32 n_seq_id (1), i32 seq_id
+        u32 v_trans, u32 n_layer, u32 n_rot_k, u32 n_rot_v
+        per layer: i32 k_type, u64 k_row_bytes, k_row_bytes * cell_count bytes (the rows, in cell order)
+        per layer: i32 v_type, u64 v_row_bytes, v_row_bytes * cell_count bytes
+
+A cell's position, not its index, says where its rows go: the row of position p of a tensor is at
+``offset + p * stride`` in its region (the share header, docs/protocol.md).  A job is refused (an
+``error`` answer, so the request goes plain) when the file is not of that shape to the last byte (a
+model whose cells carry extra per-cell data, M-RoPE or PLE, is one such), when the cache is transposed
+(``v_trans``), when the layer count, a row size or the rotation (``n_rot_k``, ``n_rot_v``) differs from
+the header's, or when the file's tokens are not the job's.  The claim is the number of positions 0..k-1
+written without a gap, so a state that holds fewer than the job's tokens is a short claim.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from .statefile import MAGIC as STATE_MAGIC
+from .statefile import VERSION as STATE_VERSION
+from .statefile import Reader, StateFileError
+
+
+class Refused(Exception):
+    """A job this worker cannot do, said in its answer's ``error``."""
+
+
+class StateReader(Reader):
+    """statefile's reader, its truncation a refusal of the share (this worker's one error)."""
+
+    def take(self, n: int) -> bytes:
+        try:
+            return super().take(n)
+        except StateFileError:
+            raise Refused(f"the state file ends at byte {len(self.data)}, inside a field at {self.at}") from None
+
+
+def unpack_prompt(packed: list[int]) -> list[int]:
+    """The prompt's tokens from the file's token list: llama-server packs them (its ``server_tokens``
+    serialization) as -1, version 1, the count, the tokens, then the media count, which must be 0."""
+    if not packed or packed[0] != -1:
+        return packed  # a plain token list, as older servers wrote
+    if len(packed) < 3 or packed[1] != 1:
+        raise Refused("the state file's prompt is packed in an unknown version")
+    n = packed[2]
+    if not 0 <= n <= len(packed) - 4 or packed[3 + n] != 0:
+        raise Refused("the state file's prompt holds media or does not parse")
+    return packed[3 : 3 + n]
+
+
+def read_prompt(r: StateReader) -> list[int]:
+    """The magic, the version and the prompt's tokens: the first fields of a slot state file."""
+    if r.u32() != STATE_MAGIC or r.u32() != STATE_VERSION:
+        raise Refused(f"not a version-{STATE_VERSION} llama.cpp slot state file")
+    n_token = r.u32()
+    return unpack_prompt(list(struct.unpack(f"<{n_token}i", r.take(4 * n_token))))
+
+
+class SlotState:
+    """One sequence's cells as a slot state file holds them: positions, and per layer the K and V rows."""
+
+    def __init__(self, data: bytes) -> None:
+        r = StateReader(data)
+        self.tokens = read_prompt(r)
+        self.positions: list[int] = []
+        self.k_rows: list[tuple[int, memoryview]] = []  # per layer: row bytes, the rows in cell order
+        self.v_rows: list[tuple[int, memoryview]] = []
+        self.n_rot_k = self.n_rot_v = 0
+        view = memoryview(data)
+        n_stream = r.u32()
+        for _ in range(n_stream):
+            cell_count = r.u32()
+            if cell_count == 0:
+                continue
+            if self.positions:
+                raise Refused("the state file holds cells in more than one stream")
+            for _ in range(cell_count):
+                pos, n_seq_id = r.i32(), r.u32()
+                if n_seq_id != 1:
+                    raise Refused(f"a cell belongs to {n_seq_id} sequences (cells with extra data?)")
+                r.take(4)  # the saving server's seq id, ours to ignore as the decoder's restore does
+                self.positions.append(pos)
+            v_trans, n_layer, self.n_rot_k, self.n_rot_v = r.u32(), r.u32(), r.u32(), r.u32()
+            if v_trans:
+                raise Refused("the saved V cache is transposed (flash attention off)")
+            for rows in (self.k_rows, self.v_rows):
+                for _ in range(n_layer):
+                    r.i32()  # the type: the header's row sizes are what must agree
+                    row_bytes = r.u64()
+                    start = r.at
+                    r.take(row_bytes * cell_count)
+                    rows.append((row_bytes, view[start : r.at]))
+        if r.at != len(data):
+            raise Refused(f"{len(data) - r.at} bytes after the last field: not the layout this worker parses")
+
+    def runs(self) -> Iterator[tuple[int, int, int]]:
+        """(first cell, first position, length) of each run of cells whose positions go up by one."""
+        i = 0
+        while i < len(self.positions):
+            j = i + 1
+            while j < len(self.positions) and self.positions[j] == self.positions[j - 1] + 1:
+                j += 1
+            yield i, self.positions[i], j - i
+            i = j
+
+
+def write_rows(state: SlotState, layout: dict[str, Any], regions: list[mmap.mmap], n_tokens: int) -> int:
+    """Copy positions 0..n_tokens-1 into the regions; the claim: how many positions from 0 were written."""
+    tensors = layout.get("tensors")
+    if not isinstance(tensors, list):
+        raise Refused("the share header has no tensors")
+    if layout.get("v_trans"):
+        raise Refused("the decoder's V cache is transposed")
+    if (layout.get("n_rot_k", 0), layout.get("n_rot_v", 0)) != (state.n_rot_k, state.n_rot_v):
+        raise Refused(
+            f"the decoder rotates K/V by {layout.get('n_rot_k')}/{layout.get('n_rot_v')}, "
+            f"the saved state by {state.n_rot_k}/{state.n_rot_v}"
+        )
+    keys = [t for t in tensors if t.get("kind") == "k"]
+    values = [t for t in tensors if t.get("kind") == "v"]
+    if len(keys) != len(state.k_rows) or len(values) != len(state.v_rows):
+        raise Refused(
+            f"the decoder lends {len(keys)} K and {len(values)} V tensors, "
+            f"the state file holds {len(state.k_rows)} and {len(state.v_rows)} layers"
+        )
+    written = [False] * n_tokens
+    for tensor, (row_bytes, rows) in zip([*keys, *values], [*state.k_rows, *state.v_rows], strict=True):
+        stride = int(tensor.get("stride", tensor["row_bytes"]))
+        if int(tensor["row_bytes"]) != row_bytes or stride < row_bytes:
+            raise Refused(f"{tensor.get('name')}: rows of {tensor['row_bytes']} bytes, the state file's {row_bytes}")
+        region = regions[int(tensor["region"])]
+        offset = int(tensor["offset"])
+        for cell, pos, length in state.runs():
+            length = min(length, n_tokens - pos) if pos >= 0 else 0
+            if length <= 0:
+                continue
+            src = rows[cell * row_bytes : (cell + length) * row_bytes]
+            at = offset + pos * stride
+            if at + length * stride > len(region):
+                raise Refused(f"{tensor.get('name')}: position {pos + length - 1} is outside its region")
+            if stride == row_bytes:
+                region[at : at + len(src)] = src
+            else:
+                for i in range(length):
+                    region[at + i * stride : at + i * stride + row_bytes] = src[i * row_bytes : (i + 1) * row_bytes]
+    for pos in state.positions:
+        if 0 <= pos < n_tokens:
+            written[pos] = True
+    claimed = 0
+    while claimed < n_tokens and written[claimed]:
+        claimed += 1
+    return claimed
+
+
+def write_saved_state(path: Path, tokens: list[int], layout: dict[str, Any], fds: list[int]) -> int:
+    """Parse the slot state file at ``path`` and copy its rows for ``tokens`` into the lent regions
+    (``fds``, in the order of ``layout["regions"]``); the claim.  Raises :class:`Refused`."""
+    regions: list[mmap.mmap] = []
+    try:
+        for fd, region in zip(fds, layout["regions"], strict=True):
+            regions.append(mmap.mmap(fd, int(region["size"])))
+        state = SlotState(path.read_bytes())
+        if state.tokens[: len(tokens)] != tokens:
+            raise Refused("the saved state is not of the job's tokens")
+        return write_rows(state, layout, regions, len(tokens))
+    finally:
+        for region in regions:
+            region.close()

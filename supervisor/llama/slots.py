@@ -1,0 +1,238 @@
+"""The slots of a llama-server (the decoder's, or a llama-server provider's), owned by onebitd.
+
+Every request is pinned to a slot we handed out (``id_slot``), so a hybrid route can restore a
+prompt's state into a slot that nobody else will take.  Waiters queue in arrival order (trio's
+Semaphore is FIFO); past ``queue_limit`` waiters a request is refused at once with 503.
+
+Which free slot a request gets: the one whose last prompt shares the longest prefix with its own
+(llama-server reuses that prefix from the slot's cache: a chat's next turn evaluates only what is
+new), else the least recently used one, so warm prefixes live longest.  A prompt is known by its
+tokens where onebitd tokenized it, else by its text (the prompt, or the chat's messages as JSON),
+which is free and follows the tokens closely enough to keep a conversation on its slot.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+
+import attrs
+import trio
+
+from ..config import source
+from ..errors import Overloaded
+
+# A shared prefix shorter than this says nothing about a conversation (every chat starts with the
+# same template tokens, every chat's JSON with the same characters): below it, the LRU slot is taken.
+USEFUL_TOKENS = 16
+USEFUL_CHARS = 64
+# How long a request waits for a slot that is only being saved (the prefix store's save after a
+# reply, bounded at 30 s in routes/stored.py): past that it takes a free one.
+KEEP_WAIT_S = 35.0
+
+
+@attrs.frozen
+class PromptKey:
+    """What a slot is asked to hold: the prompt's text, and its tokens when they are known."""
+
+    text: str = ""
+    tokens: tuple[int, ...] | None = None
+
+
+def common_prefix(a: Sequence[object], b: Sequence[object]) -> int:
+    """The length of the prefix ``a`` and ``b`` share.
+
+    By bisection over slice comparisons (each one a C-level compare), not element by element: a
+    request compares its prompt with every free slot's before it reaches the decoder, and a
+    Python loop over a long chat's characters costs milliseconds of that request's first token."""
+    low, high = 0, min(len(a), len(b))
+    if a[:high] == b[:high]:
+        return high
+    # Invariant: a[:low] == b[:low] and a[:high] != b[:high].
+    while high - low > 1:
+        middle = (low + high) // 2
+        if a[low:middle] == b[low:middle]:
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+def shared(held: PromptKey, wanted: PromptKey) -> tuple[int, bool]:
+    """How much of ``wanted`` the slot holding ``held`` has, and whether that counts as a match."""
+    if held.tokens is not None and wanted.tokens is not None:
+        n = common_prefix(held.tokens, wanted.tokens)
+        return n, n >= min(USEFUL_TOKENS, len(wanted.tokens))
+    n = common_prefix(held.text, wanted.text)
+    return n, n > 0 and n >= min(USEFUL_CHARS, len(wanted.text))
+
+
+@attrs.frozen
+class SlotStatistics:
+    total: int
+    busy: int
+    free: int
+    queued: int
+    queue_limit: int
+    # Slots handed out to the free slot whose prompt matched, and to the least recently used one.
+    affinity_hits: int = 0
+    affinity_misses: int = 0
+    # Requests that waited for their conversation's slot while it was being saved, and those waiting now.
+    keep_waits: int = 0
+    keep_waiting: int = 0
+
+
+class SlotPool:
+    def __init__(self, n_slots: int, queue_limit: int | Callable[[], int]) -> None:
+        """``queue_limit``: a number, or where to read it at each request (``server.queue_limit``,
+        which a reload changes: waiters already queued stay queued)."""
+        self.n_slots = n_slots
+        self._queue_limit = source(queue_limit)
+        self._semaphore = trio.Semaphore(n_slots)
+        self._free = set(range(n_slots))
+        self._held = [PromptKey() for _ in range(n_slots)]
+        self._tick = itertools.count(1)
+        self._used = [0] * n_slots  # when each slot was last handed out, in hand-outs
+        self._hits = 0
+        self._misses = 0
+        # Slots whose request has answered and holds on only to save the slot: what each will hold.
+        self._keeping: dict[int, tuple[PromptKey, trio.Event]] = {}
+        self._keep_waits = 0
+        self._keep_waiting = 0
+
+    @property
+    def queue_limit(self) -> int:
+        return self._queue_limit()
+
+    def statistics(self) -> SlotStatistics:
+        return SlotStatistics(
+            total=self.n_slots,
+            busy=self.n_slots - len(self._free),
+            free=len(self._free),
+            queued=self._semaphore.statistics().tasks_waiting,
+            queue_limit=self.queue_limit,
+            affinity_hits=self._hits,
+            affinity_misses=self._misses,
+            keep_waits=self._keep_waits,
+            keep_waiting=self._keep_waiting,
+        )
+
+    def holds(self, slot: int) -> PromptKey:
+        """The prompt the slot was last given (what its cache holds, as far as we know)."""
+        return self._held[slot]
+
+    def cached(self, slot: int, key: PromptKey) -> int:
+        """Tokens of ``key`` the slot holds as a prefix (0 when the tokens are not known)."""
+        held = self._held[slot]
+        if held.tokens is None or key.tokens is None:
+            return 0
+        return common_prefix(held.tokens, key.tokens)
+
+    def best_cached(self, key: PromptKey) -> int:
+        """The most tokens of ``key`` any free slot holds: what a job would find if it came now."""
+        return max((self.cached(slot, key) for slot in self._free), default=0)
+
+    def forget(self, slot: int) -> None:
+        """The slot was erased: it holds nothing."""
+        self._held[slot] = PromptKey()
+
+    def forget_all(self) -> None:
+        """The server restarted: its slots hold nothing."""
+        self._held = [PromptKey() for _ in range(self.n_slots)]
+
+    def remember(self, slot: int, key: PromptKey) -> None:
+        """The slot holds ``key`` now (a stored prefix was restored into it)."""
+        self._held[slot] = key
+
+    def shared(self, key: PromptKey) -> tuple[int, bool]:
+        """The longest token prefix ``key`` shares with what a slot holds, and whether it is all of
+        that slot's prompt (``key`` extends it: a conversation's next turn) rather than a branch
+        point (a system prompt, a tool list that other prompts start with too)."""
+        best, extends = 0, False
+        if key.tokens is None:
+            return best, extends
+        for held in self._held:
+            if held.tokens:
+                n = common_prefix(held.tokens, key.tokens)
+                if n > best:
+                    best, extends = n, n == len(held.tokens)
+        return best, extends
+
+    def keeping(self, slot: int, key: PromptKey) -> None:
+        """The request holding ``slot`` has sent its last byte and holds on only to save the slot
+        (routes/stored.py): until it lets go, a request that continues ``key`` (a conversation's next
+        turn, sent the moment the reply ended) waits for this slot rather than take a cold free one.
+        llama-server reached directly has no such gap: it saves between two tasks of its own."""
+        self._keeping[slot] = (key, trio.Event())
+
+    async def _wait_for_kept(self, key: PromptKey) -> None:
+        """Wait (bounded) for a slot being saved when it holds more of ``key`` than every free slot."""
+        if not self._keeping:
+            return
+        best_free = 0
+        for slot in self._free:
+            n, useful = shared(self._held[slot], key)
+            if useful:
+                best_free = max(best_free, n)
+        wanted: trio.Event | None = None
+        best = best_free
+        for kept, event in self._keeping.values():
+            n, useful = shared(kept, key)
+            if useful and n > best:
+                wanted, best = event, n
+        if wanted is None:
+            return
+        self._keep_waits += 1
+        self._keep_waiting += 1
+        try:
+            with trio.move_on_after(KEEP_WAIT_S):
+                await wanted.wait()
+        finally:
+            self._keep_waiting -= 1
+
+    def _pick(self, key: PromptKey | None) -> int:
+        lru = min(self._free, key=lambda s: self._used[s])
+        if key is None:
+            return lru
+        best, best_n = lru, 0
+        for slot in sorted(self._free, key=lambda s: self._used[s]):
+            n, useful = shared(self._held[slot], key)
+            if useful and n > best_n:
+                best, best_n = slot, n
+        if best_n:
+            self._hits += 1
+        else:
+            self._misses += 1
+        return best
+
+    @asynccontextmanager
+    async def hold(
+        self, key: PromptKey | None = None, *, settle: Callable[[int], Awaitable[None]] | None = None
+    ) -> AsyncIterator[int]:
+        """Wait for a free slot, in arrival order, and hold it for the block; the slot is then
+        taken to hold ``key``'s prompt.  A block left by an exception (its client hung up, most
+        often) first awaits ``settle(slot)``: the server may still be working in that slot, and the
+        next request must not be pinned behind that work.  ``settle`` shields itself, bounded."""
+        if self._semaphore.value == 0 and self._semaphore.statistics().tasks_waiting >= self.queue_limit:
+            raise Overloaded()
+        if key is not None:
+            await self._wait_for_kept(key)
+        await self._semaphore.acquire()
+        slot = self._pick(key)
+        self._free.discard(slot)
+        self._used[slot] = next(self._tick)
+        try:
+            yield slot
+        except BaseException:
+            if settle is not None:
+                await settle(slot)
+            raise
+        finally:
+            if key is not None:
+                self._held[slot] = key
+            self._free.add(slot)
+            self._semaphore.release()
+            kept = self._keeping.pop(slot, None)
+            if kept is not None:
+                kept[1].set()

@@ -1,0 +1,498 @@
+"""A completion request's story: admission, a slot, the route, the relay, the route line's numbers.
+
+The HTTP front hands over a parsed JSON object; this module plans it (a provider, the prompt's tokens),
+pins it to a slot we own (``id_slot``), lets the prefix store restore a prefix into the slot
+(routes/stored.py), has routes/decision.py's ``choose`` pick the route and the reasons, walks
+``DEGRADE`` with what the handoffs return, relays the decoder's answer (supervisor/routes/relay.py: whole,
+or chunk by chunk for ``stream: true``) and fills the route line from the decoder's own ``timings``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import attrs
+import trio
+
+from ..config import HybridConfig, source
+from ..errors import ChatFormRefused, DecoderError, DecoderUnavailable
+from ..http.respond import Responder
+from ..http.wire import Headers
+from ..llama import decoder as decoder_api
+from ..llama.decoder import DecoderClient
+from ..llama.slots import PromptKey, SlotPool
+from ..prefix.store import Entry
+from ..providers import Provider, Providers
+from ..reasons import Reason
+from ..routeline import RouteLine
+from ..supervise.child import ChildState, ChildStatistics
+from .decision import Choice, Costs, Outcome, Policy, Route, choose, degrade, restore_used
+from .file import FileHandoff
+from .prompt import CHAT, MESSAGES, RESPONSES, chat_form, handoff_unsupported, tokens_for
+from .rates import Rates
+from .relay import Timings, relay_stream, relay_whole
+from .share import ShareHandoff
+from .stored import StoredPrefixes
+
+log = logging.getLogger("onebit.hybrid")
+
+# What the model runs for on these is no prompt to hand over: no fallback is logged for them.
+EMBEDDING_ENDPOINTS = ("/embeddings", "/v1/embeddings", "/rerank")
+
+
+class Decoder(Protocol):
+    """What a request asks of the supervised decoder: a :class:`~supervisor.supervise.child.Child`."""
+
+    @property
+    def state(self) -> ChildState: ...
+
+    @property
+    def generation(self) -> int: ...
+
+    def statistics(self) -> ChildStatistics: ...
+
+
+@attrs.frozen
+class Hybrid:
+    """What the hybrid routes need beyond the plain one (absent: hybrid off)."""
+
+    providers: Providers
+    file: FileHandoff
+    share: ShareHandoff | None = None  # set when the share route is on (hybrid.mode / ONEBIT_KV_SHARE)
+
+
+@attrs.frozen
+class Plan:
+    """What is known before a slot is taken: the prompt's key, its tokens (None: not tokenized, or
+    over a slot's context), the provider picked, and what keeps the prompt from a provider whatever
+    the costs (:func:`~supervisor.routes.decision.choose` weighs it all once the slot is held)."""
+
+    key: PromptKey
+    tokens: list[int] | None
+    provider: Provider | None
+    unsupported: bool = False  # a prompt shape no provider takes: not tokenized
+    over_context: bool = False  # the decoder will refuse it with its own 400
+    n_tokens: int | None = None  # the prompt's length where it was tokenized
+    refused: bool = False  # a Messages or Responses body llama-server will not convert (its own 400)
+    # None picked because a shared provider runs for another model (providers/seat.py): why.
+    away: Reason | None = None
+
+    @property
+    def remember(self) -> bool:
+        """False for a prompt the decoder will refuse: its slot keeps the memory of what it holds."""
+        return not (self.over_context or self.refused)
+
+
+# The state one prompt token takes in a slot state file, until a handoff measures it: SmolLM2-135M's
+# f16 cache (30 layers x K and V x 192 values x 2 bytes), about 22 KiB as measured.
+STATE_BYTES_PER_TOKEN = 23_040
+
+
+def prompt_text(endpoint: str, body: dict[str, Any]) -> str:
+    """A prompt's text for slot affinity, without a round trip to the tokenizer."""
+    if endpoint in (CHAT, MESSAGES):
+        return json.dumps(body.get("messages"), separators=(",", ":"), ensure_ascii=False)
+    if endpoint == RESPONSES:
+        return json.dumps(body.get("input"), separators=(",", ":"), ensure_ascii=False)
+    prompt = body.get("prompt")
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, separators=(",", ":"))
+
+
+# How a fallback is worded in the log, by the route the request goes on to.
+_GOES_ON = {
+    Route.PLAIN: "the backend prefills this request itself",
+    Route.FILE: "the state-file route is used",
+}
+
+
+def fallback_chain(reasons: list[Reason]) -> str | None:
+    """Every reason a request left a route, in order: ``share-refused>provider-failed``."""
+    return ">".join(reason.value for reason in reasons) or None
+
+
+class Completions:
+    """The owner of a completion request's story: it plans the route, walks ``DEGRADE`` with the
+    outcomes the handoffs return, relays the reply, and is the only writer of the route line's route
+    fields.  ``settings`` is one frozen value, swapped whole by a reload and read once per request."""
+
+    def __init__(
+        self,
+        *,
+        decoder: Decoder,
+        client: DecoderClient,
+        slots: SlotPool,
+        settings: HybridConfig | Callable[[], HybridConfig],
+        hybrid: Hybrid | None = None,
+        slot_context: int | None = None,
+    ) -> None:
+        self.decoder = decoder
+        self.client = client
+        self.slots = slots
+        self._settings = source(settings)
+        self.hybrid = hybrid
+        # The tokens one decoder slot holds, prompt and reply: model.ctx_size / model.parallel, as
+        # llama-server divides its context (None: not checked here, the decoder still is).
+        self.slot_context = slot_context
+        # Requests whose decoder re-evaluated the prompt although the restore (a handoff's, or the
+        # prefix store's) succeeded.
+        self.restore_unused = 0
+        self.rates = Rates(
+            decoder_ms_per_token=self.settings.decoder_ms_per_token,
+            provider_ms_per_token=self.settings.provider_ms_per_token,
+            handoff_ms_per_mib=self.settings.handoff_ms_per_mib,
+            state_bytes_per_token=STATE_BYTES_PER_TOKEN,
+        )
+        # Requests whose reply the decoder is generating now: a plain prefill would stall them.
+        self.decoding = 0
+        # The decoder process the slots' memory is about: a restarted decoder holds nothing.
+        self._slots_generation = decoder.generation
+        # The prefix store: set by run().
+        self.stored: StoredPrefixes | None = None
+
+    async def run(
+        self, stored: StoredPrefixes | None = None, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Serve with the prefix store ``stored``, its writes running off the requests' path, for as
+        long as the daemon serves."""
+        async with trio.open_nursery() as nursery:
+            if stored is not None:
+                await nursery.start(stored.run)
+            self.stored = stored
+            try:
+                task_status.started()
+                await trio.sleep_forever()
+            finally:
+                self.stored = None
+
+    @property
+    def settings(self) -> HybridConfig:
+        """The settings now: a request reads them once, at its start, and keeps them."""
+        return self._settings()
+
+    def configure(self, settings: HybridConfig) -> None:
+        """Fixed settings in place of the source it was given (a test's, or a tool's)."""
+        self._settings = source(settings)
+
+    def check_ready(self) -> None:
+        state = self.decoder.state
+        if state is ChildState.READY:
+            return
+        if state is ChildState.FAILED:
+            failed = f"the decoder has failed ({self.decoder.statistics().last_exit}); see onebitd's log"
+            raise DecoderUnavailable(failed, public=failed)
+        words = f"the decoder is {state.words}; try again shortly"
+        raise DecoderUnavailable(words, public=words)
+
+    async def _plan(self, endpoint: str, body: dict[str, Any], req: str) -> Plan:
+        """Pick a provider, and tokenize the prompt when one can take it, or the prefix store may
+        hold or keep it; the route is chosen once the request has its slot (what the slot holds is a
+        cost).  A Messages or Responses request is read in the chat form llama-server converts it into."""
+        provider = self.hybrid.providers.pick() if self.hybrid is not None else None
+        away = self.hybrid.providers.away() if self.hybrid is not None and provider is None else None
+        if away is not None:
+            plan = await self._plan_with(None, endpoint, body, req)
+            log.info("hybrid: %s goes without its provider (%s); the backend prefills it", req, away.value)
+            return attrs.evolve(plan, away=away)
+        return await self._plan_with(provider, endpoint, body, req)
+
+    async def _plan_with(self, provider: Provider | None, endpoint: str, body: dict[str, Any], req: str) -> Plan:
+        try:
+            endpoint, body = chat_form(endpoint, body)
+        except ChatFormRefused as exc:
+            # llama-server refuses it too, with its own 400, which is relayed: nothing to route.
+            log.info("hybrid: %s is not a request llama-server converts (%s); relayed for its answer", req, exc)
+            return Plan(PromptKey(prompt_text(endpoint, body)), None, provider, unsupported=True, refused=True)
+        text = prompt_text(endpoint, body)
+        why = handoff_unsupported(endpoint, body)
+        if why is not None:
+            if provider is not None:
+                log.info("hybrid: %s cannot be handed over (%s); the backend prefills it", req, why)
+            return Plan(PromptKey(text), None, provider, unsupported=True)
+        if provider is None and (self.stored is None or not self.stored.may_hold(text)):
+            return Plan(PromptKey(text), None, None)
+        try:
+            tokens = await tokens_for(self.client, endpoint, body)
+        except DecoderError as exc:
+            log.warning("hybrid: tokenizing %s failed (%s); the backend prefills it", req, exc.message)
+            return Plan(PromptKey(text), None, provider)
+        if self.slot_context is not None and len(tokens) >= self.slot_context:
+            # No room for the prompt and a token of reply: the decoder refuses it with its own 400
+            # (exceed_context_size_error, with n_prompt_tokens and n_ctx), which is relayed.  Before
+            # any handoff or store restore, so neither a provider nor a slot's memory takes it.
+            log.info(
+                "hybrid: %s has %d prompt tokens, over a slot's context of %d (model.ctx_size / model.parallel)",
+                req,
+                len(tokens),
+                self.slot_context,
+            )
+            return Plan(PromptKey(text), None, provider, over_context=True, n_tokens=len(tokens))
+        return Plan(PromptKey(text, tuple(tokens)), tokens, provider)
+
+    async def _from_store(self, plan: Plan, slot: int, line: RouteLine) -> Entry | None:
+        """The prefix store's longest prefix of the prompt, restored into the slot when worth it."""
+        if self.stored is None or plan.key.tokens is None:
+            return None  # an untokenized prompt (most short ones) has no stored prefix to look up
+        restored = await self.stored.before(
+            slot,
+            plan.key,
+            self.slots,
+            decoder_ms_per_token=self.rates.decoder.get(self.decoder.generation),
+            restore_ms_per_mib=self.rates.handoff.get(0),
+            req=line.req,
+        )
+        line.restore_ms += restored.ms
+        if restored.entry is not None:
+            line.restored_tokens = restored.entry.n_tokens
+        return restored.entry
+
+    def _choose(self, plan: Plan, slot: int, restored: bool, settings: HybridConfig) -> Choice:
+        """The route and every reason for it (routes.decision.choose), from the plan and the slot."""
+        hybrid = self.hybrid
+        provider = plan.provider
+        generation = self.decoder.generation
+        share = hybrid is not None and hybrid.share is not None
+        costs, share_refused = None, False
+        # Only a prompt a provider could take is priced, and only for it is the share refusal asked
+        # after (the first answer logs it).
+        if hybrid is not None and provider is not None and plan.tokens is not None:
+            share_refused = hybrid.share is not None and hybrid.share.refused_by(generation)
+            if settings.route_by == "cost":
+                decoder_rate, provider_rate = self.rates.prefill(generation, provider.name)
+                costs = Costs(
+                    decoder_cached=self.slots.cached(slot, plan.key),
+                    provider_cached=provider.cached_tokens(tuple(plan.tokens)),
+                    decoder_ms_per_token=decoder_rate,
+                    provider_ms_per_token=provider_rate,
+                    handoff_ms=self.rates.handoff_ms(len(plan.tokens)),
+                    streams_decoding=self.decoding,
+                )
+        return choose(
+            enabled=hybrid is not None,
+            share=share,
+            provider_picked=provider is not None,
+            provider_ready=provider is not None and provider.ready,
+            prompt_tokens=None if plan.tokens is None else len(plan.tokens),
+            min_prompt_tokens=settings.min_prompt_tokens,
+            share_refused=share_refused,
+            costs=costs,
+            policy=Policy(prefer_margin=settings.prefer_margin, max_stall_ms=settings.max_stall_ms),
+            unsupported=plan.unsupported,
+            over_context=plan.over_context,
+            restored=restored,
+            provider_away=plan.away,
+        )
+
+    async def serve(
+        self, endpoint: str, body: dict[str, Any], out: Responder, line: RouteLine, headers: Headers = ()
+    ) -> None:
+        """``headers``: the client's that the decoder is given too (``X-Conversation-Id``)."""
+        settings = self.settings
+        self.check_ready()
+        if self.decoder.generation != self._slots_generation:
+            self._slots_generation = self.decoder.generation
+            self.slots.forget_all()
+        plan = await self._plan(endpoint, body, line.req)
+        if plan.tokens is not None:
+            line.prompt_tokens = len(plan.tokens)
+        elif plan.n_tokens is not None:
+            line.prompt_tokens = plan.n_tokens
+        timings = Timings()
+        async with self.slots.hold(plan.key if plan.remember else None, settle=self._settle) as slot:
+            line.slot = slot
+            self.check_ready()  # it may have died while we queued
+            entry = await self._from_store(plan, slot, line)
+            choice = self._choose(plan, slot, entry is not None, settings)
+            reasons = list(choice.reasons)
+            if choice.estimate is not None:
+                line.est_plain_ms = choice.estimate.plain_ms
+                line.est_hybrid_ms = choice.estimate.hybrid_ms
+            line.fallback = fallback_chain(reasons)
+            forwarded = {**body, "id_slot": slot}
+            route = Route.PLAIN
+            if choice.route is not Route.PLAIN and plan.provider is not None:
+                # The route attempted, until the handoff says where it ended: a request cancelled
+                # mid-handoff is logged on the route it was taking.
+                line.route = choice.route.value
+                route = await self._hand_over(choice.route, slot, plan, line, reasons, settings)
+                line.fallback = fallback_chain(reasons)
+            line.route = route.value
+            if route is not Route.PLAIN:
+                # The handed-over cells are only reused by a request that may use its slot's cache.
+                forwarded["cache_prompt"] = True
+            self.decoding += 1
+            try:
+                if body.get("stream") is True:
+                    await relay_stream(self.client, endpoint, forwarded, out, line, timings, headers)
+                else:
+                    await relay_whole(self.client, endpoint, forwarded, out, line, timings, headers)
+            except trio.Cancelled:
+                # The client hung up mid-stream (a user pressed stop, an agent cancelled).  Once the
+                # decoder began its reply the slot holds the whole prompt: it is kept for the prefix
+                # store as after a finished reply, or it is lost across a restart.
+                if timings.began and self.stored is not None:
+                    await self.stored.after_hang_up(
+                        slot, plan.key, self.slots, req=line.req, restored=entry, settle=self._settle, ready=self._ready
+                    )
+                raise
+            finally:
+                self.decoding -= 1
+                self._record(timings, line)
+            # After the last byte: this runs whether or not the client is still there (the front
+            # cancels a request only while its response is unfinished); the slot is still ours.
+            if out.finished and line.outcome == "ok":
+                self.rates.observe_decoder(self.decoder.generation, timings.prompt_n, timings.prompt_ms)
+                if route is not Route.PLAIN:
+                    self._verify_handoff(line, reasons, settings)
+                elif entry is not None and self.stored is not None and self.stored.unused(entry, timings.cache_n):
+                    # A conversion of the prompt that differs from the decoder's lands here too.
+                    self.restore_unused += 1
+                    log.warning("prefix store: the decoder did not use the restored prefix (%s)", line.req)
+                # Saved after the reply, on every route: the slot then holds the reply's tokens too,
+                # which a conversation's next turn starts with (a handed-over state file lacks them).
+                if self.stored is not None:
+                    await self.stored.after(slot, plan.key, self.slots, req=line.req, restored=entry)
+
+    def _ready(self) -> bool:
+        return self.decoder.state is ChildState.READY
+
+    async def _settle(self, slot: int) -> None:
+        """The request left ``slot`` unfinished (its client hung up, or something failed): a request
+        pinned to the slot would wait behind what llama-server still does there, or see its restore
+        deferred.  Keep the slot until the decoder reports it idle (:func:`decoder.wait_slot_idle`);
+        the next request meanwhile takes another free slot, or waits in our queue."""
+        if not await decoder_api.wait_slot_idle(self.client, slot, running=self._ready):
+            log.warning(
+                "slot %d still busy in the decoder after %gs; handing it out anyway", slot, decoder_api.SETTLE_TIMEOUT_S
+            )
+
+    async def _hand_over(
+        self,
+        route: Route,
+        slot: int,
+        plan: Plan,
+        line: RouteLine,
+        reasons: list[Reason],
+        settings: HybridConfig,
+    ) -> Route:
+        """Try ``route``, then whatever ``DEGRADE`` says each failure leads to; the route reached."""
+        hybrid = self.hybrid
+        assert hybrid is not None
+        assert plan.provider is not None
+        line.provider, line.engine, line.device = plan.provider.name, plan.provider.engine, plan.provider.device
+        while route is not Route.PLAIN:
+            line.route = route.value
+            began = trio.current_time()
+            try:
+                outcome = await self._attempt(route, slot, plan, line, settings)
+            except trio.Cancelled:
+                # The client left mid-handoff: the job was cancelled (and its files removed); the
+                # line says how long it ran.
+                line.prefill_ms = (trio.current_time() - began) * 1000
+                raise
+            if outcome.prefill_ms is not None:
+                line.prefill_ms = outcome.prefill_ms
+            if outcome.restore_ms is not None:
+                line.restore_ms += outcome.restore_ms
+            if outcome.share_ms is not None:
+                line.share_ms = outcome.share_ms
+            if outcome.ok:
+                line.provider_prompt_n = outcome.evaluated
+                self.rates.observe_provider(plan.provider.name, outcome.evaluated, outcome.prefill_ms)
+                self.rates.observe_handoff(len(plan.tokens or ()), outcome.state_bytes, outcome.handoff_ms)
+                return route
+            assert outcome.reason is not None
+            reasons.append(outcome.reason)
+            route = degrade(outcome)
+            level = logging.INFO if outcome.reason is Reason.SHARE_UNSUPPORTED else logging.WARNING
+            log.log(level, "hybrid: %s; %s", outcome.why, _GOES_ON[route])
+        return route
+
+    async def _attempt(self, route: Route, slot: int, plan: Plan, line: RouteLine, settings: HybridConfig) -> Outcome:
+        """One handoff on ``route``: what it returned."""
+        hybrid = self.hybrid
+        assert hybrid is not None
+        assert plan.provider is not None
+        if route is Route.SHARE and hybrid.share is not None:
+            return await hybrid.share.run(
+                req=line.req,
+                slot=slot,
+                tokens=plan.tokens or [],
+                provider=plan.provider,
+                generation=self.decoder.generation,
+                timeout_s=settings.prefill_timeout_s,
+            )
+        return await hybrid.file.run(
+            req=line.req,
+            slot=slot,
+            tokens=plan.tokens or [],
+            provider=plan.provider,
+            timeout_s=settings.prefill_timeout_s,
+        )
+
+    @staticmethod
+    def _record(timings: Timings, line: RouteLine) -> None:
+        line.decoder_prompt_n = timings.prompt_n
+        line.decoder_prompt_ms = timings.prompt_ms
+        line.cached_tokens = timings.cache_n
+        if line.prompt_tokens is None:
+            line.prompt_tokens = timings.prompt_tokens()
+
+    def _verify_handoff(self, line: RouteLine, reasons: list[Reason], settings: HybridConfig) -> None:
+        """llama.cpp's restore can answer success and still re-prefill everything (#26676)."""
+        if restore_used(line.decoder_prompt_n, settings.restore_check_tokens):
+            return
+        self.restore_unused += 1
+        reasons.append(Reason.RESTORE_UNUSED)
+        line.fallback = fallback_chain(reasons)
+        log.warning(
+            "hybrid: restore was not used by the decoder: it evaluated %s of %s prompt tokens (%s)",
+            line.decoder_prompt_n,
+            line.prompt_tokens,
+            line.req,
+        )
+
+    async def relay(
+        self,
+        endpoint: str,
+        body: dict[str, Any],
+        out: Responder,
+        line: RouteLine,
+        headers: Headers = (),
+        *,
+        pinned: bool,
+    ) -> None:
+        """A request that runs the model but that no hybrid route takes (embeddings, rerank, infill):
+        plain, on a slot of its own, whole or streamed.  (Anthropic's Messages and OpenAI's Responses
+        are routed by :meth:`serve`, in the chat form llama-server converts them into.)
+
+        ``pinned``: llama-server honours ``id_slot`` on this endpoint.  Where it does not, holding a
+        slot still keeps the requests onebitd lets through at the decoder's slot count, but
+        llama-server picks the slot: which one is not known, so no slot's prompt is recorded."""
+        self.check_ready()
+        if self.hybrid is not None and endpoint not in EMBEDDING_ENDPOINTS:
+            # A generative request a provider could in principle prefill, but onebitd does not
+            # template these APIs itself: the decoder prefills it.
+            line.fallback = fallback_chain([Reason.UNSUPPORTED])
+            log.info(
+                "hybrid: %s cannot be handed over (%s is relayed as is); the backend prefills it", line.req, endpoint
+            )
+        timings = Timings()
+        async with self.slots.hold(settle=self._settle if pinned else None) as slot:
+            self.check_ready()  # it may have died while we queued
+            forwarded = body
+            if pinned:
+                line.slot = slot
+                forwarded = {**body, "id_slot": slot}
+            try:
+                if body.get("stream") is True:
+                    await relay_stream(self.client, endpoint, forwarded, out, line, timings, headers)
+                else:
+                    await relay_whole(self.client, endpoint, forwarded, out, line, timings, headers)
+            finally:
+                if pinned:
+                    # Its cache now holds a prompt onebitd did not key: nothing to match a next one on.
+                    self.slots.forget(slot)
+                self._record(timings, line)

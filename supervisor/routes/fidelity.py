@@ -1,0 +1,273 @@
+"""How far a provider's prompt state moves the decoder's next-token distribution, and the bound it
+must stay within.
+
+Across engines identical replies cannot be had (OpenVINO computes the same model with other kernels,
+other rounding, other quantized activations); what can be held is a distance no worse than the
+decoder's own choice of path already makes.  For one prompt, the decoder's distribution of the token
+after it, three ways:
+
+    cached    the decoder evaluates only the prompt's last token, over the KV it prefilled itself
+              (what its prompt cache does for a repeated prompt)
+    cold      the decoder prefills the whole prompt at once (cache_prompt false)
+    handoff   the decoder evaluates only the last token, over the KV the provider prefilled and the
+              file route restored (what every hybrid request does)
+
+    d_handoff = TV(handoff, cached)        d_cold = TV(cold, cached)
+
+Each distribution is llama-server's pre-sampling top-k (``n_probs``: the softmax of the logits), TV
+the total variation distance over the union of both top-k token sets plus one bucket for the rest of
+the mass (a token in one list and not the other counts as 0 in the other: an upper bound on what the
+lists hide, within the smaller tail).  The bound, over a set of prompts:
+
+    mean(d_handoff) <= FACTOR * mean(d_cold) + FLOOR
+
+A ggml provider runs the decoder's own engine: its d_handoff is 0 (tests hold it to identical
+replies instead).  The pure part (:func:`top_k`, :func:`total_variation`, :func:`judge`) does no I/O;
+:class:`Probe` measures through the decoder's client and the file route's own handoff.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import attrs
+
+from ..errors import DecoderError, ProviderError, ProviderStateRefused
+from ..llama import decoder
+from ..providers import Provider
+from .decision import Outcome, Step
+
+# The top-k llama-server reports; 20 is the OpenAI API's top_logprobs maximum, and holds all but a
+# few thousandths of the mass of a 135M model's next token on ordinary text.
+TOP_K = 20
+# The bound's constants (docs/benchmarks.md, "Fidelity across engines", for the measurement they come
+# from): a provider may move the decoder's next token FACTOR times as far as the decoder's own cold
+# prefill does, plus FLOOR for prompts where the cold path happens to agree exactly.
+FACTOR = 3.0
+FLOOR = 0.02
+
+
+class Client(Protocol):
+    async def post_json(self, path: str, body: Any) -> tuple[int, Any]: ...
+
+
+class Handoff(Protocol):
+    """The file route's effects (supervisor/routes/file.py's FileHandoff)."""
+
+    async def run(self, *, req: str, slot: int, tokens: list[int], provider: Provider, timeout_s: float) -> Outcome: ...
+
+
+def top_k(reply: Any) -> dict[int, float]:
+    """Token id to probability, from a /completion reply with ``n_probs`` (the first token's list)."""
+    try:
+        first = reply["completion_probabilities"][0]
+        entries = first["top_logprobs"]
+        return {int(e["id"]): math.exp(float(e["logprob"])) for e in entries}
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise ValueError(f"no top-k probabilities in the reply: {exc!r}") from None
+
+
+def total_variation(p: Mapping[int, float], q: Mapping[int, float]) -> float:
+    """Half the L1 distance over the union of both supports, the rest of each mass as one bucket."""
+    union = p.keys() | q.keys()
+    listed = sum(abs(p.get(t, 0.0) - q.get(t, 0.0)) for t in union)
+    rest = abs(max(0.0, 1.0 - sum(p.values())) - max(0.0, 1.0 - sum(q.values())))
+    return min(1.0, 0.5 * (listed + rest))
+
+
+def top1(p: Mapping[int, float]) -> int:
+    return max(p, key=lambda t: p[t])
+
+
+@attrs.frozen
+class Sample:
+    """One prompt's three distributions, compared."""
+
+    n_tokens: int
+    handoff: float  # TV(handoff, cached)
+    cold: float  # TV(cold, cached)
+    same_top1: bool  # the handoff's most likely next token is the cached path's
+
+
+@attrs.frozen
+class Verdict:
+    n: int
+    mean_handoff: float
+    mean_cold: float
+    max_handoff: float
+    top1_agree: float  # fraction of prompts whose top-1 token the handoff kept
+    bound: float  # factor * mean_cold + floor
+    factor: float = FACTOR
+    floor: float = FLOOR
+
+    @property
+    def ok(self) -> bool:
+        return self.mean_handoff <= self.bound
+
+    def summary(self) -> str:
+        return (
+            f"next-token TV distance over {self.n} prompts: handoff mean {self.mean_handoff:.4f}"
+            f" (max {self.max_handoff:.4f}), the decoder's own cold prefill {self.mean_cold:.4f},"
+            f" bound {self.bound:.4f} ({self.factor:g} x cold + {self.floor:g}); top-1 kept on {self.top1_agree:.0%}"
+        )
+
+
+def judge(samples: Sequence[Sample], *, factor: float | None = None, floor: float | None = None) -> Verdict:
+    """The verdict over ``samples`` (``factor``, ``floor``: the bound's, FACTOR and FLOOR unless given)."""
+    if not samples:
+        raise ValueError("no samples to judge")
+    factor = FACTOR if factor is None else factor
+    floor = FLOOR if floor is None else floor
+    mean_cold = statistics.fmean(s.cold for s in samples)
+    return Verdict(
+        n=len(samples),
+        mean_handoff=statistics.fmean(s.handoff for s in samples),
+        mean_cold=mean_cold,
+        max_handoff=max(s.handoff for s in samples),
+        top1_agree=sum(s.same_top1 for s in samples) / len(samples),
+        bound=factor * mean_cold + floor,
+        factor=factor,
+        floor=floor,
+    )
+
+
+# The prompts of the start-time check: a few ordinary sentences of different kinds, each long enough
+# (70-120 tokens with SmolLM2's tokenizer) for the provider's KV to carry the next token.  A few
+# prompts, not thirty: the check runs at every start, on the decoder's time.
+START_PROMPTS = (
+    "The water cycle describes how water evaporates from oceans, lakes and rivers, rises as vapour, "
+    "cools into clouds and falls again as rain or snow. Over land, some of it soaks into the soil and "
+    "feeds the groundwater, some runs off into streams, and plants draw it up through their roots and "
+    "release it from their leaves. Over a year the same molecule may travel thousands of kilometres. "
+    "Explain in two sentences why deserts receive so little of it:",
+    "def merge_sorted(a, b):\n    result = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n"
+    "        if a[i] <= b[j]:\n            result.append(a[i])\n            i += 1\n        else:\n"
+    "            result.append(b[j])\n            j += 1\n    result.extend(a[i:])\n"
+    "    result.extend(b[j:])\n    return result\n\n# Now a function that merges k sorted lists with a heap:\n",
+    "Dear committee, I am writing to apply for the position of junior librarian advertised last week. "
+    "For the past three years I have volunteered at the town library, where I catalogued donations, "
+    "ran a weekly reading hour for children and helped visitors find their way around the archive. "
+    "I enjoy quiet, careful work, and I am at ease with the catalogue software you use. In my "
+    "previous role I also",
+    "A recipe for bread: mix 500 g of flour with 10 g of salt and 7 g of dried yeast. Add 320 ml of "
+    "warm water and knead for ten minutes until the dough is smooth and elastic. Leave it covered in a "
+    "warm place for an hour, until it has doubled in size. Knock it back, shape it into a loaf, and "
+    "let it rise again for half an hour. Bake at 220 degrees for",
+)
+
+
+# What the longer prompt sets are made of (the real-parts test's 30, the benchmark's): each of
+# START_PROMPTS' kinds of text on other subjects.
+_SUBJECTS = (
+    "volcanoes",
+    "the printing press",
+    "honey bees",
+    "railway signalling",
+    "the immune system",
+    "glaciers",
+    "medieval castles",
+    "solar panels",
+    "octopuses",
+    "the stock market",
+)
+_FRAMES = (
+    "Here is a short encyclopedia article about {s}. It covers where the idea comes from, how it works "
+    "in practice, what people commonly get wrong about it, and why it still matters today. The first "
+    "section explains the basic mechanism in plain words, with one example that most readers will "
+    "recognise from daily life. The second section, which follows, begins like this:",
+    "Question from a student: my teacher asked us to write a paragraph about {s}, but I do not know "
+    "where to start. Could you list three facts about {s} that are surprising, and say for each one "
+    "why it is true? Please keep the language simple, since the paragraph is for a class of "
+    "twelve-year-olds, and end with a question they could discuss together. Answer:",
+    "Meeting notes, project review. Attendees discussed the exhibition about {s} planned for spring. "
+    "The budget is fixed; the venue is confirmed for four weeks. Open items: the opening talk, the "
+    "printed guide, and whether to add an interactive corner about {s} for children. Action items "
+    "were assigned as follows. First,",
+)
+
+
+def prompt_set(n: int) -> list[str]:
+    """``n`` distinct prompts of 60-120 tokens (SmolLM2's tokenizer): the start prompts, then frames x subjects."""
+    texts = list(START_PROMPTS)
+    texts += [frame.format(s=subject) for subject in _SUBJECTS for frame in _FRAMES]
+    if n > len(texts):
+        raise ValueError(f"at most {len(texts)} prompts")
+    return texts[:n]
+
+
+class Probe:
+    """Measures :class:`Sample` for a provider through the decoder, in a decoder slot the caller holds."""
+
+    def __init__(self, *, client: Client, handoff: Handoff, timeout_s: float, k: int = TOP_K) -> None:
+        self.client = client
+        self.handoff = handoff
+        self.timeout_s = timeout_s
+        self.k = k
+
+    async def tokens(self, text: str) -> list[int]:
+        status, data = await self._post("/tokenize", {"content": text, "add_special": True})
+        tokens = data.get("tokens") if isinstance(data, dict) else None
+        if status != 200 or not isinstance(tokens, list):
+            raise ProviderError(f"fidelity: tokenizing answered {status}")
+        return [int(t) for t in tokens]
+
+    async def sample(self, provider: Provider, slot: int, tokens: list[int], req: str = "fidelity") -> Sample:
+        """The three paths for one prompt; the slot is erased before and after.  Raises ProviderError."""
+        await self._erase(slot)
+        try:
+            await self._next(slot, tokens, cache=True)
+            cached = await self._next(slot, tokens, cache=True, evaluated=1)
+            cold = await self._next(slot, tokens, cache=False, evaluated=len(tokens))
+            outcome = await self.handoff.run(
+                req=req, slot=slot, tokens=tokens, provider=provider, timeout_s=self.timeout_s
+            )
+            if outcome.failed is Step.RESTORE:
+                raise ProviderStateRefused(f"the decoder refused its state: {outcome.why}")
+            if not outcome.ok:
+                raise ProviderError(f"fidelity: the handoff failed: {outcome.why}")
+            handoff = await self._next(slot, tokens, cache=True, evaluated=1)
+        finally:
+            await self._erase(slot)
+        return Sample(
+            n_tokens=len(tokens),
+            handoff=total_variation(handoff, cached),
+            cold=total_variation(cold, cached),
+            same_top1=top1(handoff) == top1(cached),
+        )
+
+    async def _next(
+        self, slot: int, tokens: list[int], *, cache: bool, evaluated: int | None = None
+    ) -> dict[int, float]:
+        body = {
+            "prompt": tokens,
+            "n_predict": 1,
+            "n_probs": self.k,
+            "temperature": 0,
+            "id_slot": slot,
+            "cache_prompt": cache,
+        }
+        status, data = await self._post("/completion", body)
+        if status != 200:
+            raise ProviderError(f"fidelity: the decoder answered {status}: {str(data)[:200]}")
+        prompt_n = data.get("timings", {}).get("prompt_n") if isinstance(data, dict) else None
+        if evaluated is not None and isinstance(prompt_n, int) and abs(prompt_n - evaluated) > 1:
+            # The path was not the one asked for (a cache the decoder did not use): no measurement.
+            raise ProviderError(f"fidelity: the decoder evaluated {prompt_n} tokens where {evaluated} were due")
+        try:
+            return top_k(data)
+        except ValueError as exc:
+            raise ProviderError(f"fidelity: {exc}") from None
+
+    async def _erase(self, slot: int) -> None:
+        refused = await decoder.erase(self.client, slot)
+        if refused is not None and refused.status == 0:
+            raise ProviderError(f"fidelity: {refused.words}")
+
+    async def _post(self, path: str, body: Any) -> tuple[int, Any]:
+        try:
+            return await self.client.post_json(path, body)
+        except DecoderError as exc:
+            raise ProviderError(f"fidelity: {exc.message}") from exc
