@@ -179,13 +179,9 @@ def choose(
         share and share_refused file   share-refused-earlier
         otherwise               share or file
 
-    With ``costs`` the hybrid route must also pay: the tokens the decoder's slot lacks must reach the
-    floor (else plain, ``cached``), and the hybrid estimate must be within the policy's margin of
-    plain's, or a plain prefill would stall other streams too long; else plain, ``cached`` when the
-    decoder already holds most of the prompt, ``plain-cheaper`` otherwise.
-
-    A plain request that the prefix store served says ``stored`` last, after what else kept it
-    plain; ``cached`` is then the store's doing, not the slot's, and is left out."""
+    With ``costs`` the hybrid route must also pay (:func:`_costs_keep_plain`).  A plain request that
+    the prefix store served says ``stored`` last, after what else kept it plain; ``cached`` is then
+    the store's doing, not the slot's, and is left out."""
 
     def plain(reason: Reason | None, guess: Estimate | None = None) -> Choice:
         if not restored:
@@ -209,20 +205,35 @@ def choose(
         return plain(Reason.SHORT_PROMPT)
     guess = None
     if costs is not None:
-        guess = estimate(prompt_tokens, costs)
-        # The floor is on the prefill a handoff would spare: a prompt whose slot already holds all
-        # but a few tokens (a chat's next turn) leaves nothing worth moving.
-        if prompt_tokens - costs.decoder_cached < min_prompt_tokens:
-            return plain(Reason.CACHED, guess)
-        worth_it = guess.hybrid_ms <= guess.plain_ms * (1 + policy.prefer_margin)
-        spares_streams = costs.streams_decoding > 0 and guess.plain_ms > policy.max_stall_ms
-        if not (worth_it or spares_streams):
-            holds_most = 2 * costs.decoder_cached >= prompt_tokens
-            return plain(Reason.CACHED if holds_most else Reason.PLAIN_CHEAPER, guess)
+        guess, reason = _costs_keep_plain(prompt_tokens, min_prompt_tokens, costs, policy)
+        if reason is not None:
+            return plain(reason, guess)
     if share and share_refused:
         # This decoder process refused to share before: asking again costs a round trip per request.
         return Choice(Route.FILE, Reason.SHARE_REMEMBERED, guess)
     return Choice(Route.SHARE if share else Route.FILE, None, guess)
+
+
+def _costs_keep_plain(
+    prompt_tokens: int, min_prompt_tokens: int, costs: Costs, policy: Policy
+) -> tuple[Estimate, Reason | None]:
+    """The estimates, and why the costs keep a request plain (None: the hybrid route pays).
+
+    The tokens the decoder's slot lacks must reach the floor (else plain, ``cached``), and the
+    hybrid estimate must be within the policy's margin of plain's, or a plain prefill would stall
+    other streams too long; else plain, ``cached`` when the decoder already holds most of the
+    prompt, ``plain-cheaper`` otherwise."""
+    guess = estimate(prompt_tokens, costs)
+    # The floor is on the prefill a handoff would spare: a prompt whose slot already holds all
+    # but a few tokens (a chat's next turn) leaves nothing worth moving.
+    if prompt_tokens - costs.decoder_cached < min_prompt_tokens:
+        return guess, Reason.CACHED
+    worth_it = guess.hybrid_ms <= guess.plain_ms * (1 + policy.prefer_margin)
+    spares_streams = costs.streams_decoding > 0 and guess.plain_ms > policy.max_stall_ms
+    if worth_it or spares_streams:
+        return guess, None
+    holds_most = 2 * costs.decoder_cached >= prompt_tokens
+    return guess, Reason.CACHED if holds_most else Reason.PLAIN_CHEAPER
 
 
 def claim_matches(claimed: int | None, expected: int) -> bool:
