@@ -6,6 +6,7 @@
     file        the file route: a provider writes a slot state file, the decoder restores it
     share       the share route: the decoder lends its KV region over fds, then adopts the cells
     stored      the prefix store in a request: the restore before the route, the save after
+    plan        what is known before a slot is taken: the prompt's key and tokens, the provider
     completion  a completion request's story: plan, slot, route, handoff, relay, verification
     relay       a decoder's reply on its way to the client: whole, streamed, or an error
     rates       measured prefill and handoff rates, with configured priors

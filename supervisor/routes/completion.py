@@ -1,15 +1,15 @@
 """A completion request's story: admission, a slot, the route, the relay, the route line's numbers.
 
-The HTTP front hands over a parsed JSON object; this module plans it (a provider, the prompt's tokens),
-pins it to a slot we own (``id_slot``), lets the prefix store restore a prefix into the slot
-(routes/stored.py), has routes/decision.py's ``choose`` pick the route and the reasons, walks
-``DEGRADE`` with what the handoffs return, relays the decoder's answer (supervisor/routes/relay.py: whole,
-or chunk by chunk for ``stream: true``) and fills the route line from the decoder's own ``timings``.
+The HTTP front hands over a parsed JSON object; this module has it planned (routes/plan.py: a
+provider, the prompt's tokens), pins it to a slot we own (``id_slot``), lets the prefix store restore a
+prefix into the slot (routes/stored.py), has routes/decision.py's ``choose`` pick the route and the
+reasons, walks ``DEGRADE`` with what the handoffs return, relays the decoder's answer (routes/relay.py:
+whole, or chunk by chunk for ``stream: true``) and fills the route line from the decoder's own
+``timings``.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -18,20 +18,20 @@ import attrs
 import trio
 
 from ..config import HybridConfig, source
-from ..errors import ChatFormRefused, DecoderError, DecoderUnavailable
+from ..errors import DecoderUnavailable
 from ..http.respond import Responder
 from ..http.wire import Headers
 from ..llama import decoder as decoder_api
 from ..llama.decoder import DecoderClient
-from ..llama.slots import PromptKey, SlotPool
+from ..llama.slots import SlotPool
 from ..prefix.store import Entry
-from ..providers import Provider, Providers
+from ..providers import Providers
 from ..reasons import Reason
 from ..routeline import RouteLine
 from ..supervise.child import ChildState, ChildStatistics
 from .decision import Choice, Costs, Outcome, Policy, Route, choose, degrade, restore_used
 from .file import FileHandoff
-from .prompt import CHAT, MESSAGES, RESPONSES, chat_form, handoff_unsupported, tokens_for
+from .plan import Plan, plan
 from .rates import Rates
 from .relay import Timings, relay_stream, relay_whole
 from .share import ShareHandoff
@@ -64,41 +64,9 @@ class Hybrid:
     share: ShareHandoff | None = None  # set when the share route is on (hybrid.mode / ONEBIT_KV_SHARE)
 
 
-@attrs.frozen
-class Plan:
-    """What is known before a slot is taken: the prompt's key, its tokens (None: not tokenized, or
-    over a slot's context), the provider picked, and what keeps the prompt from a provider whatever
-    the costs (:func:`~supervisor.routes.decision.choose` weighs it all once the slot is held)."""
-
-    key: PromptKey
-    tokens: list[int] | None
-    provider: Provider | None
-    unsupported: bool = False  # a prompt shape no provider takes: not tokenized
-    over_context: bool = False  # the decoder will refuse it with its own 400
-    n_tokens: int | None = None  # the prompt's length where it was tokenized
-    refused: bool = False  # a Messages or Responses body llama-server will not convert (its own 400)
-    # None picked because a shared provider runs for another model (providers/seat.py): why.
-    away: Reason | None = None
-
-    @property
-    def remember(self) -> bool:
-        """False for a prompt the decoder will refuse: its slot keeps the memory of what it holds."""
-        return not (self.over_context or self.refused)
-
-
 # The state one prompt token takes in a slot state file, until a handoff measures it: SmolLM2-135M's
 # f16 cache (30 layers x K and V x 192 values x 2 bytes), about 22 KiB as measured.
 STATE_BYTES_PER_TOKEN = 23_040
-
-
-def prompt_text(endpoint: str, body: dict[str, Any]) -> str:
-    """A prompt's text for slot affinity, without a round trip to the tokenizer."""
-    if endpoint in (CHAT, MESSAGES):
-        return json.dumps(body.get("messages"), separators=(",", ":"), ensure_ascii=False)
-    if endpoint == RESPONSES:
-        return json.dumps(body.get("input"), separators=(",", ":"), ensure_ascii=False)
-    prompt = body.get("prompt")
-    return prompt if isinstance(prompt, str) else json.dumps(prompt, separators=(",", ":"))
 
 
 # How a fallback is worded in the log, by the route the request goes on to.
@@ -187,49 +155,16 @@ class Completions:
         raise DecoderUnavailable(words, public=words)
 
     async def _plan(self, endpoint: str, body: dict[str, Any], req: str) -> Plan:
-        """Pick a provider, and tokenize the prompt when one can take it, or the prefix store may
-        hold or keep it; the route is chosen once the request has its slot (what the slot holds is a
-        cost).  A Messages or Responses request is read in the chat form llama-server converts it into."""
-        provider = self.hybrid.providers.pick() if self.hybrid is not None else None
-        away = self.hybrid.providers.away() if self.hybrid is not None and provider is None else None
-        if away is not None:
-            plan = await self._plan_with(None, endpoint, body, req)
-            log.info("hybrid: %s goes without its provider (%s); the backend prefills it", req, away.value)
-            return attrs.evolve(plan, away=away)
-        return await self._plan_with(provider, endpoint, body, req)
-
-    async def _plan_with(self, provider: Provider | None, endpoint: str, body: dict[str, Any], req: str) -> Plan:
-        try:
-            endpoint, body = chat_form(endpoint, body)
-        except ChatFormRefused as exc:
-            # llama-server refuses it too, with its own 400, which is relayed: nothing to route.
-            log.info("hybrid: %s is not a request llama-server converts (%s); relayed for its answer", req, exc)
-            return Plan(PromptKey(prompt_text(endpoint, body)), None, provider, unsupported=True, refused=True)
-        text = prompt_text(endpoint, body)
-        why = handoff_unsupported(endpoint, body)
-        if why is not None:
-            if provider is not None:
-                log.info("hybrid: %s cannot be handed over (%s); the backend prefills it", req, why)
-            return Plan(PromptKey(text), None, provider, unsupported=True)
-        if provider is None and (self.stored is None or not self.stored.may_hold(text)):
-            return Plan(PromptKey(text), None, None)
-        try:
-            tokens = await tokens_for(self.client, endpoint, body)
-        except DecoderError as exc:
-            log.warning("hybrid: tokenizing %s failed (%s); the backend prefills it", req, exc.message)
-            return Plan(PromptKey(text), None, provider)
-        if self.slot_context is not None and len(tokens) >= self.slot_context:
-            # No room for the prompt and a token of reply: the decoder refuses it with its own 400
-            # (exceed_context_size_error, with n_prompt_tokens and n_ctx), which is relayed.  Before
-            # any handoff or store restore, so neither a provider nor a slot's memory takes it.
-            log.info(
-                "hybrid: %s has %d prompt tokens, over a slot's context of %d (model.ctx_size / model.parallel)",
-                req,
-                len(tokens),
-                self.slot_context,
-            )
-            return Plan(PromptKey(text), None, provider, over_context=True, n_tokens=len(tokens))
-        return Plan(PromptKey(text, tuple(tokens)), tokens, provider)
+        providers = self.hybrid.providers if self.hybrid is not None else None
+        return await plan(
+            endpoint,
+            body,
+            req,
+            client=self.client,
+            providers=providers,
+            stored=self.stored,
+            slot_context=self.slot_context,
+        )
 
     async def _from_store(self, plan: Plan, slot: int, line: RouteLine) -> Entry | None:
         """The prefix store's longest prefix of the prompt, restored into the slot when worth it."""

@@ -1,0 +1,120 @@
+"""What is known of a completion request before it takes a slot: the prompt's key (slot affinity), its
+tokens where a provider or the prefix store may use them, the provider picked, and what keeps the
+prompt from any provider whatever the costs.  The route itself is chosen once the slot is held
+(routes/decision.py's ``choose``, called by routes/completion.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import attrs
+
+from ..errors import ChatFormRefused, DecoderError
+from ..llama.decoder import DecoderClient
+from ..llama.slots import PromptKey
+from ..providers import Provider, Providers
+from ..reasons import Reason
+from .prompt import CHAT, MESSAGES, RESPONSES, chat_form, handoff_unsupported, tokens_for
+from .stored import StoredPrefixes
+
+log = logging.getLogger("onebit.hybrid")
+
+
+@attrs.frozen
+class Plan:
+    """What is known before a slot is taken: the prompt's key, its tokens (None: not tokenized, or
+    over a slot's context), the provider picked, and what keeps the prompt from a provider whatever
+    the costs (:func:`~supervisor.routes.decision.choose` weighs it all once the slot is held)."""
+
+    key: PromptKey
+    tokens: list[int] | None
+    provider: Provider | None
+    unsupported: bool = False  # a prompt shape no provider takes: not tokenized
+    over_context: bool = False  # the decoder will refuse it with its own 400
+    n_tokens: int | None = None  # the prompt's length where it was tokenized
+    refused: bool = False  # a Messages or Responses body llama-server will not convert (its own 400)
+    # None picked because a shared provider runs for another model (providers/seat.py): why.
+    away: Reason | None = None
+
+    @property
+    def remember(self) -> bool:
+        """False for a prompt the decoder will refuse: its slot keeps the memory of what it holds."""
+        return not (self.over_context or self.refused)
+
+
+def prompt_text(endpoint: str, body: dict[str, Any]) -> str:
+    """A prompt's text for slot affinity, without a round trip to the tokenizer."""
+    if endpoint in (CHAT, MESSAGES):
+        return json.dumps(body.get("messages"), separators=(",", ":"), ensure_ascii=False)
+    if endpoint == RESPONSES:
+        return json.dumps(body.get("input"), separators=(",", ":"), ensure_ascii=False)
+    prompt = body.get("prompt")
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, separators=(",", ":"))
+
+
+async def plan(
+    endpoint: str,
+    body: dict[str, Any],
+    req: str,
+    *,
+    client: DecoderClient,
+    providers: Providers | None,
+    stored: StoredPrefixes | None,
+    slot_context: int | None,
+) -> Plan:
+    """Pick a provider, and tokenize the prompt when one can take it, or the prefix store may
+    hold or keep it; the route is chosen once the request has its slot (what the slot holds is a
+    cost).  A Messages or Responses request is read in the chat form llama-server converts it into."""
+    provider = providers.pick() if providers is not None else None
+    away = providers.away() if providers is not None and provider is None else None
+    if away is not None:
+        planned = await _plan_with(None, endpoint, body, req, client=client, stored=stored, slot_context=slot_context)
+        log.info("hybrid: %s goes without its provider (%s); the backend prefills it", req, away.value)
+        return attrs.evolve(planned, away=away)
+    return await _plan_with(provider, endpoint, body, req, client=client, stored=stored, slot_context=slot_context)
+
+
+async def _plan_with(
+    provider: Provider | None,
+    endpoint: str,
+    body: dict[str, Any],
+    req: str,
+    *,
+    client: DecoderClient,
+    stored: StoredPrefixes | None,
+    slot_context: int | None,
+) -> Plan:
+    try:
+        endpoint, body = chat_form(endpoint, body)
+    except ChatFormRefused as exc:
+        # llama-server refuses it too, with its own 400, which is relayed: nothing to route.
+        log.info("hybrid: %s is not a request llama-server converts (%s); relayed for its answer", req, exc)
+        return Plan(PromptKey(prompt_text(endpoint, body)), None, provider, unsupported=True, refused=True)
+    text = prompt_text(endpoint, body)
+    why = handoff_unsupported(endpoint, body)
+    if why is not None:
+        if provider is not None:
+            log.info("hybrid: %s cannot be handed over (%s); the backend prefills it", req, why)
+        return Plan(PromptKey(text), None, provider, unsupported=True)
+    if provider is None and (stored is None or not stored.may_hold(text)):
+        return Plan(PromptKey(text), None, None)
+    try:
+        tokens = await tokens_for(client, endpoint, body)
+    except DecoderError as exc:
+        log.warning("hybrid: tokenizing %s failed (%s); the backend prefills it", req, exc.message)
+        return Plan(PromptKey(text), None, provider)
+    if slot_context is not None and len(tokens) >= slot_context:
+        # No room for the prompt and a token of reply: the decoder refuses it with its own 400
+        # (exceed_context_size_error, with n_prompt_tokens and n_ctx), which is relayed.  Before
+        # any handoff or store restore, so neither a provider nor a slot's memory takes it.
+        log.info(
+            "hybrid: %s has %d prompt tokens, over a slot's context of %d (model.ctx_size / model.parallel)",
+            req,
+            len(tokens),
+            slot_context,
+        )
+        return Plan(PromptKey(text), None, provider, over_context=True, n_tokens=len(tokens))
+    return Plan(PromptKey(text, tuple(tokens)), tokens, provider)
