@@ -186,17 +186,24 @@ def _tasks_named(name: str) -> list[trio.lowlevel.Task]:
 
 
 async def test_a_client_that_hangs_up_mid_stream_has_its_connection_closed(short_dir: Path, control: Control) -> None:
-    # It sends its end-of-file and keeps reading: onebitd must close its side.  A connection closed
-    # while a request was on it once kept its socket (and a task) until onebitd stopped.
-    control.set(decoder=DecoderModes(token_delay_s=0.2))
+    # It sends its end-of-file and keeps reading: onebitd must close its side, and the decoder's
+    # request.  A connection closed while a request was on it once kept its socket (and a task)
+    # until onebitd stopped.  The stream would last 500 tokens x 0.2 s = 100 s, five times the
+    # test's bound: a hang-up that is ignored fails on the bound, never passes by the stream ending.
+    tokens, delay_s = 500, 0.2
+    assert tokens * delay_s >= 5 * TIMEOUT
+    control.set(decoder=DecoderModes(token_delay_s=delay_s))
     with trio.fail_after(TIMEOUT):
         async with run_daemon(fake_decoder_config(short_dir)) as running, await open_raw(running) as raw:
             buffer = bytearray()
-            await raw.send_all(_stream_request(50))
+            await raw.send_all(_stream_request(tokens))
             await receive_until(raw, buffer, b"data: ")
             await raw.send_eof()
             while await raw.receive_some():  # until onebitd closes
                 pass
+            [entry] = await control.wait_entries(1)
+    assert entry["disconnected"] is True
+    assert entry["sent"] < tokens
 
 
 async def test_a_connection_closed_after_its_reply_leaves_no_task_behind(short_dir: Path, control: Control) -> None:
