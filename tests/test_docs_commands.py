@@ -41,7 +41,7 @@ PARSED = {
     "scripts/chaos": "scripts/chaos.py",
     "scripts/chaos.py": "scripts/chaos.py",
     "scripts/bench_engines.py": "scripts/bench_engines.py",
-    "scripts/slotdiff": "supervisor.statefile",
+    "scripts/slotdiff": "supervisor.llama.statefile",
 }
 # Scripts that take no options, with how many words they do take: scripts/run FILE (the config);
 # scripts/test's words go to pytest and scripts/setup's to nothing (none is documented).

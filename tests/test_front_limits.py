@@ -13,7 +13,7 @@ from pathlib import Path
 import trio
 import trio.testing
 
-from supervisor import server
+from supervisor.http import server
 
 from .helpers import CHAT, assert_envelope, client_for, open_raw, receive_until, request_head
 from .rig import Control, DecoderModes, RouteLines, fake_decoder_config, run_daemon
