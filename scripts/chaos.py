@@ -17,9 +17,12 @@ a bounded number of requests, injects its fault, and prints one line:
   stray sockets in the runtime directory, onebitd's open fds beyond the tolerance, and (after the
   daemon stopped) any process it started that is not reaped.
 
-A lost request, a leftover, or a reply that is neither right nor a clean error fails the scenario;
-exit status 1 when any scenario failed, 2 for a set-up problem.  Signals go only to the pids of the
-decoder and providers this process's onebitd started, and every SIGSTOP is undone in a ``finally``.
+A lost request, a leftover, or a reply that is neither right nor a clean error fails the scenario,
+and so does a scenario that sent no request at all.  One that cannot run on this machine
+(``disk-full`` without the permission to mount) says ``skip`` and why, never ``ok``.  Exit status 1
+when any scenario failed (a skip is no failure), 2 for a set-up problem.  Signals go only to the
+pids of the decoder and providers this process's onebitd started, and every SIGSTOP is undone in a
+``finally``.
 """
 
 from __future__ import annotations
@@ -102,6 +105,10 @@ class ChaosError(Exception):
     """A set-up problem: the figures would mean nothing."""
 
 
+class Skipped(Exception):
+    """A scenario that cannot run on this machine; the message says why.  Reported as ``skip``."""
+
+
 # -- what came back --------------------------------------------------------------------------------
 
 
@@ -116,6 +123,7 @@ class Tally:
     notes: list[str] = attrs.Factory(list)
     leftovers: list[str] = attrs.Factory(list)
     figures: dict[str, Any] = attrs.Factory(dict)
+    skipped: str = ""  # why the scenario could not run here
 
     def add(self, verdict: str, note: str = "") -> None:
         self.sent += 1
@@ -724,8 +732,7 @@ async def disk_full(run: Run, tally: Tally) -> None:
         ["mount", "-t", "tmpfs", "-o", "size=64k,mode=0700", "tmpfs", str(state)], capture_stderr=True, check=False
     )
     if mounted.returncode != 0:
-        tally.figures["skipped"] = f"cannot mount a tmpfs: {mounted.stderr.decode().strip()}"
-        return
+        raise Skipped(f"cannot mount a tmpfs (needs root and CAP_SYS_ADMIN): {mounted.stderr.decode().strip()}")
     try:
         async with open_onebitd(hybrid_config(runtime, "llama-server", run.dir("full-work")), tally) as od:
             for stream in (False, True):
@@ -1107,12 +1114,14 @@ SCENARIOS: dict[str, Scenario] = {
 
 
 def report(name: str, tally: Tally, seconds: float) -> None:
-    verdict = "FAIL" if tally.failed else "ok"
+    verdict = "FAIL" if tally.failed else "skip" if tally.skipped else "ok"
     print(
         f"{name:<22} {verdict:<4} sent {tally.sent:>4}  correct {tally.ok:>4}  clean error {tally.clean:>3}  "
         f"lost {tally.lost}  bad {tally.bad}  hung up {tally.hung_up:>3}  left behind {len(tally.leftovers)}  "
         f"({seconds:.0f}s)"
     )
+    if tally.skipped:
+        print(f"    skipped: {tally.skipped}")
     for key, value in tally.figures.items():
         print(f"    {key}: {value}")
     for note in tally.notes + [f"left behind: {x}" for x in tally.leftovers]:
@@ -1133,6 +1142,10 @@ async def main_async(args: argparse.Namespace) -> int:
             with trio.move_on_after(args.time_limit) as limit:
                 try:
                     await SCENARIOS[name](run, tally)
+                    if not tally.sent:
+                        tally.notes.append("failed: the scenario sent no request")
+                except Skipped as exc:
+                    tally.skipped = str(exc)
                 except Exception as exc:  # a scenario's own bug or a broken guarantee: reported, not raised
                     tally.notes.append(f"failed: {type(exc).__name__}: {exc!r}"[:2000])
                     traceback.print_exception(exc, file=sys.stderr)  # where it came from, in full

@@ -6,17 +6,49 @@ still start onebitd, talk to both sides, and report, so docs/benchmarks.md can b
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import re
 import sys
+import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
 
-from .rig import real_llama_server
+from .rig import openvino_llama_server, real_llama_server
 
-BENCH = Path(__file__).parent.parent / "scripts" / "bench.py"
+ROOT = Path(__file__).parent.parent
+BENCH = ROOT / "scripts" / "bench.py"
 NUMBER = r"[-+]?\d+\.\d+"
+
+
+def test_every_subcommand_has_a_quick_form_and_a_test_here_that_runs_it() -> None:
+    subcommands = {command.name for command in bench_subcommands()}
+    tested = set(re.findall(r'str\(BENCH\), "([a-z]+)", "--quick"', Path(__file__).read_text()))
+    assert tested == subcommands
+
+
+def test_every_python_script_is_in_mypys_file_list() -> None:
+    files = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]["files"]
+    scripts = {str(path.relative_to(ROOT)) for path in (ROOT / "scripts").glob("*.py")}
+    assert scripts - set(files) == set()
+
+
+def bench_subcommands() -> list[Any]:
+    """scripts/bench.py's SUBCOMMANDS, each with a ``--quick`` in its arguments."""
+    spec = importlib.util.spec_from_file_location("bench", BENCH)
+    assert spec is not None
+    assert spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    commands: list[Any] = bench.SUBCOMMANDS
+    for command in commands:
+        parser = argparse.ArgumentParser()
+        command.arguments(parser)
+        assert "[--quick]" in parser.format_usage(), command.name
+    return commands
 
 
 @pytest.mark.real
@@ -123,3 +155,85 @@ async def test_the_agent_benchmark_in_quick_mode_exits_0_and_prints_its_ratios()
     )
     kept = rf"^plain's slot kept after the reply \(the save for the prefix store\), turns 2-3: median {NUMBER} ms"
     assert len(re.findall(kept, out, re.M)) == 2, out
+
+
+@pytest.mark.real
+async def test_the_handoff_benchmark_in_quick_mode_exits_0_and_shows_the_file_route_taken() -> None:
+    real_llama_server()
+    # Two sizes, one round, then the decode-isolation streams and share against file: about two
+    # minutes on a busy 2-core machine.
+    with trio.fail_after(600):
+        result = await trio.run_process(
+            [sys.executable, str(BENCH), "handoff", "--quick"], capture_stdout=True, capture_stderr=True, check=False
+        )
+    out = result.stdout.decode()
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    # tokens, provider prefill, save, restore, MiB, decoder prefill, prompt_n plain and hybrid, first
+    # bytes, (save+restore) / decoder prefill
+    five = "".join(rf"  +{NUMBER}" for _ in range(5))
+    row = rf"^ *(\d+){five}  +(\d+)  +(\d+)  +{NUMBER} +{NUMBER} +{NUMBER}%$"
+    rows = re.findall(row, out, re.MULTILINE)
+    assert len(rows) == 2, out
+    for tokens, plain_n, hybrid_n in rows:
+        # The plain route's decoder prefills the prompt; the file route's evaluates a token or two.
+        assert int(plain_n) >= int(tokens) - 8, out
+        assert int(hybrid_n) <= 2, out
+    for route in ("plain route", "file route"):
+        assert re.search(rf"^  {route} +{NUMBER} ms$", out, re.MULTILINE), out
+    assert re.search(rf"^  ratio file/plain: {NUMBER}$", out, re.MULTILINE), out
+    # tokens, restore, share, worker write, adopt (ms), adopt/restore, prompt_n after each, same reply
+    share = rf"^ *\d+  +{NUMBER}  +{NUMBER}  +{NUMBER}  +{NUMBER}  +{NUMBER}%  +(\d+)  +(\d+)   (yes|NO)$"
+    shares = re.findall(share, out, re.MULTILINE)
+    assert len(shares) == 2, out
+    assert all(int(restored) <= 2 and int(adopted) <= 2 and same == "yes" for restored, adopted, same in shares), out
+
+
+@pytest.mark.real
+async def test_the_multiturn_benchmark_in_quick_mode_exits_0_and_prints_every_turn_and_its_ratios() -> None:
+    real_llama_server()
+    # Three sides, each a fresh onebitd (or llama-server), 2 chats of 3 turns each.
+    with trio.fail_after(600):
+        result = await trio.run_process(
+            [sys.executable, str(BENCH), "multiturn", "--quick"], capture_stdout=True, capture_stderr=True, check=False
+        )
+    out = result.stdout.decode()
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    # turn, then ttft ms and the decoder's prompt tokens for (c), (a), (b), the provider's, routes (b)
+    side = rf" +{NUMBER} +(?:\d+|nan)"
+    turns = re.findall(rf"^(\d){side}{side}{side} +(?:\d+|nan)  ([a-z,-]+)$", out, re.MULTILINE)
+    assert [turn for turn, _ in turns] == ["1", "2", "3"], out
+    assert all(len(routes.split(",")) == 2 for _, routes in turns), out  # a route line per chat
+    assert re.search(rf"^turn 1, summed first-token time: +\(b\)/\(a\) {NUMBER} ", out, re.MULTILINE), out
+    assert re.search(rf"^turns 2\.\.3, summed first-token time: \(b\)/\(a\) {NUMBER} ", out, re.MULTILINE), out
+    assert re.search(rf"^\(a\)/\(c\), all turns: {NUMBER} ", out, re.MULTILINE), out
+
+
+@pytest.fixture
+def openvino_binary() -> Path:
+    """A sync fixture, so that a missing binary fails (or skips) with its reason before the trio run starts."""
+    return openvino_llama_server()
+
+
+@pytest.mark.real
+async def test_the_providers_benchmark_in_quick_mode_exits_0_with_both_engines_on_the_file_route(
+    openvino_binary: Path,
+) -> None:
+    real_llama_server()
+    # Two daemons (ggml, OpenVINO) at two sizes, one round, and OpenVINO started again on its
+    # compile cache: a few minutes on a busy 2-core machine.
+    with trio.fail_after(900):
+        result = await trio.run_process(
+            [sys.executable, str(BENCH), "providers", "--quick"], capture_stdout=True, capture_stderr=True, check=False
+        )
+    out = result.stdout.decode()
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    # tokens, plain, file route ggml and OpenVINO (ms), the two ratios, the decoder's prompt_n on each
+    row = rf"^ *\d+  +\d+  +\d+  +\d+   +{NUMBER}x  +{NUMBER}x  +(\d+) +(\d+)$"
+    rows = re.findall(row, out, re.MULTILINE)
+    assert len(rows) == 2, out
+    # Both file routes were taken: the decoder evaluated a token or two of each prompt, not all of it.
+    assert all(int(ggml) <= 2 and int(openvino) <= 2 for ggml, openvino in rows), out
+    for engine in ("ggml", "openvino"):
+        assert re.search(rf"^  {engine} +plain +{NUMBER} +file route +{NUMBER}$", out, re.MULTILINE), out
+        assert re.search(rf"^  {engine} +device CPU  start +{NUMBER} s", out, re.MULTILINE), out
+    assert re.search(rf"^  openvino started again on its compile cache: {NUMBER} s$", out, re.MULTILINE), out

@@ -1,19 +1,22 @@
 """scripts/chaos's short form, one test per scenario: each guarantee of docs/reliability.md fails its
 own test when it breaks.  Each runs ``scripts/chaos.py --quick --only NAME`` as a process of its own
 (it starts, faults and reaps its own onebitd, llama-servers and providers; run_process reaps it), and
-its report is the failure message."""
+its report is the failure message; a scenario that cannot run here (its line says ``skip``) skips
+its test with the reason.  Two tests without the real parts hold the report to that: a scenario
+that cannot run is no ``ok``, nor is one that sent nothing."""
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import trio
 
 from .rig import real_llama_server
-
-pytestmark = pytest.mark.real
 
 CHAOS = Path(__file__).parent.parent / "scripts" / "chaos.py"
 # A scenario's own time limit, and ours a little beyond it: a loaded 2-core machine runs the real
@@ -36,6 +39,7 @@ SCENARIOS = [
 ]
 
 
+@pytest.mark.real
 @pytest.mark.parametrize("scenario", SCENARIOS)
 async def test_chaos_scenario_loses_nothing_and_leaves_nothing_behind(scenario: str) -> None:
     real_llama_server()
@@ -48,5 +52,52 @@ async def test_chaos_scenario_loses_nothing_and_leaves_nothing_behind(scenario: 
         )
     out = result.stdout.decode()
     assert result.returncode == 0, out + result.stderr.decode()[-3000:]
-    assert out.startswith(f"{scenario} "), out
-    assert " ok " in out.splitlines()[0], out
+    name, verdict, *_ = out.split()
+    assert name == scenario, out
+    if verdict == "skip":
+        pytest.skip(out.splitlines()[1].strip())
+    assert verdict == "ok", out
+
+
+def chaos_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("chaos", CHAOS)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+async def report_of(chaos: ModuleType, scenario: object, capsys: pytest.CaptureFixture[str]) -> list[str]:
+    """scripts/chaos's exit status and report of one scenario, run as its command line runs it."""
+    args = argparse.Namespace(quick=True, only=["stand-in"], time_limit=10.0)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(chaos.SCENARIOS, "stand-in", scenario)
+        status = await chaos.main_async(args)
+    lines = capsys.readouterr().out.splitlines()
+    return [str(status), *lines]
+
+
+async def test_a_scenario_that_cannot_run_here_says_skip_and_why_not_ok(capsys: pytest.CaptureFixture[str]) -> None:
+    chaos = chaos_module()
+
+    async def cannot_mount(run: object, tally: object) -> None:
+        await trio.lowlevel.checkpoint()
+        raise chaos.Skipped("cannot mount a tmpfs (needs root and CAP_SYS_ADMIN): permission denied")
+
+    status, line, *rest = await report_of(chaos, cannot_mount, capsys)
+    assert line.split()[:4] == ["stand-in", "skip", "sent", "0"]
+    assert rest == ["    skipped: cannot mount a tmpfs (needs root and CAP_SYS_ADMIN): permission denied"]
+    assert status == "0"  # a skip is no failure
+
+
+async def test_a_scenario_that_sent_no_request_fails(capsys: pytest.CaptureFixture[str]) -> None:
+    chaos = chaos_module()
+
+    async def does_nothing(run: object, tally: object) -> None:
+        await trio.lowlevel.checkpoint()
+
+    status, line, *rest = await report_of(chaos, does_nothing, capsys)
+    assert line.split()[:4] == ["stand-in", "FAIL", "sent", "0"]
+    assert rest == ["    failed: the scenario sent no request"]
+    assert status == "1"

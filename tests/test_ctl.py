@@ -47,15 +47,6 @@ def bad_file(tmp_path: Path) -> Path:
     return path
 
 
-def key_paths(table: dict[str, Any], prefix: str = "") -> set[str]:
-    paths = set()
-    for key, value in table.items():
-        paths.add(prefix + key)
-        if isinstance(value, dict):
-            paths |= key_paths(value, f"{prefix}{key}.")
-    return paths
-
-
 def test_config_show_prints_toml_that_loads_back_into_the_same_config(
     good_file: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -65,11 +56,91 @@ def test_config_show_prints_toml_that_loads_back_into_the_same_config(
 
 
 def test_config_show_fills_in_every_default(good_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Written out, not derived from Config(): a default that changes, or one that goes missing from
+    # the output, fails here (docs/operations.md and config/onebit.toml describe these values).
     assert ctl.main(["config", "show", "--config", str(good_file)]) == 0
     shown = tomllib.loads(capsys.readouterr().out)
-    assert key_paths(shown) == key_paths(configuration.unstructure(configuration.Config()))
-    assert shown["decoder"]["health"]["stop_grace_s"] == configuration.HealthPolicy().stop_grace_s
-    assert shown["decoder"]["health"]["failures"] == 5
+    here = good_file.parent
+    assert shown == {
+        "server": {
+            "host": ["127.0.0.1"],
+            "port": 9090,
+            "max_body_bytes": 4194304,
+            "queue_limit": 64,
+            "retry_after_s": 1,
+            "api_keys": ["k1"],
+            "shutdown_grace_s": 30.0,
+            "runtime_dir": "",
+            "cors_origins": ["localhost"],
+            "slots_endpoint": False,
+            "body_timeout_s": 30.0,
+            "idle_timeout_s": 75.0,
+            "write_timeout_s": 60.0,
+            "detach_timeout_s": 300.0,
+        },
+        "model": {
+            "path": str(here / "model.gguf"),
+            "alias": "",
+            "ctx_size": 2048,
+            "parallel": 4,
+            "batch_size": 2048,
+            "ubatch_size": 512,
+            "cache_type_k": "f16",
+            "cache_type_v": "f16",
+            "name": "",
+            "aliases": [],
+            "threads": -1,
+            "extra_args": [],
+            "ttl_s": 0.0,
+            "pin": False,
+        },
+        "decoder": {
+            "binary": str(here / "llama-server"),
+            "threads": 0,
+            "cpu_affinity": [],
+            "extra_args": ["--verbose"],
+            "health": {
+                "interval_s": 2.0,
+                "timeout_s": 5.0,
+                "failures": 5,
+                "start_timeout_s": 300.0,
+                "stop_grace_s": 10.0,
+            },
+            "restart": {"backoff_initial_s": 0.5, "backoff_max_s": 30.0, "max_failures": 5, "window_s": 300.0},
+        },
+        "hybrid": {
+            "enabled": False,
+            "mode": "file",
+            "min_prompt_tokens": 256,
+            "prefill_timeout_s": 120.0,
+            "restore_check_tokens": 2,
+            "prefer_margin": 0.15,
+            "route_by": "cost",
+            "max_stall_ms": 500.0,
+            "decoder_ms_per_token": 5.0,
+            "provider_ms_per_token": 5.0,
+            "handoff_ms_per_mib": 1.0,
+        },
+        "provider": [
+            {
+                "kind": "exec",
+                "name": "prefill",
+                "command": [sys.executable, "prefill.py"],
+                "cpu_affinity": [],
+                "kill_grace_s": 0.0,
+            }
+        ],
+        "cache": {
+            "enabled": True,
+            "dir": "",
+            "max_bytes": 4294967296,
+            "min_tokens": 256,
+            "ram_mib": 1024,
+            "compile_dir": "",
+        },
+        "log": {"format": "logfmt", "level": "info"},
+        "models": {"default": "", "max_loaded": 0, "memory_budget_mib": 0, "load_timeout_s": 120.0},
+    }
 
 
 def test_config_show_reads_the_file_named_by_onebit_config(

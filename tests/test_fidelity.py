@@ -132,9 +132,17 @@ async def test_a_failed_handoff_or_a_lost_decoder_is_a_provider_error_and_the_sl
         await Probe(client=Lost(), handoff=FakeHandoff(decoder), timeout_s=5).tokens("x")
 
 
-def test_the_start_prompts_are_a_few_and_different() -> None:
-    assert 3 <= len(fidelity.START_PROMPTS) <= 6
-    assert len(set(fidelity.START_PROMPTS)) == len(fidelity.START_PROMPTS)
+def test_a_prompt_set_is_that_many_different_prompts_the_start_prompts_first_and_at_most_34() -> None:
+    # 34: the benchmark's set (scripts/bench_providers.py); the real-parts test takes 33.
+    start = len(fidelity.START_PROMPTS)
+    for n in (1, start, start + 1, 33, 34):
+        texts = fidelity.prompt_set(n)
+        assert len(texts) == n
+        assert len(set(texts)) == n, "a prompt twice: the mean distance would count it twice"
+        assert tuple(texts[:start]) == fidelity.START_PROMPTS[:n]
+    assert all(text.strip() for text in fidelity.prompt_set(34))
+    with pytest.raises(ValueError, match="at most 34 prompts"):
+        fidelity.prompt_set(35)
 
 
 async def test_a_refused_restore_is_a_refusal_of_the_providers_state_not_a_passing_failure() -> None:

@@ -13,6 +13,8 @@ from pathlib import Path
 import trio
 import trio.testing
 
+from supervisor.http import server
+
 from .helpers import CHAT, assert_envelope, client_for, open_raw, receive_until, request_head
 from .rig import Control, DecoderModes, RouteLines, fake_decoder_config, run_daemon
 
@@ -186,26 +188,42 @@ def _tasks_named(name: str) -> list[trio.lowlevel.Task]:
 
 
 async def test_a_client_that_hangs_up_mid_stream_has_its_connection_closed(short_dir: Path, control: Control) -> None:
-    # It sends its end-of-file and keeps reading: onebitd must close its side.  A connection closed
-    # while a request was on it once kept its socket (and a task) until onebitd stopped.
-    control.set(decoder=DecoderModes(token_delay_s=0.2))
+    # It sends its end-of-file and keeps reading: onebitd must close its side, and the decoder's
+    # request.  A connection closed while a request was on it once kept its socket (and a task)
+    # until onebitd stopped.  The stream would last 500 tokens x 0.2 s = 100 s, five times the
+    # test's bound: a hang-up that is ignored fails on the bound, never passes by the stream ending.
+    tokens, delay_s = 500, 0.2
+    assert tokens * delay_s >= 5 * TIMEOUT
+    control.set(decoder=DecoderModes(token_delay_s=delay_s))
     with trio.fail_after(TIMEOUT):
         async with run_daemon(fake_decoder_config(short_dir)) as running, await open_raw(running) as raw:
             buffer = bytearray()
-            await raw.send_all(_stream_request(50))
+            await raw.send_all(_stream_request(tokens))
             await receive_until(raw, buffer, b"data: ")
             await raw.send_eof()
             while await raw.receive_some():  # until onebitd closes
                 pass
+            [entry] = await control.wait_entries(1)
+    assert entry["disconnected"] is True
+    assert entry["sent"] < tokens
 
 
 async def test_a_connection_closed_after_its_reply_leaves_no_task_behind(short_dir: Path, control: Control) -> None:
+    # A connection's tasks: its own, and the hang-up watcher its first streamed request started.
+    # Seen while it is open, so that a rename fails here instead of finding nothing after the close.
+    serving, watching = (f"{server.__name__}._Connection.{name}" for name in ("run", "_watcher"))
     with trio.fail_after(TIMEOUT):
         async with run_daemon(fake_decoder_config(short_dir)) as running:
             async with await open_raw(running) as raw:
+                buffer = bytearray()
+                await raw.send_all(_stream_request(3))
+                await receive_until(raw, buffer, b"\r\n0\r\n\r\n")
+                await trio.testing.wait_all_tasks_blocked()
+                open_ = [len(_tasks_named(serving)), len(_tasks_named(watching))]
                 await raw.send_all(b"GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
                 while await raw.receive_some():  # until onebitd closes
                     pass
             await trio.testing.wait_all_tasks_blocked()
-            left = _tasks_named("supervisor.connection.IdleDeadline._watch")
+            left = _tasks_named(serving) + _tasks_named(watching)
+    assert open_ == [1, 1]
     assert left == []

@@ -68,7 +68,7 @@ async def test_the_ggml_providers_handoff_leaves_the_decoders_next_token_distrib
 
 @pytest.fixture
 def binary() -> Path:
-    """A sync fixture, so that a missing binary skips with its reason before the trio run starts."""
+    """A sync fixture, so that a missing binary fails (or skips) with its reason before the trio run starts."""
     return openvino_llama_server()
 
 

@@ -1,7 +1,8 @@
 """The OpenVINO provider against the real parts: llama-server on OpenVINO's CPU device as the provider,
 the ggml llama-server as the decoder, SmolLM2.  The whole file route, the static (NPU) path forced on
 the CPU, a provider that dies mid-prefill (the request goes plain and is counted), and the compile
-cache reused by a second start.  Skipped, saying so, where there is no OpenVINO llama-server.
+cache reused by a second start.  Without the OpenVINO llama-server scripts/setup builds they fail,
+saying so; they skip only where set-up was told to build none (ONEBIT_NO_OPENVINO; tests/rig.py).
 
 Replies are not compared with the plain route's: another engine computes other rounding
 (tests/test_real_fidelity.py holds it to the fidelity bound instead).  The first two pass the
@@ -38,7 +39,7 @@ START_S = 300
 
 @pytest.fixture
 def binary() -> Path:
-    """A sync fixture, so that a missing binary skips with its reason before the trio run starts."""
+    """A sync fixture, so that a missing binary fails (or skips) with its reason before the trio run starts."""
     return openvino_llama_server()
 
 
