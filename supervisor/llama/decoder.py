@@ -5,7 +5,8 @@ provider), over supervisor/http/wire.py's HTTP/1.1, which raises only :class:`~s
 
 The calls onebitd makes of llama-server's own API are spelled here and nowhere else: :func:`restore`,
 :func:`save`, :func:`erase`, :func:`share`, :func:`adopt`, :func:`prefill`, :func:`slot_busy` (and
-:func:`wait_slot_idle`, which polls it), :func:`tokenize` and :func:`apply_template`.  Each takes any
+:func:`wait_slot_idle`, which polls it), :func:`tokenize`, :func:`apply_template`, :func:`delete_stream`
+and :func:`decoder_metrics`.  Each takes any
 :class:`JsonClient` (a DecoderClient; a fake in tests) and returns its value, or a :class:`Refusal`
 carrying llama-server's words; the slot calls never raise for the decoder (no answer at all is a
 refusal with status 0).
@@ -23,6 +24,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import quote
 
 import attrs
 import httpx
@@ -378,3 +380,15 @@ async def tokenize(client: JsonClient, prompt: Any) -> list[int]:
         raise DecoderProtocolError(f"/tokenize answered {status}", upstream_status=status)
     assert isinstance(tokens, list)
     return tokens
+
+
+async def delete_stream(client: DecoderClient, conversation: str) -> Reply:
+    """``DELETE /v1/stream``: the conversation's stream session stopped, as a client's DELETE stops
+    it.  Raises DecoderError."""
+    return await client.request("DELETE", f"/v1/stream?conv_id={quote(conversation, safe='')}")
+
+
+async def decoder_metrics(client: DecoderClient) -> Reply:
+    """``GET /metrics``: the decoder's own metrics (llama-server's ``llamacpp:*``, from its
+    ``--metrics``).  Raises DecoderError."""
+    return await client.request("GET", "/metrics")
