@@ -1,13 +1,16 @@
-"""Set a GGUF's training context (``<arch>.context_length``) in place, for scripts/tiny-models.
+"""Set one integer of a GGUF's architecture metadata (``<arch>.<key>``) in place, for scripts/tiny-models.
 
 llama.cpp's test-llama-archs writes its tiny models with a 256-token training context, and
 llama-server caps each slot at that (``n_ctx_slot = min(ctx_size / parallel, n_ctx_train)``); tests
-that need longer prompts raise it here.  The key is a fixed-width integer in the header, so the
-new value overwrites the old one's bytes and nothing else of the file moves: no dependency beyond
-the standard library (the ``gguf`` package would need numpy).  Layout: ggml's docs/gguf.md (magic,
-version, tensor and key counts, then typed little-endian key/value pairs).
+that need longer prompts raise ``context_length`` here.  And it gives every architecture a sliding
+window, which lfm2 takes (SWA beside its convolutions) where it is optional; ``attention.sliding_window``
+0 makes the lfm2 without one.  The value is a fixed-width integer in the header, so the new one
+overwrites the old one's bytes and nothing else of the file moves: no dependency beyond the standard
+library (the ``gguf`` package would need numpy).  Layout: ggml's docs/gguf.md (magic, version, tensor
+and key counts, then typed little-endian key/value pairs).
 
-Usage: python3 scripts/gguf_context_length.py N FILE...   (prints each file's old and new value)
+Usage: python3 scripts/gguf_set_int.py KEY VALUE FILE...   (KEY without the architecture: context_length;
+prints each file's old and new value)
 """
 
 from __future__ import annotations
@@ -55,8 +58,8 @@ def skip(file: BinaryIO, kind: int) -> None:
         raise ValueError(f"unknown value type {kind}")
 
 
-def set_context_length(path: str, value: int) -> tuple[str, int]:
-    """Overwrite ``<general.architecture>.context_length``; returns the key and its old value."""
+def set_int(path: str, name: str, value: int) -> tuple[str, int]:
+    """Overwrite ``<general.architecture>.<name>``; returns the whole key and its old value."""
     with open(path, "r+b") as file:
         if file.read(4) != b"GGUF":
             raise ValueError("not a GGUF file")
@@ -73,10 +76,10 @@ def set_context_length(path: str, value: int) -> tuple[str, int]:
             if key == "general.architecture" and kind == STRING:
                 arch = string(file)
                 continue
-            if key.endswith(".context_length") and kind in INTEGERS:
+            if key.endswith("." + name) and kind in INTEGERS:
                 found[key] = (file.tell(), kind)
             skip(file, kind)
-        key = f"{arch}.context_length"
+        key = f"{arch}.{name}"
         if key not in found:
             raise ValueError(f"no integer {key} in the header")
         offset, kind = found[key]
@@ -89,15 +92,15 @@ def set_context_length(path: str, value: int) -> tuple[str, int]:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) < 2 or not argv[0].isdigit():
-        print(__doc__.strip().splitlines()[-1], file=sys.stderr)
+    if len(argv) < 3 or not argv[1].isdigit():
+        print("usage: gguf_set_int.py KEY VALUE FILE...", file=sys.stderr)
         return 2
-    value = int(argv[0])
-    for path in argv[1:]:
+    name, value = argv[0], int(argv[1])
+    for path in argv[2:]:
         try:
-            key, old = set_context_length(path, value)
+            key, old = set_int(path, name, value)
         except (OSError, ValueError, struct.error) as err:
-            print(f"gguf_context_length: {path}: {err}", file=sys.stderr)
+            print(f"gguf_set_int: {path}: {err}", file=sys.stderr)
             return 1
         print(f"{path}: {key} {old} -> {value}", file=sys.stderr)
     return 0
