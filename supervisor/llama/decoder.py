@@ -4,7 +4,7 @@
 provider), over supervisor/http/wire.py's HTTP/1.1, which raises only :class:`~supervisor.errors.DecoderError`.
 
 The calls onebitd makes of llama-server's own API are spelled here and nowhere else: :func:`restore`,
-:func:`save`, :func:`erase`, :func:`share`, :func:`adopt`, :func:`prefill`, :func:`slot_busy` (and
+:func:`save`, :func:`erase`, :func:`share`, :func:`adopt`, :func:`prefill`, :func:`next_token`, :func:`slot_busy` (and
 :func:`wait_slot_idle`, which polls it), :func:`tokenize`, :func:`apply_template`, :func:`delete_stream`
 and :func:`decoder_metrics`.  Each takes any
 :class:`JsonClient` (a DecoderClient; a fake in tests) and returns its value, or a :class:`Refusal`
@@ -317,6 +317,37 @@ async def prefill(client: JsonClient, slot: int, tokens: tuple[int, ...] | list[
         prompt_n if isinstance(prompt_n, int) else None,
         float(prompt_ms) if isinstance(prompt_ms, int | float) else None,
     )
+
+
+@attrs.frozen
+class NextToken:
+    """The answer to a one-token completion: llama-server's whole reply (its ``completion_probabilities``
+    for a reader of the distribution) and how many prompt tokens it evaluated to give it."""
+
+    reply: Any
+    prompt_n: int | None
+
+
+async def next_token(
+    client: JsonClient, slot: int, tokens: list[int], *, n_probs: int, cache: bool
+) -> NextToken | Refusal:
+    """``POST /completion`` of ``tokens`` into ``slot`` for one greedy token with its top ``n_probs``
+    probabilities (the pre-sampling softmax); ``cache``: over what the slot already holds (else the
+    whole prompt prefilled again)."""
+    body = {
+        "prompt": tokens,
+        "n_predict": 1,
+        "n_probs": n_probs,
+        "temperature": 0,
+        "id_slot": slot,
+        "cache_prompt": cache,
+    }
+    answer = await _post(client, "next token", "/completion", body)
+    if isinstance(answer, Refusal):
+        return answer
+    _, data = answer
+    prompt_n = data.get("timings", {}).get("prompt_n") if isinstance(data, dict) else None
+    return NextToken(data, prompt_n if isinstance(prompt_n, int) else None)
 
 
 def slot_processing(reply_status: int, slots: Any, slot: int) -> bool:

@@ -23,7 +23,8 @@ lists hide, within the smaller tail).  The bound, over a set of prompts:
 
 A ggml provider runs the decoder's own engine: its d_handoff is 0 (tests hold it to identical
 replies instead).  The pure part (:func:`top_k`, :func:`total_variation`, :func:`judge`) does no I/O;
-:class:`Probe` measures through the decoder's client and the file route's own handoff.
+:class:`Probe` measures through llama-server's typed calls (supervisor/llama/decoder.py: tokenize,
+next_token, erase) and the file route's own handoff.
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ FACTOR = 3.0
 FLOOR = 0.02
 
 
-class Client(Protocol):
-    async def post_json(self, path: str, body: Any) -> tuple[int, Any]: ...
+# What the probe needs of the decoder's client: llama-server's typed calls take it (a fake in tests).
+Client = decoder.JsonClient
 
 
 class Handoff(Protocol):
@@ -208,11 +209,11 @@ class Probe:
         self.k = k
 
     async def tokens(self, text: str) -> list[int]:
-        status, data = await self._post("/tokenize", {"content": text, "add_special": True})
-        tokens = data.get("tokens") if isinstance(data, dict) else None
-        if status != 200 or not isinstance(tokens, list):
-            raise ProviderError(f"fidelity: tokenizing answered {status}")
-        return [int(t) for t in tokens]
+        """``text`` as the decoder's completion path tokenizes it.  Raises ProviderError."""
+        try:
+            return await decoder.tokenize(self.client, text)
+        except DecoderError as exc:
+            raise ProviderError(f"fidelity: {exc.message}") from exc
 
     async def sample(self, provider: Provider, slot: int, tokens: list[int], req: str = "fidelity") -> Sample:
         """The three paths for one prompt; the slot is erased before and after.  Raises ProviderError."""
@@ -241,23 +242,17 @@ class Probe:
     async def _next(
         self, slot: int, tokens: list[int], *, cache: bool, evaluated: int | None = None
     ) -> dict[int, float]:
-        body = {
-            "prompt": tokens,
-            "n_predict": 1,
-            "n_probs": self.k,
-            "temperature": 0,
-            "id_slot": slot,
-            "cache_prompt": cache,
-        }
-        status, data = await self._post("/completion", body)
-        if status != 200:
-            raise ProviderError(f"fidelity: the decoder answered {status}: {str(data)[:200]}")
-        prompt_n = data.get("timings", {}).get("prompt_n") if isinstance(data, dict) else None
-        if evaluated is not None and isinstance(prompt_n, int) and abs(prompt_n - evaluated) > 1:
+        answer = await decoder.next_token(self.client, slot, tokens, n_probs=self.k, cache=cache)
+        if isinstance(answer, decoder.Refusal):
+            if answer.status == 0:
+                raise ProviderError(f"fidelity: {answer.words}")
+            raise ProviderError(f"fidelity: the decoder answered {answer.status}: {str(answer.data)[:200]}")
+        prompt_n = answer.prompt_n
+        if evaluated is not None and prompt_n is not None and abs(prompt_n - evaluated) > 1:
             # The path was not the one asked for (a cache the decoder did not use): no measurement.
             raise ProviderError(f"fidelity: the decoder evaluated {prompt_n} tokens where {evaluated} were due")
         try:
-            return top_k(data)
+            return top_k(answer.reply)
         except ValueError as exc:
             raise ProviderError(f"fidelity: {exc}") from None
 
@@ -265,9 +260,3 @@ class Probe:
         refused = await decoder.erase(self.client, slot)
         if refused is not None and refused.status == 0:
             raise ProviderError(f"fidelity: {refused.words}")
-
-    async def _post(self, path: str, body: Any) -> tuple[int, Any]:
-        try:
-            return await self.client.post_json(path, body)
-        except DecoderError as exc:
-            raise ProviderError(f"fidelity: {exc.message}") from exc
