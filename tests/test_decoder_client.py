@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from supervisor.llama.decoder import FreshOnStale
+from supervisor.testing import FreshOnStale
 
 
 class Flaky(httpx.AsyncBaseTransport):
