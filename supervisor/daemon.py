@@ -131,9 +131,6 @@ class Daemon:
         self.metrics = Metrics(self._metrics_snapshot)
         self.front = Front(
             lambda: self.config.server,
-            decoder=self.default.decoder,
-            client=self.default.client,
-            completions=self.default.completions,
             models=self.models,
             emit=self._on_route_line,
             metrics=self.metrics.render,

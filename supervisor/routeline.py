@@ -12,51 +12,35 @@ with a ``fallback`` of ``provider-failed`` it is the one that failed, and the de
 
 from __future__ import annotations
 
+import enum
 import json
 import re
 from typing import Any
 
 import attrs
 
-FIELDS = (
-    "route",
-    "req",
-    "endpoint",
-    "status",
-    "outcome",
-    "fallback",
-    "prompt_tokens",
-    "prefill_ms",
-    "restore_ms",
-    "share_ms",
-    "first_byte_ms",
-    "total_ms",
-    "decoder_prompt_n",
-    "decoder_prompt_ms",
-    "provider_prompt_n",
-    "restored_tokens",
-    "cached_tokens",
-    "est_plain_ms",
-    "est_hybrid_ms",
-    "slot",
-    "provider",
-    "engine",
-    "device",
-    "model",
-    "load_ms",
-    "error",
-)
+
+class RequestOutcome(enum.StrEnum):
+    """How a request ended, as its route line's ``outcome`` says it."""
+
+    OK = "ok"
+    CANCELLED = "cancelled"  # the client hung up before the answer was whole
+    ERROR = "error"
+    # A stream with a conversation id whose client hung up mid-way: the decoder went on into the
+    # conversation's session, and onebitd read it to the end (server.detach_timeout_s at most).
+    DETACHED = "detached"
 
 
-@attrs.define
+@attrs.define(kw_only=True)
 class RouteLine:
-    """Filled in as the request goes; rendered once, when it ends."""
+    """Filled in as the request goes; rendered once, when it ends.  Its fields, in this order, are
+    the line's (:data:`FIELDS`)."""
 
+    route: str = "plain"
     req: str
     endpoint: str
-    route: str = "plain"
     status: int = 0
-    outcome: str = "ok"  # ok | cancelled | error
+    outcome: RequestOutcome = RequestOutcome.OK
     fallback: str | None = None
     prompt_tokens: int | None = None
     prefill_ms: float = 0.0
@@ -80,13 +64,12 @@ class RouteLine:
     error: str | None = None
 
     def fields(self) -> dict[str, Any]:
-        # getattr, not attrs.asdict: every field is a scalar, and asdict's deep copy costs each
-        # request tens of microseconds twice (the line, and its structured copy).
+        # getattr, not attrs.asdict: every field is a scalar, and asdict's deep copy is slower.
         return {name: getattr(self, name) for name in FIELDS}
 
     def logfmt(self) -> str:
         # One loop with no call for the common values (None, a float, an int): it runs once a
-        # request, over every field.
+        # request, over every field.  An outcome is a str: written as its value.
         out: list[str] = []
         for name in FIELDS:
             value = getattr(self, name)
@@ -107,6 +90,7 @@ class RouteLine:
         return json.dumps(self.fields(), separators=(",", ":"))
 
 
+FIELDS = tuple(a.name for a in attrs.fields(RouteLine))
 # A value written as it is: not empty, and no space, quote, equals sign, backslash or control character.
 _PLAIN = re.compile(r'[^\x00-\x20"=\\]+').fullmatch
 # A field without a value, and a float field of 0, as logfmt writes them.

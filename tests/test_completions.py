@@ -20,6 +20,7 @@ import trio
 import trio.testing
 
 from supervisor.api.front import Front
+from supervisor.api.serving import One
 from supervisor.config import HybridConfig, ServerConfig
 from supervisor.llama.llama_server import StateFingerprint
 from supervisor.llama.slots import SlotPool
@@ -95,7 +96,7 @@ def make_rig(tmp_path: Path, provider: Provider, *, share: bool = False, slot_co
         slot_context=slot_context,
     )
     lines: list[RouteLine] = []
-    front = Front(ServerConfig(), decoder=decoder, client=client, completions=completions, emit=lines.append)
+    front = Front(ServerConfig(), One(completions, client, decoder), emit=lines.append)
     return Rig(fake, completions, front, lines)
 
 

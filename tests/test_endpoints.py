@@ -19,6 +19,7 @@ import trio
 
 from supervisor.api.endpoints import ROUTES, UNSERVED, Endpoint, Kind, lookup
 from supervisor.api.front import Front
+from supervisor.api.serving import One
 from supervisor.config import HybridConfig, ServerConfig
 from supervisor.errors import ListenError
 from supervisor.http.respond import anthropic_error_body
@@ -78,9 +79,7 @@ def make_rig(
     lines: list[RouteLine] = []
     front = Front(
         ServerConfig(**server),
-        decoder=decoder,
-        client=client,
-        completions=completions,
+        One(completions, client, decoder),
         emit=lines.append,
         metrics=lambda: b"onebit_up 1\n",
     )
@@ -452,8 +451,8 @@ async def test_a_busy_draining_or_unready_onebitd_is_overloaded_in_anthropics_wo
     rig.front.drain()
     assert anthropic_error(await rig.call("POST", "/v1/messages", body)) == (503, "overloaded_error")
     rig.front.resume()
-    assert isinstance(rig.front.decoder, ReadyDecoder)
-    rig.front.decoder.state = ChildState.STARTING
+    assert isinstance(rig.front.router.default.decoder, ReadyDecoder)
+    rig.front.router.default.decoder.state = ChildState.STARTING
     unready = await rig.call("POST", "/v1/messages", body)
     assert anthropic_error(unready) == (503, "overloaded_error")
     assert "starting" in unready.json()["error"]["message"]

@@ -14,11 +14,12 @@ import trio
 import trio.testing
 
 from supervisor.api.front import Front
+from supervisor.api.serving import One
 from supervisor.config import HybridConfig, ServerConfig
 from supervisor.http.server import HttpServer
 from supervisor.llama.slots import SlotPool
 from supervisor.observe.metrics import Metrics
-from supervisor.routeline import RouteLine
+from supervisor.routeline import RequestOutcome, RouteLine
 from supervisor.routes.completion import Completions
 
 from . import asgi
@@ -42,9 +43,7 @@ class Rig:
             decoder=decoder, client=client, slots=self.slots, settings=HybridConfig(enabled=False)
         )
         self.lines: list[RouteLine] = []
-        self.front = Front(
-            ServerConfig(**server), decoder=decoder, client=client, completions=completions, emit=self.lines.append
-        )
+        self.front = Front(ServerConfig(**server), One(completions, client, decoder), emit=self.lines.append)
 
 
 async def test_a_conversation_id_is_passed_on_to_the_decoder(tmp_path: Path) -> None:
@@ -117,7 +116,7 @@ async def test_a_stream_without_a_conversation_id_left_mid_way_is_cancelled(tmp_
 
 def test_detached_is_counted_in_metrics_like_any_outcome() -> None:
     metrics = Metrics(lambda: pytest.fail("no live statistics are asked for here"))
-    metrics.observe(RouteLine(req="r", endpoint=CHAT, outcome="detached", status=200, first_byte_ms=5.0))
+    metrics.observe(RouteLine(req="r", endpoint=CHAT, outcome=RequestOutcome.DETACHED, status=200, first_byte_ms=5.0))
     [family] = metrics.requests.collect()
     counted = {sample.labels["outcome"]: sample.value for sample in family.samples if sample.name.endswith("_total")}
     assert counted == {"detached": 1.0}

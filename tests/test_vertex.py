@@ -10,6 +10,7 @@ import pytest
 import trio
 
 from supervisor.api.front import Front
+from supervisor.api.serving import One
 from supervisor.api.vertex import Vertex, alias
 from supervisor.config import HybridConfig, ServerConfig
 from supervisor.llama.slots import SlotPool
@@ -40,9 +41,7 @@ class Rig:
         self.lines: list[RouteLine] = []
         self.front = Front(
             ServerConfig(api_keys=("k",)),
-            decoder=decoder,
-            client=client,
-            completions=completions,
+            One(completions, client, decoder),
             emit=self.lines.append,
             vertex=vertex,
         )

@@ -9,13 +9,15 @@ written for llama-server finds every endpoint it knows at the same path, by ever
   slot of its own, so onebitd's slot count stays the decoder's;
 - ``RELAY``: relayed as is (no slot: tokenizing, token counts, the model list, ``/props``, the
   resumable streams' replay, lookup and stop, ``/cors-proxy``);
-- ``LOCAL``: answered by onebitd itself (``/health``, ``/metrics``);
+- ``LOCAL``: answered by onebitd itself (``/health``, ``/metrics``): which answer, :class:`Local`;
 - ``REFUSED``: what would change the decoder's settings or slots, which onebitd owns;
 - ``PREDICT``: Vertex AI's prediction route, served by onebitd when its environment asks for it
   (supervisor/api/vertex.py), each instance dispatched through this table.
 
 A path not here is answered 404; a known path asked with another method, 405.  ``UNSERVED`` names
-the routes of llama-server's table that onebitd does not serve, and why.
+the routes of llama-server's table that onebitd does not serve, and why.  What the front does with a
+path beyond its kind is an endpoint's field too (``public``: no API key asked; ``listing``: onebitd's
+own model list; ``gated``: only with ``server.slots_endpoint``), so the front compares no path itself.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import enum
 
 import attrs
 
-CHAT = "/v1/chat/completions"  # the same string as routes.prompt.CHAT: the handoff logic's endpoint
+from ..routes.prompt import CHAT
 
 
 class Kind(enum.Enum):
@@ -34,6 +36,14 @@ class Kind(enum.Enum):
     LOCAL = "local"
     REFUSED = "refused"
     PREDICT = "predict"  # Vertex AI's route (supervisor/api/vertex.py): each instance through this table
+
+
+class Local(enum.Enum):
+    """What onebitd answers itself at a ``LOCAL`` endpoint."""
+
+    HEALTH = "health"  # whether onebitd is ready (supervisor/api/local.py's health)
+    METRICS = "metrics"  # onebitd's metrics, the decoder's own appended
+    DECODER_METRICS = "decoder_metrics"  # the decoder's own metrics, relayed
 
 
 @attrs.frozen
@@ -50,6 +60,17 @@ class Endpoint:
     why: str = ""
     # RELAY: the answer is relayed chunk by chunk as it comes (a stream's replay), not whole.
     streamed: bool = False
+    # LOCAL: which answer.
+    local: Local | None = None
+    # Answered without an API key, as llama-server answers /health (and onebitd its /metrics).
+    public: bool = False
+    # RELAY: with several models, onebitd answers with every model and its state (the model list).
+    listing: bool = False
+    # RELAY: served only with server.slots_endpoint (it shows every client's prompt, llama-server's --slots).
+    gated: bool = False
+    # SLOT: the model runs for a prompt (infill), not for a vector or a score (embeddings, rerank):
+    # a request a hybrid route could in principle prefill, so the plain route says why not.
+    generates: bool = True
 
     @property
     def routed(self) -> bool:
@@ -61,13 +82,23 @@ def _completion(canonical: str) -> Endpoint:
     return Endpoint(Kind.COMPLETION, canonical)
 
 
-def _slot(canonical: str, *, pinned: bool = True) -> Endpoint:
-    return Endpoint(Kind.SLOT, canonical, pinned=pinned)
+def _slot(canonical: str) -> Endpoint:
+    return Endpoint(Kind.SLOT, canonical)
+
+
+def _embedding(canonical: str) -> Endpoint:
+    """Embeddings and rerank: their tasks take no ``id_slot``, and no prompt to hand over."""
+    return Endpoint(Kind.SLOT, canonical, pinned=False, generates=False)
+
+
+def local_endpoint(answer: Local) -> Endpoint:
+    """An endpoint onebitd answers itself, without an API key."""
+    return Endpoint(Kind.LOCAL, local=answer, public=True)
 
 
 _RELAY = Endpoint(Kind.RELAY)
 _REPLAY = Endpoint(Kind.RELAY, streamed=True)
-_LOCAL = Endpoint(Kind.LOCAL)
+_LISTING = Endpoint(Kind.RELAY, listing=True)
 _SETTINGS = Endpoint(
     Kind.REFUSED,
     why="onebitd owns the decoder's settings: change them in onebit.toml (decoder.extra_args) and restart onebitd",
@@ -80,10 +111,10 @@ _SLOT_ACTIONS = Endpoint(
 
 # path -> method -> endpoint.  HEAD is allowed wherever GET is.
 ROUTES: dict[str, dict[str, Endpoint]] = {
-    "/health": {"GET": _LOCAL},
-    "/v1/health": {"GET": _LOCAL},
-    "/metrics": {"GET": _LOCAL},
-    "/metrics/decoder": {"GET": _LOCAL},
+    "/health": {"GET": local_endpoint(Local.HEALTH)},
+    "/v1/health": {"GET": local_endpoint(Local.HEALTH)},
+    "/metrics": {"GET": local_endpoint(Local.METRICS)},
+    "/metrics/decoder": {"GET": local_endpoint(Local.DECODER_METRICS)},
     "/v1/chat/completions": {"POST": _completion(CHAT)},
     "/chat/completions": {"POST": _completion(CHAT)},
     "/v1/completions": {"POST": _completion("/v1/completions")},
@@ -94,13 +125,13 @@ ROUTES: dict[str, dict[str, Endpoint]] = {
     "/v1/responses": {"POST": _completion("/v1/responses")},
     "/responses": {"POST": _completion("/v1/responses")},
     "/v1/messages": {"POST": _completion("/v1/messages")},
-    "/embedding": {"POST": _slot("/embeddings", pinned=False)},
-    "/embeddings": {"POST": _slot("/embeddings", pinned=False)},
-    "/v1/embeddings": {"POST": _slot("/v1/embeddings", pinned=False)},
-    "/rerank": {"POST": _slot("/rerank", pinned=False)},
-    "/reranking": {"POST": _slot("/rerank", pinned=False)},
-    "/v1/rerank": {"POST": _slot("/rerank", pinned=False)},
-    "/v1/reranking": {"POST": _slot("/rerank", pinned=False)},
+    "/embedding": {"POST": _embedding("/embeddings")},
+    "/embeddings": {"POST": _embedding("/embeddings")},
+    "/v1/embeddings": {"POST": _embedding("/v1/embeddings")},
+    "/rerank": {"POST": _embedding("/rerank")},
+    "/reranking": {"POST": _embedding("/rerank")},
+    "/v1/rerank": {"POST": _embedding("/rerank")},
+    "/v1/reranking": {"POST": _embedding("/rerank")},
     "/tokenize": {"POST": _RELAY},
     "/detokenize": {"POST": _RELAY},
     "/apply-template": {"POST": _RELAY},
@@ -110,11 +141,11 @@ ROUTES: dict[str, dict[str, Endpoint]] = {
     "/v1/responses/input_tokens": {"POST": _RELAY},
     "/v1/messages/count_tokens": {"POST": _RELAY},
     "/v1/chat/completions/control": {"POST": _RELAY},
-    "/v1/models": {"GET": _RELAY},
-    "/models": {"GET": _RELAY},
+    "/v1/models": {"GET": _LISTING},
+    "/models": {"GET": _LISTING},
     "/props": {"GET": _RELAY, "POST": _SETTINGS},
     "/lora-adapters": {"GET": _RELAY, "POST": _SETTINGS},
-    "/slots": {"GET": _RELAY},  # only with server.slots_endpoint: it shows every client's prompt
+    "/slots": {"GET": Endpoint(Kind.RELAY, gated=True)},
     # Resumable streams (llama-server's server-stream.h): the session lives in the decoder, which
     # owns every conversation (the default model's).  ``conv_id`` travels in the query.
     "/v1/stream": {"GET": _REPLAY, "DELETE": _RELAY},
@@ -143,6 +174,12 @@ UNSERVED: dict[tuple[str, str], str] = {
     ("GET", "/tools"): _TOOLS,
     ("POST", "/tools"): _TOOLS,
 }
+
+
+def public(methods: dict[str, Endpoint] | None) -> bool:
+    """Whether a path with these methods is answered without an API key (by any method: a wrong
+    one is told 405, not 401)."""
+    return methods is not None and any(endpoint.public for endpoint in methods.values())
 
 
 def lookup(path: str) -> dict[str, Endpoint] | None:

@@ -11,7 +11,7 @@ from typing import Any
 import attrs
 import trio
 
-from ..routeline import RouteLine
+from ..routeline import RequestOutcome, RouteLine
 
 # The window `onebitctl status` summarises: enough requests for a p95 to mean something.
 RECENT = 200
@@ -52,7 +52,7 @@ class RouteStats:
         self.outcomes[line.outcome] += 1
         if line.fallback:
             self.fallbacks[line.fallback] += 1
-        if line.first_byte_ms is not None and line.outcome == "ok":
+        if line.first_byte_ms is not None and line.outcome == RequestOutcome.OK:
             self._first_byte.append(line.first_byte_ms)
         if not self._watchers:
             return

@@ -39,9 +39,6 @@ from .stored import StoredPrefixes
 
 log = logging.getLogger("onebit.hybrid")
 
-# What the model runs for on these is no prompt to hand over: no fallback is logged for them.
-EMBEDDING_ENDPOINTS = ("/embeddings", "/v1/embeddings", "/rerank")
-
 
 class Decoder(Protocol):
     """What a request asks of the supervised decoder: a :class:`~supervisor.supervise.child.Child`."""
@@ -398,6 +395,7 @@ class Completions:
         headers: Headers = (),
         *,
         pinned: bool,
+        generates: bool = True,
     ) -> None:
         """A request that runs the model but that no hybrid route takes (embeddings, rerank, infill):
         plain, on a slot of its own, whole or streamed.  (Anthropic's Messages and OpenAI's Responses
@@ -407,7 +405,7 @@ class Completions:
         slot still keeps the requests onebitd lets through at the decoder's slot count, but
         llama-server picks the slot: which one is not known, so no slot's prompt is recorded."""
         self.check_ready()
-        if self.hybrid is not None and endpoint not in EMBEDDING_ENDPOINTS:
+        if self.hybrid is not None and generates:  # embeddings and rerank have no prompt to hand over
             # A generative request a provider could in principle prefill, but onebitd does not
             # template these APIs itself: the decoder prefills it.
             line.fallback = fallback_chain([Reason.UNSUPPORTED])

@@ -22,7 +22,7 @@ from ..http.respond import Responder
 from ..http.wire import Headers
 from ..llama import decoder as decoder_api
 from ..llama.decoder import DecoderClient
-from ..routeline import RouteLine
+from ..routeline import RequestOutcome, RouteLine
 
 log = logging.getLogger("onebit.hybrid")
 
@@ -202,7 +202,7 @@ async def relay_whole(
 
 
 async def relay_error(status: int, headers: Mapping[str, str], body: bytes, out: Responder, line: RouteLine) -> None:
-    line.outcome = "error"
+    line.outcome = RequestOutcome.ERROR
     line.error = error_summary(status, body)
     await relay_reply(out, status, headers, body)
 
@@ -233,7 +233,7 @@ async def relay_stream(
             # Headers are gone already: the client learns of the loss as an error event, and the
             # operator from a warning (the route line, at info, says it too).
             log.warning("%s: the decoder stopped mid-stream: %s", line.req, exc.message)
-            line.outcome = "error"
+            line.outcome = RequestOutcome.ERROR
             line.error = exc.message
             await out.body(
                 sse_error(f"the decoder stopped mid-stream ({exc.public})", anthropic=out.anthropic), more=True
