@@ -55,9 +55,8 @@ from supervisor import config as configuration  # noqa: E402
 from supervisor.config import Config, locate  # noqa: E402
 from supervisor.daemon import Daemon  # noqa: E402
 from supervisor.errors import ChildError, ConfigError  # noqa: E402
-from supervisor.llama.decoder import unix_transport  # noqa: E402
 from supervisor.observe import logs  # noqa: E402
-from supervisor.testing import run_daemon  # noqa: E402
+from supervisor.testing import run_daemon, unix_transport  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_agent  # noqa: E402

@@ -54,10 +54,9 @@ sys.path.insert(0, str(ROOT))
 from supervisor import config as configuration  # noqa: E402
 from supervisor.config import Config  # noqa: E402
 from supervisor.daemon import Daemon  # noqa: E402
-from supervisor.llama.decoder import unix_transport  # noqa: E402
 from supervisor.observe.logs import ROUTE_LOGGER  # noqa: E402
 from supervisor.supervise.process import ChildProcess  # noqa: E402
-from supervisor.testing import RouteLines, run_daemon  # noqa: E402
+from supervisor.testing import RouteLines, run_daemon, unix_transport  # noqa: E402
 
 TIMEOUT_S = 900
 CLIENTS = ("anthropic", "responses")
@@ -222,7 +221,7 @@ async def askers(base_url: str, socket: Path | None = None) -> AsyncIterator[dic
         if socket is None:
             return None
         # A connection per request: llama-server (cpp-httplib) closes pooled keep-alive connections on
-        # its own schedule, and a request sent on one then fails unanswered (supervisor/llama/decoder.py's
+        # its own schedule, and a request sent on one then fails unanswered (supervisor/testing.py's
         # FreshOnStale says more); a unix socket's connect costs next to nothing.
         limits = httpx2.Limits(max_connections=8, max_keepalive_connections=0)
         return httpx2.AsyncHTTPTransport(uds=str(socket), limits=limits, retries=1)

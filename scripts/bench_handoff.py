@@ -47,10 +47,9 @@ sys.path.insert(0, str(ROOT))
 from supervisor import config as configuration  # noqa: E402
 from supervisor.config import Config, locate  # noqa: E402
 from supervisor.daemon import Daemon  # noqa: E402
-from supervisor.llama.decoder import unix_transport  # noqa: E402
 from supervisor.llama.region import SlotState, write_rows  # noqa: E402
 from supervisor.providers.llama import LlamaServerProvider  # noqa: E402
-from supervisor.testing import run_daemon  # noqa: E402
+from supervisor.testing import run_daemon, unix_transport  # noqa: E402
 
 TIMEOUT_S = 600  # one 2k-token prefill on a loaded 2-core machine is seconds, not minutes
 SIZES = (256, 1024, 2048)

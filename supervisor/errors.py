@@ -31,7 +31,7 @@ admin socket in ``admin/verbs.py``; a config file's (unreadable, not TOML, not t
 stay inside one module are not in the tree: a slot state file that does not parse
 (``statefile.StateFileError``, a ValueError) and the prefix store's file system (the store turns
 itself off, one log line) are handled where they happen, and a share worker's refusal is its own
-program's.  httpx is for clients beside onebitd (``decoder.unix_transport``): its errors are theirs.
+program's.  httpx is for clients beside onebitd (``testing.unix_transport``): its errors are theirs.
 """
 
 from __future__ import annotations

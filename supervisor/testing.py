@@ -6,6 +6,12 @@ on the way out, whatever happened, it asks the daemon to stop, which drains, sto
 reaps them.  :meth:`Running.clients` opens the two HTTP clients a measurement compares: one through
 onebitd's front, one straight to the decoder's socket.  Nothing in onebitd itself imports this module
 (as nothing in trio imports trio.testing).
+
+:func:`unix_transport` is httpx, the reference client of the tests and the benchmarks, on a
+llama-server's unix socket, held to the rules onebitd's own client (supervisor/http/wire.py) keeps
+with llama-server: keep-alive connections retired at :data:`~supervisor.http.wire.KEEPALIVE_EXPIRY_S`,
+and a request a pooled connection dropped unanswered sent again once (:class:`FreshOnStale`).  Only
+this harness imports httpx; onebitd does not.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import trio
 from .config import Config
 from .daemon import Daemon, Started
 from .errors import ChildError
-from .llama.decoder import unix_transport
+from .http import wire
 from .supervise.child import ChildState
 
 
@@ -60,7 +66,7 @@ class Running:
         """A client of onebitd's front (``max_connections``, ``keepalive``: its pool) and one of its
         decoder's socket (``direct_timeout_s``: its own timeout, else ``request_timeout_s``), for the
         block.  The direct one retires keep-alive connections before llama-server's 5 s idle close,
-        as onebitd's own does (decoder.unix_transport), which would otherwise fail a request now and
+        as onebitd's own does (:func:`unix_transport`), which would otherwise fail a request now and
         then."""
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=keepalive)
         transport = unix_transport(self.daemon.launcher.socket)
@@ -70,6 +76,41 @@ class Running:
             httpx.AsyncClient(transport=transport, base_url="http://decoder", timeout=direct_timeout) as direct,
         ):
             yield Clients(front, direct)
+
+
+class FreshOnStale(httpx.AsyncBaseTransport):
+    """Sends a request again, once, when the connection it went out on was closed before any byte
+    of an answer came back ("Server disconnected without sending a response"): the rule of
+    :meth:`supervisor.http.wire.UnixTransport.send` (llama-server closes pooled connections on its
+    own schedule; a request that got no answer at all was never taken up, so sending it again cannot
+    do its work twice), for httpx."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self._inner = inner
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        try:
+            return await self._inner.handle_async_request(request)
+        except httpx.RemoteProtocolError as exc:
+            if "without sending a response" not in str(exc):
+                raise
+        return await self._inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+def unix_transport(socket: Path, *, max_connections: int = 64) -> httpx.AsyncBaseTransport:
+    """httpx over llama-server's unix socket, with keep-alive connections retired as onebitd's own
+    are, and a request the server dropped unanswered on a pooled connection sent again once."""
+    return FreshOnStale(
+        httpx.AsyncHTTPTransport(
+            uds=str(socket),
+            limits=httpx.Limits(max_connections=max_connections, keepalive_expiry=wire.KEEPALIVE_EXPIRY_S),
+            # A failed connect (the socket not there yet, a restart) is tried once more, as wire's is.
+            retries=1,
+        )
+    )
 
 
 async def wait_daemon_ready(daemon: Daemon, *, providers: bool = False) -> None:

@@ -1,12 +1,12 @@
-"""The decoder client's transport: a request llama-server dropped unanswered on a pooled connection
-is sent again once; anything else is not."""
+"""The tests' and the benchmarks' httpx transport (supervisor/testing.py): a request llama-server
+dropped unanswered on a pooled connection is sent again once; anything else is not."""
 
 from __future__ import annotations
 
 import httpx
 import pytest
 
-from supervisor.llama.decoder import FreshOnStale
+from supervisor.testing import FreshOnStale
 
 
 class Flaky(httpx.AsyncBaseTransport):

@@ -30,10 +30,11 @@ import trio
 
 from supervisor.config import Config
 from supervisor.llama import statefile
-from supervisor.llama.decoder import DecoderClient, unix_transport
+from supervisor.llama.decoder import DecoderClient
 from supervisor.llama.region import unpack_prompt
 from supervisor.routes.prompt import chat_form, tokens_for
 from supervisor.supervise.child import ChildState
+from supervisor.testing import unix_transport
 
 from .helpers import wait_until
 from .rig import HANDOFF_ALWAYS, RouteLines, Running, child_of, make_config, real_llama_server, run_daemon

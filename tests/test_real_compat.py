@@ -20,8 +20,8 @@ import httpx
 import pytest
 import trio
 
-from supervisor.llama.decoder import unix_transport
 from supervisor.observe.logs import ROUTE_LOGGER
+from supervisor.testing import unix_transport
 
 from .rig import make_config, real_llama_server, run_daemon
 

@@ -24,9 +24,9 @@ import pytest
 import trio
 from openai.types.chat import ChatCompletionMessageParam
 
-from supervisor.llama.decoder import unix_transport
 from supervisor.observe.logs import ROUTE_LOGGER
 from supervisor.supervise.child import ChildState
+from supervisor.testing import unix_transport
 
 from .rig import Running, make_config, real_llama_server, run_daemon
 

@@ -19,9 +19,9 @@ import pytest
 import trio
 
 from supervisor.config import Config, locate
-from supervisor.llama.decoder import unix_transport
 from supervisor.llama.llama_server import model_args
 from supervisor.supervise.child import ChildState
+from supervisor.testing import unix_transport
 
 from .rig import HANDOFF_ALWAYS, TESTS, RouteLines, child_of, make_config, real_llama_server, run_daemon
 from .test_real_hybrid import QUESTION, ask, body_for, plain_reply

@@ -17,7 +17,7 @@ import pytest
 import trio
 
 from supervisor.api.endpoints import ROUTES, Kind
-from supervisor.llama.decoder import unix_transport
+from supervisor.testing import unix_transport
 
 from .helpers import open_raw, receive_until, wait_until
 from .rig import RouteLines, Running, make_config, real_llama_server, run_daemon

@@ -121,8 +121,7 @@ def path_problems(config: Config) -> list[str]:
                 f" {locate.ENGINE_ENV['openvino']})",
             )
         elif isinstance(provider, LlamaServerProvider):
-            # "auto" without an OpenVINO build is the ggml engine, with the decoder's binary.
-            binary = (provider.binary if provider.engine == "ggml" else "") or config.decoder.binary
+            binary = provider.ggml_binary(config.decoder.binary)
             lines += locate.executable_problem(
                 f"{key}.binary", locate.llama_server(binary), "empty, and no llama-server was found (run scripts/setup)"
             )

@@ -287,6 +287,11 @@ class LlamaServerProvider:
     health: HealthPolicy = HealthPolicy()
     restart: RestartPolicy = RestartPolicy()
 
+    def ggml_binary(self, decoder_binary: str) -> str:
+        """The configured binary it runs on the ggml engine: its own with engine "ggml", else (an
+        "auto" that found no OpenVINO build) the decoder's."""
+        return (self.binary if self.engine == "ggml" else "") or decoder_binary
+
 
 @frozen
 class ExecProvider:

@@ -11,10 +11,9 @@ and :func:`decoder_metrics`.  Each takes any
 carrying llama-server's words; the slot calls never raise for the decoder (no answer at all is a
 refusal with status 0).
 
-:func:`unix_transport` is for clients that talk to a llama-server directly, beside onebitd (the
-benchmarks' baseline, the tests' references): httpx over the same socket, with the same keep-alive
-care.  This is the only module of onebitd's that imports httpx (supervisor/testing.py, the harness
-the tests and the scripts run onebitd in, opens its clients with it too).
+Clients that talk to a llama-server directly, beside onebitd (the benchmarks' baseline, the tests'
+references), are httpx on supervisor/testing.py's ``unix_transport``, held to the same keep-alive
+rules; onebitd itself does not import httpx.
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ from typing import Any, Protocol
 from urllib.parse import quote
 
 import attrs
-import httpx
 import trio
 
 from ..errors import DecoderError, DecoderProtocolError
@@ -58,46 +56,6 @@ class Stream:
     status: int
     headers: Mapping[str, str]
     chunks: AsyncIterator[bytes]
-
-
-class FreshOnStale(httpx.AsyncBaseTransport):
-    """Sends a request again, once, when the connection it went out on was closed before any byte
-    of an answer came back ("Server disconnected without sending a response"): llama-server (its
-    cpp-httplib) closes pooled keep-alive connections on its own schedule, even ones younger than its
-    5 s idle timeout (seen here on a streamed turn's next request), and a request that got no answer
-    at all was never taken up: sending it again on a new connection cannot do its work twice.
-    Seen in the benchmarks and the real tests as random failures of requests to a healthy decoder."""
-
-    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
-        self._inner = inner
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        try:
-            return await self._inner.handle_async_request(request)
-        except httpx.RemoteProtocolError as exc:
-            if "without sending a response" not in str(exc):
-                raise
-        return await self._inner.handle_async_request(request)
-
-    async def aclose(self) -> None:
-        await self._inner.aclose()
-
-
-def unix_transport(socket: Path, *, max_connections: int = 64) -> httpx.AsyncBaseTransport:
-    """HTTP over llama-server's unix socket, with keep-alive connections retired in time, and a
-    request the server dropped unanswered on a pooled connection sent again once."""
-    return FreshOnStale(
-        httpx.AsyncHTTPTransport(
-            uds=str(socket),
-            # llama-server closes an idle keep-alive connection after 5 s (cpp-httplib's default);
-            # reusing one at that moment fails the request.  Retire ours sooner, but after the
-            # health check's 2 s interval, so that the check does not reconnect every time (the
-            # profile in docs/benchmarks.md); a close that races us anyway is FreshOnStale's.
-            limits=httpx.Limits(max_connections=max_connections, keepalive_expiry=4.0),
-            # A failed connect (the socket not there yet, a restart) is tried once more.
-            retries=1,
-        )
-    )
 
 
 class DecoderClient:

@@ -94,7 +94,7 @@ class LlamaServerProvider:
         return LlamaServerLauncher(
             f"provider-{spec.name}",
             config,
-            binary=(spec.binary if spec.engine == "ggml" else "") or config.decoder.binary,
+            binary=spec.ggml_binary(config.decoder.binary),
             binary_path=openvino.llama_server(spec.binary) if engine == "openvino" else None,
             client=self.client,
             slot_save_path=self.state_dir,
