@@ -90,8 +90,8 @@ class Transport(Protocol):
 @attrs.define(eq=False)
 class _Connection:
     """One connection to llama-server: a non-blocking socket read and written directly, waiting
-    (``trio.lowlevel.wait_readable``/``wait_writable``) only when it would block.  trio's socket
-    methods yield to the scheduler on every call, ready or not: two trips per request saved."""
+    (``trio.lowlevel.wait_readable``/``wait_writable``) only when it would block, where trio's socket
+    methods yield to the scheduler on every call, ready or not."""
 
     sock: stdlib_socket.socket
     reader: framing.ResponseReader = attrs.Factory(lambda: framing.ResponseReader(MAX_HEAD))
@@ -152,7 +152,7 @@ class UnixTransport:
 
     async def send(self, method: str, path: str, body: bytes | None, headers: Headers = ()) -> Response:
         """A pooled connection is tried first.  llama-server closes pooled connections on its own
-        schedule, even ones younger than its idle timeout (seen on a streamed turn's next request):
+        schedule, even ones younger than its idle timeout (a streamed turn's next request meets one):
         a request that finds its connection closed before any byte of the answer was not taken up,
         and goes again, once, on a new connection.  A new connection that fails is the answer."""
         if not _PATH(path):
