@@ -223,10 +223,16 @@ async def save(client: JsonClient, slot: int, filename: str) -> Saved | Refusal:
     return Saved(n_saved if isinstance(n_saved, int) else None)
 
 
-async def erase(client: JsonClient, slot: int) -> Refusal | None:
-    """``POST /slots/S?action=erase``: the slot holds nothing.  Idempotent, so safe to send again."""
-    answer = await _post(client, "erase", f"/slots/{slot}?action=erase", {})
-    return answer if isinstance(answer, Refusal) else None
+async def erase(client: JsonClient, slot: int, *, tries: int = 1) -> Refusal | None:
+    """``POST /slots/S?action=erase``: the slot holds nothing.  Erasing is idempotent, so one that got
+    no answer (a connection the decoder closed under it) is sent again, up to ``tries`` in all."""
+    for attempt in range(1, tries + 1):
+        answer = await _post(client, "erase", f"/slots/{slot}?action=erase", {})
+        if not isinstance(answer, Refusal):
+            return None
+        if answer.status != 0 or attempt == tries:
+            return answer
+    raise ValueError(f"tries must be at least 1, got {tries}")
 
 
 async def share(client: JsonClient, slot: int, socket: Path, n_tokens: int) -> str | Refusal:

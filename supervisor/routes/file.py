@@ -35,15 +35,12 @@ SlotClient = JsonClient
 
 
 async def erase_slot(client: SlotClient, slot: int, after: str) -> None:
-    """Empty a decoder slot a handoff left cells in.  Erasing is idempotent, so a pooled connection
-    the decoder closed under us is worth one retry; a failure is logged, not raised (the request
-    still goes on, and the decoder re-evaluates a prompt whose cells it does not trust)."""
-    for attempt in (1, 2):
-        refused = await decoder.erase(client, slot)
-        if refused is None or refused.status != 0:
-            return
-        if attempt == 2:
-            log.warning("hybrid: erasing slot %d after %s failed: %s", slot, after, refused.words)
+    """Empty a decoder slot a handoff left cells in, sent twice if need be (llama/decoder.py's
+    ``erase``); a failure is logged, not raised (the request still goes on, and the decoder
+    re-evaluates a prompt whose cells it does not trust)."""
+    refused = await decoder.erase(client, slot, tries=2)
+    if refused is not None and refused.status == 0:
+        log.warning("hybrid: erasing slot %d after %s failed: %s", slot, after, refused.words)
 
 
 class FileHandoff:
