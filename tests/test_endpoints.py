@@ -6,8 +6,10 @@ tests/test_real_compat.py asks the same of the real llama-server, side by side w
 
 from __future__ import annotations
 
+import ast
 import json
 import logging
+import re
 from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import Any
@@ -643,3 +645,36 @@ async def test_the_cors_proxy_is_relayed_as_llama_server_answers_it_with_keys_an
     cross = await rig.call("POST", "/cors-proxy", {"jsonrpc": "2.0"}, {**key, "origin": "https://evil.example"})
     assert (cross.status, cross.json()["error"]["code"]) == (403, "cross_origin")
     assert [seen for seen in rig.fake.seen if seen[0] == "/cors-proxy" and seen[2]] == []
+
+
+# -- the table decides ------------------------------------------------------------------------------
+
+API = Path(__file__).parent.parent / "supervisor" / "api"
+
+
+@pytest.mark.parametrize(
+    "module", sorted(p.name for p in API.glob("*.py") if p.name not in ("endpoints.py", "vertex.py"))
+)
+def test_no_module_of_the_api_but_the_table_names_a_path(module: str) -> None:
+    """What the front does with a path is the table's word (an endpoint's kind and fields), so no
+    other module of the api compares or spells one (vertex.py: Vertex AI's own default route)."""
+    tree = ast.parse((API / module).read_text())
+    paths = [
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(r"/[\w/.-]+", node.value)
+    ]
+    assert paths == []
+
+
+def test_what_the_front_does_beyond_a_kind_is_an_endpoints_field() -> None:
+    def paths(field: str) -> list[str]:
+        return sorted(path for path, methods in ROUTES.items() if any(getattr(e, field) for e in methods.values()))
+
+    assert paths("public") == ["/health", "/metrics", "/metrics/decoder", "/v1/health"]
+    assert paths("listing") == ["/models", "/v1/models"]
+    assert paths("gated") == ["/slots"]
+    not_generating = sorted(path for path, methods in ROUTES.items() if any(not e.generates for e in methods.values()))
+    assert not_generating == sorted(
+        ["/embedding", "/embeddings", "/v1/embeddings", "/rerank", "/reranking", "/v1/rerank", "/v1/reranking"]
+    )
