@@ -515,7 +515,10 @@ async def open_target(
                     clients.direct,
                     cpu=time.process_time,
                     rss=lambda: rss_of("self"),
-                    ours=lambda: (os.getpid(), *((daemon.decoder.pid,) if daemon.decoder.pid else ())),
+                    ours=lambda: (
+                        os.getpid(),
+                        *((daemon.models.default.decoder.pid,) if daemon.models.default.decoder.pid else ()),
+                    ),
                     what="this process (onebitd and the clients)",
                     daemon=daemon,
                 )

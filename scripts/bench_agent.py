@@ -313,7 +313,7 @@ async def open_side(config: Config) -> AsyncIterator[tuple[Daemon, str]]:
         # Ready, not only started: a provider takes jobs once its check against the decoder admitted
         # it, which comes after the decoder is up (a first turn before would go plain).
         with trio.fail_after(TIMEOUT_S):
-            while not all(provider.ready for provider in running.daemon.providers.all):  # noqa: ASYNC110
+            while not all(provider.ready for provider in running.daemon.models.default.parts.providers.all):  # noqa: ASYNC110
                 await trio.sleep(0.05)
         yield running.daemon, running.url
 
@@ -323,13 +323,13 @@ async def open_direct(daemon: Daemon, config: Config, directory: Path) -> AsyncI
     """The direct side: a llama-server of its own with the decoder's flags (its binary, model, slots,
     threads and CPU), on its own socket, so that no request of onebitd's ever takes its slots.  The
     sides run turn by turn, never at once, so sharing the decoder's CPU costs neither anything."""
-    argv = list(daemon.launcher.argv())
+    argv = list(daemon.models.default.parts.launcher.argv())
     socket, state = directory / "direct.sock", directory / "direct-state"
     state.mkdir(mode=0o700, parents=True)
     argv[argv.index("--host") + 1] = str(socket)
     argv[argv.index("--slot-save-path") + 1] = str(state)
     process = await ChildProcess.spawn(
-        "direct", argv, env=daemon.launcher.env, cpu_affinity=config.decoder.cpu_affinity
+        "direct", argv, env=daemon.models.default.parts.launcher.env, cpu_affinity=config.decoder.cpu_affinity
     )
     try:
         async with trio.open_nursery() as nursery:
@@ -352,7 +352,7 @@ async def open_direct(daemon: Daemon, config: Config, directory: Path) -> AsyncI
 
 async def writes_settled(daemon: Daemon) -> None:
     """The prefix store's writes run off the requests' path: wait until none is left."""
-    stored = daemon.completions.stored
+    stored = daemon.models.default.completions.stored
     while stored is not None and stored.writing:  # noqa: ASYNC110  # no event announces it
         await trio.sleep(0.01)
 

@@ -93,7 +93,7 @@ async def open_rig(config: Config, *, check_fidelity: bool = True) -> AsyncItera
         # httpx's own pool limits for the front, as before the harness.
         running.clients(request_timeout_s=TIMEOUT_S, max_connections=100, keepalive=20) as clients,
     ):
-        (provider,) = running.daemon.providers.all
+        (provider,) = running.daemon.models.default.parts.providers.all
         assert isinstance(provider, LlamaServerProvider)
         # As onebitd's own client: keep-alive connections retired before llama-server's 5 s idle
         # close (a bare transport reuses one at that moment: "Server disconnected without sending
@@ -137,7 +137,7 @@ async def direct_handoff(rig: Rig, prompt: str, slot: int, name: str) -> dict[st
     done = (await rig.provider.post("/completion", json={"prompt": tokens, "n_predict": 0, "id_slot": 0})).json()
     saved = (await rig.provider.post("/slots/0?action=save", json={"filename": name})).json()
     restored = (await rig.decoder.post(f"/slots/{slot}?action=restore", json={"filename": name})).json()
-    (rig.daemon.state_dir / name).unlink(missing_ok=True)
+    (rig.daemon.models.default.parts.state_dir / name).unlink(missing_ok=True)
     await rig.decoder.post(f"/slots/{slot}?action=erase", json={})
     return {
         "prefill_ms": done["timings"]["prompt_ms"],

@@ -96,9 +96,9 @@ async def run_side(args: argparse.Namespace, *, store: bool) -> dict[str, Any]:
                     ]
                     if store:  # the store's writes run off the requests' path: let them land
                         with trio.fail_after(120):
-                            while daemon.store.statistics().stores < 2:  # noqa: ASYNC110
+                            while daemon.models.default.store.statistics().stores < 2:  # noqa: ASYNC110
                                 await trio.sleep(0.05)
-                    decoder = daemon.decoder
+                    decoder = daemon.models.default.decoder
                     pid, generation = decoder.pid, decoder.generation
                     assert pid is not None
                     os.kill(pid, signal.SIGKILL)
@@ -108,7 +108,7 @@ async def run_side(args: argparse.Namespace, *, store: bool) -> dict[str, Any]:
                         await first_token_ms(client, system, f"Question {i}: where does parcel {i * 5} go?")
                         for i in range(args.before, args.before + args.after)
                     ]
-                entries = daemon.store.statistics().entries
+                entries = daemon.models.default.store.statistics().entries
         return {"before": before, "after": after, "entries": entries}
     finally:
         shutil.rmtree(runtime_dir, ignore_errors=True)

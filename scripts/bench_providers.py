@@ -120,7 +120,7 @@ async def measure(
         # The start-time check is left out: the run measures fidelity itself, over 34 prompts, and
         # reports an engine over the bound rather than refusing to time it.
         async with open_rig(config, check_fidelity=False) as rig:
-            (provider,) = rig.daemon.providers.all
+            (provider,) = rig.daemon.models.default.parts.providers.all
             assert isinstance(provider, LlamaServerProvider)
             # The provider's start: from the daemon's (the device listing included) to its READY.
             start_s = provider.child.statistics().state_since - started
@@ -137,7 +137,7 @@ async def measure(
                 gaps_file.append(await longest_gap(rig, rig.decoder, rig.front, False, stream_tokens))
             verdict = None if quick else await fidelity_of(rig, provider, fidelity.prompt_set(34))
             rss, peak = memory_kib(provider.child.pid)
-            decoder_rss, _ = memory_kib(rig.daemon.decoder.pid)
+            decoder_rss, _ = memory_kib(rig.daemon.models.default.decoder.pid)
     return {
         "engine": engine,
         "device": provider.device,
@@ -159,20 +159,22 @@ async def start_again(device: str, compile_dir: Path) -> float:
         config = engine_config(Path(tmp), "openvino", device, compile_dir)
         started = time.time()
         async with open_rig(config, check_fidelity=False) as rig:
-            (provider,) = rig.daemon.providers.all
+            (provider,) = rig.daemon.models.default.parts.providers.all
             assert isinstance(provider, LlamaServerProvider)
             return provider.child.statistics().state_since - started
 
 
 async def fidelity_of(rig: Rig, provider: LlamaServerProvider, texts: Sequence[str]) -> fidelity.Verdict:
-    hybrid = rig.daemon.hybrid
+    hybrid = rig.daemon.models.default.parts.hybrid
     assert hybrid is not None
-    probe = fidelity.Probe(client=rig.daemon.client, handoff=hybrid.file, timeout_s=bench_handoff.TIMEOUT_S)
+    probe = fidelity.Probe(
+        client=rig.daemon.models.default.client, handoff=hybrid.file, timeout_s=bench_handoff.TIMEOUT_S
+    )
     samples = []
-    async with rig.daemon.slots.hold() as slot:
+    async with rig.daemon.models.default.parts.slots.hold() as slot:
         for i, text in enumerate(texts):
             samples.append(await probe.sample(provider, slot, await probe.tokens(text), req=f"bench-fidelity-{i}"))
-        rig.daemon.slots.forget(slot)
+        rig.daemon.models.default.parts.slots.forget(slot)
     return fidelity.judge(samples)
 
 

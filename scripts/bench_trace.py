@@ -52,7 +52,7 @@ class Tracer:
                 tracer.requests.append(marks)
 
         front._http = traced_http  # type: ignore[method-assign]
-        daemon.completions.client = TracedClient(daemon.completions.client)  # type: ignore[assignment]
+        daemon.models.default.completions.client = TracedClient(daemon.models.default.completions.client)  # type: ignore[assignment]
 
     def clear(self) -> None:
         self.requests.clear()

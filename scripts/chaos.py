@@ -358,8 +358,8 @@ class Onebitd:
         return self.running.runtime
 
     def supervised_pids(self) -> set[int]:
-        pids = {self.daemon.decoder.pid}
-        for provider in self.daemon.providers.all:
+        pids = {self.daemon.models.default.decoder.pid}
+        for provider in self.daemon.models.default.parts.providers.all:
             child = provider.child
             if child is not None:
                 pids.add(child.pid)
@@ -381,7 +381,7 @@ class Onebitd:
             await trio.sleep(0.02)
 
     async def wait_decoder_back(self, generation: int) -> None:
-        decoder = self.daemon.decoder
+        decoder = self.daemon.models.default.decoder
         while not (decoder.generation > generation and decoder.state is ChildState.READY):
             await decoder.wait_state(ChildState.READY, ChildState.BACKOFF, ChildState.STARTING)
             if decoder.generation <= generation or decoder.state is not ChildState.READY:
@@ -528,8 +528,8 @@ async def decoder_hang(run: Run, tally: Tally) -> None:
     HANG_BOUND_S (+ slack), requests sent meanwhile get a clean error, then every request succeeds."""
     async with open_onebitd(chaos_config(run.dir("hang"), parallel=2), tally) as od:
         for phase in ("mid-stream", "mid-prefill"):
-            generation = od.daemon.decoder.generation
-            pid = od.daemon.decoder.pid
+            generation = od.daemon.models.default.decoder.generation
+            pid = od.daemon.models.default.decoder.pid
             assert pid is not None
             prompt = SHORT if phase == "mid-stream" else " ".join(f"w{i}" for i in range(150))
             body = body_for(prompt, stream=True, tokens=200)
@@ -589,7 +589,7 @@ class RestoreKiller:
     async def post_json(self, path: str, body: Any) -> tuple[int, Any]:
         if self.armed and "action=restore" in path:
             self.armed = False
-            pid = self.od.daemon.decoder.pid
+            pid = self.od.daemon.models.default.decoder.pid
             assert pid is not None
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._kill_soon, pid)
@@ -608,21 +608,21 @@ async def decoder_kill(run: Run, tally: Tally) -> None:
     """kill -9 the decoder during a restore, then during the first request after its restart."""
     config = hybrid_config(run.dir("kill"), "llama-server", run.dir("kill-work"))
     async with open_onebitd(config, tally) as od:
-        hybrid = od.daemon.hybrid
+        hybrid = od.daemon.models.default.parts.hybrid
         assert hybrid is not None
         killer = RestoreKiller(hybrid.file.client, od)
         hybrid.file.client = killer
-        generation = od.daemon.decoder.generation
+        generation = od.daemon.models.default.decoder.generation
         verdict, note, _ = await ask(od.front, body_for(LONG, stream=False, tokens=4))
         tally.add(verdict, note)
         tally.check(not killer.armed, "a restore was asked (the kill happened)")
         await od.wait_decoder_back(generation)
         # The first request after the restart, killed once the decoder works on it.
-        generation = od.daemon.decoder.generation
+        generation = od.daemon.models.default.decoder.generation
         async with trio.open_nursery() as nursery:
             nursery.start_soon(ask_and_count, od.front, tally, body_for(SHORT, stream=True, tokens=200))
             await od.wait_decoder_busy()
-            pid = od.daemon.decoder.pid
+            pid = od.daemon.models.default.decoder.pid
             assert pid is not None
             os.kill(pid, signal.SIGKILL)
         await od.wait_decoder_back(generation)
@@ -635,7 +635,7 @@ async def decoder_kill(run: Run, tally: Tally) -> None:
 
 
 def provider_pid(od: Onebitd) -> int | None:
-    provider = od.daemon.providers.all[0]
+    provider = od.daemon.models.default.parts.providers.all[0]
     if isinstance(provider, ExecProvider):
         # The job's program: onebitd's child running llama_exec_provider.py.
         jobs = [pid for pid, cmd in children_of(os.getpid()).items() if "llama_exec_provider.py" in cmd]
@@ -645,7 +645,7 @@ def provider_pid(od: Onebitd) -> int | None:
 
 
 async def wait_provider_job(od: Onebitd) -> int:
-    provider = od.daemon.providers.all[0]
+    provider = od.daemon.models.default.parts.providers.all[0]
     while True:  # the provider's process: another process's state, polled
         pid = provider_pid(od)
         if provider.busy and pid is not None:
@@ -654,7 +654,7 @@ async def wait_provider_job(od: Onebitd) -> int:
 
 
 async def provider_ready(od: Onebitd, generation: int) -> None:
-    child = od.daemon.providers.all[0].child
+    child = od.daemon.models.default.parts.providers.all[0].child
     if child is None:
         return
     while not (child.generation > generation and child.state is ChildState.READY):  # noqa: ASYNC110
@@ -668,7 +668,7 @@ def provider_fault(kind: str) -> Scenario:
             await ask_until_ok(od.front, tally, body_for(LONG, stream=False, tokens=4), bound=REQUEST_BOUND_S)
             tally.check((await od.line())["route"] == "file", "the first long prompt takes the file route")
             for fault in ("SIGKILL", "SIGSTOP"):
-                child = od.daemon.providers.all[0].child
+                child = od.daemon.models.default.parts.providers.all[0].child
                 generation = child.generation if child is not None else 0
                 result: list[tuple[str, str, int]] = []
                 async with trio.open_nursery() as nursery:
@@ -871,7 +871,7 @@ async def burst(run: Run, tally: Tally) -> None:
     n, queue_limit = 300, 64
     config = chaos_config(run.dir("burst"), parallel=2, server={"queue_limit": queue_limit})
     async with open_onebitd(config, tally) as od:
-        completions = od.daemon.completions
+        completions = od.daemon.models.default.completions
         slots = completions.slots
         arrived: list[str] = []
         granted: list[str] = []

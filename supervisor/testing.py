@@ -69,7 +69,7 @@ class Running:
         as onebitd's own does (:func:`unix_transport`), which would otherwise fail a request now and
         then."""
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=keepalive)
-        transport = unix_transport(self.daemon.launcher.socket)
+        transport = unix_transport(self.daemon.models.default.parts.launcher.socket)
         direct_timeout = request_timeout_s if direct_timeout_s is None else direct_timeout_s
         async with (
             httpx.AsyncClient(base_url=self.url, timeout=request_timeout_s, limits=limits) as front,
@@ -116,10 +116,10 @@ def unix_transport(socket: Path, *, max_connections: int = 64) -> httpx.AsyncBas
 async def wait_daemon_ready(daemon: Daemon, *, providers: bool = False) -> None:
     """Until the decoder is ready (ChildError when it failed instead) and, with ``providers``, every
     provider's child too."""
-    if await daemon.decoder.wait_state(ChildState.READY, ChildState.FAILED) is ChildState.FAILED:
-        raise ChildError(f"the decoder failed to start: {daemon.decoder.statistics().last_exit}")
+    if await daemon.models.default.decoder.wait_state(ChildState.READY, ChildState.FAILED) is ChildState.FAILED:
+        raise ChildError(f"the decoder failed to start: {daemon.models.default.decoder.statistics().last_exit}")
     if providers:
-        for provider in daemon.providers.all:
+        for provider in daemon.models.default.parts.providers.all:
             if provider.child is not None:
                 await provider.child.wait_state(ChildState.READY)
 

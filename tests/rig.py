@@ -221,7 +221,7 @@ def child_of(provider: Provider) -> Child:
 async def ready(running: Running, kind: str) -> None:
     """A worker takes jobs once its ready line came; an exec provider needs nothing."""
     if kind == "worker":
-        await child_of(running.daemon.providers.all[0]).wait_state(ChildState.READY)
+        await child_of(running.daemon.models.default.parts.providers.all[0]).wait_state(ChildState.READY)
 
 
 @attrs.define

@@ -14,9 +14,9 @@ import tomli_w
 import trio
 
 from supervisor import config as configuration
-from supervisor import daemon
 from supervisor.admin import ctl
 from supervisor.admin import verbs as admin
+from supervisor.config import locate
 
 REPO = Path(__file__).parent.parent
 
@@ -156,9 +156,8 @@ def test_config_show_reads_the_file_named_by_onebit_config(
 def test_config_show_falls_back_to_the_file_onebitd_reads(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    assert ctl.DEFAULT_CONFIG == daemon.DEFAULT_CONFIG
     monkeypatch.delenv("ONEBIT_CONFIG", raising=False)
-    monkeypatch.setattr(ctl, "DEFAULT_CONFIG", str(tmp_path / "absent.toml"))
+    monkeypatch.setattr(locate, "DEFAULT_CONFIG", str(tmp_path / "absent.toml"))
     assert ctl.main(["config", "show"]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith(f"onebitctl: {tmp_path / 'absent.toml'}: cannot read: ")
@@ -276,7 +275,7 @@ def test_a_table_verb_onebitctl_does_not_present_prints_its_result_as_json(
 
     entry = admin.Verb(echo, (admin.Argument("times", int, "N", "how many times"),))
     monkeypatch.setattr(admin, "call", call)
-    monkeypatch.setitem(ctl.VERBS, "echo", ctl._daemon_verb("echo", entry))
+    monkeypatch.setitem(ctl.VERBS, "echo", ctl.daemon_verb("echo", entry))
     assert ctl.main(["--socket", "/nonexistent/admin.sock", "echo", "--times", "3"]) == 0
     assert capsys.readouterr().out == '{"args": {"times": 3}, "verb": "echo"}\n'
     with pytest.raises(SystemExit):

@@ -29,9 +29,10 @@ import trio
 
 from supervisor import __version__
 from supervisor import config as configuration
-from supervisor.admin import ctl
+from supervisor.admin import ctl, render
 from supervisor.admin import verbs as admin
 from supervisor.api.front import InflightRequest
+from supervisor.config import locate
 from supervisor.daemon import Daemon
 from supervisor.errors import AdminUnavailable
 from supervisor.observe.logs import ROUTE_LOGGER
@@ -165,12 +166,12 @@ async def test_status_shows_a_loading_daemon_then_its_decoder_serving_with_its_p
     with trio.fail_after(TIMEOUT):
         async with run_daemon(fake_decoder_config(short_dir), wait_ready=False) as running:
             daemon = running.daemon
-            await daemon.decoder.wait_state(ChildState.STARTING)
+            await daemon.models.default.decoder.wait_state(ChildState.STARTING)
             loading = await onebitctl("--socket", daemon.admin.path, "status")
             control.set(decoder=DecoderModes())
-            await daemon.decoder.wait_state(ChildState.READY)
+            await daemon.models.default.decoder.wait_state(ChildState.READY)
             serving = await onebitctl("--socket", daemon.admin.path, "status")
-            pid = daemon.decoder.pid
+            pid = daemon.models.default.decoder.pid
     assert (loading.returncode, loading.err) == (0, "")
     assert loading.lines[0].startswith(f"onebitd {__version__}: loading, pid {os.getpid()}, up ")
     assert row(loading.out, "decoder")[1] == "starting"
@@ -189,9 +190,9 @@ async def test_status_says_failed_and_names_the_decoders_last_exit_once_it_has_f
     config = fake_decoder_config(short_dir, decoder={"restart": {"max_failures": 1, "backoff_initial_s": 0.01}})
     with trio.fail_after(TIMEOUT):
         async with run_daemon(config, wait_ready=False) as running:
-            await running.daemon.decoder.wait_state(ChildState.FAILED)
+            await running.daemon.models.default.decoder.wait_state(ChildState.FAILED)
             failed = await onebitctl("--socket", running.daemon.admin.path, "status")
-            restarts = running.daemon.decoder.statistics().restarts
+            restarts = running.daemon.models.default.decoder.statistics().restarts
     assert failed.returncode == 0
     assert ": failed, pid " in failed.lines[0]
     assert row(failed.out, "decoder") == ["decoder", "failed", "-", str(restarts), "exit status 3"]
@@ -270,7 +271,7 @@ def busy_statistics(short_dir: Path) -> DaemonStatistics:
 
 
 async def test_the_status_table_shows_providers_fallbacks_and_first_byte_times(short_dir: Path) -> None:
-    table = ctl.render_status(busy_statistics(short_dir))
+    table = render.render_status(busy_statistics(short_dir))
     assert ", up 1h02m" in table.splitlines()[0]
     assert row(table, "PROVIDER") == ["PROVIDER", "KIND", "ENGINE", "DEVICE", "READY", "BUSY", "JOBS", "FAILURES"]
     assert row(table, "npu0") == ["npu0", "worker", "-", "-", "yes", "1", "41", "2"]
@@ -312,7 +313,7 @@ async def test_statistics_that_do_not_read_are_one_clear_error(short_dir: Path) 
     [(0.4, "0s"), (59.9, "59s"), (61, "1m01s"), (3720, "1h02m"), (3 * 86400 + 4 * 3600 + 59, "3d04h")],
 )
 def test_uptimes_read_as_their_two_largest_units(seconds: float, shown: str) -> None:
-    assert ctl.duration(seconds) == shown
+    assert render.duration(seconds) == shown
 
 
 # -- drain and resume -------------------------------------------------------------------------------
@@ -401,7 +402,7 @@ class Draining:
     def reload(self) -> dict[str, Any]:
         return {}
 
-    def store_of(self, name: str) -> PrefixStore:
+    def store_of(self, name: str | None = None) -> PrefixStore:
         raise NotImplementedError
 
     async def load(self, name: str) -> ModelStatistics:
@@ -592,10 +593,10 @@ def test_without_a_config_file_the_socket_is_in_onebitds_default_runtime_directo
     short_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("ONEBIT_CONFIG", raising=False)
-    monkeypatch.setattr(ctl, "DEFAULT_CONFIG", str(short_dir / "absent.toml"))
+    monkeypatch.setattr(locate, "DEFAULT_CONFIG", str(short_dir / "absent.toml"))
     monkeypatch.setenv("RUNTIME_DIRECTORY", str(short_dir / "run"))
     assert ctl.main(["status"]) == 1
-    assert f"cannot connect to {short_dir / 'run' / ctl.ADMIN_SOCKET}: " in capsys.readouterr().err
+    assert f"cannot connect to {short_dir / 'run' / locate.ADMIN_SOCKET}: " in capsys.readouterr().err
 
 
 def test_a_named_config_that_cannot_be_read_is_a_configuration_error_unless_socket_is_given(
@@ -635,7 +636,7 @@ async def test_status_and_watch_show_a_request_the_real_llama_server_answered(sh
                 watch.process.send_signal(signal.SIGINT)
                 stopped = await watch.finish()
             counted = await onebitctl("--socket", path, "status", "--json")
-            pid = running.daemon.decoder.pid
+            pid = running.daemon.models.default.decoder.pid
     assert reply.status_code == 200
     assert ready.returncode == 0
     assert ": serving, pid " in ready.lines[0]

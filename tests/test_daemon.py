@@ -88,7 +88,7 @@ async def test_a_clean_stop_removes_the_sockets_and_the_lock_it_made_and_nothing
     mine.write_text("not onebitd's")
     with trio.fail_after(TIMEOUT):
         async with run_daemon(config) as running:
-            provider = running.daemon.providers.all[0]
+            provider = running.daemon.models.default.parts.providers.all[0]
             await child_of(provider).wait_state(ChildState.READY)
             made = {"decoder.sock", "provider-p0.sock", "onebitd.lock", "admin.sock"}
             assert made <= set(os.listdir(short_dir))
@@ -118,7 +118,7 @@ async def test_health_says_loading_until_a_providers_first_start_is_over_then_ok
             loading = await client.get("/health")
             status = running.daemon.state()
             ready_early = running.daemon.ready.is_set()
-            pid = child_of(running.daemon.providers.all[0]).pid
+            pid = child_of(running.daemon.models.default.parts.providers.all[0]).pid
             assert pid is not None
             os.kill(pid, signal.SIGUSR1)
             await running.daemon.ready.wait()
@@ -147,8 +147,8 @@ async def test_a_llama_server_provider_slower_to_start_than_the_decoder_is_waite
     )
     with trio.fail_after(TIMEOUT):
         async with run_daemon(config, wait_ready=False) as running:
-            provider = running.daemon.providers.all[0]
-            await running.daemon.decoder.wait_state(ChildState.READY)
+            provider = running.daemon.models.default.parts.providers.all[0]
+            await running.daemon.models.default.decoder.wait_state(ChildState.READY)
             await trio.testing.wait_all_tasks_blocked()
             ready_early = running.daemon.ready.is_set()
             go.touch()

@@ -50,8 +50,8 @@ def grandchild_gone(rig: RouteRig) -> Callable[[], bool]:
 
 def assert_nothing_left(rig: RouteRig, running: Running) -> None:
     assert rig.state_files() == []
-    assert running.daemon.slots.statistics().busy == 0
-    assert running.daemon.providers.all[0].busy == 0
+    assert running.daemon.models.default.parts.slots.statistics().busy == 0
+    assert running.daemon.models.default.parts.providers.all[0].busy == 0
 
 
 # -- the route works ------------------------------------------------------------------------------

@@ -210,7 +210,7 @@ async def test_health_says_loading_with_retry_after_until_the_decoder_is_ready(
             assert error["code"] == "decoder_unavailable"
             assert reply.headers["retry-after"] == "7"
             control.set(decoder=DecoderModes())
-            await running.daemon.decoder.wait_state(ChildState.READY)
+            await running.daemon.models.default.decoder.wait_state(ChildState.READY)
             health = await client.get("/health")
             assert (health.status_code, health.json()) == (200, {"status": "ok"})
             assert "retry-after" not in health.headers
@@ -227,7 +227,7 @@ async def test_a_failed_decoder_makes_health_say_failed_and_completions_fail_at_
     )
     with trio.fail_after(TIMEOUT):
         async with run_daemon(config, wait_ready=False) as running, client_for(running) as client:
-            await running.daemon.decoder.wait_state(ChildState.FAILED)
+            await running.daemon.models.default.decoder.wait_state(ChildState.FAILED)
             assert len(control.entries("start")) == 2
             health = await client.get("/health")
             assert (health.status_code, health.json()) == (503, {"status": "failed"})
@@ -273,7 +273,7 @@ async def test_concurrent_streams_never_share_a_slot_and_overflow_gets_503(
             client_for(running) as client,
             trio.open_nursery() as nursery,
         ):
-            slots = running.daemon.slots
+            slots = running.daemon.models.default.parts.slots
             streams = [HeldStream(client, f"stream {i}") for i in range(4)]
             for stream in streams[:2]:
                 await nursery.start(stream.run)
@@ -305,7 +305,7 @@ async def test_queued_requests_are_served_in_arrival_order(short_dir: Path, cont
             client_for(running) as client,
             trio.open_nursery() as nursery,
         ):
-            slots = running.daemon.slots
+            slots = running.daemon.models.default.parts.slots
             held = [HeldStream(client, "held-a"), HeldStream(client, "held-b")]
             for stream in held:
                 await nursery.start(stream.run)
@@ -465,11 +465,11 @@ async def test_a_client_that_disconnects_mid_stream_closes_the_upstream_request_
             async with await open_raw(running) as raw:
                 await raw.send_all(request_head(CHAT, len(body)) + body)
                 await receive_until(raw, bytearray(), b'"content":"going"')
-                assert running.daemon.slots.statistics().busy == 1
+                assert running.daemon.models.default.parts.slots.statistics().busy == 1
             # Leaving the block closed the connection mid-stream.
             [line] = await route_lines.wait(1)
             assert (line["route"], line["outcome"], line["status"]) == ("plain", "cancelled", 200)
-            assert running.daemon.slots.statistics().busy == 0
+            assert running.daemon.models.default.parts.slots.statistics().busy == 0
             [entry] = await control.wait_entries(1)
             assert entry["disconnected"] is True
             assert entry["finished"] is False
@@ -490,7 +490,7 @@ async def test_a_client_that_leaves_the_queue_is_cancelled_without_reaching_the_
             client_for(running) as client,
             trio.open_nursery() as nursery,
         ):
-            slots = running.daemon.slots
+            slots = running.daemon.models.default.parts.slots
             held = HeldStream(client, "holding the only slot")
             await nursery.start(held.run)
             waiting = trio.CancelScope()
@@ -520,7 +520,7 @@ async def test_a_decoder_killed_mid_stream_ends_the_stream_with_an_error_event_a
     config = fake_decoder_config(short_dir, decoder={"restart": {"backoff_initial_s": 0.01}})
     with trio.fail_after(TIMEOUT):
         async with run_daemon(config) as running, client_for(running) as client:
-            decoder = running.daemon.decoder
+            decoder = running.daemon.models.default.decoder
             pid = decoder.pid
             assert pid is not None
             async with open_events(client, CHAT, chat("doomed", stream=True)) as (_reply, events):
@@ -535,7 +535,7 @@ async def test_a_decoder_killed_mid_stream_ends_the_stream_with_an_error_event_a
             assert "[DONE]" not in rest
             [line] = await route_lines.wait(1)
             assert (line["outcome"], line["status"]) == ("error", 200)
-            assert running.daemon.slots.statistics().busy == 0
+            assert running.daemon.models.default.parts.slots.statistics().busy == 0
 
             await wait_until(lambda: decoder.statistics().restarts == 1 and decoder.state is ChildState.READY)
             assert decoder.pid not in (None, pid)

@@ -78,4 +78,4 @@ def test_the_daemon_switches_its_decoder_only_when_the_share_route_can_run(
         hybrid={"enabled": True, "mode": mode},
         provider=provider,
     )
-    assert Daemon(config).launcher.kv_share is switched
+    assert Daemon(config).models.default.parts.launcher.kv_share is switched

@@ -16,7 +16,7 @@ import tomli_w
 import trio
 
 from supervisor import config as configuration
-from supervisor.admin import ctl
+from supervisor.admin import render
 from supervisor.config import Config
 from supervisor.daemon import Daemon
 from supervisor.models.model import ModelState
@@ -163,7 +163,7 @@ async def test_a_mixed_burst_is_served_with_one_swap_the_loaded_models_requests_
             assert 'onebit_model_requests_total{model="a",outcome="ok"} 3.0' in metrics
             assert 'onebit_model_slots_busy{model="b"} 0.0' in metrics
             # onebitctl status: a table of the models, read back from the wire as onebitctl reads it.
-            table = ctl.render_status(from_wire(to_wire(running.daemon.statistics())))
+            table = render.render_status(from_wire(to_wire(running.daemon.statistics())))
             rows = {line.split()[0]: line.split() for line in table.splitlines() if line.startswith(("a ", "b "))}
             assert rows["a"][1:3] == ["(default)", "unloaded"]
             assert rows["b"][1] == "loaded"
@@ -325,7 +325,7 @@ async def test_a_provider_two_models_name_is_restarted_for_the_other_which_goes_
             assert f'onebit_provider_jobs_total{{{where},model="b",provider="npu0"}} 1.0' in metrics
             assert 'onebit_prefix_store_enabled{model="a"} 1.0' in metrics
             assert 'onebit_prefix_store_enabled{model="b"} 1.0' in metrics
-            table = ctl.render_status(from_wire(to_wire(running.daemon.statistics())))
+            table = render.render_status(from_wire(to_wire(running.daemon.statistics())))
             rows = [line.split() for line in table.splitlines() if line.split()[1:2] == ["npu0"]]
             assert [(row[0], row[5]) for row in rows] == [("a", "no"), ("b", "yes")]
             assert sum(line.startswith(("prefix store a: ", "prefix store b: ")) for line in table.splitlines()) == 2

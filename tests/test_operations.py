@@ -49,10 +49,10 @@ async def test_status_answers_while_the_decoder_loads_then_while_it_serves(short
     with trio.fail_after(TIMEOUT):
         async with run_daemon(fake_decoder_config(short_dir), wait_ready=False) as running:
             daemon = running.daemon
-            await daemon.decoder.wait_state(ChildState.STARTING)
+            await daemon.models.default.decoder.wait_state(ChildState.STARTING)
             loading = await status(daemon)
             control.set(decoder=DecoderModes())
-            await daemon.decoder.wait_state(ChildState.READY)
+            await daemon.models.default.decoder.wait_state(ChildState.READY)
             serving = await status(daemon)
     assert loading["daemon"]["state"] == "loading"
     assert loading["children"][0]["state"] == "starting"
@@ -79,7 +79,7 @@ async def test_status_says_failed_once_the_decoder_has_failed(short_dir: Path, c
     config = fake_decoder_config(short_dir, decoder={"restart": {"max_failures": 1, "backoff_initial_s": 0.01}})
     with trio.fail_after(TIMEOUT):
         async with run_daemon(config, wait_ready=False) as running:
-            await running.daemon.decoder.wait_state(ChildState.FAILED)
+            await running.daemon.models.default.decoder.wait_state(ChildState.FAILED)
             failed = await status(running.daemon)
     assert failed["daemon"]["state"] == "failed"
     assert failed["children"][0]["last_exit"] == "exit status 3"
@@ -230,7 +230,7 @@ async def test_reload_applies_live_keys_names_the_rest_and_refuses_a_broken_file
     with trio.fail_after(TIMEOUT):
         async with trio.open_nursery() as nursery:
             started = await nursery.start(daemon.run)
-            await daemon.decoder.wait_state(ChildState.READY)
+            await daemon.models.default.decoder.wait_state(ChildState.READY)
             async with client_for_url(started.binds[0]) as client:
                 data["server"]["api_keys"] = ["sesame"]
                 data["model"]["ctx_size"] = 8192

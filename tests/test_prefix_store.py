@@ -34,7 +34,8 @@ from supervisor.prefix import files as prefix_files
 from supervisor.prefix import index as prefix_index
 from supervisor.prefix.files import Disk
 from supervisor.prefix.index import BLOCK, PrefixIndex, token_key
-from supervisor.prefix.store import MAX_PENDING_PUTS, PrefixStore, open_prefix_store
+from supervisor.prefix.opening import open_prefix_store
+from supervisor.prefix.store import MAX_PENDING_PUTS, PrefixStore
 
 from .rig import make_config
 

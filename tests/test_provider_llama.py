@@ -175,12 +175,12 @@ async def test_the_daemon_asks_for_devices_before_the_decoder_starts_and_unifies
     )
     with trio.fail_after(30):
         async with run_daemon(config) as running:
-            (provider,) = running.daemon.providers.all
+            (provider,) = running.daemon.models.default.parts.providers.all
             assert isinstance(provider, LlamaServerProvider)
             await wait_until(lambda: provider.ready)
-            decoder_argv = list(running.daemon.launcher.argv())
+            decoder_argv = list(running.daemon.models.default.parts.launcher.argv())
             provider_argv = list(provider.launcher.argv())
-            fingerprint = running.daemon.store.fingerprint
+            fingerprint = running.daemon.models.default.store.fingerprint
     assert provider.device == ("NPU" if unified else "CPU")
     assert ("--kv-unified" in decoder_argv) is unified
     assert ("--kv-unified" in provider_argv) is unified

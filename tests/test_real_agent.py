@@ -219,7 +219,7 @@ def decoder_saw(endpoint: str, reply: dict[str, Any]) -> int:
 
 @asynccontextmanager
 async def direct_to(running: Running) -> AsyncIterator[httpx.AsyncClient]:
-    transport = unix_transport(running.daemon.launcher.socket)
+    transport = unix_transport(running.daemon.models.default.parts.launcher.socket)
     async with httpx.AsyncClient(transport=transport, base_url="http://decoder", timeout=120) as client:
         yield client
 
@@ -253,7 +253,7 @@ async def test_onebitds_chat_form_gives_the_tokens_the_decoder_evaluates_for_eve
     wrong: dict[str, str] = {}  # every body's mismatch, not only the first
     with trio.fail_after(DEADLINE_S):
         async with run_daemon(plain_config(short_dir)) as running, direct_to(running) as direct:
-            client = DecoderClient(running.daemon.launcher.socket)
+            client = DecoderClient(running.daemon.models.default.parts.launcher.socket)
             try:
                 for name, endpoint, body in CONVERSIONS:
                     ours = await tokens_for(client, *chat_form(endpoint, body))
@@ -453,7 +453,7 @@ async def test_both_apis_take_the_file_route_and_answer_what_the_decoder_answers
     }
     with trio.fail_after(DEADLINE_S):
         async with run_daemon(hybrid_config(short_dir)) as running:
-            provider = running.daemon.providers.all[0]
+            provider = running.daemon.models.default.parts.providers.all[0]
             await child_of(provider).wait_state(ChildState.READY)
             cached_message = await cached_reply(running, "/v1/messages", message_body)
             cached_response = await cached_reply(running, "/v1/responses", responses_body)
@@ -514,7 +514,7 @@ async def test_an_agents_conversation_is_restored_from_the_prefix_store_after_an
         async with run_daemon(store_config(short_dir, store_dir)) as running:
             async with open_anthropic(running) as client:
                 assert text_of(await client.messages.create(messages=first_turn, **common)) == text_of(first)
-            await wait_until(lambda: running.daemon.store.statistics().stores >= 1)
+            await wait_until(lambda: running.daemon.models.default.store.statistics().stores >= 1)
         async with run_daemon(store_config(short_dir, store_dir)) as running, open_anthropic(running) as client:
             got = await client.messages.create(messages=anthropic_turns(text_of(first)), **common)
     assert text_of(got) == text_of(expected)

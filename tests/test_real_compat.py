@@ -47,7 +47,7 @@ async def open_rig(short_dir: Path, **server: Any) -> AsyncIterator[Rig]:
     real_llama_server()
     config = make_config(short_dir, model=MODEL, hybrid={"enabled": False}, server={"api_keys": [KEY], **server})
     async with run_daemon(config) as running:
-        transport = unix_transport(running.daemon.launcher.socket)
+        transport = unix_transport(running.daemon.models.default.parts.launcher.socket)
         timeout = httpx.Timeout(DEADLINE_S)
         async with (
             httpx.AsyncClient(base_url=running.url, timeout=timeout) as front,

@@ -42,17 +42,19 @@ def fidelity_config(runtime: Path, provider: dict[str, Any]) -> Config:
 
 async def measure(running: Running, n: int) -> list[Sample]:
     daemon = running.daemon
-    (provider,) = daemon.providers.all
+    (provider,) = daemon.models.default.parts.providers.all
     assert isinstance(provider, LlamaServerProvider)
     await wait_until(lambda: provider.ready or provider.refused is not None)
     assert provider.refused is None, provider.refused
-    assert daemon.hybrid is not None
-    probe = fidelity.Probe(client=daemon.client, handoff=daemon.hybrid.file, timeout_s=120)
+    assert daemon.models.default.parts.hybrid is not None
+    probe = fidelity.Probe(
+        client=daemon.models.default.client, handoff=daemon.models.default.parts.hybrid.file, timeout_s=120
+    )
     samples = []
-    async with daemon.slots.hold() as slot:
+    async with daemon.models.default.parts.slots.hold() as slot:
         for i, text in enumerate(fidelity.prompt_set(n)):
             samples.append(await probe.sample(provider, slot, await probe.tokens(text), req=f"fidelity-{i}"))
-        daemon.slots.forget(slot)
+        daemon.models.default.parts.slots.forget(slot)
     return samples
 
 

@@ -90,10 +90,12 @@ async def test_the_file_route_gives_the_plain_routes_greedy_reply_with_one_promp
 ) -> None:
     with trio.fail_after(180):
         async with run_daemon(hybrid_config(short_dir)) as running:
-            provider = running.daemon.providers.all[0]
+            provider = running.daemon.models.default.parts.providers.all[0]
             await child_of(provider).wait_state(ChildState.READY)
             body = body_for(endpoint, stream)
-            expected, plain_timings = await plain_reply(running.daemon.launcher.socket, endpoint, body)
+            expected, plain_timings = await plain_reply(
+                running.daemon.models.default.parts.launcher.socket, endpoint, body
+            )
             async with httpx.AsyncClient(base_url=running.url, timeout=120) as client:
                 got = await ask(client, endpoint, body)
     assert got == expected
@@ -117,10 +119,14 @@ async def test_eight_concurrent_hybrid_requests_over_four_slots_are_all_correct(
     endpoint = "/v1/chat/completions"
     with trio.fail_after(300):
         async with run_daemon(hybrid_config(short_dir)) as running:
-            provider = running.daemon.providers.all[0]
+            provider = running.daemon.models.default.parts.providers.all[0]
             await child_of(provider).wait_state(ChildState.READY)
             expected = [
-                (await plain_reply(running.daemon.launcher.socket, endpoint, body_for(endpoint, False, q)))[0]
+                (
+                    await plain_reply(
+                        running.daemon.models.default.parts.launcher.socket, endpoint, body_for(endpoint, False, q)
+                    )
+                )[0]
                 for q in questions
             ]
             got: dict[int, str] = {}
@@ -159,7 +165,7 @@ async def test_an_exec_provider_that_writes_a_real_state_file_serves_the_file_ro
     body = body_for(endpoint, False)
     with trio.fail_after(180):
         async with run_daemon(config) as running:
-            expected, _ = await plain_reply(running.daemon.launcher.socket, endpoint, body)
+            expected, _ = await plain_reply(running.daemon.models.default.parts.launcher.socket, endpoint, body)
             async with httpx.AsyncClient(base_url=running.url, timeout=120) as client:
                 got = await ask(client, endpoint, body)
     assert got == expected
@@ -189,10 +195,14 @@ async def test_a_worker_provider_with_its_own_llama_server_serves_the_file_route
     endpoint = "/v1/chat/completions"
     with trio.fail_after(180):
         async with run_daemon(config) as running:
-            worker = running.daemon.providers.all[0]
+            worker = running.daemon.models.default.parts.providers.all[0]
             await child_of(worker).wait_state(ChildState.READY)
             expected = [
-                (await plain_reply(running.daemon.launcher.socket, endpoint, body_for(endpoint, False, q)))[0]
+                (
+                    await plain_reply(
+                        running.daemon.models.default.parts.launcher.socket, endpoint, body_for(endpoint, False, q)
+                    )
+                )[0]
                 for q in (QUESTION, QUESTION + " Be brief.")
             ]
             async with httpx.AsyncClient(base_url=running.url, timeout=120) as client:
@@ -229,10 +239,14 @@ async def test_with_kv_share_on_a_stock_llama_server_refuses_and_every_request_t
     questions = (QUESTION, QUESTION + " Be brief.")
     with caplog.at_level(logging.INFO, logger="onebit.hybrid"), trio.fail_after(180):
         async with run_daemon(config) as running:
-            provider = running.daemon.providers.all[0]
+            provider = running.daemon.models.default.parts.providers.all[0]
             await child_of(provider).wait_state(ChildState.READY)
             expected = [
-                (await plain_reply(running.daemon.launcher.socket, endpoint, body_for(endpoint, False, q)))[0]
+                (
+                    await plain_reply(
+                        running.daemon.models.default.parts.launcher.socket, endpoint, body_for(endpoint, False, q)
+                    )
+                )[0]
                 for q in questions
             ]
             async with httpx.AsyncClient(base_url=running.url, timeout=120) as client:

@@ -66,7 +66,7 @@ def openvino_config(runtime: Path, binary: Path, compile_dir: Path | None = None
 
 
 async def admitted(running: Running) -> LlamaServerProvider:
-    (provider,) = running.daemon.providers.all
+    (provider,) = running.daemon.models.default.parts.providers.all
     assert isinstance(provider, LlamaServerProvider)
     await wait_until(lambda: provider.ready or provider.refused is not None)
     assert provider.refused is None, provider.refused
@@ -93,7 +93,7 @@ async def test_an_openvino_provider_on_the_cpu_serves_the_whole_file_route(
             async with httpx.AsyncClient(base_url=running.url, timeout=30) as client:
                 metrics = (await client.get("/metrics")).text
             stats = provider.statistics()
-            decoder_argv = list(running.daemon.launcher.argv())
+            decoder_argv = list(running.daemon.models.default.parts.launcher.argv())
     assert got.strip()
     (line,) = route_lines.lines
     assert (line["route"], line["fallback"], line["outcome"]) == ("file", None, "ok")
@@ -124,7 +124,7 @@ async def test_the_static_npu_path_forced_on_the_cpu_hands_over_into_a_unified_k
         async with run_daemon(openvino_config(short_dir, binary, static_shapes=True)) as running:
             provider = await admitted(running)
             provider_argv = list(provider.launcher.argv())
-            decoder_argv = list(running.daemon.launcher.argv())
+            decoder_argv = list(running.daemon.models.default.parts.launcher.argv())
             got: list[str] = ["", "", ""]
 
             async def one(i: int) -> None:
@@ -227,7 +227,7 @@ async def test_a_provider_over_the_fidelity_bound_is_refused_at_start_and_the_de
     caplog.set_level(logging.INFO, logger="onebit.provider")
     with trio.fail_after(START_S + 120):
         async with run_daemon(openvino_config(short_dir, binary)) as running:
-            (provider,) = running.daemon.providers.all
+            (provider,) = running.daemon.models.default.parts.providers.all
             assert isinstance(provider, LlamaServerProvider)
             await wait_until(lambda: provider.refused is not None)
             await provider.child.wait_state(ChildState.STOPPED)
@@ -263,7 +263,7 @@ async def test_the_embedded_defaults_auto_engine_goes_on_with_ggml_when_openvino
     )
     with trio.fail_after(START_S + 120):
         async with run_daemon(config) as running:
-            (provider,) = running.daemon.providers.all
+            (provider,) = running.daemon.models.default.parts.providers.all
             assert isinstance(provider, LlamaServerProvider)
             assert provider.engine == "openvino"
             await wait_until(lambda: provider.ready)

@@ -74,7 +74,7 @@ async def open_rig(short_dir: Path) -> AsyncIterator[Rig]:
     real_llama_server()
     config = make_config(short_dir, model=MODEL, hybrid={"enabled": False})
     async with run_daemon(config) as running:
-        transport = unix_transport(running.daemon.launcher.socket)
+        transport = unix_transport(running.daemon.models.default.parts.launcher.socket)
         timeout = httpx.Timeout(DEADLINE_S)
         async with (
             httpx.AsyncClient(base_url=running.url, timeout=timeout) as front,
@@ -319,7 +319,7 @@ async def test_a_client_that_hangs_up_mid_stream_frees_the_decoders_slot(
             assert hang_up.cancelled_caught, "the reply ended before the client could hang up"
             await wait_decoder_idle(rig)
             await rig.running.daemon.front.wait_idle()
-            statistics = rig.running.daemon.slots.statistics()
+            statistics = rig.running.daemon.models.default.parts.slots.statistics()
             released = await wait_released(captured, slot["id_task"])
 
     assert statistics.busy == 0
@@ -350,7 +350,7 @@ async def test_a_client_that_hangs_up_during_prefill_frees_the_decoders_slot(
                 nursery.cancel_scope.cancel()
             await wait_decoder_idle(rig)
             await rig.running.daemon.front.wait_idle()
-            statistics = rig.running.daemon.slots.statistics()
+            statistics = rig.running.daemon.models.default.parts.slots.statistics()
             released = await wait_released(captured, slot["id_task"])
 
     assert slot["n_prompt_tokens"] > 400, "the prompt is too short to stay in prefill for a while"
@@ -370,7 +370,7 @@ async def test_a_decoder_killed_mid_stream_ends_the_stream_with_an_error_event_a
     body = {"prompt": TEXT_PROMPT, "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
     with trio.fail_after(DEADLINE_S):
         async with open_rig(short_dir) as rig:
-            decoder = rig.running.daemon.decoder
+            decoder = rig.running.daemon.models.default.decoder
             generation, pid = decoder.generation, decoder.pid
             assert pid is not None
             events: list[dict[str, Any]] = []

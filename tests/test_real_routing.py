@@ -125,9 +125,9 @@ async def test_a_chats_later_turns_stay_plain_because_the_decoder_holds_them_and
     caplog.set_level(logging.INFO, logger="onebit.hybrid")
     with trio.fail_after(420):
         async with run_daemon(config(second_dir, hybrid=False)) as running:
-            expected = await reference(running.daemon.launcher.socket)
+            expected = await reference(running.daemon.models.default.parts.launcher.socket)
         async with run_daemon(config(short_dir, hybrid=True)) as running:
-            await child_of(running.daemon.providers.all[0]).wait_state(ChildState.READY)
+            await child_of(running.daemon.models.default.parts.providers.all[0]).wait_state(ChildState.READY)
             got = await converse(running.url, expected)
     lines = route_lines.lines
     differ = [

@@ -57,10 +57,12 @@ async def test_the_share_route_gives_the_plain_routes_greedy_reply_on_every_endp
     cases = [(endpoint, stream) for endpoint in ENDPOINTS for stream in (False, True)]
     with trio.fail_after(300):
         async with run_daemon(share_config(short_dir)) as running:
-            worker = running.daemon.providers.all[0]
+            worker = running.daemon.models.default.parts.providers.all[0]
             await child_of(worker).wait_state(ChildState.READY)
             expected = [
-                await plain_reply(running.daemon.launcher.socket, endpoint, body_for(endpoint, False))
+                await plain_reply(
+                    running.daemon.models.default.parts.launcher.socket, endpoint, body_for(endpoint, False)
+                )
                 for endpoint, _ in cases
             ]
             async with httpx.AsyncClient(base_url=running.url, timeout=120) as client:
@@ -97,9 +99,11 @@ async def test_share_mode_on_the_embedded_default_takes_the_share_route_with_its
     endpoint = "/v1/chat/completions"
     with trio.fail_after(240):
         async with run_daemon(config) as running:
-            provider = running.daemon.providers.all[0]
+            provider = running.daemon.models.default.parts.providers.all[0]
             await child_of(provider).wait_state(ChildState.READY)
-            expected, _ = await plain_reply(running.daemon.launcher.socket, endpoint, body_for(endpoint, False))
+            expected, _ = await plain_reply(
+                running.daemon.models.default.parts.launcher.socket, endpoint, body_for(endpoint, False)
+            )
             async with httpx.AsyncClient(base_url=running.url, timeout=120) as client:
                 got = [await ask(client, endpoint, body_for(endpoint, stream)) for stream in (False, True)]
     assert got == [expected, expected]
@@ -132,9 +136,11 @@ async def test_a_share_that_cannot_be_adopted_is_served_plain_and_correct(
     body = body_for(endpoint, False)
     with caplog.at_level(logging.INFO, logger="onebit.hybrid"), trio.fail_after(240):
         async with run_daemon(share_config(short_dir, fault=fault)) as running:
-            worker = running.daemon.providers.all[0]
+            worker = running.daemon.models.default.parts.providers.all[0]
             await child_of(worker).wait_state(ChildState.READY)
-            expected, plain_timings = await plain_reply(running.daemon.launcher.socket, endpoint, body)
+            expected, plain_timings = await plain_reply(
+                running.daemon.models.default.parts.launcher.socket, endpoint, body
+            )
             async with httpx.AsyncClient(base_url=running.url, timeout=120) as client:
                 got = await ask(client, endpoint, body)
     assert got == expected
@@ -154,7 +160,7 @@ async def test_with_flash_attention_off_the_decoder_refuses_to_share_and_the_fil
     questions = (QUESTION, QUESTION + " Be brief.")
     with caplog.at_level(logging.INFO, logger="onebit.hybrid"), trio.fail_after(240):
         async with run_daemon(share_config(short_dir, decoder_args=("-fa", "off"))) as running:
-            worker = running.daemon.providers.all[0]
+            worker = running.daemon.models.default.parts.providers.all[0]
             await child_of(worker).wait_state(ChildState.READY)
             async with httpx.AsyncClient(base_url=running.url, timeout=120) as client:
                 got = [await ask(client, endpoint, body_for(endpoint, False, q)) for q in questions]

@@ -71,11 +71,11 @@ async def ask(url: str, question: str) -> str:
 
 async def stored(daemon: Daemon, n: int) -> None:
     """The store's writes run off the requests' path: wait for the n-th to commit."""
-    await wait_until(lambda: daemon.store.statistics().stores >= n)
+    await wait_until(lambda: daemon.models.default.store.statistics().stores >= n)
 
 
 async def crash_decoder(daemon: Daemon) -> None:
-    decoder = daemon.decoder
+    decoder = daemon.models.default.decoder
     pid, generation = decoder.pid, decoder.generation
     assert pid is not None
     os.kill(pid, signal.SIGKILL)
@@ -103,12 +103,12 @@ async def test_a_shared_prefix_survives_a_decoder_crash_and_an_onebitd_restart_a
             await ask(running.url, QUESTIONS[0])  # a new prompt: kept whole
             await ask(running.url, QUESTIONS[1])  # branches off the first: the shared prefix is kept
             await stored(daemon, 2)
-            keys = {len(entry.tokens) for entry in daemon.store.list()}
+            keys = {len(entry.tokens) for entry in daemon.models.default.store.list()}
             await crash_decoder(daemon)
             after_crash = await ask(running.url, QUESTIONS[2])
         async with run_daemon(config(short_dir, store_dir)) as running:
             # The two, and the prompt that went on from the restored prefix, kept whole.
-            assert running.daemon.store.statistics().entries == 3
+            assert running.daemon.models.default.store.statistics().entries == 3
             after_restart = await ask(running.url, QUESTIONS[3])
     assert [after_crash, after_restart] == expected
     *_, crashed, restarted = route_lines.lines
@@ -129,7 +129,7 @@ async def test_an_entry_from_a_decoder_with_other_parameters_is_dropped_at_start
             await ask(running.url, QUESTIONS[0])
             await stored(running.daemon, 1)
         async with run_daemon(config(short_dir, store_dir, ctx_size=4096)) as running:
-            statistics = running.daemon.store.statistics()
+            statistics = running.daemon.models.default.store.statistics()
             assert (statistics.entries, statistics.drops) == (0, 1)
             await ask(running.url, QUESTIONS[0])
     dropped = [r.getMessage() for r in caplog.records if r.name == "onebit.prefix" and "fingerprint" in r.getMessage()]
@@ -145,7 +145,7 @@ async def test_an_entry_the_decoder_refuses_is_dropped_and_the_request_is_served
             daemon = running.daemon
             expected = await ask(running.url, QUESTIONS[0])
             await stored(daemon, 1)
-            [entry] = daemon.store.list()
+            [entry] = daemon.models.default.store.list()
             # Damaged on disk after it was committed (same size, so nothing notices until it is used).
             state = store_dir / f"{entry.key}.state"
             data = bytearray(state.read_bytes())
@@ -153,7 +153,7 @@ async def test_an_entry_the_decoder_refuses_is_dropped_and_the_request_is_served
             state.write_bytes(bytes(data))
             await crash_decoder(daemon)  # its slot no longer holds the prompt
             got = await ask(running.url, QUESTIONS[0])
-            assert daemon.store.statistics().entries == 0
+            assert daemon.models.default.store.statistics().entries == 0
     assert got == expected
     line = route_lines.lines[-1]
     assert (line["outcome"], line["restored_tokens"]) == ("ok", None)

@@ -71,7 +71,7 @@ async def test_a_stream_left_mid_way_finishes_into_its_session_and_replays_as_fr
     config = make_config(short_dir, model=MODEL, hybrid={"enabled": False})
     with trio.fail_after(DEADLINE_S):
         async with run_daemon(config) as running:
-            transport = unix_transport(running.daemon.launcher.socket)
+            transport = unix_transport(running.daemon.models.default.parts.launcher.socket)
             async with (
                 httpx.AsyncClient(base_url=running.url, timeout=DEADLINE_S) as front,
                 httpx.AsyncClient(transport=transport, base_url="http://decoder", timeout=DEADLINE_S) as direct,
@@ -81,7 +81,7 @@ async def test_a_stream_left_mid_way_finishes_into_its_session_and_replays_as_fr
                 [line] = await route_lines.wait(1)
                 assert (line["outcome"], line["status"], line["endpoint"]) == ("detached", 200, "/v1/chat/completions")
                 assert line["decoder_prompt_n"] is not None  # read from the final event, after the hang-up
-                assert running.daemon.slots.statistics().busy == 0
+                assert running.daemon.models.default.parts.slots.statistics().busy == 0
 
                 # The whole stream, from the first byte and from an offset, as the decoder replays it.
                 mine, theirs = await replay(front, "conv-a"), await replay(direct, "conv-a")
@@ -118,7 +118,7 @@ async def test_a_stop_ends_a_detached_stream_and_frees_its_slot(short_dir: Path,
         async with run_daemon(config) as running, httpx.AsyncClient(base_url=running.url, timeout=DEADLINE_S) as front:
             await hang_up_mid_stream(running, "conv-b", chat_body(**ENDLESS))
             # Detached, not cancelled: the slot stays held while the decoder goes on.
-            assert running.daemon.slots.statistics().busy == 1
+            assert running.daemon.models.default.parts.slots.statistics().busy == 1
             assert route_lines.lines == []
             status, sessions = await lookup(front, "conv-b")
             assert (status, [s["is_done"] for s in sessions]) == (200, [False])
@@ -135,7 +135,7 @@ async def test_a_stop_ends_a_detached_stream_and_frees_its_slot(short_dir: Path,
                 await receive_until(raw, buffer, b"\r\n0\r\n\r\n")
             [line] = await route_lines.wait(1)
             assert (line["outcome"], line["status"]) == ("detached", 200)
-            await wait_until(lambda: running.daemon.slots.statistics().busy == 0)
+            await wait_until(lambda: running.daemon.models.default.parts.slots.statistics().busy == 0)
             assert await lookup(front, "conv-b") == (200, [])
 
 
@@ -155,7 +155,7 @@ async def test_every_route_onebitd_relays_or_routes_is_one_the_real_llama_server
     assert len(passed) >= 35
     with trio.fail_after(DEADLINE_S):
         async with run_daemon(config) as running:
-            transport = unix_transport(running.daemon.launcher.socket)
+            transport = unix_transport(running.daemon.models.default.parts.launcher.socket)
             async with httpx.AsyncClient(transport=transport, base_url="http://decoder", timeout=DEADLINE_S) as direct:
                 answers = {}
                 for method, path in passed:

@@ -54,7 +54,7 @@ def rig(route_rig: RouteRig) -> RouteRig:
 @pytest.fixture
 def fast_connect_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
     # A decoder that never connects is waited for this long; the daemon reads it when it starts.
-    monkeypatch.setattr("supervisor.models.model.SHARE_CONNECT_TIMEOUT_S", 0.5)
+    monkeypatch.setattr("supervisor.models.parts.SHARE_CONNECT_TIMEOUT_S", 0.5)
 
 
 def open_fds() -> list[str]:
@@ -274,7 +274,7 @@ async def test_a_remembered_refusal_asks_the_decoder_no_more_until_it_restarts(r
     rig.control.set(decoder=DecoderModes(kvshare_refuse=True))
     with trio.fail_after(TIMEOUT):
         async with run_daemon(rig.config()) as running, client_for(running, timeout=TIMEOUT) as client:
-            decoder = running.daemon.decoder
+            decoder = running.daemon.models.default.decoder
             assert await complete(client) == plain_reply()
             assert len(rig.decoder("share")) == 1
             # The decoder would share now; the refusal is remembered for its process all the same.
@@ -311,8 +311,8 @@ async def test_a_client_gone_during_the_shared_prefill_kills_the_provider_and_le
             await hang_up_when(running, BODY, lambda: len(rig.control.written()) == 1)
             [line] = await rig.route_lines.wait(1)
             assert (line["outcome"], line["status"]) == ("cancelled", 499)
-            assert running.daemon.slots.statistics().busy == 0
-            assert running.daemon.providers.all[0].busy == 0
+            assert running.daemon.models.default.parts.slots.statistics().busy == 0
+            assert running.daemon.models.default.parts.providers.all[0].busy == 0
             [pid] = rig.provider_pids()
             assert reaped(pid)
             assert rig.leftovers() == []

@@ -28,7 +28,7 @@ async def save_prefills(runtime: Path) -> dict[str, Path]:
     config = make_config(runtime, model={"parallel": 3, "ctx_size": 3072}, decoder={"threads": 2})
     saved: dict[str, Path] = {}
     async with run_daemon(config) as running:
-        client = running.daemon.client
+        client = running.daemon.models.default.client
         for slot, (name, prompt) in enumerate([("a", PROMPT), ("b", PROMPT), ("other", OTHER)]):
             status, _ = await client.post_json(
                 "/completion", {"prompt": prompt, "n_predict": 0, "id_slot": slot, "cache_prompt": True}
@@ -36,7 +36,7 @@ async def save_prefills(runtime: Path) -> dict[str, Path]:
             assert status == 200
             status, reply = await client.post_json(f"/slots/{slot}?action=save", {"filename": f"{name}.state"})
             assert status == 200, reply
-            saved[name] = running.daemon.state_dir / f"{name}.state"
+            saved[name] = running.daemon.models.default.parts.state_dir / f"{name}.state"
         # The files outlive onebitd's runtime directory only if we move them out first.
         kept = {name: runtime.parent / f"{runtime.name}-{name}.state" for name in saved}
         for name, path in saved.items():

@@ -46,9 +46,6 @@ class Managed(Protocol):
 
     route_stats: RouteStats
 
-    @property
-    def store(self) -> PrefixStore: ...
-
     def statistics(self) -> DaemonStatistics: ...
 
     def inflight_count(self) -> int: ...
@@ -61,8 +58,8 @@ class Managed(Protocol):
 
     def reload(self) -> dict[str, Any]: ...
 
-    def store_of(self, name: str) -> PrefixStore:
-        """A model's prefix store; ClientError for a model there is not."""
+    def store_of(self, name: str | None = None) -> PrefixStore:
+        """A model's prefix store (None: the default model's); ClientError for a model there is not."""
         ...
 
     async def load(self, name: str) -> ModelStatistics: ...
@@ -218,9 +215,7 @@ async def verb_cache_clear(daemon: Managed, args: dict[str, Any], send: Send) ->
 def _store(daemon: Managed, args: dict[str, Any]) -> PrefixStore:
     """The prefix store of ``args["model"]`` (each model has its own), else the default model's."""
     name = args.get("model")
-    if name is None:
-        return daemon.store
-    if not isinstance(name, str):
+    if name is not None and not isinstance(name, str):
         raise AdminError("model must be the name of a model")
     try:
         return daemon.store_of(name)

@@ -136,6 +136,15 @@ def llama_server(binary: str, engine: str = "ggml") -> Path | None:
 # The port whose instance keeps the plain default directories (server.port's default): another
 # port's onebitd gets directories of its own, so that two can run side by side unconfigured.
 DEFAULT_PORT = 8080
+# Where onebitd and onebitctl read the config when neither --config nor $ONEBIT_CONFIG names one.
+DEFAULT_CONFIG = "/etc/onebit/onebit.toml"
+# The admin socket's name in the runtime directory: onebitd listens there, onebitctl looks there.
+ADMIN_SOCKET = "admin.sock"
+
+
+def config_file() -> str:
+    """The config file onebitd reads when --config names none: $ONEBIT_CONFIG, else :data:`DEFAULT_CONFIG`."""
+    return os.environ.get("ONEBIT_CONFIG", DEFAULT_CONFIG)
 
 
 def _instance(name: str, port: int) -> str:

@@ -81,6 +81,17 @@ def specs(config: Config) -> tuple[ModelSpec, ...]:
     return tuple(result)
 
 
+def table_now(config: Config, spec: ModelSpec) -> ModelConfig:
+    """What the running ``config`` says of ``spec``'s model now, found by its name (a reload swaps
+    the config whole); the table it started with when the config no longer has it."""
+    if not config.model_tables:
+        return config.model
+    for table in config.model_tables:
+        if model_name(table) == spec.name:
+            return table
+    return spec.table
+
+
 def shared_providers(config: Config) -> frozenset[str]:
     """The providers that several ``[[model]]`` tables name: each runs for one model at a time
     (supervisor/providers/seat.py).  The default model's implicit share is only those no other

@@ -15,6 +15,7 @@ The sidecar is never rewritten: when an entry was last used is its state file's 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -28,6 +29,7 @@ from typing import Any
 import attrs
 
 from ..llama import statefile
+from ..supervise import lockfile
 from .index import token_key
 
 log = logging.getLogger("onebit.prefix")
@@ -268,3 +270,25 @@ def probe(disk: Disk, directory: Path) -> None:
     probe_file = directory / f"{TEMP_PREFIX}probe-{os.getpid()}-{time.monotonic_ns()}"
     disk.write(probe_file, b"")
     probe_file.unlink()
+
+
+def lock(disk: Disk, directory: Path) -> tuple[Path, int]:
+    """Make and probe the directory, and hold its lock (one onebitd per store): its absolute path
+    and the lock's fd."""
+    directory = directory.absolute()
+    probe(disk, directory)
+    try:
+        return directory, lockfile.hold(directory / ".lock")
+    except lockfile.LockHeld:
+        raise OSError("in use by another onebitd (its .lock is held)") from None
+
+
+def discard(path: Path) -> None:
+    """The file put_file was handed, when it did not move into the store (a tmpfs: no thread)."""
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+def remove_all(directory: Path, keys: list[str]) -> None:
+    for key in keys:
+        remove(directory, key)

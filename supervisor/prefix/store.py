@@ -20,8 +20,6 @@ cannot work is disabled (one log line) and the daemon goes on without it.
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import functools
 import logging
 import os
 import time
@@ -33,14 +31,14 @@ from pathlib import Path
 import attrs
 import trio
 
-from ..config import Config, locate
 from ..errors import PrefixStoreError
 from ..llama.llama_server import StateFingerprint
 from . import files as prefix_files
 from .files import Disk, Entry
 from .index import PrefixIndex, token_key
+from .statistics import Counts, StoreStatistics
 
-__all__ = ["Entry", "PrefixStore", "StoreStatistics", "open_prefix_store"]
+__all__ = ["Entry", "PrefixStore", "StoreStatistics"]
 
 log = logging.getLogger("onebit.prefix")
 
@@ -49,44 +47,9 @@ log = logging.getLogger("onebit.prefix")
 MAX_PENDING_PUTS = 3
 
 
-@attrs.frozen
-class StoreStatistics:
-    enabled: bool
-    directory: str | None
-    entries: int
-    bytes: int  # on disk now, entries dropped while pinned included
-    max_bytes: int
-    pinned: int  # entries in use by a restore
-    hits: int
-    misses: int
-    evictions: int
-    stores: int
-    duplicates: int  # puts of tokens already stored: no-ops
-    skipped: int  # puts refused by policy: shorter than min_tokens, larger than max_bytes, no room
-    store_failures: int  # puts that failed on the disk (ENOSPC, EIO, ...): the entry dropped
-    drops: int  # entries dropped by the caller (a refused restore) or at open
-    restores: int
-    restore_ms_mean: float | None
-    restore_ms_last: float | None
-
-
-@attrs.define
-class _Counts:
-    hits: int = 0
-    misses: int = 0
-    evictions: int = 0
-    stores: int = 0
-    duplicates: int = 0
-    skipped: int = 0
-    store_failures: int = 0
-    drops: int = 0
-    restores: int = 0
-    restore_ms_total: float = 0.0
-    restore_ms_last: float | None = None
-
-
 class PrefixStore:
-    """Create with :meth:`open` (or :func:`open_prefix_store`), or :meth:`disabled`; :meth:`close` when done."""
+    """Create with :meth:`open` (or supervisor/prefix/opening.py's ``open_prefix_store``), or
+    :meth:`disabled`; :meth:`close` when done."""
 
     def __init__(
         self,
@@ -109,7 +72,7 @@ class PrefixStore:
         self._pins: dict[str, int] = {}
         self._doomed: dict[str, Entry] = {}  # dropped while pinned: removed at the last release
         self._bytes = 0
-        self._counts = _Counts()
+        self._counts = Counts()
         self._write_lock = trio.Lock()
         self._pending: set[str] = set()  # keys of puts in progress, written or waiting their turn
         self._failing = False  # within a burst of failed writes: logged once
@@ -139,7 +102,7 @@ class PrefixStore:
         """
         disk = disk or Disk()
         try:
-            directory, lock_fd = await trio.to_thread.run_sync(_lock, disk, directory)
+            directory, lock_fd = await trio.to_thread.run_sync(prefix_files.lock, disk, directory)
         except OSError as exc:
             return cls.disabled(f"{directory}: {exc.strerror or exc}")
         store = cls(
@@ -154,7 +117,7 @@ class PrefixStore:
             store._add(entry)
         store._counts.drops += found.dropped
         victims = store._choose_victims(0) or []  # max_bytes lowered since they were stored
-        await trio.to_thread.run_sync(_remove_all, directory, [victim.key for victim in victims])
+        await trio.to_thread.run_sync(prefix_files.remove_all, directory, [victim.key for victim in victims])
         log.info(
             "prefix store: %s: %d entries, %d bytes of %d", directory, len(store._entries), store._bytes, max_bytes
         )
@@ -260,7 +223,7 @@ class PrefixStore:
             try:
                 stored = await self._put(tuple(tokens), path)
             finally:
-                _discard(path)
+                prefix_files.discard(path)
         return stored
 
     async def _put(self, tokens: tuple[int, ...], path: Path) -> bool:
@@ -432,65 +395,6 @@ class PrefixStore:
                 self._bytes -= entry.disk_bytes
         directory = self.directory
         with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(_remove_all, directory, [entry.key for entry in unpinned])
+            await trio.to_thread.run_sync(prefix_files.remove_all, directory, [entry.key for entry in unpinned])
         log.info("prefix store: cleared %d entries", len(keys))
         return len(keys)
-
-
-def _discard(path: Path) -> None:
-    """The file put_file was handed, when it did not move into the store (a tmpfs: no thread)."""
-    with contextlib.suppress(OSError):
-        os.unlink(path)
-
-
-def _remove_all(directory: Path, keys: list[str]) -> None:
-    for key in keys:
-        prefix_files.remove(directory, key)
-
-
-def _lock(disk: Disk, directory: Path) -> tuple[Path, int]:
-    """Make and probe the directory, and hold its lock (one onebitd per store): its absolute path
-    and the lock's fd."""
-    directory = directory.absolute()
-    prefix_files.probe(disk, directory)
-    fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise OSError("in use by another onebitd (its .lock is held)") from None
-    except OSError:
-        os.close(fd)
-        raise
-    return directory, fd
-
-
-@asynccontextmanager
-async def open_prefix_store(
-    config: Config, server_version: str, *, kv_unified: bool = False, engines: Sequence[str] = ()
-) -> AsyncIterator[PrefixStore]:
-    """The store ``[cache]`` describes, for the decoder ``config`` starts (``kv_unified``, ``engines``:
-    what the daemon resolved, for the fingerprint); closed on the way out.
-
-    Never raises for the file system or the model file: the store is then disabled (one log line).
-    """
-    cache = config.cache
-    store: PrefixStore
-    if not cache.enabled:
-        store = PrefixStore.disabled("cache.enabled is false", level=logging.INFO)
-    else:
-        directory = locate.prefix_store_dir(cache.dir, port=config.server.port)
-        try:
-            fingerprint = await trio.to_thread.run_sync(
-                functools.partial(StateFingerprint.of, config, server_version, kv_unified=kv_unified, engines=engines)
-            )
-        except OSError as exc:
-            store = PrefixStore.disabled(f"cannot identify the model file: {exc.strerror or exc}")
-        else:
-            store = await PrefixStore.open(
-                directory, fingerprint=fingerprint, max_bytes=cache.max_bytes, min_tokens=cache.min_tokens
-            )
-    try:
-        yield store
-    finally:
-        store.close()

@@ -209,38 +209,21 @@ class ShareHandoff:
         try:
             if not provider.supports_share:
                 # Nothing was written into the region: the file route costs no second prefill.
-                await self._erase(slot)
-                return Outcome(
-                    Route.SHARE,
-                    Step.SHARE_HANDSHAKE,
-                    Reason.SHARE_UNSUPPORTED,
-                    f"provider {provider.name} cannot write a shared region",
-                    share_ms=share_ms,
-                )
+                why = f"provider {provider.name} cannot write a shared region"
+                return await self._failed(slot, Step.SHARE_HANDSHAKE, Reason.SHARE_UNSUPPORTED, why, share_ms=share_ms)
             job = ShareJob(
                 req, self.model, self.n_ctx, tuple(tokens), region.share_id, region.layout, tuple(region.fds)
             )
             done = await prefill(provider, job, timeout_s=timeout_s, where=" into the shared region")
             if done.reason is not None:
-                await self._erase(slot)
-                return Outcome(
-                    Route.SHARE,
-                    Step.SHARE_PREFILL,
-                    done.reason,
-                    done.why,
-                    prefill_ms=done.prefill_ms,
-                    share_ms=share_ms,
+                return await self._failed(
+                    slot, Step.SHARE_PREFILL, done.reason, done.why, prefill_ms=done.prefill_ms, share_ms=share_ms
                 )
             refused = await decoder.adopt(self.client, slot, region.share_id, tokens)
             if refused is not None:
-                await self._erase(slot)
-                return Outcome(
-                    Route.SHARE,
-                    Step.ADOPT,
-                    Reason.ADOPT_REFUSED,
-                    f"{refused.what}: {refused.answer}",
-                    prefill_ms=done.prefill_ms,
-                    share_ms=share_ms,
+                why = f"{refused.what}: {refused.answer}"
+                return await self._failed(
+                    slot, Step.ADOPT, Reason.ADOPT_REFUSED, why, prefill_ms=done.prefill_ms, share_ms=share_ms
                 )
             return Outcome(Route.SHARE, prefill_ms=done.prefill_ms, share_ms=share_ms, evaluated=done.evaluated)
         except BaseException:
@@ -252,6 +235,13 @@ class ShareHandoff:
             raise
         finally:
             region.close()
+
+    async def _failed(
+        self, slot: int, step: Step, reason: Reason, why: str, *, share_ms: float, prefill_ms: float | None = None
+    ) -> Outcome:
+        """A share that failed after its handshake: the slot erased, and the step, reason and words."""
+        await self._erase(slot)
+        return Outcome(Route.SHARE, step, reason, why, prefill_ms=prefill_ms, share_ms=share_ms)
 
     async def _erase(self, slot: int) -> None:
         # The decoder lent this slot's cells; whatever a provider left there must not be decoded from.

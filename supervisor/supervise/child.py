@@ -11,7 +11,6 @@ import enum
 import functools
 import logging
 import math
-import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Protocol
@@ -22,6 +21,7 @@ import trio
 from ..config import HealthPolicy, RestartPolicy
 from ..errors import ChildError
 from .process import ChildProcess, describe_exit
+from .states import StateMachine
 
 log = logging.getLogger("onebit.child")
 
@@ -126,12 +126,9 @@ class Child:
         self.cpu_affinity = tuple(cpu_affinity)
         self._on_transition = on_transition
         self._sleep = sleep
-        self._state = ChildState.STOPPED
-        self._state_since = time.time()
-        self._changed = trio.Event()
+        self._lifecycle = StateMachine(self.name, TRANSITIONS, ChildState.STOPPED)
         self._process: ChildProcess | None = None
         self._restarts = 0
-        self._transitions = 0
         self._last_exit: str | None = None
         # Set when the first start is over, healthy or not: what readiness waits for.
         self._first_start = trio.Event()
@@ -143,16 +140,14 @@ class Child:
 
     @property
     def state(self) -> ChildState:
-        return self._state
+        return self._lifecycle.state
 
     @property
     def pid(self) -> int | None:
         return self._process.pid if self._process is not None else None
 
     async def wait_state(self, *states: ChildState) -> ChildState:
-        while self._state not in states:
-            await self._changed.wait()
-        return self._state
+        return await self._lifecycle.wait_for(*states)
 
     async def wait_first_start(self) -> None:
         """Until the first start is over: the child became healthy, or that life ended."""
@@ -161,33 +156,26 @@ class Child:
     def statistics(self) -> ChildStatistics:
         return ChildStatistics(
             name=self.name,
-            state=self._state.value,
+            state=self._lifecycle.state.value,
             pid=self.pid,
             restarts=self._restarts,
             generation=self.generation,
             last_exit=self._last_exit,
-            state_since=self._state_since,
-            transitions=self._transitions,
+            state_since=self._lifecycle.since,
+            transitions=self._lifecycle.moves,
         )
 
     # -- the owner task -------------------------------------------------------------------------
 
     def _set(self, new: ChildState, why: str = "") -> None:
-        old = self._state
-        if new not in TRANSITIONS[old]:
-            raise AssertionError(f"{self.name}: illegal transition {old.value} -> {new.value}")
-        self._state = new
+        old = self._lifecycle.move(new)
         if old is ChildState.STARTING:
             self._first_start.set()
-        self._state_since = time.time()
-        self._transitions += 1
         log.log(
             _LEVEL.get(new, logging.INFO), "%s: %s -> %s%s", self.name, old.value, new.value, f" ({why})" if why else ""
         )
         if self._on_transition is not None:
             self._on_transition(self, old, new, why)
-        self._changed.set()
-        self._changed = trio.Event()
 
     async def run(self, *, task_status: trio.TaskStatus[Child] = trio.TASK_STATUS_IGNORED) -> None:
         """Supervise until cancelled.  ``started`` once the first spawn was attempted."""
@@ -217,7 +205,7 @@ class Child:
                 backoff = min(backoff * 2, self.restart.backoff_max_s)
                 self._restarts += 1
         finally:
-            if self._state is not ChildState.STOPPING:
+            if self._lifecycle.state is not ChildState.STOPPING:
                 self._set(ChildState.STOPPING)
             self._set(ChildState.STOPPED)
 

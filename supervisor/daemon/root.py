@@ -1,16 +1,14 @@
-"""onebitd: the root of the supervision tree.
+"""The root of the supervision tree: :class:`Daemon` builds the models, the front and the admin
+socket from one config and runs them in order.
 
-    onebitd (trio.run) ─ nursery
-    ├── signals                     SIGTERM/SIGINT: stop accepting, finish in-flight, stop children;
-    │                               SIGHUP: reload
-    └── Daemon.run ─ a nursery
-        ├── Models.run              the scheduler: loads on demand, unloads (LRU, ttl_s), per model:
-        │   └── Model.run           its prefix store; per load: its decoder's Child (llama-server on
-        │                           <runtime>/decoder.sock, or <runtime>/model-NAME/), its
-        │                           providers, its Completions (supervisor/models/model.py)
-        ├── AdminServer.run         <runtime>/admin.sock: onebitctl's verbs
-        ├── Front.run               HttpServer on server.host:port; one cancel scope per request
-        └── _announce               READY=1 and STATUS= for systemd, once the preloaded models settled
+    Daemon.run ─ a nursery
+    ├── Models.run              the scheduler: loads on demand, unloads (LRU, ttl_s), per model:
+    │   └── Model.run           its prefix store; per load: its decoder's Child (llama-server on
+    │                           <runtime>/decoder.sock, or <runtime>/model-NAME/), its
+    │                           providers, its Completions (supervisor/models/model.py)
+    ├── AdminServer.run         <runtime>/admin.sock: onebitctl's verbs
+    ├── Front.run               HttpServer on server.host:port; one cancel scope per request
+    └── _announce               READY=1 and STATUS= for systemd, once the preloaded models settled
 
 Start order: the runtime directory's lock, then the front's sockets are bound (a port in use
 stops onebitd before any child is started), then every model's prefix store is opened and the
@@ -21,19 +19,18 @@ preloaded model's first load is over).  Shutdown is the reverse: the front stops
 waits for in-flight requests up to ``server.shutdown_grace_s``, then the nursery is cancelled,
 every child is stopped and reaped under a shielded scope, and the sockets and lock onebitd made
 are removed.
+
+The running config is one :class:`~supervisor.config.live.Settings`: every part reads the live
+keys from it at each use, and a reload swaps it.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import fcntl
 import logging
 import os
-import signal
-import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -41,36 +38,34 @@ from typing import Any
 import attrs
 import trio
 
-from . import __version__
-from . import config as configuration
-from .admin.verbs import AdminServer
-from .api.front import Front, ProviderReadiness
-from .api.vertex import Vertex
-from .config import Config, locate, modelspec
-from .errors import ChildError, ConfigError, ListenError, RuntimeDirInUse
-from .llama.decoder import DecoderClient
-from .llama.llama_server import LlamaServerLauncher, server_version
-from .llama.slots import SlotPool
-from .models import memory
-from .models.model import SHARE_CONNECT_TIMEOUT_S, Model, ModelState, share_enabled
-from .models.registry import Models
-from .observe import logs
-from .observe.metrics import LiveStatistics, Metrics
-from .observe.routestats import RouteStats
-from .observe.status import DaemonInfo, DaemonStatistics, ModelStatistics
-from .prefix.store import PrefixStore, open_prefix_store
-from .providers import Providers
-from .providers.seat import Seats
-from .routeline import RouteLine
-from .routes.completion import Completions, Hybrid
-from .supervise.child import Child, ChildState
-from .supervise.notify import Notifier, run_watchdog, watchdog_interval
+from .. import __version__
+from .. import config as configuration
+from ..admin.verbs import AdminServer
+from ..api.front import Front, ProviderReadiness
+from ..api.vertex import Vertex
+from ..config import Config, locate, modelspec
+from ..config.live import Settings
+from ..errors import ChildError, ConfigError, RuntimeDirInUse
+from ..llama.llama_server import server_version
+from ..llama.slots import SlotStatistics
+from ..models import memory
+from ..models.model import Model, ModelState
+from ..models.registry import Models
+from ..observe import logs
+from ..observe.metrics import LiveStatistics, Metrics
+from ..observe.routestats import RouteStats
+from ..observe.status import DaemonInfo, DaemonStatistics, ModelStatistics
+from ..prefix.opening import open_prefix_store
+from ..prefix.store import PrefixStore
+from ..providers.seat import Seats
+from ..routeline import RouteLine
+from ..supervise import lockfile
+from ..supervise.child import Child, ChildState
+from ..supervise.notify import Notifier, run_watchdog, watchdog_interval
 
 log = logging.getLogger("onebit.daemon")
 
-DEFAULT_CONFIG = "/etc/onebit/onebit.toml"
-
-__all__ = ["SHARE_CONNECT_TIMEOUT_S", "Daemon", "Started", "share_enabled"]
+LOCK_NAME = "onebitd.lock"
 
 
 @attrs.frozen
@@ -79,26 +74,26 @@ class Started:
     runtime_dir: Path
 
 
-LOCK_NAME = "onebitd.lock"
-
-
 def lock_runtime_dir(path: Path) -> int:
     """Hold ``onebitd.lock`` for our lifetime: a second daemon on the same directory would remove
     the first one's state files and sockets.  Returns the fd (the lock goes with the process)."""
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
-        os.close(fd)
+        return lockfile.hold(path / LOCK_NAME)
+    except lockfile.LockHeld as held:
         raise RuntimeDirInUse(
-            f"server.runtime_dir: another onebitd (pid {holder}) is using {path}; "
+            f"server.runtime_dir: another onebitd (pid {held.holder}) is using {path}; "
             "give this one a runtime directory of its own"
         ) from None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
-    return fd
+
+
+def every_slot(pools: list[SlotStatistics]) -> SlotStatistics:
+    """Every model's slots as one pool (one model: its own, unchanged)."""
+    if len(pools) == 1:
+        return pools[0]
+    fields = [f.name for f in attrs.fields(SlotStatistics) if f.name != "queue_limit"]
+    sums = {name: sum(getattr(pool, name) for pool in pools) for name in fields}
+    return SlotStatistics(**sums, queue_limit=pools[0].queue_limit)
 
 
 # How often STATUS= is refreshed for `systemctl status`.
@@ -116,7 +111,7 @@ class Daemon:
     ) -> None:
         """``check_fidelity`` false: providers on another engine are admitted without the start-time
         check (a benchmark or a test that measures fidelity itself)."""
-        self.config = config
+        self.settings = Settings(config)
         self.check_fidelity = check_fidelity
         self.config_path = config_path
         self.notifier = notifier or Notifier("")
@@ -124,13 +119,13 @@ class Daemon:
         self.seats = Seats()  # the providers several models name, one device each
         self.models = Models(
             [self._model(spec) for spec in modelspec.specs(config)],
-            live=lambda: self.config,
+            live=self.settings,
             several=bool(config.model_tables),
         )
         self.route_stats = RouteStats()
         self.metrics = Metrics(self._metrics_snapshot)
         self.front = Front(
-            lambda: self.config.server,
+            self.settings.server,
             models=self.models,
             emit=self._on_route_line,
             metrics=self.metrics.render,
@@ -139,12 +134,12 @@ class Daemon:
             # llama-server does under it (supervisor/api/vertex.py).
             vertex=Vertex.from_environ(os.environ),
         )
-        self.admin = AdminServer(self, self.runtime_dir / "admin.sock")
+        self.admin = AdminServer(self, self.runtime_dir / locate.ADMIN_SOCKET)
         self._version: str | None = None
         self._version_problem = "not asked yet"
         self._stop = trio.Event()
         self.ready = trio.Event()  # READY=1 was sent
-        self._providers_settled = not self.default.parts.provider_children()
+        self._providers_settled = not self.models.default.parts.provider_children()
         self._started_at = time.time()
         self._started_clock = 0.0
         self.stopping = False
@@ -154,57 +149,16 @@ class Daemon:
         return Model(
             spec,
             runtime_dir=self.runtime_dir,
-            live=lambda: self.config,
+            settings=self.settings,
             estimate_mib=memory.estimate_mib(spec),
             check_fidelity=self.check_fidelity,
             seats=self.seats,
         )
 
-    # -- the default model's parts: what one model's daemon had (tests, onebitctl, the admin verbs) --
-
     @property
-    def default(self) -> Model:
-        return self.models.default
-
-    @property
-    def decoder(self) -> Child:
-        return self.default.decoder
-
-    @property
-    def client(self) -> DecoderClient:
-        return self.default.client
-
-    @property
-    def launcher(self) -> LlamaServerLauncher:
-        return self.default.parts.launcher
-
-    @property
-    def slots(self) -> SlotPool:
-        return self.default.parts.slots
-
-    @property
-    def providers(self) -> Providers:
-        return self.default.parts.providers
-
-    @property
-    def hybrid(self) -> Hybrid | None:
-        return self.default.parts.hybrid
-
-    @property
-    def completions(self) -> Completions:
-        return self.default.completions
-
-    @property
-    def state_dir(self) -> Path:
-        return self.default.parts.state_dir
-
-    @property
-    def store(self) -> PrefixStore:
-        return self.default.store
-
-    @property
-    def kv_unified(self) -> bool:
-        return self.default.kv_unified
+    def config(self) -> Config:
+        """The running config (a reload swaps it)."""
+        return self.settings()
 
     # -- what the admin verbs and the metrics read -------------------------------------------------
 
@@ -215,13 +169,10 @@ class Daemon:
     def children(self) -> list[Child]:
         return [child for model in self.models.all for child in model.children()]
 
-    def _provider_children(self) -> list[Child]:
-        return self.default.parts.provider_children()
-
     def provider_readiness(self) -> ProviderReadiness:
         return ProviderReadiness(
             settled=self._providers_settled,
-            not_ready=tuple(p.name for p in self.providers.all if not p.ready),
+            not_ready=tuple(p.name for p in self.models.default.parts.providers.all if not p.ready),
         )
 
     def state(self) -> str:
@@ -234,7 +185,7 @@ class Daemon:
             if self.models.settled.is_set():
                 return "failed" if states == {ModelState.FAILED} else "serving"
             return "loading"
-        decoder = self.decoder.state
+        decoder = self.models.default.decoder.state
         if decoder is ChildState.READY and self._providers_settled:
             return "serving"
         if decoder is ChildState.FAILED:
@@ -256,8 +207,8 @@ class Daemon:
         return DaemonStatistics(
             daemon=info,
             children=tuple(child.statistics() for child in self.children()),
-            providers=tuple(self.providers.statistics()),
-            slots=self.slots.statistics(),
+            providers=tuple(p for model in self.models.all for p in model.parts.providers.statistics()),
+            slots=every_slot([model.parts.slots.statistics() for model in self.models.all]),
             inflight=self.front.statistics().inflight,
             restore_unused=sum(model.completions.restore_unused for model in self.models.all),
             routes=routes.routes,
@@ -266,18 +217,21 @@ class Daemon:
             first_byte=routes.first_byte,
             watchers=routes.watchers,
             watch_dropped=routes.watch_dropped,
-            store=self.store.statistics(),
+            store=self.models.default.store.statistics(),
             models=self.models.statistics(),
         )
 
     def _metrics_snapshot(self) -> LiveStatistics:
+        """/metrics' figures: the slots, store and providers families are the default model's
+        (each model's are its ``onebit_model_*`` families)."""
+        default = self.models.default
         return LiveStatistics(
             children=tuple(child.statistics() for child in self.children()),
-            slots=self.slots.statistics(),
+            slots=default.parts.slots.statistics(),
             front=self.front.statistics(),
             restore_unused=sum(model.completions.restore_unused for model in self.models.all),
-            store=self.store.statistics(),
-            providers=tuple(self.providers.statistics()),
+            store=default.store.statistics(),
+            providers=tuple(default.parts.providers.statistics()),
             models=self.models.statistics(),
         )
 
@@ -299,8 +253,9 @@ class Daemon:
             self.front.resume()
         self._update_status()
 
-    def store_of(self, name: str) -> PrefixStore:
-        return self.models.named(name).store
+    def store_of(self, name: str | None = None) -> PrefixStore:
+        """A model's prefix store (None: the default model's); ClientError for a model there is not."""
+        return self.models.default.store if name is None else self.models.named(name).store
 
     async def load(self, name: str) -> ModelStatistics:
         return (await self.models.load(name)).statistics()
@@ -330,8 +285,8 @@ class Daemon:
         return {"applied": applied, "restart_needed": restart}
 
     def _apply(self, config: Config) -> None:
-        # The one swap: the front, the completions and the slots read self.config at each request.
-        self.config = config
+        # The one swap: every part reads the settings at each use.
+        self.settings.swap(config)
         logs.setup(config.log.format, config.log.level)
         if self.models.several:
             # Models added or removed: the others are not touched.
@@ -350,7 +305,7 @@ class Daemon:
             counts = ", ".join(f"{route} {n}" for route, n in sorted(self.route_stats.routes.items())) or "none yet"
             self.notifier.status(f"serving: {self.inflight_count()} in flight; requests: {counts}")
         else:
-            self.notifier.status(f"{state}: decoder {self.decoder.state.value}")
+            self.notifier.status(f"{state}: decoder {self.models.default.decoder.state.value}")
 
     # -- the tree ----------------------------------------------------------------------------------
 
@@ -454,11 +409,11 @@ class Daemon:
         if self.models.several:
             await self.models.settled.wait()
         else:
-            for provider in self.providers.all:
+            for provider in self.models.default.parts.providers.all:
                 await provider.wait_settled()
             self._providers_settled = True
-            await self.decoder.wait_state(ChildState.READY)
-        not_ready = [p for p in self.providers.all if not p.ready]
+            await self.models.default.decoder.wait_state(ChildState.READY)
+        not_ready = [p for p in self.models.default.parts.providers.all if not p.ready]
         for provider in not_ready:
             if provider.statistics().refused is not None:
                 continue  # its refusal was logged, one line, with why
@@ -480,85 +435,12 @@ class Daemon:
                     run_watchdog,
                     self.notifier,
                     interval,
-                    lambda: self.decoder.state in (ChildState.STARTING, ChildState.READY) or self.models.several,
+                    self._alive,
                 )
             while True:
                 await trio.sleep(STATUS_INTERVAL_S)
                 self._update_status()
 
-
-async def _serve(config: Config, config_path: str) -> None:
-    notifier = Notifier()
-    daemon = Daemon(config, config_path=config_path, notifier=notifier)
-    async with trio.open_nursery() as nursery:
-
-        async def on_signals() -> None:
-            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
-                async for signum in signals:
-                    log.info("received %s", signal.Signals(signum).name)
-                    if signum == signal.SIGHUP:
-                        with contextlib.suppress(ConfigError):  # Daemon.reload logged why
-                            daemon.reload()
-                    else:
-                        daemon.request_stop()
-
-        nursery.start_soon(on_signals)
-        try:
-            await daemon.run()
-        finally:
-            nursery.cancel_scope.cancel()
-            notifier.close()
-
-
-def local_url(config: Config) -> str:
-    """Where a client on this machine reaches the first address of ``server.host`` on
-    ``server.port`` (scripts/run's banner): a wildcard bind answers on loopback too."""
-    host = config.server.host[0].strip("[]")
-    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
-    return f"http://[{host}]:{config.server.port}" if ":" in host else f"http://{host}:{config.server.port}"
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="onebitd", description="onebit supervisor daemon")
-    parser.add_argument("--config", default=os.environ.get("ONEBIT_CONFIG", DEFAULT_CONFIG), help="TOML file")
-    parser.add_argument("--check-config", metavar="FILE", help="check FILE and exit (0: good)")
-    parser.add_argument("--log-format", choices=("logfmt", "json"), help="overrides log.format")
-    parser.add_argument("--version", action="version", version=f"onebitd {__version__}")
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    path = args.check_config or args.config
-    try:
-        config = configuration.load(path)
-    except ConfigError as exc:
-        for line in exc.lines:
-            print(f"onebitd: {line}", file=sys.stderr)
-        return 2
-    if args.check_config:
-        print(f"{path}: ok")
-        return 0
-    logs.setup(args.log_format or config.log.format, config.log.level)
-    status = 0
-    try:
-        trio.run(_serve, config, path)
-    except* (ChildError, RuntimeDirInUse, ListenError) as group:
-        # The one place start-up errors are printed: each one line, however deep in the nurseries'
-        # exception groups it was raised.  Those that name a config key name the file too.
-        for refused in leaves(group):
-            where = f"{path}: " if isinstance(refused, RuntimeDirInUse | ListenError) else ""
-            print(f"onebitd: {where}{refused}", file=sys.stderr)
-        status = 1
-    return status
-
-
-def leaves(error: BaseException) -> list[BaseException]:
-    """The exceptions an exception group holds, at any depth; an exception that is none, itself."""
-    if isinstance(error, BaseExceptionGroup):
-        return [leaf for sub in error.exceptions for leaf in leaves(sub)]
-    return [error]
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    def _alive(self) -> bool:
+        """What the systemd watchdog asks: a decoder starting or ready (several models: always)."""
+        return self.models.several or self.models.default.decoder.state in (ChildState.STARTING, ChildState.READY)

@@ -1,0 +1,224 @@
+"""One load of a model: its decoder's client, launcher and Child, the slot pool, the providers, the
+hybrid routes and the completions, built afresh per load (a child, a client or a provider lives for
+one load); the providers' start-time check; the slots kept in the prefix store before an unload.
+
+Each part reads the live keys from the daemon's :class:`~supervisor.config.live.Settings` at each
+use; what a load fixes for its life (the decoder's command line, the slot count, the providers) comes
+from the model's one-model config (supervisor/config/modelspec.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import trio
+
+from ..config import Config, ProviderConfig, modelspec
+from ..config import ExecProvider as ExecProviderConfig
+from ..config import LlamaServerProvider as LlamaServerProviderConfig
+from ..config.live import Settings
+from ..config.modelspec import ModelSpec
+from ..errors import ProviderStateRefused
+from ..llama import openvino
+from ..llama.decoder import DecoderClient
+from ..llama.llama_server import LlamaServerLauncher, connection_limit, model_alias
+from ..llama.slots import SlotPool
+from ..prefix.store import PrefixStore
+from ..providers import Provider, Providers
+from ..providers.exec import ExecProvider
+from ..providers.llama import LlamaServerProvider
+from ..providers.seat import Seats, Tenant
+from ..providers.worker import WorkerProvider
+from ..routes import fidelity
+from ..routes.completion import Completions, Hybrid
+from ..routes.file import FileHandoff
+from ..routes.share import ShareHandoff, ShareHandshake
+from ..routes.stored import StoredPrefixes
+from ..supervise.child import Child, ChildState
+
+log = logging.getLogger("onebit.model")
+
+# The decoder connects back to our share socket right after answering ?action=share; a local
+# connect that takes longer than this will not come.
+SHARE_CONNECT_TIMEOUT_S = 5.0
+
+
+def share_enabled(config: Config) -> bool:
+    """``ONEBIT_KV_SHARE`` (1 or 0), when set, wins over ``hybrid.mode``."""
+    env = os.environ.get("ONEBIT_KV_SHARE")
+    if env is not None and env.strip() != "":
+        return env.strip() not in ("0", "false", "no", "off")
+    return config.hybrid.mode == "share"
+
+
+class Parts:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        *,
+        runtime_dir: Path,
+        settings: Settings,
+        kv_unified: bool,
+        check_fidelity: bool,
+        on_decoder: Callable[[Child, ChildState, ChildState, str], None],
+        seats: Seats | None = None,
+        model_idle: Callable[[], bool] = lambda: True,
+    ) -> None:
+        config = spec.config
+        self.config = config
+        self.runtime_dir = runtime_dir
+        self.state_dir = runtime_dir / "state"
+        self.check_fidelity = check_fidelity
+        self.settings = settings
+        # The one client of the decoder: the launcher health-checks through it, and every request,
+        # handoff and pass-through uses it.
+        self.client = DecoderClient(
+            runtime_dir / "decoder.sock", max_connections=connection_limit(config.model.parallel)
+        )
+        self.launcher = LlamaServerLauncher(
+            "decoder" if not spec.subdir else f"decoder-{spec.name}",
+            config,
+            binary=config.decoder.binary,
+            client=self.client,
+            slot_save_path=self.state_dir,
+            threads=config.decoder.threads,
+            extra_args=config.decoder.extra_args,
+            # The patched decoder keeps its KV on lendable memfd regions only when the share route can run.
+            kv_share=share_enabled(config) and config.hybrid.enabled and bool(config.provider),
+            kv_unified=kv_unified,
+        )
+        self.decoder = Child(
+            self.launcher,
+            config.decoder.health,
+            config.decoder.restart,
+            cpu_affinity=config.decoder.cpu_affinity,
+            on_transition=on_decoder,
+        )
+        self.slots = SlotPool(config.model.parallel, settings.queue_limit)
+        # A provider several models name is a seat of one device (providers/seat.py): this model's
+        # process on it runs only while the model holds it.
+        shared = modelspec.shared_providers(settings()) if seats is not None else frozenset()
+        self.providers = Providers(
+            [
+                Tenant(seats.get(p.name), spec.name, partial(self._shared, p), model_idle)
+                if seats is not None and p.name in shared
+                else self._provider(p, kv_unified)
+                for p in config.provider
+            ]
+        )
+        self.hybrid: Hybrid | None = None
+        if config.hybrid.enabled and self.providers.all:
+            self.hybrid = Hybrid(
+                providers=self.providers,
+                file=FileHandoff(
+                    client=self.client,
+                    state_dir=self.state_dir,
+                    model=model_alias(config),
+                    n_ctx=config.model.ctx_size,
+                ),
+                share=self._share_handoff() if share_enabled(config) else None,
+            )
+
+        self.completions = Completions(
+            decoder=self.decoder,
+            client=self.client,
+            slots=self.slots,
+            settings=settings.hybrid,
+            hybrid=self.hybrid,
+            slot_context=config.model.ctx_size // config.model.parallel,
+        )
+
+    def _share_handoff(self) -> ShareHandoff:
+        return ShareHandoff(
+            client=self.client,
+            handshake=ShareHandshake(
+                client=self.client, runtime_dir=self.runtime_dir, connect_timeout_s=SHARE_CONNECT_TIMEOUT_S
+            ),
+            model=model_alias(self.config),
+            n_ctx=self.config.model.ctx_size,
+        )
+
+    def _shared(self, spec: ProviderConfig) -> Provider:
+        """A shared provider's process for one start: the model's layout as chosen by then."""
+        return self._provider(spec, self.launcher.kv_unified)
+
+    def _provider(self, spec: ProviderConfig, kv_unified: bool) -> Provider:
+        if isinstance(spec, LlamaServerProviderConfig):
+            return LlamaServerProvider(
+                spec,
+                self.config,
+                runtime_dir=self.runtime_dir,
+                state_dir=self.state_dir,
+                kv_unified=kv_unified,
+                # The ggml engine is the decoder's own: its handoffs are exact (tests hold them to
+                # identical replies), nothing to measure at start.
+                gate=self._fidelity_gate
+                if self.check_fidelity and openvino.engine_of(spec.engine, spec.binary) != "ggml"
+                else None,
+            )
+        if isinstance(spec, ExecProviderConfig):
+            return ExecProvider(spec)
+        return WorkerProvider(spec)
+
+    async def _fidelity_gate(self, provider: Provider) -> str | None:
+        """A provider's start-time check (supervisor/routes/fidelity.py): a few prompts through the decoder's
+        three paths, in a slot held like a request's.  None: admitted; else why it is refused.
+        Raises ProviderError when it cannot finish (the decoder or the provider went away)."""
+        if self.hybrid is None:
+            return None  # no hybrid route: nothing will be handed over
+        await self.decoder.wait_state(ChildState.READY)
+        probe = fidelity.Probe(
+            client=self.client, handoff=self.hybrid.file, timeout_s=self.settings.hybrid().prefill_timeout_s
+        )
+        prompts = [await probe.tokens(text) for text in fidelity.START_PROMPTS]
+        started = trio.current_time()
+        async with self.slots.hold() as slot:
+            try:
+                samples = [
+                    await probe.sample(provider, slot, tokens, req=f"fidelity-{provider.name}-{i}")
+                    for i, tokens in enumerate(prompts)
+                ]
+            except ProviderStateRefused as exc:
+                return str(exc)
+            finally:
+                self.slots.forget(slot)
+        verdict = fidelity.judge(samples)
+        if not verdict.ok:
+            return f"{verdict.summary()}: over the bound"
+        log.info("%s: admitted in %.1fs: %s", provider.name, trio.current_time() - started, verdict.summary())
+        return None
+
+    def llama_providers(self) -> list[LlamaServerProvider]:
+        """Its llama-server providers; of one several models name, this model's last start's (its
+        device and layout are chosen on it before the first start, and the fingerprint names it)."""
+        providers = [p.last if isinstance(p, Tenant) else p for p in self.providers.all]
+        return [p for p in providers if isinstance(p, LlamaServerProvider)]
+
+    def provider_children(self) -> list[Child]:
+        """The children of the providers that have one (exec providers start a process per job)."""
+        return [p.child for p in self.providers.all if p.child is not None]
+
+    def sockets(self) -> list[Path]:
+        return [self.client.socket, *(p.launcher.socket for p in self.llama_providers())]
+
+    async def keep_slots(self, store: PrefixStore, stored: StoredPrefixes, name: str) -> None:
+        """Before an unload: each slot whose prompt the store would keep (and does not hold yet) is
+        saved into it, awaited, so that the conversation restores from the store when its model is
+        back (instead of prefilling again).  No request holds a slot now (the scheduler unloads only
+        an unused model)."""
+        if not stored.enabled:
+            return
+        kept = 0
+        for slot in range(self.slots.n_slots):
+            tokens = self.slots.holds(slot).tokens
+            if not tokens or not stored.store.wants(tokens):
+                continue
+            path = await stored.save(slot, f"unload-{name}-{slot}")
+            if path is not None and await store.put_file(tokens, path):
+                kept += 1
+        if kept:
+            log.info("model %s: %d slot(s) kept in the prefix store before unloading", name, kept)

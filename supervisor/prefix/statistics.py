@@ -1,0 +1,44 @@
+"""The prefix store's statistics: the frozen value ``onebitctl status`` and ``/metrics`` read, and
+the running tallies the store keeps for it."""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.frozen
+class StoreStatistics:
+    enabled: bool
+    directory: str | None
+    entries: int
+    bytes: int  # on disk now, entries dropped while pinned included
+    max_bytes: int
+    pinned: int  # entries in use by a restore
+    hits: int
+    misses: int
+    evictions: int
+    stores: int
+    duplicates: int  # puts of tokens already stored: no-ops
+    skipped: int  # puts refused by policy: shorter than min_tokens, larger than max_bytes, no room
+    store_failures: int  # puts that failed on the disk (ENOSPC, EIO, ...): the entry dropped
+    drops: int  # entries dropped by the caller (a refused restore) or at open
+    restores: int
+    restore_ms_mean: float | None
+    restore_ms_last: float | None
+
+
+@attrs.define
+class Counts:
+    """What the store has done since it opened: the running tallies behind its statistics."""
+
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    stores: int = 0
+    duplicates: int = 0
+    skipped: int = 0
+    store_failures: int = 0
+    drops: int = 0
+    restores: int = 0
+    restore_ms_total: float = 0.0
+    restore_ms_last: float | None = None
