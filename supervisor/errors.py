@@ -24,7 +24,7 @@
         └── Overloaded             every slot busy and the queue full (HTTP 503)
 
 Foreign exceptions are translated into this tree at exactly one seam each: llhttp's (httptools')
-parse errors in ``http/framing.py``; the decoder socket's and a malformed reply in ``http/wire.py``;
+parse errors in ``http/framing/``; the decoder socket's and a malformed reply in ``http/wire.py``;
 OSError from process spawning in ``supervise/process.py``, from binding in ``http/server.py``, from the
 admin socket in ``admin/verbs.py``; a config file's (unreadable, not TOML, not the schema) in
 ``config/convert.py``.  Errors that
@@ -117,7 +117,7 @@ class ClientError(OnebitError):
 
 
 class Malformed(ClientError):
-    """Bytes that are not HTTP/1.1 as onebitd takes it (supervisor/http/framing.py).  ``status`` and
+    """Bytes that are not HTTP/1.1 as onebitd takes it (supervisor/http/framing/).  ``status`` and
     ``code`` are the front's answer (400, 431, 501, 505); the decoder client makes it ``DecoderUnavailable``."""
 
 

@@ -1,4 +1,4 @@
-"""supervisor/http/framing.py without sockets: a table of request and reply streams, each decided (the
+"""supervisor/http/framing/ without sockets: a table of request and reply streams, each decided (the
 requests seen, then the refusal) the same way whatever the reads it comes in, and valid streams cut
 at random points that give the same messages as whole."""
 
