@@ -8,7 +8,8 @@ onebitd (trio.run; cli.py) ─ nursery
 from ..config.locate import DEFAULT_CONFIG
 from ..models.model import SHARE_CONNECT_TIMEOUT_S, share_enabled
 from .cli import leaves, local_url, main
-from .root import LOCK_NAME, Daemon, Started, lock_runtime_dir
+from .root import Daemon, Started
+from .rundir import LOCK_NAME, lock_runtime_dir
 
 __all__ = [
     "DEFAULT_CONFIG",

@@ -26,12 +26,9 @@ keys from it at each use, and a reload swaps it.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -45,55 +42,29 @@ from ..api.front import Front, ProviderReadiness
 from ..api.vertex import Vertex
 from ..config import Config, locate, modelspec
 from ..config.live import Settings
-from ..errors import ChildError, ConfigError, RuntimeDirInUse
-from ..llama.llama_server import server_version
-from ..llama.slots import SlotStatistics
+from ..errors import ConfigError
 from ..models import memory
 from ..models.model import Model, ModelState
 from ..models.registry import Models
 from ..observe import logs
 from ..observe.metrics import LiveStatistics, Metrics
 from ..observe.routestats import RouteStats
-from ..observe.status import DaemonInfo, DaemonStatistics, ModelStatistics
-from ..prefix.opening import open_prefix_store
+from ..observe.status import DaemonInfo, DaemonStatistics, ModelStatistics, merged_slots
 from ..prefix.store import PrefixStore
 from ..providers.seat import Seats
 from ..routeline import RouteLine
-from ..supervise import lockfile
 from ..supervise.child import Child, ChildState
 from ..supervise.notify import Notifier, run_watchdog, watchdog_interval
+from . import rundir
+from .stores import Stores
 
 log = logging.getLogger("onebit.daemon")
-
-LOCK_NAME = "onebitd.lock"
 
 
 @attrs.frozen
 class Started:
     binds: list[str]
     runtime_dir: Path
-
-
-def lock_runtime_dir(path: Path) -> int:
-    """Hold ``onebitd.lock`` for our lifetime: a second daemon on the same directory would remove
-    the first one's state files and sockets.  Returns the fd (the lock goes with the process)."""
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    try:
-        return lockfile.hold(path / LOCK_NAME)
-    except lockfile.LockHeld as held:
-        raise RuntimeDirInUse(
-            f"server.runtime_dir: another onebitd (pid {held.holder}) is using {path}; "
-            "give this one a runtime directory of its own"
-        ) from None
-
-
-def every_slot(pools: list[SlotStatistics]) -> SlotStatistics:
-    """Every model's slots as one pool (one model: its own, unchanged)."""
-    if len(pools) == 1:
-        return pools[0]
-    fields = [f.name for f in attrs.fields(SlotStatistics) if f.name != "queue_limit"]
-    sums = {name: sum(getattr(pool, name) for pool in pools) for name in fields}
-    return SlotStatistics(**sums, queue_limit=pools[0].queue_limit)
 
 
 # How often STATUS= is refreshed for `systemctl status`.
@@ -135,8 +106,7 @@ class Daemon:
             vertex=Vertex.from_environ(os.environ),
         )
         self.admin = AdminServer(self, self.runtime_dir / locate.ADMIN_SOCKET)
-        self._version: str | None = None
-        self._version_problem = "not asked yet"
+        self.stores = Stores()  # each model's prefix store, opened by Model.run
         self._stop = trio.Event()
         self.ready = trio.Event()  # READY=1 was sent
         self._providers_settled = not self.models.default.parts.provider_children()
@@ -208,7 +178,7 @@ class Daemon:
             daemon=info,
             children=tuple(child.statistics() for child in self.children()),
             providers=tuple(p for model in self.models.all for p in model.parts.providers.statistics()),
-            slots=every_slot([model.parts.slots.statistics() for model in self.models.all]),
+            slots=merged_slots([model.parts.slots.statistics() for model in self.models.all]),
             inflight=self.front.statistics().inflight,
             restore_unused=sum(model.completions.restore_unused for model in self.models.all),
             routes=routes.routes,
@@ -313,21 +283,21 @@ class Daemon:
         self._stop.set()
 
     async def run(self, *, task_status: trio.TaskStatus[Started] = trio.TASK_STATUS_IGNORED) -> None:
-        lock = lock_runtime_dir(self.runtime_dir)
+        lock = rundir.lock_runtime_dir(self.runtime_dir)
         try:
             # Bound before anything that takes time starts: a port in use stops onebitd with one
             # line naming the key, and no child is started for nothing.
             self.front.bind()
         except BaseException:
-            (self.runtime_dir / LOCK_NAME).unlink(missing_ok=True)  # ours while we hold it
+            (self.runtime_dir / rundir.LOCK_NAME).unlink(missing_ok=True)  # ours while we hold it
             os.close(lock)
             raise
         self._started_clock = trio.current_time()
         clean = False
         try:
-            await self._ask_version()
+            await self.stores.ask_version(self.config)
             async with trio.open_nursery() as nursery:
-                await nursery.start(self.models.run, self._open_store)
+                await nursery.start(self.models.run, self.stores.open)
                 await nursery.start(self.admin.run)
                 async with trio.open_nursery() as front_nursery:
                     self._binds = await front_nursery.start(self.front.run)
@@ -343,51 +313,9 @@ class Daemon:
         finally:
             self.front.unbind()
             if clean:
-                self._remove_own_files()
+                rundir.remove_own_files(self.runtime_dir, self.models.all)
             os.close(lock)
             log.info("stopped")
-
-    def _remove_own_files(self) -> None:
-        """A clean stop leaves the runtime directory as it found it: the children's sockets (they
-        are stopped and reaped; llama-server leaves its socket file behind), the models' own empty
-        directories and our lock go, and nothing else in the directory is touched.  The admin
-        socket removes itself."""
-        for model in self.models.all:
-            for path in model.parts.sockets():
-                with contextlib.suppress(OSError):
-                    path.unlink(missing_ok=True)
-            if model.dir != self.runtime_dir:
-                with contextlib.suppress(OSError):
-                    (model.dir / "state").rmdir()
-                    model.dir.rmdir()
-        with contextlib.suppress(OSError):
-            (self.runtime_dir / LOCK_NAME).unlink(missing_ok=True)
-
-    async def _ask_version(self) -> None:
-        """``llama-server --version``, once, for every model's prefix store fingerprint."""
-        if not self.config.cache.enabled:
-            return
-        binary = locate.llama_server(self.config.decoder.binary)
-        try:
-            if binary is None:
-                raise ChildError("no llama-server binary")
-            self._version = await server_version(binary)
-        except ChildError as exc:
-            self._version_problem = f"cannot tell the decoder's version: {exc}"
-
-    @asynccontextmanager
-    async def _open_store(self, model: Model) -> AsyncIterator[PrefixStore]:
-        """The prefix store ``[cache]`` describes for ``model``; off (one log line) when it cannot work."""
-        config = model.spec.config
-        if not config.cache.enabled:
-            yield PrefixStore.disabled("cache.enabled is false", level=logging.INFO)
-            return
-        if self._version is None:
-            yield PrefixStore.disabled(self._version_problem)
-            return
-        engines = [p.describe for p in model.parts.llama_providers()]
-        async with open_prefix_store(config, self._version, kv_unified=model.kv_unified, engines=engines) as store:
-            yield store
 
     async def _drain_for_stop(self) -> None:
         """SIGTERM is a drain with server.shutdown_grace_s, then the stop."""

@@ -112,6 +112,15 @@ class DaemonStatistics:
     models: ModelsStatistics | None = None  # None from a daemon that predates several models
 
 
+def merged_slots(pools: list[SlotStatistics]) -> SlotStatistics:
+    """Every model's slots as one pool (one model: its own, unchanged)."""
+    if len(pools) == 1:
+        return pools[0]
+    fields = [f.name for f in attrs.fields(SlotStatistics) if f.name != "queue_limit"]
+    sums = {name: sum(getattr(pool, name) for pool in pools) for name in fields}
+    return SlotStatistics(**sums, queue_limit=pools[0].queue_limit)
+
+
 def to_wire(stats: DaemonStatistics) -> dict[str, Any]:
     """The JSON object the ``status`` verb answers with."""
     wire: dict[str, Any] = converter.unstructure(stats)
