@@ -1,15 +1,19 @@
-"""The client side of the decoder: llama-server's HTTP API over its unix socket.
+"""The llama-server client: llama-server's HTTP API over its unix socket.
 
 :class:`DecoderClient` is how onebitd talks to every llama-server it runs (the decoder, a llama
-provider), over supervisor/http/wire.py's HTTP/1.1, which raises only :class:`~supervisor.errors.DecoderError`.
+provider), over supervisor/http/wire.py's HTTP/1.1, which raises only :class:`~supervisor.errors.DecoderError`
+and keeps the only keep-alive pool and the only resend (of a request a pooled connection dropped
+unanswered) onebitd has.
 
-The calls onebitd makes of llama-server's own API are spelled here and nowhere else: :func:`restore`,
-:func:`save`, :func:`erase`, :func:`share`, :func:`adopt`, :func:`prefill`, :func:`next_token`, :func:`slot_busy` (and
-:func:`wait_slot_idle`, which polls it), :func:`tokenize`, :func:`apply_template`, :func:`delete_stream`
-and :func:`decoder_metrics`.  Each takes any
-:class:`JsonClient` (a DecoderClient; a fake in tests) and returns its value, or a :class:`Refusal`
-carrying llama-server's words; the slot calls never raise for the decoder (no answer at all is a
-refusal with status 0).
+The calls onebitd makes of llama-server's own API are spelled here and nowhere else
+(tests/test_llama_paths.py holds it so): :meth:`DecoderClient.healthy`, :func:`restore`,
+:func:`save`, :func:`erase`, :func:`share`, :func:`adopt`, :func:`prefill`, :func:`next_token`,
+:func:`tokenize` and :func:`apply_template` take any :class:`JsonClient` (a DecoderClient; a fake in
+tests) and return their value, or a :class:`Refusal` carrying llama-server's words (the slot calls
+never raise for the decoder: no answer at all is a refusal with status 0); :func:`slot_busy` (and
+:func:`wait_slot_idle`, which polls it), :func:`delete_stream` and :func:`decoder_metrics` take a
+DecoderClient.  What the front relays for a client goes through :meth:`DecoderClient.request` and
+:meth:`DecoderClient.stream` under the client's own path (supervisor/api/endpoints.py's table).
 
 Clients that talk to a llama-server directly, beside onebitd (the benchmarks' baseline, the tests'
 references), are httpx on supervisor/testing.py's ``unix_transport``, held to the same keep-alive
