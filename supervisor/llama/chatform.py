@@ -5,8 +5,7 @@ completion request, which it then templates like any other (tools/server/server-
 11434: ``server_chat_convert_anthropic_to_oai`` and ``server_chat_convert_responses_to_chatcmpl``).
 These are the same conversions, step for step and key for key (llama.cpp's JSON keeps the order keys
 were added in, and a template that renders a tool with ``tojson`` sees that order), so the decoder's
-``/apply-template`` and ``/tokenize`` give onebitd the very tokens the decoder will evaluate.  Pure
-functions: no I/O.
+``/apply-template`` and ``/tokenize`` give onebitd the very tokens the decoder evaluates (no I/O).
 
 A conversion that differs from llama-server's costs reuse, never correctness (the decoder compares
 the tokens it holds with the prompt's); tests/test_real_agent.py holds the two equal on real bodies.

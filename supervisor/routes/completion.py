@@ -3,9 +3,9 @@
 The HTTP front hands over a parsed JSON object; this module has it planned (routes/plan.py: a
 provider, the prompt's tokens), pins it to a slot we own (``id_slot``), lets the prefix store restore a
 prefix into the slot (routes/stored.py), has routes/decision.py's ``choose`` pick the route and the
-reasons, walks ``DEGRADE`` with what the handoffs return, relays the decoder's answer (routes/relay.py:
-whole, or chunk by chunk for ``stream: true``) and fills the route line from the decoder's own
-``timings``.
+reasons, walks ``DEGRADE`` with what the handoffs return (routes/handover.py), relays the
+decoder's answer (routes/relay.py: whole, or chunk by chunk for ``stream: true``) and fills the
+route line from the decoder's own ``timings``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
-import attrs
 import trio
 
 from ..config import HybridConfig, source
@@ -25,17 +24,17 @@ from ..llama import decoder as decoder_api
 from ..llama.decoder import DecoderClient
 from ..llama.slots import SlotPool
 from ..prefix.store import Entry
-from ..providers import Providers
 from ..reasons import Reason
 from ..routeline import RouteLine
 from ..supervise.child import ChildState, ChildStatistics
-from .decision import Choice, Costs, Outcome, Policy, Route, choose, degrade, restore_used
-from .file import FileHandoff
+from .decision import Choice, Costs, Policy, Route, choose, restore_used
+from .handover import Hybrid, hand_over
 from .plan import Plan, plan
 from .rates import Rates
 from .relay import Timings, relay_stream, relay_whole
-from .share import ShareHandoff
 from .stored import StoredPrefixes
+
+__all__ = ["STATE_BYTES_PER_TOKEN", "Completions", "Decoder", "Hybrid", "fallback_chain"]
 
 log = logging.getLogger("onebit.hybrid")
 
@@ -52,25 +51,9 @@ class Decoder(Protocol):
     def statistics(self) -> ChildStatistics: ...
 
 
-@attrs.frozen
-class Hybrid:
-    """What the hybrid routes need beyond the plain one (absent: hybrid off)."""
-
-    providers: Providers
-    file: FileHandoff
-    share: ShareHandoff | None = None  # set when the share route is on (hybrid.mode / ONEBIT_KV_SHARE)
-
-
 # The state one prompt token takes in a slot state file, until a handoff measures it: SmolLM2-135M's
 # f16 cache (30 layers x K and V x 192 values x 2 bytes), about 22 KiB as measured.
 STATE_BYTES_PER_TOKEN = 23_040
-
-
-# How a fallback is worded in the log, by the route the request goes on to.
-_GOES_ON = {
-    Route.PLAIN: "the backend prefills this request itself",
-    Route.FILE: "the state-file route is used",
-}
 
 
 def fallback_chain(reasons: list[Reason]) -> str | None:
@@ -248,7 +231,17 @@ class Completions:
                 # The route attempted, until the handoff says where it ended: a request cancelled
                 # mid-handoff is logged on the route it was taking.
                 line.route = choice.route.value
-                route = await self._hand_over(choice.route, slot, plan, line, reasons, settings)
+                route = await hand_over(
+                    self.hybrid,
+                    choice.route,
+                    slot,
+                    plan,
+                    line,
+                    reasons,
+                    settings,
+                    generation=self.decoder.generation,
+                    rates=self.rates,
+                )
                 line.fallback = fallback_chain(reasons)
             line.route = route.value
             if route is not Route.PLAIN:
@@ -299,70 +292,6 @@ class Completions:
             log.warning(
                 "slot %d still busy in the decoder after %gs; handing it out anyway", slot, decoder_api.SETTLE_TIMEOUT_S
             )
-
-    async def _hand_over(
-        self,
-        route: Route,
-        slot: int,
-        plan: Plan,
-        line: RouteLine,
-        reasons: list[Reason],
-        settings: HybridConfig,
-    ) -> Route:
-        """Try ``route``, then whatever ``DEGRADE`` says each failure leads to; the route reached."""
-        hybrid = self.hybrid
-        assert hybrid is not None
-        assert plan.provider is not None
-        line.provider, line.engine, line.device = plan.provider.name, plan.provider.engine, plan.provider.device
-        while route is not Route.PLAIN:
-            line.route = route.value
-            began = trio.current_time()
-            try:
-                outcome = await self._attempt(route, slot, plan, line, settings)
-            except trio.Cancelled:
-                # The client left mid-handoff: the job was cancelled (and its files removed); the
-                # line says how long it ran.
-                line.prefill_ms = (trio.current_time() - began) * 1000
-                raise
-            if outcome.prefill_ms is not None:
-                line.prefill_ms = outcome.prefill_ms
-            if outcome.restore_ms is not None:
-                line.restore_ms += outcome.restore_ms
-            if outcome.share_ms is not None:
-                line.share_ms = outcome.share_ms
-            if outcome.ok:
-                line.provider_prompt_n = outcome.evaluated
-                self.rates.observe_provider(plan.provider.name, outcome.evaluated, outcome.prefill_ms)
-                self.rates.observe_handoff(len(plan.tokens or ()), outcome.state_bytes, outcome.handoff_ms)
-                return route
-            assert outcome.reason is not None
-            reasons.append(outcome.reason)
-            route = degrade(outcome)
-            level = logging.INFO if outcome.reason is Reason.SHARE_UNSUPPORTED else logging.WARNING
-            log.log(level, "hybrid: %s; %s", outcome.why, _GOES_ON[route])
-        return route
-
-    async def _attempt(self, route: Route, slot: int, plan: Plan, line: RouteLine, settings: HybridConfig) -> Outcome:
-        """One handoff on ``route``: what it returned."""
-        hybrid = self.hybrid
-        assert hybrid is not None
-        assert plan.provider is not None
-        if route is Route.SHARE and hybrid.share is not None:
-            return await hybrid.share.run(
-                req=line.req,
-                slot=slot,
-                tokens=plan.tokens or [],
-                provider=plan.provider,
-                generation=self.decoder.generation,
-                timeout_s=settings.prefill_timeout_s,
-            )
-        return await hybrid.file.run(
-            req=line.req,
-            slot=slot,
-            tokens=plan.tokens or [],
-            provider=plan.provider,
-            timeout_s=settings.prefill_timeout_s,
-        )
 
     @staticmethod
     def _record(timings: Timings, line: RouteLine) -> None:
