@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -26,10 +27,12 @@ import httpx
 import pytest
 import tomli_w
 import trio
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import AcceptConnection, Message, Request, TextMessage
 
 from supervisor import __version__
 from supervisor import config as configuration
-from supervisor.admin import ctl, render
+from supervisor.admin import cli, ctl, render
 from supervisor.admin import verbs as admin
 from supervisor.api.front import InflightRequest
 from supervisor.config import locate
@@ -525,6 +528,63 @@ async def test_watch_ends_with_status_1_naming_the_socket_when_onebitd_stops(sho
     assert (done.returncode, done.out) == (1, "")
     (line,) = done.err.splitlines()
     assert line.startswith(f"onebitctl: {path}: ")
+
+
+async def serve_one_answer_and_ignore_the_close(listener: trio.SocketListener, answered: trio.Event) -> None:
+    """An admin socket that answers one verb, then never reads again: the client's close handshake
+    gets no reply, as from a daemon too busy or too far gone to give one."""
+    stream = await listener.accept()
+    await listener.aclose()
+    ws = WSConnection(ConnectionType.SERVER)
+    while True:
+        ws.receive_data(await stream.receive_some())
+        events = list(ws.events())
+        if any(isinstance(event, Request) for event in events):
+            await stream.send_all(ws.send(AcceptConnection()))
+        if any(isinstance(event, TextMessage) for event in events):
+            break
+    await stream.send_all(ws.send(Message(data=json.dumps({"ok": True, "result": "done"}))))
+    answered.set()
+    try:
+        await trio.sleep_forever()
+    finally:
+        await stream.aclose()
+
+
+async def test_a_daemon_that_never_answers_the_close_handshake_does_not_hold_onebitctl(short_dir: Path) -> None:
+    path = short_dir / "admin.sock"
+    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    await sock.bind(str(path))
+    sock.listen(1)
+    answered = trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(serve_one_answer_and_ignore_the_close, trio.SocketListener(sock), answered)
+        with trio.fail_after(admin.CLOSE_TIMEOUT_S + 5):
+            reply = await admin.call(path, "status")
+        assert answered.is_set()
+        nursery.cancel_scope.cancel()
+    assert reply == {"ok": True, "result": "done"}
+
+
+def test_a_ctrl_c_wins_over_the_errors_it_causes_in_the_same_run() -> None:
+    # A Ctrl-C that lands in trio-websocket's reader task ends the connection under the call, which
+    # fails too: the group holds both, and onebitctl must end as interrupted (watch: exit 0).
+    async def interrupted_mid_call() -> None:
+        async def reader() -> None:
+            raise KeyboardInterrupt
+
+        async def caller() -> None:
+            try:
+                await trio.sleep_forever()
+            finally:  # cancelled by the reader's end, it fails as the closed connection makes it
+                raise AdminUnavailable("the daemon closed the connection")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader)
+            nursery.start_soon(caller)
+
+    with pytest.raises(KeyboardInterrupt):
+        cli._run(interrupted_mid_call)
 
 
 # -- reload -----------------------------------------------------------------------------------------

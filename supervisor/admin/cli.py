@@ -116,14 +116,17 @@ def _run(async_fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
     """``trio.run``, with Ctrl-C and a closed stdout raised as themselves.
 
     They reach us wrapped in a group by every nursery they passed through (trio-websocket's, the
-    admin client's); the verbs, and ``main``, handle the exception itself.
+    admin client's); the verbs, and ``main``, handle the exception itself.  A Ctrl-C wins over
+    whatever else the group holds: it can land in trio-websocket's reader task, whose end then
+    fails the call too (the connection closed under it), and the operator asked to stop.
     """
     try:
         return trio.run(async_fn, *args)
     except BaseExceptionGroup as group:
-        for kind in (KeyboardInterrupt, BrokenPipeError):
-            if group.split(kind)[1] is None:
-                raise kind() from None
+        if group.subgroup(KeyboardInterrupt) is not None:
+            raise KeyboardInterrupt() from None
+        if group.split(BrokenPipeError)[1] is None:
+            raise BrokenPipeError() from None
         raise
 
 

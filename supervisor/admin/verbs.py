@@ -67,6 +67,10 @@ class Managed(Protocol):
     async def unload(self, name: str) -> ModelStatistics: ...
 
 
+# How long a client waits for the daemon's side of the websocket close handshake once it has its
+# answer: a local daemon replies in milliseconds; nothing is lost when it does not.
+CLOSE_TIMEOUT_S = 1.0
+
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 Handler = Callable[[Managed, dict[str, Any], Send], Awaitable[Any]]
 
@@ -331,7 +335,11 @@ async def call(
                     result = message
                 elif on_event is not None:
                     on_event(message)
-            await ws.aclose()
+            # The answer is in: the close handshake waits for the daemon's reply, which a busy or
+            # dying daemon may never send, so it is given a bound and the stream closed regardless.
+            with trio.move_on_after(CLOSE_TIMEOUT_S):
+                await ws.aclose()
+            nursery.cancel_scope.cancel()
     except* HandshakeError as group:
         raise AdminUnavailable(f"{path} is not an onebitd admin socket ({group.exceptions[0]!r})") from None
     except* (ConnectionClosed, ValueError) as group:
