@@ -246,8 +246,8 @@ class HybridConfig:
     # ... or when a plain prefill would stall streams being decoded for longer than this.
     max_stall_ms: float = field(default=500.0, validator=_at_least(0), metadata=LIVE)
     # Priors until the children's own timings are measured: milliseconds per prompt token on the
-    # decoder and on a provider (SmolLM2-135M on one core of the 2-core test machine: about 4.4),
-    # and per MiB of prompt state saved and restored (about 0.75 there: 67 MB in 40 + 10 ms).
+    # decoder and on a provider, and per MiB of prompt state saved and restored (round figures above
+    # what the embedded model takes on a small machine: docs/benchmarks.md).
     decoder_ms_per_token: float = field(default=5.0, validator=_at_least(0.001))
     provider_ms_per_token: float = field(default=5.0, validator=_at_least(0.001))
     handoff_ms_per_mib: float = field(default=1.0, validator=_at_least(0))
@@ -352,9 +352,9 @@ class CacheConfig:
     # multiplied by the decoder and each provider; 1 GiB keeps a few dozen recent prompts of a small
     # model warm in each while the disk store keeps the rest, and leaves the memory to the models.
     ram_mib: int = field(default=1024, validator=_at_least(-1))
-    # OpenVINO providers' compiled graphs, kept across starts (a start compiles in about 2 s from it
-    # instead of 4).  Empty: $CACHE_DIRECTORY/openvino (systemd), else $XDG_CACHE_HOME/onebit/openvino,
-    # else ~/.cache/onebit/openvino.
+    # OpenVINO providers' compiled graphs, kept across starts (a start from them compiles less).
+    # Empty: $CACHE_DIRECTORY/openvino (systemd), else $XDG_CACHE_HOME/onebit/openvino, else
+    # ~/.cache/onebit/openvino.
     compile_dir: str = ""
 
 

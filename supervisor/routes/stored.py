@@ -41,7 +41,7 @@ log = logging.getLogger("onebit.prefix")
 # What a request's story says of the store (a restore it goes on without) is logged with its route.
 hybrid_log = logging.getLogger("onebit.hybrid")
 
-# A local save or restore answers in milliseconds (67 MB in 40 ms here); one that takes this long is
+# A local save or restore answers in milliseconds; one that takes this long is
 # stuck, and the request's slot must not stay held for it.
 SAVE_TIMEOUT_S = 30.0
 

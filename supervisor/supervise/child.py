@@ -29,9 +29,8 @@ log = logging.getLogger("onebit.child")
 _DRAIN_S = 1.0
 # A long-lived child's log lines are read in gatherings this far apart (ChildProcess.pump_output):
 # each gathering costs onebitd a wake-up, a read and a timer, so this caps what a child's logging
-# costs at ten of them a second whatever the request rate (at 0.02 s, llama-server's per-request
-# lines cost 0.4 ms of onebitd's CPU per request, measured in docs/benchmarks.md).  The pipe
-# (64 KiB) holds far more than a tenth of a second of llama-server's lines (about 1 KiB a request).
+# costs at ten of them a second whatever the request rate.  The pipe (64 KiB) holds far more than a
+# tenth of a second of llama-server's lines (about 1 KiB a request).
 _GATHER_S = 0.1
 
 

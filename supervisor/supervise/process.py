@@ -197,9 +197,8 @@ class ChildProcess:
 
         ``gather_s``: after each read, let the next lines gather in the pipe this long before
         reading again.  llama-server writes its lines one at a time, ten or so per request: read as
-        they come, they wake this task ten times a request (a third of a millisecond of onebitd's
-        CPU per request, measured in docs/benchmarks.md); the pipe (64 KiB) holds far more than a
-        pause's worth.  For a long-lived child's log; not where the output is waited for (a job's
+        they come, they would wake this task ten times a request; the pipe (64 KiB) holds far more
+        than a pause's worth.  For a long-lived child's log; not where the output is waited for (a job's
         claim line)."""
         stream = self._process.stdout
         assert stream is not None
