@@ -43,8 +43,8 @@ def arguments(parser: argparse.ArgumentParser) -> None:
 
 def _tree(bench: ModuleType, path: Path) -> Path:
     path = path.resolve()
-    if not (path / "supervisor" / "daemon.py").is_file():
-        raise bench.BenchError(f"--tree {path}: no supervisor/daemon.py there")
+    if not any((path / "supervisor" / name).is_file() for name in ("daemon.py", "daemon/__init__.py")):
+        raise bench.BenchError(f"--tree {path}: no supervisor/daemon there")
     return path
 
 
