@@ -127,11 +127,16 @@ class Live:
 
 
 @asynccontextmanager
-async def open_onebitctl(*args: str | Path) -> AsyncIterator[Live]:
+async def open_onebitctl(*args: str | Path, sigint_ignored: bool = False) -> AsyncIterator[Live]:
+    """``sigint_ignored``: started as a non-interactive shell starts a background job (``cmd &``),
+    with SIGINT ignored, which the process inherits (a test suite run that way starts it so)."""
+    argv = command(*args)
+    if sigint_ignored:
+        argv = ["sh", "-c", 'trap "" INT; exec "$@"', "sh", *argv]
     async with trio.open_nursery() as nursery:
         run = partial(
             trio.run_process,
-            command(*args),
+            argv,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             check=False,
@@ -515,6 +520,20 @@ async def test_watch_prints_each_route_line_as_onebitd_logs_it(
     assert "status=400" in seen[1]
     assert " fallback=- " in seen[0]
     assert done.returncode == 0
+
+
+async def test_ctrl_c_ends_watch_even_when_onebitctl_was_started_with_sigint_ignored(
+    short_dir: Path, control: Control
+) -> None:
+    with trio.fail_after(TIMEOUT):
+        async with (
+            run_daemon(fake_decoder_config(short_dir)) as running,
+            open_onebitctl("--socket", running.daemon.admin.path, "watch", sigint_ignored=True) as watch,
+        ):
+            await watchers(running.daemon, 1)
+            watch.process.send_signal(signal.SIGINT)
+            done = await watch.finish()
+    assert (done.returncode, done.out, done.err) == (0, "", "")
 
 
 async def test_watch_ends_with_status_1_naming_the_socket_when_onebitd_stops(short_dir: Path, control: Control) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -230,7 +231,12 @@ VERBS.update({name: daemon_verb(name, entry) for name, entry in admin.VERBS.item
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """onebitctl: exit 0 done, 1 refused or unreachable, 2 a usage or config error, 130 Ctrl-C."""
+    """onebitctl: exit 0 done, 1 refused or unreachable, 2 a usage or config error, 130 Ctrl-C.
+
+    SIGINT is how an operator ends a verb (``watch`` ends that way with 0), so it is honoured even
+    where onebitctl inherited it ignored: a non-interactive shell starts its background jobs so, and
+    Python and trio then leave it ignored, and ``watch`` would never end."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     return cli.run(argv)
 
 
