@@ -70,20 +70,12 @@ class FileHandoff:
         try:
             job = PrefillJob(req, self.model, self.n_ctx, tuple(tokens), path)
             done = await prefill(provider, job, timeout_s=timeout_s)
-            if done.reason is not None:
-                return Outcome(Route.FILE, Step.FILE_PREFILL, done.reason, done.why, prefill_ms=done.prefill_ms)
-            # A stat of a local file, synchronously: a worker thread here would be a checkpoint that
-            # lets the clock run (and costs more than the stat).
-            try:
-                state_bytes = path.stat().st_size
-            except OSError:
-                return Outcome(
-                    Route.FILE,
-                    Step.FILE_PREFILL,
-                    Reason.PROVIDER_FAILED,
-                    f"provider {provider.name} wrote no state file",
-                    prefill_ms=done.prefill_ms,
-                )
+            state_bytes = _size(path) if done.reason is None else None
+            if state_bytes is None:
+                reason, why = done.reason, done.why
+                if reason is None:
+                    reason, why = Reason.PROVIDER_FAILED, f"provider {provider.name} wrote no state file"
+                return Outcome(Route.FILE, Step.FILE_PREFILL, reason, why, prefill_ms=done.prefill_ms)
             restored = await self._restore(slot, path, len(tokens), done.prefill_ms)
             if not restored.ok:
                 return restored
@@ -120,3 +112,13 @@ class FileHandoff:
             prefill_ms=prefill_ms,
             restore_ms=restore_ms,
         )
+
+
+def _size(path: Path) -> int | None:
+    """The state file's size; None when the provider wrote none.  A stat of a local file,
+    synchronously: a worker thread here would be a checkpoint that lets the clock run (and costs
+    more than the stat)."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return None
