@@ -31,6 +31,9 @@ class Reason(enum.Enum):
     # The handoff answered success but the decoder re-evaluated the prompt (ggml-org/llama.cpp#26676):
     # the route stays what it was, and the chain says the work was done twice.
     RESTORE_UNUSED = "restore-unused"
+    # The model's restores cannot spare a prompt in this llama.cpp (its load's probe found so, or a
+    # restore it passed was not used: supervisor/routes/capability.py): plain, no provider job.
+    RESTORE_UNUSABLE = "restore-unusable"
     # Plain because it is clearly cheaper: the decoder already holds most of the prompt (``cached``),
     # or the handoff costs more than the prefill it spares (``plain-cheaper``).
     CACHED = "cached"

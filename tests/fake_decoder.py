@@ -151,6 +151,9 @@ class Modes:
     restore_refuse: bool = False
     restore_wrong_n: bool = False
     restore_unused: bool = False
+    # Recurrent memory (tests/fake_llama.py only): a slot's state cannot be cut back to an earlier
+    # token, so a slot that holds all of a prompt, or more, evaluates it again from the start.
+    recurrent: bool = False
     kvshare_refuse: bool = False
     kvshare_no_id: bool = False
     kvshare_no_connect: bool = False

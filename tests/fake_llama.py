@@ -170,8 +170,13 @@ class FakeLlama:
     async def completion(self, path: str, body: dict[str, Any]) -> httpx.Response:
         if self.modes.hang:  # no answer at all (a prefill that goes on) until ``release``
             await self.release.wait()
-        job = parse_job(path, body)
-        prompt = self.tokenize(job.prompt)
+        raw = body.get("prompt")
+        if path == "/completion" and isinstance(raw, list) and all(isinstance(t, int) for t in raw):
+            # Token ids, as llama-server takes them: answered as if a prompt of one word.
+            job, prompt = parse_job(path, {**body, "prompt": "tokens"}), [int(t) for t in raw]
+        else:
+            job = parse_job(path, body)
+            prompt = self.tokenize(job.prompt)
         if self.n_ctx_slot is not None and len(prompt) >= self.n_ctx_slot:
             message = (
                 f"request ({len(prompt)} tokens) exceeds the available context size ({self.n_ctx_slot} tokens), "
@@ -209,6 +214,8 @@ class FakeLlama:
                 break
             common += 1
         cache_n = max(0, min(common, len(prompt) - 1)) if body.get("cache_prompt", True) else 0
+        if self.modes.recurrent and (common < len(held) or common >= len(prompt)):
+            cache_n = 0  # the state holds more than the common prefix: it cannot be cut back
         self.slots[slot] = prompt
         self.requests.append(Request(path, slot, prompt, len(prompt) - cache_n, cache_n))
         return cache_n
@@ -296,7 +303,10 @@ def _not_supported(message: str) -> httpx.Response:
 
 
 async def _props(fake: FakeLlama, body: Any) -> httpx.Response:
-    return httpx.Response(200, json={"total_slots": fake.n_slots, "model_alias": fake.alias, "build_info": "fake"})
+    props: dict[str, Any] = {"total_slots": fake.n_slots, "model_alias": fake.alias, "build_info": "fake"}
+    if fake.n_ctx_slot is not None:
+        props["default_generation_settings"] = {"n_ctx": fake.n_ctx_slot}
+    return httpx.Response(200, json=props)
 
 
 async def _slots(fake: FakeLlama, body: Any) -> httpx.Response:

@@ -497,7 +497,8 @@ async def test_an_anthropic_message_restored_from_the_store_is_counted_when_the_
     cold, warm = rig.lines
     assert cold.prompt_tokens is not None
     assert warm.restored_tokens == cold.prompt_tokens == warm.prompt_tokens
-    assert warm.fallback == "no-provider>stored"
+    # A restore the decoder did not use is said on the route line, as a handoff's is.
+    assert warm.fallback == ("no-provider>stored>restore-unused" if unused else "no-provider>stored")
     assert rig.completions.restore_unused == (1 if unused else 0)
     assert warm.cached_tokens == (0 if unused else cold.prompt_tokens - 1)
     warned = [r.getMessage() for r in caplog.records if "did not use the restored prefix" in r.getMessage()]

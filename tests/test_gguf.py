@@ -17,7 +17,7 @@ def test_the_shipped_model_takes_per_token_what_its_slot_state_files_take() -> N
     assert path is not None
     with open(path, "rb") as file:
         shape = gguf.read_shape(file)
-    assert shape == gguf.Shape(layers=30, embedding=576, heads=9, kv_heads=3)
+    assert shape == gguf.Shape(layers=30, embedding=576, heads=9, kv_heads=3, context_length=8192)
     assert shape.kv_bytes_per_token() == STATE_BYTES_PER_TOKEN
     assert shape.kv_bytes_per_token("q8_0", "q8_0") < STATE_BYTES_PER_TOKEN
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import attrs
 
-from ..observe.status import DaemonStatistics
+from ..observe.status import DaemonStatistics, ModelStatistics
 from ..prefix.store import StoreStatistics
 from ..routeline import RouteLine
 
@@ -109,6 +109,8 @@ def render_status(stats: DaemonStatistics) -> str:
         f"fallbacks: {_counts(stats.fallbacks) or 'none'}",
         f"first byte: {first_byte}",
     ]
+    if stats.models is not None:
+        lines += [_restores(m) for m in stats.models.models if m.state == "loaded"]
     if several and stats.models is not None and any(m.store is not None for m in stats.models.models):
         lines += [f"prefix store {m.name}: {_store_line(m.store)}" for m in stats.models.models]
     else:
@@ -159,6 +161,18 @@ def _modelstable(stats: DaemonStatistics) -> list[str]:
         f"{models.swaps} swaps; {models.waiting} waiting for a load",
         "",
     ]
+
+
+def _restores(model: ModelStatistics) -> str:
+    """``restores <model>: whole (why); 1024 tokens a slot; --swa-full``."""
+    said = f"restores {model.name}: {model.restores}"
+    if model.restores_why:
+        said += f" ({model.restores_why})"
+    if model.slot_context is not None:
+        said += f"; {model.slot_context} tokens a slot"
+    if model.swa_full:
+        said += "; --swa-full"
+    return said
 
 
 def mib(n: int) -> str:

@@ -34,14 +34,22 @@ class ProviderReadiness:
 
 
 def health(
-    state: ChildState, providers: ProviderReadiness, *, draining: bool, stopping: bool
+    state: ChildState,
+    providers: ProviderReadiness,
+    *,
+    draining: bool,
+    stopping: bool,
+    unrestorable: dict[str, str] | None = None,
 ) -> tuple[int, dict[str, Any]]:
     """``/health``'s status and body: ``ok`` once the decoder is ready and every provider's first
     start is over (the first requests must not quietly take the plain route because a provider is
-    still loading); the providers not ready are named."""
+    still loading); the providers not ready are named, and the models whose restores spare no
+    prompt (``restores_unusable``: their hybrid routes and prefix store are off)."""
     if draining:
         return 503, {"status": "draining"}
-    named = {"providers_not_ready": list(providers.not_ready)} if providers.not_ready else {}
+    named: dict[str, Any] = {"providers_not_ready": list(providers.not_ready)} if providers.not_ready else {}
+    if unrestorable:
+        named["restores_unusable"] = unrestorable
     if state is ChildState.READY and providers.settled:
         return 200, {"status": "ok", **named}
     if state is ChildState.FAILED:
@@ -61,7 +69,13 @@ class Answers:
     live: Callable[[], ServerConfig]
 
     def health(self, *, draining: bool, stopping: bool) -> tuple[int, dict[str, Any]]:
-        return health(self.router.health_state(), self.providers(), draining=draining, stopping=stopping)
+        return health(
+            self.router.health_state(),
+            self.providers(),
+            draining=draining,
+            stopping=stopping,
+            unrestorable=self.router.unrestorable(),
+        )
 
     async def answer(self, endpoint: Endpoint, out: Responder, *, draining: bool, stopping: bool) -> None:
         """The answer of a ``LOCAL`` endpoint."""

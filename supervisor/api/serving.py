@@ -50,6 +50,8 @@ class Router(Protocol):
 
     def health_state(self) -> ChildState: ...
 
+    def unrestorable(self) -> dict[str, str]: ...
+
     def listing(self) -> dict[str, Any]: ...
 
 
@@ -74,6 +76,9 @@ class One:
 
     def health_state(self) -> ChildState:
         return self.decoder.state
+
+    def unrestorable(self) -> dict[str, str]:
+        return {}
 
     def listing(self) -> dict[str, Any]:
         return {}

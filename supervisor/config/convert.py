@@ -30,7 +30,7 @@ from cattrs.gen import make_dict_unstructure_fn
 
 from ..errors import ConfigError
 from .checks import check
-from .schema import PROVIDER_KINDS, Config, FieldError, Hosts, ModelConfig, ProviderConfig, default_table
+from .schema import PROVIDER_KINDS, AutoSwitch, Config, FieldError, Hosts, ModelConfig, ProviderConfig, default_table
 
 T = TypeVar("T")
 
@@ -127,6 +127,13 @@ def _make_converter() -> cattrs.Converter:
         return tuple(items)
 
     conv.register_structure_hook_func(lambda t: getattr(t, "__origin__", None) is tuple, structure_tuple)
+
+    def structure_auto(value: Any, _type: Any) -> Any:
+        if value == "auto" or isinstance(value, bool):
+            return value
+        raise TypeError(f'expected "auto", true or false, got {_show(value)}')
+
+    conv.register_structure_hook_func(lambda t: t == AutoSwitch, structure_auto)
 
     def structure_hosts(value: Any, _type: Any) -> Hosts:
         if isinstance(value, str):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Sequence
-from typing import Any, NewType, TypeVar
+from typing import Any, Literal, NewType, TypeVar
 
 import attrs
 from attrs import field, frozen
@@ -155,6 +155,10 @@ class ServerConfig:
     detach_timeout_s: float = field(default=300.0, validator=_at_least(0.1), metadata=LIVE)
 
 
+# A switch that onebitd may also decide itself: "auto", true or false.
+AutoSwitch = Literal["auto"] | bool
+
+
 @frozen
 class ModelConfig:
     """The model and the context parameters every llama-server child is started with.
@@ -175,6 +179,12 @@ class ModelConfig:
     ubatch_size: int = field(default=512, validator=_at_least(1))
     cache_type_k: str = "f16"
     cache_type_v: str = "f16"
+    # Sliding-window models (Gemma 3, gpt-oss): a slot state holds only the window's cells unless
+    # llama-server runs with --swa-full, and a restore then cannot spare the prompt.  "auto": on when
+    # the GGUF has a sliding window and the model's memory estimate with it fits
+    # models.memory_budget_mib (always, with no budget); true: always; false: never (the hybrid
+    # routes and the prefix store are then off for such a model, said at its load).
+    swa_full: AutoSwitch = "auto"
     # The keys below say how one model of several is served ([[model]] tables; supervisor/config/modelspec.py).
     # The name requests give in their ``model`` field; empty: ``alias``, else the file's stem.
     name: str = field(default="", validator=_optional_name)

@@ -43,5 +43,7 @@ class Stores:
             yield PrefixStore.disabled(self._version_problem)
             return
         engines = [p.describe for p in model.parts.llama_providers()]
-        async with open_prefix_store(config, self._version, kv_unified=model.kv_unified, engines=engines) as store:
+        async with open_prefix_store(
+            config, self._version, kv_unified=model.kv_unified, engines=engines, swa_full=model.swa_full
+        ) as store:
             yield store

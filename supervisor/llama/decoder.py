@@ -34,6 +34,13 @@ import trio
 
 from ..errors import DecoderError, DecoderProtocolError
 from ..http import wire
+from .answers import NextToken as NextToken
+from .answers import Prefilled as Prefilled
+from .answers import Refusal as Refusal
+from .answers import Saved as Saved
+from .answers import SlotContext as SlotContext
+from .answers import error_message as error_message
+from .answers import slot_context
 
 # A reply's read has no time limit: generation has no natural upper bound (a long reply on a slow
 # CPU); a stuck decoder is caught by the health check, which gives one answer this long.
@@ -127,61 +134,11 @@ class DecoderClient:
 
 # -- llama-server's API, typed ------------------------------------------------------------------------
 
-# How much of an answer that is not llama-server's error object a refusal quotes.
-_QUOTED = 300
-
 
 class JsonClient(Protocol):
     """What the typed calls need of a client: :meth:`DecoderClient.post_json` (a fake in tests)."""
 
     async def post_json(self, path: str, body: Any) -> tuple[int, Any]: ...
-
-
-def error_message(data: Any) -> str | None:
-    """llama-server's words in an error answer (``{"error": {"message": ...}}``), or None."""
-    error = data.get("error") if isinstance(data, dict) else None
-    if isinstance(error, dict) and "message" in error:
-        return str(error["message"])
-    return None
-
-
-@attrs.frozen
-class Refusal:
-    """llama-server did not do what it was asked: ``what`` says how (``restore answered 400``), and
-    ``status`` and ``data`` are its answer (status 0: it gave none, ``data`` then holds our words)."""
-
-    what: str
-    status: int
-    data: Any
-
-    @classmethod
-    def unanswered(cls, what: str, exc: DecoderError) -> Refusal:
-        return cls(f"{what} answered 0", 0, {"error": {"message": exc.message}})
-
-    @property
-    def words(self) -> str:
-        """llama-server's own words for it: its error message, else the start of its answer."""
-        message = error_message(self.data)
-        return message if message is not None else str(self.data)[:_QUOTED]
-
-    @property
-    def answer(self) -> str:
-        """The whole answer, as JSON (for an answer whose other fields tell more than its message)."""
-        return json.dumps(self.data) if self.data is not None else f"status {self.status}"
-
-    def __str__(self) -> str:
-        return f"{self.what}: {self.words}"
-
-
-@attrs.frozen
-class Saved:
-    n_saved: int | None  # the tokens the file holds, where llama-server said
-
-
-@attrs.frozen
-class Prefilled:
-    prompt_n: int | None  # the prompt tokens it evaluated (its cache held the rest)
-    prompt_ms: float | None
 
 
 def _is_200(status: int) -> bool:
@@ -287,15 +244,6 @@ async def prefill(client: JsonClient, slot: int, tokens: tuple[int, ...] | list[
     )
 
 
-@attrs.frozen
-class NextToken:
-    """The answer to a one-token completion: llama-server's whole reply (its ``completion_probabilities``
-    for a reader of the distribution) and how many prompt tokens it evaluated to give it."""
-
-    reply: Any
-    prompt_n: int | None
-
-
 async def next_token(
     client: JsonClient, slot: int, tokens: list[int], *, n_probs: int, cache: bool
 ) -> NextToken | Refusal:
@@ -391,3 +339,13 @@ async def decoder_metrics(client: DecoderClient) -> Reply:
     """``GET /metrics``: the decoder's own metrics (llama-server's ``llamacpp:*``, from its
     ``--metrics``).  Raises DecoderError."""
     return await client.request("GET", "/metrics")
+
+
+async def context(client: DecoderClient) -> SlotContext | None:
+    """``GET /props`` and ``GET /v1/models``: the context each slot really got.  None when the
+    decoder does not say; raises DecoderError when it does not answer."""
+    props = await client.request("GET", "/props")
+    models = await client.request("GET", "/v1/models")
+    if props.status != 200:
+        return None
+    return slot_context(props.json(), models.json() if models.status == 200 else None)

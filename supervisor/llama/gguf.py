@@ -1,9 +1,12 @@
-"""A GGUF file's header: the few metadata numbers that size a model's KV cache.
+"""A GGUF file's header: the few metadata numbers that size a model's caches and say what its
+memory is made of (attention, sliding-window attention, recurrent layers).
 
 Bring-your-own-bytes, as h11 reads HTTP: :func:`read_shape` reads the header's key/value section
-from a binary file object and returns what :func:`kv_bytes_per_token` needs; nothing else of the
-file (its tensors) is read.  Layout: ggml's docs/gguf.md (magic, version, tensor and key counts,
-then typed key/value pairs, little-endian).
+from a binary file object and returns a :class:`Shape`; nothing else of the file (its tensors) is
+read.  Layout: ggml's docs/gguf.md (magic, version, tensor and key counts, then typed key/value
+pairs, little-endian).  Hybrid models give some numbers per layer (LFM2's and Granite 4's
+``head_count_kv``, a 0 for each layer that is not attention): small integer arrays are read, every
+other array skipped.
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ MAGIC = b"GGUF"
 # Value types (gguf.md's gguf_metadata_value_type): fixed-size ones by struct format.
 _FIXED = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
+# Arrays of integers this long or shorter are read (per-layer numbers); longer ones are skipped.
+_PER_LAYER_MAX = 4096
+_INTEGERS = frozenset({0, 1, 2, 3, 4, 5, 10, 11})
 # Bytes per cached value by llama-server's -ctk/-ctv name (ggml's block sizes: q8_0 keeps 32 values
 # in 34 bytes, q4_0 in 18, ...).
 CACHE_TYPE_BYTES = {
@@ -36,19 +42,59 @@ class NotGguf(ValueError):
     """The bytes are not a GGUF header this reader understands."""
 
 
+def _ints(value: Any) -> tuple[int, ...] | None:
+    if isinstance(value, list):
+        return tuple(int(v) for v in value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value,)
+    return None
+
+
 @attrs.frozen
 class Shape:
+    """What sizes a model's caches.  ``kv_heads`` is per layer where the GGUF says so (0: a layer
+    with no attention, a recurrent or convolution one), else one number for every layer."""
+
     layers: int
     embedding: int
     heads: int
-    kv_heads: int
+    kv_heads: int | tuple[int, ...]
+    # The model's training context (``<arch>.context_length``): llama-server caps a slot there.
+    context_length: int | None = None
+    # Sliding-window attention's window (``<arch>.attention.sliding_window``), None without one.
+    sliding_window: int | None = None
+    # Its layers that slide (``sliding_window_pattern``, where it says per layer; else every
+    # attention layer when it has a window: what is sized from it then errs large).
+    swa_layers: int = 0
+    # Layers of recurrent state (``<arch>.attention.recurrent_layers``, or the layers without
+    # attention); and one sequence's recurrent state in f32 values (Mamba-2 / gated delta-net:
+    # its conv window and its SSM state; LFM2's short convolution: its cache).
+    recurrent_layers: int = 0
+    recurrent_values: int = 0
+
+    @property
+    def attention_layers(self) -> int:
+        if isinstance(self.kv_heads, tuple):
+            return sum(1 for h in self.kv_heads if h > 0)
+        return self.layers - self.recurrent_layers
+
+    @property
+    def hybrid(self) -> bool:
+        """Some of its memory is recurrent: a state cannot be cut back to an earlier token."""
+        return self.recurrent_layers > 0
 
     def kv_bytes_per_token(self, cache_type_k: str = "f16", cache_type_v: str = "f16") -> float:
-        """What one token of context takes in llama.cpp's KV cache: K and V rows of every layer."""
-        row = self.kv_heads * (self.embedding // max(self.heads, 1))
+        """What one token of context takes in llama.cpp's KV cache: K and V rows of every
+        attention layer."""
+        kv_heads = max(self.kv_heads) if isinstance(self.kv_heads, tuple) else self.kv_heads
+        row = kv_heads * (self.embedding // max(self.heads, 1))
         k = CACHE_TYPE_BYTES.get(cache_type_k, 2.0)
         v = CACHE_TYPE_BYTES.get(cache_type_v, 2.0)
-        return self.layers * row * (k + v)
+        return self.attention_layers * row * (k + v)
+
+    def recurrent_bytes(self) -> float:
+        """One sequence's recurrent state (f32, llama.cpp's default for it), over its layers."""
+        return self.recurrent_layers * self.recurrent_values * 4.0
 
 
 def _read(file: IO[bytes], fmt: str) -> Any:
@@ -74,6 +120,8 @@ def _value(file: IO[bytes], kind: int) -> Any:
         return _string(file)
     if kind == _ARRAY:
         item, n = _read(file, "I"), _read(file, "Q")
+        if item in _INTEGERS and n <= _PER_LAYER_MAX:
+            return [_read(file, _FIXED[item]) for _ in range(n)]
         if item in _FIXED:  # skipped whole: a vocabulary's scores, its token types
             file.seek(n * struct.calcsize("<" + _FIXED[item]), 1)
             return None
@@ -97,12 +145,59 @@ def read_shape(file: IO[bytes]) -> Shape:
         found[key] = _value(file, _read(file, "I"))
     arch = found.get("general.architecture")
     try:
-        heads = int(found[f"{arch}.attention.head_count"])
-        return Shape(
-            layers=int(found[f"{arch}.block_count"]),
-            embedding=int(found[f"{arch}.embedding_length"]),
-            heads=heads,
-            kv_heads=int(found.get(f"{arch}.attention.head_count_kv", heads)),
-        )
+        return _shape(arch, found)
     except (KeyError, TypeError, ValueError) as exc:
         raise NotGguf(f"no {exc} for architecture {arch!r}") from None
+
+
+def _positive(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _shape(arch: Any, found: dict[str, Any]) -> Shape:
+    def key(name: str, default: Any = None) -> Any:
+        return found.get(f"{arch}.{name}", default)
+
+    layers = int(found[f"{arch}.block_count"])
+    heads_per_layer = _ints(found[f"{arch}.attention.head_count"])
+    if not heads_per_layer:
+        raise KeyError(f"{arch}.attention.head_count")
+    heads = max(heads_per_layer)
+    kv = _ints(key("attention.head_count_kv", heads)) or (heads,)
+    window = _positive(key("attention.sliding_window"))
+    pattern = _ints(key("attention.sliding_window_pattern"))
+    swa = 0
+    if window is not None:
+        swa = sum(1 for flag in pattern if flag) if pattern is not None and len(pattern) == layers else layers
+    recurrent_flags = _ints(key("attention.recurrent_layers"))
+    if recurrent_flags is not None and len(recurrent_flags) == layers:
+        recurrent = sum(1 for flag in recurrent_flags if flag)
+    else:
+        recurrent = sum(1 for h in kv if h == 0) if len(kv) > 1 else 0
+    return Shape(
+        layers=layers,
+        embedding=int(found[f"{arch}.embedding_length"]),
+        heads=heads,
+        kv_heads=kv if len(kv) > 1 else kv[0],
+        context_length=_positive(key("context_length")),
+        sliding_window=window,
+        swa_layers=swa,
+        recurrent_layers=recurrent,
+        recurrent_values=_recurrent_values(key) if recurrent else 0,
+    )
+
+
+def _recurrent_values(key: Any) -> int:
+    """One sequence's recurrent state per layer, in values, as llama.cpp sizes it: a Mamba-2 /
+    gated delta-net layer keeps its conv window ``(d_conv - 1) x (d_inner + 2 x groups x d_state)``
+    and its state ``d_state x d_inner``; LFM2's short convolution ``(l_cache - 1) x n_embd``."""
+    inner = _positive(key("ssm.inner_size")) or 0
+    state = _positive(key("ssm.state_size")) or 0
+    conv = _positive(key("ssm.conv_kernel")) or 0
+    groups = _positive(key("ssm.group_count")) or 0
+    l_cache = _positive(key("shortconv.l_cache")) or 0
+    if inner and conv:
+        return (conv - 1) * (inner + 2 * groups * state) + state * inner
+    if l_cache:
+        return (l_cache - 1) * int(key("embedding_length", 0))
+    return 0

@@ -73,11 +73,13 @@ class LlamaServerLauncher:
         extra_args: Sequence[str],
         kv_share: bool = False,
         kv_unified: bool = False,
+        swa_full: bool = False,
         binary_path: Path | None = None,
     ) -> None:
         """``kv_unified``: the daemon's one KV layout (supervisor/llama/openvino.py's UNIFIED_ARGS), the same
-        for every llama-server child; ``binary_path``: a binary found by another lookup than
-        ``binary``'s (an OpenVINO build)."""
+        for every llama-server child; ``swa_full``: the model's sliding-window layers keep every
+        cell (supervisor/models/layout.py), the same for every child of the model; ``binary_path``:
+        a binary found by another lookup than ``binary``'s (an OpenVINO build)."""
         self.name = name
         self.kv_share = kv_share
         self.client = client
@@ -108,6 +110,7 @@ class LlamaServerLauncher:
         # The daemon's layout, set once it has asked its OpenVINO providers for their devices and
         # before any child starts.
         self.kv_unified = kv_unified
+        self.swa_full = swa_full
         if threads:
             self._rest += ["-t", str(threads)]
         self._rest += list(extra_args)
@@ -115,6 +118,8 @@ class LlamaServerLauncher:
     def argv(self) -> Sequence[str]:
         model, path = self._model
         unified = list(UNIFIED_ARGS) if self.kv_unified else []
+        if self.swa_full:
+            unified.append("--swa-full")
         return [str(self.binary), *model_args(model, path, parallel=self.parallel), *unified, *self._rest]
 
     @property
@@ -190,10 +195,19 @@ class StateFingerprint:
     # existed stays valid.
     kv_unified: bool = False
     engines: tuple[str, ...] = ()
+    # Whether the children keep the sliding-window layers' every cell (--swa-full): a state saved
+    # without it holds only the window.  Left out of the sidecar when off.
+    swa_full: bool = False
 
     @classmethod
     def of(
-        cls, config: Config, server_version: str, *, kv_unified: bool = False, engines: Sequence[str] = ()
+        cls,
+        config: Config,
+        server_version: str,
+        *,
+        kv_unified: bool = False,
+        engines: Sequence[str] = (),
+        swa_full: bool = False,
     ) -> StateFingerprint:
         """The running decoder's fingerprint (``kv_unified`` and ``engines``: what the daemon resolved
         at start).  Reads the model file: raises OSError."""
@@ -219,6 +233,7 @@ class StateFingerprint:
             extra_args=tuple(config.decoder.extra_args),
             kv_unified=kv_unified,
             engines=tuple(engines),
+            swa_full=swa_full,
         )
 
     def as_json(self) -> dict[str, Any]:
@@ -226,6 +241,8 @@ class StateFingerprint:
         document: dict[str, Any] = json.loads(json.dumps(attrs.asdict(self)))
         if not self.kv_unified:
             del document["kv_unified"]
+        if not self.swa_full:
+            del document["swa_full"]
         if all("=ggml/" in engine for engine in self.engines):
             del document["engines"]
         return document

@@ -7,32 +7,50 @@ import os
 
 from ..config import locate
 from ..config.modelspec import ModelSpec
-from ..config.schema import LlamaServerProvider
+from ..config.schema import LlamaServerProvider, ModelConfig
 from ..llama import gguf
 
 MIB = 1024 * 1024
 
 
-def estimate_mib(spec: ModelSpec) -> float:
+def estimate_mib(spec: ModelSpec, *, swa_full: bool = False) -> float:
     """What the model takes loaded, before its processes' memory is measured (:func:`footprint_mib`):
-    the GGUF file, and for its decoder and each of its llama-server providers a KV cache for
-    ``ctx_size`` (from the GGUF's header) and ``--cache-ram``.  0 when the file cannot be read; a
-    header this reader does not know counts no KV."""
+    the GGUF file, and for its decoder and each of its llama-server providers its caches
+    (:func:`cache_bytes`, from the GGUF's header) and ``--cache-ram``.  0 when the file cannot be
+    read; a header this reader does not know counts no cache."""
     path = locate.model_path(spec.table.path)
     if path is None:
         return 0.0
-    table = spec.table
     processes = 1 + sum(isinstance(p, LlamaServerProvider) for p in spec.config.provider)
     try:
         size = path.stat().st_size
         with open(path, "rb") as file:
             shape = gguf.read_shape(file)
-        kv = shape.kv_bytes_per_token(table.cache_type_k, table.cache_type_v) * table.ctx_size
     except OSError:
         return 0.0
     except gguf.NotGguf:
         kv = 0.0
+    else:
+        kv = cache_bytes(shape, spec.table, swa_full=swa_full)
     return footprint_mib(size, kv, processes=processes, cache_ram_mib=spec.config.cache.ram_mib)
+
+
+def cache_bytes(shape: gguf.Shape, table: ModelConfig, *, swa_full: bool) -> float:
+    """One llama-server's caches for ``table``, as llama.cpp sizes them: its context, capped at the
+    training context a slot, in each full-attention layer; in each sliding-window layer (unless
+    ``--swa-full``) only the window per slot and one micro-batch; and each slot's recurrent state.
+    Pure."""
+    slots = max(table.parallel, 1)
+    ctx = table.ctx_size
+    if shape.context_length is not None:
+        ctx = min(ctx, shape.context_length * slots)
+    per_layer = shape.kv_bytes_per_token(table.cache_type_k, table.cache_type_v) / max(shape.attention_layers, 1)
+    swa = min(shape.swa_layers, shape.attention_layers)
+    full = shape.attention_layers - swa
+    window = (
+        ctx if swa_full or shape.sliding_window is None else min(ctx, shape.sliding_window * slots + table.ubatch_size)
+    )
+    return per_layer * (full * ctx + swa * window) + shape.recurrent_bytes() * slots
 
 
 def footprint_mib(file_bytes: int, kv_bytes: float, *, processes: int, cache_ram_mib: int) -> float:

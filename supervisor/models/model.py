@@ -143,6 +143,11 @@ class Model:
     def client(self) -> DecoderClient:
         return self.parts.client
 
+    @property
+    def swa_full(self) -> bool:
+        """Its llama-servers keep the sliding-window layers' every cell (supervisor/models/layout.py)."""
+        return self.parts.swa_full
+
     def children(self) -> list[Child]:
         return [self.parts.decoder, *self.parts.provider_children()]
 
@@ -157,6 +162,7 @@ class Model:
 
     def statistics(self) -> ModelStatistics:
         table = self.table
+        capability = self.parts.capability
         return ModelStatistics(
             name=self.name,
             aliases=self.spec.aliases,
@@ -176,6 +182,10 @@ class Model:
             slots=self.parts.slots.statistics(),
             providers=tuple(self.parts.providers.statistics()),
             store=self.store.statistics(),
+            restores="withdrawn" if capability.withdrawn is not None else capability.restores.value,
+            restores_why=capability.withdrawn or capability.why,
+            slot_context=None if self.parts.slot_context is None else self.parts.slot_context.n_ctx,
+            swa_full=self.parts.swa_full,
         )
 
     async def wait_state(self, *states: ModelState) -> ModelState:
@@ -296,16 +306,25 @@ class Model:
         began = trio.current_time()
         self._set(ModelState.LOADING, "asked for")
         clean = False
+        probed = False
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(parts.decoder.run)
                 for provider in parts.providers.all:
                     await nursery.start(provider.run)
-                stored = StoredPrefixes(client=parts.client, state_dir=parts.state_dir, store=self.store)
+                stored = StoredPrefixes(
+                    client=parts.client, state_dir=parts.state_dir, store=self.store, capability=parts.capability
+                )
                 await nursery.start(parts.completions.run, stored)
                 # Unwanted, it goes on serving the requests that hold it: none is unloaded under it.
                 while self._wanted or self.users:
                     decoder = parts.decoder.state
+                    probed = probed and decoder is ChildState.READY
+                    if decoder is ChildState.READY and self.state is ModelState.LOADING and not probed:
+                        # Its slot context and what its restores can do, before it takes requests.
+                        await parts.after_start(self.store.enabled)
+                        probed = True
+                        continue
                     if decoder is ChildState.READY and self.state is ModelState.LOADING:
                         self.loads += 1
                         self.last_load_ms = (trio.current_time() - began) * 1000

@@ -22,9 +22,10 @@ from ..config import ExecProvider as ExecProviderConfig
 from ..config import LlamaServerProvider as LlamaServerProviderConfig
 from ..config.live import Settings
 from ..config.modelspec import ModelSpec
-from ..errors import ProviderStateRefused
+from ..errors import DecoderError, ProviderStateRefused
+from ..llama import decoder as decoder_api
 from ..llama import openvino
-from ..llama.decoder import DecoderClient
+from ..llama.decoder import DecoderClient, SlotContext
 from ..llama.llama_server import LlamaServerLauncher, connection_limit, model_alias
 from ..llama.slots import SlotPool
 from ..prefix.store import PrefixStore
@@ -33,14 +34,24 @@ from ..providers.exec import ExecProvider
 from ..providers.llama import LlamaServerProvider
 from ..providers.seat import Seats, Tenant
 from ..providers.worker import WorkerProvider
-from ..routes import fidelity
+from ..routes import capability, fidelity
+from ..routes.capability import Capability, Restores
 from ..routes.completion import Completions, Hybrid
 from ..routes.file import FileHandoff
 from ..routes.share import ShareHandoff, ShareHandshake
 from ..routes.stored import StoredPrefixes
 from ..supervise.child import Child, ChildState
+from . import layout
 
 log = logging.getLogger("onebit.model")
+
+# What each verdict means for the model's requests, in its load's log line.
+_VERDICT_WORDS = {
+    Restores.WHOLE: "the hybrid routes and the prefix store are on",
+    Restores.PREFIX: "the file route hands over the prompt less its last token; the prefix store is off",
+    Restores.NONE: "the hybrid routes and the prefix store are off (fallback=restore-unusable)",
+    Restores.UNPROBED: "the routes run unproven, each handoff checked after",
+}
 
 # The decoder connects back to our share socket right after answering ?action=share; a local
 # connect that takes longer than this will not come.
@@ -74,6 +85,13 @@ class Parts:
         self.state_dir = runtime_dir / "state"
         self.check_fidelity = check_fidelity
         self.settings = settings
+        self.name = spec.name
+        # Whether every llama-server of this load keeps the sliding-window layers whole, and what
+        # its restores can do (proven by after_start's probe).
+        self.swa_full = layout.swa_full(spec, settings().models.memory_budget_mib)
+        self.capability = Capability(spec.name)
+        # What llama-server says each slot holds, once it has started (after_start).
+        self.slot_context: SlotContext | None = None
         # The one client of the decoder: the launcher health-checks through it, and every request,
         # handoff and pass-through uses it.
         self.client = DecoderClient(
@@ -90,6 +108,7 @@ class Parts:
             # The patched decoder keeps its KV on lendable memfd regions only when the share route can run.
             kv_share=share_enabled(config) and config.hybrid.enabled and bool(config.provider),
             kv_unified=kv_unified,
+            swa_full=self.swa_full,
         )
         self.decoder = Child(
             self.launcher,
@@ -119,6 +138,7 @@ class Parts:
                     state_dir=self.state_dir,
                     model=model_alias(config),
                     n_ctx=config.model.ctx_size,
+                    capability=self.capability,
                 ),
                 share=self._share_handoff() if share_enabled(config) else None,
             )
@@ -130,6 +150,7 @@ class Parts:
             settings=settings.hybrid,
             hybrid=self.hybrid,
             slot_context=config.model.ctx_size // config.model.parallel,
+            capability=self.capability,
         )
 
     def _share_handoff(self) -> ShareHandoff:
@@ -154,6 +175,7 @@ class Parts:
                 runtime_dir=self.runtime_dir,
                 state_dir=self.state_dir,
                 kv_unified=kv_unified,
+                swa_full=self.swa_full,
                 # The ggml engine is the decoder's own: its handoffs are exact (tests hold them to
                 # identical replies), nothing to measure at start.
                 gate=self._fidelity_gate
@@ -171,6 +193,10 @@ class Parts:
         if self.hybrid is None:
             return None  # no hybrid route: nothing will be handed over
         await self.decoder.wait_state(ChildState.READY)
+        # The probe first (it may need the only slot), and nothing to measure where nothing restores.
+        await self.capability.known.wait()
+        if not self.capability.handoff:
+            return None
         probe = fidelity.Probe(
             client=self.client, handoff=self.hybrid.file, timeout_s=self.settings.hybrid().prefill_timeout_s
         )
@@ -191,6 +217,66 @@ class Parts:
             return f"{verdict.summary()}: over the bound"
         log.info("%s: admitted in %.1fs: %s", provider.name, trio.current_time() - started, verdict.summary())
         return None
+
+    async def after_start(self, store_enabled: bool) -> None:
+        """After each start of the decoder, before the model takes requests: the context each slot
+        really got, and what a restore can do (supervisor/routes/capability.py), each said once."""
+        await self._read_context()
+        if self.hybrid is None and not store_enabled:
+            self.capability.set(Restores.UNPROBED, "nothing is restored here (no provider, no prefix store)")
+            return
+        await self._probe()
+
+    async def _read_context(self) -> None:
+        try:
+            found = await decoder_api.context(self.client)
+        except DecoderError as exc:
+            log.warning("model %s: cannot read the decoder's slot context: %s", self.name, exc)
+            return
+        if found is None:
+            return
+        self.slot_context = found
+        self.completions.slot_context = found.n_ctx
+        model = self.config.model
+        asked = model.ctx_size // model.parallel
+        if found.n_ctx < asked:
+            train = f" of {found.n_ctx_train}" if found.n_ctx_train is not None else ""
+            log.warning(
+                "model %s: model.ctx_size = %d over model.parallel = %d asks %d tokens a slot, over the model's"
+                " training context%s: each slot got %d tokens",
+                self.name,
+                model.ctx_size,
+                model.parallel,
+                asked,
+                train,
+                found.n_ctx,
+            )
+
+    async def _probe(self) -> None:
+        n_ctx = self.slot_context.n_ctx if self.slot_context is not None else None
+        try:
+            tokens = await capability.prompt_tokens(self.client, capability.probe_length(n_ctx))
+        except DecoderError as exc:
+            self.capability.set(Restores.UNPROBED, f"the probe could not tokenize: {exc}")
+        else:
+            async with self.slots.hold() as slot:
+                try:
+                    self.capability.set(*await capability.probe(self.client, slot, tokens, self.state_dir))
+                finally:
+                    self.slots.forget(slot)
+        found = self.capability
+        hint = ""
+        if found.restores is Restores.NONE and not self.swa_full and layout.sliding_window_of(self.config):
+            hint = " (a sliding-window model: model.swa_full = true would keep its whole cache)"
+        log.log(
+            logging.WARNING if found.restores is Restores.NONE else logging.INFO,
+            "model %s: restores %s: %s; %s%s",
+            self.name,
+            found.restores.value,
+            found.why,
+            _VERDICT_WORDS[found.restores],
+            hint,
+        )
 
     def llama_providers(self) -> list[LlamaServerProvider]:
         """Its llama-server providers; of one several models name, this model's last start's (its

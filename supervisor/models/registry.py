@@ -336,12 +336,24 @@ class Models:
         """What ``/health`` says of the models: the one model's decoder; with several, ready once
         every preloaded model's first load is over, unless every model has failed."""
         if not self.several:
-            return self.default.decoder.state
+            state = self.default.decoder.state
+            if state is ChildState.READY and self.default.state is ModelState.LOADING:
+                return ChildState.STARTING  # its load's probe is under way
+            return state
         if not self.settled.is_set():
             return ChildState.STARTING
         if all(m.state is ModelState.FAILED for m in self.all):
             return ChildState.FAILED
         return ChildState.READY
+
+    def unrestorable(self) -> dict[str, str]:
+        """The loaded models whose restores spare no prompt (their hybrid routes and prefix store
+        are off), with why: ``/health``'s ``restores_unusable``."""
+        return {
+            m.name: m.parts.capability.words
+            for m in self.all
+            if m.state is ModelState.LOADED and not m.parts.capability.handoff
+        }
 
     def statistics(self) -> ModelsStatistics:
         settings = self._live().models

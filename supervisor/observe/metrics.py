@@ -135,6 +135,8 @@ def _stores(stores: list[tuple[str | None, StoreStatistics]]) -> Iterator[Any]:
     )
 
 
+# What a model's restores can do (supervisor/routes/capability.py's Restores, and withdrawn).
+RESTORES = ("unprobed", "whole", "prefix", "none", "withdrawn")
 # A model's states (supervisor/models/model.py's ModelState), in the order they come.
 MODEL_STATES = ("unloaded", "loading", "loaded", "failed", "unloading")
 
@@ -152,7 +154,14 @@ def _models(models: ModelsStatistics) -> Iterator[Any]:
     users = GaugeMetricFamily("onebit_model_users", "Requests holding a model", labels=["model"])
     busy = GaugeMetricFamily("onebit_model_slots_busy", "A model's decoder slots held by requests", labels=["model"])
     queued = GaugeMetricFamily("onebit_model_queue_depth", "Requests waiting for a slot of a model", labels=["model"])
+    restores = GaugeMetricFamily(
+        "onebit_model_restores",
+        "1 for what a model's restores can do this load: unprobed, whole, prefix, none, withdrawn",
+        labels=["model", "restores"],
+    )
     for model in models.models:
+        for name in RESTORES:
+            restores.add_metric([model.name, name], 1.0 if model.restores == name else 0.0)
         if model.slots is not None:
             busy.add_metric([model.name], model.slots.busy)
             queued.add_metric([model.name], model.slots.queued)
@@ -161,7 +170,7 @@ def _models(models: ModelsStatistics) -> Iterator[Any]:
         memory.add_metric([model.name], model.memory_mib * 1024 * 1024)
         loads.add_metric([model.name], model.loads)
         users.add_metric([model.name], model.users)
-    yield from (state, memory, loads, users, busy, queued)
+    yield from (state, memory, loads, users, busy, queued, restores)
     yield CounterMetricFamily("onebit_model_swaps", "Models unloaded to make room for another", value=models.swaps)
     yield GaugeMetricFamily("onebit_model_waiting", "Requests waiting for their model to load", value=models.waiting)
 

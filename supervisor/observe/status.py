@@ -77,6 +77,12 @@ class ModelStatistics:
     slots: SlotStatistics | None = None  # its decoder's slots (None from an older daemon)
     providers: tuple[ProviderStatistics, ...] = ()  # its providers (an older daemon: none said)
     store: StoreStatistics | None = None  # its prefix store (None from an older daemon)
+    # What its restores can do this load (supervisor/routes/capability.py): unprobed, whole, prefix,
+    # none, or withdrawn; and why.
+    restores: str = "unprobed"
+    restores_why: str = ""
+    slot_context: int | None = None  # the tokens each slot got, as llama-server says
+    swa_full: bool = False  # its llama-servers run with --swa-full
 
 
 @attrs.frozen

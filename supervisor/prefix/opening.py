@@ -17,9 +17,14 @@ from .store import PrefixStore
 
 @asynccontextmanager
 async def open_prefix_store(
-    config: Config, server_version: str, *, kv_unified: bool = False, engines: Sequence[str] = ()
+    config: Config,
+    server_version: str,
+    *,
+    kv_unified: bool = False,
+    engines: Sequence[str] = (),
+    swa_full: bool = False,
 ) -> AsyncIterator[PrefixStore]:
-    """The store ``[cache]`` describes, for the decoder ``config`` starts (``kv_unified``, ``engines``:
+    """The store ``[cache]`` describes, for the decoder ``config`` starts (``kv_unified``, ``engines``, ``swa_full``:
     what the daemon resolved, for the fingerprint); closed on the way out.
 
     Never raises for the file system or the model file: the store is then disabled (one log line).
@@ -32,7 +37,14 @@ async def open_prefix_store(
         directory = locate.prefix_store_dir(cache.dir, port=config.server.port)
         try:
             fingerprint = await trio.to_thread.run_sync(
-                functools.partial(StateFingerprint.of, config, server_version, kv_unified=kv_unified, engines=engines)
+                functools.partial(
+                    StateFingerprint.of,
+                    config,
+                    server_version,
+                    kv_unified=kv_unified,
+                    engines=engines,
+                    swa_full=swa_full,
+                )
             )
         except OSError as exc:
             store = PrefixStore.disabled(f"cannot identify the model file: {exc.strerror or exc}")

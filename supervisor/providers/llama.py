@@ -60,9 +60,12 @@ class LlamaServerProvider:
         runtime_dir: Path,
         state_dir: Path,
         kv_unified: bool = False,
+        swa_full: bool = False,
         gate: Gate | None = None,
     ) -> None:
+        """``swa_full``: the model's sliding-window layers keep every cell, as in the decoder."""
         self.name = spec.name
+        self._swa_full = swa_full
         self.spec = spec
         self.state_dir = state_dir
         engine = openvino.engine_of(spec.engine, spec.binary)
@@ -101,6 +104,7 @@ class LlamaServerProvider:
             threads=spec.threads,
             extra_args=spec.extra_args,
             kv_unified=kv_unified,
+            swa_full=self._swa_full,
         )
 
     def _to_ggml(self) -> None:

@@ -27,6 +27,7 @@ from ..prefix.store import Entry
 from ..reasons import Reason
 from ..routeline import RouteLine
 from ..supervise.child import ChildState, ChildStatistics
+from .capability import Capability
 from .decision import Choice, Costs, Policy, Route, choose, restore_used
 from .handover import Hybrid, hand_over
 from .plan import Plan, plan
@@ -55,6 +56,10 @@ class Decoder(Protocol):
 # f16 cache (30 layers x K and V x 192 values x 2 bytes), about 22 KiB as measured.
 STATE_BYTES_PER_TOKEN = 23_040
 
+# A request that may be handed over waits at most this long for its model's load-time probe
+# (supervisor/routes/capability.py; well under a second on the models we know).
+PROBE_WAIT_S = 30.0
+
 
 def fallback_chain(reasons: list[Reason]) -> str | None:
     """Every reason a request left a route, in order: ``share-refused>provider-failed``."""
@@ -75,8 +80,12 @@ class Completions:
         settings: HybridConfig | Callable[[], HybridConfig],
         hybrid: Hybrid | None = None,
         slot_context: int | None = None,
+        capability: Capability | None = None,
     ) -> None:
+        """``capability``: what the model's restores can do (supervisor/routes/capability.py); None:
+        taken to restore whole, and never withdrawn (a test's fakes)."""
         self.decoder = decoder
+        self.capability = capability
         self.client = client
         self.slots = slots
         self._settings = source(settings)
@@ -198,7 +207,15 @@ class Completions:
             over_context=plan.over_context,
             restored=restored,
             provider_away=plan.away,
+            restorable=self.capability is None or self.capability.handoff,
         )
+
+    async def _known(self, plan: Plan) -> None:
+        """A request that may be handed over waits for its model's probe (a load's first second)."""
+        capability = self.capability
+        if capability is not None and plan.provider is not None and not capability.known.is_set():
+            with trio.move_on_after(PROBE_WAIT_S):
+                await capability.known.wait()
 
     async def serve(
         self, endpoint: str, body: dict[str, Any], out: Responder, line: RouteLine, headers: Headers = ()
@@ -218,6 +235,7 @@ class Completions:
         async with self.slots.hold(plan.key if plan.remember else None, settle=self._settle) as slot:
             line.slot = slot
             self.check_ready()  # it may have died while we queued
+            await self._known(plan)
             entry = await self._from_store(plan, slot, line)
             choice = self._choose(plan, slot, entry is not None, settings)
             reasons = list(choice.reasons)
@@ -272,9 +290,7 @@ class Completions:
                 if route is not Route.PLAIN:
                     self._verify_handoff(line, reasons, settings)
                 elif entry is not None and self.stored is not None and self.stored.unused(entry, timings.cache_n):
-                    # A conversion of the prompt that differs from the decoder's lands here too.
-                    self.restore_unused += 1
-                    log.warning("prefix store: the decoder did not use the restored prefix (%s)", line.req)
+                    self._store_unused(line, reasons, entry, timings.cache_n)
                 # Saved after the reply, on every route: the slot then holds the reply's tokens too,
                 # which a conversation's next turn starts with (a handed-over state file lacks them).
                 if self.stored is not None:
@@ -302,18 +318,30 @@ class Completions:
             line.prompt_tokens = timings.prompt_tokens()
 
     def _verify_handoff(self, line: RouteLine, reasons: list[Reason], settings: HybridConfig) -> None:
-        """llama.cpp's restore can answer success and still re-prefill everything (#26676)."""
+        """llama.cpp's restore can answer success and still re-prefill everything (#26676): the
+        route line says so, and the model's capability is withdrawn for the rest of its load."""
         if restore_used(line.decoder_prompt_n, settings.restore_check_tokens):
             return
         self.restore_unused += 1
         reasons.append(Reason.RESTORE_UNUSED)
         line.fallback = fallback_chain(reasons)
-        log.warning(
-            "hybrid: restore was not used by the decoder: it evaluated %s of %s prompt tokens (%s)",
-            line.decoder_prompt_n,
-            line.prompt_tokens,
-            line.req,
-        )
+        words = f"it evaluated {line.decoder_prompt_n} of {line.prompt_tokens} prompt tokens"
+        log.warning("hybrid: restore was not used by the decoder: %s (%s)", words, line.req)
+        if self.capability is not None:
+            self.capability.withdraw(f"after a handoff the decoder re-evaluated the prompt: {words} ({line.req})")
+
+    def _store_unused(self, line: RouteLine, reasons: list[Reason], entry: Entry, cache_n: int | None) -> None:
+        """The decoder did not use a prefix the store restored (a conversion of the prompt that
+        differs from the decoder's lands here too): said on the route line; withdrawn when the
+        decoder kept almost nothing of it (its memory, not the prompt, was at fault)."""
+        self.restore_unused += 1
+        reasons.append(Reason.RESTORE_UNUSED)
+        line.fallback = fallback_chain(reasons)
+        log.warning("prefix store: the decoder did not use the restored prefix (%s)", line.req)
+        if self.capability is not None and (cache_n or 0) < entry.n_tokens // 2:
+            self.capability.withdraw(
+                f"the decoder kept {cache_n} of the {entry.n_tokens} tokens the prefix store restored ({line.req})"
+            )
 
     async def relay(
         self,

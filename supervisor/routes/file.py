@@ -21,6 +21,7 @@ from ..llama import decoder
 from ..llama.decoder import JsonClient
 from ..providers import PrefillJob, Provider
 from ..reasons import Reason
+from .capability import Capability
 from .decision import Outcome, Route, Step
 from .prefill import prefill
 
@@ -44,8 +45,13 @@ async def erase_slot(client: SlotClient, slot: int, after: str) -> None:
 
 
 class FileHandoff:
-    def __init__(self, *, client: SlotClient, state_dir: Path, model: str, n_ctx: int) -> None:
+    def __init__(
+        self, *, client: SlotClient, state_dir: Path, model: str, n_ctx: int, capability: Capability | None = None
+    ) -> None:
+        """``capability``: the model's (supervisor/routes/capability.py): where only a state saved a
+        token short restores usably, the provider prefills the prompt less its last token."""
         self.client = client
+        self.capability = capability
         self.state_dir = state_dir
         self.model = model
         self.n_ctx = n_ctx
@@ -67,6 +73,9 @@ class FileHandoff:
         path = self.state_file(req)
         self.sweep()
         handed_over = False
+        short_by = self.capability.short_by if self.capability is not None else 0
+        if 0 < short_by < len(tokens):
+            tokens = tokens[:-short_by]
         try:
             job = PrefillJob(req, self.model, self.n_ctx, tuple(tokens), path)
             done = await prefill(provider, job, timeout_s=timeout_s)

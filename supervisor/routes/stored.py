@@ -33,6 +33,7 @@ from ..errors import PrefixStoreError
 from ..llama import decoder
 from ..llama.slots import PromptKey, SlotPool
 from ..prefix.store import Entry, PrefixStore
+from .capability import Capability
 from .decision import worth_restoring
 from .file import SlotClient, erase_slot
 from .rates import MIB
@@ -61,10 +62,15 @@ class StoredPrefixes:
     :meth:`before` once the request holds its slot, :meth:`after` (or :meth:`after_hang_up`) while
     it still does.  What it restored goes back to the caller, which writes the route line."""
 
-    def __init__(self, *, client: SlotClient, state_dir: Path, store: PrefixStore) -> None:
+    def __init__(
+        self, *, client: SlotClient, state_dir: Path, store: PrefixStore, capability: Capability | None = None
+    ) -> None:
+        """``capability``: the model's (supervisor/routes/capability.py): where a restored prefix
+        cannot spare the decoder a prompt, nothing is restored, saved or kept."""
         self.client = client
         self.state_dir = state_dir
         self.store = store
+        self.capability = capability
         # The nursery the store's writes run in, off the requests' path: set by run().
         self._writes: trio.Nursery | None = None
 
@@ -85,7 +91,7 @@ class StoredPrefixes:
 
     @property
     def enabled(self) -> bool:
-        return self.store.enabled
+        return self.store.enabled and (self.capability is None or self.capability.store)
 
     def may_hold(self, text: str) -> bool:
         """Whether a prompt of this text may have an entry, or make one: a prompt's text is at least
