@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import trio
 
-from supervisor.api.local import health
+from supervisor.api.local import ProviderReadiness, health
 from supervisor.config import convert
 from supervisor.errors import ConfigError
 from supervisor.llama import answers, gguf
@@ -203,13 +203,10 @@ async def test_the_prefix_store_is_off_where_a_restored_prefix_cannot_spare_it(
 
 
 def test_health_names_the_models_whose_restores_spare_nothing() -> None:
-    class Ready:
-        settled = True
-        not_ready: tuple[str, ...] = ()
-
-    status, body = health(ChildState.READY, Ready(), draining=False, stopping=False, unrestorable={"m": "none: why"})
+    ready = ProviderReadiness()
+    status, body = health(ChildState.READY, ready, draining=False, stopping=False, unrestorable={"m": "none: why"})
     assert (status, body) == (200, {"status": "ok", "restores_unusable": {"m": "none: why"}})
-    assert health(ChildState.READY, Ready(), draining=False, stopping=False)[1] == {"status": "ok"}
+    assert health(ChildState.READY, ready, draining=False, stopping=False)[1] == {"status": "ok"}
 
 
 def test_a_slots_real_context_is_read_from_props_and_the_models_list() -> None:
@@ -234,7 +231,8 @@ def test_swa_full_names_its_key_when_wrong() -> None:
 def _kv(key: str, kind: int, value: Any) -> bytes:
     name = struct.pack("<Q", len(key)) + key.encode()
     if kind == 8:
-        return name + struct.pack("<I", 8) + struct.pack("<Q", len(value)) + value.encode()
+        text = str(value).encode()
+        return name + struct.pack("<I", 8) + struct.pack("<Q", len(text)) + text
     if kind == 9:  # an array of int32
         return name + struct.pack("<IIQ", 9, 5, len(value)) + struct.pack(f"<{len(value)}i", *value)
     return name + struct.pack("<I", 4) + struct.pack("<I", value)
