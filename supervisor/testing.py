@@ -32,6 +32,7 @@ from .config import Config
 from .daemon import Daemon, Started
 from .errors import ChildError
 from .http import wire
+from .models.model import ModelState
 from .supervise.child import ChildState
 
 
@@ -114,10 +115,13 @@ def unix_transport(socket: Path, *, max_connections: int = 64) -> httpx.AsyncBas
 
 
 async def wait_daemon_ready(daemon: Daemon, *, providers: bool = False) -> None:
-    """Until the decoder is ready (ChildError when it failed instead) and, with ``providers``, every
-    provider's child too."""
-    if await daemon.models.default.decoder.wait_state(ChildState.READY, ChildState.FAILED) is ChildState.FAILED:
-        raise ChildError(f"the decoder failed to start: {daemon.models.default.decoder.statistics().last_exit}")
+    """Until the decoder is ready (ChildError when it failed instead) and its model loaded (its
+    slot context read and its restores probed), and, with ``providers``, every provider's child too."""
+    model = daemon.models.default
+    if await model.decoder.wait_state(ChildState.READY, ChildState.FAILED) is ChildState.FAILED:
+        raise ChildError(f"the decoder failed to start: {model.decoder.statistics().last_exit}")
+    if await model.wait_state(ModelState.LOADED, ModelState.FAILED) is ModelState.FAILED:
+        raise ChildError(f"model {model.name} failed to load: {model.decoder.statistics().last_exit}")
     if providers:
         for provider in daemon.models.default.parts.providers.all:
             if provider.child is not None:

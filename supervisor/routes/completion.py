@@ -208,6 +208,7 @@ class Completions:
             restored=restored,
             provider_away=plan.away,
             restorable=self.capability is None or self.capability.handoff,
+            store=self.stored is not None and self.stored.store.enabled,
         )
 
     async def _known(self, plan: Plan) -> None:

@@ -156,12 +156,14 @@ def choose(
     restored: bool = False,
     provider_away: Reason | None = None,
     restorable: bool = True,
+    store: bool = False,
 ) -> Choice:
     """The route a request starts on, and every reason it is kept plain; nothing else decides them.
 
     ``enabled``: the hybrid routes are on; ``provider_picked``: a provider was ready when the request
     came (None: as ``provider_ready``); ``provider_ready``: one is ready now, once the request holds
     its slot; ``restorable``: the model's restores spare a prompt (supervisor/routes/capability.py);
+    ``store``: a prefix store is configured (a model whose restores spare nothing says so then too);
     ``provider_away``: why none was picked when the only one runs for another model
     (``provider-swapping``, ``provider-other-model``; None: ``no-provider``); ``unsupported``: a
     prompt shape no provider can take (not tokenized); ``prompt_tokens`` None: the prompt was not
@@ -171,8 +173,8 @@ def choose(
     could take is named so, whether or not its provider is still there):
 
         over_context            plain  over-context
+        not restorable          plain  restore-unusable (with the hybrid routes or a store on)
         not enabled             plain  (disabled: no fallback)
-        not restorable          plain  restore-unusable
         not provider_picked     plain  provider_away, or no-provider
         unsupported             plain  unsupported-request
         prompt_tokens None      plain  tokenize-failed
@@ -194,10 +196,10 @@ def choose(
 
     if over_context:
         return plain(Reason.OVER_CONTEXT)
+    if not restorable and (enabled or store):
+        return plain(Reason.RESTORE_UNUSABLE)
     if not enabled:
         return plain(Reason.DISABLED)
-    if not restorable:
-        return plain(Reason.RESTORE_UNUSABLE)
     if not (provider_ready if provider_picked is None else provider_picked):
         return plain(provider_away or Reason.NO_PROVIDER)
     if unsupported:
