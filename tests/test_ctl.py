@@ -87,6 +87,7 @@ def test_config_show_fills_in_every_default(good_file: Path, capsys: pytest.Capt
             "ubatch_size": 512,
             "cache_type_k": "f16",
             "cache_type_v": "f16",
+            "swa_full": "auto",
             "name": "",
             "aliases": [],
             "threads": -1,

@@ -19,6 +19,7 @@ import pytest
 import trio
 import trio.testing
 
+from supervisor.models.model import ModelState
 from supervisor.supervise.child import ChildState
 
 from .helpers import (
@@ -210,7 +211,8 @@ async def test_health_says_loading_with_retry_after_until_the_decoder_is_ready(
             assert error["code"] == "decoder_unavailable"
             assert reply.headers["retry-after"] == "7"
             control.set(decoder=DecoderModes())
-            await running.daemon.models.default.decoder.wait_state(ChildState.READY)
+            # Ready once its model is loaded: its slot context read and its restores probed.
+            await running.daemon.models.default.wait_state(ModelState.LOADED)
             health = await client.get("/health")
             assert (health.status_code, health.json()) == (200, {"status": "ok"})
             assert "retry-after" not in health.headers

@@ -51,7 +51,7 @@ FAMILIES = {
     "lfm2-dense": Restores.PREFIX,
     "lfm2-noswa-dense": Restores.PREFIX,
 }
-QUANTS = {f"SmolLM2-135M-Instruct.{q}": Restores.WHOLE for q in ("Q4_0", "Q4_K_M", "Q6_K", "Q8_0", "F16")}
+QUANTS = {f"SmolLM2-135M-Instruct.{q}": Restores.WHOLE for q in ("Q4_0", "Q4_1", "Q4_K_M", "Q6_K", "Q8_0", "F16")}
 MODELS = {**FAMILIES, **QUANTS}
 # About 300 tokens of the tiny models' vocabulary (5 bytes a token), 600 of SmolLM2's.
 PROMPT = " ".join(f"item {i} weighs {i * 7 % 13} units" for i in range(80))
@@ -110,7 +110,9 @@ def kept_files(store: Path) -> list[Path]:
 
 
 def model_file(tiny_models: Path, name: str) -> Path:
-    path = tiny_models / f"{name}.gguf"
+    """A tiny model's file, or the embedded default (Q4_1, which set-up installs, not re-quantizes)."""
+    embedded = locate.embedded_model()
+    path = embedded if embedded is not None and embedded.stem == name else tiny_models / f"{name}.gguf"
     assert path.is_file(), path
     return path
 

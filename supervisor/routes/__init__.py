@@ -1,6 +1,7 @@
 """A request's route: the pure decision, the effects of the two hybrid routes, and the request's story.
 
     decision    Route, Step, the DEGRADE table, choose(): pure, table-tested
+    capability  what a model's restores can do, proven at its load: whole, prefix, none
     prompt      the exact tokens the decoder will evaluate for a request
     prefill     a provider's prefill under a deadline, its claim checked: shared by both hybrid routes
     file        the file route: a provider writes a slot state file, the decoder restores it

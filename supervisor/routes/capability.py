@@ -127,13 +127,16 @@ class _Failed(Exception):
     """A probe step was refused: the probe ends unprobed with these words."""
 
 
-async def _ask(client: JsonClient, slot: int, tokens: list[int], saved: list[int], path: Path) -> int | None:
+async def _ask(
+    client: JsonClient, slot: int, tokens: list[int], saved: list[int], path: Path, touched: list[bool]
+) -> int | None:
     """Prefill ``saved`` into ``slot``, save it to ``path``, erase the slot, restore the file and ask
-    ``tokens`` for one token: its ``prompt_n``."""
+    ``tokens`` for one token: its ``prompt_n``.  ``touched`` is set once the slot holds anything."""
     steps: list[Refusal | None] = []
     done = await decoder.prefill(client, slot, saved)
     if isinstance(done, Refusal):
         raise _Failed(str(done))
+    touched[0] = True
     wrote = await decoder.save(client, slot, path.name)
     if isinstance(wrote, Refusal):
         raise _Failed(str(wrote))
@@ -166,19 +169,21 @@ async def probe(client: JsonClient, slot: int, tokens: list[int], state_dir: Pat
     name = f"probe-{secrets.token_hex(4)}"
     whole, short = state_dir / f"{name}-whole.state", state_dir / f"{name}-short.state"
     whole_n: int | None = None
+    touched = [False]  # a decoder that refused the first prefill was left as it was
     try:
-        whole_n = await _ask(client, slot, tokens, tokens, whole)
+        whole_n = await _ask(client, slot, tokens, tokens, whole, touched)
         if verdict(whole_n, None) is Restores.WHOLE:
             return Restores.WHOLE, f"a restored state spared the prompt (re-asked: {whole_n} of {len(tokens)})"
         await decoder.erase(client, slot)
-        short_n = await _ask(client, slot, tokens, tokens[:-1], short)
+        short_n = await _ask(client, slot, tokens, tokens[:-1], short, touched)
     except _Failed as exc:
         if whole_n is not None:
             return Restores.NONE, f"a restored state re-evaluated {whole_n} of {len(tokens)}; then {exc}"
         return Restores.UNPROBED, f"the probe could not run: {exc}"
     finally:
-        with trio.CancelScope(shield=True):
-            await decoder.erase(client, slot)
+        if touched[0]:
+            with trio.CancelScope(shield=True):
+                await decoder.erase(client, slot)
         for path in (whole, short):
             path.unlink(missing_ok=True)
     found = verdict(whole_n, short_n)
