@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import os
+import struct
 import sys
 from pathlib import Path
 from typing import Any
@@ -90,12 +91,23 @@ def make_config(runtime_dir: Path, *, text: str = "", **sections: Any) -> Config
     return configuration.structure(data, "test.toml")
 
 
+def _gguf_string(text: str) -> bytes:
+    return struct.pack("<Q", len(text)) + text.encode()
+
+
+# A GGUF header with an architecture and no tensors: what onebitd's own check of a model file (its
+# header) accepts, for the fake decoders, which never read it.
+FAKE_GGUF = (
+    b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + _gguf_string("general.architecture") + struct.pack("<I", 8)
+) + _gguf_string("fake")
+
+
 def fake_decoder_config(runtime_dir: Path, *, model_file: Path | None = None, **sections: Any) -> Config:
     """A config whose decoder is tests/fake_decoder.py (run by this interpreter)."""
     model = model_file
     if model is None:
         model = runtime_dir / "fake.gguf"
-        model.write_bytes(b"GGUF fake model for tests\n")
+        model.write_bytes(FAKE_GGUF)
     launcher = runtime_dir / "fake-llama-server"
     launcher.write_text(f'#!/bin/sh\nexec {sys.executable} {FAKE_DECODER} "$@"\n')
     launcher.chmod(0o755)

@@ -61,6 +61,10 @@ class FakeLauncher:
     def spawned(self) -> None:
         return
 
+    def fatal(self, line: str) -> str | None:
+        # As llama-server's "error loading model": the fake's exit status 9 is one no restart helps.
+        return "status 9 is fatal" if "exiting with status 9" in line else None
+
     async def healthy(self) -> bool:
         await trio.lowlevel.checkpoint()
         ok = self._published()
@@ -258,6 +262,27 @@ async def test_k_failures_within_the_window_mark_it_failed_and_it_is_not_started
     (why,) = [why for _old, new, why in launcher.transitions if new is S.FAILED]
     assert why.endswith("; 3 failures within 300s")
     assert launcher.path()[-3:] == [S.FAILED, S.STOPPING, S.STOPPED]
+    assert_legal(launcher)
+
+
+async def test_a_child_whose_output_says_no_restart_can_help_fails_at_once(short_dir: Path) -> None:
+    launcher = FakeLauncher(short_dir, "exit 9", "serve")
+    backoffs = Backoffs()
+    child = supervised(launcher, backoffs, restart=PATIENT_RESTART)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(child.run)
+            await child.wait_state(S.FAILED)
+            await trio.testing.wait_all_tasks_blocked()
+            assert (child.state, launcher.spawns) == (S.FAILED, 1)
+            nursery.cancel_scope.cancel()
+    assert backoffs.requested == []
+    (why,) = [why for _old, new, why in launcher.transitions if new is S.FAILED]
+    assert why == "status 9 is fatal; not started again"
+    last_exit = child.statistics().last_exit
+    assert last_exit is not None
+    assert last_exit.startswith("status 9 is fatal (pid ")
+    assert last_exit.endswith(" exited: exit status 9)")
     assert_legal(launcher)
 
 

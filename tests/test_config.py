@@ -21,6 +21,8 @@ from supervisor import config as configuration
 from supervisor.config import Config
 from supervisor.errors import ConfigError
 
+from .rig import FAKE_GGUF
+
 REPO = Path(__file__).parent.parent
 EXAMPLES = sorted((REPO / "config").glob("*.toml"))
 SOURCE = "site.toml"
@@ -30,7 +32,7 @@ SOURCE = "site.toml"
 def site(tmp_path: Path) -> dict[str, Any]:
     """A document that passes every check on any machine: its model file and binary are in tmp_path."""
     model = tmp_path / "model.gguf"
-    model.write_bytes(b"GGUF")
+    model.write_bytes(FAKE_GGUF)
     binary = tmp_path / "llama-server"
     binary.write_text("#!/bin/sh\n")
     binary.chmod(0o755)
@@ -386,6 +388,27 @@ async def test_check_config_exits_non_zero_with_the_lines_on_stderr(site: dict[s
         f'onebitd: {path}: model.ctx_size: expected int, got "4k"',
         f"onebitd: {path}: server.port: must be between 0 and 65535, got 70000",
     ]
+
+
+@pytest.mark.parametrize(
+    ("data", "said"),
+    [
+        (b"not a model\n", "not a GGUF file (no GGUF magic)"),
+        (FAKE_GGUF[:20], "the header ends early: a truncated file"),
+    ],
+    ids=["not-gguf", "truncated"],
+)
+async def test_check_config_names_a_model_file_llama_cpp_cannot_load(
+    site: dict[str, Any], tmp_path: Path, data: bytes, said: str
+) -> None:
+    model = tmp_path / "model.gguf"  # the site's
+    model.write_bytes(data)
+    path = tmp_path / "bad-model.toml"
+    path.write_text(tomli_w.dumps(site))
+    with trio.fail_after(30):
+        result = await check_config(path)
+    assert result.returncode == 2
+    assert result.stderr.decode().splitlines() == [f"onebitd: {path}: model.path: {model}: {said}"]
 
 
 # -- what a reload applies ----------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from supervisor.config import Config, locate, modelspec
 from supervisor.errors import ConfigError
 from supervisor.models import memory
 
-from .rig import make_config
+from .rig import FAKE_GGUF, make_config
 
 SOURCE = "site.toml"
 
@@ -190,7 +190,7 @@ def config_naming(tmp_path_factory: pytest.TempPathFactory, providers: list[list
     tables = []
     for index, named in enumerate(providers):
         path = runtime / f"m{index}.gguf"
-        path.write_bytes(b"GGUF fake model for tests\n")
+        path.write_bytes(FAKE_GGUF)
         tables.append({"name": f"m{index}", "path": str(path), **({"providers": named} if named is not None else {})})
     return make_config(
         runtime,

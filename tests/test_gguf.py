@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import struct
+from pathlib import Path
 
 import pytest
 
@@ -37,3 +38,30 @@ def test_a_header_without_the_architecture_keys_is_not_a_shape() -> None:
 def test_what_is_no_gguf_header_is_refused(data: bytes) -> None:
     with pytest.raises(gguf.NotGguf):
         gguf.read_shape(io.BytesIO(data))
+
+
+def test_a_model_file_whose_tensors_run_past_its_end_is_a_truncated_file(tmp_path: Path) -> None:
+    path = locate.embedded_model()
+    assert path is not None
+    assert gguf.file_problem(path) is None
+    whole = path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole[: len(whole) - 4096])
+    said = gguf.file_problem(cut)
+    assert said is not None
+    assert said.endswith(f"past the file's {len(whole) - 4096}: a truncated file")
+    cut.write_bytes(whole[:4096])
+    assert gguf.file_problem(cut) == "the header ends early: a truncated file"
+
+
+@pytest.mark.parametrize(
+    ("data", "said"),
+    [
+        (b"", "not a GGUF file (no GGUF magic)"),
+        (b"GGUF" + struct.pack("<IQQ", 1, 0, 0), "GGUF version 1, which llama.cpp no longer reads"),
+        (b"GGUF" + struct.pack("<IQQ", 3, 0, 0), "the GGUF header names no general.architecture"),
+    ],
+    ids=["empty", "old", "no-architecture"],
+)
+def test_what_llama_cpp_cannot_load_is_named(data: bytes, said: str) -> None:
+    assert gguf.problem(io.BytesIO(data), len(data)) == said

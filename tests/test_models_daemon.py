@@ -27,6 +27,7 @@ from . import fake_provider
 from .helpers import gone, reaped, wait_until
 from .rig import (
     FAKE_DECODER,
+    FAKE_GGUF,
     HANDOFF_ALWAYS,
     Control,
     DecoderModes,
@@ -49,7 +50,7 @@ def several(runtime_dir: Path, names: list[str], *, table: dict[str, Any] | None
     tables = []
     for name in names:
         path = runtime_dir / f"{name}.gguf"
-        path.write_bytes(b"GGUF fake model for tests\n")
+        path.write_bytes(FAKE_GGUF)
         tables.append({"name": name, "path": str(path), "parallel": 2, **(table or {})})
     return make_config(
         runtime_dir,

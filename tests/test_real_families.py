@@ -305,3 +305,33 @@ async def test_the_share_route_adopts_where_the_decoder_can_lend_that_memory_and
         assert line["route"] == "file", line
         assert line["fallback"].startswith("share-refused"), line
         assert line["decoder_prompt_n"] <= 2, line
+
+
+def _renamed_architecture(source: Path, target: Path) -> None:
+    """``source`` with its ``general.architecture`` value renamed to one this llama.cpp lacks."""
+    data = source.read_bytes()
+    key = data.index(b"general.architecture")
+    value = data.index(b"llama", key + len(b"general.architecture"))
+    target.write_bytes(data[:value] + b"llamb" + data[value + 5 :])
+
+
+async def test_a_model_of_an_architecture_this_llama_cpp_lacks_fails_at_once_with_one_line(
+    short_dir: Path, store_dir: Path, tiny_models: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="onebit.child")
+    path = short_dir / "unknown.gguf"
+    _renamed_architecture(model_file(tiny_models, "llama-dense"), path)
+    with trio.fail_after(DEADLINE_S):
+        async with run_daemon(config(short_dir, path, store_dir, provider=False), wait_ready=False) as running:
+            decoder = running.daemon.models.default.decoder
+            assert await decoder.wait_state(ChildState.FAILED, ChildState.READY) is ChildState.FAILED
+            stats = decoder.statistics()
+            async with httpx.AsyncClient(base_url=running.url, timeout=30) as client:
+                health = await client.get("/health")
+    # One start, no restart, no backoff: a load error no restart can mend.
+    assert (stats.restarts, health.status_code, health.json()) == (0, 503, {"status": "failed"})
+    assert stats.last_exit is not None
+    assert stats.last_exit.startswith(f"model.path {path}: llama-server cannot load it: unknown model architecture")
+    failed = [r.getMessage() for r in caplog.records if "-> failed" in r.getMessage()]
+    assert len(failed) == 1
+    assert not [r for r in caplog.records if "-> backoff" in r.getMessage()]

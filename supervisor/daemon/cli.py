@@ -23,7 +23,9 @@ import trio
 from .. import __version__
 from .. import config as configuration
 from ..config import Config, locate
+from ..config.checks import model_keys
 from ..errors import ChildError, ConfigError, ListenError, RuntimeDirInUse
+from ..llama import gguf
 from ..observe import logs
 from ..supervise.notify import Notifier
 from .root import Daemon
@@ -80,6 +82,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for line in exc.lines:
             print(f"onebitd: {line}", file=sys.stderr)
         return 2
+    broken = model_file_problems(config, path)
+    for line in broken:
+        print(f"onebitd: {line}", file=sys.stderr)
+    if broken:
+        return 2
     if args.check_config:
         print(f"{path}: ok")
         return 0
@@ -95,6 +102,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"onebitd: {where}{refused}", file=sys.stderr)
         status = 1
     return status
+
+
+def model_file_problems(config: Config, source: str) -> list[str]:
+    """One line for each model file whose GGUF header says llama.cpp cannot load it (not a GGUF, a
+    truncated file), naming the config file, the key and the model file: caught before anything
+    starts, where a decoder would only fail its load."""
+    lines: list[str] = []
+    for key, table in model_keys(config):
+        model = locate.model_path(table.path)
+        if model is None or not locate.is_file(model):
+            continue  # the config's own check said so
+        problem = gguf.file_problem(model)
+        if problem is not None:
+            lines.append(f"{source}: {key}.path: {model}: {problem}")
+    return lines
 
 
 def leaves(error: BaseException) -> list[BaseException]:

@@ -11,6 +11,7 @@ other array skipped.
 
 from __future__ import annotations
 
+import os
 import struct
 from typing import IO, Any
 
@@ -201,3 +202,59 @@ def _recurrent_values(key: Any) -> int:
     if l_cache:
         return (l_cache - 1) * int(key("embedding_length", 0))
     return 0
+
+
+# ggml's block sizes by tensor type id (ggml.h's ggml_type): (bytes, values) of one block, for the
+# types GGUF files commonly hold; a tensor of another type is bounded by its offset alone.
+_BLOCKS = {
+    0: (4, 1), 1: (2, 1), 2: (18, 32), 3: (20, 32), 6: (22, 32), 7: (24, 32), 8: (34, 32), 9: (36, 32),
+    10: (84, 256), 11: (110, 256), 12: (144, 256), 13: (176, 256), 14: (210, 256), 15: (292, 256),
+    24: (1, 1), 25: (2, 1), 26: (4, 1), 27: (8, 1), 28: (8, 1), 30: (2, 1), 39: (17, 32),
+}  # fmt: skip
+
+
+def problem(file: IO[bytes], size: int) -> str | None:
+    """What makes ``file`` (``size`` bytes) no model llama.cpp can load, as far as its header says:
+    not a GGUF, a header that ends early, no architecture, or tensor data past the file's end (a
+    truncated download); None when the header holds.  An architecture this llama.cpp lacks is known
+    only to llama-server (its load says so, and the decoder fails at once)."""
+    try:
+        if file.read(4) != MAGIC:
+            return "not a GGUF file (no GGUF magic)"
+        version = _read(file, "I")
+        if version < 2:
+            return f"GGUF version {version}, which llama.cpp no longer reads"
+        n_tensors, n_keys = _read(file, "Q"), _read(file, "Q")
+        found: dict[str, Any] = {}
+        for _ in range(n_keys):
+            key = _string(file)
+            found[key] = _value(file, _read(file, "I"))
+        if not isinstance(found.get("general.architecture"), str):
+            return "the GGUF header names no general.architecture"
+        end = 0
+        for _ in range(n_tensors):
+            _string(file)
+            dims = [_read(file, "Q") for _ in range(_read(file, "I"))]
+            kind, offset = _read(file, "I"), _read(file, "Q")
+            values = 1
+            for dim in dims:
+                values *= dim
+            block_bytes, block_values = _BLOCKS.get(kind, (0, 1))
+            end = max(end, offset + values // block_values * block_bytes)
+    except NotGguf as exc:
+        return f"{exc}: a truncated file"
+    alignment = found.get("general.alignment")
+    align = alignment if isinstance(alignment, int) and alignment > 0 else 32
+    data_start = -(-file.tell() // align) * align
+    if n_tensors and data_start + end > size:
+        return f"its tensor data ends at byte {data_start + end}, past the file's {size}: a truncated file"
+    return None
+
+
+def file_problem(path: str | os.PathLike[str]) -> str | None:
+    """:func:`problem` of the file at ``path`` (an unreadable file says why)."""
+    try:
+        with open(path, "rb") as file:
+            return problem(file, os.fstat(file.fileno()).st_size)
+    except OSError as exc:
+        return f"cannot be read: {exc.strerror or exc}"

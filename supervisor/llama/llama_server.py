@@ -26,6 +26,9 @@ from ..supervise.process import output_of
 from .decoder import DecoderClient
 from .openvino import UNIFIED_ARGS
 
+# How llama-server says that it cannot load the model file (llama.cpp's llama_model_load).
+_LOAD_ERROR = "error loading model:"
+
 # The patched llama-server's switch (scripts/llama-server-share.patch): its KV cache on memfd regions.
 KV_SHARE_ENV = "LLAMA_KV_SHARE"
 
@@ -138,6 +141,15 @@ class LlamaServerLauncher:
 
     def spawned(self) -> None:
         return
+
+    def fatal(self, line: str) -> str | None:
+        """llama-server's ``llama_model_load: error loading model: WHY`` (a file that is no GGUF, is
+        truncated, or of an architecture this llama.cpp lacks): every start would end so."""
+        _, marker, why = line.partition(_LOAD_ERROR)
+        if not marker:
+            return None
+        model = self._model[1]
+        return f"model.path {model}: llama-server cannot load it: {why.strip()}"
 
     def prepare(self) -> None:
         # A socket file left by a killed child makes the next bind fail with EADDRINUSE.

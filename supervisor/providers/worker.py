@@ -119,6 +119,9 @@ class _WorkerLauncher:
         self.env = {**os.environ, "ONEBIT_PROVIDER_FD": str(theirs.fileno())}
         self.provider._begin_life(ours)
 
+    def fatal(self, line: str) -> str | None:
+        return None  # a worker's own program: its exit says why, and a restart may help
+
     def spawned(self) -> None:
         # The child has its copy (or never started): ours must go, or EOF never comes when it dies.
         if self._theirs is not None:

@@ -94,6 +94,10 @@ class Launcher(Protocol):
     def spawned(self) -> None:
         """Runs right after every spawn attempt, to close the parent's copies of what it passed."""
 
+    def fatal(self, line: str) -> str | None:
+        """Why no restart can help, when a line of its output before it was healthy says so (a
+        model file it cannot load); else None."""
+
 
 @attrs.frozen
 class ChildStatistics:
@@ -129,6 +133,8 @@ class Child:
         self._process: ChildProcess | None = None
         self._restarts = 0
         self._last_exit: str | None = None
+        # What its output said no restart can help with (Launcher.fatal), in the life now ending.
+        self._fatal: str | None = None
         # Set when the first start is over, healthy or not: what readiness waits for.
         self._first_start = trio.Event()
         # Bumped on every READY: a fact learnt about one decoder process (it cannot share its KV,
@@ -193,6 +199,11 @@ class Child:
                 failures.append(now)
                 while failures and now - failures[0] > self.restart.window_s:
                     failures.popleft()
+                if self._fatal is not None:
+                    # Another start would fail the same way: no crash loop, one line that says why.
+                    self._last_exit = f"{self._fatal} ({why})"
+                    self._set(ChildState.FAILED, f"{self._fatal}; not started again")
+                    await trio.sleep_forever()
                 if len(failures) >= self.restart.max_failures:
                     self._set(
                         ChildState.FAILED,
@@ -233,7 +244,7 @@ class Child:
         code: int | None = None
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(functools.partial(process.pump_output, gather_s=_GATHER_S))
+                nursery.start_soon(functools.partial(process.pump_output, self._heard, gather_s=_GATHER_S))
                 why = await self._live(process)
                 code = await process.stop(self.health.stop_grace_s)
                 # Its group is dead, so the output reaches EOF once the last lines (often why it died)
@@ -246,6 +257,12 @@ class Child:
             self._last_exit = describe_exit(code)
             self._process = None
         return why or f"pid {process.pid} exited: {self._last_exit}"
+
+    def _heard(self, line: str) -> None:
+        """Each line of its output: before its first healthy answer of a life, one that says no
+        restart can help is kept (the first such)."""
+        if self._fatal is None and self._lifecycle.state is ChildState.STARTING:
+            self._fatal = self.launcher.fatal(line)
 
     async def _live(self, process: ChildProcess) -> str:
         """Gate on health, then watch; return why it must be stopped, or "" when it exited."""
@@ -269,6 +286,7 @@ class Child:
                 nursery.cancel_scope.cancel()
                 return f"not healthy within {self.health.start_timeout_s:g}s"
             self.generation += 1
+            self._fatal = None  # it answered: whatever it said was not the end
             self._set(ChildState.READY, f"pid {process.pid} healthy")
             misses = 0
             while not exited.is_set():
