@@ -150,3 +150,21 @@ async def test_a_refused_restore_is_a_refusal_of_the_providers_state_not_a_passi
     probe = Probe(client=decoder, handoff=FakeHandoff(decoder, refused=True), timeout_s=5)
     with trio.fail_after(5), pytest.raises(ProviderStateRefused, match="n_stream mismatch"):
         await probe.sample(ScriptedProvider(), 0, [1, 2, 3])
+
+
+def test_one_prompt_far_off_is_refused_though_the_mean_is_within_the_bound() -> None:
+    # Three prompts the handoff keeps exactly, one it moves four times the cold path's worst.
+    samples = [Sample(100, handoff=0.0, cold=0.03, same_top1=True) for _ in range(3)]
+    samples.append(Sample(690, handoff=0.2, cold=0.03, same_top1=False))
+    verdict = judge(samples, factor=3.0, floor=0.02)
+    assert verdict.mean_handoff <= verdict.bound  # the mean alone would admit it
+    assert verdict.max_handoff > verdict.worst_bound == pytest.approx(3.0 * 0.03 + 0.02)
+    assert not verdict.ok
+    assert "worst 0.2000" in verdict.summary()
+
+
+def test_the_gate_takes_the_prompts_that_fit_a_slot() -> None:
+    prompts = [[1] * 100, [1] * 690]
+    assert fidelity.fitting(prompts, 1024) == prompts
+    assert fidelity.fitting(prompts, 512) == [prompts[0]]
+    assert fidelity.fitting(prompts, None) == prompts

@@ -104,7 +104,7 @@ async def test_an_openvino_provider_on_the_cpu_serves_the_whole_file_route(
     assert (stats.engine, stats.device, stats.jobs, stats.failures) == (
         "openvino",
         "CPU",
-        len(fidelity.START_PROMPTS) + 1,
+        len(fidelity.GATE_PROMPTS) + 1,
         0,
     )
     labels = 'device="CPU",engine="openvino",provider="ov",route="file"'

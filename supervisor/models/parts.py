@@ -17,7 +17,7 @@ from pathlib import Path
 
 import trio
 
-from ..config import Config, ProviderConfig, modelspec
+from ..config import Config, ProviderConfig, locate, modelspec
 from ..config import ExecProvider as ExecProviderConfig
 from ..config import LlamaServerProvider as LlamaServerProviderConfig
 from ..config.live import Settings
@@ -176,15 +176,22 @@ class Parts:
                 state_dir=self.state_dir,
                 kv_unified=kv_unified,
                 swa_full=self.swa_full,
-                # The ggml engine is the decoder's own: its handoffs are exact (tests hold them to
-                # identical replies), nothing to measure at start.
-                gate=self._fidelity_gate
-                if self.check_fidelity and openvino.engine_of(spec.engine, spec.binary) != "ggml"
-                else None,
+                # The decoder's own build is exact (tests hold its handoffs to identical replies):
+                # nothing to measure at start.  Another engine or another binary is measured.
+                gate=self._fidelity_gate if self.check_fidelity and self._foreign(spec) else None,
             )
         if isinstance(spec, ExecProviderConfig):
             return ExecProvider(spec)
         return WorkerProvider(spec)
+
+    def _foreign(self, spec: LlamaServerProviderConfig) -> bool:
+        """Its KV is not the decoder's own build's: another engine (OpenVINO), or a llama-server
+        binary other than the decoder's."""
+        if openvino.engine_of(spec.engine, spec.binary) != "ggml":
+            return True
+        decoder = locate.llama_server(self.config.decoder.binary)
+        theirs = locate.llama_server(spec.ggml_binary(self.config.decoder.binary))
+        return decoder is None or theirs is None or decoder.resolve() != theirs.resolve()
 
     async def _fidelity_gate(self, provider: Provider) -> str | None:
         """A provider's start-time check (supervisor/routes/fidelity.py): a few prompts through the decoder's
@@ -200,7 +207,8 @@ class Parts:
         probe = fidelity.Probe(
             client=self.client, handoff=self.hybrid.file, timeout_s=self.settings.hybrid().prefill_timeout_s
         )
-        prompts = [await probe.tokens(text) for text in fidelity.START_PROMPTS]
+        n_ctx = self.completions.slot_context
+        prompts = fidelity.fitting([await probe.tokens(text) for text in fidelity.GATE_PROMPTS], n_ctx)
         started = trio.current_time()
         async with self.slots.hold() as slot:
             try:

@@ -17,9 +17,11 @@ after it, three ways:
 Each distribution is llama-server's pre-sampling top-k (``n_probs``: the softmax of the logits), TV
 the total variation distance over the union of both top-k token sets plus one bucket for the rest of
 the mass (a token in one list and not the other counts as 0 in the other: an upper bound on what the
-lists hide, within the smaller tail).  The bound, over a set of prompts:
+lists hide, within the smaller tail).  The bound, over a set of prompts, on the mean and on the
+worst prompt (one prompt far off must not hide behind good ones):
 
     mean(d_handoff) <= FACTOR * mean(d_cold) + FLOOR
+    max(d_handoff)  <= FACTOR * max(d_cold)  + FLOOR
 
 A ggml provider runs the decoder's own engine: its d_handoff is 0 (tests hold it to identical
 replies instead).  The pure part (:func:`top_k`, :func:`total_variation`, :func:`judge`) does no I/O;
@@ -103,16 +105,19 @@ class Verdict:
     bound: float  # factor * mean_cold + floor
     factor: float = FACTOR
     floor: float = FLOOR
+    max_cold: float = 0.0
+    worst_bound: float = math.inf  # factor * max_cold + floor
 
     @property
     def ok(self) -> bool:
-        return self.mean_handoff <= self.bound
+        return self.mean_handoff <= self.bound and self.max_handoff <= self.worst_bound
 
     def summary(self) -> str:
         return (
             f"next-token TV distance over {self.n} prompts: handoff mean {self.mean_handoff:.4f}"
-            f" (max {self.max_handoff:.4f}), the decoder's own cold prefill {self.mean_cold:.4f},"
-            f" bound {self.bound:.4f} ({self.factor:g} x cold + {self.floor:g}); top-1 kept on {self.top1_agree:.0%}"
+            f" (worst {self.max_handoff:.4f}), the decoder's own cold prefill {self.mean_cold:.4f}"
+            f" (worst {self.max_cold:.4f}), bounds {self.bound:.4f} and {self.worst_bound:.4f}"
+            f" ({self.factor:g} x cold + {self.floor:g}); top-1 kept on {self.top1_agree:.0%}"
         )
 
 
@@ -123,6 +128,7 @@ def judge(samples: Sequence[Sample], *, factor: float | None = None, floor: floa
     factor = FACTOR if factor is None else factor
     floor = FLOOR if floor is None else floor
     mean_cold = statistics.fmean(s.cold for s in samples)
+    max_cold = max(s.cold for s in samples)
     return Verdict(
         n=len(samples),
         mean_handoff=statistics.fmean(s.handoff for s in samples),
@@ -132,6 +138,8 @@ def judge(samples: Sequence[Sample], *, factor: float | None = None, floor: floa
         bound=factor * mean_cold + floor,
         factor=factor,
         floor=floor,
+        max_cold=max_cold,
+        worst_bound=factor * max_cold + floor,
     )
 
 
@@ -158,6 +166,25 @@ START_PROMPTS = (
     "warm place for an hour, until it has doubled in size. Knock it back, shape it into a loaf, and "
     "let it rise again for half an hour. Bake at 220 degrees for",
 )
+
+
+# Two prompts past the static path's 256-token chunk (about 690 tokens each with SmolLM2's
+# tokenizer): a KV written chunk by chunk, or a long context's rounding, shows only there.
+LONG_PROMPTS = (
+    " ".join(START_PROMPTS[i % 4].rstrip(":") + "." for i in range(7))
+    + " Summarise the seven passages above in one line:",
+    " ".join(START_PROMPTS[(i + 2) % 4].rstrip(":") + "." for i in range(7))
+    + " Which passage above is the odd one out?",
+)
+# The start-time check's prompts: those that fit a slot (:func:`fitting`).
+GATE_PROMPTS = START_PROMPTS + LONG_PROMPTS
+
+
+def fitting(prompts: Sequence[list[int]], slot_context: int | None) -> list[list[int]]:
+    """The prompts (as tokens) that leave a slot room for the one token each probe asks."""
+    if slot_context is None:
+        return list(prompts)
+    return [tokens for tokens in prompts if len(tokens) + 2 <= slot_context]
 
 
 # What the longer prompt sets are made of (the real-parts test's 30, the benchmark's): each of
