@@ -6,6 +6,7 @@
     scripts/bench multiturn [--quick]  chats over many turns: plain, hybrid, llama-server direct
     scripts/bench prefix [--quick]     a long shared prompt across a decoder crash, with and without the store
     scripts/bench models [--quick]     two models through a one-model budget: swaps, with and without the store
+    scripts/bench families [--quick]   per model family and quant: first token plain vs the file route, memory
     scripts/bench agent [--quick]      an agent's session through anthropic-python and openai-python's Responses
                                        client: direct, plain, hybrid, and after a full restart
 
@@ -60,6 +61,7 @@ from supervisor.testing import run_daemon, unix_transport  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_agent  # noqa: E402
+import bench_families  # noqa: E402
 import bench_handoff  # noqa: E402
 import bench_models  # noqa: E402
 import bench_multiturn  # noqa: E402
@@ -768,6 +770,12 @@ SUBCOMMANDS = [
         help="first token: plain against the file route with a ggml and with an OpenVINO provider",
         arguments=bench_providers.arguments,
         run=bench_providers.run,
+    ),
+    Subcommand(
+        name="families",
+        help="per model family and quant: first token plain against the file route, the restore, memory",
+        arguments=bench_families.arguments,
+        run=bench_families.run,
     ),
     Subcommand(
         name="multiturn",

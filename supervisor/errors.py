@@ -91,6 +91,11 @@ class ProviderError(OnebitError):
     """A prefill provider failed a job (crash, exit status, timeout, refused)."""
 
 
+class ProviderAnswered(ProviderError):
+    """A provider answered a job with an error of its own (an HTTP 4xx or 5xx: a model its engine
+    cannot compute), not a lost connection: a start-time check refuses it rather than trying again."""
+
+
 class ProviderStateRefused(ProviderError):
     """The decoder refused to restore what a provider wrote: a start-time check refuses the provider
     rather than trying again."""

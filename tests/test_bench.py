@@ -85,6 +85,23 @@ async def test_the_overhead_benchmark_in_quick_mode_exits_0_and_prints_its_ratio
 
 
 @pytest.mark.real
+async def test_the_families_benchmark_in_quick_mode_exits_0_with_each_model_on_the_file_route() -> None:
+    real_llama_server()
+    with trio.fail_after(300):
+        result = await trio.run_process(
+            [sys.executable, str(BENCH), "families", "--quick"], capture_stdout=True, capture_stderr=True, check=False
+        )
+    out = result.stdout.decode()
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    # model, verdict, tokens, plain ms and spread, file ms and spread, the ratio, prompt_n, memory
+    row = r"^(\S+) +(whole|prefix) +\d+ +\d+ +- +\d+ +- +" + NUMBER + r"x +(\d+) +\d+ +\d+ +\d+$"
+    rows = re.findall(row, out, re.MULTILINE)
+    assert [(name, verdict) for name, verdict, _ in rows] == [("llama-dense", "whole"), ("qwen35-dense", "prefix")], out
+    # Both on the file route: the decoder evaluated a token or two after each restore.
+    assert all(int(prompt_n) <= 2 for *_, prompt_n in rows), out
+
+
+@pytest.mark.real
 async def test_the_prefix_benchmark_in_quick_mode_exits_0_and_prints_its_ratios() -> None:
     real_llama_server()
     with trio.fail_after(300):

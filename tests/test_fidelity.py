@@ -4,7 +4,7 @@ against an in-process decoder and handoff."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import trio
@@ -168,3 +168,17 @@ def test_the_gate_takes_the_prompts_that_fit_a_slot() -> None:
     assert fidelity.fitting(prompts, 1024) == prompts
     assert fidelity.fitting(prompts, 512) == [prompts[0]]
     assert fidelity.fitting(prompts, None) == prompts
+
+
+async def test_a_provider_that_answers_its_prefill_with_an_error_is_refused_not_asked_again() -> None:
+    class Answered(FakeHandoff):
+        async def run(self, *, req: str, slot: int, tokens: list[int], provider: Provider, timeout_s: float) -> Outcome:
+            await trio.lowlevel.checkpoint()
+            why = "provider failed: ov: prefill answered 500: Compute error."
+            return Outcome(Route.FILE, Step.FILE_PREFILL, Reason.PROVIDER_FAILED, why, answered=True)
+
+    fake = FakeDecoder(handoff={1: 1.0}, cold={1: 1.0}, cached={1: 1.0})
+    probe = Probe(client=fake, handoff=Answered(fake), timeout_s=1)
+    with trio.fail_after(5), pytest.raises(ProviderStateRefused, match="it cannot prefill this model: provider failed"):
+        await probe.sample(cast(Provider, None), 0, [1, 2, 3])
+    assert fake.calls[-1] == "erase"

@@ -28,7 +28,7 @@ import trio
 
 from ..config import Config
 from ..config import LlamaServerProvider as LlamaServerProviderConfig
-from ..errors import ChildError, ProviderError
+from ..errors import ChildError, ProviderAnswered, ProviderError
 from ..llama import decoder, openvino
 from ..llama.decoder import DecoderClient
 from ..llama.llama_server import LlamaServerLauncher, connection_limit
@@ -272,7 +272,9 @@ class LlamaServerProvider:
 
     def _refused(self, refused: decoder.Refusal) -> ProviderError:
         # No answer at all: the connection's own words, as the decoder client gave them.
-        return ProviderError(f"{self.name}: {refused.words if refused.status == 0 else refused}")
+        if refused.status == 0:
+            return ProviderError(f"{self.name}: {refused.words}")
+        return ProviderAnswered(f"{self.name}: {refused}")
 
     async def _share_in(self, slot: int, job: ShareJob) -> Claim:
         """Prefill and save as for a file job, then write the saved rows into the lent region."""

@@ -66,6 +66,7 @@ class Outcome:
     evaluated: int | None = None  # prompt tokens the provider evaluated (its cache held the rest)
     state_bytes: int | None = None  # the state moved (file route)
     handoff_ms: float | None = None  # moving it: the job's time beyond the prefill, plus the restore
+    answered: bool = False  # the provider answered its prefill with an error of its own
 
     @property
     def ok(self) -> bool:

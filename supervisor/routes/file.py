@@ -84,7 +84,9 @@ class FileHandoff:
                 reason, why = done.reason, done.why
                 if reason is None:
                     reason, why = Reason.PROVIDER_FAILED, f"provider {provider.name} wrote no state file"
-                return Outcome(Route.FILE, Step.FILE_PREFILL, reason, why, prefill_ms=done.prefill_ms)
+                return Outcome(
+                    Route.FILE, Step.FILE_PREFILL, reason, why, prefill_ms=done.prefill_ms, answered=done.answered
+                )
             restored = await self._restore(slot, path, len(tokens), done.prefill_ms)
             if not restored.ok:
                 return restored

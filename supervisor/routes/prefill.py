@@ -11,7 +11,7 @@ from __future__ import annotations
 import attrs
 import trio
 
-from ..errors import ProviderError
+from ..errors import ProviderAnswered, ProviderError
 from ..providers import Job, Provider
 from ..reasons import Reason
 from .decision import claim_matches
@@ -24,6 +24,7 @@ class Prefilled:
     why: str = ""
     wall_ms: float = 0.0  # the whole job as we saw it: prefill, save and the round trips
     evaluated: int | None = None  # tokens the provider evaluated
+    answered: bool = False  # the provider answered with an error of its own (ProviderAnswered)
 
 
 async def prefill(provider: Provider, job: Job, *, timeout_s: float, where: str = "") -> Prefilled:
@@ -37,7 +38,8 @@ async def prefill(provider: Provider, job: Job, *, timeout_s: float, where: str 
     except trio.TooSlowError:
         return Prefilled(None, Reason.PROVIDER_FAILED, f"provider {provider.name} took over {timeout_s:g}s")
     except ProviderError as exc:
-        return Prefilled(None, Reason.PROVIDER_FAILED, f"provider failed: {exc}")
+        answered = isinstance(exc, ProviderAnswered)
+        return Prefilled(None, Reason.PROVIDER_FAILED, f"provider failed: {exc}", answered=answered)
     measured_ms = (trio.current_time() - started) * 1000
     prefill_ms = claim.prefill_ms if claim.prefill_ms is not None else measured_ms
     if not claim_matches(claim.n_tokens, expected):
