@@ -18,9 +18,11 @@ provider is the decoder's own build: its handoff is exact, so no fidelity distan
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +134,10 @@ async def run(args: argparse.Namespace) -> int:
         [str(ROOT / "scripts" / "tiny-models"), "--print-path", sys.executable], capture_stdout=True
     )
     tiny = Path(found.stdout.decode().strip())
+    import bench  # the machine line, measured the same way for every subcommand
+
+    print(f"machine: {bench.machine()}")
+    ticks, began = bench.busy_ticks(), time.monotonic()
     names = args.models or (["llama-dense", "qwen35-dense"] if args.quick else [*FAMILIES, *QUANTS])
     n = 1 if args.quick else args.pairs
     tokens = 200 if args.quick else args.tokens
@@ -153,4 +159,6 @@ async def run(args: argparse.Namespace) -> int:
             flush=True,
         )
     print("prompt_n: the decoder's prompt tokens after the restore (worst pair); memory: RSS after the run, MiB")
+    cpus = (bench.busy_ticks() - ticks) / os.sysconf("SC_CLK_TCK") / (time.monotonic() - began)
+    print(f"CPU busy during the run: {cpus:.2f} of {os.cpu_count()} CPUs, this benchmark's own processes included")
     return 0

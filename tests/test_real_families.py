@@ -32,7 +32,16 @@ from supervisor.routes.capability import Restores
 from supervisor.supervise.child import ChildState
 
 from .helpers import wait_until
-from .rig import HANDOFF_ALWAYS, TESTS, RouteLines, child_of, make_config, real_llama_server, run_daemon
+from .rig import (
+    HANDOFF_ALWAYS,
+    TESTS,
+    RouteLines,
+    child_of,
+    make_config,
+    openvino_llama_server,
+    real_llama_server,
+    run_daemon,
+)
 
 pytestmark = pytest.mark.real
 
@@ -80,14 +89,14 @@ def store_dir(short_dir: Path) -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def config(runtime: Path, model_path: Path, store: Path, *, provider: bool = True, **changes: Any) -> Config:
+def config(runtime: Path, model_path: Path, store: Path, *, with_provider: bool = True, **changes: Any) -> Config:
     real_llama_server()
     sections: dict[str, Any] = {
         "model": {"path": str(model_path), "parallel": 2, "ctx_size": 4096, **changes.pop("model", {})},
         "decoder": {"threads": 1, **changes.pop("decoder", {})},
-        "cache": {"dir": str(store), "min_tokens": 64, "ram_mib": 0},
+        "cache": {"dir": str(store), "min_tokens": 64, "ram_mib": 0, **changes.pop("cache", {})},
     }
-    if provider:
+    if with_provider:
         sections["hybrid"] = {"enabled": True, "min_prompt_tokens": 16, **HANDOFF_ALWAYS}
         sections["provider"] = [{"kind": "llama-server", "name": "p0", "threads": 1}]
     return make_config(runtime, **{**sections, **changes})
@@ -133,7 +142,7 @@ async def test_a_long_prompt_asked_again_and_after_a_restart_is_never_paid_for_t
             if expected is Restores.WHOLE:
                 await wait_until(lambda: model.store.statistics().stores >= 1)
         # After a restart: no provider, the prefix store alone spares the prompt, or is off.
-        async with run_daemon(config(short_dir, path, store_dir, provider=False)) as running:
+        async with run_daemon(config(short_dir, path, store_dir, with_provider=False)) as running:
             after = await ask(running.url)
     assert all(reply["content"] for reply in (first, again, after))
     asked, asked_again, restarted = route_lines.lines
@@ -322,7 +331,7 @@ async def test_a_model_of_an_architecture_this_llama_cpp_lacks_fails_at_once_wit
     path = short_dir / "unknown.gguf"
     _renamed_architecture(model_file(tiny_models, "llama-dense"), path)
     with trio.fail_after(DEADLINE_S):
-        async with run_daemon(config(short_dir, path, store_dir, provider=False), wait_ready=False) as running:
+        async with run_daemon(config(short_dir, path, store_dir, with_provider=False), wait_ready=False) as running:
             decoder = running.daemon.models.default.decoder
             assert await decoder.wait_state(ChildState.FAILED, ChildState.READY) is ChildState.FAILED
             stats = decoder.statistics()
@@ -335,3 +344,29 @@ async def test_a_model_of_an_architecture_this_llama_cpp_lacks_fails_at_once_wit
     failed = [r.getMessage() for r in caplog.records if "-> failed" in r.getMessage()]
     assert len(failed) == 1
     assert not [r for r in caplog.records if "-> backoff" in r.getMessage()]
+
+
+async def test_a_family_the_openvino_backend_cannot_compute_is_refused_with_one_line_and_auto_goes_on_with_ggml(
+    short_dir: Path, store_dir: Path, tiny_models: Path, route_lines: RouteLines, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Measured (docs/benchmarks.md, "families"): OpenVINO answers a sliding-window model's prefill
+    # with "Compute error"; engine "auto" refuses it at start and goes on with the ggml engine.
+    openvino_llama_server()
+    caplog.set_level(logging.INFO, logger="onebit.provider")
+    path = model_file(tiny_models, "gemma3-dense")
+    provider = {"kind": "llama-server", "name": "ov", "engine": "auto", "device": "CPU", "threads": 1}
+    with trio.fail_after(DEADLINE_S):
+        async with run_daemon(
+            config(short_dir, path, store_dir, provider=[provider], cache={"compile_dir": str(short_dir / "ovc")}),
+        ) as running:
+            (made,) = running.daemon.models.default.parts.providers.all
+            await made.wait_settled()
+            await wait_until(lambda: made.ready)
+            stats = made.statistics()
+            await ask(running.url)
+    said = [r.getMessage() for r in caplog.records if "OpenVINO refused for this model" in r.getMessage()]
+    assert len(said) == 1
+    assert "it cannot prefill this model: provider failed: ov: prefill answered 500: Compute error" in said[0]
+    assert (stats.engine, stats.refused) == ("ggml", None)
+    [line] = route_lines.lines
+    assert (line["route"], line["engine"], line["decoder_prompt_n"]) == ("file", "ggml", 1), line
