@@ -62,7 +62,7 @@ def test_the_reader_reads_metrics_selectors_and_grouping() -> None:
     )
     assert read("sum(rate(c[1m])) by (q)").grouping == ("q",)
     for unreadable in ['{__name__="a"}', "a # a comment", "rate(a[1m]) $x"]:
-        with pytest.raises(ValueError, match="cannot read|without a metric name"):
+        with pytest.raises(ValueError, match=r"cannot read|without a metric name"):
             read(unreadable)
 
 
