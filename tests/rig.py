@@ -118,6 +118,25 @@ def fake_decoder_config(runtime_dir: Path, *, model_file: Path | None = None, **
     return make_config(runtime_dir, decoder=decoder, model=model_section, **sections)
 
 
+def several(runtime_dir: Path, names: list[str], *, table: dict[str, Any] | None = None, **models: Any) -> Config:
+    """A config whose [[model]] tables are ``names``, each the fake decoder on its own fake file
+    (``table``: keys every table has too)."""
+    launcher = runtime_dir / "fake-llama-server"
+    launcher.write_text(f'#!/bin/sh\nexec {sys.executable} {FAKE_DECODER} "$@"\n')
+    launcher.chmod(0o755)
+    tables = []
+    for name in names:
+        path = runtime_dir / f"{name}.gguf"
+        path.write_bytes(FAKE_GGUF)
+        tables.append({"name": name, "path": str(path), "parallel": 2, **(table or {})})
+    return make_config(
+        runtime_dir,
+        decoder={"binary": str(launcher), "health": {"interval_s": 0.2, "stop_grace_s": 2.0}},
+        model=tables,
+        models=models,
+    )
+
+
 def env_without(*names: str) -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in names}
 

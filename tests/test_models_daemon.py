@@ -17,7 +17,6 @@ import trio
 
 from supervisor import config as configuration
 from supervisor.admin import render
-from supervisor.config import Config
 from supervisor.daemon import Daemon
 from supervisor.models.model import ModelState
 from supervisor.observe.status import from_wire, to_wire
@@ -26,8 +25,6 @@ from supervisor.providers.seat import Tenant
 from . import fake_provider
 from .helpers import gone, reaped, wait_until
 from .rig import (
-    FAKE_DECODER,
-    FAKE_GGUF,
     HANDOFF_ALWAYS,
     Control,
     DecoderModes,
@@ -36,28 +33,10 @@ from .rig import (
     fake_decoder_config,
     make_config,
     run_daemon,
+    several,
 )
 
 TIMEOUT = 30
-
-
-def several(runtime_dir: Path, names: list[str], *, table: dict[str, Any] | None = None, **models: Any) -> Config:
-    """A config whose [[model]] tables are ``names``, each the fake decoder on its own fake file
-    (``table``: keys every table has too)."""
-    launcher = runtime_dir / "fake-llama-server"
-    launcher.write_text(f'#!/bin/sh\nexec {sys.executable} {FAKE_DECODER} "$@"\n')
-    launcher.chmod(0o755)
-    tables = []
-    for name in names:
-        path = runtime_dir / f"{name}.gguf"
-        path.write_bytes(FAKE_GGUF)
-        tables.append({"name": name, "path": str(path), "parallel": 2, **(table or {})})
-    return make_config(
-        runtime_dir,
-        decoder={"binary": str(launcher), "health": {"interval_s": 0.2, "stop_grace_s": 2.0}},
-        model=tables,
-        models=models,
-    )
 
 
 async def test_a_model_that_does_not_load_in_time_is_a_503_with_retry_after(
