@@ -135,8 +135,9 @@ async def test_a_llama_server_provider_slower_to_start_than_the_decoder_is_waite
     short_dir: Path, control: Control, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="onebit.daemon")
-    # The provider (the fake decoder again, with no start-time check: the ggml engine) loads its
-    # model only once the test says so; the decoder at once.
+    # The provider (the fake decoder again, through a wrapper: another binary than the decoder's, so
+    # no start-time check here, which the fake cannot answer) loads its model only once the test
+    # says so; the decoder at once.
     go = short_dir / "provider-go"
     slow = short_dir / "slow-llama-server"
     launcher = short_dir / "fake-llama-server"
@@ -146,7 +147,7 @@ async def test_a_llama_server_provider_slower_to_start_than_the_decoder_is_waite
         short_dir, hybrid={"enabled": True}, provider=[{"kind": "llama-server", "name": "p0", "binary": str(slow)}]
     )
     with trio.fail_after(TIMEOUT):
-        async with run_daemon(config, wait_ready=False) as running:
+        async with run_daemon(config, wait_ready=False, check_fidelity=False) as running:
             provider = running.daemon.models.default.parts.providers.all[0]
             await running.daemon.models.default.decoder.wait_state(ChildState.READY)
             await trio.testing.wait_all_tasks_blocked()

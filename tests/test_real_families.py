@@ -341,7 +341,7 @@ async def test_a_model_of_an_architecture_this_llama_cpp_lacks_fails_at_once_wit
     assert (stats.restarts, health.status_code, health.json()) == (0, 503, {"status": "failed"})
     assert stats.last_exit is not None
     assert stats.last_exit.startswith(f"model.path {path}: llama-server cannot load it: unknown model architecture")
-    failed = [r.getMessage() for r in caplog.records if "-> failed" in r.getMessage()]
+    failed = [r.getMessage() for r in caplog.records if r.name == "onebit.child" and "-> failed" in r.getMessage()]
     assert len(failed) == 1
     assert not [r for r in caplog.records if "-> backoff" in r.getMessage()]
 

@@ -236,7 +236,8 @@ async def test_a_provider_over_the_fidelity_bound_is_refused_at_start_and_the_de
     assert got.strip()
     (refusal,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert refusal.startswith(
-        "ov: refused for this model, the other providers go on: next-token TV distance over 4 prompts"
+        f"ov: refused for this model, the other providers go on: next-token TV distance over"
+        f" {len(fidelity.GATE_PROMPTS)} prompts"
     )
     assert refusal.endswith("over the bound")
     (line,) = route_lines.lines
