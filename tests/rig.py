@@ -118,9 +118,16 @@ def fake_decoder_config(runtime_dir: Path, *, model_file: Path | None = None, **
     return make_config(runtime_dir, decoder=decoder, model=model_section, **sections)
 
 
-def several(runtime_dir: Path, names: list[str], *, table: dict[str, Any] | None = None, **models: Any) -> Config:
+def several(
+    runtime_dir: Path,
+    names: list[str],
+    *,
+    table: dict[str, Any] | None = None,
+    decoder: dict[str, Any] | None = None,
+    **models: Any,
+) -> Config:
     """A config whose [[model]] tables are ``names``, each the fake decoder on its own fake file
-    (``table``: keys every table has too)."""
+    (``table``: keys every table has too; ``decoder``: keys of the [decoder] table)."""
     launcher = runtime_dir / "fake-llama-server"
     launcher.write_text(f'#!/bin/sh\nexec {sys.executable} {FAKE_DECODER} "$@"\n')
     launcher.chmod(0o755)
@@ -131,7 +138,7 @@ def several(runtime_dir: Path, names: list[str], *, table: dict[str, Any] | None
         tables.append({"name": name, "path": str(path), "parallel": 2, **(table or {})})
     return make_config(
         runtime_dir,
-        decoder={"binary": str(launcher), "health": {"interval_s": 0.2, "stop_grace_s": 2.0}},
+        decoder={"binary": str(launcher), "health": {"interval_s": 0.2, "stop_grace_s": 2.0}, **(decoder or {})},
         model=tables,
         models=models,
     )

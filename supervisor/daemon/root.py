@@ -370,5 +370,7 @@ class Daemon:
                 self._update_status()
 
     def _alive(self) -> bool:
-        """What the systemd watchdog asks: a decoder starting or ready (several models: always)."""
-        return self.models.several or self.models.default.decoder.state in (ChildState.STARTING, ChildState.READY)
+        """What the systemd watchdog asks (the ping itself proves the loop turns): some model can
+        still serve.  One that failed for good does not restart the others; when every one has
+        failed, systemd's restart is the only way back."""
+        return not self.models.all_failed()

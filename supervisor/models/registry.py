@@ -332,6 +332,13 @@ class Models:
         await model.wait_state(ModelState.UNLOADED)
         return model
 
+    def all_failed(self) -> bool:
+        """Every model has failed for good (its decoder gave up restarting: decoder.restart), so none
+        serves until an operator unloads it or reloads: the systemd watchdog stops.  A model that is
+        unloaded (never asked for yet, or let go by ttl_s or onebitctl unload) has not failed: the next
+        request loads it; nor has one whose decoder is restarting."""
+        return all(m.state is ModelState.FAILED for m in self.all)
+
     def health_state(self) -> ChildState:
         """What ``/health`` says of the models: the one model's decoder; with several, ready once
         every preloaded model's first load is over, unless every model has failed."""
@@ -342,7 +349,7 @@ class Models:
             return state
         if not self.settled.is_set():
             return ChildState.STARTING
-        if all(m.state is ModelState.FAILED for m in self.all):
+        if self.all_failed():
             return ChildState.FAILED
         return ChildState.READY
 

@@ -2,8 +2,9 @@
 
 A datagram per message, ``KEY=VALUE`` lines.  Without ``$NOTIFY_SOCKET`` (not under systemd, or
 ``Type=`` other than notify) every call is a no-op.  The watchdog pings only while the event loop
-runs *and* the decoder is alive (loading or ready): a decoder that failed for good, or a wedged loop,
-stops the pings and systemd restarts the service.
+runs *and* the daemon says it is alive (supervisor/daemon/root.py: some model can still serve): a
+wedged loop, or every model's decoder failed for good, stops the pings and systemd restarts the
+service.
 """
 
 from __future__ import annotations
