@@ -24,6 +24,7 @@ from supervisor import config as configuration
 from supervisor.admin import verbs as admin
 from supervisor.daemon import Daemon
 from supervisor.errors import AdminUnavailable, RuntimeDirInUse
+from supervisor.models.model import ModelState
 from supervisor.supervise.child import ChildState
 from supervisor.supervise.notify import Notifier
 
@@ -52,7 +53,8 @@ async def test_status_answers_while_the_decoder_loads_then_while_it_serves(short
             await daemon.models.default.decoder.wait_state(ChildState.STARTING)
             loading = await status(daemon)
             control.set(decoder=DecoderModes())
-            await daemon.models.default.decoder.wait_state(ChildState.READY)
+            # Serving once its model is loaded: the slot context read and the restores probed.
+            await daemon.models.default.wait_state(ModelState.LOADED)
             serving = await status(daemon)
     assert loading["daemon"]["state"] == "loading"
     assert loading["children"][0]["state"] == "starting"
