@@ -38,6 +38,7 @@ from supervisor.api.front import InflightRequest
 from supervisor.config import locate
 from supervisor.daemon import Daemon
 from supervisor.errors import AdminUnavailable
+from supervisor.models.model import ModelState
 from supervisor.observe.logs import ROUTE_LOGGER
 from supervisor.observe.routestats import FirstByte, RouteStats
 from supervisor.observe.status import DaemonStatistics, ModelStatistics, from_wire, to_wire
@@ -177,7 +178,8 @@ async def test_status_shows_a_loading_daemon_then_its_decoder_serving_with_its_p
             await daemon.models.default.decoder.wait_state(ChildState.STARTING)
             loading = await onebitctl("--socket", daemon.admin.path, "status")
             control.set(decoder=DecoderModes())
-            await daemon.models.default.decoder.wait_state(ChildState.READY)
+            # Serving once its model is loaded: the slot context read and the restores probed.
+            await daemon.models.default.wait_state(ModelState.LOADED)
             serving = await onebitctl("--socket", daemon.admin.path, "status")
             pid = daemon.models.default.decoder.pid
     assert (loading.returncode, loading.err) == (0, "")
