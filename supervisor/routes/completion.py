@@ -32,7 +32,7 @@ from .decision import Choice, Costs, Policy, Route, choose, restore_used
 from .handover import Hybrid, hand_over
 from .plan import Plan, plan
 from .rates import Rates
-from .relay import Timings, relay_stream, relay_whole
+from .relay import Timings, relay
 from .stored import StoredPrefixes
 
 __all__ = ["STATE_BYTES_PER_TOKEN", "Completions", "Decoder", "Hybrid", "fallback_chain"]
@@ -268,10 +268,7 @@ class Completions:
                 forwarded["cache_prompt"] = True
             self.decoding += 1
             try:
-                if body.get("stream") is True:
-                    await relay_stream(self.client, endpoint, forwarded, out, line, timings, headers)
-                else:
-                    await relay_whole(self.client, endpoint, forwarded, out, line, timings, headers)
+                await relay(self.client, endpoint, forwarded, out, line, timings, headers)
             except trio.Cancelled:
                 # The client hung up mid-stream (a user pressed stop, an agent cancelled).  Once the
                 # decoder began its reply the slot holds the whole prompt: it is kept for the prefix
@@ -378,10 +375,7 @@ class Completions:
                 line.slot = slot
                 forwarded = {**body, "id_slot": slot}
             try:
-                if body.get("stream") is True:
-                    await relay_stream(self.client, endpoint, forwarded, out, line, timings, headers)
-                else:
-                    await relay_whole(self.client, endpoint, forwarded, out, line, timings, headers)
+                await relay(self.client, endpoint, forwarded, out, line, timings, headers)
             finally:
                 if pinned:
                     # Its cache now holds a prompt onebitd did not key: nothing to match a next one on.

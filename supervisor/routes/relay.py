@@ -12,7 +12,7 @@ import contextlib
 import json
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import attrs
@@ -180,7 +180,7 @@ def sse_error(message: str, *, anthropic: bool = False) -> bytes:
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
 
-async def relay_whole(
+async def relay(
     client: DecoderClient,
     endpoint: str,
     body: dict[str, Any],
@@ -189,53 +189,47 @@ async def relay_whole(
     timings: Timings,
     headers: Headers = (),
 ) -> None:
-    """A reply read whole, then sent: its ``timings`` into ``timings``, an error into ``line``.
+    """The decoder's reply to ``body``: with ``"stream": true`` relayed chunk by chunk as it comes (its
+    last events' ``timings`` into ``timings``), else read whole, then sent; an error into ``line``.
     ``headers``: the client's that the decoder is given too (``X-Conversation-Id``)."""
-    reply = await client.request("POST", endpoint, body, headers)
-    if 200 <= reply.status < 300:
-        with contextlib.suppress(ValueError):
-            timings.read(json.loads(reply.body))
-        content_type = reply.headers.get("content-type", "application/json")
-        await out.whole(reply.status, reply.body, content_type, source="decoder")
+    if body.get("stream") is not True:
+        reply = await client.request("POST", endpoint, body, headers)
+        if 200 <= reply.status < 300:
+            with contextlib.suppress(ValueError):
+                timings.read(json.loads(reply.body))
+            content_type = reply.headers.get("content-type", "application/json")
+            await out.whole(reply.status, reply.body, content_type, source="decoder")
+            return
+        await _relay_error(reply.status, reply.headers, reply.body, out, line)
         return
-    await relay_error(reply.status, reply.headers, reply.body, out, line)
+    async with client.stream(endpoint, body, headers) as upstream:
+        if upstream.status != 200:
+            chunks = [chunk async for chunk in upstream.chunks]
+            await _relay_error(upstream.status, upstream.headers, b"".join(chunks), out, line)
+            return
+        await _relay_chunks(upstream.chunks, out, line, timings)
 
 
-async def relay_error(status: int, headers: Mapping[str, str], body: bytes, out: Responder, line: RouteLine) -> None:
+async def _relay_error(status: int, headers: Mapping[str, str], body: bytes, out: Responder, line: RouteLine) -> None:
     line.outcome = RequestOutcome.ERROR
     line.error = error_summary(status, body)
     await relay_reply(out, status, headers, body)
 
 
-async def relay_stream(
-    client: DecoderClient,
-    endpoint: str,
-    body: dict[str, Any],
-    out: Responder,
-    line: RouteLine,
-    timings: Timings,
-    headers: Headers = (),
-) -> None:
-    """A stream relayed chunk by chunk as it comes; its last events' ``timings`` into ``timings``."""
-    async with client.stream(endpoint, body, headers) as upstream:
-        if upstream.status != 200:
-            chunks = [chunk async for chunk in upstream.chunks]
-            await relay_error(upstream.status, upstream.headers, b"".join(chunks), out, line)
-            return
-        await out.start(200, SSE_HEADERS, source="decoder")
-        scanner = SseScanner(timings)
-        try:
-            async for chunk in upstream.chunks:
-                timings.began = True
-                scanner.feed(chunk)
-                await out.body(chunk, more=True, final=has_final_event(chunk))
-        except DecoderError as exc:
-            # Headers are gone already: the client learns of the loss as an error event, and the
-            # operator from a warning (the route line, at info, says it too).
-            log.warning("%s: the decoder stopped mid-stream: %s", line.req, exc.message)
-            line.outcome = RequestOutcome.ERROR
-            line.error = exc.message
-            await out.body(
-                sse_error(f"the decoder stopped mid-stream ({exc.public})", anthropic=out.anthropic), more=True
-            )
-        await out.body(b"", more=False)
+async def _relay_chunks(chunks: AsyncIterator[bytes], out: Responder, line: RouteLine, timings: Timings) -> None:
+    """A 200 stream's chunks to the client as they come; a decoder lost mid-stream ends it with an error event."""
+    await out.start(200, SSE_HEADERS, source="decoder")
+    scanner = SseScanner(timings)
+    try:
+        async for chunk in chunks:
+            timings.began = True
+            scanner.feed(chunk)
+            await out.body(chunk, more=True, final=has_final_event(chunk))
+    except DecoderError as exc:
+        # Headers are gone already: the client learns of the loss as an error event, and the
+        # operator from a warning (the route line, at info, says it too).
+        log.warning("%s: the decoder stopped mid-stream: %s", line.req, exc.message)
+        line.outcome = RequestOutcome.ERROR
+        line.error = exc.message
+        await out.body(sse_error(f"the decoder stopped mid-stream ({exc.public})", anthropic=out.anthropic), more=True)
+    await out.body(b"", more=False)
