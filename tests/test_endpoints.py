@@ -675,6 +675,12 @@ async def test_the_cors_proxy_gets_the_clients_proxy_headers_and_no_credential(t
         }
         assert not {"authorization", "cookie", "proxy-authorization", "x-api-key"} & set(got)
         assert got.get("accept") != "text/html"
+    # One the decoder's wire cannot carry (it could end the head) is the client's error, not sent.
+    bad = await rig.call(
+        "GET", "/cors-proxy", headers={**sent, "x-llama-server-proxy-header-x": "a\x7fb"}, query="url=x"
+    )
+    assert (bad.status, bad.json()["error"]["code"]) == (400, "bad_header")
+    assert [seen for seen in rig.fake.headed if seen[0] == "/cors-proxy"] == []
     # Elsewhere the prefix is nobody's: /props gets no proxy header.
     await rig.call("GET", "/props", headers=sent)
     assert [name for _path, got in rig.fake.headed for name in got if name.startswith("x-llama")] == []
