@@ -70,6 +70,7 @@ class FakeLlama:
     requests: list[Request] = attrs.Factory(list)
     seen: list[tuple[str, str, Any]] = attrs.Factory(list)  # (path, query, body) of every request
     heard: list[tuple[str, str, str | None]] = attrs.Factory(list)  # (method, path, X-Conversation-Id)
+    headed: list[tuple[str, dict[str, str]]] = attrs.Factory(list)  # (path, headers) of every request
     actions: list[tuple[str, int]] = attrs.Factory(list)  # (action, slot), in order
     # Set while a streamed reply is paused after its first token (modes.hold).
     release: trio.Event = attrs.Factory(trio.Event)
@@ -91,6 +92,7 @@ class FakeLlama:
         path = request.url.path
         self.seen.append((path, request.url.query.decode(), body))
         self.heard.append((request.method, path, request.headers.get("x-conversation-id")))
+        self.headed.append((path, dict(request.headers)))
         try:
             if path == "/health":
                 return httpx.Response(200, json={"status": "ok"})

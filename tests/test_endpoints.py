@@ -647,6 +647,45 @@ async def test_the_cors_proxy_is_relayed_as_llama_server_answers_it_with_keys_an
     assert [seen for seen in rig.fake.seen if seen[0] == "/cors-proxy" and seen[2]] == []
 
 
+async def test_the_cors_proxy_gets_the_clients_proxy_headers_and_no_credential(tmp_path: Path) -> None:
+    """llama-server's MCP proxy forwards ``x-llama-server-proxy-header-<name>`` to its target as
+    ``<name>``: those reach the decoder as the client sent them, its key, cookies and proxy
+    credentials do not (tests/test_real_cors_proxy.py: what the target then gets)."""
+    rig = make_rig(tmp_path, api_keys=("k",))
+    sent = {
+        "authorization": "Bearer k",
+        "cookie": "session=secret",
+        "proxy-authorization": "Basic secret",
+        "x-api-key": "k",
+        "accept": "text/html",
+        "x-llama-server-proxy-header-accept": "application/json",
+        "x-llama-server-proxy-header-authorization": "Bearer explicit",
+        "x-llama-server-proxy-header-mcp-session-id": "s-1",
+        "x-llama-server-proxy-header-": "nameless",
+    }
+    for method in ("GET", "POST"):
+        reply = await rig.call(method, "/cors-proxy", {"jsonrpc": "2.0"} if method == "POST" else None, sent, "url=x")
+        assert reply.status == 403
+        [(_path, got)] = [seen for seen in rig.fake.headed if seen[0] == "/cors-proxy"]
+        rig.fake.headed.clear()
+        assert {name: value for name, value in got.items() if name.startswith("x-llama")} == {
+            "x-llama-server-proxy-header-accept": "application/json",
+            "x-llama-server-proxy-header-authorization": "Bearer explicit",
+            "x-llama-server-proxy-header-mcp-session-id": "s-1",
+        }
+        assert not {"authorization", "cookie", "proxy-authorization", "x-api-key"} & set(got)
+        assert got.get("accept") != "text/html"
+    # One the decoder's wire cannot carry (it could end the head) is the client's error, not sent.
+    bad = await rig.call(
+        "GET", "/cors-proxy", headers={**sent, "x-llama-server-proxy-header-x": "a\x7fb"}, query="url=x"
+    )
+    assert (bad.status, bad.json()["error"]["code"]) == (400, "bad_header")
+    assert [seen for seen in rig.fake.headed if seen[0] == "/cors-proxy"] == []
+    # Elsewhere the prefix is nobody's: /props gets no proxy header.
+    await rig.call("GET", "/props", headers=sent)
+    assert [name for _path, got in rig.fake.headed for name in got if name.startswith("x-llama")] == []
+
+
 # -- the table decides ------------------------------------------------------------------------------
 
 API = Path(__file__).parent.parent / "supervisor" / "api"

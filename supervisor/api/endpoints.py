@@ -71,6 +71,10 @@ class Endpoint:
     # SLOT: the model runs for a prompt (infill), not for a vector or a score (embeddings, rerank):
     # a request a hybrid route could in principle prefill, so the plain route says why not.
     generates: bool = True
+    # RELAY: llama-server's web UI's MCP proxy, which forwards the client's
+    # ``x-llama-server-proxy-header-<name>`` headers to its target as ``<name>``: those go on to the
+    # decoder (supervisor/api/relayed.py's proxy_headers), and no other header of the client's.
+    proxied: bool = False
 
     @property
     def routed(self) -> bool:
@@ -99,6 +103,7 @@ def local_endpoint(answer: Local) -> Endpoint:
 _RELAY = Endpoint(Kind.RELAY)
 _REPLAY = Endpoint(Kind.RELAY, streamed=True)
 _LISTING = Endpoint(Kind.RELAY, listing=True)
+_PROXY = Endpoint(Kind.RELAY, proxied=True)
 _SETTINGS = Endpoint(
     Kind.REFUSED,
     why="onebitd owns the decoder's settings: change them in onebit.toml (decoder.extra_args) and restart onebitd",
@@ -151,7 +156,7 @@ ROUTES: dict[str, dict[str, Endpoint]] = {
     "/v1/stream": {"GET": _REPLAY, "DELETE": _RELAY},
     "/v1/streams/lookup": {"POST": _RELAY},
     # 403 "this feature is disabled" unless the decoder runs with --ui-mcp-proxy (decoder.extra_args).
-    "/cors-proxy": {"GET": _RELAY, "POST": _RELAY},
+    "/cors-proxy": {"GET": _PROXY, "POST": _PROXY},
 }
 
 # llama-server's routes (method, path) that onebitd does not serve, and why (docs/protocol.md's table

@@ -23,6 +23,7 @@ import trio
 
 from ..config import ServerConfig, source
 from ..errors import ClientError, DecoderError, OnebitError
+from ..http import wire
 from ..http.respond import Receive, Responder, Send, speaks_anthropic
 from ..http.server import HangUp, HttpServer
 from ..observe.logs import ROUTE_LOGGER
@@ -245,7 +246,8 @@ class Front:
             if endpoint.streamed:
                 await relayed.relay_streamed(self.router, out, target, receive, hangup.hang_up_of(scope))
             else:
-                await self.pass_through(out, "GET" if method == "HEAD" else method, target, body)
+                forwarded = relayed.proxy_headers(headers) if endpoint.proxied else []
+                await self.pass_through(out, "GET" if method == "HEAD" else method, target, body, forwarded)
         elif endpoint.kind is Kind.PREDICT:
             self._check_draining()
             body = await self._read_json(receive, headers)
@@ -277,8 +279,8 @@ class Front:
     async def slots_off(self, endpoint: Endpoint, out: Responder) -> bool:
         return await self.answers.slots_off(endpoint, out)
 
-    async def pass_through(self, out: Responder, method: str, path: str, body: Any) -> None:
-        await relayed.pass_through(self.router, out, method, path, body)
+    async def pass_through(self, out: Responder, method: str, path: str, body: Any, headers: wire.Headers = ()) -> None:
+        await relayed.pass_through(self.router, out, method, path, body, headers)
 
     # -- a completion request, in its own cancel scope ----------------------------------------------
 

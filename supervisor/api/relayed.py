@@ -6,7 +6,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ..errors import DecoderError
+from ..errors import ClientError, DecoderError
+from ..http import wire
 from ..http.respond import Receive, Responder
 from ..http.server import HangUp
 from ..routes.relay import SSE_HEADERS, relay_reply, sse_error
@@ -15,14 +16,34 @@ from .serving import Router
 
 log = logging.getLogger("onebit.front")
 
+# llama-server's MCP proxy (tools/server/server-cors-proxy.h) forwards a request header named with
+# this prefix to its target under the name that follows it, and no other header of the client's.
+PROXY_HEADER_PREFIX = "x-llama-server-proxy-header-"
 
-async def pass_through(router: Router, out: Responder, method: str, path: str, body: Any) -> None:
-    """Relayed to the model the body names (the default one without a body, or a name)."""
+
+def proxy_headers(headers: dict[str, str]) -> list[tuple[str, str]]:
+    """The client's headers that llama-server's MCP proxy forwards to its target, still prefixed (the
+    decoder strips the prefix), so the target gets what it gets from a client calling llama-server
+    itself.  The rest stay here: the client's cookies, onebitd's API key, a proxy's credentials."""
+    forwarded = []
+    for name, value in headers.items():
+        if name.startswith(PROXY_HEADER_PREFIX) and len(name) > len(PROXY_HEADER_PREFIX):
+            if not wire.carries(name, value):
+                raise ClientError(400, "bad_header", f"a proxy header onebitd cannot relay: {name}")
+            forwarded.append((name, value))
+    return forwarded
+
+
+async def pass_through(
+    router: Router, out: Responder, method: str, path: str, body: Any, headers: wire.Headers = ()
+) -> None:
+    """Relayed to the model the body names (the default one without a body, or a name), with
+    ``headers`` besides onebitd's own (an MCP proxy request's :func:`proxy_headers`)."""
     asked = body.get("model") if isinstance(body, dict) else None
     # A relay that names no model (a GET: /props, /slots, a monitor's poll) loads none.
     async with router.use(asked, any_loaded=asked is None) as served:
         served.completions.check_ready()
-        reply = await served.client.request(method, path, body)
+        reply = await served.client.request(method, path, body, headers)
     await relay_reply(out, reply.status, reply.headers, reply.body)
 
 

@@ -49,6 +49,13 @@ _PATH = re.compile(r"/[\x21-\x7e]*").fullmatch
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+").fullmatch
 _VALUE = re.compile(r"[\x21-\x7e]([\x20-\x7e]*[\x21-\x7e])?").fullmatch
 Headers = Sequence[tuple[str, str]]
+
+
+def carries(name: str, value: str) -> bool:
+    """Whether a header is one :meth:`Transport.send` passes on (see ``_TOKEN`` and ``_VALUE``)."""
+    return bool(_TOKEN(name) and _VALUE(value))
+
+
 _STALE_ERRNOS = frozenset({errno.EPIPE, errno.ECONNRESET, errno.ECONNABORTED})
 
 
@@ -159,7 +166,7 @@ class UnixTransport:
             raise DecoderUnavailable(f"not a request path: {path!r}")
         head = f"{method} {path} HTTP/1.1\r\nHost: localhost\r\n"
         for name, value in headers:
-            if not _TOKEN(name) or not _VALUE(value):
+            if not carries(name, value):
                 raise DecoderUnavailable(f"not a request header: {name!r}: {value!r}")
             head += f"{name}: {value}\r\n"
         if body is None:
