@@ -10,15 +10,17 @@ import io
 import logging
 import struct
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pytest
 import trio
 
 from supervisor.api.local import ProviderReadiness, health
-from supervisor.config import convert
+from supervisor.config import convert, modelspec
+from supervisor.config.live import Settings
 from supervisor.errors import ConfigError
 from supervisor.llama import answers, gguf
+from supervisor.models.parts import Parts
 from supervisor.prefix.store import PrefixStore
 from supervisor.reasons import Reason
 from supervisor.routes import capability
@@ -29,7 +31,7 @@ from supervisor.supervise.child import ChildState
 
 from .fake_decoder import Modes
 from .fake_llama import FakeLlama
-from .rig import ScriptedProvider
+from .rig import ScriptedProvider, fake_decoder_config
 from .test_completions import M, body_for, make_rig, state_files
 
 TIMEOUT = 10
@@ -263,3 +265,53 @@ def test_a_hybrid_models_per_layer_heads_count_only_its_attention_layers() -> No
     assert shape.context_length == 256
     assert shape.kv_bytes_per_token() == 2 * 2 * 128 * 4  # 2 layers, 2 heads x 128, K and V in f16
     assert shape.recurrent_bytes() == 2 * (3 - 1) * 256 * 4
+
+
+async def test_a_load_reads_its_models_gguf_header_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The layout choice, its memory estimate and the probe's hint all take the load's one read."""
+    path = tmp_path / "gemma3.gguf"
+    header = _header(
+        "gemma3",
+        [
+            ("block_count", 4, 2),
+            ("embedding_length", 4, 64),
+            ("context_length", 4, 256),
+            ("attention.head_count", 4, 2),
+            ("attention.head_count_kv", 4, 2),
+            ("attention.sliding_window", 4, 32),
+        ],
+    )
+    path.write_bytes(header.getvalue())
+    config = fake_decoder_config(tmp_path, model_file=path, model={"swa_full": "auto"}, models={"memory_budget_mib": 1})
+    reads = []
+    real_read = gguf.read_shape
+
+    def counted(file: IO[bytes]) -> gguf.Shape:
+        reads.append(file)
+        return real_read(file)
+
+    async def no_restores(*_: object) -> tuple[Restores, str]:
+        return Restores.NONE, "a restored state re-evaluated the prompt"
+
+    async def tokens(*_: object) -> list[int]:
+        return TOKENS
+
+    monkeypatch.setattr(gguf, "read_shape", counted)
+    monkeypatch.setattr(capability, "prompt_tokens", tokens)
+    monkeypatch.setattr(capability, "probe", no_restores)
+    (spec,) = modelspec.specs(config)
+    parts = Parts(
+        spec,
+        runtime_dir=tmp_path,
+        settings=Settings(config),
+        kv_unified=False,
+        check_fidelity=False,
+        on_decoder=lambda *_: None,
+    )
+    assert parts.swa_full is False  # its estimate (taken) is over the 1 MiB budget
+    with trio.fail_after(TIMEOUT), caplog.at_level(logging.INFO, "onebit.model"):
+        await parts.after_start(store_enabled=True)
+    assert "model.swa_full = true would keep its whole cache" in caplog.text
+    assert len(reads) == 1

@@ -234,9 +234,9 @@ def test_the_estimate_counts_the_models_llama_server_providers(
     )
     (alone,), (helped,) = modelspec.specs(base), modelspec.specs(with_provider)
     file_mib = locate_size(alone) / MIB
-    kv_mib = memory.estimate_mib(alone) - file_mib
+    kv_mib = memory.estimate_mib(alone, memory.read_model(alone)) - file_mib
     assert kv_mib > 0
-    assert memory.estimate_mib(helped) == pytest.approx(file_mib + 2 * kv_mib)
+    assert memory.estimate_mib(helped, memory.read_model(helped)) == pytest.approx(file_mib + 2 * kv_mib)
 
 
 def locate_size(spec: modelspec.ModelSpec) -> int:

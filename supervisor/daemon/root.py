@@ -120,7 +120,7 @@ class Daemon:
             spec,
             runtime_dir=self.runtime_dir,
             settings=self.settings,
-            estimate_mib=memory.estimate_mib(spec),
+            estimate_mib=memory.estimate_mib(spec, memory.read_model(spec)),
             check_fidelity=self.check_fidelity,
             seats=self.seats,
         )

@@ -9,35 +9,17 @@ full cache in those layers, and makes the restore usable.
 
 from __future__ import annotations
 
-from ..config import Config, locate
 from ..config.modelspec import ModelSpec
-from ..llama import gguf
-from .memory import estimate_mib
+from .memory import ModelFile, estimate_mib
 
 
-def sliding_window(spec: ModelSpec) -> int | None:
-    """The model's sliding window, from its GGUF header; None without one or unreadable."""
-    return sliding_window_of(spec.config)
-
-
-def sliding_window_of(config: Config) -> int | None:
-    """As :func:`sliding_window`, for a one-model config."""
-    path = locate.model_path(config.model.path)
-    if path is None:
-        return None
-    try:
-        with open(path, "rb") as file:
-            return gguf.read_shape(file).sliding_window
-    except (OSError, gguf.NotGguf):
-        return None
-
-
-def swa_full(spec: ModelSpec, budget_mib: int) -> bool:
-    """``model.swa_full`` resolved: "auto" is on for a model with a sliding window whose memory
-    estimate with the full cache fits ``budget_mib`` (0: no budget, it fits)."""
+def swa_full(spec: ModelSpec, found: ModelFile | None, budget_mib: int) -> bool:
+    """``model.swa_full`` resolved: "auto" is on for a model with a sliding window (in its file
+    ``found``, :func:`~supervisor.models.memory.read_model`) whose memory estimate with the full cache
+    fits ``budget_mib`` (0: no budget, it fits)."""
     asked = spec.table.swa_full
     if isinstance(asked, bool):
         return asked
-    if sliding_window(spec) is None:
+    if found is None or found.sliding_window is None:
         return False
-    return budget_mib <= 0 or estimate_mib(spec, swa_full=True) <= budget_mib
+    return budget_mib <= 0 or estimate_mib(spec, found, swa_full=True) <= budget_mib

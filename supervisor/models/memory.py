@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+import attrs
+
 from ..config import locate
 from ..config.modelspec import ModelSpec
 from ..config.schema import LlamaServerProvider, ModelConfig
@@ -13,26 +15,47 @@ from ..llama import gguf
 MIB = 1024 * 1024
 
 
-def estimate_mib(spec: ModelSpec, *, swa_full: bool = False) -> float:
-    """What the model takes loaded, before its processes' memory is measured (:func:`footprint_mib`):
-    the GGUF file, and for its decoder and each of its llama-server providers its caches
-    (:func:`cache_bytes`, from the GGUF's header) and ``--cache-ram``.  0 when the file cannot be
-    read; a header this reader does not know counts no cache."""
+@attrs.frozen
+class ModelFile:
+    """A model's GGUF file as a load reads it, once: its size and its header's shape (None: a header
+    this reader does not know).  Every estimate and layout choice of the load takes this one read."""
+
+    size: int
+    shape: gguf.Shape | None
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The model's sliding window; None without one or with an unknown header."""
+        return self.shape.sliding_window if self.shape is not None else None
+
+
+def read_model(spec: ModelSpec) -> ModelFile | None:
+    """The model's file, read once; None when it is not there or cannot be read (a broken file is
+    the start's to report: supervisor/daemon/cli.py's model_file_problems)."""
     path = locate.model_path(spec.table.path)
     if path is None:
-        return 0.0
-    processes = 1 + sum(isinstance(p, LlamaServerProvider) for p in spec.config.provider)
+        return None
     try:
         size = path.stat().st_size
         with open(path, "rb") as file:
             shape = gguf.read_shape(file)
     except OSError:
-        return 0.0
+        return None
     except gguf.NotGguf:
-        kv = 0.0
-    else:
-        kv = cache_bytes(shape, spec.table, swa_full=swa_full)
-    return footprint_mib(size, kv, processes=processes, cache_ram_mib=spec.config.cache.ram_mib)
+        return ModelFile(size, None)
+    return ModelFile(size, shape)
+
+
+def estimate_mib(spec: ModelSpec, found: ModelFile | None, *, swa_full: bool = False) -> float:
+    """What the model takes loaded, before its processes' memory is measured (:func:`footprint_mib`):
+    its GGUF file ``found`` (:func:`read_model`), and for its decoder and each of its llama-server
+    providers its caches (:func:`cache_bytes`, from the GGUF's header) and ``--cache-ram``.  0 when the
+    file cannot be read; a header this reader does not know counts no cache.  Pure."""
+    if found is None:
+        return 0.0
+    processes = 1 + sum(isinstance(p, LlamaServerProvider) for p in spec.config.provider)
+    kv = cache_bytes(found.shape, spec.table, swa_full=swa_full) if found.shape is not None else 0.0
+    return footprint_mib(found.size, kv, processes=processes, cache_ram_mib=spec.config.cache.ram_mib)
 
 
 def cache_bytes(shape: gguf.Shape, table: ModelConfig, *, swa_full: bool) -> float:

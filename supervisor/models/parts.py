@@ -41,7 +41,7 @@ from ..routes.file import FileHandoff
 from ..routes.share import ShareHandoff, ShareHandshake
 from ..routes.stored import StoredPrefixes
 from ..supervise.child import Child, ChildState
-from . import layout
+from . import layout, memory
 
 log = logging.getLogger("onebit.model")
 
@@ -86,9 +86,10 @@ class Parts:
         self.check_fidelity = check_fidelity
         self.settings = settings
         self.name = spec.name
-        # Whether every llama-server of this load keeps the sliding-window layers whole, and what
-        # its restores can do (proven by after_start's probe).
-        self.swa_full = layout.swa_full(spec, settings().models.memory_budget_mib)
+        # The model's file, read once for the load; whether every llama-server of this load keeps the
+        # sliding-window layers whole, and what its restores can do (proven by after_start's probe).
+        self.model_file = memory.read_model(spec)
+        self.swa_full = layout.swa_full(spec, self.model_file, settings().models.memory_budget_mib)
         self.capability = Capability(spec.name)
         # What llama-server says each slot holds, once it has started (after_start).
         self.slot_context: SlotContext | None = None
@@ -274,7 +275,7 @@ class Parts:
                     self.slots.forget(slot)
         found = self.capability
         hint = ""
-        if found.restores is Restores.NONE and not self.swa_full and layout.sliding_window_of(self.config):
+        if found.restores is Restores.NONE and not self.swa_full and self._slides():
             hint = " (a sliding-window model: model.swa_full = true would keep its whole cache)"
         log.log(
             logging.WARNING if found.restores is Restores.NONE else logging.INFO,
@@ -285,6 +286,10 @@ class Parts:
             _VERDICT_WORDS[found.restores],
             hint,
         )
+
+    def _slides(self) -> bool:
+        """The model's file has a sliding window (as this load read it)."""
+        return self.model_file is not None and bool(self.model_file.sliding_window)
 
     def llama_providers(self) -> list[LlamaServerProvider]:
         """Its llama-server providers; of one several models name, this model's last start's (its

@@ -132,7 +132,6 @@ async def _ask(
 ) -> int | None:
     """Prefill ``saved`` into ``slot``, save it to ``path``, erase the slot, restore the file and ask
     ``tokens`` for one token: its ``prompt_n``.  ``touched`` is set once the slot holds anything."""
-    steps: list[Refusal | None] = []
     done = await decoder.prefill(client, slot, saved)
     if isinstance(done, Refusal):
         raise _Failed(str(done))
@@ -140,11 +139,12 @@ async def _ask(
     wrote = await decoder.save(client, slot, path.name)
     if isinstance(wrote, Refusal):
         raise _Failed(str(wrote))
-    steps.append(await decoder.erase(client, slot))
-    steps.append(await decoder.restore(client, slot, path.name, len(saved)))
-    for refused in steps:
-        if refused is not None:
-            raise _Failed(str(refused))
+    erased = await decoder.erase(client, slot)
+    if erased is not None:
+        raise _Failed(str(erased))
+    restored = await decoder.restore(client, slot, path.name, len(saved))
+    if restored is not None:
+        raise _Failed(str(restored))
     answer = await decoder.next_token(client, slot, tokens, n_probs=0, cache=True)
     if isinstance(answer, Refusal):
         raise _Failed(str(answer))
