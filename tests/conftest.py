@@ -25,6 +25,7 @@ from supervisor.routeline import RouteLine
 from . import fake_control
 from .helpers import gone
 from .rig import Control, RouteLines, RouteRig
+from .skips import pytest_pyfunc_call  # noqa: F401  (the hook: a trio test's skip keeps its reason)
 
 
 @pytest.fixture(autouse=True)
