@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -101,3 +102,21 @@ async def test_a_scenario_that_sent_no_request_fails(capsys: pytest.CaptureFixtu
     assert line.split()[:4] == ["stand-in", "FAIL", "sent", "0"]
     assert rest == ["    failed: the scenario sent no request"]
     assert status == "1"
+
+
+async def test_disk_full_where_mount_is_refused_skips_in_the_refusals_words(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    chaos = chaos_module()
+    refusing = tmp_path / "bin"
+    refusing.mkdir()
+    (refusing / "mount").write_text("#!/bin/sh\necho 'mount: only root can use \"--types\" option' >&2\nexit 1\n")
+    (refusing / "mount").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{refusing}:{os.environ['PATH']}")
+    tally = chaos.Tally()
+    with trio.fail_after(10), pytest.raises(chaos.Skipped) as skipped:
+        await chaos.disk_full(chaos.Run(True, tmp_path), tally)
+    assert str(skipped.value) == (
+        'cannot mount a tmpfs (needs root and CAP_SYS_ADMIN): mount: only root can use "--types" option'
+    )
+    assert tally.sent == 0
