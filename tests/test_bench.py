@@ -26,7 +26,7 @@ NUMBER = r"[-+]?\d+\.\d+"
 
 def test_every_subcommand_has_a_quick_form_and_a_test_here_that_runs_it() -> None:
     subcommands = {command.name for command in bench_subcommands()}
-    tested = set(re.findall(r'str\(BENCH\), "([a-z]+)", "--quick"', Path(__file__).read_text()))
+    tested = set(re.findall(r'quick_run\("([a-z]+)", "--quick"', Path(__file__).read_text()))
     assert tested == subcommands
 
 
@@ -51,17 +51,23 @@ def bench_subcommands() -> list[Any]:
     return commands
 
 
+async def quick_run(*args: str, timeout_s: float) -> str:
+    """``scripts/bench *args``'s standard output, once it exited 0 within ``timeout_s`` (the benchmark
+    starts and reaps its own onebitd and llama-server; run_process reaps the benchmark)."""
+    with trio.fail_after(timeout_s):
+        result = await trio.run_process(
+            [sys.executable, str(BENCH), *args], capture_stdout=True, capture_stderr=True, check=False
+        )
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    return result.stdout.decode()
+
+
 @pytest.mark.real
 async def test_the_overhead_benchmark_in_quick_mode_exits_0_and_prints_its_ratios() -> None:
     real_llama_server()
     # The benchmark starts (and reaps) its own onebitd and llama-server; run_process reaps it.  A
     # quick run takes ~15 s on an idle machine; the bound is for a loaded one.
-    with trio.fail_after(300):
-        result = await trio.run_process(
-            [sys.executable, str(BENCH), "overhead", "--quick"], capture_stdout=True, capture_stderr=True, check=False
-        )
-    out = result.stdout.decode()
-    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    out = await quick_run("overhead", "--quick", timeout_s=300)
     for measure in ("(a) latency median, ms", "(a) latency p99, ms", "(b) aggregate tokens/s"):
         # measure, direct, onebitd, onebitd/direct
         row = rf"^{re.escape(measure)}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}$"
@@ -87,12 +93,7 @@ async def test_the_overhead_benchmark_in_quick_mode_exits_0_and_prints_its_ratio
 @pytest.mark.real
 async def test_the_families_benchmark_in_quick_mode_exits_0_with_each_model_on_the_file_route() -> None:
     real_llama_server()
-    with trio.fail_after(300):
-        result = await trio.run_process(
-            [sys.executable, str(BENCH), "families", "--quick"], capture_stdout=True, capture_stderr=True, check=False
-        )
-    out = result.stdout.decode()
-    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    out = await quick_run("families", "--quick", timeout_s=300)
     # model, verdict, tokens, plain ms and spread, file ms and spread, the ratio, prompt_n, memory
     row = r"^(\S+) +(whole|prefix) +\d+ +\d+ +- +\d+ +- +" + NUMBER + r"x +(\d+) +\d+ +\d+ +\d+$"
     rows = re.findall(row, out, re.MULTILINE)
@@ -104,12 +105,7 @@ async def test_the_families_benchmark_in_quick_mode_exits_0_with_each_model_on_t
 @pytest.mark.real
 async def test_the_prefix_benchmark_in_quick_mode_exits_0_and_prints_its_ratios() -> None:
     real_llama_server()
-    with trio.fail_after(300):
-        result = await trio.run_process(
-            [sys.executable, str(BENCH), "prefix", "--quick"], capture_stdout=True, capture_stderr=True, check=False
-        )
-    out = result.stdout.decode()
-    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    out = await quick_run("prefix", "--quick", timeout_s=300)
     assert re.search(rf"^first after the crash, \(b\)/\(a\): {NUMBER}x", out, re.MULTILINE), out
     assert re.search(rf"^\(a\) store\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+[1-9]", out, re.MULTILINE), out
 
@@ -117,12 +113,7 @@ async def test_the_prefix_benchmark_in_quick_mode_exits_0_and_prints_its_ratios(
 @pytest.mark.real
 async def test_the_models_benchmark_in_quick_mode_exits_0_and_leaves_nothing() -> None:
     real_llama_server()
-    with trio.fail_after(600):
-        result = await trio.run_process(
-            [sys.executable, str(BENCH), "models", "--quick"], capture_stdout=True, capture_stderr=True, check=False
-        )
-    out = result.stdout.decode()
-    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    out = await quick_run("models", "--quick", timeout_s=600)
     assert re.search(rf"^\(a\) swap-back / warm, medians: {NUMBER}x; without load_ms {NUMBER}x", out, re.MULTILINE), out
     assert out.count("left after the stop: files none, children none") == 2, out
 
@@ -131,15 +122,7 @@ async def test_the_models_benchmark_in_quick_mode_exits_0_and_leaves_nothing() -
 async def test_the_versus_benchmark_in_quick_mode_exits_0_and_prints_both_trees() -> None:
     real_llama_server()
     # This tree against itself: what is checked is that both onebitds start, alternate and report.
-    with trio.fail_after(300):
-        result = await trio.run_process(
-            [sys.executable, str(BENCH), "versus", "--quick", "--tree", str(BENCH.parent.parent)],
-            capture_stdout=True,
-            capture_stderr=True,
-            check=False,
-        )
-    out = result.stdout.decode()
-    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    out = await quick_run("versus", "--quick", "--tree", str(BENCH.parent.parent), timeout_s=300)
     for measure in ("(a) latency median, ms", "(a) onebitd cpu per request, ms", "(b) onebitd cpu per chunk, us"):
         row = rf"^{re.escape(measure)}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}$"
         assert re.search(row, out, re.MULTILINE), f"no {measure!r} row in:\n{out}"
@@ -153,12 +136,7 @@ async def test_the_versus_benchmark_in_quick_mode_exits_0_and_prints_both_trees(
 async def test_the_agent_benchmark_in_quick_mode_exits_0_and_prints_its_ratios() -> None:
     real_llama_server()
     # Five sides, two SDKs, three turns each: about two minutes on a busy 2-core machine.
-    with trio.fail_after(600):
-        result = await trio.run_process(
-            [sys.executable, str(BENCH), "agent", "--quick"], capture_stdout=True, capture_stderr=True, check=False
-        )
-    out = result.stdout.decode()
-    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    out = await quick_run("agent", "--quick", timeout_s=600)
     for client in ("anthropic", "responses"):
         assert re.search(rf"^{client}:$", out, re.MULTILINE), out
     assert len(re.findall(rf"^turns 2-3, summed: plain/direct {NUMBER}x, hybrid/direct {NUMBER}x", out, re.M)) == 2
@@ -179,12 +157,7 @@ async def test_the_handoff_benchmark_in_quick_mode_exits_0_and_shows_the_file_ro
     real_llama_server()
     # Two sizes, one round, then the decode-isolation streams and share against file: about two
     # minutes on a busy 2-core machine.
-    with trio.fail_after(600):
-        result = await trio.run_process(
-            [sys.executable, str(BENCH), "handoff", "--quick"], capture_stdout=True, capture_stderr=True, check=False
-        )
-    out = result.stdout.decode()
-    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    out = await quick_run("handoff", "--quick", timeout_s=600)
     # tokens, provider prefill, save, restore, MiB, decoder prefill, prompt_n plain and hybrid, first
     # bytes, (save+restore) / decoder prefill
     five = "".join(rf"  +{NUMBER}" for _ in range(5))
@@ -209,12 +182,7 @@ async def test_the_handoff_benchmark_in_quick_mode_exits_0_and_shows_the_file_ro
 async def test_the_multiturn_benchmark_in_quick_mode_exits_0_and_prints_every_turn_and_its_ratios() -> None:
     real_llama_server()
     # Three sides, each a fresh onebitd (or llama-server), 2 chats of 3 turns each.
-    with trio.fail_after(600):
-        result = await trio.run_process(
-            [sys.executable, str(BENCH), "multiturn", "--quick"], capture_stdout=True, capture_stderr=True, check=False
-        )
-    out = result.stdout.decode()
-    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    out = await quick_run("multiturn", "--quick", timeout_s=600)
     # turn, then ttft ms and the decoder's prompt tokens for (c), (a), (b), the provider's, routes (b)
     side = rf" +{NUMBER} +(?:\d+|nan)"
     turns = re.findall(rf"^(\d){side}{side}{side} +(?:\d+|nan)  ([a-z,-]+)$", out, re.MULTILINE)
@@ -238,12 +206,7 @@ async def test_the_providers_benchmark_in_quick_mode_exits_0_with_both_engines_o
     real_llama_server()
     # Two daemons (ggml, OpenVINO) at two sizes, one round, and OpenVINO started again on its
     # compile cache: a few minutes on a busy 2-core machine.
-    with trio.fail_after(900):
-        result = await trio.run_process(
-            [sys.executable, str(BENCH), "providers", "--quick"], capture_stdout=True, capture_stderr=True, check=False
-        )
-    out = result.stdout.decode()
-    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    out = await quick_run("providers", "--quick", timeout_s=900)
     # tokens, plain, file route ggml and OpenVINO (ms), the two ratios, the decoder's prompt_n on each
     row = rf"^ *\d+  +\d+  +\d+  +\d+   +{NUMBER}x  +{NUMBER}x  +(\d+) +(\d+)$"
     rows = re.findall(row, out, re.MULTILINE)
