@@ -20,7 +20,7 @@ from supervisor.config import convert, modelspec
 from supervisor.config.live import Settings
 from supervisor.errors import ConfigError
 from supervisor.llama import answers, gguf
-from supervisor.models.parts import Parts
+from supervisor.models.model import Model
 from supervisor.prefix.store import PrefixStore
 from supervisor.reasons import Reason
 from supervisor.routes import capability
@@ -302,14 +302,10 @@ async def test_a_load_reads_its_models_gguf_header_once(
     monkeypatch.setattr(capability, "prompt_tokens", tokens)
     monkeypatch.setattr(capability, "probe", no_restores)
     (spec,) = modelspec.specs(config)
-    parts = Parts(
-        spec,
-        runtime_dir=tmp_path,
-        settings=Settings(config),
-        kv_unified=False,
-        check_fidelity=False,
-        on_decoder=lambda *_: None,
-    )
+    # As the daemon makes it: the model's memory estimate and its first load's parts share the read.
+    model = Model(spec, runtime_dir=tmp_path, settings=Settings(config), check_fidelity=False)
+    parts = model.parts
+    assert model.estimate_mib > 0
     assert parts.swa_full is False  # its estimate (taken) is over the 1 MiB budget
     with trio.fail_after(TIMEOUT), caplog.at_level(logging.INFO, "onebit.model"):
         await parts.after_start(store_enabled=True)

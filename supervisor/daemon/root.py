@@ -43,7 +43,6 @@ from ..api.vertex import Vertex
 from ..config import Config, locate, modelspec
 from ..config.live import Settings
 from ..errors import ConfigError
-from ..models import memory
 from ..models.model import Model, ModelState
 from ..models.registry import Models
 from ..observe import logs
@@ -120,7 +119,6 @@ class Daemon:
             spec,
             runtime_dir=self.runtime_dir,
             settings=self.settings,
-            estimate_mib=memory.estimate_mib(spec, memory.read_model(spec)),
             check_fidelity=self.check_fidelity,
             seats=self.seats,
         )
