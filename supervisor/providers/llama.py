@@ -175,6 +175,7 @@ class LlamaServerProvider:
             self._settled.set()  # refused, and no other engine to go on with
             await trio.sleep_forever()
         finally:
+            self._settled.set()  # stopped (its model unloads): its first start is over too
             with trio.CancelScope(shield=True):
                 await self.client.aclose()
 
