@@ -284,7 +284,8 @@ class RouteRig:
         return fake_decoder_config(
             self.runtime,
             hybrid={"enabled": True, "mode": self.mode, "min_prompt_tokens": 4, **HANDOFF_ALWAYS, **hybrid},
-            provider=[{"kind": kind, "name": "npu0", "command": command}],
+            # The fakes' state is no model's: nothing for the fidelity check to measure.
+            provider=[{"kind": kind, "name": "npu0", "command": command, "fidelity_check": False}],
             decoder={
                 "restart": {"backoff_initial_s": 0.01},
                 "health": {"interval_s": health_interval_s, "stop_grace_s": 2.0},

@@ -100,7 +100,7 @@ async def test_a_clean_stop_removes_the_sockets_and_the_lock_it_made_and_nothing
 
 
 def worker(command: list[str]) -> dict[str, object]:
-    return {"kind": "worker", "name": "npu0", "command": command}
+    return {"kind": "worker", "name": "npu0", "command": command, "fidelity_check": False}
 
 
 async def test_health_says_loading_until_a_providers_first_start_is_over_then_ok(

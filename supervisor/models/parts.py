@@ -181,9 +181,11 @@ class Parts:
                 # nothing to measure at start.  Another engine or another binary is measured.
                 gate=self._fidelity_gate if self.check_fidelity and self._foreign(spec) else None,
             )
+        # A program of the user's own: measured unless its config vouches for the decoder's build.
+        gate = self._fidelity_gate if self.check_fidelity and spec.fidelity_check else None
         if isinstance(spec, ExecProviderConfig):
-            return ExecProvider(spec)
-        return WorkerProvider(spec)
+            return ExecProvider(spec, gate=gate)
+        return WorkerProvider(spec, gate=gate)
 
     def _foreign(self, spec: LlamaServerProviderConfig) -> bool:
         """Its KV is not the decoder's own build's: another engine (OpenVINO), or a llama-server
