@@ -79,7 +79,7 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--agents", type=int, default=4, help="agents, each its own system prompt (4)")
     parser.add_argument("--sessions", type=int, default=2, help="sessions per agent (2)")
     parser.add_argument("--turns", type=int, default=8, help="turns per session; the drain comes after half (8)")
-    parser.add_argument("--system-words", type=int, default=300, help="words of system prompt (~400 tokens)")
+    parser.add_argument("--system-words", type=int, default=1200, help="words of system prompt (~1,600 tokens)")
     parser.add_argument("--max-tokens", type=int, default=8, help="reply tokens per turn (8)")
     parser.add_argument("--parallel", type=int, default=2, help="slots per host (2)")
     parser.add_argument("--shared-dir", type=Path, help="side (a)'s hosts share this prefix store (cache.shared_dir)")
@@ -100,7 +100,7 @@ def host_config(directory: Path, address: str, args: argparse.Namespace, shared:
     data["cache"]["dir"] = str(directory / "prefix")  # never the user's own store
     if shared is not None:
         data["cache"]["shared_dir"] = str(shared)
-    data["model"].update(parallel=args.parallel, ctx_size=2048 * args.parallel)
+    data["model"].update(parallel=args.parallel, ctx_size=4096 * args.parallel)  # the prompt and 8 turns, per slot
     data["decoder"]["threads"] = 1
     data["hybrid"]["enabled"] = False
     config = configuration.structure(data, "bench hosts")
@@ -124,6 +124,7 @@ class Side:
     url: str
     stats: Path  # HAProxy's admin socket
     admin: list[Path]  # each host's onebitd admin socket, onebit1 first
+    pid: int  # HAProxy's
 
 
 async def haproxy_command(stats: Path, line: str) -> str:
@@ -185,7 +186,7 @@ async def open_haproxy(directory: Path, side: str, endpoints: Sequence[str], log
             for i in range(1, len(endpoints) + 1):
                 await wait_status(stats, f"onebit{i}", "UP")
             address, port = listener.getsockname()
-            yield Side(side, f"http://{address}:{port}", stats, [])
+            yield Side(side, f"http://{address}:{port}", stats, [], process.pid)
         finally:
             with trio.CancelScope(shield=True):
                 process.send_signal(signal.SIGTERM)
@@ -323,12 +324,14 @@ async def run(args: argparse.Namespace, bench: ModuleType) -> int:
         f"{args.max_tokens} reply tokens, {args.parallel} slots per host, {store} on (a); the busiest host "
         f"drained after turn {args.turns // 2}"
     )
+    print(bench.machine())
     top = Path(tempfile.mkdtemp(prefix="ob-bench-", dir="/tmp"))
     try:
         log_path = Path(args.log) if args.log else top / "hosts.log"
         with log_path.open("w") as log:
             async with AsyncExitStack() as stack:
                 sides = []
+                ours: list[int | None] = [os.getpid()]  # the CPU the run itself takes is not noise
                 for s, name in enumerate(SIDES):
                     shared = args.shared_dir if s == 0 else None
                     endpoints, admin = [], []
@@ -337,6 +340,7 @@ async def run(args: argparse.Namespace, bench: ModuleType) -> int:
                         directory.mkdir()
                         config = host_config(directory, f"127.0.0.{2 + i}", args, shared)
                         spawned = await stack.enter_async_context(bench.spawn_onebitd(config, directory, log))
+                        ours += [spawned.pid, spawned.decoder_pid]
                         endpoints.append(spawned.url.removeprefix("http://"))
                         admin.append(directory / "admin.sock")
                         print(f"  {name}: onebit{i + 1} ready at {spawned.url}", file=sys.stderr, flush=True)
@@ -345,6 +349,7 @@ async def run(args: argparse.Namespace, bench: ModuleType) -> int:
                     side = await stack.enter_async_context(open_haproxy(balancer_dir, name, endpoints, log))
                     side.admin = admin
                     sides.append(side)
+                    ours.append(side.pid)
                 clients = [
                     await stack.enter_async_context(httpx.AsyncClient(base_url=side.url, timeout=TIMEOUT_S))
                     for side in sides
@@ -353,6 +358,7 @@ async def run(args: argparse.Namespace, bench: ModuleType) -> int:
                 samples: list[Sample] = []
                 drained: dict[str, str] = {}
                 flip = 0
+                noise = bench.Noise.start(ours)
                 for t in range(1, args.turns + 1):
                     if t == args.turns // 2 + 1:
                         for side in sides:
@@ -364,7 +370,9 @@ async def run(args: argparse.Namespace, bench: ModuleType) -> int:
                             name = sides[s].name
                             samples.append(await sessions[name][i].turn(clients[s], name, t, args.max_tokens))
                     print(f"  turn {t} done", file=sys.stderr, flush=True)
+                noisy = noise.report(ours)
         report(args, samples, drained)
+        print(noisy)
         return 0
     except* RuntimeError as group:  # raised inside the hosts' nurseries: a group
         raise bench.BenchError("; ".join(str(exc) for exc in bench.leaves(group))) from None
