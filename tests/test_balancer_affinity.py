@@ -6,8 +6,9 @@ What is shown, for each balancer: every key a client can give (OpenAI's ``prompt
 Anthropic's ``metadata.user_id``, llama-server's ``X-Conversation-Id``) and, without one, the first
 message, is read and routes alike; 16 keys use more than one host; an agent's 8-turn session with a
 ``prompt_cache_key`` stays on one host and finds its prompt in that host's cache every turn, and so
-does a session without a key but with a long system prompt; a host taken out moves only its own
-keys (HAProxy: drained, then resumed and they come back; nginx, which checks no /health: stopped).
+does a session without a key but with a long system prompt; with HAProxy, a key whose host is
+full (hash-balance-factor) overflows to the next host; a host taken out moves only its own keys
+(HAProxy: drained, then resumed and they come back; nginx, which checks no /health: stopped).
 
 Where a key lands is asked with a POST to a path onebitd does not serve (``PROBE``): the balancer
 has read the body and chosen a host before onebitd answers 404 at once, with no decoding.
@@ -204,6 +205,27 @@ async def check_next_turns_after(keyed: Agent, keyless: Agent, gone: str) -> Non
             assert host == before
 
 
+async def check_bounded_load(client: httpx.AsyncClient, front: Front, system: str) -> None:
+    """HAProxy's ``hash-balance-factor 150``: with one request of a key in flight on its host, that
+    host holds more than 150% of the average (one request over three hosts), so the next request of
+    the same key goes to the next host on the ring; once the first has ended, back to its own."""
+    home = await place(client, front, system, "first message")
+    body = {
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": "Tell me a long story."}],
+        "max_tokens": 256,
+        "ignore_eos": True,  # 256 tokens: in flight for seconds, the probe below takes milliseconds
+        "stream": True,
+        "temperature": 0,
+    }
+    async with client.stream("POST", CHAT, json=body) as reply:
+        assert reply.status_code == 200
+        assert front.answered(reply) == home
+        overflow = await place(client, front, system, "first message")
+        await reply.aread()
+    assert overflow != home
+    assert await place(client, front, system, "first message") == home
+
+
 # -- the tests ----------------------------------------------------------------------------------------
 
 
@@ -222,6 +244,7 @@ async def test_haproxy_keeps_each_conversation_on_one_host_and_a_drain_moves_onl
             front = haproxy_front(haproxy)
             where = await check_channels_and_spread(client, front, hosts)
             keyed, keyless = await run_sessions(client, front, where)
+            await check_bounded_load(client, front, long_system_prompt("oceanography"))
 
             gone = next(host for host in hosts if host.name == keyed.turns[-1][0])
             drained = await gone.ctl("drain")
