@@ -9,6 +9,8 @@
     scripts/bench families [--quick]   per model family and quant: first token plain vs the file route, memory
     scripts/bench agent [--quick]      an agent's session through anthropic-python and openai-python's Responses
                                        client: direct, plain, hybrid, and after a full restart
+    scripts/bench hosts [--quick]      agents' sessions over three hosts behind HAProxy, one drained half way:
+                                       affinity by conversation against the round-robin it replaced
 
 Every subcommand runs onebitd (port 0, a runtime directory under /tmp), waits until its decoder is
 ready, measures, then stops the daemon, which stops and reaps its children, whatever happened (an
@@ -63,6 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_agent  # noqa: E402
 import bench_families  # noqa: E402
 import bench_handoff  # noqa: E402
+import bench_hosts  # noqa: E402
 import bench_models  # noqa: E402
 import bench_multiturn  # noqa: E402
 import bench_prefix  # noqa: E402
@@ -800,6 +803,12 @@ SUBCOMMANDS = [
         help="two models through max_loaded = 1: swapped-back turns with the prefix store and without, a burst",
         arguments=bench_models.arguments,
         run=bench_models.run,
+    ),
+    Subcommand(
+        name="hosts",
+        help="agents' sessions over three hosts behind HAProxy, one drained: affinity against round-robin",
+        arguments=bench_hosts.arguments,
+        run=lambda args: bench_hosts.run(args, sys.modules[__name__]),
     ),
     Subcommand(
         name="versus",

@@ -3,7 +3,9 @@
 HAProxy reads ``config/haproxy.cfg`` itself: addresses, the check interval and its stats socket come
 from the environment, and its listening socket is one we bound and pass down (``fd@N``), so no
 port can be taken from under it.  nginx reads no environment: ``config/nginx.conf`` is copied with
-exactly its three example addresses replaced.
+exactly its three example addresses replaced, next to a copy of the njs module it imports
+(``config/onebit_affinity.js``).  Both examples name two hosts; for more, the copy gets one more
+server line per host, written like the second one.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from .onebit_hosts import Host, PortTaken, free_port, log_tail, stop_process
 CONFIG = Path(__file__).parent.parent / "config"
 HAPROXY_CONFIG = CONFIG / "haproxy.cfg"
 NGINX_CONFIG = CONFIG / "nginx.conf"
+NGINX_MODULE = CONFIG / "onebit_affinity.js"  # the affinity key, js_import'ed by nginx.conf
 BACKEND = "onebit"  # the backend (HAProxy) and upstream (nginx) name in the example configs
 # Fast checks, so that a test waits a fraction of a second for HAProxy to see a drain
 # (the example's default is 2 s; "fall 2" and "rise 2" stay as shipped).
@@ -35,6 +38,8 @@ CHECK_INTER = "100ms"
 # nginx's example addresses, replaced by the test's own (nginx has no environment variables).
 NGINX_EXAMPLE_HOSTS = ("server 10.0.0.11:8080 ", "server 10.0.0.12:8080 ")
 NGINX_EXAMPLE_LISTEN = "listen 8080;"
+# HAProxy's second server line, after which a third host (and more) goes.
+HAPROXY_LAST_SERVER = 'server onebit2 "${ONEBIT_HOST2-10.0.0.12:8080}"'
 STOP_GRACE_S = 10.0
 
 
@@ -101,27 +106,47 @@ class HAProxy:
                 await trio.sleep(0.05)
 
 
+def haproxy_config(directory: Path, hosts: Sequence[Host]) -> Path:
+    """config/haproxy.cfg itself for two hosts; for more, a copy with a server line for each
+    (``onebit3 "${ONEBIT_HOST3}"``, ...), written as the second."""
+    if len(hosts) == 2:
+        return HAPROXY_CONFIG
+    text = HAPROXY_CONFIG.read_text()
+    assert text.count(HAPROXY_LAST_SERVER) == 1, f"{HAPROXY_CONFIG} should name {HAPROXY_LAST_SERVER!r} once"
+    more = "".join(f'\n    server {host.name} "${{ONEBIT_HOST{i}}}"' for i, host in enumerate(hosts[2:], start=3))
+    path = directory / "haproxy.cfg"
+    path.write_text(text.replace(HAPROXY_LAST_SERVER, HAPROXY_LAST_SERVER + more))
+    return path
+
+
+def haproxy_env(hosts: Sequence[Host], bind: str, stats_socket: Path) -> dict[str, str]:
+    """The environment config/haproxy.cfg reads: our hosts (named onebit1, onebit2, ...), where to
+    listen, fast checks."""
+    assert [host.name for host in hosts] == [f"onebit{i}" for i in range(1, len(hosts) + 1)]
+    return {
+        **os.environ,
+        "ONEBIT_LB_BIND": bind,
+        **{f"ONEBIT_HOST{i}": host.endpoint for i, host in enumerate(hosts, start=1)},
+        "ONEBIT_CHECK_INTER": CHECK_INTER,
+        "ONEBIT_LB_SOCKET": str(stats_socket),
+    }
+
+
 @asynccontextmanager
 async def open_haproxy(directory: Path, hosts: Sequence[Host]) -> AsyncIterator[HAProxy]:
-    """config/haproxy.cfg in front of ``hosts`` (two: its servers onebit1 and onebit2), listening on
-    127.0.0.1 on a port of our choosing; stopped and reaped on the way out."""
+    """config/haproxy.cfg in front of ``hosts`` (its servers onebit1, onebit2, and more if given),
+    listening on 127.0.0.1 on a port of our choosing; stopped and reaped on the way out."""
     program = require("haproxy")
     make_directory(directory)
+    config = haproxy_config(directory, hosts)
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(128)
     fd = listener.fileno()
-    env = {
-        **os.environ,
-        "ONEBIT_LB_BIND": f"fd@{fd}",
-        "ONEBIT_HOST1": hosts[0].endpoint,
-        "ONEBIT_HOST2": hosts[1].endpoint,
-        "ONEBIT_CHECK_INTER": CHECK_INTER,
-        "ONEBIT_LB_SOCKET": str(directory / "haproxy.sock"),
-    }
+    env = haproxy_env(hosts, f"fd@{fd}", directory / "haproxy.sock")
     with listener, (directory / "haproxy.log").open("a") as log:
         process = await trio.lowlevel.open_process(
-            [program, "-db", "-f", str(HAPROXY_CONFIG)],
+            [program, "-db", "-f", str(config)],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -145,11 +170,14 @@ class Nginx:
 
 
 def nginx_config(hosts: Sequence[Host], port: int) -> str:
-    """config/nginx.conf with its example addresses replaced by ours, each exactly once."""
+    """config/nginx.conf with its example addresses replaced by ours, each exactly once; a host past
+    the second gets a server line of its own, written as the second."""
     text = NGINX_CONFIG.read_text()
-    replacements = [
-        (example, f"server {host.endpoint} ") for example, host in zip(NGINX_EXAMPLE_HOSTS, hosts, strict=True)
-    ]
+    first, second = NGINX_EXAMPLE_HOSTS
+    replacements = [(first, f"server {hosts[0].endpoint} ")]
+    last = text[text.index(second) : text.index("\n", text.index(second))]  # the whole second line
+    more = "".join("\n" + last.replace(second, f"server {host.endpoint} ") for host in hosts[2:])
+    replacements.append((last, last.replace(second, f"server {hosts[1].endpoint} ") + more))
     replacements.append((NGINX_EXAMPLE_LISTEN, f"listen 127.0.0.1:{port};"))
     for old, new in replacements:
         assert text.count(old) == 1, f"{NGINX_CONFIG} should name {old!r} exactly once"
@@ -167,6 +195,7 @@ async def open_nginx(directory: Path, hosts: Sequence[Host]) -> AsyncIterator[Ng
         port = free_port(["127.0.0.1"])
         path = directory / "nginx.conf"
         path.write_text(nginx_config(hosts, port))
+        shutil.copyfile(NGINX_MODULE, directory / NGINX_MODULE.name)  # js_import finds it next to nginx.conf
         log_path = directory / "nginx.log"
         with log_path.open("a") as log:
             # Its own session: nginx's workers would outlive a master we had to kill, and a

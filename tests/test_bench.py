@@ -119,6 +119,20 @@ async def test_the_models_benchmark_in_quick_mode_exits_0_and_leaves_nothing() -
 
 
 @pytest.mark.real
+async def test_the_hosts_benchmark_in_quick_mode_exits_0_with_both_sides_and_no_cold_turn_before_the_drain() -> None:
+    real_llama_server()
+    out = await quick_run("hosts", "--quick", timeout_s=600)
+    for side in ("(a) affinity", "(b) before"):
+        found = re.search(rf"^{re.escape(side)}: turns 2\.\.4 .* drained onebit[123];", out, re.MULTILINE)
+        assert found, f"no {side!r} summary in:\n{out}"
+    assert re.search(rf"^summed first-token time, turns 2\.\.4: \(a\)/\(b\) {NUMBER}$", out, re.MULTILINE), out
+    # Turn 2 comes before the drain: with affinity each session meets the host that holds its prompt.
+    row = re.search(rf"^2\s+{NUMBER}\s+(\d+)\s+{NUMBER}\s+\d+$", out, re.MULTILINE)
+    assert row, out
+    assert row.group(1) == "0", out
+
+
+@pytest.mark.real
 async def test_the_versus_benchmark_in_quick_mode_exits_0_and_prints_both_trees() -> None:
     real_llama_server()
     # This tree against itself: what is checked is that both onebitds start, alternate and report.

@@ -114,9 +114,14 @@ def test_the_service_and_the_ingress_reach_the_pods_on_the_named_port(manifests:
     assert path["backend"]["service"] == {"name": "onebit", "port": {"name": port["name"]}}
 
 
-def test_the_ingress_hashes_on_the_session_header_and_retries_a_refusal(manifests: dict[str, dict[str, Any]]) -> None:
+def test_the_ingress_hashes_on_the_conversation_headers_with_bounded_load_and_retries_a_refusal(
+    manifests: dict[str, dict[str, Any]],
+) -> None:
     annotations = manifests["Ingress"]["metadata"]["annotations"]
     prefix = "nginx.ingress.kubernetes.io/"
-    assert annotations[prefix + "upstream-hash-by"] == "$http_x_session_id"
+    # The two headers config/haproxy.cfg and config/nginx.conf also read (the body is out of its reach).
+    assert annotations[prefix + "upstream-hash-by"] == "$http_x_conversation_id$http_x_session_id"
+    # Set at all, it selects the bounded-load hash, which spreads an empty key round-robin.
+    assert float(annotations[prefix + "upstream-hash-by-balance-factor"]) > 1
     assert set(annotations[prefix + "proxy-next-upstream"].split()) == {"error", "http_503", "non_idempotent"}
     assert annotations[prefix + "proxy-buffering"] == "off"
