@@ -304,13 +304,13 @@ class Parts:
     def sockets(self) -> list[Path]:
         return [self.client.socket, *(p.launcher.socket for p in self.llama_providers())]
 
-    async def keep_slots(self, store: PrefixStore, stored: StoredPrefixes, name: str) -> None:
-        """Before an unload: each slot whose prompt the store would keep (and does not hold yet) is
+    async def keep_slots(self, store: PrefixStore, stored: StoredPrefixes, name: str) -> int:
+        """Before an unload or at a drain's end: each slot whose prompt the store would keep (and does not hold yet) is
         saved into it, awaited, so that the conversation restores from the store when its model is
         back (instead of prefilling again).  No request holds a slot now (the scheduler unloads only
-        an unused model)."""
+        an unused model; a drain waits for its in-flight requests first)."""
         if not stored.enabled:
-            return
+            return 0
         kept = 0
         for slot in range(self.slots.n_slots):
             tokens = self.slots.holds(slot).tokens
@@ -320,4 +320,5 @@ class Parts:
             if path is not None and await store.put_file(tokens, path):
                 kept += 1
         if kept:
-            log.info("model %s: %d slot(s) kept in the prefix store before unloading", name, kept)
+            log.info("model %s: %d slot(s) kept in the prefix store", name, kept)
+        return kept

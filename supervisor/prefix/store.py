@@ -11,15 +11,20 @@ restore.  The store keeps saved states across decoder and onebitd restarts, with
 - :meth:`PrefixStore.put_file`: takes a state file llama-server saved and commits it (off the
   request's path: the caller spawns it).  :meth:`PrefixStore.drop`: an entry the decoder refused.
 
-Files and their guarantees are in :mod:`supervisor.prefix.files`.  The store's bookkeeping lives on
-the trio thread; only file work runs in worker threads, and writes take turns (one lock), so what is
-on disk never exceeds ``max_bytes``.  Nothing here raises an ``OSError`` at its caller: a store that
-cannot work is disabled (one log line) and the daemon goes on without it.
+Files and their guarantees are in :mod:`supervisor.prefix.files`.  A store the hosts share
+(:meth:`PrefixStore.open_shared`, ``cache.shared_dir``) is not locked: it reads the directory again
+every ``shared_rescan_s`` (:meth:`PrefixStore.refresh`) and before each write, for what other hosts
+stored and evicted; its names and its lock-free eviction are :mod:`supervisor.prefix.shared`'s.
+The store's bookkeeping lives on the trio thread; only file work runs in worker threads, and writes
+take turns (one lock), so what is on disk never exceeds ``max_bytes``.  Nothing here raises an
+``OSError`` at its caller: a store that cannot work is disabled (one log line) and the daemon goes on
+without it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -34,6 +39,7 @@ import trio
 from ..errors import PrefixStoreError
 from ..llama.llama_server import StateFingerprint
 from . import files as prefix_files
+from . import shared as shared_files
 from .files import Disk, Entry
 from .index import PrefixIndex, token_key
 from .statistics import Counts, StoreStatistics
@@ -60,8 +66,20 @@ class PrefixStore:
         min_tokens: int,
         disk: Disk,
         lock_fd: int | None = None,
+        host_id: str | None = None,
+        shared: bool = False,
+        max_age_s: float = float("inf"),
+        shared_problem: str | None = None,
     ) -> None:
+        """``host_id``: written into each entry (its origin); ``shared``: the directory is shared with
+        other hosts (see :meth:`open_shared`); ``shared_problem``: why a shared directory configured
+        is not the one in use, for the statistics."""
         self.directory = directory
+        self.host_id = host_id
+        self.shared = shared
+        self.max_age_s = max_age_s
+        self.shared_problem = shared_problem
+        self._foreign: frozenset[str] = frozenset()  # shared: others' entries of another fingerprint
         self.fingerprint = fingerprint
         self.max_bytes = max_bytes
         self.min_tokens = min_tokens
@@ -76,6 +94,7 @@ class PrefixStore:
         self._write_lock = trio.Lock()
         self._pending: set[str] = set()  # keys of puts in progress, written or waiting their turn
         self._failing = False  # within a burst of failed writes: logged once
+        self._known: dict[str, Entry] = {}  # shared: the snapshot a listing thread reads
 
     # -- opening and closing ---------------------------------------------------------------------
 
@@ -94,6 +113,8 @@ class PrefixStore:
         max_bytes: int,
         min_tokens: int,
         disk: Disk | None = None,
+        host_id: str | None = None,
+        shared_problem: str | None = None,
     ) -> PrefixStore:
         """The store in ``directory`` (made if need be), its entries checked against ``fingerprint``.
 
@@ -106,7 +127,14 @@ class PrefixStore:
         except OSError as exc:
             return cls.disabled(f"{directory}: {exc.strerror or exc}")
         store = cls(
-            directory, fingerprint=fingerprint, max_bytes=max_bytes, min_tokens=min_tokens, disk=disk, lock_fd=lock_fd
+            directory,
+            fingerprint=fingerprint,
+            max_bytes=max_bytes,
+            min_tokens=min_tokens,
+            disk=disk,
+            lock_fd=lock_fd,
+            host_id=host_id,
+            shared_problem=shared_problem,
         )
         try:
             found = await trio.to_thread.run_sync(prefix_files.scan, directory, fingerprint.as_json())
@@ -120,6 +148,49 @@ class PrefixStore:
         await trio.to_thread.run_sync(prefix_files.remove_all, directory, [victim.key for victim in victims])
         log.info(
             "prefix store: %s: %d entries, %d bytes of %d", directory, len(store._entries), store._bytes, max_bytes
+        )
+        return store
+
+    @classmethod
+    async def open_shared(
+        cls,
+        directory: Path,
+        *,
+        host_id: str,
+        fingerprint: StateFingerprint,
+        max_bytes: int,
+        min_tokens: int,
+        max_age_s: float,
+        disk: Disk | None = None,
+    ) -> PrefixStore:
+        """The store in ``directory``, shared with other hosts: not locked; ``host_id`` names this
+        host's files and entries; ``max_bytes`` bounds the directory, every host's entries together;
+        an entry unused for ``max_age_s`` is evicted.  Raises OSError when the directory cannot be
+        made, written or listed (the caller then opens the private store)."""
+        disk = disk or Disk()
+        directory = await trio.to_thread.run_sync(directory.absolute)
+        await trio.to_thread.run_sync(prefix_files.probe, disk, directory, host_id)
+        store = cls(
+            directory,
+            fingerprint=fingerprint,
+            max_bytes=max_bytes,
+            min_tokens=min_tokens,
+            disk=disk,
+            host_id=host_id,
+            shared=True,
+            max_age_s=max_age_s,
+        )
+        async with store._write_lock:
+            store._apply(await trio.to_thread.run_sync(store._listing))  # raises: the caller goes private
+        others = sum(1 for entry in store._entries.values() if entry.origin_host != host_id)
+        log.info(
+            "prefix store: shared: %s as host %s: %d entries (%d of other hosts), %d bytes of %d for all hosts",
+            directory,
+            host_id,
+            len(store._entries),
+            others,
+            store._bytes,
+            max_bytes,
         )
         return store
 
@@ -160,6 +231,9 @@ class PrefixStore:
         if self.directory is None or entry.key not in self._entries:
             raise PrefixStoreError(f"prefix store entry {entry.key} is gone")
         key = entry.key
+        if self.shared and not prefix_files.state_path(self.directory, key).exists():
+            self._vanished(key)
+            raise PrefixStoreError(f"prefix store entry {key} is gone (another host evicted it)")
         self._pins[key] = self._pins.get(key, 0) + 1
         try:
             name = f"prefix-{key[:16]}-{os.urandom(4).hex()}{prefix_files.STATE}"
@@ -187,11 +261,101 @@ class PrefixStore:
         self._counts.drops += 1
         self._forget(entry.key)
 
-    def record_restore(self, ms: float) -> None:
-        """The caller timed a restore of an entry (``POST /slots/S?action=restore``)."""
+    def record_restore(self, ms: float, entry: Entry | None = None) -> None:
+        """The caller timed a restore of ``entry`` (``POST /slots/S?action=restore``)."""
         self._counts.restores += 1
+        if entry is not None and self.from_other_host(entry):
+            self._counts.restores_other += 1
         self._counts.restore_ms_total += ms
         self._counts.restore_ms_last = ms
+
+    def from_other_host(self, entry: Entry) -> bool:
+        """Whether another onebitd (another server.host_id) stored ``entry``."""
+        return entry.origin_host is not None and entry.origin_host != self.host_id
+
+    # -- the shared directory ------------------------------------------------------------------
+
+    async def refresh(self) -> None:
+        """Shared: read the directory again for what other hosts stored, evicted or left; a
+        directory that cannot be read now is logged once (lookups go on from what is known, and
+        a restore of an entry that went with it fails into a prefill).  Private: nothing."""
+        if self.shared:
+            async with self._write_lock:
+                await self._refresh_locked()
+
+    def _listing(self) -> shared_files.Listing:
+        """In a worker thread: the directory's listing, against a snapshot of what we know."""
+        assert self.directory is not None
+        assert self.fingerprint is not None
+        assert self.host_id is not None
+        return shared_files.listing(
+            self.directory,
+            self.fingerprint.as_json(),
+            known=self._known,
+            foreign=self._foreign,
+            host=self.host_id,
+            max_age_s=self.max_age_s,
+            now=time.time(),
+        )
+
+    async def _refresh_locked(self) -> shared_files.Listing | None:
+        """Under the write lock: the listing applied to the index (None: the directory is lost)."""
+        self._known = dict(self._entries)  # the worker thread reads a copy, never the live dict
+        try:
+            found = await trio.to_thread.run_sync(self._listing)
+        except OSError as exc:
+            if self.shared_problem is None:
+                log.warning(
+                    "prefix store: shared directory %s unreachable: %s; restores and stores fail into"
+                    " prefills until it is back",
+                    self.directory,
+                    exc.strerror or exc,
+                )
+            self.shared_problem = f"unreachable: {exc.strerror or exc}"
+            return None
+        if self.shared_problem is not None:
+            log.info("prefix store: shared directory %s reachable again", self.directory)
+            self.shared_problem = None
+        self._apply(found)
+        return found
+
+    def _apply(self, found: shared_files.Listing) -> None:
+        """The index becomes what the listing found (our fingerprint's entries, of every host)."""
+        for key in [key for key in self._entries if key not in found.entries]:
+            del self._entries[key]  # another host evicted it
+            self._index.remove(key)
+        ordered = sorted(found.entries.values(), key=lambda entry: entry.last_used)
+        self._entries = OrderedDict()
+        for entry in ordered:
+            if entry.key in self._doomed:
+                continue  # dropped here, removed at its last release
+            self._entries[entry.key] = entry
+            self._index.add(entry.key, entry.tokens)
+        self._foreign = found.foreign
+        self._bytes = found.bytes
+        self._counts.evictions += found.aged
+        self._counts.drops += found.cleaned
+
+    def _vanished(self, key: str) -> None:
+        """Shared: another host removed entry ``key``; forget it (its files are not ours to remove)."""
+        if self._entries.pop(key, None) is not None:
+            self._index.remove(key)
+
+    def _remove_files(self, key: str) -> None:
+        """Remove an entry's files: in a shared directory, unless another host takes it first."""
+        assert self.directory is not None
+        if self.shared:
+            assert self.host_id is not None
+            shared_files.evict(self.directory, key, self.host_id)
+        else:
+            prefix_files.remove(self.directory, key)
+
+    def _holds(self, key: str, tokens: Sequence[int]) -> bool:
+        """Whether an entry for exactly ``tokens`` (token key ``key``) is stored: of any host, when shared."""
+        if not self.shared:
+            return key in self._entries
+        found = self._index.longest_prefix(tokens)
+        return found is not None and self._entries[found].n_tokens == len(tokens)
 
     # -- filling it ------------------------------------------------------------------------------
 
@@ -207,7 +371,7 @@ class PrefixStore:
             key = token_key(tokens)
         except (OverflowError, TypeError):
             return False
-        return key not in self._entries and key not in self._pending
+        return not self._holds(key, tokens) and key not in self._pending
 
     async def put_file(self, tokens: Sequence[int], path: Path) -> bool:
         """Commit the state file at ``path`` as the entry for ``tokens``; True when the store holds
@@ -238,7 +402,7 @@ class PrefixStore:
             log.warning("prefix store: refusing a put whose tokens are not llama.cpp tokens")
             self._counts.skipped += 1
             return False
-        if key in self._entries or key in self._pending:
+        if self._holds(key, tokens) or key in self._pending:
             self._counts.duplicates += 1
             return True
         if len(self._pending) >= MAX_PENDING_PUTS:
@@ -261,8 +425,10 @@ class PrefixStore:
         except OSError as exc:
             self._failed(key, exc)
             return False
-        sidecar = prefix_files.render_sidecar(tokens, self.fingerprint.as_json(), state_bytes, created)
+        sidecar = prefix_files.render_sidecar(tokens, self.fingerprint.as_json(), state_bytes, created, self.host_id)
         need = state_bytes + len(sidecar)
+        if self.shared:
+            return await self._write_shared(key, tokens, path, sidecar, state_bytes, created)
         victims = self._choose_victims(need) if need <= self.max_bytes else None
         if victims is None:
             log.debug("prefix store: no room for %s (%d bytes)", key, need)
@@ -279,6 +445,53 @@ class PrefixStore:
         self._add(Entry(key, tokens, state_bytes, need, created, created))
         self._counts.stores += 1
         return True
+
+    async def _write_shared(
+        self, key: str, tokens: tuple[int, ...], path: Path, sidecar: bytes, state_bytes: int, created: float
+    ) -> bool:
+        """A put's turn in a shared directory: the directory read again, room made by evicting the
+        least recently used entries of any host (each removed by one host only), then the entry."""
+        assert self.directory is not None
+        assert self.host_id is not None
+        need = state_bytes + len(sidecar)
+        found = await self._refresh_locked()
+        if found is None:
+            self._counts.store_failures += 1
+            return False
+        victims = shared_files.choose_victims(found.listed, need, self.max_bytes, set(self._pins))
+        if need > self.max_bytes or victims is None:
+            log.debug("prefix store: no room for %s (%d bytes)", key, need)
+            self._counts.skipped += 1
+            return False
+        name = shared_files.entry_name(key, self.host_id)
+        write = functools.partial(self._write_shared_files, self.directory, self.host_id, victims)
+        try:
+            evicted = await trio.to_thread.run_sync(write, name, path, sidecar, state_bytes)
+        except OSError as exc:
+            self._failed(key, exc)
+            return False
+        sizes = {item.name: item.disk_bytes for item in found.listed}
+        for victim in victims:
+            self._bytes -= sizes[victim]
+            self._vanished(victim)
+        for victim in evicted:
+            log.info("prefix store: evicting entry %s", victim)
+        self._counts.evictions += len(evicted)
+        if self._failing:
+            log.info("prefix store: storing works again")
+            self._failing = False
+        self._add(Entry(name, tokens, state_bytes, need, created, created, self.host_id))
+        self._counts.stores += 1
+        return True
+
+    def _write_shared_files(
+        self, directory: Path, host: str, victims: list[str], name: str, source: Path, sidecar: bytes, state_bytes: int
+    ) -> list[str]:
+        """In a worker thread: evict (those another host took meanwhile are skipped), then write;
+        the victims we removed ourselves."""
+        evicted = [victim for victim in victims if shared_files.evict(directory, victim, host)]
+        prefix_files.write_entry(self._disk, directory, name, source, sidecar, state_bytes)
+        return evicted
 
     def _write(self, victims: list[Entry], key: str, source: Path, sidecar: bytes, state_bytes: int) -> None:
         """In a worker thread: room first, then the new entry, so the disk never holds more than max_bytes."""
@@ -315,7 +528,7 @@ class PrefixStore:
         if self._pins.get(key):
             self._doomed[key] = entry
         else:
-            prefix_files.remove(self.directory, key)
+            self._remove_files(key)
             self._bytes -= entry.disk_bytes
 
     def _release(self, key: str) -> None:
@@ -325,7 +538,7 @@ class PrefixStore:
         del self._pins[key]
         doomed = self._doomed.pop(key, None)
         if doomed is not None and self.directory is not None:
-            prefix_files.remove(self.directory, key)
+            self._remove_files(key)
             self._bytes -= doomed.disk_bytes
 
     def _choose_victims(self, need: int) -> list[Entry] | None:
@@ -374,6 +587,10 @@ class PrefixStore:
             restores=c.restores,
             restore_ms_mean=c.restore_ms_total / c.restores if c.restores else None,
             restore_ms_last=c.restore_ms_last,
+            host_id=self.host_id,
+            shared=self.shared,
+            shared_problem=self.shared_problem,
+            restores_other=c.restores_other,
         )
 
     def list(self) -> list[Entry]:
@@ -393,8 +610,8 @@ class PrefixStore:
                 self._doomed[key] = entry
             else:
                 self._bytes -= entry.disk_bytes
-        directory = self.directory
         with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(prefix_files.remove_all, directory, [entry.key for entry in unpinned])
+            for entry in unpinned:
+                await trio.to_thread.run_sync(self._remove_files, entry.key)
         log.info("prefix store: cleared %d entries", len(keys))
         return len(keys)
