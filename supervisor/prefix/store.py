@@ -51,6 +51,9 @@ log = logging.getLogger("onebit.prefix")
 # A put waiting for the disk keeps its state file in llama-server's state directory, a tmpfs (memory):
 # past this many puts in progress, a new one is refused rather than queued.
 MAX_PENDING_PUTS = 3
+# A stat of a shared entry (NFS) answers in milliseconds; one this slow is a hung mount, and the
+# request should prefill rather than wait for it.
+SHARED_IO_TIMEOUT_S = 5.0
 
 
 class PrefixStore:
@@ -231,7 +234,7 @@ class PrefixStore:
         if self.directory is None or entry.key not in self._entries:
             raise PrefixStoreError(f"prefix store entry {entry.key} is gone")
         key = entry.key
-        if self.shared and not prefix_files.state_path(self.directory, key).exists():
+        if self.shared and not await self._still_there(key):
             self._vanished(key)
             raise PrefixStoreError(f"prefix store entry {key} is gone (another host evicted it)")
         self._pins[key] = self._pins.get(key, 0) + 1
@@ -243,7 +246,7 @@ class PrefixStore:
             except OSError as exc:
                 raise PrefixStoreError(f"cannot expose prefix store entry {key}: {exc.strerror or exc}") from exc
             try:
-                self._used(key)
+                self._used(key, touch=not self.shared)  # a shared entry's use was recorded on the way in
                 yield name
             finally:
                 with contextlib.suppress(OSError):
@@ -335,6 +338,28 @@ class PrefixStore:
         self._bytes = found.bytes
         self._counts.evictions += found.aged
         self._counts.drops += found.cleaned
+
+    async def _still_there(self, key: str) -> bool:
+        """Shared, before a restore: whether the entry's state file is still there, recording the
+        use (its mtime: how other hosts' evictions see it).  In a worker thread, bounded: a hung
+        mount answers no, and the request prefills."""
+        assert self.directory is not None
+        path = prefix_files.state_path(self.directory, key)
+
+        def touch() -> bool:
+            try:
+                os.utime(path)
+            except FileNotFoundError:
+                return False
+            except OSError as exc:
+                log.debug("prefix store: cannot record a use of %s: %s", key, exc.strerror or exc)
+                return path.exists()
+            return True
+
+        with trio.move_on_after(SHARED_IO_TIMEOUT_S):
+            return await trio.to_thread.run_sync(touch, abandon_on_cancel=True)
+        log.warning("prefix store: %s did not answer in %g s; restoring nothing", self.directory, SHARED_IO_TIMEOUT_S)
+        return False
 
     def _vanished(self, key: str) -> None:
         """Shared: another host removed entry ``key``; forget it (its files are not ours to remove)."""
@@ -513,12 +538,13 @@ class PrefixStore:
         self._index.add(entry.key, entry.tokens)
         self._bytes += entry.disk_bytes
 
-    def _used(self, key: str) -> None:
+    def _used(self, key: str, *, touch: bool = True) -> None:
         assert self.directory is not None
         now = time.time()
         self._entries[key] = attrs.evolve(self._entries[key], last_used=now)
         self._entries.move_to_end(key)
-        prefix_files.touch(self.directory, key, now)
+        if touch:
+            prefix_files.touch(self.directory, key, now)
 
     def _forget(self, key: str) -> None:
         """Out of the index now; the files go now, or at the last release when pinned."""
