@@ -21,8 +21,10 @@ import attrs
 import pytest
 import trio
 
+from supervisor.admin import render
 from supervisor.errors import PrefixStoreError
 from supervisor.llama.statefile import MAGIC_BYTES as STATE_MAGIC
+from supervisor.observe import metrics
 from supervisor.prefix import files as prefix_files
 from supervisor.prefix import shared
 from supervisor.prefix.index import token_key
@@ -457,3 +459,26 @@ async def test_a_shared_directory_lost_while_running_is_said_once_and_fails_no_p
         assert store.statistics().shared_problem is None
         assert store.lookup(tokens(100)) is not None
         assert "prefix store: shared directory" in messages(prefix_log)[-1]
+
+
+async def test_status_and_metrics_count_the_restores_of_other_hosts_entries(hosts: Hosts) -> None:
+    with trio.fail_after(TIMEOUT):
+        a = await hosts.open("host-a")
+        b = await hosts.open("host-b")
+        assert await a.put_file(tokens(100), hosts.state_file())
+        assert await b.put_file(tokens(100, start=500), hosts.state_file())
+        await b.refresh()
+        for prompt in (tokens(100), tokens(100, start=500), tokens(100)):
+            entry = b.lookup(prompt)
+            assert entry is not None
+            b.record_restore(2.0, entry)
+        stats = b.statistics()
+    assert (stats.restores, stats.restores_other) == (3, 2)
+    line = render._store_line(stats)
+    assert line.endswith("restores 3 (mean 2.0 ms), 2 from other hosts; shared, as host host-b"), line
+    families = {family.name: family for family in metrics._stores([(None, stats)])}
+    origin = {s.labels["origin"]: s.value for s in families["onebit_prefix_store_origin_restores"].samples}
+    assert origin == {"self": 1, "other": 2}
+    assert families["onebit_prefix_store_shared"].samples[0].value == 1.0
+    fell_back = attrs.evolve(stats, shared=False, shared_problem="/mnt/x: Not a directory")
+    assert render._store_line(fell_back).endswith("; shared directory: /mnt/x: Not a directory")
