@@ -10,9 +10,13 @@ State files are made up as in tests/test_prefix_store.py (llama.cpp's magic, the
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -31,10 +35,12 @@ from supervisor.prefix.index import token_key
 from supervisor.prefix.opening import open_prefix_store
 from supervisor.prefix.store import PrefixStore
 
+from . import shared_store_writer
 from .rig import make_config
 from .test_prefix_store import FINGERPRINT, KIB, MIN_TOKENS, tokens
 
 TIMEOUT = 30
+REPO = Path(__file__).parent.parent
 ENTRY = 10 * KIB  # a state file's size here; its sidecar adds a few hundred bytes
 DAY = 86400.0
 
@@ -482,3 +488,38 @@ async def test_status_and_metrics_count_the_restores_of_other_hosts_entries(host
     assert families["onebit_prefix_store_shared"].samples[0].value == 1.0
     fell_back = attrs.evolve(stats, shared=False, shared_problem="/mnt/x: Not a directory")
     assert render._store_line(fell_back).endswith("; shared directory: /mnt/x: Not a directory")
+
+
+@pytest.mark.parametrize("where", ["state", "sidecar"])
+async def test_a_writer_sigkilled_mid_write_leaves_nothing_another_host_restores(hosts: Hosts, where: str) -> None:
+    """A real kill: tests/shared_store_writer.py stops dead half way through the state file's copy or
+    through the sidecar (fsynced), and is SIGKILLed there."""
+    with trio.fail_after(TIMEOUT):
+        hosts.shared_dir.mkdir()
+        source = hosts.state_file()
+        command = [sys.executable, "-m", "tests.shared_store_writer", str(hosts.shared_dir), str(source), where]
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        async with trio.open_nursery() as nursery:
+            run = functools.partial(trio.run_process, command, stdout=subprocess.PIPE, check=False, cwd=REPO, env=env)
+            writer: trio.Process = await nursery.start(run)
+            assert writer.stdout is not None
+            said = b""
+            while shared_store_writer.STUCK.encode() not in said:
+                chunk = await writer.stdout.receive_some()
+                assert chunk, f"the writer ended before it was half way: {said!r}"
+                said += chunk
+            writer.kill()
+        assert writer.returncode == -signal.SIGKILL
+        left = sorted(path.name for path in hosts.shared_dir.iterdir())
+        assert len(left) == (1 if where == "state" else 2), left
+        survivor = await hosts.open("survivor")
+        assert survivor.lookup(tokens(100)) is None
+        assert survivor.statistics().entries == 0
+        hour_ago = time.time() - 3600
+        for path in hosts.shared_dir.iterdir():
+            os.utime(path, (hour_ago, hour_ago))
+        survivor.max_age_s = 60
+        await survivor.refresh()
+        assert list(hosts.shared_dir.iterdir()) == []
+        assert await survivor.put_file(tokens(100), hosts.state_file())  # stored whole, by the survivor
+        assert len(hosts.committed()) == 1
