@@ -33,6 +33,7 @@ from supervisor.prefix import files as prefix_files
 from supervisor.prefix import shared
 from supervisor.prefix.index import token_key
 from supervisor.prefix.opening import open_prefix_store
+from supervisor.prefix.sharedstore import SharedPrefixStore
 from supervisor.prefix.store import PrefixStore
 
 from . import shared_store_writer
@@ -59,7 +60,7 @@ class Hosts:
         path.write_bytes(STATE_MAGIC + b"\0" * (size - len(STATE_MAGIC)))
         return path
 
-    async def open(self, host: str, max_bytes: int = 1024 * KIB, **kwargs: object) -> PrefixStore:
+    async def open(self, host: str, max_bytes: int = 1024 * KIB, **kwargs: object) -> SharedPrefixStore:
         options: dict[str, object] = {
             "host_id": host,
             "fingerprint": FINGERPRINT,
@@ -68,7 +69,7 @@ class Hosts:
             "max_age_s": DAY,
         }
         options.update(kwargs)
-        return await PrefixStore.open_shared(self.shared_dir, **options)  # type: ignore[arg-type]
+        return await SharedPrefixStore.open_shared(self.shared_dir, **options)  # type: ignore[arg-type]
 
     def committed(self) -> list[str]:
         """Names of the committed entries on disk now (whole: sidecar and state file of its size)."""

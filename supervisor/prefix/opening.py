@@ -14,6 +14,7 @@ import trio
 
 from ..config import Config, locate
 from ..llama.llama_server import StateFingerprint
+from .sharedstore import SharedPrefixStore
 from .store import PrefixStore
 
 log = logging.getLogger("onebit.prefix")
@@ -68,7 +69,7 @@ async def _open(config: Config, private: Path, fingerprint: StateFingerprint) ->
     problem = None
     if shared is not None:
         try:
-            return await PrefixStore.open_shared(
+            return await SharedPrefixStore.open_shared(
                 shared,
                 host_id=host_id,
                 fingerprint=fingerprint,

@@ -12,9 +12,7 @@ restore.  The store keeps saved states across decoder and onebitd restarts, with
   request's path: the caller spawns it).  :meth:`PrefixStore.drop`: an entry the decoder refused.
 
 Files and their guarantees are in :mod:`supervisor.prefix.files`.  A store the hosts share
-(:meth:`PrefixStore.open_shared`, ``cache.shared_dir``) is not locked: it reads the directory again
-every ``shared_rescan_s`` (:meth:`PrefixStore.refresh`) and before each write, for what other hosts
-stored and evicted; its names and its lock-free eviction are :mod:`supervisor.prefix.shared`'s.
+(``cache.shared_dir``) is :mod:`supervisor.prefix.sharedstore`'s subclass.
 The store's bookkeeping lives on the trio thread; only file work runs in worker threads, and writes
 take turns (one lock), so what is on disk never exceeds ``max_bytes``.  Nothing here raises an
 ``OSError`` at its caller: a store that cannot work is disabled (one log line) and the daemon goes on
@@ -24,7 +22,6 @@ without it.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import time
@@ -39,7 +36,6 @@ import trio
 from ..errors import PrefixStoreError
 from ..llama.llama_server import StateFingerprint
 from . import files as prefix_files
-from . import shared as shared_files
 from .files import Disk, Entry
 from .index import PrefixIndex, token_key
 from .statistics import Counts, StoreStatistics
@@ -51,14 +47,14 @@ log = logging.getLogger("onebit.prefix")
 # A put waiting for the disk keeps its state file in llama-server's state directory, a tmpfs (memory):
 # past this many puts in progress, a new one is refused rather than queued.
 MAX_PENDING_PUTS = 3
-# A stat of a shared entry (NFS) answers in milliseconds; one this slow is a hung mount, and the
-# request should prefill rather than wait for it.
-SHARED_IO_TIMEOUT_S = 5.0
 
 
 class PrefixStore:
     """Create with :meth:`open` (or supervisor/prefix/opening.py's ``open_prefix_store``), or
-    :meth:`disabled`; :meth:`close` when done."""
+    :meth:`disabled`; :meth:`close` when done.  A store the hosts share is
+    supervisor/prefix/sharedstore.py's subclass."""
+
+    shared = False  # a directory other hosts use too (the subclass)
 
     def __init__(
         self,
@@ -70,19 +66,13 @@ class PrefixStore:
         disk: Disk,
         lock_fd: int | None = None,
         host_id: str | None = None,
-        shared: bool = False,
-        max_age_s: float = float("inf"),
         shared_problem: str | None = None,
     ) -> None:
-        """``host_id``: written into each entry (its origin); ``shared``: the directory is shared with
-        other hosts (see :meth:`open_shared`); ``shared_problem``: why a shared directory configured
-        is not the one in use, for the statistics."""
+        """``host_id``: written into each entry (its origin); ``shared_problem``: why the shared
+        directory configured is not the one in use (or not usable now), for the statistics."""
         self.directory = directory
         self.host_id = host_id
-        self.shared = shared
-        self.max_age_s = max_age_s
         self.shared_problem = shared_problem
-        self._foreign: frozenset[str] = frozenset()  # shared: others' entries of another fingerprint
         self.fingerprint = fingerprint
         self.max_bytes = max_bytes
         self.min_tokens = min_tokens
@@ -97,7 +87,6 @@ class PrefixStore:
         self._write_lock = trio.Lock()
         self._pending: set[str] = set()  # keys of puts in progress, written or waiting their turn
         self._failing = False  # within a burst of failed writes: logged once
-        self._known: dict[str, Entry] = {}  # shared: the snapshot a listing thread reads
 
     # -- opening and closing ---------------------------------------------------------------------
 
@@ -154,49 +143,6 @@ class PrefixStore:
         )
         return store
 
-    @classmethod
-    async def open_shared(
-        cls,
-        directory: Path,
-        *,
-        host_id: str,
-        fingerprint: StateFingerprint,
-        max_bytes: int,
-        min_tokens: int,
-        max_age_s: float,
-        disk: Disk | None = None,
-    ) -> PrefixStore:
-        """The store in ``directory``, shared with other hosts: not locked; ``host_id`` names this
-        host's files and entries; ``max_bytes`` bounds the directory, every host's entries together;
-        an entry unused for ``max_age_s`` is evicted.  Raises OSError when the directory cannot be
-        made, written or listed (the caller then opens the private store)."""
-        disk = disk or Disk()
-        directory = await trio.to_thread.run_sync(directory.absolute)
-        await trio.to_thread.run_sync(prefix_files.probe, disk, directory, host_id)
-        store = cls(
-            directory,
-            fingerprint=fingerprint,
-            max_bytes=max_bytes,
-            min_tokens=min_tokens,
-            disk=disk,
-            host_id=host_id,
-            shared=True,
-            max_age_s=max_age_s,
-        )
-        async with store._write_lock:
-            store._apply(await trio.to_thread.run_sync(store._listing))  # raises: the caller goes private
-        others = sum(1 for entry in store._entries.values() if entry.origin_host != host_id)
-        log.info(
-            "prefix store: shared: %s as host %s: %d entries (%d of other hosts), %d bytes of %d for all hosts",
-            directory,
-            host_id,
-            len(store._entries),
-            others,
-            store._bytes,
-            max_bytes,
-        )
-        return store
-
     def close(self) -> None:
         """Let go of the directory's lock (another onebitd may then open it).  Idempotent."""
         if self._lock_fd is not None:
@@ -234,7 +180,7 @@ class PrefixStore:
         if self.directory is None or entry.key not in self._entries:
             raise PrefixStoreError(f"prefix store entry {entry.key} is gone")
         key = entry.key
-        if self.shared and not await self._still_there(key):
+        if not await self._still_there(key):
             self._vanished(key)
             raise PrefixStoreError(f"prefix store entry {key} is gone (another host evicted it)")
         self._pins[key] = self._pins.get(key, 0) + 1
@@ -246,7 +192,7 @@ class PrefixStore:
             except OSError as exc:
                 raise PrefixStoreError(f"cannot expose prefix store entry {key}: {exc.strerror or exc}") from exc
             try:
-                self._used(key, touch=not self.shared)  # a shared entry's use was recorded on the way in
+                self._used(key)
                 yield name
             finally:
                 with contextlib.suppress(OSError):
@@ -276,111 +222,30 @@ class PrefixStore:
         """Whether another onebitd (another server.host_id) stored ``entry``."""
         return entry.origin_host is not None and entry.origin_host != self.host_id
 
-    # -- the shared directory ------------------------------------------------------------------
-
     async def refresh(self) -> None:
-        """Shared: read the directory again for what other hosts stored, evicted or left; a
-        directory that cannot be read now is logged once (lookups go on from what is known, and
-        a restore of an entry that went with it fails into a prefill).  Private: nothing."""
-        if self.shared:
-            async with self._write_lock:
-                await self._refresh_locked()
-
-    def _listing(self) -> shared_files.Listing:
-        """In a worker thread: the directory's listing, against a snapshot of what we know."""
-        assert self.directory is not None
-        assert self.fingerprint is not None
-        assert self.host_id is not None
-        return shared_files.listing(
-            self.directory,
-            self.fingerprint.as_json(),
-            known=self._known,
-            foreign=self._foreign,
-            host=self.host_id,
-            max_age_s=self.max_age_s,
-            now=time.time(),
-        )
-
-    async def _refresh_locked(self) -> shared_files.Listing | None:
-        """Under the write lock: the listing applied to the index (None: the directory is lost)."""
-        self._known = dict(self._entries)  # the worker thread reads a copy, never the live dict
-        try:
-            found = await trio.to_thread.run_sync(self._listing)
-        except OSError as exc:
-            if self.shared_problem is None:
-                log.warning(
-                    "prefix store: shared directory %s unreachable: %s; restores and stores fail into"
-                    " prefills until it is back",
-                    self.directory,
-                    exc.strerror or exc,
-                )
-            self.shared_problem = f"unreachable: {exc.strerror or exc}"
-            return None
-        if self.shared_problem is not None:
-            log.info("prefix store: shared directory %s reachable again", self.directory)
-            self.shared_problem = None
-        self._apply(found)
-        return found
-
-    def _apply(self, found: shared_files.Listing) -> None:
-        """The index becomes what the listing found (our fingerprint's entries, of every host)."""
-        for key in [key for key in self._entries if key not in found.entries]:
-            del self._entries[key]  # another host evicted it
-            self._index.remove(key)
-        ordered = sorted(found.entries.values(), key=lambda entry: entry.last_used)
-        self._entries = OrderedDict()
-        for entry in ordered:
-            if entry.key in self._doomed:
-                continue  # dropped here, removed at its last release
-            self._entries[entry.key] = entry
-            self._index.add(entry.key, entry.tokens)
-        self._foreign = found.foreign
-        self._bytes = found.bytes
-        self._counts.evictions += found.aged
-        self._counts.drops += found.cleaned
+        """A shared store reads its directory again (sharedstore.py); a private one knows it all."""
 
     async def _still_there(self, key: str) -> bool:
-        """Shared, before a restore: whether the entry's state file is still there, recording the
-        use (its mtime: how other hosts' evictions see it).  In a worker thread, bounded: a hung
-        mount answers no, and the request prefills."""
-        assert self.directory is not None
-        path = prefix_files.state_path(self.directory, key)
-
-        def touch() -> bool:
-            try:
-                os.utime(path)
-            except FileNotFoundError:
-                return False
-            except OSError as exc:
-                log.debug("prefix store: cannot record a use of %s: %s", key, exc.strerror or exc)
-                return path.exists()
-            return True
-
-        with trio.move_on_after(SHARED_IO_TIMEOUT_S):
-            return await trio.to_thread.run_sync(touch, abandon_on_cancel=True)
-        log.warning("prefix store: %s did not answer in %g s; restoring nothing", self.directory, SHARED_IO_TIMEOUT_S)
-        return False
+        """Before a restore: whether the entry is still on disk.  A private store's always is."""
+        return True
 
     def _vanished(self, key: str) -> None:
-        """Shared: another host removed entry ``key``; forget it (its files are not ours to remove)."""
+        """Entry ``key`` went from the disk without us: forget it (its files are not ours to remove)."""
         if self._entries.pop(key, None) is not None:
             self._index.remove(key)
 
-    def _remove_files(self, key: str) -> None:
-        """Remove an entry's files: in a shared directory, unless another host takes it first."""
+    def _touch(self, key: str, when: float) -> None:
+        """Record a use on disk (best effort: the order in memory is what counts here)."""
         assert self.directory is not None
-        if self.shared:
-            assert self.host_id is not None
-            shared_files.evict(self.directory, key, self.host_id)
-        else:
-            prefix_files.remove(self.directory, key)
+        prefix_files.touch(self.directory, key, when)
+
+    def _remove_files(self, key: str) -> None:
+        assert self.directory is not None
+        prefix_files.remove(self.directory, key)
 
     def _holds(self, key: str, tokens: Sequence[int]) -> bool:
-        """Whether an entry for exactly ``tokens`` (token key ``key``) is stored: of any host, when shared."""
-        if not self.shared:
-            return key in self._entries
-        found = self._index.longest_prefix(tokens)
-        return found is not None and self._entries[found].n_tokens == len(tokens)
+        """Whether an entry for exactly ``tokens`` (token key ``key``) is stored."""
+        return key in self._entries
 
     # -- filling it ------------------------------------------------------------------------------
 
@@ -451,9 +316,13 @@ class PrefixStore:
             self._failed(key, exc)
             return False
         sidecar = prefix_files.render_sidecar(tokens, self.fingerprint.as_json(), state_bytes, created, self.host_id)
+        return await self._commit(key, tokens, path, sidecar, state_bytes, created)
+
+    async def _commit(
+        self, key: str, tokens: tuple[int, ...], path: Path, sidecar: bytes, state_bytes: int, created: float
+    ) -> bool:
+        """Room made (least recently used out), then the entry written: True when stored."""
         need = state_bytes + len(sidecar)
-        if self.shared:
-            return await self._write_shared(key, tokens, path, sidecar, state_bytes, created)
         victims = self._choose_victims(need) if need <= self.max_bytes else None
         if victims is None:
             log.debug("prefix store: no room for %s (%d bytes)", key, need)
@@ -464,59 +333,15 @@ class PrefixStore:
         except OSError as exc:
             self._failed(key, exc)
             return False
+        self._stored(Entry(key, tokens, state_bytes, need, created, created, self.host_id))
+        return True
+
+    def _stored(self, entry: Entry) -> None:
         if self._failing:
             log.info("prefix store: storing works again")
             self._failing = False
-        self._add(Entry(key, tokens, state_bytes, need, created, created))
+        self._add(entry)
         self._counts.stores += 1
-        return True
-
-    async def _write_shared(
-        self, key: str, tokens: tuple[int, ...], path: Path, sidecar: bytes, state_bytes: int, created: float
-    ) -> bool:
-        """A put's turn in a shared directory: the directory read again, room made by evicting the
-        least recently used entries of any host (each removed by one host only), then the entry."""
-        assert self.directory is not None
-        assert self.host_id is not None
-        need = state_bytes + len(sidecar)
-        found = await self._refresh_locked()
-        if found is None:
-            self._counts.store_failures += 1
-            return False
-        victims = shared_files.choose_victims(found.listed, need, self.max_bytes, set(self._pins))
-        if need > self.max_bytes or victims is None:
-            log.debug("prefix store: no room for %s (%d bytes)", key, need)
-            self._counts.skipped += 1
-            return False
-        name = shared_files.entry_name(key, self.host_id)
-        write = functools.partial(self._write_shared_files, self.directory, self.host_id, victims)
-        try:
-            evicted = await trio.to_thread.run_sync(write, name, path, sidecar, state_bytes)
-        except OSError as exc:
-            self._failed(key, exc)
-            return False
-        sizes = {item.name: item.disk_bytes for item in found.listed}
-        for victim in victims:
-            self._bytes -= sizes[victim]
-            self._vanished(victim)
-        for victim in evicted:
-            log.info("prefix store: evicting entry %s", victim)
-        self._counts.evictions += len(evicted)
-        if self._failing:
-            log.info("prefix store: storing works again")
-            self._failing = False
-        self._add(Entry(name, tokens, state_bytes, need, created, created, self.host_id))
-        self._counts.stores += 1
-        return True
-
-    def _write_shared_files(
-        self, directory: Path, host: str, victims: list[str], name: str, source: Path, sidecar: bytes, state_bytes: int
-    ) -> list[str]:
-        """In a worker thread: evict (those another host took meanwhile are skipped), then write;
-        the victims we removed ourselves."""
-        evicted = [victim for victim in victims if shared_files.evict(directory, victim, host)]
-        prefix_files.write_entry(self._disk, directory, name, source, sidecar, state_bytes)
-        return evicted
 
     def _write(self, victims: list[Entry], key: str, source: Path, sidecar: bytes, state_bytes: int) -> None:
         """In a worker thread: room first, then the new entry, so the disk never holds more than max_bytes."""
@@ -538,13 +363,12 @@ class PrefixStore:
         self._index.add(entry.key, entry.tokens)
         self._bytes += entry.disk_bytes
 
-    def _used(self, key: str, *, touch: bool = True) -> None:
+    def _used(self, key: str) -> None:
         assert self.directory is not None
         now = time.time()
         self._entries[key] = attrs.evolve(self._entries[key], last_used=now)
         self._entries.move_to_end(key)
-        if touch:
-            prefix_files.touch(self.directory, key, now)
+        self._touch(key, now)
 
     def _forget(self, key: str) -> None:
         """Out of the index now; the files go now, or at the last release when pinned."""
