@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
@@ -524,3 +525,32 @@ async def test_a_writer_sigkilled_mid_write_leaves_nothing_another_host_restores
         assert list(hosts.shared_dir.iterdir()) == []
         assert await survivor.put_file(tokens(100), hosts.state_file())  # stored whole, by the survivor
         assert len(hosts.committed()) == 1
+
+
+async def test_a_request_whose_prompt_the_index_covers_badly_reads_the_directory_again_at_once(
+    hosts: Hosts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A drained host's hand-over is found by the next turn at once, not at the next rescan."""
+    with trio.fail_after(TIMEOUT):
+        a = await hosts.open("host-a")
+        b = await hosts.open("host-b")
+        assert await a.put_file(tokens(100), hosts.state_file())
+        assert b.lookup(tokens(120)) is None
+        entry = await b.find(tokens(120))
+        assert entry is not None
+        assert entry.origin_host == "host-a"
+        listings: list[object] = []
+        original = shared.listing
+
+        def counted(*args: Any, **kwargs: Any) -> shared.Listing:
+            listings.append(args)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(shared, "listing", counted)
+        assert await b.find(tokens(150, start=5000)) is None  # read just now: not again yet
+        b._listed_at = float("-inf")
+        assert await b.find(tokens(105)) == entry  # covered but for fewer than min_tokens
+        assert await b.find(tokens(MIN_TOKENS - 1, start=9000)) is None  # too short for any entry
+        assert listings == []
+        assert await b.find(tokens(150, start=5000)) is None
+        assert len(listings) == 1

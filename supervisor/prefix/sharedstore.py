@@ -34,6 +34,13 @@ log = logging.getLogger("onebit.prefix")
 # A stat of a shared entry (NFS) answers in milliseconds; one this slow is a hung mount, and the
 # request should prefill rather than wait for it.
 SHARED_IO_TIMEOUT_S = 5.0
+# A request whose prompt the index covers badly reads the directory again (another host may have
+# just stored it: a drained host's hand-over) unless it was read this recently: a listing is a
+# readdir and a stat per entry, far less than a long prompt's prefill, but not for every request.
+RELIST_AFTER_S = 0.25
+# How long a request waits for that listing: a healthy NFS lists hundreds of entries in well under
+# a second; past this the request goes on with what is known.
+RELIST_TIMEOUT_S = 1.0
 
 
 class SharedPrefixStore(PrefixStore):
@@ -58,6 +65,7 @@ class SharedPrefixStore(PrefixStore):
         self.max_age_s = max_age_s
         self._foreign: frozenset[str] = frozenset()  # others' entries of another fingerprint: never read again
         self._known: dict[str, Entry] = {}  # the snapshot a listing thread reads
+        self._listed_at = float("-inf")  # trio clock of the last listing
 
     @classmethod
     async def open_shared(
@@ -110,6 +118,22 @@ class SharedPrefixStore(PrefixStore):
         async with self._write_lock:
             await self._refresh_locked()
 
+    async def find(self, tokens: Sequence[int]) -> Entry | None:
+        """:meth:`lookup`, after reading the directory again when the best entry known leaves at
+        least ``min_tokens`` of the prompt to prefill, the last listing is older than
+        :data:`RELIST_AFTER_S` and no write holds the directory (bounded: :data:`RELIST_TIMEOUT_S`)."""
+        if self._falls_short(tokens) and not self._write_lock.locked():
+            with trio.move_on_after(RELIST_TIMEOUT_S):
+                await self.refresh()
+        return self.lookup(tokens)
+
+    def _falls_short(self, tokens: Sequence[int]) -> bool:
+        if len(tokens) < self.min_tokens or trio.current_time() - self._listed_at < RELIST_AFTER_S:
+            return False
+        best = self._index.longest_prefix(tokens)
+        known = self._entries[best].n_tokens if best is not None else 0
+        return len(tokens) - known >= self.min_tokens
+
     def _listing(self) -> shared_files.Listing:
         """In a worker thread: the directory's listing, against a snapshot of what we know."""
         assert self.directory is not None
@@ -129,7 +153,8 @@ class SharedPrefixStore(PrefixStore):
         """Under the write lock: the listing applied to the index (None: the directory is lost)."""
         self._known = dict(self._entries)  # the worker thread reads a copy, never the live dict
         try:
-            found = await trio.to_thread.run_sync(self._listing)
+            # Abandoned when a request stops waiting: the thread's listing is then thrown away.
+            found = await trio.to_thread.run_sync(self._listing, abandon_on_cancel=True)
         except OSError as exc:
             if self.shared_problem is None:
                 log.warning(
@@ -143,6 +168,7 @@ class SharedPrefixStore(PrefixStore):
         if self.shared_problem is not None:
             log.info("prefix store: shared directory %s reachable again", self.directory)
             self.shared_problem = None
+        self._listed_at = trio.current_time()
         self._apply(found)
         return found
 

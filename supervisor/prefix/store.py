@@ -225,6 +225,11 @@ class PrefixStore:
     async def refresh(self) -> None:
         """A shared store reads its directory again (sharedstore.py); a private one knows it all."""
 
+    async def find(self, tokens: Sequence[int]) -> Entry | None:
+        """:meth:`lookup`, for a request: a shared store first reads its directory again when what it
+        knows of the prompt falls short (sharedstore.py); a private one knows it all."""
+        return self.lookup(tokens)
+
     async def _still_there(self, key: str) -> bool:
         """Before a restore: whether the entry is still on disk.  A private store's always is."""
         return True

@@ -140,7 +140,7 @@ class StoredPrefixes:
         prefill than it costs; ``slots`` then knows what the slot holds."""
         if key.tokens is None or not self.enabled:
             return NOTHING
-        entry = self.lookup(key.tokens)
+        entry = await self.store.find(key.tokens)
         if entry is None:
             return NOTHING
         worth = worth_restoring(
@@ -202,9 +202,6 @@ class StoredPrefixes:
             await settle(slot)
             if ready():
                 await self.after(slot, key, slots, req=req, restored=restored)
-
-    def lookup(self, tokens: Sequence[int]) -> Entry | None:
-        return self.store.lookup(tokens)
 
     async def restore(self, slot: int, entry: Entry) -> Restored:
         started = trio.current_time()
