@@ -1,7 +1,7 @@
 """A prefix store two onebitd share (cache.shared_dir), against the real llama-server: host A serves two
-conversations that share a system prompt and is drained (its slot handed over to the store); host B
-gets a conversation's next turn and restores it from A's entry, and a dead writer's half-written
-files in the directory are never restored.
+conversations that share a system prompt and is drained (its slot handed over to the store); host B,
+running all along, gets a conversation's next turn at once and restores it from A's entry, and a
+dead writer's half-written files in the directory are never restored.
 
 Both daemons run in this trio run on one machine, each with its own real llama-server, runtime
 directory, private store and ``server.host_id``; only the shared directory is common.  A writer
@@ -49,7 +49,7 @@ def dirs() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def config(root: Path, host: str) -> Config:
+def config(root: Path, host: str, rescan_s: float = 0.2) -> Config:
     real_llama_server()
     return make_config(
         root / host,
@@ -59,7 +59,7 @@ def config(root: Path, host: str) -> Config:
         cache={
             "dir": str(root / host / "prefix"),
             "shared_dir": str(root / "shared"),
-            "shared_rescan_s": 0.2,
+            "shared_rescan_s": rescan_s,
             "min_tokens": 64,
             "ram_mib": 0,  # llama-server's own prompt cache must not be what serves a prefix
         },
@@ -102,8 +102,10 @@ async def test_a_drained_hosts_conversation_goes_on_at_another_host_from_its_sha
     first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": FIRST}]
     second = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": SECOND}]
     with trio.fail_after(DEADLINE_S):
-        async with run_daemon(config(dirs, "host-a")) as a:
+        # B's own rescans are a minute apart: only a request's look at the directory finds A's entry.
+        async with run_daemon(config(dirs, "host-a")) as a, run_daemon(config(dirs, "host-b", 60.0)) as b:
             store_a = a.daemon.models.default.store
+            store_b = b.daemon.models.default.store
             assert store_a.shared
             await chat(a.url, first)  # a new prompt: stored whole after its reply
             reply = await chat(a.url, second)  # branches off the first: only the system prompt is stored
@@ -117,18 +119,19 @@ async def test_a_drained_hosts_conversation_goes_on_at_another_host_from_its_sha
 
             drained = await verbs.verb_drain(a.daemon, {}, send)
             assert drained == {"drained": True, "kept": 1}
-        handed = {name: doc for name, doc in committed(shared_dir).items() if name not in before}
-        [(handed_name, handed_doc)] = handed.items()
-        assert handed_doc["host"] == "host-a"
-        dead = plant_a_dead_writers_files(shared_dir, handed_name)
+            handed = {name: doc for name, doc in committed(shared_dir).items() if name not in before}
+            [(handed_name, handed_doc)] = handed.items()
+            assert handed_doc["host"] == "host-a"
+            dead = plant_a_dead_writers_files(shared_dir, handed_name)
 
-        next_turn = [*second, {"role": "assistant", "content": reply}, {"role": "user", "content": THIRD}]
-        route_lines.lines.clear()
-        async with run_daemon(config(dirs, "host-b")) as b:
-            store_b = b.daemon.models.default.store
-            assert store_b.statistics().entries == 3  # A's three, not the dead writer's
+            # The balancer sends the conversation's next turn to B at once.
+            next_turn = [*second, {"role": "assistant", "content": reply}, {"role": "user", "content": THIRD}]
+            route_lines.lines.clear()
+            assert store_b.statistics().entries == 0
             await chat(b.url, next_turn)
             stats = store_b.statistics()
+            assert {entry.origin_host for entry in store_b.list()} >= {"host-a"}
+            assert not any(entry.origin_host == "dead-host" for entry in store_b.list())
     [line] = route_lines.lines
     assert line["origin_host"] == "host-a"
     assert line["restored_tokens"] == len(handed_doc["tokens"])
@@ -138,4 +141,4 @@ async def test_a_drained_hosts_conversation_goes_on_at_another_host_from_its_sha
     assert (stats.restores, stats.restores_other) == (1, 1)
     assert all(path.exists() for path in dead)  # young: maybe a live host's write; never read
     said = [r.getMessage() for r in caplog.records if r.name == "onebit.prefix"]
-    assert any(m.startswith(f"prefix store: shared: {shared_dir} as host host-b: 3 entries (3 of") for m in said)
+    assert any(m.startswith(f"prefix store: shared: {shared_dir} as host host-b: 0 entries") for m in said)

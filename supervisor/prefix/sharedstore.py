@@ -97,6 +97,7 @@ class SharedPrefixStore(PrefixStore):
         )
         async with store._write_lock:
             store._apply(await trio.to_thread.run_sync(store._listing))  # raises: the caller goes private
+            store._listed_at = trio.current_time()
         others = sum(1 for entry in store._entries.values() if entry.origin_host != host_id)
         log.info(
             "prefix store: shared: %s as host %s: %d entries (%d of other hosts), %d bytes of %d for all hosts",
