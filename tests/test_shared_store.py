@@ -555,3 +555,43 @@ async def test_a_request_whose_prompt_the_index_covers_badly_reads_the_directory
         assert listings == []
         assert await b.find(tokens(150, start=5000)) is None
         assert len(listings) == 1
+
+
+async def test_a_shared_directory_lost_while_running_sends_the_puts_to_the_private_store_until_it_is_back(
+    tmp_path: Path, prefix_log: pytest.LogCaptureFixture
+) -> None:
+    with trio.fail_after(TIMEOUT):
+        model = tmp_path / "m.gguf"
+        model.write_bytes(b"GGUF")
+        shared_dir, private = tmp_path / "shared", tmp_path / "private"
+        cache = {"dir": str(private), "shared_dir": str(shared_dir), "min_tokens": MIN_TOKENS}
+        config = make_config(tmp_path, model={"path": str(model)}, server={"host_id": "h1"}, cache=cache)
+        hosts = Hosts(shared_dir, tmp_path)
+        async with open_prefix_store(config, "v") as store:
+            assert isinstance(store, SharedPrefixStore)
+            assert await store.put_file(tokens(100), hosts.state_file())
+            lost = shared_dir.rename(tmp_path / "unmounted")
+            await store.refresh()
+            assert store.degraded
+            stats = store.statistics()
+            assert (stats.shared, stats.shared_problem) == (False, "unreachable: No such file or directory")
+            assert store.wants(tokens(100, start=7))
+            assert await store.put_file(tokens(100, start=7), hosts.state_file())
+            assert [p.name for p in private.glob("*.json")] == [f"{token_key(tokens(100, start=7))}.json"]
+            kept = await store.find(tokens(120, start=7))
+            assert kept is not None
+            assert kept.origin_host == "h1"
+            async with store.exposed(kept, tmp_path) as name:
+                assert (tmp_path / name).read_bytes()[:4] == STATE_MAGIC
+            assert store.statistics().entries == 2  # the shared one known before, the private one
+            lost.rename(shared_dir)
+            await store.refresh()
+            assert not store.degraded
+            assert store.statistics().shared
+            assert await store.put_file(tokens(100, start=3000), hosts.state_file())
+            assert len(hosts.committed()) == 2  # the shared directory's puts go there again
+            again = await store.find(tokens(120, start=7))  # what was stored privately stays found
+            assert again is not None
+            assert again.key == kept.key
+        warned = [m for m in messages(prefix_log, logging.WARNING) if "unreachable" in m]
+        assert len(warned) == 1

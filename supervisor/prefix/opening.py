@@ -69,7 +69,7 @@ async def _open(config: Config, private: Path, fingerprint: StateFingerprint) ->
     problem = None
     if shared is not None:
         try:
-            return await SharedPrefixStore.open_shared(
+            store = await SharedPrefixStore.open_shared(
                 shared,
                 host_id=host_id,
                 fingerprint=fingerprint,
@@ -85,6 +85,16 @@ async def _open(config: Config, private: Path, fingerprint: StateFingerprint) ->
                 exc.strerror or exc,
                 private,
             )
+        else:
+            # Where puts go while the shared directory is lost (and what they left there, found).
+            store.fallback = await PrefixStore.open(
+                private,
+                fingerprint=fingerprint,
+                max_bytes=cache.max_bytes,
+                min_tokens=cache.min_tokens,
+                host_id=host_id,
+            )
+            return store
     return await PrefixStore.open(
         private,
         fingerprint=fingerprint,

@@ -18,15 +18,18 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
 
+import attrs
 import trio
 
 from ..llama.llama_server import StateFingerprint
 from . import files as prefix_files
 from . import shared as shared_files
 from .files import Disk, Entry
+from .statistics import StoreStatistics
 from .store import PrefixStore
 
 log = logging.getLogger("onebit.prefix")
@@ -41,6 +44,11 @@ RELIST_AFTER_S = 0.25
 # How long a request waits for that listing: a healthy NFS lists hundreds of entries in well under
 # a second; past this the request goes on with what is known.
 RELIST_TIMEOUT_S = 1.0
+# What the private fallback's statistics add to the shared store's.
+_SUMMED = (
+    *("entries", "bytes", "pinned", "hits", "misses", "evictions"),
+    *("stores", "duplicates", "skipped", "store_failures", "drops"),
+)
 
 
 class SharedPrefixStore(PrefixStore):
@@ -66,6 +74,9 @@ class SharedPrefixStore(PrefixStore):
         self._foreign: frozenset[str] = frozenset()  # others' entries of another fingerprint: never read again
         self._known: dict[str, Entry] = {}  # the snapshot a listing thread reads
         self._listed_at = float("-inf")  # trio clock of the last listing
+        # The host's private store (cache.dir, locked as ever), set by supervisor/prefix/opening.py:
+        # while the shared directory is unreachable, puts go there and lookups find them there.
+        self.fallback: PrefixStore | None = None
 
     @classmethod
     async def open_shared(
@@ -122,11 +133,78 @@ class SharedPrefixStore(PrefixStore):
     async def find(self, tokens: Sequence[int]) -> Entry | None:
         """:meth:`lookup`, after reading the directory again when the best entry known leaves at
         least ``min_tokens`` of the prompt to prefill, the last listing is older than
-        :data:`RELIST_AFTER_S` and no write holds the directory (bounded: :data:`RELIST_TIMEOUT_S`)."""
+        :data:`RELIST_AFTER_S` and no write holds the directory (bounded: :data:`RELIST_TIMEOUT_S`);
+        the private fallback's entry when it is longer."""
         if self._falls_short(tokens) and not self._write_lock.locked():
             with trio.move_on_after(RELIST_TIMEOUT_S):
                 await self.refresh()
-        return self.lookup(tokens)
+        found = self.lookup(tokens)
+        private = self.fallback.peek(tokens) if self.fallback is not None else None
+        if private is not None and (found is None or private.n_tokens > found.n_tokens):
+            return private
+        return found
+
+    # -- the private store, while the shared directory is lost -----------------------------------
+
+    @property
+    def degraded(self) -> bool:
+        """The shared directory is unreachable and the private store takes the puts."""
+        return self.shared_problem is not None and self.fallback is not None and self.fallback.enabled
+
+    def _fallbacks(self, entry: Entry) -> PrefixStore | None:
+        """The private store, when ``entry`` is one of its own (its name carries no host)."""
+        return self.fallback if self.fallback is not None and shared_files.host_of(entry.key) is None else None
+
+    @asynccontextmanager
+    async def exposed(self, entry: Entry, directory: Path) -> AsyncIterator[str]:
+        private = self._fallbacks(entry)
+        if private is not None:
+            async with private.exposed(entry, directory) as name:
+                yield name
+        else:
+            async with super().exposed(entry, directory) as name:
+                yield name
+
+    def drop(self, entry: Entry, reason: str = "refused by the decoder") -> None:
+        private = self._fallbacks(entry)
+        if private is not None:
+            private.drop(entry, reason)
+        else:
+            super().drop(entry, reason)
+
+    def wants(self, tokens: Sequence[int]) -> bool:
+        if self.degraded:
+            assert self.fallback is not None
+            return self.fallback.wants(tokens)
+        return super().wants(tokens)
+
+    async def put_file(self, tokens: Sequence[int], path: Path) -> bool:
+        if self.degraded:
+            assert self.fallback is not None
+            return await self.fallback.put_file(tokens, path)
+        return await super().put_file(tokens, path)
+
+    def statistics(self) -> StoreStatistics:
+        """The shared store's, the private fallback's counts added (so counters only grow);
+        ``shared`` is false while degraded."""
+        own = super().statistics()
+        if self.fallback is None:
+            return own
+        other = self.fallback.statistics()
+        summed = {name: getattr(own, name) + getattr(other, name) for name in _SUMMED}
+        return attrs.evolve(own, shared=not self.degraded, **summed)
+
+    def list(self) -> list[Entry]:
+        return [*super().list(), *(self.fallback.list() if self.fallback is not None else [])]
+
+    async def clear(self) -> int:
+        cleared = await super().clear()
+        return cleared + (await self.fallback.clear() if self.fallback is not None else 0)
+
+    def close(self) -> None:
+        super().close()
+        if self.fallback is not None:
+            self.fallback.close()
 
     def _falls_short(self, tokens: Sequence[int]) -> bool:
         if len(tokens) < self.min_tokens or trio.current_time() - self._listed_at < RELIST_AFTER_S:

@@ -160,14 +160,21 @@ class PrefixStore:
 
         Counts a hit or a miss.  Pure and in memory: no await, no file touched.
         """
+        found = self.peek(tokens)
+        if not self.enabled:
+            return None
+        if found is None:
+            self._counts.misses += 1
+        else:
+            self._counts.hits += 1
+        return found
+
+    def peek(self, tokens: Sequence[int]) -> Entry | None:
+        """:meth:`lookup` without counting it."""
         if not self.enabled:
             return None
         key = self._index.longest_prefix(tokens)
-        if key is None:
-            self._counts.misses += 1
-            return None
-        self._counts.hits += 1
-        return self._entries[key]
+        return self._entries[key] if key is not None else None
 
     @asynccontextmanager
     async def exposed(self, entry: Entry, directory: Path) -> AsyncIterator[str]:
