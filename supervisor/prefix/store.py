@@ -160,9 +160,9 @@ class PrefixStore:
 
         Counts a hit or a miss.  Pure and in memory: no await, no file touched.
         """
-        found = self.peek(tokens)
         if not self.enabled:
             return None
+        found = self.peek(tokens)
         if found is None:
             self._counts.misses += 1
         else:
