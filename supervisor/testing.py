@@ -116,7 +116,8 @@ def unix_transport(socket: Path, *, max_connections: int = 64) -> httpx.AsyncBas
 
 async def wait_daemon_ready(daemon: Daemon, *, providers: bool = False) -> None:
     """Until the decoder is ready (ChildError when it failed instead) and its model loaded (its
-    slot context read and its restores probed), and, with ``providers``, every provider's child too."""
+    slot context read and its restores probed), and, with ``providers``, every provider's child and
+    its start-time check too."""
     model = daemon.models.default
     if await model.decoder.wait_state(ChildState.READY, ChildState.FAILED) is ChildState.FAILED:
         raise ChildError(f"the decoder failed to start: {model.decoder.statistics().last_exit}")
@@ -126,6 +127,7 @@ async def wait_daemon_ready(daemon: Daemon, *, providers: bool = False) -> None:
         for provider in daemon.models.default.parts.providers.all:
             if provider.child is not None:
                 await provider.child.wait_state(ChildState.READY)
+            await provider.wait_settled()  # and the start-time check's verdict, where it has one
 
 
 @asynccontextmanager

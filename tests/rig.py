@@ -124,10 +124,12 @@ def several(
     *,
     table: dict[str, Any] | None = None,
     decoder: dict[str, Any] | None = None,
+    sections: dict[str, Any] | None = None,
     **models: Any,
 ) -> Config:
     """A config whose [[model]] tables are ``names``, each the fake decoder on its own fake file
-    (``table``: keys every table has too; ``decoder``: keys of the [decoder] table)."""
+    (``table``: keys every table has too; ``decoder``: keys of the [decoder] table; ``sections``:
+    other tables, as ``hybrid`` and ``provider``)."""
     launcher = runtime_dir / "fake-llama-server"
     launcher.write_text(f'#!/bin/sh\nexec {sys.executable} {FAKE_DECODER} "$@"\n')
     launcher.chmod(0o755)
@@ -141,6 +143,7 @@ def several(
         decoder={"binary": str(launcher), "health": {"interval_s": 0.2, "stop_grace_s": 2.0}, **(decoder or {})},
         model=tables,
         models=models,
+        **(sections or {}),
     )
 
 
@@ -281,7 +284,8 @@ class RouteRig:
         return fake_decoder_config(
             self.runtime,
             hybrid={"enabled": True, "mode": self.mode, "min_prompt_tokens": 4, **HANDOFF_ALWAYS, **hybrid},
-            provider=[{"kind": kind, "name": "npu0", "command": command}],
+            # The fakes' state is no model's: nothing for the fidelity check to measure.
+            provider=[{"kind": kind, "name": "npu0", "command": command, "fidelity_check": False}],
             decoder={
                 "restart": {"backoff_initial_s": 0.01},
                 "health": {"interval_s": health_interval_s, "stop_grace_s": 2.0},

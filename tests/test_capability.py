@@ -20,7 +20,7 @@ from supervisor.config import convert, modelspec
 from supervisor.config.live import Settings
 from supervisor.errors import ConfigError
 from supervisor.llama import answers, gguf
-from supervisor.models.parts import Parts
+from supervisor.models.model import Model
 from supervisor.prefix.store import PrefixStore
 from supervisor.reasons import Reason
 from supervisor.routes import capability
@@ -302,16 +302,37 @@ async def test_a_load_reads_its_models_gguf_header_once(
     monkeypatch.setattr(capability, "prompt_tokens", tokens)
     monkeypatch.setattr(capability, "probe", no_restores)
     (spec,) = modelspec.specs(config)
-    parts = Parts(
-        spec,
-        runtime_dir=tmp_path,
-        settings=Settings(config),
-        kv_unified=False,
-        check_fidelity=False,
-        on_decoder=lambda *_: None,
-    )
+    # As the daemon makes it: the model's memory estimate and its first load's parts share the read.
+    model = Model(spec, runtime_dir=tmp_path, settings=Settings(config), check_fidelity=False)
+    parts = model.parts
+    assert model.estimate_mib > 0
     assert parts.swa_full is False  # its estimate (taken) is over the 1 MiB budget
     with trio.fail_after(TIMEOUT), caplog.at_level(logging.INFO, "onebit.model"):
         await parts.after_start(store_enabled=True)
     assert "model.swa_full = true would keep its whole cache" in caplog.text
     assert len(reads) == 1
+
+
+@pytest.mark.parametrize(
+    ("kind", "fidelity_check", "check_fidelity", "gated"),
+    [
+        ("exec", True, True, True),
+        ("worker", True, True, True),
+        ("exec", False, True, False),
+        ("worker", False, True, False),
+        ("exec", True, False, False),
+    ],
+)
+def test_an_exec_or_worker_program_is_measured_at_start_unless_its_config_vouches_for_it(
+    tmp_path: Path, kind: str, fidelity_check: bool, check_fidelity: bool, gated: bool
+) -> None:
+    """onebitd cannot see what a program computes on: its KV is checked like another engine's."""
+    program = {"kind": kind, "name": "npu0", "command": ["/bin/true"], "fidelity_check": fidelity_check}
+    config = fake_decoder_config(tmp_path, hybrid={"enabled": True}, provider=[program])
+    (spec,) = modelspec.specs(config)
+    model = Model(spec, runtime_dir=tmp_path, settings=Settings(config), check_fidelity=check_fidelity)
+    (provider,) = model.parts.providers.all
+    assert provider.kind == kind
+    assert (getattr(provider, "gate", None) is not None) is gated
+    if kind == "exec":  # nothing to start: ready at once unless measured first
+        assert provider.ready is not gated

@@ -130,6 +130,7 @@ def test_config_show_fills_in_every_default(good_file: Path, capsys: pytest.Capt
                 "command": [sys.executable, "prefill.py"],
                 "cpu_affinity": [],
                 "kill_grace_s": 0.0,
+                "fidelity_check": True,
             }
         ],
         "cache": {

@@ -23,7 +23,7 @@ from supervisor.supervise.child import ChildState
 
 from . import fake_provider
 from .helpers import wait_until
-from .rig import Control, ProviderModes, child_of, fake_decoder_config, run_daemon
+from .rig import Control, ProviderModes, child_of, fake_decoder_config, run_daemon, several
 
 TIMEOUT = 30
 ROOT = Path(__file__).parent.parent
@@ -100,7 +100,7 @@ async def test_a_clean_stop_removes_the_sockets_and_the_lock_it_made_and_nothing
 
 
 def worker(command: list[str]) -> dict[str, object]:
-    return {"kind": "worker", "name": "npu0", "command": command}
+    return {"kind": "worker", "name": "npu0", "command": command, "fidelity_check": False}
 
 
 async def test_health_says_loading_until_a_providers_first_start_is_over_then_ok(
@@ -131,8 +131,9 @@ async def test_health_says_loading_until_a_providers_first_start_is_over_then_ok
     assert ok.json() == {"status": "ok"}
 
 
+@pytest.mark.parametrize("models", [1, 2], ids=["one_model", "several_models"])
 async def test_a_llama_server_provider_slower_to_start_than_the_decoder_is_waited_for_not_called_failed(
-    short_dir: Path, control: Control, caplog: pytest.LogCaptureFixture
+    short_dir: Path, control: Control, caplog: pytest.LogCaptureFixture, models: int
 ) -> None:
     caplog.set_level(logging.INFO, logger="onebit.daemon")
     # The provider (the fake decoder again, through a wrapper: another binary than the decoder's, so
@@ -143,13 +144,15 @@ async def test_a_llama_server_provider_slower_to_start_than_the_decoder_is_waite
     launcher = short_dir / "fake-llama-server"
     slow.write_text(f'#!/bin/sh\nwhile [ ! -e {go} ]; do sleep 0.01; done\nexec {launcher} "$@"\n')
     slow.chmod(0o755)
-    config = fake_decoder_config(
-        short_dir, hybrid={"enabled": True}, provider=[{"kind": "llama-server", "name": "p0", "binary": str(slow)}]
-    )
+    hybrid = {"hybrid": {"enabled": True}, "provider": [{"kind": "llama-server", "name": "p0", "binary": str(slow)}]}
+    # Several models: the default's load is over when its decoder is healthy, its provider still starts.
+    one = fake_decoder_config(short_dir, **hybrid) if models == 1 else None
+    config = one or several(short_dir, ["a", "b"], sections=hybrid)
     with trio.fail_after(TIMEOUT):
         async with run_daemon(config, wait_ready=False, check_fidelity=False) as running:
             provider = running.daemon.models.default.parts.providers.all[0]
             await running.daemon.models.default.decoder.wait_state(ChildState.READY)
+            await running.daemon.models.settled.wait()
             await trio.testing.wait_all_tasks_blocked()
             ready_early = running.daemon.ready.is_set()
             go.touch()

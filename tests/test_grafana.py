@@ -195,7 +195,8 @@ def two_models_one_provider(runtime: Path) -> configuration.Config:
     data = configuration.unstructure(several(runtime, ["a", "b"]))
     data["model"][0]["providers"] = ["npu0"]
     data["model"][1]["providers"] = []
-    worker = {"kind": "worker", "name": "npu0", "command": [sys.executable, str(fake_provider.PATH), "--worker"]}
+    command = [sys.executable, str(fake_provider.PATH), "--worker"]
+    worker = {"kind": "worker", "name": "npu0", "command": command, "fidelity_check": False}
     return make_config(
         runtime,
         decoder=data["decoder"],

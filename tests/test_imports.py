@@ -149,3 +149,34 @@ def test_the_architecture_module_table_names_every_module_and_no_other() -> None
     assert sorted(modules - named) == []
     rows = {f"supervisor/{path}" for path in re.findall(r"^\| `([a-z_/]+\.py)`", table, re.MULTILINE)}
     assert sorted(rows - modules) == []
+
+
+# -- the house's limits: modules and functions a reader can hold --------------------------------------
+
+MODULE_LINES = 400
+FUNCTION_LINES = 80
+
+
+def _longer_modules_in_the_doc() -> dict[str, int]:
+    """docs/architecture.md's table of modules over MODULE_LINES, with the most lines it allows each."""
+    rows = re.findall(r"^\| `([\w/]+\.py)` \| (\d+) \| ", DOC.read_text(), re.MULTILINE)
+    return {name: int(lines) for name, lines in rows}
+
+
+def test_every_module_over_400_lines_is_named_with_its_reason_and_no_function_is_over_80() -> None:
+    longer = {}
+    functions = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = str(path.relative_to(PACKAGE))
+        text = path.read_text()
+        if (lines := len(text.splitlines())) > MODULE_LINES:
+            longer[name] = lines
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                assert node.end_lineno is not None
+                if (length := node.end_lineno - node.lineno + 1) > FUNCTION_LINES:
+                    functions.append(f"{name}:{node.lineno} {node.name}: {length} lines")
+    stated = _longer_modules_in_the_doc()
+    assert sorted(longer) == sorted(stated), "docs/architecture.md's longer modules"
+    assert {n: lines for n, lines in longer.items() if lines > stated[n]} == {}, "over the lines the doc allows them"
+    assert functions == []

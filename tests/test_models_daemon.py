@@ -258,7 +258,8 @@ def tenant_of(running: Any, name: str) -> Tenant:
 async def test_a_provider_two_models_name_is_restarted_for_the_other_which_goes_plain_meanwhile(
     short_dir: Path, control: Control, route_lines: RouteLines
 ) -> None:
-    worker = {"kind": "worker", "name": "npu0", "command": [sys.executable, str(fake_provider.PATH), "--worker"]}
+    command = [sys.executable, str(fake_provider.PATH), "--worker"]
+    worker = {"kind": "worker", "name": "npu0", "command": command, "fidelity_check": False}
     base = several(short_dir, ["a", "b"], table={"providers": ["npu0"]})
     config = make_config(
         short_dir,

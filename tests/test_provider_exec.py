@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 from supervisor.config import ExecProvider as ExecProviderConfig
 from supervisor.errors import ProviderError
-from supervisor.providers import Claim, PrefillJob, parse_claim
+from supervisor.providers import Claim, PrefillJob, base, parse_claim
 from supervisor.providers.exec import ExecProvider
 
 from .fake_provider import PATH as FAKE_PROVIDER
@@ -130,3 +132,65 @@ async def test_cancelling_a_job_kills_the_providers_whole_process_group(tmp_path
         # Not our child: its new parent reaps it, so wait for it to be gone (or a zombie).
         await wait_until(lambda: gone(grandchild))
     assert (provider.busy, provider.statistics().failures) == (0, 0)
+
+
+# -- the start-time check: a program's state is measured before its first job --------------------------
+
+
+async def run_gated(gate: Any) -> ExecProvider:
+    """An exec provider run with ``gate`` until its first start is over (its verdict)."""
+    spec = ExecProviderConfig(name="npu0", command=(sys.executable, str(FAKE_PROVIDER)))
+    provider = ExecProvider(spec, gate=gate)
+    assert not provider.ready  # before its verdict: no job is sent to it
+    async with trio.open_nursery() as nursery:
+        await nursery.start(provider.run)
+        await provider.wait_settled()
+        nursery.cancel_scope.cancel()
+    return provider
+
+
+async def test_an_exec_program_the_fidelity_check_admits_is_ready(caplog: pytest.LogCaptureFixture) -> None:
+    measured: list[ExecProvider] = []
+
+    async def gate(provider: ExecProvider) -> str | None:
+        measured.append(provider)
+        return None
+
+    with trio.fail_after(DEADLINE_S):
+        provider = await run_gated(gate)
+    assert measured == [provider]
+    assert provider.ready
+    assert provider.statistics().refused is None
+    assert [r for r in caplog.records if r.levelname == "ERROR"] == []
+
+
+async def test_an_exec_program_the_fidelity_check_refuses_is_never_ready(caplog: pytest.LogCaptureFixture) -> None:
+    async def gate(provider: ExecProvider) -> str | None:
+        return "the decoder refused its state: a state file of another model"
+
+    with trio.fail_after(DEADLINE_S):
+        provider = await run_gated(gate)
+    stats = provider.statistics()
+    assert (provider.ready, stats.ready, stats.refused) == (
+        False,
+        False,
+        "the decoder refused its state: a state file of another model",
+    )
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert errors == [f"npu0: refused for this model, the other providers go on: {stats.refused}"]
+
+
+async def test_a_check_that_could_not_finish_is_run_again(autojump_clock: trio.testing.MockClock) -> None:
+    tries: list[float] = []
+
+    async def gate(provider: ExecProvider) -> str | None:
+        tries.append(trio.current_time())
+        if len(tries) == 1:
+            raise ProviderError("fidelity: the decoder went away")
+        return None
+
+    with trio.fail_after(DEADLINE_S):
+        provider = await run_gated(gate)
+    assert provider.ready
+    assert len(tries) == 2
+    assert tries[1] - tries[0] >= base.GATE_RETRY_S

@@ -348,3 +348,71 @@ async def test_a_pong_for_an_earlier_ping_does_not_answer_the_current_one() -> N
             await worker.send({"pong": "2"})
             await trio.testing.wait_all_tasks_blocked()
             assert health == [False, True]
+
+
+# -- the start-time check: a worker's state is measured before its first job --------------------------
+
+
+def gated_worker(gate: Callable[[Any], Any]) -> WorkerProvider:
+    provider = worker_provider()
+    return WorkerProvider(provider.spec, gate=gate)
+
+
+async def test_a_worker_the_fidelity_check_admits_takes_jobs_only_after_the_verdict(
+    tmp_path: Path, control: Control
+) -> None:
+    asked = trio.Event()
+    verdict_given = trio.Event()
+    seen: list[WorkerProvider] = []
+
+    async def gate(provider: WorkerProvider) -> str | None:
+        seen.append(provider)
+        assert provider.child.state is ChildState.READY  # measured once healthy
+        asked.set()
+        await verdict_given.wait()
+        return None
+
+    provider = gated_worker(gate)
+    with trio.fail_after(DEADLINE_S):
+        async with running(provider):
+            await asked.wait()
+            assert not provider.ready  # healthy, not yet admitted: no job
+            settled = False
+
+            async def settle() -> None:
+                nonlocal settled
+                await provider.wait_settled()
+                settled = True
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(settle)
+                await trio.testing.wait_all_tasks_blocked()
+                assert not settled  # the daemon's readiness waits for the verdict
+                verdict_given.set()
+            assert provider.ready
+            claim = await provider.prefill(job(tmp_path))
+    assert seen == [provider]
+    assert claim.n_tokens == len(TOKENS)
+    assert provider.statistics().refused is None
+
+
+async def test_a_worker_the_fidelity_check_refuses_is_stopped_and_takes_no_job(
+    tmp_path: Path, control: Control, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def gate(provider: WorkerProvider) -> str | None:
+        return "next-token TV distance over 6 prompts: ...: over the bound"
+
+    provider = gated_worker(gate)
+    with trio.fail_after(DEADLINE_S):
+        async with running(provider, wait_ready=False):
+            await provider.wait_settled()
+            pid = provider.child.pid
+            await until_child(provider.child, lambda: provider.child.state is ChildState.STOPPED)
+            with pytest.raises(ProviderError, match="no ready worker"):
+                await provider.prefill(job(tmp_path))
+            stats = provider.statistics()
+    assert not provider.ready
+    assert stats.refused == "next-token TV distance over 6 prompts: ...: over the bound"
+    assert pid is None or reaped(pid)
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert errors == [f"npu0: refused for this model, the other providers go on: {stats.refused}"]

@@ -6,19 +6,23 @@ within the bound, a factor of the decoder's own cold prefill's distance."""
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import trio
 
 from supervisor.config import Config
+from supervisor.config import ExecProvider as ExecProviderConfig
+from supervisor.llama.llama_server import model_args
 from supervisor.providers.llama import LlamaServerProvider
 from supervisor.routes import fidelity
 from supervisor.routes.fidelity import Sample
 
 from .helpers import wait_until
-from .rig import HANDOFF_ALWAYS, Running, make_config, openvino_llama_server, real_llama_server, run_daemon
+from .rig import HANDOFF_ALWAYS, TESTS, Running, make_config, openvino_llama_server, real_llama_server, run_daemon
 
 pytestmark = pytest.mark.real
 
@@ -131,3 +135,38 @@ async def test_a_provider_of_another_binary_is_measured_at_start_and_refused_whe
         log.info("refused: %s", refused)
     else:
         assert refused is None
+
+
+@pytest.mark.parametrize("wrong", [False, True], ids=["same-weights", "other-quant"])
+async def test_an_exec_program_is_measured_at_start_and_refused_when_it_moves_the_decoder(
+    short_dir: Path, wrong: bool
+) -> None:
+    # As the other binary's test above, for a program onebitd cannot see into: tests/llama_exec_provider.py
+    # prefills with a llama-server of its own on the decoder's file (Q8_0), or on Q4_0, whose state
+    # restores (same shapes) with another quant's KV.  Under the real constants.
+    tiny = Path(__file__).parent.parent / "scripts" / "tiny-models"
+    models = Path((await trio.run_process([str(tiny), "--print-path"], capture_stdout=True)).stdout.decode().strip())
+    q8, q4 = models / "SmolLM2-135M-Instruct.Q8_0.gguf", models / "SmolLM2-135M-Instruct.Q4_0.gguf"
+    config = make_config(
+        short_dir,
+        model={"path": str(q8), "parallel": 2, "ctx_size": 2048},
+        decoder={"threads": 1},
+        hybrid={"enabled": True, "min_prompt_tokens": 16, **HANDOFF_ALWAYS},
+    )
+    program = [sys.executable, str(TESTS / "llama_exec_provider.py"), str(real_llama_server())]
+    program += [*model_args(config.model, q4 if wrong else q8), "-t", "1"]
+    config = attrs.evolve(config, provider=(ExecProviderConfig(name="npu", command=tuple(program)),))
+    with trio.fail_after(600):
+        async with run_daemon(config) as running:
+            (provider,) = running.daemon.models.default.parts.providers.all
+            assert provider.kind == "exec"
+            await provider.wait_settled()
+            stats = provider.statistics()
+    assert stats.jobs == len(fidelity.GATE_PROMPTS)  # every prompt, the long ones past the chunk included
+    if wrong:
+        assert stats.refused is not None
+        assert stats.refused.endswith(": over the bound")
+        assert not stats.ready
+        log.info("refused: %s", stats.refused)
+    else:
+        assert (stats.refused, stats.ready) == (None, True)

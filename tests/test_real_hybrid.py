@@ -16,6 +16,7 @@ import trio
 
 from supervisor.config import Config, locate
 from supervisor.llama.llama_server import model_args
+from supervisor.routes import fidelity
 from supervisor.supervise.child import ChildState
 from supervisor.testing import unix_transport
 
@@ -163,12 +164,17 @@ async def test_an_exec_provider_that_writes_a_real_state_file_serves_the_file_ro
     config = hybrid_config(short_dir, {"kind": "exec", "name": "npu", "command": command})
     endpoint = "/v1/chat/completions"
     body = body_for(endpoint, False)
-    with trio.fail_after(180):
-        async with run_daemon(config) as running:
+    with trio.fail_after(300):
+        async with run_daemon(config, providers_ready=True) as running:
+            (provider,) = running.daemon.models.default.parts.providers.all
             expected, _ = await plain_reply(running.daemon.models.default.parts.launcher.socket, endpoint, body)
             async with httpx.AsyncClient(base_url=running.url, timeout=120) as client:
                 got = await ask(client, endpoint, body)
+            stats = provider.statistics()
     assert got == expected
+    # Measured before its first job (a program onebitd cannot see into), and admitted: its state is
+    # the decoder's own build's.  The gate's prompts that fit a 512-token slot (not the long ones).
+    assert (stats.refused, stats.jobs) == (None, len(fidelity.START_PROMPTS) + 1)
     (line,) = route_lines.lines
     assert line["route"] == "file"
     assert line["decoder_prompt_n"] <= 2
@@ -193,8 +199,8 @@ async def test_a_worker_provider_with_its_own_llama_server_serves_the_file_route
     ]
     config = hybrid_config(short_dir, {"kind": "worker", "name": "npu", "command": command})
     endpoint = "/v1/chat/completions"
-    with trio.fail_after(180):
-        async with run_daemon(config) as running:
+    with trio.fail_after(300):
+        async with run_daemon(config, providers_ready=True) as running:
             worker = running.daemon.models.default.parts.providers.all[0]
             await child_of(worker).wait_state(ChildState.READY)
             expected = [
@@ -211,7 +217,9 @@ async def test_a_worker_provider_with_its_own_llama_server_serves_the_file_route
                     for q in (QUESTION, QUESTION + " Be brief.")
                 ]
             worker_pid = child_of(worker).pid
+            stats = worker.statistics()
     assert got == expected
+    assert (stats.refused, stats.jobs) == (None, len(fidelity.START_PROMPTS) + 2)  # measured, then the two
     assert [line["route"] for line in route_lines.lines] == ["file", "file"]
     assert all(line["decoder_prompt_n"] <= 2 for line in route_lines.lines)
     assert worker_pid is not None

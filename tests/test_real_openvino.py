@@ -4,16 +4,19 @@ the CPU, a provider that dies mid-prefill (the request goes plain and is counted
 cache reused by a second start.  Without the OpenVINO llama-server scripts/setup builds they fail,
 saying so; they skip only where set-up was told to build none (ONEBIT_NO_OPENVINO; tests/rig.py).
 
-Replies are not compared with the plain route's: another engine computes other rounding
-(tests/test_real_fidelity.py holds it to the fidelity bound instead).  The first two pass the
-start-time fidelity check; the others are about the route, and leave it out (``check_fidelity=False``)
-but those about a refusal."""
+Replies are not compared with the plain route's: another engine computes other rounding.  The
+first test holds the requests it serves to the fidelity gate's bound instead (supervisor/routes/
+fidelity.py: each prompt's next token through the file route against the decoder's own cached and
+cold paths, the mean and the worst); tests/test_real_fidelity.py holds the gate to it on 30 prompts.
+The first two pass the start-time fidelity check; the others are about the route, and leave it out
+(``check_fidelity=False``) but those about a refusal."""
 
 from __future__ import annotations
 
 import logging
 import os
 import signal
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +25,7 @@ import pytest
 import trio
 
 from supervisor.config import Config
-from supervisor.llama import openvino
+from supervisor.llama import decoder, openvino
 from supervisor.providers.llama import LlamaServerProvider
 from supervisor.routes import fidelity
 from supervisor.supervise.child import ChildState
@@ -80,10 +83,43 @@ async def ask(running: Running, body: dict[str, Any]) -> str:
     return str(reply.json()["choices"][0]["message"]["content"])
 
 
+async def served_samples(running: Running, texts: Sequence[str]) -> list[fidelity.Sample]:
+    """What the fidelity gate promises, measured on requests as served: each prompt's next-token
+    distribution from a /completion through onebitd (the file route), against the decoder's own
+    cached and cold paths for the same tokens, asked of the decoder itself in its last slot (onebitd
+    serves nothing else meanwhile, and the route takes the lowest free slot)."""
+    model = running.daemon.models.default
+    client, slot = model.client, model.spec.config.model.parallel - 1
+    samples = []
+    async with httpx.AsyncClient(base_url=running.url, timeout=240) as http:
+        for text in texts:
+            tokens = await decoder.tokenize(client, text)
+            body = {"prompt": tokens, "n_predict": 1, "n_probs": fidelity.TOP_K, "temperature": 0}
+            reply = await http.post("/completion", json=body)
+            assert reply.status_code == 200, reply.text
+            handoff = fidelity.top_k(reply.json())
+            paths = []
+            for cache in (True, True, False):  # prefill, then the cached path, then the cold one
+                answer = await decoder.next_token(client, slot, tokens, n_probs=fidelity.TOP_K, cache=cache)
+                assert isinstance(answer, decoder.NextToken), answer
+                paths.append(fidelity.top_k(answer.reply))
+            assert await decoder.erase(client, slot) is None
+            _, cached, cold = paths
+            samples.append(
+                fidelity.Sample(
+                    n_tokens=len(tokens),
+                    handoff=fidelity.total_variation(handoff, cached),
+                    cold=fidelity.total_variation(cold, cached),
+                    same_top1=fidelity.top1(handoff) == fidelity.top1(cached),
+                )
+            )
+    return samples
+
+
 async def test_an_openvino_provider_on_the_cpu_serves_the_whole_file_route(
     short_dir: Path, binary: Path, route_lines: RouteLines
 ) -> None:
-    with trio.fail_after(START_S + 120):
+    with trio.fail_after(START_S + 240):
         # With the start-time fidelity check: it admits the provider (or the test says why not).
         async with run_daemon(openvino_config(short_dir, binary)) as running:
             provider = await admitted(running)
@@ -94,13 +130,21 @@ async def test_an_openvino_provider_on_the_cpu_serves_the_whole_file_route(
                 metrics = (await client.get("/metrics")).text
             stats = provider.statistics()
             decoder_argv = list(running.daemon.models.default.parts.launcher.argv())
+            # The gate's promise on the requests it admitted the provider for, judged as the gate
+            # judges: the same prompts, the mean and the worst against the decoder's own spread.
+            samples = await served_samples(running, fidelity.GATE_PROMPTS)
+            served = route_lines.lines[1:]
     assert got.strip()
-    (line,) = route_lines.lines
+    line = route_lines.lines[0]
+    verdict = fidelity.judge(samples)
+    assert verdict.ok, verdict.summary()
+    assert [(s["route"], s["fallback"], s["outcome"]) for s in served] == [("file", None, "ok")] * len(samples)
+    assert all(s["decoder_prompt_n"] <= 2 for s in served), served
     assert (line["route"], line["fallback"], line["outcome"]) == ("file", None, "ok")
     assert (line["provider"], line["engine"], line["device"]) == ("ov", "openvino", "CPU")
     assert line["decoder_prompt_n"] <= 2
     assert line["prompt_tokens"] >= 16
-    # Its jobs: the start-time check's prompts, then the request's.
+    # Its jobs: the start-time check's prompts, then the request's (the samples' came after).
     assert (stats.engine, stats.device, stats.jobs, stats.failures) == (
         "openvino",
         "CPU",

@@ -326,6 +326,10 @@ class ExecProvider:
     cpu_affinity: tuple[int, ...] = ()
     # SIGTERM, then this long, then SIGKILL of its group, when a job is cancelled or times out.
     kill_grace_s: float = field(default=0.0, validator=_at_least(0))
+    # Its state files are measured against the decoder's own prefill before its first job (the
+    # fidelity check; a program onebitd cannot see into may run any engine).  false: it runs the
+    # decoder's own llama.cpp build, whose state is exact, and is admitted unmeasured.
+    fidelity_check: bool = True
 
 
 @frozen
@@ -337,6 +341,8 @@ class WorkerProvider:
     cpu_affinity: tuple[int, ...] = ()
     # Jobs one worker runs at once; more wait for it.
     concurrency: int = field(default=1, validator=_at_least(1))
+    # As an exec provider's: measured before its first job unless false.
+    fidelity_check: bool = True
     health: HealthPolicy = HealthPolicy()
     restart: RestartPolicy = RestartPolicy()
 

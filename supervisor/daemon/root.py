@@ -43,7 +43,6 @@ from ..api.vertex import Vertex
 from ..config import Config, locate, modelspec
 from ..config.live import Settings
 from ..errors import ConfigError
-from ..models import memory
 from ..models.model import Model, ModelState
 from ..models.registry import Models
 from ..observe import logs
@@ -120,7 +119,6 @@ class Daemon:
             spec,
             runtime_dir=self.runtime_dir,
             settings=self.settings,
-            estimate_mib=memory.estimate_mib(spec, memory.read_model(spec)),
             check_fidelity=self.check_fidelity,
             seats=self.seats,
         )
@@ -343,17 +341,23 @@ class Daemon:
             log.warning("stopping with %d request(s) still in flight after the grace period", self.inflight_count())
 
     async def _announce(self) -> None:
-        """READY=1 once the front is bound, every provider's first start is over (healthy or failed:
-        requests routed before would quietly go plain) and the decoder is healthy (with several
-        models: every preloaded model's first load is over); then STATUS= and the watchdog."""
+        """READY=1 once the front is bound, the decoder is healthy (with several models: every
+        preloaded model's first load is over) and every provider of a loaded model has had its first
+        start (healthy or failed: requests routed before would quietly go plain); then STATUS= and
+        the watchdog."""
         if self.models.several:
             await self.models.settled.wait()
+            # A model's load is its decoder's: the providers of each model that loaded may still start.
+            loaded = [model for model in self.models.all if model.state is ModelState.LOADED]
         else:
-            for provider in self.models.default.parts.providers.all:
-                await provider.wait_settled()
-            self._providers_settled = True
+            loaded = [self.models.default]
+        providers = [provider for model in loaded for provider in model.parts.providers.all]
+        for provider in providers:
+            await provider.wait_settled()
+        self._providers_settled = True
+        if not self.models.several:
             await self.models.default.decoder.wait_state(ChildState.READY)
-        not_ready = [p for p in self.models.default.parts.providers.all if not p.ready]
+        not_ready = [p for p in providers if not p.ready]
         for provider in not_ready:
             if provider.statistics().refused is not None:
                 continue  # its refusal was logged, one line, with why

@@ -42,6 +42,7 @@ from ..routes.completion import Completions
 from ..routes.stored import StoredPrefixes
 from ..supervise.child import Child, ChildState
 from ..supervise.states import StateMachine
+from . import memory
 from .memory import rss_mib
 from .parts import SHARE_CONNECT_TIMEOUT_S, Parts, share_enabled
 
@@ -80,7 +81,6 @@ class Model:
         *,
         runtime_dir: Path,
         settings: Settings,
-        estimate_mib: float = 0.0,
         check_fidelity: bool = True,
         seats: Seats | None = None,
     ) -> None:
@@ -91,7 +91,6 @@ class Model:
         self._settings = settings
         self.check_fidelity = check_fidelity
         self.seats = seats
-        self.estimate_mib = estimate_mib
         self.kv_unified = False  # decided by choose_layout(), before any child starts
         self._lifecycle = StateMachine(f"model {self.name}", TRANSITIONS, ModelState.UNLOADED)
         self._wake = trio.Event()
@@ -107,6 +106,8 @@ class Model:
         # Called after every transition: the scheduler's (Models.kick) once it holds the model.
         self.on_change: Callable[[], None] = lambda: None
         self.parts = self._parts()
+        # Its memory from its GGUF header, which the first load's parts have read (models/memory.py).
+        self.estimate_mib = memory.estimate_mib(spec, self.parts.model_file)
 
     def _parts(self) -> Parts:
         return Parts(

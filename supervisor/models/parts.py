@@ -130,20 +130,7 @@ class Parts:
                 for p in config.provider
             ]
         )
-        self.hybrid: Hybrid | None = None
-        if config.hybrid.enabled and self.providers.all:
-            self.hybrid = Hybrid(
-                providers=self.providers,
-                file=FileHandoff(
-                    client=self.client,
-                    state_dir=self.state_dir,
-                    model=model_alias(config),
-                    n_ctx=config.model.ctx_size,
-                    capability=self.capability,
-                ),
-                share=self._share_handoff() if share_enabled(config) else None,
-            )
-
+        self.hybrid = self._hybrid() if config.hybrid.enabled and self.providers.all else None
         self.completions = Completions(
             decoder=self.decoder,
             client=self.client,
@@ -152,6 +139,21 @@ class Parts:
             hybrid=self.hybrid,
             slot_context=config.model.ctx_size // config.model.parallel,
             capability=self.capability,
+        )
+
+    def _hybrid(self) -> Hybrid:
+        """The hybrid routes' parts: the providers, the file handoff, and the share one when on."""
+        config = self.config
+        return Hybrid(
+            providers=self.providers,
+            file=FileHandoff(
+                client=self.client,
+                state_dir=self.state_dir,
+                model=model_alias(config),
+                n_ctx=config.model.ctx_size,
+                capability=self.capability,
+            ),
+            share=self._share_handoff() if share_enabled(config) else None,
         )
 
     def _share_handoff(self) -> ShareHandoff:
@@ -181,9 +183,11 @@ class Parts:
                 # nothing to measure at start.  Another engine or another binary is measured.
                 gate=self._fidelity_gate if self.check_fidelity and self._foreign(spec) else None,
             )
+        # A program of the user's own: measured unless its config vouches for the decoder's build.
+        gate = self._fidelity_gate if self.check_fidelity and spec.fidelity_check else None
         if isinstance(spec, ExecProviderConfig):
-            return ExecProvider(spec)
-        return WorkerProvider(spec)
+            return ExecProvider(spec, gate=gate)
+        return WorkerProvider(spec, gate=gate)
 
     def _foreign(self, spec: LlamaServerProviderConfig) -> bool:
         """Its KV is not the decoder's own build's: another engine (OpenVINO), or a llama-server

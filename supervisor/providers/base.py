@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+import logging
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -20,6 +21,32 @@ import trio
 from ..errors import ProviderError
 from ..reasons import Reason
 from ..supervise.child import Child, ChildStatistics
+
+log = logging.getLogger("onebit.provider")
+
+# The start-time check a provider passes before its first job (the daemon's fidelity check,
+# supervisor/routes/fidelity.py): None, or why it is refused.
+Gate = Callable[["Provider"], Awaitable[str | None]]
+# A check that raised ProviderError (a child restarting under it) is tried again this much later:
+# about what a llama-server restart takes with the small models this runs.
+GATE_RETRY_S = 5.0
+
+
+def log_refusal(name: str, why: str) -> None:
+    log.error("%s: refused for this model, the other providers go on: %s", name, why)
+
+
+async def verdict(provider: Provider, gate: Gate, ready: Callable[[], Awaitable[object]]) -> str | None:
+    """``gate``'s verdict on ``provider`` once ``ready`` returns (its child healthy, or at once for a
+    kind with none): None, admitted; else why it is refused.  A check that cannot finish (the child
+    or the decoder died under it) runs again, after the next ``ready``."""
+    while True:
+        await ready()
+        try:
+            return await gate(provider)
+        except ProviderError as exc:
+            log.warning("%s: the start-time check did not finish (%s); again in %gs", provider.name, exc, GATE_RETRY_S)
+            await trio.sleep(GATE_RETRY_S)
 
 
 @attrs.frozen

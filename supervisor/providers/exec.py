@@ -3,6 +3,10 @@
 The job is one JSON object on the program's stdin; it writes the state file, logs on stderr, and its
 last stdout line is its claim ``{"n_tokens": N, "prefill_ms": X}``; exit status 0 means done.
 Cancelling a job kills the program's process group.  See docs/protocol.md.
+
+onebitd cannot know what a program computes on, so its state is measured before its first job, as
+another engine's is (``gate``: the daemon's fidelity check), unless its config says it runs the
+decoder's own build (``fidelity_check = false``); a program the check refuses gets no job.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from ..config import ExecProvider as ExecProviderConfig
 from ..errors import ChildError, ProviderError
 from ..supervise.child import Child
 from ..supervise.process import ChildProcess, describe_exit
-from .base import Claim, Job, JobCounts, ProviderStatistics, ShareJob, parse_claim
+from .base import Claim, Gate, Job, JobCounts, ProviderStatistics, ShareJob, log_refusal, parse_claim, verdict
 
 # After the program exited, how long its last stdout bytes may take to arrive through the pipe.
 _DRAIN_S = 1.0
@@ -36,17 +40,22 @@ class ExecProvider:
     device: str | None = None
     child: Child | None = None  # a process per job, none between them
 
-    def __init__(self, spec: ExecProviderConfig) -> None:
+    def __init__(self, spec: ExecProviderConfig, gate: Gate | None = None) -> None:
         self.name = spec.name
         self.spec = spec
         self.counts = JobCounts()
+        self.gate = gate
+        self.refused: str | None = None
+        self._admitted = gate is None
+        self._settled = trio.Event()
 
     @property
     def ready(self) -> bool:
-        return True  # nothing runs between jobs; a program that cannot start fails its job
+        # Nothing runs between jobs (a program that cannot start fails its job): ready once admitted.
+        return self._admitted
 
     async def wait_settled(self) -> None:
-        return  # nothing to start
+        await self._settled.wait()
 
     @property
     def busy(self) -> int:
@@ -54,6 +63,16 @@ class ExecProvider:
 
     async def run(self, *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started(self)
+        try:
+            if self.gate is not None:
+                why = await verdict(self, self.gate, trio.lowlevel.checkpoint)
+                if why is None:
+                    self._admitted = True
+                else:
+                    self.refused = why
+                    log_refusal(self.name, why)
+        finally:
+            self._settled.set()
         await trio.sleep_forever()
 
     def cached_tokens(self, tokens: tuple[int, ...]) -> int:
@@ -108,4 +127,4 @@ class ExecProvider:
         return parse_claim(last)
 
     def statistics(self) -> ProviderStatistics:
-        return self.counts.statistics(self.name, self.kind, ready=True)
+        return self.counts.statistics(self.name, self.kind, ready=self.ready, refused=self.refused)

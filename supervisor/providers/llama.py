@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -35,15 +34,9 @@ from ..llama.llama_server import LlamaServerLauncher, connection_limit
 from ..llama.region import Refused, write_saved_state
 from ..llama.slots import PromptKey, SlotPool
 from ..supervise.child import Child, ChildState
-from .base import Claim, Job, JobCounts, PrefillJob, ProviderStatistics, ShareJob
+from .base import Claim, Gate, Job, JobCounts, PrefillJob, ProviderStatistics, ShareJob, log_refusal, verdict
 
 log = logging.getLogger("onebit.provider")
-
-# The start-time check a provider passes before its first job: None, or why it is refused.
-Gate = Callable[["LlamaServerProvider"], Awaitable[str | None]]
-# A check that raised ProviderError (a child restarting under it) is tried again this much later:
-# about what a llama-server restart takes with the small models this runs.
-GATE_RETRY_S = 5.0
 
 
 class LlamaServerProvider:
@@ -175,6 +168,7 @@ class LlamaServerProvider:
             self._settled.set()  # refused, and no other engine to go on with
             await trio.sleep_forever()
         finally:
+            self._settled.set()  # stopped (its model unloads): its first start is over too
             with trio.CancelScope(shield=True):
                 await self.client.aclose()
 
@@ -217,19 +211,12 @@ class LlamaServerProvider:
             # Settled only then, or when that first start fails: the daemon's readiness waits for it.
             await self.child.wait_state(ChildState.READY)
             return True
-        while True:
-            await self.child.wait_state(ChildState.READY)
-            try:
-                why = await self.gate(self)
-            except ProviderError as exc:
-                log.warning("%s: the start-time check did not finish (%s); again in %gs", self.name, exc, GATE_RETRY_S)
-                await trio.sleep(GATE_RETRY_S)
-                continue
-            if why is not None:
-                self._refuse(why)
-                return False
-            self._admitted = True
-            return True
+        why = await verdict(self, self.gate, partial(self.child.wait_state, ChildState.READY))
+        if why is not None:
+            self._refuse(why)
+            return False
+        self._admitted = True
+        return True
 
     def _refuse(self, why: str) -> None:
         if self._falls_back and self.child.state is ChildState.STOPPED and self.device is None:
@@ -243,7 +230,7 @@ class LlamaServerProvider:
                 "%s: engine auto: OpenVINO refused for this model (%s); the ggml engine instead", self.name, why
             )
         else:
-            log.error("%s: refused for this model, the other providers go on: %s", self.name, why)
+            log_refusal(self.name, why)
 
     def cached_tokens(self, tokens: tuple[int, ...]) -> int:
         return self.slots.best_cached(PromptKey(tokens=tokens))

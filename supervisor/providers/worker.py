@@ -14,6 +14,9 @@ Wire (docs/protocol.md has the full contract):
 - A job onebitd no longer wants (client gone, timeout) is told with ``{"cancel": "<id>"}``; no answer
   is expected, and a late answer for it is dropped.
 The worker exiting, or closing its end, fails every job in flight; it is restarted like any child.
+
+Its state is measured before its first job, as an exec program's is (``gate``; exec.py), unless its
+config says it runs the decoder's own build; a worker the check refuses is stopped.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import logging
 import os
 import socket
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import attrs
@@ -33,7 +37,7 @@ import trio
 from ..config import WorkerProvider as WorkerProviderConfig
 from ..errors import ProviderError
 from ..supervise.child import Child, ChildState
-from .base import Claim, Job, JobCounts, ProviderStatistics, ShareJob, parse_claim
+from .base import Claim, Gate, Job, JobCounts, ProviderStatistics, ShareJob, log_refusal, parse_claim, verdict
 
 log = logging.getLogger("onebit.provider")
 
@@ -142,9 +146,15 @@ class WorkerProvider:
     engine: str | None = None  # a program of its own: onebitd does not know what it runs on
     device: str | None = None
 
-    def __init__(self, spec: WorkerProviderConfig) -> None:
+    def __init__(self, spec: WorkerProviderConfig, gate: Gate | None = None) -> None:
         self.name = spec.name
         self.spec = spec
+        self.gate = gate
+        self.refused: str | None = None
+        self._admitted = gate is None
+        self._checked = trio.Event()  # the gate's verdict is in (or there is no gate)
+        if gate is None:
+            self._checked.set()
         self.launcher = _WorkerLauncher(self)
         self.child = Child(self.launcher, spec.health, spec.restart, cpu_affinity=spec.cpu_affinity)
         self._capacity = trio.Semaphore(spec.concurrency)
@@ -154,10 +164,12 @@ class WorkerProvider:
 
     @property
     def ready(self) -> bool:
-        return self.child.state is ChildState.READY
+        return self.child.state is ChildState.READY and self._admitted
 
     async def wait_settled(self) -> None:
         await self.child.wait_first_start()
+        if self.child.state is ChildState.READY:
+            await self._checked.wait()  # healthy: settled by its check's verdict
 
     @property
     def busy(self) -> int:
@@ -173,8 +185,22 @@ class WorkerProvider:
     async def run(self, *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._read_lives, nursery)
-            await nursery.start(self.child.run)
-            task_status.started(self)
+            try:
+                async with trio.open_nursery() as supervised:
+                    await supervised.start(self.child.run)
+                    task_status.started(self)
+                    if self.gate is not None:
+                        why = await verdict(self, self.gate, partial(self.child.wait_state, ChildState.READY))
+                        if why is None:
+                            self._admitted = True
+                        else:
+                            # Nothing will be sent to it: its program stops.
+                            self.refused = why
+                            log_refusal(self.name, why)
+                            supervised.cancel_scope.cancel()
+                    self._checked.set()
+            finally:
+                self._checked.set()  # stopped before its verdict: its first start is over too
 
     async def _read_lives(self, nursery: trio.Nursery) -> None:
         async for life in self._lives_receive:
@@ -281,4 +307,6 @@ class WorkerProvider:
             await life.send({"cancel": job_id})
 
     def statistics(self) -> ProviderStatistics:
-        return self.counts.statistics(self.name, self.kind, ready=self.ready, child=self.child.statistics())
+        return self.counts.statistics(
+            self.name, self.kind, ready=self.ready, child=self.child.statistics(), refused=self.refused
+        )
