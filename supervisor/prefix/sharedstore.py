@@ -135,7 +135,8 @@ class SharedPrefixStore(PrefixStore):
         least ``min_tokens`` of the prompt to prefill, the last listing is older than
         :data:`RELIST_AFTER_S` and no write holds the directory (bounded: :data:`RELIST_TIMEOUT_S`);
         the private fallback's entry when it is longer."""
-        if self._falls_short(tokens) and not self._write_lock.locked():
+        # Degraded, the rescans alone look for the directory's return: not every request.
+        if self._falls_short(tokens) and not self._write_lock.locked() and not self.degraded:
             with trio.move_on_after(RELIST_TIMEOUT_S):
                 await self.refresh()
         found = self.lookup(tokens)
