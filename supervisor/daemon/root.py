@@ -221,7 +221,7 @@ class Daemon:
         after a restart restores them.  How many were saved."""
         kept = 0
         for model in self.models.all:
-            kept += await model.hand_over()
+            kept += await model.hand_over(lambda: self.front.draining)
         if kept:
             log.info("drained: %d slot(s) handed over to the prefix store", kept)
         return kept
