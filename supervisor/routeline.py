@@ -8,6 +8,8 @@ The field set is fixed so that every route fills the same columns; a value that 
 ``-`` (logfmt) or ``null`` (JSON).  ``provider``, ``engine`` and ``device`` name the provider a
 hybrid route asked to prefill the prompt and what it computes on (``engine=openvino device=NPU``);
 with a ``fallback`` of ``provider-failed`` it is the one that failed, and the decoder prefilled.
+``origin_host`` names the host whose prefix store entry gave ``restored_tokens``: in a store the hosts
+share (``cache.shared_dir``), another host's name says the conversation came from there.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class RouteLine:
     decoder_prompt_ms: float | None = None
     provider_prompt_n: int | None = None  # prompt tokens the provider evaluated (its own cache held the rest)
     restored_tokens: int | None = None  # prompt tokens restored from the prefix store into the slot
+    origin_host: str | None = None  # the server.host_id that stored the restored entry (a shared store: maybe another)
     cached_tokens: int | None = None  # prompt tokens the decoder reused from its cache (timings.cache_n)
     est_plain_ms: float | None = None  # the cost decision's estimates, when it ran
     est_hybrid_ms: float | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import typing
@@ -18,7 +19,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from supervisor import config as configuration
-from supervisor.config import Config
+from supervisor.config import Config, locate, schema
 from supervisor.errors import ConfigError
 
 from .rig import FAKE_GGUF
@@ -239,6 +240,9 @@ def test_the_cache_table_takes_its_keys_and_documents_its_defaults(site: dict[st
         "min_tokens": 256,
         "ram_mib": 1024,
         "compile_dir": "",
+        "shared_dir": "",
+        "shared_rescan_s": 2.0,
+        "shared_max_age_s": 7 * 86400.0,
     }
     cache = {
         "enabled": False,
@@ -247,9 +251,30 @@ def test_the_cache_table_takes_its_keys_and_documents_its_defaults(site: dict[st
         "min_tokens": 64,
         "ram_mib": -1,
         "compile_dir": "/srv/openvino",
+        "shared_dir": "/mnt/onebit-store",
+        "shared_rescan_s": 0.5,
+        "shared_max_age_s": 3600.0,
     }
     config = configuration.loads(tomli_w.dumps(merged(site, {"cache": cache})), SOURCE)
     assert attrs.asdict(config.cache) == cache
+
+
+def test_impossible_shared_store_values_name_their_key_and_file(site: dict[str, Any]) -> None:
+    lines = problems_with(
+        site, server={"host_id": "a~b"}, cache={"shared_rescan_s": 0, "shared_max_age_s": 0, "shared_dir": 5}
+    )
+    assert sorted(lines) == [
+        "site.toml: cache.shared_dir: expected string, got 5",
+        "site.toml: cache.shared_max_age_s: must be at least 1, got 0.0",
+        "site.toml: cache.shared_rescan_s: must be at least 0.05, got 0.0",
+        "site.toml: server.host_id: expected up to 64 letters, digits, '.', '-' and '_', got \"a~b\"",
+    ]
+
+
+def test_the_host_id_defaults_to_the_hostname_made_a_host_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(socket, "gethostname", lambda: "web 1~prod")
+    assert (locate.host_id(""), locate.host_id("b")) == ("web-1-prod", "b")
+    assert schema.HOST_ID.fullmatch(locate.host_id(""))
 
 
 def test_impossible_cache_values_are_named(site: dict[str, Any]) -> None:

@@ -77,6 +77,7 @@ def test_config_show_fills_in_every_default(good_file: Path, capsys: pytest.Capt
             "idle_timeout_s": 75.0,
             "write_timeout_s": 60.0,
             "detach_timeout_s": 300.0,
+            "host_id": "",
         },
         "model": {
             "path": str(here / "model.gguf"),
@@ -139,6 +140,9 @@ def test_config_show_fills_in_every_default(good_file: Path, capsys: pytest.Capt
             "min_tokens": 256,
             "ram_mib": 1024,
             "compile_dir": "",
+            "shared_dir": "",
+            "shared_rescan_s": 2.0,
+            "shared_max_age_s": 604800.0,
         },
         "log": {"format": "logfmt", "level": "info"},
         "models": {"default": "", "max_loaded": 0, "memory_budget_mib": 0, "load_timeout_s": 120.0},

@@ -403,6 +403,9 @@ class Draining:
     def start_drain(self) -> None:
         pass
 
+    async def hand_over(self) -> int:
+        return 1
+
     def resume(self) -> None:
         pass
 
@@ -441,7 +444,7 @@ async def test_drain_sees_a_request_that_ends_while_its_progress_is_being_sent()
 
     with trio.fail_after(TIMEOUT):
         result = await admin.verb_drain(daemon, {}, send)
-    assert result == {"drained": True}
+    assert result == {"drained": True, "kept": 1}
     assert sent == [2, 1, 0]
 
 

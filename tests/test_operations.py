@@ -148,7 +148,7 @@ async def test_drain_refuses_new_requests_and_lets_the_ones_in_flight_finish_wit
     ]
     assert progress[0] == 2
     assert progress[-1] == 0
-    assert results == [{"ok": True, "result": {"drained": True}}]
+    assert results == [{"ok": True, "result": {"drained": True, "kept": 0}}]
     assert after.json()["status"] == "draining"  # until resumed
     assert sorted(line["outcome"] for line in route_lines.lines) == ["error", "ok", "ok"]
 

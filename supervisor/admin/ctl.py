@@ -114,10 +114,14 @@ def _still_in_flight(args: argparse.Namespace, reply: dict[str, Any]) -> int:
 def drain(args: argparse.Namespace, result: Any) -> int:
     """Refuse new requests (503, /health says draining) and wait for those in flight to finish.
 
-    Prints "draining: N in flight" as the number changes, then "drained" and exits 0.  With
+    Prints "draining: N in flight" as the number changes, then how many slots it saved into the
+    prefix store for another host or a restart (when any), then "drained", and exits 0.  With
     --timeout S it gives up after S seconds: exit 1, naming each request still in flight.  The
     daemon stays draining either way, until "onebitctl resume" (or a restart).
     """
+    kept = result.get("kept") if isinstance(result, dict) else None
+    if kept:
+        print(f"kept {kept} slot(s) in the prefix store")
     print("drained")
     return 0
 

@@ -190,6 +190,10 @@ def _store_line(store: StoreStatistics | None) -> str:
     )
     if store.restore_ms_mean is not None:
         line += f" (mean {store.restore_ms_mean:.1f} ms)"
+    if store.shared:
+        line += f", {store.restores_other} from other hosts; shared, as host {store.host_id}"
+    if store.shared_problem:
+        line += f"; shared directory: {store.shared_problem}"
     return line
 
 

@@ -52,6 +52,8 @@ class Managed(Protocol):
 
     def start_drain(self) -> None: ...
 
+    async def hand_over(self) -> int: ...
+
     def resume(self) -> None: ...
 
     async def wait_inflight_changed(self) -> None: ...
@@ -84,8 +86,10 @@ async def verb_status(daemon: Managed, args: dict[str, Any], send: Send) -> Any:
 
 async def verb_drain(daemon: Managed, args: dict[str, Any], send: Send) -> Any:
     """``{"verb": "drain", "args": {"timeout": S}}``: new requests get 503, in-flight ones finish.
-    Events ``{"event": "progress", "inflight": N}`` on every change; the result is
-    ``{"drained": true}``, or ``{"ok": false, "error": "...", "remaining": [...]}`` at the timeout."""
+    Events ``{"event": "progress", "inflight": N}`` on every change; once none is in flight, every
+    slot holding a long prompt is saved into the prefix store (the hand-over); the result is
+    ``{"drained": true, "kept": N}`` (N slots saved), or
+    ``{"ok": false, "error": "...", "remaining": [...]}`` at the timeout."""
     timeout = args.get("timeout")
     if timeout is not None and (not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout < 0):
         raise AdminError("drain: timeout must be a number of seconds >= 0")
@@ -95,7 +99,7 @@ async def verb_drain(daemon: Managed, args: dict[str, Any], send: Send) -> Any:
         while True:
             await send({"event": "progress", "inflight": count})
             if count == 0:
-                return {"drained": True}
+                return {"drained": True, "kept": await daemon.hand_over()}
             # Checked again right before waiting: a request that ended while the event above was
             # being sent set the previous event, which nobody waits on any more.
             while daemon.inflight_count() == count:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
+import socket
 from pathlib import Path
 
 LLAMA_CPP_VERSION = "11434.0.0"
@@ -181,6 +183,20 @@ def prefix_store_dir(configured: str, *, port: int = DEFAULT_PORT) -> Path:
     if systemd:
         return Path(systemd.split(":")[0]) / "prefix"
     return cache_dir() / _instance("prefix", port)
+
+
+def host_id(configured: str) -> str:
+    """This onebitd's name in a shared prefix store: the configured one, else the hostname with what a
+    host id may not hold (config/schema.py's HOST_ID) made ``-``."""
+    if configured:
+        return configured
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:64].lstrip("._-")
+    return name or "host"
+
+
+def shared_store_dir(configured: str) -> Path | None:
+    """The prefix store the hosts share (``cache.shared_dir``), or None: the store is private."""
+    return _expand(configured) if configured else None
 
 
 def executable_problem(key: str, path: Path | None, what: str) -> list[str]:

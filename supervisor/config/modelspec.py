@@ -67,6 +67,9 @@ def specs(config: Config) -> tuple[ModelSpec, ...]:
         cache = config.cache
         if subdir:
             cache = attrs.evolve(cache, dir=str(locate.prefix_store_dir(cache.dir, port=config.server.port) / subdir))
+            shared = locate.shared_store_dir(cache.shared_dir)
+            if shared is not None:
+                cache = attrs.evolve(cache, shared_dir=str(shared / subdir))
         one = attrs.evolve(
             config,
             # llama-server's --alias: the name /v1/models of this decoder lists.

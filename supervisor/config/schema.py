@@ -65,6 +65,16 @@ def _names(inst: Any, attr: attrs.Attribute[Any], value: tuple[str, ...]) -> Non
         _name(inst, attr, item)
 
 
+# A host id names a host's files in a shared prefix store (``<key>~<host>~<nonce>.json``): no ``~``,
+# no ``/``, and short enough for a file name with room to spare.
+HOST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def _host_id(_inst: Any, attr: attrs.Attribute[Any], value: str) -> None:
+    if value and not HOST_ID.fullmatch(value):
+        raise FieldError(attr, f"expected up to 64 letters, digits, '.', '-' and '_', got {json.dumps(value)}")
+
+
 def _non_empty(_inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
     if not value:
         raise FieldError(attr, "must not be empty")
@@ -153,6 +163,10 @@ class ServerConfig:
     # then it is stopped (DELETE /v1/stream) and the slot freed.  llama-server bounds the stream only
     # by its reply's length; 300 s is as long as it keeps a finished session for a replay.
     detach_timeout_s: float = field(default=300.0, validator=_at_least(0.1), metadata=LIVE)
+    # This onebitd's name among the hosts sharing a prefix store (cache.shared_dir): written into each
+    # entry it stores, and into the route line of a request restored from another host's entry.  Empty:
+    # the machine's hostname.  Two onebitd sharing one store must have different ones.
+    host_id: str = field(default="", validator=_host_id)
 
 
 # A switch that onebitd may also decide itself: "auto", true or false.
@@ -372,6 +386,17 @@ class CacheConfig:
     # Empty: $CACHE_DIRECTORY/openvino (systemd), else $XDG_CACHE_HOME/onebit/openvino, else
     # ~/.cache/onebit/openvino.
     compile_dir: str = ""
+    # A prefix store the hosts share (docs/operations.md: an NFS mount and its options): every host
+    # writes its entries there and restores everyone's whose fingerprint is its own; max_bytes then
+    # bounds the shared directory, all hosts' entries together.  Not locked: each host's files carry
+    # its server.host_id.  Empty: the private store in dir, locked by one onebitd.  A shared directory
+    # that cannot be used at start leaves the host on its private store (one log line).
+    shared_dir: str = ""
+    # How often a host re-reads the shared directory for the entries other hosts wrote (and lost).
+    shared_rescan_s: float = field(default=2.0, validator=_at_least(0.05))
+    # A shared entry no host has used for this long is evicted by whichever host sees it first; a
+    # temporary file of a write (or an eviction) that old was left by a host that died mid-way.
+    shared_max_age_s: float = field(default=7 * 86400.0, validator=_at_least(1))
 
 
 @frozen

@@ -189,6 +189,18 @@ class Model:
             swa_full=self.parts.swa_full,
         )
 
+    async def hand_over(self, draining: Callable[[], bool]) -> int:
+        """A drain's last step (no request in flight): the store's writes in progress finish, and
+        each slot whose prompt the store would keep (and does not hold yet) is saved into it, so
+        that the host its conversations move to restores them (a shared store) or this one does
+        after its restart.  ``draining``: whether the daemon still drains (a resume stops it).  How
+        many slots it saved."""
+        stored = self.parts.completions.stored
+        if self.state is not ModelState.LOADED or stored is None or self.decoder.state is not ChildState.READY:
+            return 0
+        await stored.wait_writes()
+        return await self.parts.keep_slots(self.store, stored, self.name, draining)
+
     async def wait_state(self, *states: ModelState) -> ModelState:
         return await self._lifecycle.wait_for(*states)
 
@@ -314,7 +326,11 @@ class Model:
                 for provider in parts.providers.all:
                     await nursery.start(provider.run)
                 stored = StoredPrefixes(
-                    client=parts.client, state_dir=parts.state_dir, store=self.store, capability=parts.capability
+                    client=parts.client,
+                    state_dir=parts.state_dir,
+                    store=self.store,
+                    capability=parts.capability,
+                    rescan_s=self.spec.config.cache.shared_rescan_s,
                 )
                 await nursery.start(parts.completions.run, stored)
                 # Unwanted, it goes on serving the requests that hold it: none is unloaded under it.

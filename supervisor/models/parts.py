@@ -308,15 +308,21 @@ class Parts:
     def sockets(self) -> list[Path]:
         return [self.client.socket, *(p.launcher.socket for p in self.llama_providers())]
 
-    async def keep_slots(self, store: PrefixStore, stored: StoredPrefixes, name: str) -> None:
-        """Before an unload: each slot whose prompt the store would keep (and does not hold yet) is
-        saved into it, awaited, so that the conversation restores from the store when its model is
-        back (instead of prefilling again).  No request holds a slot now (the scheduler unloads only
-        an unused model)."""
+    async def keep_slots(
+        self, store: PrefixStore, stored: StoredPrefixes, name: str, go_on: Callable[[], bool] = lambda: True
+    ) -> int:
+        """Before an unload or at a drain's end: each slot whose prompt the store would keep (and
+        does not hold yet) is saved into it, awaited, so that the conversation restores from the
+        store when its model is back, or on another host (instead of prefilling again).  No request
+        holds a slot now (the scheduler unloads only an unused model; a drain waits for its
+        in-flight requests first, and ``go_on`` says before each slot that it still drains: a
+        resume lets requests in again).  How many slots it saved."""
         if not stored.enabled:
-            return
+            return 0
         kept = 0
         for slot in range(self.slots.n_slots):
+            if not go_on():
+                break
             tokens = self.slots.holds(slot).tokens
             if not tokens or not stored.store.wants(tokens):
                 continue
@@ -324,4 +330,5 @@ class Parts:
             if path is not None and await store.put_file(tokens, path):
                 kept += 1
         if kept:
-            log.info("model %s: %d slot(s) kept in the prefix store before unloading", name, kept)
+            log.info("model %s: %d slot(s) kept in the prefix store", name, kept)
+        return kept

@@ -126,6 +126,23 @@ def _stores(stores: list[tuple[str | None, StoreStatistics]]) -> Iterator[Any]:
         ("restores", "Stored prefixes restored into a decoder slot"),
     ):
         yield family(counter, f"onebit_prefix_store_{name}", what, partial(_field, name))
+    # Of the restores, by whose entry: this host's, or another's in a shared store (cache.shared_dir).
+    origin = CounterMetricFamily(
+        "onebit_prefix_store_origin_restores",
+        "Stored prefixes restored, by the host that stored them: self or other (a shared store)",
+        labels=[*labels, "origin"],
+    )
+    for model, store in stores:
+        named = [model] if model is not None else []
+        origin.add_metric([*named, "self"], store.restores - store.restores_other)
+        origin.add_metric([*named, "other"], store.restores_other)
+    yield origin
+    yield family(
+        gauge,
+        "onebit_prefix_store_shared",
+        "1 while the store is a directory the hosts share",
+        lambda s: float(s.shared),
+    )
     # In seconds, summed: rate(this) / rate(onebit_prefix_store_restores_total) is the mean.
     yield family(
         counter,

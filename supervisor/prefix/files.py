@@ -4,7 +4,11 @@ An entry ``K`` (:func:`~supervisor.prefix.index.token_key` of its tokens) is two
 directory::
 
     K.state   the llama.cpp slot state file, byte for byte as llama-server saved it
-    K.json    the sidecar: {"format", "tokens", "fingerprint", "state_bytes", "created"}
+    K.json    the sidecar: {"format", "tokens", "fingerprint", "state_bytes", "created", "host"}
+
+In a store the hosts share, ``K`` is ``<token key>~<host id>~<nonce>`` (supervisor/prefix/shared.py):
+no two writes, of one host or of two, ever make the same name.  ``host`` is the writer's
+``server.host_id`` (absent in sidecars written before it was).
 
 Writing one: the state file goes to ``.tmp-K-<random>.state`` (renamed in from the same file system,
 else copied) and is fsynced, then renamed to ``K.state``; the sidecar is written and fsynced the
@@ -35,6 +39,7 @@ from .index import token_key
 log = logging.getLogger("onebit.prefix")
 
 FORMAT = 1
+FOREIGN = "made by another model, llama-server or [model] setting (fingerprint differs)"
 TEMP_PREFIX = ".tmp-"
 STATE = ".state"
 SIDECAR = ".json"
@@ -50,6 +55,7 @@ class Entry:
     disk_bytes: int  # state file and sidecar: what counts against max_bytes
     created: float  # seconds since the epoch
     last_used: float
+    origin_host: str | None = None  # the server.host_id that stored it (None: written before hosts had one)
 
     @property
     def n_tokens(self) -> int:
@@ -102,14 +108,18 @@ def sidecar_path(directory: Path, key: str) -> Path:
     return directory / f"{key}{SIDECAR}"
 
 
-def render_sidecar(tokens: tuple[int, ...], fingerprint: Mapping[str, Any], state_bytes: int, created: float) -> bytes:
-    document = {
+def render_sidecar(
+    tokens: tuple[int, ...], fingerprint: Mapping[str, Any], state_bytes: int, created: float, host: str | None = None
+) -> bytes:
+    document: dict[str, Any] = {
         "format": FORMAT,
         "tokens": list(tokens),
         "fingerprint": fingerprint,
         "state_bytes": state_bytes,
         "created": created,
     }
+    if host is not None:
+        document["host"] = host
     return json.dumps(document, separators=(",", ":")).encode()
 
 
@@ -159,8 +169,13 @@ class Scan:
     dropped: int
 
 
-def _read_entry(directory: Path, key: str, fingerprint: Mapping[str, Any]) -> Entry | str:
-    """The committed entry ``key``, or why it is not one."""
+def token_part(key: str) -> str:
+    """The token key an entry's name starts with (the whole name in a private store)."""
+    return key.split("~", 1)[0]
+
+
+def read_entry(directory: Path, key: str, fingerprint: Mapping[str, Any]) -> Entry | str:
+    """The committed entry ``key``, or why it is not one (a file gone meanwhile included)."""
     sidecar = sidecar_path(directory, key)
     try:
         raw = sidecar.read_bytes()
@@ -180,12 +195,13 @@ def _read_entry(directory: Path, key: str, fingerprint: Mapping[str, Any]) -> En
     ):
         return "malformed sidecar"
     try:
-        if token_key(tokens) != key:
+        if token_key(tokens) != token_part(key):
             return "sidecar tokens do not match its name"
     except (OverflowError, TypeError):
         return "malformed sidecar"
     if document.get("fingerprint") != fingerprint:
-        return "made by another model, llama-server or [model] setting (fingerprint differs)"
+        return FOREIGN
+    host = document.get("host")
     state = state_path(directory, key)
     try:
         stat = state.stat()
@@ -203,6 +219,7 @@ def _read_entry(directory: Path, key: str, fingerprint: Mapping[str, Any]) -> En
         disk_bytes=state_bytes + len(raw),
         created=float(created),
         last_used=stat.st_mtime,
+        origin_host=host if isinstance(host, str) else None,
     )
 
 
@@ -223,7 +240,7 @@ def scan(directory: Path, fingerprint: Mapping[str, Any]) -> Scan:
             dropped += 1
         elif name.endswith(SIDECAR):
             key = name[: -len(SIDECAR)]
-            found = _read_entry(directory, key, fingerprint)
+            found = read_entry(directory, key, fingerprint)
             if isinstance(found, Entry):
                 entries.append(found)
             else:
@@ -258,8 +275,9 @@ def _make_private(directory: Path, names: set[str]) -> None:
                 log.warning("prefix store: cannot make %s private: %s", name, exc.strerror or exc)
 
 
-def probe(disk: Disk, directory: Path) -> None:
-    """Make ``directory`` if need be (ours alone: 0700) and prove it writable; raises OSError."""
+def probe(disk: Disk, directory: Path, host: str = "") -> None:
+    """Make ``directory`` if need be (ours alone: 0700) and prove it writable; raises OSError.
+    ``host``: in a shared directory, the probe's name says whose it is."""
     directory.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
     try:
         os.chmod(directory, DIR_MODE)  # mkdir's mode is under the umask, and the directory may be older
@@ -267,7 +285,7 @@ def probe(disk: Disk, directory: Path) -> None:
         if exc.errno == errno.EROFS:
             raise  # the one line the store's opening logs says it
         log.warning("prefix store: cannot make %s private (0700): %s", directory, exc.strerror or exc)
-    probe_file = directory / f"{TEMP_PREFIX}probe-{os.getpid()}-{time.monotonic_ns()}"
+    probe_file = directory / f"{TEMP_PREFIX}probe-{host}{'~' if host else ''}{os.getpid()}-{time.monotonic_ns()}"
     disk.write(probe_file, b"")
     probe_file.unlink()
 

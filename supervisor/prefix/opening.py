@@ -1,5 +1,6 @@
-"""The prefix store a config describes: its directory, and the fingerprint of the decoder that
-writes into it, made from the model file and llama-server's version (``open_prefix_store``)."""
+"""The prefix store a config describes: its directory (shared with other hosts when
+``cache.shared_dir`` says so, else private), and the fingerprint of the decoder that writes into it,
+made from the model file and llama-server's version (``open_prefix_store``)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,16 @@ import functools
 import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import trio
 
 from ..config import Config, locate
 from ..llama.llama_server import StateFingerprint
+from .sharedstore import SharedPrefixStore
 from .store import PrefixStore
+
+log = logging.getLogger("onebit.prefix")
 
 
 @asynccontextmanager
@@ -49,10 +54,52 @@ async def open_prefix_store(
         except OSError as exc:
             store = PrefixStore.disabled(f"cannot identify the model file: {exc.strerror or exc}")
         else:
-            store = await PrefixStore.open(
-                directory, fingerprint=fingerprint, max_bytes=cache.max_bytes, min_tokens=cache.min_tokens
-            )
+            store = await _open(config, directory, fingerprint)
     try:
         yield store
     finally:
         store.close()
+
+
+async def _open(config: Config, private: Path, fingerprint: StateFingerprint) -> PrefixStore:
+    """The shared store when one is configured and usable, else the private one (saying why)."""
+    cache = config.cache
+    host_id = locate.host_id(config.server.host_id)
+    shared = locate.shared_store_dir(cache.shared_dir)
+    problem = None
+    if shared is not None:
+        try:
+            store = await SharedPrefixStore.open_shared(
+                shared,
+                host_id=host_id,
+                fingerprint=fingerprint,
+                max_bytes=cache.max_bytes,
+                min_tokens=cache.min_tokens,
+                max_age_s=cache.shared_max_age_s,
+            )
+        except OSError as exc:
+            problem = f"{shared}: {exc.strerror or exc}"
+            log.warning(
+                "prefix store: cannot use the shared directory %s: %s; this host stores privately in %s",
+                shared,
+                exc.strerror or exc,
+                private,
+            )
+        else:
+            # Where puts go while the shared directory is lost (and what they left there, found).
+            store.fallback = await PrefixStore.open(
+                private,
+                fingerprint=fingerprint,
+                max_bytes=cache.max_bytes,
+                min_tokens=cache.min_tokens,
+                host_id=host_id,
+            )
+            return store
+    return await PrefixStore.open(
+        private,
+        fingerprint=fingerprint,
+        max_bytes=cache.max_bytes,
+        min_tokens=cache.min_tokens,
+        host_id=host_id,
+        shared_problem=problem,
+    )

@@ -25,6 +25,12 @@ class StoreStatistics:
     restores: int
     restore_ms_mean: float | None
     restore_ms_last: float | None
+    host_id: str | None = None  # server.host_id: what this host writes into its entries
+    shared: bool = False  # the directory is cache.shared_dir, shared with other hosts
+    # Why the shared directory is not in use (the host fell back to its private store at start) or
+    # is unreachable now; None while all is well (or none is configured).
+    shared_problem: str | None = None
+    restores_other: int = 0  # of restores, those of entries another host stored
 
 
 @attrs.define
@@ -40,5 +46,6 @@ class Counts:
     store_failures: int = 0
     drops: int = 0
     restores: int = 0
+    restores_other: int = 0
     restore_ms_total: float = 0.0
     restore_ms_last: float | None = None

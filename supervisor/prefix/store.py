@@ -11,10 +11,12 @@ restore.  The store keeps saved states across decoder and onebitd restarts, with
 - :meth:`PrefixStore.put_file`: takes a state file llama-server saved and commits it (off the
   request's path: the caller spawns it).  :meth:`PrefixStore.drop`: an entry the decoder refused.
 
-Files and their guarantees are in :mod:`supervisor.prefix.files`.  The store's bookkeeping lives on
-the trio thread; only file work runs in worker threads, and writes take turns (one lock), so what is
-on disk never exceeds ``max_bytes``.  Nothing here raises an ``OSError`` at its caller: a store that
-cannot work is disabled (one log line) and the daemon goes on without it.
+Files and their guarantees are in :mod:`supervisor.prefix.files`.  A store the hosts share
+(``cache.shared_dir``) is :mod:`supervisor.prefix.sharedstore`'s subclass.
+The store's bookkeeping lives on the trio thread; only file work runs in worker threads, and writes
+take turns (one lock), so what is on disk never exceeds ``max_bytes``.  Nothing here raises an
+``OSError`` at its caller: a store that cannot work is disabled (one log line) and the daemon goes on
+without it.
 """
 
 from __future__ import annotations
@@ -49,7 +51,10 @@ MAX_PENDING_PUTS = 3
 
 class PrefixStore:
     """Create with :meth:`open` (or supervisor/prefix/opening.py's ``open_prefix_store``), or
-    :meth:`disabled`; :meth:`close` when done."""
+    :meth:`disabled`; :meth:`close` when done.  A store the hosts share is
+    supervisor/prefix/sharedstore.py's subclass."""
+
+    shared = False  # a directory other hosts use too (the subclass)
 
     def __init__(
         self,
@@ -60,8 +65,14 @@ class PrefixStore:
         min_tokens: int,
         disk: Disk,
         lock_fd: int | None = None,
+        host_id: str | None = None,
+        shared_problem: str | None = None,
     ) -> None:
+        """``host_id``: written into each entry (its origin); ``shared_problem``: why the shared
+        directory configured is not the one in use (or not usable now), for the statistics."""
         self.directory = directory
+        self.host_id = host_id
+        self.shared_problem = shared_problem
         self.fingerprint = fingerprint
         self.max_bytes = max_bytes
         self.min_tokens = min_tokens
@@ -94,6 +105,8 @@ class PrefixStore:
         max_bytes: int,
         min_tokens: int,
         disk: Disk | None = None,
+        host_id: str | None = None,
+        shared_problem: str | None = None,
     ) -> PrefixStore:
         """The store in ``directory`` (made if need be), its entries checked against ``fingerprint``.
 
@@ -106,7 +119,14 @@ class PrefixStore:
         except OSError as exc:
             return cls.disabled(f"{directory}: {exc.strerror or exc}")
         store = cls(
-            directory, fingerprint=fingerprint, max_bytes=max_bytes, min_tokens=min_tokens, disk=disk, lock_fd=lock_fd
+            directory,
+            fingerprint=fingerprint,
+            max_bytes=max_bytes,
+            min_tokens=min_tokens,
+            disk=disk,
+            lock_fd=lock_fd,
+            host_id=host_id,
+            shared_problem=shared_problem,
         )
         try:
             found = await trio.to_thread.run_sync(prefix_files.scan, directory, fingerprint.as_json())
@@ -142,12 +162,19 @@ class PrefixStore:
         """
         if not self.enabled:
             return None
-        key = self._index.longest_prefix(tokens)
-        if key is None:
+        found = self.peek(tokens)
+        if found is None:
             self._counts.misses += 1
+        else:
+            self._counts.hits += 1
+        return found
+
+    def peek(self, tokens: Sequence[int]) -> Entry | None:
+        """:meth:`lookup` without counting it."""
+        if not self.enabled:
             return None
-        self._counts.hits += 1
-        return self._entries[key]
+        key = self._index.longest_prefix(tokens)
+        return self._entries[key] if key is not None else None
 
     @asynccontextmanager
     async def exposed(self, entry: Entry, directory: Path) -> AsyncIterator[str]:
@@ -160,6 +187,9 @@ class PrefixStore:
         if self.directory is None or entry.key not in self._entries:
             raise PrefixStoreError(f"prefix store entry {entry.key} is gone")
         key = entry.key
+        if not await self._still_there(key):
+            self._vanished(key)
+            raise PrefixStoreError(f"prefix store entry {key} is gone (another host evicted it)")
         self._pins[key] = self._pins.get(key, 0) + 1
         try:
             name = f"prefix-{key[:16]}-{os.urandom(4).hex()}{prefix_files.STATE}"
@@ -187,11 +217,47 @@ class PrefixStore:
         self._counts.drops += 1
         self._forget(entry.key)
 
-    def record_restore(self, ms: float) -> None:
-        """The caller timed a restore of an entry (``POST /slots/S?action=restore``)."""
+    def record_restore(self, ms: float, entry: Entry | None = None) -> None:
+        """The caller timed a restore of ``entry`` (``POST /slots/S?action=restore``)."""
         self._counts.restores += 1
+        if entry is not None and self.from_other_host(entry):
+            self._counts.restores_other += 1
         self._counts.restore_ms_total += ms
         self._counts.restore_ms_last = ms
+
+    def from_other_host(self, entry: Entry) -> bool:
+        """Whether another onebitd (another server.host_id) stored ``entry``."""
+        return entry.origin_host is not None and entry.origin_host != self.host_id
+
+    async def refresh(self) -> None:
+        """A shared store reads its directory again (sharedstore.py); a private one knows it all."""
+
+    async def find(self, tokens: Sequence[int]) -> Entry | None:
+        """:meth:`lookup`, for a request: a shared store first reads its directory again when what it
+        knows of the prompt falls short (sharedstore.py); a private one knows it all."""
+        return self.lookup(tokens)
+
+    async def _still_there(self, key: str) -> bool:
+        """Before a restore: whether the entry is still on disk.  A private store's always is."""
+        return True
+
+    def _vanished(self, key: str) -> None:
+        """Entry ``key`` went from the disk without us: forget it (its files are not ours to remove)."""
+        if self._entries.pop(key, None) is not None:
+            self._index.remove(key)
+
+    def _touch(self, key: str, when: float) -> None:
+        """Record a use on disk (best effort: the order in memory is what counts here)."""
+        assert self.directory is not None
+        prefix_files.touch(self.directory, key, when)
+
+    def _remove_files(self, key: str) -> None:
+        assert self.directory is not None
+        prefix_files.remove(self.directory, key)
+
+    def _holds(self, key: str, tokens: Sequence[int]) -> bool:
+        """Whether an entry for exactly ``tokens`` (token key ``key``) is stored."""
+        return key in self._entries
 
     # -- filling it ------------------------------------------------------------------------------
 
@@ -207,7 +273,7 @@ class PrefixStore:
             key = token_key(tokens)
         except (OverflowError, TypeError):
             return False
-        return key not in self._entries and key not in self._pending
+        return not self._holds(key, tokens) and key not in self._pending
 
     async def put_file(self, tokens: Sequence[int], path: Path) -> bool:
         """Commit the state file at ``path`` as the entry for ``tokens``; True when the store holds
@@ -238,7 +304,7 @@ class PrefixStore:
             log.warning("prefix store: refusing a put whose tokens are not llama.cpp tokens")
             self._counts.skipped += 1
             return False
-        if key in self._entries or key in self._pending:
+        if self._holds(key, tokens) or key in self._pending:
             self._counts.duplicates += 1
             return True
         if len(self._pending) >= MAX_PENDING_PUTS:
@@ -261,7 +327,13 @@ class PrefixStore:
         except OSError as exc:
             self._failed(key, exc)
             return False
-        sidecar = prefix_files.render_sidecar(tokens, self.fingerprint.as_json(), state_bytes, created)
+        sidecar = prefix_files.render_sidecar(tokens, self.fingerprint.as_json(), state_bytes, created, self.host_id)
+        return await self._commit(key, tokens, path, sidecar, state_bytes, created)
+
+    async def _commit(
+        self, key: str, tokens: tuple[int, ...], path: Path, sidecar: bytes, state_bytes: int, created: float
+    ) -> bool:
+        """Room made (least recently used out), then the entry written: True when stored."""
         need = state_bytes + len(sidecar)
         victims = self._choose_victims(need) if need <= self.max_bytes else None
         if victims is None:
@@ -273,12 +345,15 @@ class PrefixStore:
         except OSError as exc:
             self._failed(key, exc)
             return False
+        self._stored(Entry(key, tokens, state_bytes, need, created, created, self.host_id))
+        return True
+
+    def _stored(self, entry: Entry) -> None:
         if self._failing:
             log.info("prefix store: storing works again")
             self._failing = False
-        self._add(Entry(key, tokens, state_bytes, need, created, created))
+        self._add(entry)
         self._counts.stores += 1
-        return True
 
     def _write(self, victims: list[Entry], key: str, source: Path, sidecar: bytes, state_bytes: int) -> None:
         """In a worker thread: room first, then the new entry, so the disk never holds more than max_bytes."""
@@ -305,7 +380,7 @@ class PrefixStore:
         now = time.time()
         self._entries[key] = attrs.evolve(self._entries[key], last_used=now)
         self._entries.move_to_end(key)
-        prefix_files.touch(self.directory, key, now)
+        self._touch(key, now)
 
     def _forget(self, key: str) -> None:
         """Out of the index now; the files go now, or at the last release when pinned."""
@@ -315,7 +390,7 @@ class PrefixStore:
         if self._pins.get(key):
             self._doomed[key] = entry
         else:
-            prefix_files.remove(self.directory, key)
+            self._remove_files(key)
             self._bytes -= entry.disk_bytes
 
     def _release(self, key: str) -> None:
@@ -325,7 +400,7 @@ class PrefixStore:
         del self._pins[key]
         doomed = self._doomed.pop(key, None)
         if doomed is not None and self.directory is not None:
-            prefix_files.remove(self.directory, key)
+            self._remove_files(key)
             self._bytes -= doomed.disk_bytes
 
     def _choose_victims(self, need: int) -> list[Entry] | None:
@@ -374,6 +449,10 @@ class PrefixStore:
             restores=c.restores,
             restore_ms_mean=c.restore_ms_total / c.restores if c.restores else None,
             restore_ms_last=c.restore_ms_last,
+            host_id=self.host_id,
+            shared=self.shared,
+            shared_problem=self.shared_problem,
+            restores_other=c.restores_other,
         )
 
     def list(self) -> list[Entry]:
@@ -393,8 +472,8 @@ class PrefixStore:
                 self._doomed[key] = entry
             else:
                 self._bytes -= entry.disk_bytes
-        directory = self.directory
         with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(prefix_files.remove_all, directory, [entry.key for entry in unpinned])
+            for entry in unpinned:
+                await trio.to_thread.run_sync(self._remove_files, entry.key)
         log.info("prefix store: cleared %d entries", len(keys))
         return len(keys)

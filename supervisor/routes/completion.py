@@ -170,6 +170,7 @@ class Completions:
         line.restore_ms += restored.ms
         if restored.entry is not None:
             line.restored_tokens = restored.entry.n_tokens
+            line.origin_host = restored.entry.origin_host
         return restored.entry
 
     def _choose(self, plan: Plan, slot: int, restored: bool, settings: HybridConfig) -> Choice:

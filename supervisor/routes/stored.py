@@ -14,6 +14,10 @@ holds.  On every route: after a hybrid route's reply the slot holds the reply's 
 handed-over state file lacks.  A stream whose client hung up once the decoder began its reply is kept
 the same way, once the decoder reports the slot idle.
 
+A store the hosts share (``cache.shared_dir``) is read again every ``cache.shared_rescan_s`` in the
+same nursery, so that a conversation another host served (and drained) restores here.  Before a drain
+hands the host over, :meth:`StoredPrefixes.wait_writes` waits for the writes in progress.
+
 Which tokens an entry is for: a prompt's prefix that another recent prompt shared (the system prompt
 and tool list a chat's users all send: the part the next request will start with too) when one is
 long enough, else the whole prompt (a conversation's next turn starts with it).
@@ -63,26 +67,50 @@ class StoredPrefixes:
     it still does.  What it restored goes back to the caller, which writes the route line."""
 
     def __init__(
-        self, *, client: SlotClient, state_dir: Path, store: PrefixStore, capability: Capability | None = None
+        self,
+        *,
+        client: SlotClient,
+        state_dir: Path,
+        store: PrefixStore,
+        capability: Capability | None = None,
+        rescan_s: float = 2.0,
     ) -> None:
         """``capability``: the model's (supervisor/routes/capability.py): where a restored prefix
-        cannot spare the decoder a prompt, nothing is restored, saved or kept."""
+        cannot spare the decoder a prompt, nothing is restored, saved or kept.  ``rescan_s``: a
+        shared store's ``cache.shared_rescan_s``."""
+        self._pending_writes = 0
         self.client = client
         self.state_dir = state_dir
         self.store = store
         self.capability = capability
+        self.rescan_s = rescan_s
         # The nursery the store's writes run in, off the requests' path: set by run().
         self._writes: trio.Nursery | None = None
+        self._writes_done = trio.Event()  # set when the last write in progress ends
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Hold the nursery the store's writes run in, for as long as the daemon serves."""
+        """Hold the nursery the store's writes run in, for as long as the daemon serves; with a
+        shared store, read its directory again every ``rescan_s``."""
         async with trio.open_nursery() as nursery:
             self._writes = nursery
+            if self.store.shared:
+                nursery.start_soon(self._rescan)
             try:
                 task_status.started()
                 await trio.sleep_forever()
             finally:
                 self._writes = None
+
+    async def _rescan(self) -> None:
+        while True:
+            await trio.sleep(self.rescan_s)
+            await self.store.refresh()
+
+    async def wait_writes(self) -> None:
+        """Until no write the store was handed is in progress (a drain's hand-over waits for them)."""
+        while self._pending_writes:
+            self._writes_done = trio.Event()
+            await self._writes_done.wait()
 
     @property
     def writing(self) -> int:
@@ -112,7 +140,7 @@ class StoredPrefixes:
         prefill than it costs; ``slots`` then knows what the slot holds."""
         if key.tokens is None or not self.enabled:
             return NOTHING
-        entry = self.lookup(key.tokens)
+        entry = await self.store.find(key.tokens)
         if entry is None:
             return NOTHING
         worth = worth_restoring(
@@ -175,9 +203,6 @@ class StoredPrefixes:
             if ready():
                 await self.after(slot, key, slots, req=req, restored=restored)
 
-    def lookup(self, tokens: Sequence[int]) -> Entry | None:
-        return self.store.lookup(tokens)
-
     async def restore(self, slot: int, entry: Entry) -> Restored:
         started = trio.current_time()
         try:
@@ -188,7 +213,7 @@ class StoredPrefixes:
             return Restored(None, why=str(exc))
         ms = (trio.current_time() - started) * 1000
         if refused is None:
-            self.store.record_restore(ms)
+            self.store.record_restore(ms, entry)
             return Restored(entry, ms)
         self.store.drop(entry, reason=refused.what)
         await erase_slot(self.client, slot, "a refused prefix-store restore")
@@ -228,4 +253,10 @@ class StoredPrefixes:
 
     async def keep(self, tokens: Sequence[int], path: Path) -> None:
         """Off the request's path: the store takes the file (and always consumes it)."""
-        await self.store.put_file(tokens, path)
+        self._pending_writes += 1
+        try:
+            await self.store.put_file(tokens, path)
+        finally:
+            self._pending_writes -= 1
+            if not self._pending_writes:
+                self._writes_done.set()
