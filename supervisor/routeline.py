@@ -2,7 +2,8 @@
 
     route=plain req=7f3a status=200 outcome=ok fallback=- prompt_tokens=47 prefill_ms=0 restore_ms=0
     share_ms=0.000 first_byte_ms=12.4 total_ms=388.0 decoder_prompt_n=47 decoder_prompt_ms=31.2
-    cached_tokens=0 est_plain_ms=235.0 est_hybrid_ms=290.1 slot=0 provider=- engine=- device=-
+    cached_tokens=0 decoded_n=16 decode_ms=340.2 est_plain_ms=235.0 est_hybrid_ms=290.1 slot=0 provider=-
+    engine=- device=-
 
 The field set is fixed so that every route fills the same columns; a value that does not apply is
 ``-`` (logfmt) or ``null`` (JSON).  ``provider``, ``engine`` and ``device`` name the provider a
@@ -56,6 +57,8 @@ class RouteLine:
     restored_tokens: int | None = None  # prompt tokens restored from the prefix store into the slot
     origin_host: str | None = None  # the server.host_id that stored the restored entry (a shared store: maybe another)
     cached_tokens: int | None = None  # prompt tokens the decoder reused from its cache (timings.cache_n)
+    decoded_n: int | None = None  # tokens the decoder generated, and its time for them (timings.predicted_*)
+    decode_ms: float | None = None
     est_plain_ms: float | None = None  # the cost decision's estimates, when it ran
     est_hybrid_ms: float | None = None
     slot: int | None = None

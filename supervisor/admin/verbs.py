@@ -116,12 +116,14 @@ async def verb_resume(daemon: Managed, args: dict[str, Any], send: Send) -> Any:
 
 
 async def verb_watch(daemon: Managed, args: dict[str, Any], send: Send) -> Any:
-    """``{"verb": "watch"}``: ``{"event": "line", "line": {<route line fields>}}`` per request, as
-    each one ends, until the client closes."""
+    """``{"verb": "watch"}``: ``{"event": "line", "at": T, "line": {<route line fields>}}`` per request, as
+    each one ends, and ``{"event": "model", "model", "from", "to", "why"}`` and ``{"event": "child",
+    "model", "child", "from", "to", "why"}`` per transition of a model and of its decoder, until the
+    client closes (the status page's ``/onebit/events`` is the same feed)."""
     async with daemon.route_stats.watch() as feed:
         await send({"event": "watching"})
-        async for fields in feed:
-            await send({"event": "line", "line": fields})
+        async for event in feed:
+            await send(event)
     return None
 
 

@@ -29,13 +29,14 @@ from ..http.server import HangUp, HttpServer
 from ..observe.logs import ROUTE_LOGGER
 from ..observe.status import FrontStatistics, InflightStatistics
 from ..routeline import RequestOutcome, RouteLine
-from . import access, hangup, relayed
+from . import access, hangup, relayed, statuspage
 from .access import Access
 from .endpoints import Endpoint, Kind, Local, local_endpoint, lookup, public
 from .hangup import CONVERSATION_HEADER, Watch
 from .local import Answers, ProviderReadiness
 from .predict import Predict
 from .serving import One, Router, Served
+from .statuspage import StatusPage, is_page
 from .vertex import Vertex
 
 __all__ = ["Front", "InflightRequest", "One", "ProviderReadiness", "Router", "Served"]
@@ -72,6 +73,7 @@ class Front:
         metrics: Callable[[], bytes] | None = None,
         providers: Callable[[], ProviderReadiness] = ProviderReadiness,
         vertex: Vertex | None = None,
+        page: StatusPage | None = None,
     ) -> None:
         """``server``: the settings, or where to read them at each request (the daemon's one config,
         swapped whole by a reload; the bind address and port are read once, by :meth:`bind`).
@@ -89,6 +91,7 @@ class Front:
         self._http_server: HttpServer | None = None
         self.answers = Answers(models, providers, metrics, self._server)
         self.predict = Predict(self)
+        self.page = page  # /onebit/ (supervisor/api/statuspage.py); None: those paths are 404
         # Vertex AI's routes, where onebitd's environment asks for them (AIP_MODE=PREDICTION).
         self._extra: dict[str, dict[str, Endpoint]] = {}
         if vertex is not None:
@@ -189,6 +192,9 @@ class Front:
         path: str = scope["path"]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         self._access.update(self.server)
+        if is_page(path):
+            await self._page(method, path, scope, headers, Responder(send, started, statuspage.HEADERS))
+            return
         cors = self._access.cors
         out = Responder(send, started, cors.headers(headers.get("origin")), anthropic=speaks_anthropic(path))
         methods = self._extra.get(path) or lookup(path)
@@ -221,6 +227,21 @@ class Front:
                 log.info("%s %s: %s", method, path, exc.message)
             if not out.started:
                 await out.error(exc.status, exc.code, exc.public, retry_after=self._retry_after(exc))
+
+    async def _page(
+        self, method: str, path: str, scope: dict[str, Any], headers: dict[str, str], out: Responder
+    ) -> None:
+        """The status page and its data: the API's Host and key rules and its error shape, and no
+        CORS header whatever server.cors_origins allows (its data are for onebitd's own page only)."""
+        try:
+            self._access.check_host(headers)
+            if self.page is None:
+                raise ClientError(404, "not_found", f"no such endpoint: {path}")
+            self._access.check_caller(method, not self.page.needs_key(path), headers)
+            await self.page.answer(method, path, out, hangup.hang_up_of(scope), self._shutdown.wait)
+        except ClientError as exc:
+            if not out.started:
+                await out.error(exc.status, exc.code, exc.message, retry_after=exc.retry_after)
 
     async def _dispatch(
         self,

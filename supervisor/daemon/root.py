@@ -39,6 +39,7 @@ from .. import __version__
 from .. import config as configuration
 from ..admin.verbs import AdminServer
 from ..api.front import Front, ProviderReadiness
+from ..api.statuspage import StatusPage
 from ..api.vertex import Vertex
 from ..config import Config, locate, modelspec
 from ..config.live import Settings
@@ -48,7 +49,7 @@ from ..models.registry import Models
 from ..observe import logs
 from ..observe.metrics import LiveStatistics, Metrics
 from ..observe.routestats import RouteStats
-from ..observe.status import DaemonInfo, DaemonStatistics, ModelStatistics, merged_slots
+from ..observe.status import DaemonInfo, DaemonStatistics, ModelStatistics, merged_slots, to_wire
 from ..prefix.store import PrefixStore
 from ..providers.seat import Seats
 from ..routeline import RouteLine
@@ -93,6 +94,8 @@ class Daemon:
             several=bool(config.model_tables),
         )
         self.route_stats = RouteStats()
+        for model in self.models.all:
+            model.on_event = self.route_stats.publish
         self.metrics = Metrics(self._metrics_snapshot)
         self.front = Front(
             self.settings.server,
@@ -103,6 +106,7 @@ class Daemon:
             # Vertex AI sets AIP_MODE=PREDICTION in the container: onebitd answers its routes, as
             # llama-server does under it (supervisor/api/vertex.py).
             vertex=Vertex.from_environ(os.environ),
+            page=StatusPage(lambda: to_wire(self.statistics()), self.route_stats),
         )
         self.admin = AdminServer(self, self.runtime_dir / locate.ADMIN_SOCKET)
         self.stores = Stores()  # each model's prefix store, opened by Model.run
@@ -185,6 +189,7 @@ class Daemon:
             first_byte=routes.first_byte,
             watchers=routes.watchers,
             watch_dropped=routes.watch_dropped,
+            watch_closed=routes.watch_closed,
             store=self.models.default.store.statistics(),
             models=self.models.statistics(),
         )

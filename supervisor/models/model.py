@@ -26,6 +26,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -105,6 +106,9 @@ class Model:
         self.store = PrefixStore.disabled("not opened yet", level=logging.DEBUG)
         # Called after every transition: the scheduler's (Models.kick) once it holds the model.
         self.on_change: Callable[[], None] = lambda: None
+        # Told every transition of the model's and of its decoder's, as an event of the daemon's
+        # feed (supervisor/observe/routestats.py's publish: onebitctl watch, the status page).
+        self.on_event: Callable[[dict[str, Any]], None] = lambda event: None
         self.parts = self._parts()
         # Its memory from its GGUF header, which the first load's parts have read (models/memory.py).
         self.estimate_mib = memory.estimate_mib(spec, self.parts.model_file)
@@ -257,9 +261,12 @@ class Model:
         old = self._lifecycle.move(new)
         log.info("model %s: %s -> %s%s", self.name, old.value, new.value, f" ({why})" if why else "")
         self.on_change()
+        self.on_event({"event": "model", "model": self.name, "from": old.value, "to": new.value, "why": why})
 
-    def _on_decoder(self, _child: Child, _old: ChildState, _new: ChildState, _why: str) -> None:
+    def _on_decoder(self, child: Child, old: ChildState, new: ChildState, why: str) -> None:
         self._wake.set()
+        event = {"event": "child", "model": self.name, "child": child.name, "from": old.value, "to": new.value}
+        self.on_event({**event, "why": why})
 
     async def _woken(self) -> None:
         await self._wake.wait()

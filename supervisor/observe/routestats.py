@@ -1,11 +1,19 @@
 """What the route lines add up to: counts per route and fallback, recent first-byte times, and the
-live feed ``onebitctl watch`` reads.  Fed by the front with every route line, exactly once each."""
+live feed ``onebitctl watch`` and the status page read.  Fed by the front with every route line,
+exactly once each, and by the models with their own and their decoders' transitions
+(:meth:`RouteStats.publish`).
+
+The feed is one set of subscribers, each a bounded memory channel: an event is handed to each with
+``send_nowait``, so no subscriber ever slows a request.  One that is full loses the event (``onebitctl
+watch``: it counts in ``watch_dropped``), or, where it asked so (the status page's feed), is closed
+and told at once (``watch_closed``): a slow reader is dropped, never buffered without limit."""
 
 from __future__ import annotations
 
 import statistics
+import time
 from collections import Counter, deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -17,6 +25,8 @@ from ..routeline import RequestOutcome, RouteLine
 RECENT = 200
 # A watcher that cannot keep up loses lines rather than slowing requests down.
 WATCH_BUFFER = 1024
+
+Event = dict[str, Any]  # {"event": "line" | "child" | "model", ...}: JSON as it goes on the wire
 
 
 @attrs.frozen
@@ -36,6 +46,13 @@ class RouteStatistics:
     first_byte: FirstByte
     watchers: int
     watch_dropped: int  # lines a watcher that could not keep up did not get
+    watch_closed: int  # watchers closed because they could not keep up (the status page's feeds)
+
+
+@attrs.frozen(eq=False)  # each one itself: hashed by identity
+class _Watcher:
+    send: trio.MemorySendChannel[Event]
+    on_full: Callable[[], None] | None  # None: lose the event; else close the watcher and call this
 
 
 class RouteStats:
@@ -44,8 +61,10 @@ class RouteStats:
         self.outcomes: Counter[str] = Counter()
         self.fallbacks: Counter[str] = Counter()
         self._first_byte: deque[float] = deque(maxlen=RECENT)
-        self._watchers: set[trio.MemorySendChannel[dict[str, Any]]] = set()
+        self._recent: deque[Event] = deque(maxlen=RECENT)  # the last route lines
+        self._watchers: set[_Watcher] = set()
         self.dropped = 0
+        self.closed = 0
 
     def record(self, line: RouteLine) -> None:
         self.routes[line.route] += 1
@@ -54,21 +73,39 @@ class RouteStats:
             self.fallbacks[line.fallback] += 1
         if line.first_byte_ms is not None and line.outcome == RequestOutcome.OK:
             self._first_byte.append(line.first_byte_ms)
-        if not self._watchers:
-            return
-        fields = line.fields()
+        ended = {"at": round(time.time(), 3), "line": line.fields()}  # at: its end, wall-clock seconds
+        self._recent.append(ended)
+        if self._watchers:
+            self.publish({"event": "line", **ended})
+
+    def recent(self) -> list[dict[str, Any]]:
+        """The last :data:`RECENT` route lines, ``{"at", "line"}``, oldest first (what a new status
+        page shows)."""
+        return list(self._recent)
+
+    def publish(self, event: Event) -> None:
+        """Hand ``event`` to every watcher now, without waiting for any."""
         for watcher in list(self._watchers):
             try:
-                watcher.send_nowait(fields)
+                watcher.send.send_nowait(event)
             except trio.WouldBlock:
-                self.dropped += 1
+                if watcher.on_full is None:
+                    self.dropped += 1
+                else:
+                    self._watchers.discard(watcher)
+                    watcher.send.close()
+                    self.closed += 1
+                    watcher.on_full()
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 self._watchers.discard(watcher)
 
-    def watch(self) -> trio.MemoryReceiveChannel[dict[str, Any]]:
-        """A feed of every route line from now on; close the channel to stop."""
-        send, receive = trio.open_memory_channel[dict[str, Any]](WATCH_BUFFER)
-        self._watchers.add(send)
+    def watch(
+        self, bound: int = WATCH_BUFFER, *, on_full: Callable[[], None] | None = None
+    ) -> trio.MemoryReceiveChannel[Event]:
+        """A feed of every event from now on, at most ``bound`` of them waiting; close the channel
+        to stop.  ``on_full``: a full feed is closed and this called (else it loses the event)."""
+        send, receive = trio.open_memory_channel[Event](bound)
+        self._watchers.add(_Watcher(send, on_full))
         return receive
 
     def first_byte(self) -> FirstByte:
@@ -86,4 +123,5 @@ class RouteStats:
             first_byte=self.first_byte(),
             watchers=len(self._watchers),
             watch_dropped=self.dropped,
+            watch_closed=self.closed,
         )

@@ -114,6 +114,7 @@ class DaemonStatistics:
     first_byte: FirstByte
     watchers: int
     watch_dropped: int
+    watch_closed: int = 0  # status page feeds dropped for not keeping up (0 from an older daemon)
     store: StoreStatistics | None = None  # the prefix store (None from a daemon that predates it)
     models: ModelsStatistics | None = None  # None from a daemon that predates several models
 

@@ -313,6 +313,7 @@ class Completions:
         line.decoder_prompt_n = timings.prompt_n
         line.decoder_prompt_ms = timings.prompt_ms
         line.cached_tokens = timings.cache_n
+        line.decoded_n, line.decode_ms = timings.predicted_n, timings.predicted_ms
         if line.prompt_tokens is None:
             line.prompt_tokens = timings.prompt_tokens()
 

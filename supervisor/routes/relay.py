@@ -49,6 +49,8 @@ class Timings:
     prompt_n: int | None = None  # prompt tokens it evaluated
     cache_n: int | None = None  # prompt tokens it reused from the slot's cache
     prompt_ms: float | None = None
+    predicted_n: int | None = None  # tokens it generated, and the time it took (timings.predicted_*)
+    predicted_ms: float | None = None
     usage_prompt_tokens: int | None = None
     # The decoder sent its stream's first bytes: llama-server answers only once the whole prompt is
     # evaluated, so the slot holds all of it from here on, whatever becomes of the reply.
@@ -70,6 +72,9 @@ class Timings:
                 self.cache_n = cache_n
             if isinstance(prompt_ms, int | float):
                 self.prompt_ms = float(prompt_ms)
+            predicted_n, predicted_ms = timings.get("predicted_n"), timings.get("predicted_ms")
+            if _is_int(predicted_n) and isinstance(predicted_ms, int | float):
+                self.predicted_n, self.predicted_ms = predicted_n, float(predicted_ms)
         usage = data.get("usage")
         for holder in ("message", "response"):  # Anthropic's message_start, Responses' response.completed
             inner = data.get(holder)

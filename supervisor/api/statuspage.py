@@ -1,0 +1,145 @@
+"""The status page: ``/onebit/`` and what it reads, served by the front on the API's own port.
+
+- ``GET /onebit/``, ``/onebit/page.css``, ``/onebit/page.js``: the page, files of this package
+  (supervisor/api/page/), fetched from nowhere else, so it works offline.  Answered without an API
+  key: with ``server.api_keys`` set the page asks for one and sends it on every fetch.
+- ``GET /onebit/status``: exactly what ``onebitctl status --json`` prints (the ``status`` verb's result).
+- ``GET /onebit/events``: server-sent events of the daemon's feed, the one ``onebitctl watch`` reads
+  (supervisor/observe/routestats.py): ``hello`` first (the last route lines, ``recent``), then
+  ``line`` (a route line's fields), ``child`` and ``model`` (transitions).  Each
+  reader has a bounded channel of its own; one that falls :data:`FEED_BOUND` events behind is
+  dropped at once (its response cut short), so a slow reader slows nothing and holds no memory
+  without limit.  At most :data:`MAX_FEEDS` are open at a time.
+
+Every answer under ``/onebit/`` carries :data:`HEADERS` (a Content-Security-Policy that lets the
+page load only its own files and talk only to onebitd) and no CORS header: the front leaves CORS
+out for these paths whatever ``server.cors_origins`` allows.  The page never shows a prompt's or a
+reply's text: none is in what it reads.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from contextlib import suppress
+from importlib import resources
+from typing import Any
+
+import trio
+
+from ..errors import ClientError
+from ..http.respond import Responder
+from ..http.server import HangUp
+from ..observe.routestats import Event, RouteStats
+from .access import check_method
+
+PREFIX = "/onebit/"
+
+# The page's own files and their types; nothing else is served from its folder.
+ASSETS = {
+    "": ("index.html", "text/html; charset=utf-8"),
+    "page.css": ("page.css", "text/css; charset=utf-8"),
+    "page.js": ("page.js", "text/javascript; charset=utf-8"),
+}
+# On every answer under /onebit/: the page runs only its own script (no inline one), loads only
+# its own files, talks only to onebitd, and is never framed.
+CSP = (
+    "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
+)
+HEADERS = [
+    ("Content-Security-Policy", CSP),
+    ("X-Content-Type-Options", "nosniff"),
+    ("X-Frame-Options", "DENY"),
+    ("Referrer-Policy", "no-referrer"),
+    ("Cache-Control", "no-store"),
+]
+# A feed reader may fall this many events behind before it is dropped: a route line is ~700 bytes
+# of JSON, so at most ~180 kB waits per reader, and a browser tab in the background (which still
+# reads its fetch streams) stays well inside it.
+FEED_BOUND = 256
+# Feeds open at once: each is a task and a channel; a page holds one.
+MAX_FEEDS = 32
+# A comment line on an idle feed, so a reader that went away is noticed by the write that fails,
+# and a proxy between does not time an idle stream out.
+HEARTBEAT_S = 15.0
+
+
+def is_page(path: str) -> bool:
+    return path == PREFIX.rstrip("/") or path.startswith(PREFIX)
+
+
+def asset(name: str) -> bytes:
+    return resources.files(__package__).joinpath("page", name).read_bytes()
+
+
+def sse(event: Event) -> bytes:
+    """One event of the feed, as server-sent events frame it: its kind, and its JSON on one line."""
+    return f"event: {event['event']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n".encode()
+
+
+class StatusPage:
+    """``status``: the status verb's result now; ``events``: the daemon's feed."""
+
+    def __init__(self, status: Callable[[], dict[str, Any]], events: RouteStats) -> None:
+        self.status = status
+        self.events = events
+        self.feeds = 0
+
+    @staticmethod
+    def needs_key(path: str) -> bool:
+        """The data need the API key; the page's own files do not (it asks for the key)."""
+        return path in (PREFIX + "status", PREFIX + "events")
+
+    async def answer(
+        self, method: str, path: str, out: Responder, hang_up: HangUp | None, stopping: Callable[[], Awaitable[None]]
+    ) -> None:
+        """``stopping``: returns when the front stops (an open feed ends then)."""
+        if path == PREFIX.rstrip("/"):
+            await out.whole(308, b"", "text/plain", [("Location", PREFIX)])
+            return
+        name = path.removeprefix(PREFIX)
+        if name not in (*ASSETS, "status", "events"):
+            raise ClientError(404, "not_found", f"no such endpoint: {path}")
+        check_method(method, "GET", "HEAD")
+        if name == "status":
+            await out.json(200, self.status())
+        elif name == "events":
+            await self.feed(out, hang_up, stopping)
+        else:
+            file, content_type = ASSETS[name]
+            await out.whole(200, asset(file), content_type)
+
+    async def feed(self, out: Responder, hang_up: HangUp | None, stopping: Callable[[], Awaitable[None]]) -> None:
+        """Until the reader goes, falls behind (cut short: the server closes the connection), or the
+        front stops (ended)."""
+        if self.feeds >= MAX_FEEDS:
+            raise ClientError(503, "too_many_feeds", f"{MAX_FEEDS} status page feeds are open already")
+        self.feeds += 1
+        try:
+            async with trio.open_nursery() as nursery:
+                scope = nursery.cancel_scope
+
+                def gone(_why: str) -> None:
+                    scope.cancel()
+
+                async def stop() -> None:
+                    await stopping()
+                    scope.cancel()
+
+                nursery.start_soon(stop)
+                if hang_up is not None:
+                    hang_up.watch(gone)
+                try:
+                    with self.events.watch(FEED_BOUND, on_full=scope.cancel) as receive, suppress(trio.EndOfChannel):
+                        await out.start(200, [("Content-Type", "text/event-stream")])
+                        await out.body(sse({"event": "hello", "recent": self.events.recent()}), more=True)
+                        while True:
+                            with trio.move_on_after(HEARTBEAT_S) as idle:
+                                event = await receive.receive()
+                            await out.body(b": idle\n\n" if idle.cancelled_caught else sse(event), more=True)
+                finally:
+                    if hang_up is not None:
+                        hang_up.unwatch(gone)
+        finally:
+            self.feeds -= 1
