@@ -1,0 +1,227 @@
+"""The status page (``/onebit/``) in a real browser against a real onebitd on the real decoder.
+
+Debian's chromium (scripts/setup installs it when run as root) runs headless, driven by Playwright for
+Python pointed at it: Playwright downloads no browser of its own.  Playwright's sync API runs in a
+worker thread (it keeps its own event loop); what the test does to onebitd meanwhile (a chat
+request, killing the decoder) it asks of this trio run through ``trio.from_thread``.
+
+Every request the page makes is checked: one to any host but onebitd's fails the test, and so does a
+console error (a script error, a refused Content-Security-Policy, a failed load).  A screenshot is
+kept in the test's tmp path; with ``ONEBIT_DOCS_SCREENSHOT=1`` the run also refreshes
+docs/status-page.png, the one docs/operations.md shows.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+import trio
+
+from supervisor.testing import Running
+
+from .rig import make_config, real_llama_server, run_daemon
+
+pytestmark = pytest.mark.real
+
+# Small enough for a 2-core machine shared with other suites.
+MODEL = {"parallel": 2, "ctx_size": 2048}
+DEADLINE_S = 180  # loading SmolLM2 takes about a second; a loaded 2-core machine can take a minute
+STEP_MS = 30_000  # Playwright's bound on each wait (a page load, a row, a state)
+# A row appears within this long of its route line: the feed sends the line as it is logged.
+ROW_WITHIN_S = 1.0
+KEY = "status-page-key"
+DOCS_SHOT = Path(__file__).parent.parent / "docs" / "status-page.png"
+
+
+def chromium() -> str:
+    """Debian's chromium binary (its /usr/bin/chromium is a shell wrapper); skip without it."""
+    for path in ("/usr/lib/chromium/chromium", shutil.which("chromium") or ""):
+        if path and os.access(path, os.X_OK):
+            return path
+    pytest.skip("no chromium: scripts/setup installs Debian's chromium when run as root (apt-get install chromium)")
+
+
+def sync_playwright() -> Any:
+    try:
+        from playwright.sync_api import sync_playwright as start
+    except ImportError:
+        pytest.skip("no playwright: pip install -c constraints.txt -e '.[test]'")
+    return start()
+
+
+class Browser:
+    """One headless chromium page on onebitd's page, with every request and console error noted."""
+
+    def __init__(self, playwright: Any, executable: str, url: str) -> None:
+        self.origin = "{0.scheme}://{0.netloc}".format(urlsplit(url))
+        self.browser = playwright.chromium.launch(executable_path=executable, headless=True, args=["--no-sandbox"])
+        self.context = self.browser.new_context(viewport={"width": 1500, "height": 1100})
+        self.errors: list[str] = []
+        self.foreign: list[str] = []
+        self.requests: list[str] = []
+        # Every request that is not to onebitd fails (and is noted): the page works offline.
+        self.context.route(lambda u: not u.startswith(self.origin + "/"), self._refuse)
+        self.page = self.context.new_page()
+        self.page.set_default_timeout(STEP_MS)
+        self.page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
+        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
+        self.page.on("request", lambda r: self.requests.append(r.url))
+
+    def _refuse(self, route: Any) -> None:
+        self.foreign.append(route.request.url)
+        route.abort()
+
+    def open(self) -> None:
+        self.page.goto(self.origin + "/onebit/")
+
+    def close(self) -> None:
+        self.context.close()
+        self.browser.close()
+
+    def assert_clean(self) -> None:
+        assert self.foreign == []
+        assert self.errors == []
+        assert self.requests
+        assert all(url.startswith(self.origin + "/onebit/") for url in self.requests), self.requests
+
+
+async def in_browser(running: Running, script: Callable[[Browser], None]) -> None:
+    executable = chromium()
+    playwright = sync_playwright()
+
+    def run() -> None:
+        with playwright as p:
+            browser = Browser(p, executable, running.url)
+            try:
+                script(browser)
+            finally:
+                browser.close()
+
+    await trio.to_thread.run_sync(run)
+
+
+async def chat(running: Running, text: str, headers: dict[str, str] | None = None) -> None:
+    body = {"messages": [{"role": "user", "content": text}], "max_tokens": 8, "temperature": 0}
+    async with httpx.AsyncClient(base_url=running.url, timeout=DEADLINE_S) as client:
+        reply = await client.post("/v1/chat/completions", json=body, headers=headers)
+        assert reply.status_code == 200, reply.text
+
+
+async def chat_line(running: Running, text: str) -> dict[str, Any]:
+    """Send a chat request; its route line as the feed gave it (``at``: when it was logged)."""
+    with running.daemon.route_stats.watch() as feed:
+        await chat(running, text)
+        async for event in feed:
+            if event["event"] == "line":
+                return event
+    raise AssertionError("the feed ended")
+
+
+async def status(running: Running, headers: dict[str, str] | None = None) -> dict[str, Any]:
+    async with httpx.AsyncClient(base_url=running.url, timeout=DEADLINE_S) as client:
+        reply = await client.get("/onebit/status", headers=headers)
+        assert reply.status_code == 200
+        result: dict[str, Any] = reply.json()
+        return result
+
+
+def state_of(page: Any, child: str) -> str:
+    text: str = page.inner_text(f'#children tr[data-child="{child}"] .state')
+    return text
+
+
+async def test_the_page_shows_requests_as_they_end_and_a_killed_decoder_restarting(short_dir: Path) -> None:
+    real_llama_server()
+    config = make_config(short_dir, model=MODEL, hybrid={"enabled": False})
+    with trio.fail_after(DEADLINE_S):
+        async with run_daemon(config) as running:
+            await chat(running, "Say hello.")  # a request before the page opens: the feed's hello has it
+            seen: dict[str, float] = {}
+
+            def script(browser: Browser) -> None:
+                page = browser.page
+                browser.open()
+                page.wait_for_selector("#main:not([hidden])")
+                page.wait_for_selector("#feed.up")
+                assert page.is_hidden("#key")
+                assert state_of(page, "decoder") == "ready"
+                assert page.locator("#requests tbody tr").count() == 1
+                # A chat request sent now shows in the table within a second of its route line.
+                ended = trio.from_thread.run(chat_line, running, "Name a colour.")
+                row = f'#requests tr[data-req="{ended["line"]["req"]}"]'
+                page.wait_for_selector(row, timeout=ROW_WITHIN_S * 1000)
+                seen["row_after_s"] = time.time() - ended["at"]
+                assert page.inner_text(f"{row} .route") == "plain"
+                assert page.inner_text(f"{row} .outcome") == "ok"
+                # The decoder killed by its pid, from the status the page reads: restarting, then ready.
+                pid = trio.from_thread.run(status, running)["models"]["models"][0]["pid"]
+                os.kill(pid, signal.SIGKILL)
+                page.wait_for_function(
+                    """() => ["backoff", "starting"].includes(
+                        document.querySelector('#children tr[data-child="decoder"] .state')?.textContent)""",
+                    polling="raf",
+                )
+                seen["restarting"] = 1
+                page.wait_for_function(
+                    """() => document.querySelector('#children tr[data-child="decoder"] .state')
+                        ?.textContent === "ready" """
+                )
+                trio.from_thread.run(chat, running, "Count to three.")
+                page.wait_for_selector("#requests tbody tr:nth-child(3)")
+                assert page.inner_text('#children tr[data-child="decoder"] td:nth-child(4)') == "1"  # restarts
+                # The plots drew each request that ended well.
+                assert page.locator("#plot-scatter circle").count() == 3
+                assert page.locator("#plot-decode circle").count() == 3
+                # Never a prompt's or a reply's text.
+                assert "colour" not in page.content()
+                shot = short_dir / "status-page.png"
+                page.screenshot(path=str(shot), full_page=True)
+                if os.environ.get("ONEBIT_DOCS_SCREENSHOT"):
+                    shutil.copyfile(shot, DOCS_SHOT)
+                browser.assert_clean()
+
+            await in_browser(running, script)
+    assert seen["row_after_s"] < ROW_WITHIN_S
+    assert seen["restarting"] == 1
+    assert (short_dir / "status-page.png").stat().st_size > 10_000
+
+
+async def test_with_api_keys_the_page_shows_only_the_key_prompt_until_given_the_key(short_dir: Path) -> None:
+    real_llama_server()
+    config = make_config(short_dir, model=MODEL, hybrid={"enabled": False}, server={"api_keys": [KEY]})
+    with trio.fail_after(DEADLINE_S):
+        async with run_daemon(config) as running:
+
+            def script(browser: Browser) -> None:
+                page = browser.page
+                browser.open()
+                page.wait_for_selector("#key:not([hidden])")
+                assert page.is_hidden("#main")
+                assert page.locator("#children tbody tr").count() == 0  # nothing of the daemon's shown
+                page.fill("#key-input", "a wrong key")
+                page.click("#key-form button")
+                page.wait_for_selector("#key-error:text('that key was refused')")
+                assert page.is_hidden("#main")
+                page.fill("#key-input", KEY)
+                page.click("#key-form button")
+                page.wait_for_selector("#main:not([hidden])")
+                page.wait_for_selector("#feed.up")
+                assert page.is_hidden("#key")
+                assert state_of(page, "decoder") == "ready"
+                # The key was sent as a header, never in a URL.
+                assert not [url for url in browser.requests if KEY in url]
+                # The 401s the page met while it had no key (or a wrong one) are console errors of
+                # the browser's; no other error, and no request outside onebitd.
+                browser.errors[:] = [e for e in browser.errors if "401" not in e]
+                browser.assert_clean()
+
+            await in_browser(running, script)
