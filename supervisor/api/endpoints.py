@@ -18,6 +18,7 @@ A path not here is answered 404; a known path asked with another method, 405.  `
 the routes of llama-server's table that onebitd does not serve, and why.  What the front does with a
 path beyond its kind is an endpoint's field too (``public``: no API key asked; ``listing``: onebitd's
 own model list; ``gated``: only with ``server.slots_endpoint``), so the front compares no path itself.
+The status page's paths are :data:`PAGE` and those below it (:func:`page_name`).
 """
 
 from __future__ import annotations
@@ -192,3 +193,15 @@ def lookup(path: str) -> dict[str, Endpoint] | None:
     if path.startswith("/slots/"):
         return {"POST": _SLOT_ACTIONS}
     return ROUTES.get(path)
+
+
+# The status page's paths (supervisor/api/statuspage.py answers them): its own files and its data.
+PAGE = "/onebit/"
+
+
+def page_name(path: str) -> str | None:
+    """What a status page path asks for under :data:`PAGE` ("" for the page itself, which
+    ``/onebit`` is too); None for a path not under it."""
+    if path == PAGE.rstrip("/"):
+        return ""
+    return path.removeprefix(PAGE) if path.startswith(PAGE) else None

@@ -31,12 +31,12 @@ from ..observe.status import FrontStatistics, InflightStatistics
 from ..routeline import RequestOutcome, RouteLine
 from . import access, hangup, relayed, statuspage
 from .access import Access
-from .endpoints import Endpoint, Kind, Local, local_endpoint, lookup, public
+from .endpoints import Endpoint, Kind, Local, local_endpoint, lookup, page_name, public
 from .hangup import CONVERSATION_HEADER, Watch
 from .local import Answers, ProviderReadiness
 from .predict import Predict
 from .serving import One, Router, Served
-from .statuspage import StatusPage, is_page
+from .statuspage import StatusPage
 from .vertex import Vertex
 
 __all__ = ["Front", "InflightRequest", "One", "ProviderReadiness", "Router", "Served"]
@@ -192,8 +192,9 @@ class Front:
         path: str = scope["path"]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         self._access.update(self.server)
-        if is_page(path):
-            await self._page(method, path, scope, headers, Responder(send, started, statuspage.HEADERS))
+        page = page_name(path)
+        if page is not None:
+            await self._page(method, page, scope, headers, Responder(send, started, statuspage.HEADERS))
             return
         cors = self._access.cors
         out = Responder(send, started, cors.headers(headers.get("origin")), anthropic=speaks_anthropic(path))
@@ -229,16 +230,16 @@ class Front:
                 await out.error(exc.status, exc.code, exc.public, retry_after=self._retry_after(exc))
 
     async def _page(
-        self, method: str, path: str, scope: dict[str, Any], headers: dict[str, str], out: Responder
+        self, method: str, name: str, scope: dict[str, Any], headers: dict[str, str], out: Responder
     ) -> None:
         """The status page and its data: the API's Host and key rules and its error shape, and no
         CORS header whatever server.cors_origins allows (its data are for onebitd's own page only)."""
         try:
             self._access.check_host(headers)
             if self.page is None:
-                raise ClientError(404, "not_found", f"no such endpoint: {path}")
-            self._access.check_caller(method, not self.page.needs_key(path), headers)
-            await self.page.answer(method, path, out, hangup.hang_up_of(scope), self._shutdown.wait)
+                raise ClientError(404, "not_found", f"no such endpoint: {scope['path']}")
+            self._access.check_caller(method, not self.page.needs_key(name), headers)
+            await self.page.answer(method, name, out, hangup.hang_up_of(scope), self._shutdown.wait)
         except ClientError as exc:
             if not out.started:
                 await out.error(exc.status, exc.code, exc.message, retry_after=exc.retry_after)

@@ -1,6 +1,6 @@
 """The status page: ``/onebit/`` and what it reads, served by the front on the API's own port.
 
-- ``GET /onebit/``, ``/onebit/page.css``, ``/onebit/page.js``: the page, files of this package
+- ``GET /onebit/`` (and ``/onebit``), ``/onebit/page.css``, ``/onebit/page.js``: the page, files of this package
   (supervisor/api/page/), fetched from nowhere else, so it works offline.  Answered without an API
   key: with ``server.api_keys`` set the page asks for one and sends it on every fetch.
 - ``GET /onebit/status``: exactly what ``onebitctl status --json`` prints (the ``status`` verb's result).
@@ -32,8 +32,7 @@ from ..http.respond import Responder
 from ..http.server import HangUp
 from ..observe.routestats import Event, RouteStats
 from .access import check_method
-
-PREFIX = "/onebit/"
+from .endpoints import PAGE
 
 # The page's own files and their types; nothing else is served from its folder.
 ASSETS = {
@@ -41,6 +40,7 @@ ASSETS = {
     "page.css": ("page.css", "text/css; charset=utf-8"),
     "page.js": ("page.js", "text/javascript; charset=utf-8"),
 }
+DATA = ("status", "events")  # what the page reads; the API key's, where one is set
 # On every answer under /onebit/: the page runs only its own script (no inline one), loads only
 # its own files, talks only to onebitd, and is never framed.
 CSP = (
@@ -65,10 +65,6 @@ MAX_FEEDS = 32
 HEARTBEAT_S = 15.0
 
 
-def is_page(path: str) -> bool:
-    return path == PREFIX.rstrip("/") or path.startswith(PREFIX)
-
-
 def asset(name: str) -> bytes:
     return resources.files(__package__).joinpath("page", name).read_bytes()
 
@@ -87,20 +83,22 @@ class StatusPage:
         self.feeds = 0
 
     @staticmethod
-    def needs_key(path: str) -> bool:
+    def needs_key(name: str) -> bool:
         """The data need the API key; the page's own files do not (it asks for the key)."""
-        return path in (PREFIX + "status", PREFIX + "events")
+        return name in DATA
 
     async def answer(
-        self, method: str, path: str, out: Responder, hang_up: HangUp | None, stopping: Callable[[], Awaitable[None]]
+        self,
+        method: str,
+        name: str,
+        out: Responder,
+        hang_up: HangUp | None,
+        stopping: Callable[[], Awaitable[None]],
     ) -> None:
-        """``stopping``: returns when the front stops (an open feed ends then)."""
-        if path == PREFIX.rstrip("/"):
-            await out.whole(308, b"", "text/plain", [("Location", PREFIX)])
-            return
-        name = path.removeprefix(PREFIX)
-        if name not in (*ASSETS, "status", "events"):
-            raise ClientError(404, "not_found", f"no such endpoint: {path}")
+        """``name``: the path under /onebit/ (supervisor/api/endpoints.py's ``page_name``);
+        ``stopping`` returns when the front stops (an open feed ends then)."""
+        if name not in ASSETS and name not in DATA:
+            raise ClientError(404, "not_found", f"no such endpoint: {PAGE}{name}")
         check_method(method, "GET", "HEAD")
         if name == "status":
             await out.json(200, self.status())
