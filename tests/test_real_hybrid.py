@@ -251,6 +251,10 @@ async def test_with_kv_share_on_a_stock_llama_server_refuses_and_every_request_t
             # Another binary than the decoder's: admitted by its start-time fidelity check first.
             await provider.wait_settled()
             assert provider.ready
+            # The verdict it was admitted with is in its statistics (onebitctl status, the status page).
+            admitted = provider.statistics().admitted
+            assert admitted is not None
+            assert admitted.startswith("next-token TV distance over ")
             expected = [
                 (
                     await plain_reply(

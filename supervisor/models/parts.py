@@ -229,6 +229,8 @@ class Parts:
         if not verdict.ok:
             return f"{verdict.summary()}: over the bound"
         log.info("%s: admitted in %.1fs: %s", provider.name, trio.current_time() - started, verdict.summary())
+        if isinstance(provider, LlamaServerProvider):
+            provider.admitted = verdict.summary()  # onebitctl status and the status page show it
         return None
 
     async def after_start(self, store_enabled: bool) -> None:

@@ -156,6 +156,7 @@ class JobCounts:
         engine: str | None = None,
         device: str | None = None,
         refused: str | None = None,
+        admitted: str | None = None,
     ) -> ProviderStatistics:
         """A provider's snapshot; ``child``: its supervised child's statistics, if it has one."""
         return ProviderStatistics(
@@ -169,6 +170,7 @@ class JobCounts:
             engine=engine,
             device=device,
             refused=refused,
+            admitted=admitted,
         )
 
 
@@ -188,6 +190,9 @@ class ProviderStatistics:
     # Why it takes no jobs although it runs: its device is not there, or its replies are too far from
     # the decoder's (supervisor/routes/fidelity.py).  Set once, at start.
     refused: str | None = None
+    # The start-time check's verdict it was admitted with (its fidelity distances); None where no
+    # check ran (the ggml engine's handoffs are exact, no hybrid route) or it was refused.
+    admitted: str | None = None
 
 
 class Provider(Protocol):

@@ -69,6 +69,7 @@ class LlamaServerProvider:
         self.gate = gate
         self.refused: str | None = None
         self._admitted = gate is None
+        self.admitted: str | None = None  # the gate's verdict, where it admitted it (its words)
         # Its first start is over (admitted, refused, or that start failed): wait_settled.
         self._settled = trio.Event()
         # engine "auto" that found OpenVINO goes on with ggml when OpenVINO is refused.
@@ -287,4 +288,5 @@ class LlamaServerProvider:
             engine=self.engine,
             device=self.device,
             refused=self.refused,
+            admitted=self.admitted,
         )

@@ -212,6 +212,7 @@ class Tenant:
             engine=stats.engine,
             device=stats.device,
             refused=stats.refused,
+            admitted=stats.admitted,
         )
 
     async def run(self, *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:

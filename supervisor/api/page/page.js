@@ -193,7 +193,8 @@ function renderStatus() {
     cell(row, p.device);
     cell(row, p.jobs);
     cell(row, p.failures);
-    cell(row, p.refused ? "refused: " + p.refused : "admitted", p.refused ? "state-refused" : "state-admitted");
+    const verdict = p.refused ? "refused: " + p.refused : p.admitted ? "admitted: " + p.admitted : "admitted";
+    cell(row, verdict, "wrap " + (p.refused ? "state-refused" : "state-admitted"));
   });
   fill("models", models, (row, m) => {
     row.dataset.model = m.name;
