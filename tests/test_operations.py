@@ -71,6 +71,7 @@ async def test_status_answers_while_the_decoder_loads_then_while_it_serves(short
         "affinity_misses": 0,
         "keep_waits": 0,
         "keep_waiting": 0,
+        "each": [{"slot": 0, "state": "free", "tokens": None}, {"slot": 1, "state": "free", "tokens": None}],
     }
     for key in ("routes", "fallbacks", "first_byte", "inflight", "providers"):
         assert key in serving

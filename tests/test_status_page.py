@@ -24,7 +24,7 @@ from supervisor.admin import verbs as admin
 from supervisor.api import statuspage
 from supervisor.testing import Running
 
-from .helpers import CHAT, assert_envelope, chat, client_for, open_raw, receive_until
+from .helpers import CHAT, assert_envelope, chat, client_for, open_raw, receive_until, wait_until
 from .rig import Control, fake_decoder_config, run_daemon
 
 TIMEOUT = 20  # seconds; a test that needs more is stuck, not slow
@@ -138,6 +138,24 @@ async def test_onebit_status_is_what_the_status_verb_answers(short_dir: Path, co
     assert page["daemon"].pop("uptime_s") <= verb["daemon"].pop("uptime_s")
     assert page == verb
     assert page["routes"] == {"plain": 1}
+
+
+async def test_status_says_each_slots_state_and_the_count_of_tokens_it_holds(short_dir: Path, control: Control) -> None:
+    # A prompt the prefix store may keep (cache.min_tokens) is tokenized: its slot's count is known.
+    config = fake_decoder_config(short_dir, cache={"min_tokens": 4})
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(config) as running, client_for(running) as client:
+            assert (await client.post(CHAT, json=chat("a prompt the store may keep"))).status_code == 200
+            slots = running.daemon.models.default.parts.slots
+            # Its slot is kept until the store has saved it (off the request's path), then free.
+            await wait_until(lambda: all(s.state == "free" for s in slots.statistics().each))
+            page = (await client.get(PAGE + "status")).json()
+            prompt_tokens = running.daemon.route_stats.recent()[-1]["line"]["prompt_tokens"]
+    [model] = page["models"]["models"]
+    each = model["slots"]["each"]
+    assert [(s["slot"], s["state"]) for s in each] == [(0, "free"), (1, "free")]
+    assert sorted((s["tokens"] for s in each), key=lambda n: n or 0) == [None, prompt_tokens]
+    assert page["slots"]["each"] == each  # one model: the daemon's slots are its own
 
 
 async def test_the_feed_says_hello_with_the_last_lines_then_sends_each_route_line_as_it_ends(

@@ -69,6 +69,17 @@ def shared(held: PromptKey, wanted: PromptKey) -> tuple[int, bool]:
 
 
 @attrs.frozen
+class SlotHolding:
+    """One slot: ``free``, ``busy`` (a request holds it), or ``kept`` (its request has answered and
+    holds on only to save it to the prefix store); ``tokens``: the prompt tokens its cache holds, as
+    far as onebitd knows (None: not known).  A count, never the tokens."""
+
+    slot: int
+    state: str
+    tokens: int | None
+
+
+@attrs.frozen
 class SlotStatistics:
     total: int
     busy: int
@@ -81,6 +92,7 @@ class SlotStatistics:
     # Requests that waited for their conversation's slot while it was being saved, and those waiting now.
     keep_waits: int = 0
     keep_waiting: int = 0
+    each: tuple[SlotHolding, ...] = ()  # slot by slot (several models' pools merged: none; see each model's)
 
 
 class SlotPool:
@@ -116,7 +128,13 @@ class SlotPool:
             affinity_misses=self._misses,
             keep_waits=self._keep_waits,
             keep_waiting=self._keep_waiting,
+            each=tuple(self._holding(slot) for slot in range(self.n_slots)),
         )
+
+    def _holding(self, slot: int) -> SlotHolding:
+        state = "kept" if slot in self._keeping else "free" if slot in self._free else "busy"
+        tokens = self._held[slot].tokens
+        return SlotHolding(slot, state, None if tokens is None else len(tokens))
 
     def holds(self, slot: int) -> PromptKey:
         """The prompt the slot was last given (what its cache holds, as far as we know)."""

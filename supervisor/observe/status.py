@@ -123,7 +123,7 @@ def merged_slots(pools: list[SlotStatistics]) -> SlotStatistics:
     """Every model's slots as one pool (one model: its own, unchanged)."""
     if len(pools) == 1:
         return pools[0]
-    fields = [f.name for f in attrs.fields(SlotStatistics) if f.name != "queue_limit"]
+    fields = [f.name for f in attrs.fields(SlotStatistics) if f.name not in ("queue_limit", "each")]
     sums = {name: sum(getattr(pool, name) for pool in pools) for name in fields}
     return SlotStatistics(**sums, queue_limit=pools[0].queue_limit)
 

@@ -217,6 +217,8 @@ function renderStatus() {
     cell(row, `${s.queued} / ${s.queue_limit}`);
     cell(row, s.keep_waiting);
     cell(row, `${s.affinity_hits} / ${s.affinity_hits + s.affinity_misses}`);
+    const each = (s.each || []).map((h) => `#${h.slot} ${h.state} ${h.tokens === null ? "?" : h.tokens}`);
+    cell(row, each.join(" · "), "each");
   });
   fill("store", models.filter((m) => m.store), (row, m) => {
     const s = m.store;
