@@ -36,7 +36,6 @@ from .hangup import CONVERSATION_HEADER, Watch
 from .local import Answers, ProviderReadiness
 from .predict import Predict
 from .serving import One, Router, Served
-from .statuspage import StatusPage
 from .vertex import Vertex
 
 __all__ = ["Front", "InflightRequest", "One", "ProviderReadiness", "Router", "Served"]
@@ -73,7 +72,6 @@ class Front:
         metrics: Callable[[], bytes] | None = None,
         providers: Callable[[], ProviderReadiness] = ProviderReadiness,
         vertex: Vertex | None = None,
-        page: StatusPage | None = None,
     ) -> None:
         """``server``: the settings, or where to read them at each request (the daemon's one config,
         swapped whole by a reload; the bind address and port are read once, by :meth:`bind`).
@@ -91,7 +89,7 @@ class Front:
         self._http_server: HttpServer | None = None
         self.answers = Answers(models, providers, metrics, self._server)
         self.predict = Predict(self)
-        self.page = page  # /onebit/ (supervisor/api/statuspage.py); None: those paths are 404
+        self.page: statuspage.StatusPage | None = None  # /onebit/, the daemon's; None: those paths are 404
         # Vertex AI's routes, where onebitd's environment asks for them (AIP_MODE=PREDICTION).
         self._extra: dict[str, dict[str, Endpoint]] = {}
         if vertex is not None:
@@ -192,9 +190,8 @@ class Front:
         path: str = scope["path"]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         self._access.update(self.server)
-        page = page_name(path)
-        if page is not None:
-            await self._page(method, page, scope, headers, Responder(send, started, statuspage.HEADERS))
+        if (name := page_name(path)) is not None:  # /onebit/: the API's Host and key rules, no CORS
+            await statuspage.serve(self.page, self._access, name, scope, headers, send, started, self._shutdown.wait)
             return
         cors = self._access.cors
         out = Responder(send, started, cors.headers(headers.get("origin")), anthropic=speaks_anthropic(path))
@@ -228,21 +225,6 @@ class Front:
                 log.info("%s %s: %s", method, path, exc.message)
             if not out.started:
                 await out.error(exc.status, exc.code, exc.public, retry_after=self._retry_after(exc))
-
-    async def _page(
-        self, method: str, name: str, scope: dict[str, Any], headers: dict[str, str], out: Responder
-    ) -> None:
-        """The status page and its data: the API's Host and key rules and its error shape, and no
-        CORS header whatever server.cors_origins allows (its data are for onebitd's own page only)."""
-        try:
-            self._access.check_host(headers)
-            if self.page is None:
-                raise ClientError(404, "not_found", f"no such endpoint: {scope['path']}")
-            self._access.check_caller(method, not self.page.needs_key(name), headers)
-            await self.page.answer(method, name, out, hangup.hang_up_of(scope), self._shutdown.wait)
-        except ClientError as exc:
-            if not out.started:
-                await out.error(exc.status, exc.code, exc.message, retry_after=exc.retry_after)
 
     async def _dispatch(
         self,

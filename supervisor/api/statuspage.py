@@ -28,11 +28,12 @@ from typing import Any
 import trio
 
 from ..errors import ClientError
-from ..http.respond import Responder
+from ..http.respond import Responder, Send
 from ..http.server import HangUp
 from ..observe.routestats import Event, RouteStats
-from .access import check_method
+from .access import Access, check_method
 from .endpoints import PAGE
+from .hangup import hang_up_of
 
 # The page's own files and their types; nothing else is served from its folder.
 ASSETS = {
@@ -141,3 +142,30 @@ class StatusPage:
                         hang_up.unwatch(gone)
         finally:
             self.feeds -= 1
+
+
+async def serve(
+    page: StatusPage | None,
+    access: Access,
+    name: str,
+    scope: dict[str, Any],
+    headers: dict[str, str],
+    send: Send,
+    started: float,
+    stopping: Callable[[], Awaitable[None]],
+) -> None:
+    """A request under /onebit/ (``name``: the rest of its path), as the front hands it over: the
+    API's Host and key rules and its error envelope, :data:`HEADERS` on every answer, and no CORS
+    header whatever server.cors_origins allows (these data are for onebitd's own page only).
+    ``page`` None: a front without one (tests' fronts), where every such path is 404."""
+    out = Responder(send, started, HEADERS)
+    method: str = scope["method"]
+    try:
+        access.check_host(headers)
+        if page is None:
+            raise ClientError(404, "not_found", f"no such endpoint: {scope['path']}")
+        access.check_caller(method, not page.needs_key(name), headers)
+        await page.answer(method, name, out, hang_up_of(scope), stopping)
+    except ClientError as exc:
+        if not out.started:
+            await out.error(exc.status, exc.code, exc.message, retry_after=exc.retry_after)

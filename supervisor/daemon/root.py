@@ -106,8 +106,8 @@ class Daemon:
             # Vertex AI sets AIP_MODE=PREDICTION in the container: onebitd answers its routes, as
             # llama-server does under it (supervisor/api/vertex.py).
             vertex=Vertex.from_environ(os.environ),
-            page=StatusPage(lambda: to_wire(self.statistics()), self.route_stats),
         )
+        self.front.page = StatusPage(lambda: to_wire(self.statistics()), self.route_stats)
         self.admin = AdminServer(self, self.runtime_dir / locate.ADMIN_SOCKET)
         self.stores = Stores()  # each model's prefix store, opened by Model.run
         self._stop = trio.Event()

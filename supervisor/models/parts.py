@@ -229,7 +229,7 @@ class Parts:
         if not verdict.ok:
             return f"{verdict.summary()}: over the bound"
         log.info("%s: admitted in %.1fs: %s", provider.name, trio.current_time() - started, verdict.summary())
-        if isinstance(provider, LlamaServerProvider):
+        if isinstance(provider, LlamaServerProvider | ExecProvider | WorkerProvider):
             provider.admitted = verdict.summary()  # onebitctl status and the status page show it
         return None
 

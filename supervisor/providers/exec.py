@@ -47,6 +47,7 @@ class ExecProvider:
         self.gate = gate
         self.refused: str | None = None
         self._admitted = gate is None
+        self.admitted: str | None = None  # the gate's verdict, where it admitted it (its words)
         self._settled = trio.Event()
 
     @property
@@ -127,4 +128,6 @@ class ExecProvider:
         return parse_claim(last)
 
     def statistics(self) -> ProviderStatistics:
-        return self.counts.statistics(self.name, self.kind, ready=self.ready, refused=self.refused)
+        return self.counts.statistics(
+            self.name, self.kind, ready=self.ready, refused=self.refused, admitted=self.admitted
+        )

@@ -152,6 +152,7 @@ class WorkerProvider:
         self.gate = gate
         self.refused: str | None = None
         self._admitted = gate is None
+        self.admitted: str | None = None  # the gate's verdict, where it admitted it (its words)
         self._checked = trio.Event()  # the gate's verdict is in (or there is no gate)
         if gate is None:
             self._checked.set()
@@ -307,6 +308,7 @@ class WorkerProvider:
             await life.send({"cancel": job_id})
 
     def statistics(self) -> ProviderStatistics:
+        child = self.child.statistics()
         return self.counts.statistics(
-            self.name, self.kind, ready=self.ready, child=self.child.statistics(), refused=self.refused
+            self.name, self.kind, ready=self.ready, child=child, refused=self.refused, admitted=self.admitted
         )
