@@ -259,6 +259,10 @@ async def test_with_api_keys_the_data_need_the_key_and_the_page_does_not(short_d
                 assert (await anext(events))["event"] == "hello"
             for path in ("", "page.js", "page.css"):
                 assert (await client.get(PAGE + path)).status_code == 200
+            # A HEAD of the feed is answered with its head, and needs the key as its GET does.
+            assert (await client.head(PAGE + "events")).status_code == 401
+            head = await client.head(PAGE + "events", headers=KEY)
+            assert (head.status_code, head.headers["content-type"]) == (200, "text/event-stream")
 
 
 async def test_no_cors_header_on_onebit_paths_even_for_an_origin_the_api_allows(

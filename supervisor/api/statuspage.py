@@ -103,6 +103,8 @@ class StatusPage:
         check_method(method, "GET", "HEAD")
         if name == "status":
             await out.json(200, self.status())
+        elif name == "events" and method == "HEAD":
+            await out.whole(200, b"", "text/event-stream")  # its head only: a feed has no end to wait for
         elif name == "events":
             await self.feed(out, hang_up, stopping)
         else:
