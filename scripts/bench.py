@@ -397,6 +397,11 @@ def overhead_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="print one stream round per side as a per-request timeline (runs onebitd inline)",
     )
+    parser.add_argument(
+        "--page-feed",
+        action="store_true",
+        help="keep the status page's feed (/onebit/events) open and read throughout, as an open page does",
+    )
 
 
 def cpu_list(text: str) -> tuple[int, ...]:
@@ -596,12 +601,36 @@ async def overhead(args: argparse.Namespace) -> int:
         await print_setup(args, config, ctx_size)
         log_path = Path(args.log) if args.log else runtime_dir / "onebitd.log"
         with log_path.open("w") as log:
-            async with open_target(args, config, runtime_dir, log) as target:
+            async with open_target(args, config, runtime_dir, log) as target, trio.open_nursery() as nursery:
+                feed = PageFeed()
+                if args.page_feed:
+                    await nursery.start(feed.read, target.front)
                 measured = await measure(args, target, short, streams)
+                nursery.cancel_scope.cancel()
+            if args.page_feed:
+                print(f"page feed: open throughout, {feed.events} events read ({feed.lines} route lines)")
     finally:
         shutil.rmtree(runtime_dir, ignore_errors=True)
     report_overhead(args, measured)
     return 0
+
+
+@attrs.define
+class PageFeed:
+    """The status page's feed read as an open page reads it: every event, as it comes."""
+
+    events: int = 0
+    lines: int = 0
+
+    async def read(self, front: httpx.AsyncClient, *, task_status: trio.TaskStatus[None]) -> None:
+        async with front.stream("GET", "/onebit/events", timeout=None) as reply:
+            if reply.status_code != 200:
+                raise SystemExit(f"scripts/bench: /onebit/events answered {reply.status_code}")
+            task_status.started()
+            async for line in reply.aiter_lines():
+                if line.startswith("event: "):
+                    self.events += 1
+                    self.lines += line == "event: line"
 
 
 async def print_setup(args: argparse.Namespace, config: Config, ctx_size: int) -> None:

@@ -312,7 +312,10 @@ function plot(id, series, xMin, xMax, lines, xLabel) {
   for (const y of [0, yMax / 2, yMax]) {
     node(svg, "text", { x: PAD.left - 4, y: sy(y) + 3, "text-anchor": "end" }).textContent = String(round(y, 1));
   }
-  node(svg, "text", { x: W - PAD.right, y: H - 6, "text-anchor": "end" }).textContent = xLabel;
+  for (const x of [xMin, (xMin + xMax) / 2]) {
+    node(svg, "text", { x: sx(x), y: H - 6, "text-anchor": "start" }).textContent = String(round(x, 0));
+  }
+  node(svg, "text", { x: W - PAD.right, y: H - 6, "text-anchor": "end" }).textContent = `${round(xMax, 0)} ${xLabel}`;
   for (const [route, points] of Object.entries(series)) {
     const stroke = color(route);
     if (lines && points.length > 1) {
