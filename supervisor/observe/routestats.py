@@ -61,7 +61,7 @@ class RouteStats:
         self.outcomes: Counter[str] = Counter()
         self.fallbacks: Counter[str] = Counter()
         self._first_byte: deque[float] = deque(maxlen=RECENT)
-        self._recent: deque[Event] = deque(maxlen=RECENT)  # the last route lines
+        self._recent: deque[tuple[float, RouteLine]] = deque(maxlen=RECENT)  # the last lines, and when
         self._watchers: set[_Watcher] = set()
         self.dropped = 0
         self.closed = 0
@@ -73,15 +73,17 @@ class RouteStats:
             self.fallbacks[line.fallback] += 1
         if line.first_byte_ms is not None and line.outcome == RequestOutcome.OK:
             self._first_byte.append(line.first_byte_ms)
-        ended = {"at": round(time.time(), 3), "line": line.fields()}  # at: its end, wall-clock seconds
-        self._recent.append(ended)
+        # Kept as it is (a line is not written to after its end): its fields are made only for a
+        # watcher, so a daemon nobody watches pays a deque append a request.
+        at = time.time()
+        self._recent.append((at, line))
         if self._watchers:
-            self.publish({"event": "line", **ended})
+            self.publish({"event": "line", "at": round(at, 3), "line": line.fields()})
 
-    def recent(self) -> list[dict[str, Any]]:
-        """The last :data:`RECENT` route lines, ``{"at", "line"}``, oldest first (what a new status
-        page shows)."""
-        return list(self._recent)
+    def recent(self) -> list[Event]:
+        """The last :data:`RECENT` route lines, ``{"at", "line"}`` (``at``: its end, wall-clock
+        seconds), oldest first: what a new status page shows."""
+        return [{"at": round(at, 3), "line": line.fields()} for at, line in self._recent]
 
     def publish(self, event: Event) -> None:
         """Hand ``event`` to every watcher now, without waiting for any."""
