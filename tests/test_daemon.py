@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -144,7 +145,10 @@ async def test_a_llama_server_provider_slower_to_start_than_the_decoder_is_waite
     launcher = short_dir / "fake-llama-server"
     slow.write_text(f'#!/bin/sh\nwhile [ ! -e {go} ]; do sleep 0.01; done\nexec {launcher} "$@"\n')
     slow.chmod(0o755)
-    hybrid = {"hybrid": {"enabled": True}, "provider": [{"kind": "llama-server", "name": "p0", "binary": str(slow)}]}
+    hybrid: dict[str, Any] = {
+        "hybrid": {"enabled": True},
+        "provider": [{"kind": "llama-server", "name": "p0", "binary": str(slow)}],
+    }
     # Several models: the default's load is over when its decoder is healthy, its provider still starts.
     one = fake_decoder_config(short_dir, **hybrid) if models == 1 else None
     config = one or several(short_dir, ["a", "b"], sections=hybrid)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,9 @@ import trio
 from supervisor.config import Config
 from supervisor.config import LlamaServerProvider as LlamaServerProviderConfig
 from supervisor.llama import openvino
-from supervisor.providers.llama import Gate, LlamaServerProvider
+from supervisor.providers import Provider
+from supervisor.providers.base import Gate
+from supervisor.providers.llama import LlamaServerProvider
 from supervisor.supervise.child import ChildState
 
 from .helpers import reaped, wait_until
@@ -43,7 +44,7 @@ def openvino_binary(directory: Path) -> Path:
 
 
 def provider_for(
-    short_dir: Path, *, device: str = "auto", gate: Callable[[LlamaServerProvider], Awaitable[str | None]] | None = None
+    short_dir: Path, *, device: str = "auto", gate: Gate | None = None
 ) -> tuple[LlamaServerProvider, Config]:
     config = fake_decoder_config(short_dir, model={"parallel": 4}, cache={"compile_dir": str(short_dir / "ov")})
     spec = LlamaServerProviderConfig(
@@ -117,7 +118,8 @@ async def test_a_device_the_runtime_does_not_list_is_refused_in_one_line_and_not
 async def test_a_provider_its_gate_refuses_takes_no_job_and_its_server_is_stopped(short_dir: Path) -> None:
     asked: list[int | None] = []
 
-    async def too_far(provider: LlamaServerProvider) -> str | None:
+    async def too_far(provider: Provider) -> str | None:
+        assert provider.child is not None
         asked.append(provider.child.pid)
         await trio.lowlevel.checkpoint()
         return "next-token TV distance 0.4: over the bound"
@@ -141,7 +143,7 @@ async def test_a_provider_is_not_ready_until_its_gate_admits_it(short_dir: Path)
     admit = trio.Event()
     seen_ready: list[bool] = []
 
-    async def slow(provider: LlamaServerProvider) -> str | None:
+    async def slow(provider: Provider) -> str | None:
         seen_ready.append(provider.ready)
         await admit.wait()
         return None
@@ -226,7 +228,8 @@ async def test_engine_auto_goes_on_with_ggml_when_openvino_is_over_the_fidelity_
 ) -> None:
     pids: list[int | None] = []
 
-    async def too_far(provider: LlamaServerProvider) -> str | None:
+    async def too_far(provider: Provider) -> str | None:
+        assert provider.child is not None
         pids.append(provider.child.pid)
         await trio.lowlevel.checkpoint()
         return "over the bound"
