@@ -877,3 +877,24 @@ async def test_every_llama_server_child_is_started_with_an_explicit_cache_ram(tm
         assert argv[at + 1] == expected
         assert argv[-2:] == ["--cache-ram", "7"]  # extra_args come last: llama-server's last one wins
     assert prefix_files.FORMAT == 1
+
+
+async def test_each_entry_stored_evicted_restored_or_dropped_is_told_as_it_happens(rig: Rig) -> None:
+    """The live feed's store events (the status page, docs/protocol.md): sizes and origin, never tokens."""
+    store = await rig.open(max_bytes=30 * KIB, host_id="host-a")  # room for two
+    events: list[dict[str, object]] = []
+    store.on_event = events.append
+    a, b, c = tokens(100, 0), tokens(100, 1000), tokens(100, 2000)
+    assert await store.put_file(a, rig.state_file())
+    assert await store.put_file(b, rig.state_file())
+    assert await store.put_file(c, rig.state_file())  # evicts a, the least recently used
+    entry_b = store.lookup(b)
+    assert entry_b is not None
+    store.record_restore(12.34, entry_b)
+    store.drop(entry_b)
+    store.close()
+    size = 10 * KIB  # the state file; the sidecar's bytes come on top
+    assert [e["what"] for e in events] == ["stored", "stored", "evicted", "stored", "restored", "dropped"]
+    assert all(e["tokens"] == 100 and int(str(e["bytes"])) >= size and e["origin_host"] == "host-a" for e in events)
+    assert (events[4]["ms"], events[5]["why"]) == (12.3, "refused by the decoder")
+    assert not any(isinstance(v, list) for e in events for v in e.values())  # no tokens in any

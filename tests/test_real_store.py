@@ -83,6 +83,18 @@ async def crash_decoder(daemon: Daemon) -> None:
         await decoder.wait_state(*(s for s in ChildState if s is not decoder.state))
 
 
+def store_events(feed: trio.MemoryReceiveChannel[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The store's events the feed holds now, in order."""
+    events: list[dict[str, Any]] = []
+    while True:
+        try:
+            event = feed.receive_nowait()
+        except trio.WouldBlock:
+            return events
+        if event["event"] == "store":
+            events.append(event)
+
+
 async def test_a_shared_prefix_survives_a_decoder_crash_and_an_onebitd_restart_and_replies_equal_the_cached_ones(
     short_dir: Path, store_dir: Path, route_lines: RouteLines, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -100,17 +112,21 @@ async def test_a_shared_prefix_survives_a_decoder_crash_and_an_onebitd_restart_a
 
         async with run_daemon(config(short_dir, store_dir)) as running:
             daemon = running.daemon
+            feed = daemon.route_stats.watch()  # the live feed's store events (the status page's)
             await ask(running.url, QUESTIONS[0])  # a new prompt: kept whole
             await ask(running.url, QUESTIONS[1])  # branches off the first: the shared prefix is kept
             await stored(daemon, 2)
             keys = {len(entry.tokens) for entry in daemon.models.default.store.list()}
             await crash_decoder(daemon)
             after_crash = await ask(running.url, QUESTIONS[2])
+            told = store_events(feed)
         async with run_daemon(config(short_dir, store_dir)) as running:
             # The two, and the prompt that went on from the restored prefix, kept whole.
             assert running.daemon.models.default.store.statistics().entries == 3
             after_restart = await ask(running.url, QUESTIONS[3])
     assert [after_crash, after_restart] == expected
+    assert [e["what"] for e in told][:3] == ["stored", "stored", "restored"], told
+    assert sorted(e["tokens"] for e in told[:2]) == sorted(keys)
     *_, crashed, restarted = route_lines.lines
     prefix = min(keys)
     for line in (crashed, restarted):

@@ -182,6 +182,27 @@ async def test_the_feed_says_hello_with_the_last_lines_then_sends_each_route_lin
     assert "before" not in json.dumps(hello)
 
 
+async def test_the_feed_sends_the_prefix_stores_events(short_dir: Path, control: Control) -> None:
+    """Each model's store tells its events to the feed (what they hold: tests/test_prefix_store.py; on
+    the real parts: tests/test_real_store.py).  The fake decoder's state files are no llama.cpp
+    state, so its store keeps none: the store's own listener stands in for one here."""
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(fake_decoder_config(short_dir)) as running:
+            model = running.daemon.models.default
+            async with feed(running) as events:
+                assert (await anext(events))["event"] == "hello"
+                model.store.on_event({"what": "evicted", "tokens": 300, "bytes": 4096, "origin_host": "h"})
+                event = await anext(events)
+    assert event == {
+        "event": "store",
+        "model": model.name,
+        "what": "evicted",
+        "tokens": 300,
+        "bytes": 4096,
+        "origin_host": "h",
+    }
+
+
 async def test_the_feed_sends_the_decoders_transitions(short_dir: Path, control: Control) -> None:
     with trio.fail_after(TIMEOUT):
         async with run_daemon(fake_decoder_config(short_dir)) as running:

@@ -311,6 +311,7 @@ class Model:
         async with contextlib.AsyncExitStack() as stack:
             if open_store is not None:
                 self.store = await stack.enter_async_context(open_store(self))
+                self.store.on_event = lambda event: self.on_event({"event": "store", "model": self.name, **event})
             task_status.started()
             try:
                 while True:

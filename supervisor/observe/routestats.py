@@ -1,7 +1,7 @@
 """What the route lines add up to: counts per route and fallback, recent first-byte times, and the
 live feed ``onebitctl watch`` and the status page read.  Fed by the front with every route line,
-exactly once each, and by the models with their own and their decoders' transitions
-(:meth:`RouteStats.publish`).
+exactly once each, and by the models with their own and their decoders' transitions and their
+prefix stores' events (:meth:`RouteStats.publish`).
 
 The feed is one set of subscribers, each a bounded memory channel: an event is handed to each with
 ``send_nowait``, so no subscriber ever slows a request.  One that is full loses the event (``onebitctl
@@ -26,7 +26,7 @@ RECENT = 200
 # A watcher that cannot keep up loses lines rather than slowing requests down.
 WATCH_BUFFER = 1024
 
-Event = dict[str, Any]  # {"event": "line" | "child" | "model", ...}: JSON as it goes on the wire
+Event = dict[str, Any]  # {"event": "line" | "child" | "model" | "store", ...}: JSON as it goes on the wire
 
 
 @attrs.frozen

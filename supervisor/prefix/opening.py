@@ -94,6 +94,8 @@ async def _open(config: Config, private: Path, fingerprint: StateFingerprint) ->
                 min_tokens=cache.min_tokens,
                 host_id=host_id,
             )
+            fallback = store.fallback
+            fallback.on_event = lambda event: store.on_event(event)  # the shared store's listener, whenever set
             return store
     return await PrefixStore.open(
         private,

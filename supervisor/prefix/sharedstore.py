@@ -337,6 +337,7 @@ class SharedPrefixStore(PrefixStore):
             self._vanished(victim)
         for victim in evicted:
             log.info("prefix store: evicting entry %s", victim)
+            self._event("evicted", None)
         self._counts.evictions += len(evicted)
         self._stored(Entry(name, tokens, state_bytes, need, created, created, self.host_id))
         return True

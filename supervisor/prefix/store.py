@@ -26,9 +26,10 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import attrs
 import trio
@@ -87,6 +88,8 @@ class PrefixStore:
         self._write_lock = trio.Lock()
         self._pending: set[str] = set()  # keys of puts in progress, written or waiting their turn
         self._failing = False  # within a burst of failed writes: logged once
+        # Told of each entry stored, evicted, dropped or restored, as it happens: the live feed's.
+        self.on_event: Callable[[dict[str, Any]], None] = lambda event: None
 
     # -- opening and closing ---------------------------------------------------------------------
 
@@ -215,6 +218,7 @@ class PrefixStore:
             return
         log.info("prefix store: dropping entry %s (%d tokens): %s", entry.key, entry.n_tokens, reason)
         self._counts.drops += 1
+        self._event("dropped", entry, why=reason)
         self._forget(entry.key)
 
     def record_restore(self, ms: float, entry: Entry | None = None) -> None:
@@ -224,6 +228,13 @@ class PrefixStore:
             self._counts.restores_other += 1
         self._counts.restore_ms_total += ms
         self._counts.restore_ms_last = ms
+        self._event("restored", entry, ms=round(ms, 1))
+
+    def _event(self, what: str, entry: Entry | None, **more: Any) -> None:
+        """An entry's event for the feed: its size and origin, never its tokens."""
+        if entry is not None:
+            more.update(tokens=entry.n_tokens, bytes=entry.disk_bytes, origin_host=entry.origin_host)
+        self.on_event({"what": what, **more})
 
     def from_other_host(self, entry: Entry) -> bool:
         """Whether another onebitd (another server.host_id) stored ``entry``."""
@@ -354,6 +365,7 @@ class PrefixStore:
             self._failing = False
         self._add(entry)
         self._counts.stores += 1
+        self._event("stored", entry)
 
     def _write(self, victims: list[Entry], key: str, source: Path, sidecar: bytes, state_bytes: int) -> None:
         """In a worker thread: room first, then the new entry, so the disk never holds more than max_bytes."""
@@ -425,6 +437,7 @@ class PrefixStore:
             self._index.remove(victim.key)
             self._bytes -= victim.disk_bytes
             self._counts.evictions += 1
+            self._event("evicted", victim)
         return victims
 
     # -- introspection, for onebitctl ------------------------------------------------------------

@@ -114,6 +114,8 @@ function onFrame(frame) {
   } else if (event.event === "child" || event.event === "model") {
     applyTransition(event);
     pollStatus(); // the rest of what changed with it (pid, restarts, memory)
+  } else if (event.event === "store") {
+    pollStatus(); // the store's entries, bytes and counts, at once rather than at the next poll
   }
 }
 
