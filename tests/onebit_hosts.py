@@ -101,8 +101,12 @@ def log_tail(path: Path, n: int = 40) -> str:
 class Host:
     """One onebitd host: ``name`` is its name in the balancer's config."""
 
-    def __init__(self, name: str, address: str, port: int, directory: Path) -> None:
+    def __init__(
+        self, name: str, address: str, port: int, directory: Path, cache: dict[str, Any] | None = None
+    ) -> None:
+        """``cache``: keys of its [cache] table (``shared_dir``: a prefix store the hosts share)."""
         self.name = name
+        self.cache = cache or {}
         self.address = address
         self.port = port
         self.directory = directory
@@ -126,12 +130,15 @@ class Host:
         return self.runtime_dir / "admin.sock"
 
     def write_config(self) -> None:
-        config = make_config(
-            self.runtime_dir,
-            server={"host": self.address, "port": self.port, "shutdown_grace_s": 20.0},
-            model=MODEL,
-            decoder=DECODER,
-        )
+        sections: dict[str, Any] = {
+            # One machine: each host its own server.host_id (else all would be this one's hostname).
+            "server": {"host": self.address, "port": self.port, "shutdown_grace_s": 20.0, "host_id": self.name},
+            "model": MODEL,
+            "decoder": DECODER,
+        }
+        if self.cache:
+            sections["cache"] = self.cache
+        config = make_config(self.runtime_dir, **sections)
         data: dict[str, Any] = configuration.unstructure(config)
         self.config_path.write_text(tomli_w.dumps(data))
 
@@ -190,14 +197,16 @@ class Host:
 
 
 @asynccontextmanager
-async def open_hosts(directory: Path, n: int = 2) -> AsyncIterator[list[Host]]:
-    """``n`` hosts on 127.0.0.2, 127.0.0.3, ... sharing one port, all healthy; stopped on the way out."""
+async def open_hosts(directory: Path, n: int = 2, cache: dict[str, Any] | None = None) -> AsyncIterator[list[Host]]:
+    """``n`` hosts on 127.0.0.2, 127.0.0.3, ... sharing one port, all healthy; stopped on the way out
+    (``cache``: keys of every host's [cache] table)."""
     real_llama_server()
     addresses = [f"127.0.0.{2 + i}" for i in range(n)]
     for _attempt in range(3):
         port = free_port(addresses)
         hosts = [
-            Host(f"onebit{i + 1}", address, port, directory / f"host{i + 1}") for i, address in enumerate(addresses)
+            Host(f"onebit{i + 1}", address, port, directory / f"host{i + 1}", cache)
+            for i, address in enumerate(addresses)
         ]
         for host in hosts:
             host.directory.mkdir(exist_ok=True)

@@ -9,6 +9,8 @@ message, is read and routes alike; 16 keys use more than one host; an agent's 8-
 does a session without a key but with a long system prompt; with HAProxy, a key whose host is
 full (hash-balance-factor) overflows to the next host; a host taken out moves only its own keys
 (HAProxy: drained, then resumed and they come back; nginx, which checks no /health: stopped).
+Behind HAProxy the hosts share one prefix store (``cache.shared_dir``): the drained host saves its
+long slots there, and a session that moved finds its whole last prompt restored on its new host.
 
 Where a key lands is asked with a POST to a path onebitd does not serve (``PROBE``): the balancer
 has read the body and chosen a host before onebitd answers 404 at once, with no decoding.
@@ -194,15 +196,30 @@ async def run_sessions(client: httpx.AsyncClient, front: Front, where: Mapping[s
     return keyed, keyless
 
 
-async def check_next_turns_after(keyed: Agent, keyless: Agent, gone: str) -> None:
-    """The sessions' next turns: the one whose host is gone moves, the other stays."""
+async def check_next_turns_after(keyed: Agent, keyless: Agent, gone: str) -> list[Agent]:
+    """The sessions' next turns: the one whose host is gone moves, the other stays; those that moved."""
+    moved = []
     for agent in (keyed, keyless):
         before = agent.turns[-1][0]
         host = await agent.say(QUESTIONS[TURNS])
         if before == gone:
             assert host != gone
+            moved.append(agent)
         else:
             assert host == before
+    return moved
+
+
+def check_restored_from_the_shared_store(moved: list[Agent]) -> None:
+    """A moved session's next turn found the whole of its last turn's prompt on its new host: the
+    drained host saved its slot into the shared store, the new host restored it.  Without the shared
+    store its new host holds none of it (``cache_n`` 0: the session's system prompt is its own)."""
+    assert moved
+    for agent in moved:
+        (_, before), (_, after) = agent.turns[-2:]
+        timings = after["timings"]
+        print(f"moved session (key {agent.key!r}): cache_n {timings['cache_n']}, prompt_n {timings['prompt_n']}")
+        assert after["timings"]["cache_n"] >= prompt_tokens(before), (before["timings"], after["timings"])
 
 
 async def check_bounded_load(client: httpx.AsyncClient, front: Front, system: str) -> None:
@@ -235,7 +252,8 @@ async def test_haproxy_keeps_each_conversation_on_one_host_and_a_drain_moves_onl
 ) -> None:
     with trio.fail_after(DEADLINE_S):
         async with (
-            open_hosts(short_dir, n=3) as hosts,
+            # The hosts share one prefix store (cache.shared_dir): a drained host hands over.
+            open_hosts(short_dir, n=3, cache={"shared_dir": str(short_dir / "shared"), "min_tokens": 64}) as hosts,
             open_haproxy(short_dir / "haproxy", hosts) as haproxy,
             httpx.AsyncClient(base_url=haproxy.url, timeout=DEADLINE_S) as client,
         ):
@@ -251,7 +269,7 @@ async def test_haproxy_keeps_each_conversation_on_one_host_and_a_drain_moves_onl
             assert drained.returncode == 0, drained.stderr.decode()
             await haproxy.wait_status(gone.name, "DOWN")
             check_only_its_keys_moved(where, await placements(client, front), gone.name)
-            await check_next_turns_after(keyed, keyless, gone.name)
+            check_restored_from_the_shared_store(await check_next_turns_after(keyed, keyless, gone.name))
 
             # Back in, it gets its own keys again, and no other.
             resumed = await gone.ctl("resume")
