@@ -29,7 +29,7 @@ NUMBER = r"[-+]?\d+\.\d+"
 
 def test_every_subcommand_has_a_quick_form_and_a_test_here_that_runs_it() -> None:
     subcommands = {command.name for command in bench_subcommands()}
-    tested = set(re.findall(r'quick_run\("([a-z]+)", "--quick"', Path(__file__).read_text()))
+    tested = set(re.findall(r'quick_run\(\s*"([a-z]+)", "--quick"', Path(__file__).read_text()))
     assert tested == subcommands
 
 
