@@ -195,3 +195,15 @@ def test_agent_draws_each_client_and_side_per_turn(tmp_path: Path) -> None:
     }
     texts = drawn(tmp_path, agent.agent_figures(first_ms), columns=3)
     assert {"anthropic: hybrid", "responses: after a full restart", "at-once", "restart", "direct'"} <= set(texts)
+
+
+def test_engines_draws_each_builds_prefill_rate_against_prompt_length(tmp_path: Path) -> None:
+    engines: Any = importlib.import_module("bench_engines")  # beside bench.py, on the path it put scripts/ on
+    run = {
+        "speeds": {200: (900.0, 850.0, 450.0), 700: (800.0, 790.0, 400.0)},
+        "runs": {200: [850.0, 900.0], 700: [800.0]},
+    }
+    static: dict[str, dict[int, Any]] = {"speeds": {}, "runs": {}}  # the static path measures no sizes: no series
+    texts = drawn(tmp_path, engines.engine_figures({"ggml": run, "openvino": run, "openvino-static": static}))
+    assert {"ggml", "openvino", "prompt tokens", "tokens/s", "tokens per CPU-second"} <= set(texts), texts
+    assert "openvino-static" not in texts
