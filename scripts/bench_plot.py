@@ -155,6 +155,8 @@ def _xy(ax: Any, panel: XY) -> None:
 
 def _distribution(ax: Any, panel: Distribution) -> None:
     for name, samples in panel.series.items():
+        if not samples:
+            continue  # a side that measured nothing: no line (its median would not exist)
         ordered = sorted(samples)
         fractions = [(i + 1) / len(ordered) for i in range(len(ordered))]
         ax.step(ordered, fractions, where="post", label=f"{name} (median {statistics.median(ordered):.3g})")
