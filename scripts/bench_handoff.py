@@ -424,6 +424,7 @@ def handoff_figures(
             "decode isolation: a stream's longest gap while a 2k-token prompt arrives",
             "ms",
             {"longest inter-token gap": gaps},
+            log_y=True,  # the plain route's gap is the whole prefill, the file route's a token's
         ),
         bench_plot.Bars("share against file: the handoff's last steps", "ms", last_steps, log_y=True),
     ]

@@ -149,7 +149,7 @@ def _xy(ax: Any, panel: XY) -> None:
 
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if panel.log_y:
-        ax.set_yscale("log")
+        _log(ax, "y")
     _label(ax, panel.title, panel.x_label, panel.y_label)
 
 
@@ -163,7 +163,7 @@ def _distribution(ax: Any, panel: Distribution) -> None:
     ax.axhline(0.5, color="0.6", linewidth=0.8)
     ax.set_ylim(0, 1.02)
     if panel.log_x:
-        ax.set_xscale("log")
+        _log(ax, "x")
     _label(ax, panel.title, panel.x_label, "fraction of samples at or below")
 
 
@@ -188,8 +188,19 @@ def _bars(ax: Any, panel: Bars) -> None:
     turned = len(groups) > 4  # long model names side by side overlap
     ax.set_xticks(range(len(groups)), groups, rotation=30 if turned else 0, ha="right" if turned else "center")
     if panel.log_y:
-        ax.set_yscale("log")
+        _log(ax, "y")
     _label(ax, panel.title, "", panel.y_label)
+
+
+def _log(ax: Any, which: str) -> None:
+    """A log scale on axis ``which`` ("x", "y"), labelled in plain numbers (20, 30, 1000), not
+    matplotlib's 2x10^1 mathtext."""
+    from matplotlib.ticker import LogFormatter
+
+    getattr(ax, f"set_{which}scale")("log")
+    axis = getattr(ax, f"{which}axis")
+    axis.set_major_formatter(LogFormatter(labelOnlyBase=False))
+    axis.set_minor_formatter(LogFormatter(labelOnlyBase=False))
 
 
 def _label(ax: Any, title: str, x_label: str, y_label: str) -> None:

@@ -248,5 +248,6 @@ def provider_figures(results: list[dict[str, Any]]) -> list[bench_plot.Panel]:
             "a stream's longest gap while a 2k-token prompt arrives",
             "ms",
             {r["engine"]: r["gaps"] for r in results},
+            log_y=True,
         ),
     ]
