@@ -126,7 +126,7 @@ async def test_the_models_benchmark_in_quick_mode_exits_0_and_leaves_nothing(tmp
     real_llama_server()
     picture = tmp_path / "models.svg"
     out = await quick_run("models", "--quick", "--plot", str(picture), timeout_s=600)
-    assert {"swap-back", "warm", "cold (first turns)", "(a) store", "(b) no store"} <= set(svg_texts(picture))
+    assert {"swap-back", "warm", "cold (first turn)", "(a) store", "(b) no store"} <= set(svg_texts(picture))
     assert re.search(rf"^\(a\) swap-back / warm, medians: {NUMBER}x; without load_ms {NUMBER}x", out, re.MULTILINE), out
     assert out.count("left after the stop: files none, children none") == 2, out
 

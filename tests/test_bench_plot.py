@@ -183,7 +183,7 @@ def test_models_draws_swap_back_against_warm_and_cold(tmp_path: Path) -> None:
         return {"swapback": [{"ttft_ms": ttft, "load_ms": 200.0}], "warm": [30.0, 32.0], "cold": [400.0]}
 
     texts = drawn(tmp_path, BENCH.bench_models.model_figures({"(a) store": run(260.0), "(b) no store": run(700.0)}))
-    assert {"swap-back", "warm", "cold (first turns)", "(a) store", "(b) no store", "swap-back, (b) / (a)"} <= set(
+    assert {"swap-back", "warm", "cold (first turn)", "(a) store", "(b) no store", "swap-back, (b) / (a)"} <= set(
         texts
     )
 
