@@ -7,6 +7,7 @@ are synthetic, so a figure that lost a series or an axis shows in a second."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from types import ModuleType
@@ -183,9 +184,7 @@ def test_models_draws_swap_back_against_warm_and_cold(tmp_path: Path) -> None:
         return {"swapback": [{"ttft_ms": ttft, "load_ms": 200.0}], "warm": [30.0, 32.0], "cold": [400.0]}
 
     texts = drawn(tmp_path, BENCH.bench_models.model_figures({"(a) store": run(260.0), "(b) no store": run(700.0)}))
-    assert {"swap-back", "warm", "cold (first turn)", "(a) store", "(b) no store", "swap-back, (b) / (a)"} <= set(
-        texts
-    )
+    assert {"swap-back", "warm", "cold (first turn)", "(a) store", "(b) no store", "swap-back, (b) / (a)"} <= set(texts)
 
 
 def test_agent_draws_each_client_and_side_per_turn(tmp_path: Path) -> None:
@@ -207,3 +206,13 @@ def test_engines_draws_each_builds_prefill_rate_against_prompt_length(tmp_path: 
     texts = drawn(tmp_path, engines.engine_figures({"ggml": run, "openvino": run, "openvino-static": static}))
     assert {"ggml", "openvino", "prompt tokens", "tokens/s", "tokens per CPU-second"} <= set(texts), texts
     assert "openvino-static" not in texts
+
+
+def test_plot_without_matplotlib_is_a_set_up_problem_before_anything_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    # exit 2 at once: no onebitd started (the quick prefix run takes minutes), no picture written
+    assert BENCH.main(["prefix", "--quick", "--plot", str(tmp_path / "prefix.svg")]) == 2
+    assert "matplotlib" in capsys.readouterr().err
+    assert not (tmp_path / "prefix.svg").exists()
