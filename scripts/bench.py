@@ -651,6 +651,7 @@ def relay_figures(sides: dict[str, Side]) -> list[bench_plot.Panel]:
             "(a) short completions: latency",
             "ms",
             {name: [s * 1000 for s in side.latencies] for name, side in sides.items()},
+            log_x=True,  # the body within a few ms, a loaded machine's tail seconds out
         ),
         bench_plot.Distribution(
             "(b) concurrent streams: first token",
