@@ -159,7 +159,9 @@ def _distribution(ax: Any, panel: Distribution) -> None:
             continue  # a side that measured nothing: no line (its median would not exist)
         ordered = sorted(samples)
         fractions = [(i + 1) / len(ordered) for i in range(len(ordered))]
-        ax.step(ordered, fractions, where="post", label=f"{name} (median {statistics.median(ordered):.3g})")
+        median = statistics.median(ordered)
+        shown = f"{median:.0f}" if median >= 100 else f"{median:.3g}"  # 1370, not 1.37e+03
+        ax.step(ordered, fractions, where="post", label=f"{name} (median {shown})")
     ax.axhline(0.5, color="0.6", linewidth=0.8)
     ax.set_ylim(0, 1.02)
     if panel.log_x:
