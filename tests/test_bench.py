@@ -132,9 +132,13 @@ async def test_the_models_benchmark_in_quick_mode_exits_0_and_leaves_nothing(tmp
 
 
 @pytest.mark.real
-async def test_the_hosts_benchmark_in_quick_mode_exits_0_with_both_sides_and_no_cold_turn_before_the_drain() -> None:
+async def test_the_hosts_benchmark_in_quick_mode_exits_0_with_both_sides_and_no_cold_turn_before_the_drain(
+    tmp_path: Path,
+) -> None:
     real_llama_server()
-    out = await quick_run("hosts", "--quick", timeout_s=600)
+    picture = tmp_path / "hosts.svg"
+    out = await quick_run("hosts", "--quick", "--plot", str(picture), timeout_s=600)
+    assert {"(a) affinity", "(b) before", "one host drained"} <= set(svg_texts(picture))
     for side in ("(a) affinity", "(b) before"):
         found = re.search(rf"^{re.escape(side)}: turns 2\.\.4 .* drained onebit[123];", out, re.MULTILINE)
         assert found, f"no {side!r} summary in:\n{out}"

@@ -216,3 +216,15 @@ def test_plot_without_matplotlib_is_a_set_up_problem_before_anything_runs(
     assert BENCH.main(["prefix", "--quick", "--plot", str(tmp_path / "prefix.svg")]) == 2
     assert "matplotlib" in capsys.readouterr().err
     assert not (tmp_path / "prefix.svg").exists()
+
+
+def test_hosts_draws_each_sides_first_token_per_turn_with_the_drain_marked(tmp_path: Path) -> None:
+    hosts = BENCH.bench_hosts
+    samples = [
+        hosts.Sample(side, turn, session, "onebit1", 100.0 / turn, 500, 400, 0 if turn < 3 else 120)
+        for side in hosts.SIDES
+        for turn in range(1, 5)
+        for session in range(2)
+    ]
+    texts = drawn(tmp_path, hosts.hosts_figures(samples, 2))
+    assert {*hosts.SIDES, "one host drained", "turn", "first token per turn, every session"} <= set(texts), texts
