@@ -12,6 +12,8 @@
     scripts/bench hosts [--quick]      agents' sessions over three hosts behind HAProxy, one drained half way:
                                        affinity by conversation against the round-robin it replaced
 
+Each also takes ``--plot FILE.svg``: its figures drawn as one picture as well (scripts/bench_plot.py).
+
 Every subcommand runs onebitd (port 0, a runtime directory under /tmp), waits until its decoder is
 ready, measures, then stops the daemon, which stops and reaps its children, whatever happened (an
 error, Ctrl-C, SIGTERM).  ``overhead`` runs it in a process of its own, as in service (``--onebitd
@@ -22,7 +24,7 @@ every request succeeded, 1 otherwise, 2 for a set-up problem.
 
 Adding a subcommand: write an ``arguments(parser)`` function and an ``async run(args) -> int``
 coroutine (use supervisor/testing.py's ``run_daemon`` and ``Running.clients`` for the daemon and its
-two clients) and add one
+two clients) that, given ``--plot``, hands its samples to ``bench_plot.write`` as panels, and add one
 :class:`Subcommand` line to ``SUBCOMMANDS`` at the bottom.
 """
 
@@ -68,6 +70,7 @@ import bench_handoff  # noqa: E402
 import bench_hosts  # noqa: E402
 import bench_models  # noqa: E402
 import bench_multiturn  # noqa: E402
+import bench_plot  # noqa: E402
 import bench_prefix  # noqa: E402
 import bench_providers  # noqa: E402
 import bench_trace  # noqa: E402
@@ -612,6 +615,13 @@ async def overhead(args: argparse.Namespace) -> int:
     finally:
         shutil.rmtree(runtime_dir, ignore_errors=True)
     report_overhead(args, measured)
+    if args.plot:
+        bench_plot.write(
+            args.plot,
+            "scripts/bench overhead",
+            relay_figures({"direct": measured.direct, "onebitd": measured.front}),
+            quick=args.quick,
+        )
     return 0
 
 
@@ -631,6 +641,32 @@ class PageFeed:
                 if line.startswith("event: "):
                     self.events += 1
                     self.lines += line == "event: line"
+
+
+def relay_figures(sides: dict[str, Side]) -> list[bench_plot.Panel]:
+    """``overhead``'s and ``versus``'s figures: each side's latencies and first tokens as distributions,
+    its token rate round by round."""
+    return [
+        bench_plot.Distribution(
+            "(a) short completions: latency",
+            "ms",
+            {name: [s * 1000 for s in side.latencies] for name, side in sides.items()},
+            log_x=True,  # the body within a few ms, a loaded machine's tail seconds out
+        ),
+        bench_plot.Distribution(
+            "(b) concurrent streams: first token",
+            "ms",
+            {name: [s * 1000 for s in side.first_tokens] for name, side in sides.items()},
+        ),
+        bench_plot.Bars(
+            "(b) concurrent streams: aggregate token rate, round by round",
+            "tokens/s",
+            {
+                f"round {r + 1}": {name: side.round_rates[r : r + 1] for name, side in sides.items()}
+                for r in range(max(len(side.round_rates) for side in sides.values()))
+            },
+        ),
+    ]
 
 
 async def print_setup(args: argparse.Namespace, config: Config, ctx_size: int) -> None:
@@ -854,6 +890,7 @@ def parser() -> argparse.ArgumentParser:
     for command in SUBCOMMANDS:
         sub = commands.add_parser(command.name, help=command.help, description=command.help)
         command.arguments(sub)
+        bench_plot.add_argument(sub)
         sub.set_defaults(subcommand=command)
     return top
 
@@ -871,8 +908,13 @@ async def run(args: argparse.Namespace) -> int:
                     nursery.cancel_scope.cancel()
 
         nursery.start_soon(on_sigterm)
+        started = time.time()
         status = await subcommand.run(args)
         nursery.cancel_scope.cancel()
+    # A picture from an earlier run does not count (its mtime is before this one's start; 1 s for
+    # file systems that keep whole seconds).
+    if args.plot and not (args.plot.is_file() and args.plot.stat().st_mtime >= started - 1):
+        raise BenchError(f"{subcommand.name} drew no picture at {args.plot}: its run() does not pass --plot on")
     return status
 
 
@@ -885,6 +927,12 @@ def leaves(group: BaseExceptionGroup[Any]) -> list[BaseException]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.plot:
+        try:
+            bench_plot.check()  # now, not after a run of minutes
+        except bench_plot.PlotError as problem:
+            print(f"scripts/bench: {problem}", file=sys.stderr)
+            return 2
     status = 1
     # The subcommand runs inside nurseries: what it raises arrives as an exception group.
     try:

@@ -50,6 +50,9 @@ import trio
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_plot  # noqa: E402
 
 from supervisor import config as configuration  # noqa: E402
 from supervisor.config import Config  # noqa: E402
@@ -435,7 +438,34 @@ async def run(args: argparse.Namespace) -> int:
 
     for client in CLIENTS:
         report(client, args.turns, {name: s for (name, c), s in sides.items() if c == client})
+    if args.plot:
+        figures = agent_figures({(name, client): s.first_ms for (name, client), s in sides.items()})
+        bench_plot.write(args.plot, "scripts/bench agent", figures, quick=args.quick, columns=3)
     return 0
+
+
+# Each panel: an onebitd side against the direct side it ran turn by turn with.
+PANELS = (
+    ("plain, and at once", ("direct", "plain", "at-once")),
+    ("hybrid", ("direct-h", "hybrid")),
+    ("after a full restart", ("direct'", "restart")),
+)
+
+
+def agent_figures(first_ms: dict[tuple[str, str], list[float]]) -> list[bench_plot.Panel]:
+    """Per client (a row), per turn, each side's first token beside its direct side's."""
+    return [
+        bench_plot.XY(
+            f"{client}: {title}",
+            "turn",
+            "first token, ms",
+            {name: [(t + 1, ms) for t, ms in enumerate(first_ms[name, client])] for name in names},
+            integer_x=True,
+            log_y=True,
+        )
+        for client in CLIENTS
+        for title, names in PANELS
+    ]
 
 
 def report(client: str, turns: int, sides: dict[str, Side]) -> None:

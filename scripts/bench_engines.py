@@ -4,6 +4,7 @@ error of each OpenVINO slot file against the ggml server's own for the same prom
 OpenVINO files restore into the ggml server (``prompt_n`` 1 after the restore).
 
     .venv/bin/python scripts/bench_engines.py [--ggml BIN] [--openvino BIN ...] [--sizes 200,700,1500]
+                                              [--plot FILE.svg]
 
 ``--openvino`` may be given several times (say, before and after a patch); each may carry
 ``NAME=`` in front (``--openvino old=/path/llama-server``).  ``--static`` adds each OpenVINO binary's
@@ -25,6 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import bench_plot
 import httpx
 
 from supervisor.config import ModelConfig, locate
@@ -127,6 +129,7 @@ def prompt_tokens(s: Server, n: int) -> list[int]:
 def run_one(s: Server, label: str, sizes: list[int], reps: int, out: Path) -> dict[str, Any]:
     s.prefill("Hello there, a warm-up.")
     speeds: dict[int, tuple[float, float, float]] = {}
+    runs: dict[int, list[float]] = {}  # every run's tokens/s, for the picture
     for n in sizes:
         tokens = prompt_tokens(s, n)
         s.prefill(tokens)  # the first prompt of a size: OpenVINO compiles a shape
@@ -138,6 +141,7 @@ def run_one(s: Server, label: str, sizes: list[int], reps: int, out: Path) -> di
             per_cpu_s.append(n / t["cpu_s"] if t["cpu_s"] > 0 else 0.0)
         # On a shared machine the best of the runs is the least disturbed one: report it and the median.
         speeds[n] = (max(per_s), statistics.median(per_s), max(per_cpu_s))
+        runs[n] = per_s
         print(
             f"  {label}: {n} tokens: best {speeds[n][0]:.0f} tok/s, median {speeds[n][1]:.0f}, "
             f"best {speeds[n][2]:.0f} per CPU-second (runs {[round(x) for x in per_s]})",
@@ -148,7 +152,7 @@ def run_one(s: Server, label: str, sizes: list[int], reps: int, out: Path) -> di
         s.prefill(text)
         s.post("/slots/0?action=save", {"filename": f"{name}.state"})
         files[name] = Path(shutil.copy(s.state_dir / f"{name}.state", out / f"{label}-{name}.state"))
-    return {"speeds": speeds, "files": files, "start_s": s.started_s, "rss_mib": s.rss_mib()}
+    return {"speeds": speeds, "runs": runs, "files": files, "start_s": s.started_s, "rss_mib": s.rss_mib()}
 
 
 def restores(s: Server, files: dict[str, Path]) -> dict[str, Any]:
@@ -172,7 +176,10 @@ def main() -> int:
     parser.add_argument("--device", default="CPU", help="GGML_OPENVINO_DEVICE")
     parser.add_argument("--static", action="store_true", help="also the static (NPU) path forced on the CPU")
     parser.add_argument("--out", type=Path, default=None, help="where to keep the slot files and logs")
+    bench_plot.add_argument(parser)
     args = parser.parse_args()
+    if args.plot:
+        bench_plot.check()  # now, not after the runs
     ggml = args.ggml or locate.llama_server("", "ggml")
     if ggml is None:
         raise SystemExit("no ggml llama-server: run scripts/setup, or give --ggml")
@@ -231,7 +238,28 @@ def main() -> int:
                 f"{errors[-1].k:.4f} | {errors[-1].v:.4f} | prompt_n {prompt_n} after a {restore_ms} ms restore |"
             )
     print(f"\nslot files and logs: {out}")
+    if args.plot:
+        bench_plot.write(args.plot, "scripts/bench_engines.py", engine_figures(runs), quick=False)
     return 0
+
+
+def engine_figures(runs: dict[str, dict[str, Any]]) -> list[bench_plot.Panel]:
+    """Prefill rate against prompt length, per build: every run's, and the best per CPU-second."""
+    measured = {name: run for name, run in runs.items() if run["runs"]}
+    return [
+        bench_plot.XY(
+            "prefill rate against prompt length, every run",
+            "prompt tokens",
+            "tokens/s",
+            {name: [(n, rate) for n, rates in run["runs"].items() for rate in rates] for name, run in measured.items()},
+        ),
+        bench_plot.XY(
+            "prefill per CPU-second of the server, the best run",
+            "prompt tokens",
+            "tokens per CPU-second",
+            {name: [(n, speed[2]) for n, speed in run["speeds"].items()] for name, run in measured.items()},
+        ),
+    ]
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench_plot  # noqa: E402
 from bench_handoff import Rig, first_byte_ms, open_rig, prompt_of  # noqa: E402
 
 from supervisor import config as configuration  # noqa: E402
@@ -148,8 +149,9 @@ async def run(args: argparse.Namespace) -> int:
         f" {'plain/file':>10} {'prompt_n':>8} {'est MiB':>8} {'decoder':>8} {'provider':>8}"
     )
     print(header)
+    rows: dict[str, dict[str, Any]] = {}
     for name in names:
-        row = await measure(name, tiny, n, tokens)
+        row = rows[name] = await measure(name, tiny, n, tokens)
         plain, file = statistics.median(row["plain"]), statistics.median(row["file"])
         label = name + (" (swa-full)" if row["swa_full"] else "")
         print(
@@ -161,4 +163,29 @@ async def run(args: argparse.Namespace) -> int:
     print("prompt_n: the decoder's prompt tokens after the restore (worst pair); memory: RSS after the run, MiB")
     cpus = (bench.busy_ticks() - ticks) / os.sysconf("SC_CLK_TCK") / (time.monotonic() - began)
     print(f"CPU busy during the run: {cpus:.2f} of {os.cpu_count()} CPUs, this benchmark's own processes included")
+    if args.plot:
+        bench_plot.write(args.plot, "scripts/bench families", family_figures(rows), quick=args.quick)
     return 0
+
+
+def family_figures(rows: dict[str, dict[str, Any]]) -> list[bench_plot.Panel]:
+    """One prompt length for every model: no axis to put it on, so the table as bars, the first
+    token each way per model and the ratio plain / file."""
+    tokens = max(row["tokens"] for row in rows.values())
+    return [
+        bench_plot.Bars(
+            f"first streamed token, a {tokens}-token prompt",
+            "ms",
+            {name: {"plain": row["plain"], "file route": row["file"]} for name, row in rows.items()},
+            log_y=True,
+        ),
+        bench_plot.Bars(
+            "plain / file route (above 1: the file route's first token sooner)",
+            "ratio of the medians",
+            {
+                name: {"plain / file": [statistics.median(row["plain"]) / statistics.median(row["file"])]}
+                for name, row in rows.items()
+            },
+            reference=1.0,
+        ),
+    ]

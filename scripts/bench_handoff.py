@@ -43,6 +43,9 @@ import trio
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_plot  # noqa: E402
 
 from supervisor import config as configuration  # noqa: E402
 from supervisor.config import Config, locate  # noqa: E402
@@ -185,6 +188,7 @@ async def sizes(rig: Rig, rounds: int, chosen: tuple[int, ...]) -> list[dict[str
                 "hybrid_prompt_n": int(median(hybrid_n)),
                 "plain_first_byte_ms": median(plain_fb),
                 "hybrid_first_byte_ms": median(hybrid_fb),
+                "samples": {"plain": plain_fb, "file": hybrid_fb, "steps": steps, "decoder": plain_prompt_ms},
             }
         )
     return rows
@@ -382,4 +386,45 @@ async def run(args: argparse.Namespace) -> int:
             f"  {row['adopt_ms']:>6.3f}  {row['adopt_ms'] / row['restore_ms']:>7.2%}  {row['restore_prompt_n']:>6}"
             f"  {row['adopt_prompt_n']:>5}   {'yes' if row['same'] else 'NO'}"
         )
+    if args.plot:
+        figures = handoff_figures(rows, {"plain route": plain_gaps, "file route": hybrid_gaps}, shares)
+        bench_plot.write(args.plot, "scripts/bench handoff", figures, quick=args.quick)
     return 0
+
+
+def handoff_figures(
+    rows: list[dict[str, Any]], gaps: dict[str, list[float]], shares: list[dict[str, Any]]
+) -> list[bench_plot.Panel]:
+    """First byte against prompt length per route; the file route's steps beside the decoder's own
+    prefill; decode isolation; share against file."""
+    first = {
+        route: [(row["tokens"], ms) for row in rows for ms in row["samples"][key]]
+        for route, key in (("plain route", "plain"), ("file route", "file"))
+    }
+    steps = {
+        f"{row['tokens']} tokens": {
+            "provider prefill": [s["prefill_ms"] for s in row["samples"]["steps"]],
+            "save": [s["save_ms"] for s in row["samples"]["steps"]],
+            "restore": [s["restore_ms"] for s in row["samples"]["steps"]],
+            "decoder prefill (plain)": row["samples"]["decoder"],
+        }
+        for row in rows
+    }
+    last_steps = {
+        f"{row['tokens']} tokens": {
+            "restore (file)": [row["restore_ms"]],
+            "share + worker write + adopt": [row["share_ms"] + row["write_ms"] + row["adopt_ms"]],
+        }
+        for row in shares
+    }
+    return [
+        bench_plot.XY("first byte against prompt length", "prompt tokens", "first byte, ms", first),
+        bench_plot.Bars("the file route's steps (medians)", "ms", steps, log_y=True),
+        bench_plot.Bars(
+            "decode isolation: a stream's longest gap while a 2k-token prompt arrives",
+            "ms",
+            {"longest inter-token gap": gaps},
+            log_y=True,  # the plain route's gap is the whole prefill, the file route's a token's
+        ),
+        bench_plot.Bars("share against file: the handoff's last steps", "ms", last_steps, log_y=True),
+    ]

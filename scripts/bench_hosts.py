@@ -49,6 +49,9 @@ import trio
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_plot  # noqa: E402
 
 from supervisor import config as configuration  # noqa: E402
 from supervisor.config import Config  # noqa: E402
@@ -284,6 +287,31 @@ def p90(values: Sequence[float]) -> float:
     return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))] if ordered else float("nan")
 
 
+def hosts_figures(samples: Sequence[Sample], half: int) -> list[bench_plot.Panel]:
+    """Per turn, each session's first token on each side, and the prompt tokens its host's cache
+    lacked, the drain marked."""
+    drain = [(half + 0.5, "one host drained")]
+    return [
+        bench_plot.XY(
+            "first token per turn, every session",
+            "turn",
+            "first token, ms",
+            {name: [(s.turn, s.ttft_ms) for s in samples if s.side == name] for name in SIDES},
+            marks=drain,
+            integer_x=True,
+            log_y=True,
+        ),
+        bench_plot.XY(
+            "the last turn's prompt tokens its host's cache lacked",
+            "turn",
+            "tokens",
+            {name: [(s.turn, float(s.refilled)) for s in samples if s.side == name] for name in SIDES},
+            marks=drain,
+            integer_x=True,
+        ),
+    ]
+
+
 def report(args: argparse.Namespace, samples: Sequence[Sample], drained: dict[str, str]) -> None:
     half = args.turns // 2
     print()
@@ -373,6 +401,9 @@ async def run(args: argparse.Namespace, bench: ModuleType) -> int:
                 noisy = noise.report(ours)
         report(args, samples, drained)
         print(noisy)
+        if args.plot:
+            figures = hosts_figures(samples, args.turns // 2)
+            bench_plot.write(args.plot, "scripts/bench hosts", figures, quick=args.quick)
         return 0
     except* RuntimeError as group:  # raised inside the hosts' nurseries: a group
         raise bench.BenchError("; ".join(str(exc) for exc in bench.leaves(group))) from None

@@ -36,6 +36,9 @@ import trio
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_plot  # noqa: E402
 
 from supervisor import config as configuration  # noqa: E402
 from supervisor.config import Config  # noqa: E402
@@ -128,6 +131,7 @@ async def run_side(args: argparse.Namespace, *, store: bool) -> dict[str, Any]:
     route_log.setLevel(logging.INFO)
     swapback: list[dict[str, float]] = []
     warm: list[float] = []
+    cold: list[float] = []  # each conversation's first turn: no cache has any of it
     try:
         daemon = Daemon(side_config(runtime_dir, store=store))
         async with trio.open_nursery() as nursery:
@@ -150,6 +154,8 @@ async def run_side(args: argparse.Namespace, *, store: bool) -> dict[str, Any]:
                                     turns += 1
                                     line = await lines.wait(turns)
                                     if round_ == 0:
+                                        if kind == "swap-back":  # the conversation's very first turn
+                                            cold.append(ms)
                                         continue  # the conversation's first turns are cold: no cache has them
                                     if kind == "warm":
                                         warm.append(ms)
@@ -175,7 +181,15 @@ async def run_side(args: argparse.Namespace, *, store: bool) -> dict[str, Any]:
             finally:
                 daemon.request_stop()
         left, alive = leftovers(runtime_dir, pids)
-        return {"swapback": swapback, "warm": warm, "burst": bursts, "swaps": swaps, "left": left, "alive": alive}
+        return {
+            "swapback": swapback,
+            "warm": warm,
+            "cold": cold,
+            "burst": bursts,
+            "swaps": swaps,
+            "left": left,
+            "alive": alive,
+        }
     finally:
         route_log.removeHandler(lines)
         shutil.rmtree(runtime_dir, ignore_errors=True)
@@ -230,4 +244,36 @@ async def run(args: argparse.Namespace) -> int:
         f"load_ms, median: (a) {_median([s['load_ms'] for s in a['swapback']]):.1f}, "
         f"(b) {_median([s['load_ms'] for s in b['swapback']]):.1f}"
     )
+    if args.plot:
+        bench_plot.write(args.plot, "scripts/bench models", model_figures(sides), quick=args.quick)
     return 0 if ok else 1
+
+
+def model_figures(sides: dict[str, dict[str, Any]]) -> list[bench_plot.Panel]:
+    """Swap-back turns against warm and cold ones, with and without the store; the ratios."""
+    turns = {
+        "swap-back": {name: [s["ttft_ms"] for s in side["swapback"]] for name, side in sides.items()},
+        "swap-back less load_ms": {
+            name: [s["ttft_ms"] - s["load_ms"] for s in side["swapback"]] for name, side in sides.items()
+        },
+        "warm": {name: side["warm"] for name, side in sides.items()},
+        "cold (first turn)": {name: side["cold"] for name, side in sides.items()},
+    }
+    a = sides["(a) store"]
+    ratios = {
+        "(a) swap-back / warm": {
+            "ttft": [_median(turns["swap-back"]["(a) store"]) / _median(a["warm"])],
+            "less load_ms": [_median(turns["swap-back less load_ms"]["(a) store"]) / _median(a["warm"])],
+        },
+        "swap-back, (b) / (a)": {
+            "ttft": [_median(turns["swap-back"]["(b) no store"]) / _median(turns["swap-back"]["(a) store"])],
+            "less load_ms": [
+                _median(turns["swap-back less load_ms"]["(b) no store"])
+                / _median(turns["swap-back less load_ms"]["(a) store"])
+            ],
+        },
+    }
+    return [
+        bench_plot.Bars("first token: swap-back against warm and cold", "ms", turns, log_y=True),
+        bench_plot.Bars("the ratios (medians)", "ratio", ratios, reference=1.0),
+    ]

@@ -38,6 +38,9 @@ import trio
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_plot  # noqa: E402
 
 from supervisor import config as configuration  # noqa: E402
 from supervisor.config import Config  # noqa: E402
@@ -209,4 +212,33 @@ async def run(args: argparse.Namespace) -> int:
         f"turns 2..{args.turns}, summed first-token time: (b)/(a) {b2 / a2:.3f} (aim <= 1.05)   (a)/(c) {a2 / c2:.3f}"
     )
     print(f"(a)/(c), all turns: {(a1 + a2) / (c1 + c2):.3f} (aim <= 1.02)")
+    if args.plot:
+        bench_plot.write(args.plot, "scripts/bench multiturn", multiturn_figures(sides), quick=args.quick)
     return 0
+
+
+def multiturn_figures(sides: dict[str, list[list[Sample]]]) -> list[bench_plot.Panel]:
+    """Per turn, each chat's first token on each side, and the prompt tokens each child evaluated."""
+    evaluated = {
+        f"{name}, decoder": [(t + 1, float(s.decoder_n)) for t, row in enumerate(samples) for s in row]
+        for name, samples in sides.items()
+    }
+    evaluated["(b) hybrid, provider"] = [
+        (t + 1, float(s.provider_n))
+        for t, row in enumerate(sides["(b) hybrid"])
+        for s in row
+        if s.provider_n is not None
+    ]
+    return [
+        bench_plot.XY(
+            "first token per turn, each chat",
+            "turn",
+            "first token, ms",
+            {
+                name: [(t + 1, s.ttft_ms) for t, row in enumerate(samples) for s in row]
+                for name, samples in sides.items()
+            },
+            integer_x=True,
+        ),
+        bench_plot.XY("prompt tokens evaluated per turn", "turn", "tokens", evaluated, integer_x=True),
+    ]

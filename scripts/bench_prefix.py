@@ -29,6 +29,9 @@ import trio
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_plot  # noqa: E402
 
 from supervisor import config as configuration  # noqa: E402
 from supervisor.config import Config  # noqa: E402
@@ -136,4 +139,32 @@ async def run(args: argparse.Namespace) -> int:
     print(f"first after the crash, (b)/(a): {b['after'][0] / a['after'][0]:.2f}x   (aim: at least 5x)")
     print(f"median after the crash, (b)/(a): {statistics.median(b['after']) / statistics.median(a['after']):.2f}x")
     print(f"(a) first after the crash / warm median: {a['after'][0] / warm_a:.2f}x   (aim: at most 2x)")
+    if args.plot:
+        bench_plot.write(args.plot, "scripts/bench prefix", prefix_figures(sides), quick=args.quick)
     return 0
+
+
+def prefix_figures(sides: dict[str, dict[str, Any]]) -> list[bench_plot.Panel]:
+    """Every request's first token in order, the crash marked; and the table's four figures as bars."""
+    before = len(next(iter(sides.values()))["before"])
+    requests = {
+        name: [(i + 1, ms) for i, ms in enumerate(side["before"] + side["after"])] for name, side in sides.items()
+    }
+    table = {
+        "cold (the first)": {name: side["before"][:1] for name, side in sides.items()},
+        "warm": {name: side["before"][1:] for name, side in sides.items()},
+        "first after the crash": {name: side["after"][:1] for name, side in sides.items()},
+        "after the crash": {name: side["after"] for name, side in sides.items()},
+    }
+    return [
+        bench_plot.XY(
+            "first token, request by request",
+            "request",
+            "first token, ms",
+            requests,
+            marks=[(before + 0.5, "decoder kill -9")],
+            integer_x=True,
+            log_y=True,
+        ),
+        bench_plot.Bars("first token: cold, warm, after the crash", "ms", table, log_y=True),
+    ]

@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import bench_handoff  # noqa: E402
+import bench_plot  # noqa: E402
 from bench_handoff import Rig, first_byte_ms, longest_gap, open_rig, prompt_of  # noqa: E402
 
 from supervisor import config as configuration  # noqa: E402
@@ -107,6 +108,8 @@ async def first_tokens(rig: Rig, rounds: int, chosen: tuple[int, ...], salt: int
             "plain_ms": statistics.median(plain),
             "file_ms": statistics.median(hybrid),
             "decoder_prompt_n": max(decoder_n),
+            "plain": plain,
+            "file": hybrid,
         }
     return rows
 
@@ -144,6 +147,7 @@ async def measure(
         "rows": rows,
         "gap_plain_ms": statistics.median(gaps_plain),
         "gap_file_ms": statistics.median(gaps_file),
+        "gaps": {"plain": gaps_plain, "file route": gaps_file},
         "start_s": start_s,
         "check_s": check,
         "rss_mib": rss / 1024,
@@ -225,4 +229,25 @@ async def run(args: argparse.Namespace) -> int:
         if r["verdict"] is not None:
             within = "within" if r["verdict"].ok else "OVER"
             print(f"fidelity, {r['engine']}: {r['verdict'].summary()}; {within} the bound")
+    if args.plot:
+        bench_plot.write(args.plot, "scripts/bench providers", provider_figures(results), quick=args.quick)
     return 0
+
+
+def provider_figures(results: list[dict[str, Any]]) -> list[bench_plot.Panel]:
+    """First token against prompt length, plain and the file route on each engine (plain measured
+    beside each engine's daemon); the longest inter-token gap per engine."""
+    first: dict[str, list[tuple[float, float]]] = {}
+    for r in results:
+        engine = r["engine"] if r["engine"] == "ggml" else f"{r['engine']}-{r['device']}"
+        first[f"plain (beside {engine})"] = [(row["tokens"], ms) for row in r["rows"].values() for ms in row["plain"]]
+        first[f"file route, {engine}"] = [(row["tokens"], ms) for row in r["rows"].values() for ms in row["file"]]
+    return [
+        bench_plot.XY("first streamed token against prompt length", "prompt tokens", "first token, ms", first),
+        bench_plot.Bars(
+            "a stream's longest gap while a 2k-token prompt arrives",
+            "ms",
+            {r["engine"]: r["gaps"] for r in results},
+            log_y=True,
+        ),
+    ]

@@ -128,6 +128,9 @@ async def run(args: argparse.Namespace, bench: ModuleType) -> int:
                 _report(bench, sides, args)
                 print(f"rss after: this tree {rss[0]:.1f} MiB, other tree {rss[1]:.1f} MiB")
                 print(noise.report(ours))
+                if args.plot:
+                    figures = bench.relay_figures(dict(zip(NAMES, sides, strict=True)))
+                    bench.bench_plot.write(args.plot, "scripts/bench versus", figures, quick=args.quick)
     finally:  # a run cut short (Ctrl-C, SIGTERM) leaves nothing behind either
         for directory in dirs:
             shutil.rmtree(directory, ignore_errors=True)

@@ -1,7 +1,9 @@
-"""scripts/bench.py runs end to end in quick mode: it measures, prints its ratios, and exits 0.
+"""scripts/bench.py runs end to end in quick mode: it measures, prints its ratios, draws its
+figures (``--plot``), and exits 0.
 
 Speed is not checked: a quick run's figures are noise.  What is checked is that the benchmark can
-still start onebitd, talk to both sides, and report, so docs/benchmarks.md can be rerun.
+still start onebitd, talk to both sides, and report, so docs/benchmarks.md can be rerun; and that
+its picture parses as SVG and names the routes and sides it measured.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import pytest
 import trio
 
 from .rig import openvino_llama_server, real_llama_server
+from .test_bench_plot import svg_texts
 
 ROOT = Path(__file__).parent.parent
 BENCH = ROOT / "scripts" / "bench.py"
@@ -26,7 +29,7 @@ NUMBER = r"[-+]?\d+\.\d+"
 
 def test_every_subcommand_has_a_quick_form_and_a_test_here_that_runs_it() -> None:
     subcommands = {command.name for command in bench_subcommands()}
-    tested = set(re.findall(r'quick_run\("([a-z]+)", "--quick"', Path(__file__).read_text()))
+    tested = set(re.findall(r'quick_run\(\s*"([a-z]+)", "--quick"', Path(__file__).read_text()))
     assert tested == subcommands
 
 
@@ -63,11 +66,15 @@ async def quick_run(*args: str, timeout_s: float) -> str:
 
 
 @pytest.mark.real
-async def test_the_overhead_benchmark_in_quick_mode_exits_0_and_prints_its_ratios() -> None:
+async def test_the_overhead_benchmark_in_quick_mode_exits_0_and_prints_its_ratios(tmp_path: Path) -> None:
     real_llama_server()
     # The benchmark starts (and reaps) its own onebitd and llama-server; run_process reaps it.  A
     # quick run takes ~15 s on an idle machine; the bound is for a loaded one.
-    out = await quick_run("overhead", "--quick", timeout_s=300)
+    picture = tmp_path / "overhead.svg"
+    out = await quick_run("overhead", "--quick", "--plot", str(picture), timeout_s=300)
+    texts = svg_texts(picture)
+    assert {"(a) short completions: latency", "(b) concurrent streams: first token", "round 1"} <= set(texts), texts
+    assert {"direct", "onebitd"} <= {text.split(" (median")[0] for text in texts}, texts
     for measure in ("(a) latency median, ms", "(a) latency p99, ms", "(b) aggregate tokens/s"):
         # measure, direct, onebitd, onebitd/direct
         row = rf"^{re.escape(measure)}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}$"
@@ -91,9 +98,11 @@ async def test_the_overhead_benchmark_in_quick_mode_exits_0_and_prints_its_ratio
 
 
 @pytest.mark.real
-async def test_the_families_benchmark_in_quick_mode_exits_0_with_each_model_on_the_file_route() -> None:
+async def test_the_families_benchmark_in_quick_mode_exits_0_with_each_model_on_the_file_route(tmp_path: Path) -> None:
     real_llama_server()
-    out = await quick_run("families", "--quick", timeout_s=300)
+    picture = tmp_path / "families.svg"
+    out = await quick_run("families", "--quick", "--plot", str(picture), timeout_s=300)
+    assert {"llama-dense", "qwen35-dense", "plain", "file route"} <= set(svg_texts(picture))
     # model, verdict, tokens, plain ms and spread, file ms and spread, the ratio, prompt_n, memory
     row = r"^(\S+) +(whole|prefix) +\d+ +\d+ +- +\d+ +- +" + NUMBER + r"x +(\d+) +\d+ +\d+ +\d+$"
     rows = re.findall(row, out, re.MULTILINE)
@@ -103,25 +112,33 @@ async def test_the_families_benchmark_in_quick_mode_exits_0_with_each_model_on_t
 
 
 @pytest.mark.real
-async def test_the_prefix_benchmark_in_quick_mode_exits_0_and_prints_its_ratios() -> None:
+async def test_the_prefix_benchmark_in_quick_mode_exits_0_and_prints_its_ratios(tmp_path: Path) -> None:
     real_llama_server()
-    out = await quick_run("prefix", "--quick", timeout_s=300)
+    picture = tmp_path / "prefix.svg"
+    out = await quick_run("prefix", "--quick", "--plot", str(picture), timeout_s=300)
+    assert {"(a) store", "(b) no store", "decoder kill -9", "first after the crash"} <= set(svg_texts(picture))
     assert re.search(rf"^first after the crash, \(b\)/\(a\): {NUMBER}x", out, re.MULTILINE), out
     assert re.search(rf"^\(a\) store\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+[1-9]", out, re.MULTILINE), out
 
 
 @pytest.mark.real
-async def test_the_models_benchmark_in_quick_mode_exits_0_and_leaves_nothing() -> None:
+async def test_the_models_benchmark_in_quick_mode_exits_0_and_leaves_nothing(tmp_path: Path) -> None:
     real_llama_server()
-    out = await quick_run("models", "--quick", timeout_s=600)
+    picture = tmp_path / "models.svg"
+    out = await quick_run("models", "--quick", "--plot", str(picture), timeout_s=600)
+    assert {"swap-back", "warm", "cold (first turn)", "(a) store", "(b) no store"} <= set(svg_texts(picture))
     assert re.search(rf"^\(a\) swap-back / warm, medians: {NUMBER}x; without load_ms {NUMBER}x", out, re.MULTILINE), out
     assert out.count("left after the stop: files none, children none") == 2, out
 
 
 @pytest.mark.real
-async def test_the_hosts_benchmark_in_quick_mode_exits_0_with_both_sides_and_no_cold_turn_before_the_drain() -> None:
+async def test_the_hosts_benchmark_in_quick_mode_exits_0_with_both_sides_and_no_cold_turn_before_the_drain(
+    tmp_path: Path,
+) -> None:
     real_llama_server()
-    out = await quick_run("hosts", "--quick", timeout_s=600)
+    picture = tmp_path / "hosts.svg"
+    out = await quick_run("hosts", "--quick", "--plot", str(picture), timeout_s=600)
+    assert {"(a) affinity", "(b) before", "one host drained"} <= set(svg_texts(picture))
     for side in ("(a) affinity", "(b) before"):
         found = re.search(rf"^{re.escape(side)}: turns 2\.\.4 .* drained onebit[123];", out, re.MULTILINE)
         assert found, f"no {side!r} summary in:\n{out}"
@@ -133,10 +150,14 @@ async def test_the_hosts_benchmark_in_quick_mode_exits_0_with_both_sides_and_no_
 
 
 @pytest.mark.real
-async def test_the_versus_benchmark_in_quick_mode_exits_0_and_prints_both_trees() -> None:
+async def test_the_versus_benchmark_in_quick_mode_exits_0_and_prints_both_trees(tmp_path: Path) -> None:
     real_llama_server()
     # This tree against itself: what is checked is that both onebitds start, alternate and report.
-    out = await quick_run("versus", "--quick", "--tree", str(BENCH.parent.parent), timeout_s=300)
+    picture = tmp_path / "versus.svg"
+    out = await quick_run(
+        "versus", "--quick", "--tree", str(BENCH.parent.parent), "--plot", str(picture), timeout_s=300
+    )
+    assert {"this tree", "other tree"} <= {text.split(" (median")[0] for text in svg_texts(picture)}
     for measure in ("(a) latency median, ms", "(a) onebitd cpu per request, ms", "(b) onebitd cpu per chunk, us"):
         row = rf"^{re.escape(measure)}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}$"
         assert re.search(row, out, re.MULTILINE), f"no {measure!r} row in:\n{out}"
@@ -147,10 +168,13 @@ async def test_the_versus_benchmark_in_quick_mode_exits_0_and_prints_both_trees(
 
 
 @pytest.mark.real
-async def test_the_agent_benchmark_in_quick_mode_exits_0_and_prints_its_ratios() -> None:
+async def test_the_agent_benchmark_in_quick_mode_exits_0_and_prints_its_ratios(tmp_path: Path) -> None:
     real_llama_server()
     # Five sides, two SDKs, three turns each: about two minutes on a busy 2-core machine.
-    out = await quick_run("agent", "--quick", timeout_s=600)
+    picture = tmp_path / "agent.svg"
+    out = await quick_run("agent", "--quick", "--plot", str(picture), timeout_s=600)
+    texts = set(svg_texts(picture))
+    assert {"anthropic: plain, and at once", "responses: hybrid", "plain", "at-once", "hybrid", "restart"} <= texts
     for client in ("anthropic", "responses"):
         assert re.search(rf"^{client}:$", out, re.MULTILINE), out
     assert len(re.findall(rf"^turns 2-3, summed: plain/direct {NUMBER}x, hybrid/direct {NUMBER}x", out, re.M)) == 2
@@ -167,11 +191,13 @@ async def test_the_agent_benchmark_in_quick_mode_exits_0_and_prints_its_ratios()
 
 
 @pytest.mark.real
-async def test_the_handoff_benchmark_in_quick_mode_exits_0_and_shows_the_file_route_taken() -> None:
+async def test_the_handoff_benchmark_in_quick_mode_exits_0_and_shows_the_file_route_taken(tmp_path: Path) -> None:
     real_llama_server()
     # Two sizes, one round, then the decode-isolation streams and share against file: about two
     # minutes on a busy 2-core machine.
-    out = await quick_run("handoff", "--quick", timeout_s=600)
+    picture = tmp_path / "handoff.svg"
+    out = await quick_run("handoff", "--quick", "--plot", str(picture), timeout_s=600)
+    assert {"plain route", "file route", "prompt tokens", "restore (file)"} <= set(svg_texts(picture))
     # tokens, provider prefill, save, restore, MiB, decoder prefill, prompt_n plain and hybrid, first
     # bytes, (save+restore) / decoder prefill
     five = "".join(rf"  +{NUMBER}" for _ in range(5))
@@ -193,10 +219,14 @@ async def test_the_handoff_benchmark_in_quick_mode_exits_0_and_shows_the_file_ro
 
 
 @pytest.mark.real
-async def test_the_multiturn_benchmark_in_quick_mode_exits_0_and_prints_every_turn_and_its_ratios() -> None:
+async def test_the_multiturn_benchmark_in_quick_mode_exits_0_and_prints_every_turn_and_its_ratios(
+    tmp_path: Path,
+) -> None:
     real_llama_server()
     # Three sides, each a fresh onebitd (or llama-server), 2 chats of 3 turns each.
-    out = await quick_run("multiturn", "--quick", timeout_s=600)
+    picture = tmp_path / "multiturn.svg"
+    out = await quick_run("multiturn", "--quick", "--plot", str(picture), timeout_s=600)
+    assert {"(c) direct", "(a) plain", "(b) hybrid", "first token per turn, each chat"} <= set(svg_texts(picture))
     # turn, then ttft ms and the decoder's prompt tokens for (c), (a), (b), the provider's, routes (b)
     side = rf" +{NUMBER} +(?:\d+|nan)"
     turns = re.findall(rf"^(\d){side}{side}{side} +(?:\d+|nan)  ([a-z,-]+)$", out, re.MULTILINE)
@@ -215,12 +245,14 @@ def openvino_binary() -> Path:
 
 @pytest.mark.real
 async def test_the_providers_benchmark_in_quick_mode_exits_0_with_both_engines_on_the_file_route(
-    openvino_binary: Path,
+    openvino_binary: Path, tmp_path: Path
 ) -> None:
     real_llama_server()
     # Two daemons (ggml, OpenVINO) at two sizes, one round, and OpenVINO started again on its
     # compile cache: a few minutes on a busy 2-core machine.
-    out = await quick_run("providers", "--quick", timeout_s=900)
+    picture = tmp_path / "providers.svg"
+    out = await quick_run("providers", "--quick", "--plot", str(picture), timeout_s=900)
+    assert {"plain (beside ggml)", "file route, ggml", "file route, openvino-CPU"} <= set(svg_texts(picture))
     # tokens, plain, file route ggml and OpenVINO (ms), the two ratios, the decoder's prompt_n on each
     row = rf"^ *\d+  +\d+  +\d+  +\d+   +{NUMBER}x  +{NUMBER}x  +(\d+) +(\d+)$"
     rows = re.findall(row, out, re.MULTILINE)

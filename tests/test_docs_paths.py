@@ -1,4 +1,5 @@
-"""Every module of onebitd's that README.md and docs/ name exists where they say it is.
+"""Every module of onebitd's that README.md and docs/ name exists where they say it is, and every
+picture they show (``![...](plots/overhead.svg)``) is there.
 
 A doc names a module three ways: a path (``supervisor/http/server.py``), a path under one of
 supervisor/'s folders with the ``supervisor/`` left out (docs/architecture.md's tree and tables say
@@ -136,3 +137,31 @@ def test_what_exists_or_is_history_passes(tmp_path: Path, text: str) -> None:
     doc = tmp_path / "benchmarks.md"
     doc.write_text(f"# Doc\n\n{text}\n")
     assert missing(doc) == []
+
+
+# A Markdown image: ``![what it shows](path)``, the path relative to the doc.
+PICTURE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def missing_pictures(doc: Path) -> list[str]:
+    """``doc:line: path`` for each picture ``doc`` shows that is not there (docs/plots/*.svg, the
+    screenshots): a figure renamed or never committed shows as a broken image, not as an error."""
+    return [
+        f"{doc.name}:{number}: {path}"
+        for number, line in enumerate(doc.read_text().splitlines(), 1)
+        for path in PICTURE.findall(line)
+        if not path.startswith(("http://", "https://")) and not (doc.parent / path).is_file()
+    ]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda doc: str(doc.relative_to(ROOT)))
+def test_every_picture_a_doc_shows_is_there(doc: Path) -> None:
+    assert missing_pictures(doc) == []
+
+
+def test_a_picture_that_is_not_there_fails_and_one_that_is_passes(tmp_path: Path) -> None:
+    (tmp_path / "plots").mkdir()
+    (tmp_path / "plots" / "here.svg").write_text("<svg/>")
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# Doc\n\n![the figures](plots/here.svg)\n\n![gone](plots/gone.svg)\n")
+    assert missing_pictures(doc) == ["benchmarks.md:5: plots/gone.svg"]
