@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -24,6 +25,7 @@ from supervisor.admin import verbs as admin
 from supervisor.api import statuspage
 from supervisor.testing import Running
 
+from . import fake_provider
 from .helpers import CHAT, assert_envelope, chat, client_for, open_raw, receive_until, wait_until
 from .rig import Control, fake_decoder_config, run_daemon
 
@@ -220,6 +222,29 @@ async def test_the_feed_sends_the_decoders_transitions(short_dir: Path, control:
     assert moves[0][:2] == ("decoder", "ready")
     assert moves[-1] == ("decoder", "starting", "ready")
     assert any(to in ("backoff", "starting") for _child, _old, to in moves[:-1])
+
+
+async def test_the_feed_sends_a_providers_transitions(short_dir: Path, control: Control) -> None:
+    command = [sys.executable, str(fake_provider.PATH), "--worker"]
+    worker = {"kind": "worker", "name": "npu0", "command": command, "fidelity_check": False}
+    config = fake_decoder_config(short_dir, hybrid={"enabled": True}, provider=[worker])
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(config, providers_ready=True) as running:
+            (provider,) = running.daemon.models.default.parts.providers.all
+            assert provider.child is not None
+            async with feed(running) as events:
+                await anext(events)  # hello
+                assert provider.child.pid is not None
+                os.kill(provider.child.pid, signal.SIGKILL)
+                moves = []
+                async for event in events:
+                    if event["event"] == "child":
+                        moves.append((event["model"], event["child"], event["from"], event["to"]))
+                        if event["to"] == "ready":
+                            break
+    model = running.daemon.models.default.name
+    assert moves[0][:3] == (model, "provider-npu0", "ready")
+    assert moves[-1] == (model, "provider-npu0", "starting", "ready")
 
 
 async def test_a_feed_reader_that_stops_reading_is_dropped_at_its_bound_and_requests_go_on(

@@ -121,6 +121,7 @@ class Model:
             kv_unified=self.kv_unified,
             check_fidelity=self.check_fidelity,
             on_decoder=self._on_decoder,
+            on_provider=self._on_child,
             seats=self.seats,
             model_idle=lambda: self.users == 0,
         )
@@ -265,6 +266,10 @@ class Model:
 
     def _on_decoder(self, child: Child, old: ChildState, new: ChildState, why: str) -> None:
         self._wake.set()
+        self._on_child(child, old, new, why)
+
+    def _on_child(self, child: Child, old: ChildState, new: ChildState, why: str) -> None:
+        """A move of its decoder's or a provider's child, for the live feed."""
         event = {"event": "child", "model": self.name, "child": child.name, "from": old.value, "to": new.value}
         self.on_event({**event, "why": why})
 

@@ -40,7 +40,7 @@ from ..routes.completion import Completions, Hybrid
 from ..routes.file import FileHandoff
 from ..routes.share import ShareHandoff, ShareHandshake
 from ..routes.stored import StoredPrefixes
-from ..supervise.child import Child, ChildState
+from ..supervise.child import Child, ChildState, OnTransition
 from . import layout, memory
 
 log = logging.getLogger("onebit.model")
@@ -75,7 +75,8 @@ class Parts:
         settings: Settings,
         kv_unified: bool,
         check_fidelity: bool,
-        on_decoder: Callable[[Child, ChildState, ChildState, str], None],
+        on_decoder: OnTransition,
+        on_provider: OnTransition | None = None,
         seats: Seats | None = None,
         model_idle: Callable[[], bool] = lambda: True,
     ) -> None:
@@ -84,6 +85,7 @@ class Parts:
         self.runtime_dir = runtime_dir
         self.state_dir = runtime_dir / "state"
         self.check_fidelity = check_fidelity
+        self.on_provider = on_provider  # each provider child's moves
         self.settings = settings
         self.name = spec.name
         # The model's file, read once for the load; whether every llama-server of this load keeps the
@@ -179,6 +181,7 @@ class Parts:
                 state_dir=self.state_dir,
                 kv_unified=kv_unified,
                 swa_full=self.swa_full,
+                on_transition=self.on_provider,
                 # The decoder's own build is exact (tests hold its handoffs to identical replies):
                 # nothing to measure at start.  Another engine or another binary is measured.
                 gate=self._fidelity_gate if self.check_fidelity and self._foreign(spec) else None,
@@ -187,7 +190,7 @@ class Parts:
         gate = self._fidelity_gate if self.check_fidelity and spec.fidelity_check else None
         if isinstance(spec, ExecProviderConfig):
             return ExecProvider(spec, gate=gate)
-        return WorkerProvider(spec, gate=gate)
+        return WorkerProvider(spec, gate=gate, on_transition=self.on_provider)
 
     def _foreign(self, spec: LlamaServerProviderConfig) -> bool:
         """Its KV is not the decoder's own build's: another engine (OpenVINO), or a llama-server

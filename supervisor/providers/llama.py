@@ -33,7 +33,7 @@ from ..llama.decoder import DecoderClient
 from ..llama.llama_server import LlamaServerLauncher, connection_limit
 from ..llama.region import Refused, write_saved_state
 from ..llama.slots import PromptKey, SlotPool
-from ..supervise.child import Child, ChildState
+from ..supervise.child import Child, ChildState, OnTransition
 from .base import Claim, Gate, Job, JobCounts, PrefillJob, ProviderStatistics, ShareJob, log_refusal, verdict
 
 log = logging.getLogger("onebit.provider")
@@ -55,6 +55,7 @@ class LlamaServerProvider:
         kv_unified: bool = False,
         swa_full: bool = False,
         gate: Gate | None = None,
+        on_transition: OnTransition | None = None,
     ) -> None:
         """``swa_full``: the model's sliding-window layers keep every cell, as in the decoder."""
         self.name = spec.name
@@ -79,7 +80,8 @@ class LlamaServerProvider:
             runtime_dir / f"provider-{spec.name}.sock", max_connections=connection_limit(config.model.parallel)
         )
         self.launcher = self._launcher(engine, kv_unified)
-        self.child = Child(self.launcher, spec.health, spec.restart, cpu_affinity=spec.cpu_affinity)
+        self._on_transition = on_transition  # its child's moves, each child it runs: the live feed's
+        self.child = self._child()
         # Its own slots, as many as the decoder's (-np is shared) but on the static path; jobs beyond
         # that wait their turn.
         self.parallel = config.model.parallel
@@ -101,13 +103,19 @@ class LlamaServerProvider:
             swa_full=self._swa_full,
         )
 
+    def _child(self) -> Child:
+        spec = self.spec
+        return Child(
+            self.launcher, spec.health, spec.restart, cpu_affinity=spec.cpu_affinity, on_transition=self._on_transition
+        )
+
     def _to_ggml(self) -> None:
         """engine "auto" after OpenVINO was refused: the decoder's own engine, before the next start.
         The layout (``kv_unified``) stays what the daemon chose: every file still restores."""
         self.engine, self.device, self.refused = "ggml", "CPU", None
         self.gate, self._admitted, self._falls_back = None, True, False
         self.launcher = self._launcher("ggml", self.launcher.kv_unified)
-        self.child = Child(self.launcher, self.spec.health, self.spec.restart, cpu_affinity=self.spec.cpu_affinity)
+        self.child = self._child()
         self.parallel = self._config.model.parallel
         self.slots = SlotPool(self.parallel, queue_limit=1 << 16)
 

@@ -36,7 +36,7 @@ import trio
 
 from ..config import WorkerProvider as WorkerProviderConfig
 from ..errors import ProviderError
-from ..supervise.child import Child, ChildState
+from ..supervise.child import Child, ChildState, OnTransition
 from .base import Claim, Gate, Job, JobCounts, ProviderStatistics, ShareJob, log_refusal, parse_claim, verdict
 
 log = logging.getLogger("onebit.provider")
@@ -146,7 +146,9 @@ class WorkerProvider:
     engine: str | None = None  # a program of its own: onebitd does not know what it runs on
     device: str | None = None
 
-    def __init__(self, spec: WorkerProviderConfig, gate: Gate | None = None) -> None:
+    def __init__(
+        self, spec: WorkerProviderConfig, gate: Gate | None = None, on_transition: OnTransition | None = None
+    ) -> None:
         self.name = spec.name
         self.spec = spec
         self.gate = gate
@@ -157,7 +159,9 @@ class WorkerProvider:
         if gate is None:
             self._checked.set()
         self.launcher = _WorkerLauncher(self)
-        self.child = Child(self.launcher, spec.health, spec.restart, cpu_affinity=spec.cpu_affinity)
+        self.child = Child(
+            self.launcher, spec.health, spec.restart, cpu_affinity=spec.cpu_affinity, on_transition=on_transition
+        )
         self._capacity = trio.Semaphore(spec.concurrency)
         self._life: _Life | None = None
         self._lives_send, self._lives_receive = trio.open_memory_channel[_Life](16)

@@ -111,6 +111,10 @@ class ChildStatistics:
     transitions: int
 
 
+# Told of each move of a child's state: (the child, from, to, why).
+OnTransition = Callable[["Child", ChildState, ChildState, str], None]
+
+
 class Child:
     def __init__(
         self,
@@ -119,7 +123,7 @@ class Child:
         restart: RestartPolicy,
         *,
         cpu_affinity: Sequence[int] = (),
-        on_transition: Callable[[Child, ChildState, ChildState, str], None] | None = None,
+        on_transition: OnTransition | None = None,
         sleep: Callable[[float], Awaitable[None]] = trio.sleep,
     ) -> None:
         self.launcher = launcher
