@@ -296,6 +296,25 @@ def process_ticks(pid: int | None) -> int:
     return int(fields[11]) + int(fields[12])  # utime, stime: the stat(5) fields 14 and 15
 
 
+def tree_ticks() -> int:
+    """Clock ticks this process ran, with its reaped children and every live descendant."""
+    fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    own = sum(int(field) for field in fields[11:15])  # utime, stime, cutime, cstime
+    return own + sum(process_ticks(pid) for pid in descendants(os.getpid()))
+
+
+def descendants(pid: int) -> list[int]:
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children = [int(child) for child in (task / "children").read_text().split()]
+        except OSError:
+            continue
+        for child in children:
+            found += [child, *descendants(child)]
+    return found
+
+
 @attrs.frozen
 class Noise:
     """The CPU other processes took while we measured: it slows both sides, not always equally.
@@ -312,7 +331,9 @@ class Noise:
 
     @staticmethod
     def _others(ours: Sequence[int | None]) -> int:
-        return busy_ticks() - sum(process_ticks(pid) for pid in ours)
+        """``ours`` empty: this process's whole tree (its children may come and go: a crashed
+        decoder's ticks stay in ours once it is reaped)."""
+        return busy_ticks() - (sum(process_ticks(pid) for pid in ours) if ours else tree_ticks())
 
     def report(self, ours: Sequence[int | None]) -> str:
         seconds = time.monotonic() - self.started

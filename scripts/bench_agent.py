@@ -75,7 +75,13 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--turns", type=int, default=8, help="turns per session (8)")
     parser.add_argument("--system-words", type=int, default=1650, help="words of system prompt (~3,000 tokens)")
     parser.add_argument("--max-tokens", type=int, default=8, help="reply tokens per turn (8)")
-    parser.add_argument("--quick", action="store_true", help="3 turns, a ~600-token prompt: it runs")
+    parser.add_argument(
+        "--restarts",
+        type=int,
+        default=6,
+        help="full restarts measured on their first turn, the session's one included (6)",
+    )
+    parser.add_argument("--quick", action="store_true", help="3 turns, a ~600-token prompt, 2 restarts: it runs")
 
 
 def system_prompt(words: int) -> str:
@@ -253,6 +259,9 @@ class Side:
     first_ms: list[float] = attrs.Factory(list)
     keep_ms: list[float] = attrs.Factory(list)  # a turn's last event to its route line: the slot kept
     lines: list[dict[str, Any]] = attrs.Factory(list)
+    # The session's first turn after each further full restart (``--restarts``), and its route lines.
+    again: list[float] = attrs.Factory(list)
+    again_lines: list[dict[str, Any]] = attrs.Factory(list)
 
 
 async def lockstep(sides: list[Side], lines: RouteLines) -> None:
@@ -362,7 +371,7 @@ async def writes_settled(daemon: Daemon) -> None:
 
 async def run(args: argparse.Namespace) -> int:
     if args.quick:
-        args.turns, args.system_words = 3, 400
+        args.turns, args.system_words, args.restarts = 3, 400, 2
     system = system_prompt(args.system_words)
     print(
         f"onebit agent: a {args.turns}-turn session (~{args.system_words}-word system prompt and {len(TOOL_NAMES)} "
@@ -432,16 +441,65 @@ async def run(args: argparse.Namespace) -> int:
                         ],
                         lines,
                     )
+        # More full restarts, each measured on the session's first turn alone (it is the headline:
+        # one sample a client per restart), the two sides' order alternating restart by restart.
+        for cycle in range(1, args.restarts):
+            await restart_again(args, plain, root / f"direct-restarted-{cycle}", system, lines, cycle, sides)
     finally:
         logger.removeHandler(lines)
         shutil.rmtree(root, ignore_errors=True)
 
     for client in CLIENTS:
         report(client, args.turns, {name: s for (name, c), s in sides.items() if c == client})
+    report_restarts(sides)
     if args.plot:
         figures = agent_figures({(name, client): s.first_ms for (name, client), s in sides.items()})
         bench_plot.write(args.plot, "scripts/bench agent", figures, quick=args.quick, columns=3)
     return 0
+
+
+async def restart_again(
+    args: argparse.Namespace,
+    config: Config,
+    directory: Path,
+    system: str,
+    lines: RouteLines,
+    cycle: int,
+    sides: dict[tuple[str, str], Side],
+) -> None:
+    """onebitd and a fresh direct llama-server started again on the plain side's store; the
+    session's first turn on each, its first token added to the restart sides' figures."""
+    async with (
+        open_side(config) as (daemon, url),
+        open_direct(daemon, config, directory) as direct_socket,
+        askers("http://direct", direct_socket) as direct,
+        askers(url) as front,
+    ):
+        for client in CLIENTS:
+            restart = Side("restart", front[client], Session(client, f"p-{client}", system, 1, args.max_tokens), daemon)
+            cold = Side("direct'", direct[client], Session(client, f"d-{client}", system, 1, args.max_tokens))
+            await lockstep([restart, cold] if cycle % 2 == 0 else [cold, restart], lines)
+            sides["restart", client].again.append(restart.first_ms[0])
+            sides["direct'", client].again.append(cold.first_ms[0])
+            sides["restart", client].again_lines.append(restart.lines[0])
+
+
+def report_restarts(sides: dict[tuple[str, str], Side]) -> None:
+    """The first turn after each full restart: the headline, from every restart."""
+    print()
+    for client in CLIENTS:
+        restart, cold = sides["restart", client], sides["direct'", client]
+        ours = [restart.first_ms[0], *restart.again]
+        theirs = [cold.first_ms[0], *cold.again]
+        ratios = [c / r for r, c in zip(ours, theirs, strict=True)]
+        evaluated = [line["decoder_prompt_n"] for line in [restart.lines[0], *restart.again_lines]]
+        print(
+            f"{client}: after {len(ours)} full restarts, turn 1: direct' cold / onebitd median"
+            f" {statistics.median(theirs) / statistics.median(ours):.2f}x of the medians"
+            f" ({statistics.median(ours):.0f} ms against {statistics.median(theirs):.0f} ms);"
+            f" restart by restart {' '.join(f'{r:.2f}' for r in ratios)}   (aim: at least 5x);"
+            f" the decoder evaluated {' '.join(str(n) for n in evaluated)} prompt tokens"
+        )
 
 
 # Each panel: an onebitd side against the direct side it ran turn by turn with.

@@ -1,28 +1,33 @@
 """``scripts/bench families``: per model family and quant, the first token plain against the file
-route, what the decoder evaluated after the restore, and the memory each used.
+route on a ggml and an OpenVINO provider, what the decoder evaluated after the restore, each
+engine's fidelity distances and the memory each used.
 
 The models: the tiny random-weight ones of each architecture that scripts/tiny-models makes (dense,
-sliding-window, hybrid recurrent and convolution, MoE) and SmolLM2 in every quant set-up makes.  One
-onebitd per model, on the embedded default config with ``model.path`` changed, a ggml provider, the
-file route forced (``route_by = "length"``).  Each pair is one fresh prompt asked both ways: plain
-straight to the decoder's llama-server (``cache_prompt: false``: the whole prompt prefilled) and
-through onebitd (the provider prefills, the decoder restores); the order alternates pair by pair
-(ABBA), after one warm-up pair, so that the machine's drift falls on both sides alike.  Printed per
-model: the load-time probe's verdict, the medians and spreads, the ratio plain / file (above 1: the
-file route's first token came sooner), the decoder's prompt_n after the restore (worst of the
-pairs), the memory estimate and the measured RSS of the decoder and the provider.  The ggml
-provider is the decoder's own build: its handoff is exact, so no fidelity distance is printed
-(``bench providers`` measures OpenVINO's).
+sliding-window, hybrid recurrent and convolution, MoE) and SmolLM2 in every quant set-up makes.  Per
+model two onebitd side by side, each on the embedded default config with ``model.path`` changed and
+the file route forced (``route_by = "length"``), the decoder on one core and its one provider on the
+other: one with a ggml provider, one with an OpenVINO provider on its CPU device (which runs its
+start-time check, as onebitd does: a model the backend cannot take is refused there, and its column
+says so).  Each sample is one fresh prompt asked on every side: plain straight to the ggml daemon's
+llama-server (``cache_prompt: false``: the whole prompt prefilled) and through each onebitd (the
+provider prefills, the decoder restores); the sides' order rotates sample by sample
+(bench_providers.first_tokens), after one warm-up sample, so that the machine's drift falls on every
+side alike.  Printed per model: the load-time probe's verdict, the medians and spreads, the ratios
+plain / file (above 1: the file route's first token came sooner), the decoder's prompt_n after the
+restore (worst sample), each engine's next-token distance (mean and worst, over the gate's prompts
+and more, those that fit a slot), the memory estimate and the measured RSS of the decoder and each
+provider.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
 import tempfile
-import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +38,15 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_plot  # noqa: E402
-from bench_handoff import Rig, first_byte_ms, open_rig, prompt_of  # noqa: E402
+from bench_handoff import Rig, open_rig  # noqa: E402
+from bench_providers import fidelity_of, first_tokens, provider_of  # noqa: E402
 
 from supervisor import config as configuration  # noqa: E402
 from supervisor.config import Config, locate  # noqa: E402
 from supervisor.errors import ConfigError  # noqa: E402
+from supervisor.llama import openvino  # noqa: E402
 from supervisor.models.memory import rss_mib  # noqa: E402
+from supervisor.routes import fidelity  # noqa: E402
 
 FAMILIES = (
     "llama-dense",
@@ -56,9 +64,11 @@ QUANTS = tuple(f"SmolLM2-135M-Instruct.{q}" for q in ("Q4_0", "Q4_1", "Q4_K_M", 
 
 
 def arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--pairs", type=int, default=5, help="measured pairs per model, after one warm-up (5)")
+    parser.add_argument("--pairs", type=int, default=6, help="measured samples per model and side, after a warm-up (6)")
     parser.add_argument("--tokens", type=int, default=600, help="prompt tokens (600)")
     parser.add_argument("--models", nargs="*", help="model names (default: every family and quant)")
+    parser.add_argument("--fidelity", type=int, default=12, help="prompts of each engine's fidelity distances (12)")
+    parser.add_argument("--no-openvino", action="store_true", help="the ggml provider only")
     parser.add_argument("--quick", action="store_true", help="two models, one pair, a 200-token prompt: it runs")
 
 
@@ -72,62 +82,92 @@ def model_path(name: str, tiny: Path) -> Path:
     return path
 
 
-def family_config(runtime_dir: Path, model: Path) -> Config:
+def family_config(runtime_dir: Path, model: Path, engine: str = "ggml") -> Config:
+    cpus = sorted(os.sched_getaffinity(0))
+    decoder_cpus, provider_cpus = ([cpus[0]], [cpus[1]]) if len(cpus) >= 2 else (cpus, cpus)
     data = configuration.unstructure(Config())
     data["server"].update(port=0, runtime_dir=str(runtime_dir), shutdown_grace_s=10.0)
-    data["cache"].update(dir=str(runtime_dir / "prefix"), ram_mib=0)
+    data["cache"].update(dir=str(runtime_dir / "prefix"), ram_mib=0, compile_dir=str(runtime_dir / "compiled"))
     data["model"].update(path=str(model), parallel=2, ctx_size=4096)
-    data["decoder"]["threads"] = 1
+    data["decoder"].update(threads=1, cpu_affinity=decoder_cpus)
     data["hybrid"].update(enabled=True, min_prompt_tokens=64, route_by="length")
-    data["provider"] = [{"kind": "llama-server", "name": "ggml", "threads": 1}]
+    provider: dict[str, Any] = {"kind": "llama-server", "name": engine, "threads": 1, "cpu_affinity": provider_cpus}
+    if engine == "openvino":
+        provider.update(engine="openvino", device="CPU")
+    data["provider"] = [provider]
     config = configuration.structure(data, "bench")
     configuration.check(config, "bench")
     return config
 
 
-async def pairs(rig: Rig, n: int, tokens: int) -> dict[str, Any]:
-    """One warm-up pair, then ``n``, the sides alternating who goes first."""
-    plain: list[float] = []
-    file: list[float] = []
-    decoder_n: list[int] = []
-    count = 0
-    for i in range(n + 1):
-        prompt, count = await prompt_of(rig.decoder, tokens, salt=7000 + i)
-        body = {"prompt": prompt, "n_predict": 4, "temperature": 0, "stream": True}
-        order = ("plain", "file") if i % 2 == 0 else ("file", "plain")
-        measured: dict[str, float] = {}
-        for side in order:
-            if side == "plain":
-                ms, _ = await first_byte_ms(rig.decoder, "/completion", {**body, "cache_prompt": False, "id_slot": 1})
-            else:
-                ms, timings = await first_byte_ms(rig.front, "/completion", body)
-                if i:
-                    decoder_n.append(int(timings.get("prompt_n", -1)))
-            measured[side] = ms
-        if i:  # the first pair warms both paths up
-            plain.append(measured["plain"])
-            file.append(measured["file"])
-    return {"tokens": count, "plain": plain, "file": file, "decoder_prompt_n": max(decoder_n)}
-
-
-async def measure(name: str, tiny: Path, n: int, tokens: int) -> dict[str, Any]:
+@contextlib.asynccontextmanager
+async def rigs_for(model: Path, with_openvino: bool) -> AsyncIterator[dict[str, Rig]]:
+    """The ggml daemon, and the OpenVINO one beside it where asked, both up at once.  The OpenVINO
+    daemon runs its start-time check, as onebitd does: a backend that cannot take the model is
+    refused there, with its reason."""
     with tempfile.TemporaryDirectory(prefix="ob-bench-", dir="/tmp") as tmp:
-        async with open_rig(family_config(Path(tmp), model_path(name, tiny)), check_fidelity=False) as rig:
-            model = rig.daemon.models.default
-            row = await pairs(rig, n, tokens)
-            (provider,) = model.parts.llama_providers()
-            row.update(
-                restores=model.parts.capability.restores.value,
-                estimate_mib=model.estimate_mib,
-                decoder_mib=rss_mib(model.decoder.pid) or 0.0,
-                provider_mib=rss_mib(provider.child.pid) or 0.0,
-                swa_full=model.swa_full,
-            )
+        async with contextlib.AsyncExitStack() as stack:
+            rigs = {
+                "ggml": await stack.enter_async_context(
+                    open_rig(family_config(Path(tmp) / "g", model), check_fidelity=False)
+                )
+            }
+            if with_openvino:
+                config = family_config(Path(tmp) / "o", model, "openvino")
+                rigs["openvino"] = await stack.enter_async_context(open_rig(config))
+            yield rigs
+
+
+async def measure(name: str, tiny: Path, args: argparse.Namespace) -> dict[str, Any]:
+    async with rigs_for(model_path(name, tiny), args.openvino) as rigs:
+        model = rigs["ggml"].daemon.models.default
+        refused = {}
+        for engine, rig in rigs.items():
+            why = provider_of(rig).statistics().refused
+            if why is not None:
+                refused[engine] = why
+        measured = {engine: rig for engine, rig in rigs.items() if engine not in refused}
+        (row,) = (await first_tokens(measured, args.pairs, (args.tokens,), aa=False)).values()
+        texts = [*fidelity.GATE_PROMPTS, *fidelity.prompt_set(max(0, args.fidelity - len(fidelity.GATE_PROMPTS)))]
+        verdicts = {}
+        for engine, rig in measured.items():
+            if args.fidelity and model.parts.capability.handoff:
+                slot_context = rig.daemon.models.default.parts.completions.slot_context
+                verdicts[engine] = await fidelity_of(rig, provider_of(rig), texts[: args.fidelity], slot_context)
+        row.update(
+            restores=model.parts.capability.restores.value,
+            estimate_mib=model.estimate_mib,
+            decoder_mib=rss_mib(model.decoder.pid) or 0.0,
+            provider_mib={engine: rss_mib(provider_of(rig).child.pid) or 0.0 for engine, rig in rigs.items()},
+            swa_full=model.swa_full,
+            refused=refused,
+            verdicts=verdicts,
+        )
     return row
 
 
 def spread(values: list[float]) -> str:
-    return f"{min(values):.0f}-{max(values):.0f}" if len(values) > 1 else "-"
+    return f"{min(values):.0f}-{max(values):.0f}" if values else "-"
+
+
+def cell(row: dict[str, Any], side: str) -> str:
+    values = row.get(side, [])
+    if not values:
+        return f"{'refused' if side in row['refused'] else '-':>7} {'':>11}"
+    return f"{statistics.median(values):>7.0f} {spread(values):>11}"
+
+
+def ratio(row: dict[str, Any], side: str) -> str:
+    if not row.get(side):
+        return f"{'-':>7}"
+    return f"{statistics.median(row['plain']) / statistics.median(row[side]):>6.2f}x"
+
+
+def distances(row: dict[str, Any], engine: str) -> str:
+    verdict = row["verdicts"].get(engine)
+    if verdict is None:
+        return f"{'-':>15}"
+    return f"{verdict.mean_handoff:>7.4f} {verdict.max_handoff:>7.4f}" + ("" if verdict.ok else "!")
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -137,32 +177,53 @@ async def run(args: argparse.Namespace) -> int:
     tiny = Path(found.stdout.decode().strip())
     import bench  # the machine line, measured the same way for every subcommand
 
+    args.openvino = not args.no_openvino and openvino.llama_server("") is not None
+    if args.quick:
+        args.pairs, args.tokens, args.fidelity = 1, 200, 0
     print(f"machine: {bench.machine()}")
-    ticks, began = bench.busy_ticks(), time.monotonic()
+    noise = bench.Noise.start([])
     names = args.models or (["llama-dense", "qwen35-dense"] if args.quick else [*FAMILIES, *QUANTS])
-    n = 1 if args.quick else args.pairs
-    tokens = 200 if args.quick else args.tokens
-    print(f"first streamed token, ms: {n} pair(s) per model after 1 warm-up, the order alternating (ABBA)")
-    print("plain: llama-server direct, cache_prompt false; file: through onebitd, a ggml provider prefilling")
-    header = (
-        f"{'model':<32} {'restores':<8} {'tokens':>6} {'plain':>7} {'spread':>11} {'file':>7} {'spread':>11}"
-        f" {'plain/file':>10} {'prompt_n':>8} {'est MiB':>8} {'decoder':>8} {'provider':>8}"
+    engines = ("ggml", "openvino") if args.openvino else ("ggml",)
+    print(
+        f"first streamed token, ms: {args.pairs} sample(s) per cell after 1 warm-up, the same fresh prompt on every"
+        " side, the sides in rotating order"
     )
-    print(header)
+    print(
+        "plain: llama-server direct, cache_prompt false; ggml, openvino: the file route through an onebitd with that"
+        " provider (decoder and provider on a core each)"
+    )
+    print(
+        f"{'model':<32} {'restores':<8} {'tokens':>6} {'plain':>7} {'spread':>11}"
+        + "".join(f" {engine:>7} {'spread':>11}" for engine in engines)
+        + "".join(f" {'/' + engine:>7}" for engine in engines)
+        + f" {'prompt_n':>8}"
+        + "".join(f" {'TV ' + engine + ' mean worst':>15}" for engine in engines)
+        + f" {'est MiB':>8} {'decoder':>8}"
+        + "".join(f" {engine:>8}" for engine in engines)
+    )
     rows: dict[str, dict[str, Any]] = {}
     for name in names:
-        row = rows[name] = await measure(name, tiny, n, tokens)
-        plain, file = statistics.median(row["plain"]), statistics.median(row["file"])
+        row = rows[name] = await measure(name, tiny, args)
         label = name + (" (swa-full)" if row["swa_full"] else "")
+        prompt_n = max(row["decoder_prompt_n"].values())
         print(
-            f"{label:<32} {row['restores']:<8} {row['tokens']:>6} {plain:>7.0f} {spread(row['plain']):>11}"
-            f" {file:>7.0f} {spread(row['file']):>11} {plain / file:>9.2f}x {row['decoder_prompt_n']:>8}"
-            f" {row['estimate_mib']:>8.0f} {row['decoder_mib']:>8.0f} {row['provider_mib']:>8.0f}",
+            f"{label:<32} {row['restores']:<8} {row['tokens']:>6} {cell(row, 'plain')}"
+            + "".join(f" {cell(row, engine)}" for engine in engines)
+            + "".join(f" {ratio(row, engine)}" for engine in engines)
+            + f" {prompt_n:>8}"
+            + "".join(f" {distances(row, engine)}" for engine in engines)
+            + f" {row['estimate_mib']:>8.0f} {row['decoder_mib']:>8.0f}"
+            + "".join(f" {row['provider_mib'].get(engine, 0):>8.0f}" for engine in engines),
             flush=True,
         )
-    print("prompt_n: the decoder's prompt tokens after the restore (worst pair); memory: RSS after the run, MiB")
-    cpus = (bench.busy_ticks() - ticks) / os.sysconf("SC_CLK_TCK") / (time.monotonic() - began)
-    print(f"CPU busy during the run: {cpus:.2f} of {os.cpu_count()} CPUs, this benchmark's own processes included")
+    print("/engine: plain / the file route on it (above 1: sooner); prompt_n: the decoder's prompt tokens after")
+    print("a restore (the worst sample of either engine); TV: next-token total-variation distance, handoff against")
+    print(f"the decoder's cached path, over up to {args.fidelity} prompts that fit a slot ('!': over the bound);")
+    print("memory: RSS after the run, MiB (decoder, then each provider)")
+    for name, row in rows.items():
+        for engine, why in row["refused"].items():
+            print(f"refused: {name} on {engine}: {why}")
+    print(noise.report([]))
     if args.plot:
         bench_plot.write(args.plot, "scripts/bench families", family_figures(rows), quick=args.quick)
     return 0
@@ -172,18 +233,23 @@ def family_figures(rows: dict[str, dict[str, Any]]) -> list[bench_plot.Panel]:
     """One prompt length for every model: no axis to put it on, so the table as bars, the first
     token each way per model and the ratio plain / file."""
     tokens = max(row["tokens"] for row in rows.values())
+    names = {"plain": "plain", "ggml": "file route", "openvino": "file route, openvino"}
     return [
         bench_plot.Bars(
             f"first streamed token, a {tokens}-token prompt",
             "ms",
-            {name: {"plain": row["plain"], "file route": row["file"]} for name, row in rows.items()},
+            {name: {names[side]: row[side] for side in names if row.get(side)} for name, row in rows.items()},
             log_y=True,
         ),
         bench_plot.Bars(
             "plain / file route (above 1: the file route's first token sooner)",
             "ratio of the medians",
             {
-                name: {"plain / file": [statistics.median(row["plain"]) / statistics.median(row["file"])]}
+                name: {
+                    f"plain / {names[side]}": [statistics.median(row["plain"]) / statistics.median(row[side])]
+                    for side in ("ggml", "openvino")
+                    if row.get(side)
+                }
                 for name, row in rows.items()
             },
             reference=1.0,

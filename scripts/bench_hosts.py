@@ -52,6 +52,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_plot  # noqa: E402
+from bench_multiturn import QUESTIONS as MULTITURN_QUESTIONS  # noqa: E402
+from bench_multiturn import TOPICS  # noqa: E402
 
 from supervisor import config as configuration  # noqa: E402
 from supervisor.config import Config  # noqa: E402
@@ -64,17 +66,12 @@ HOSTS = 3
 SIDES = ("(a) affinity", "(b) before")
 CHECK_INTER = "100ms"  # HAProxy sees the drain within a fraction of a second (the example: 2 s)
 TIMEOUT_S = 600
-TOPICS = ("lighthouses", "sourdough bread", "glaciers", "violins", "honeybees", "volcanoes")
+# multiturn's topics and questions, with two questions more: a host's session runs 8 turns and more.
 QUESTIONS = (
-    "Introduce yourself in one sentence.",
-    "What is the most surprising fact you know?",
-    "Explain it to a child.",
-    "What would you ask an expert?",
-    "Give me one practical tip.",
+    *MULTITURN_QUESTIONS[:5],
     "Name a common mistake.",
     "What changed in the last century?",
-    "Summarise our chat in one line.",
-    "Say goodbye.",
+    *MULTITURN_QUESTIONS[5:],
 )
 
 

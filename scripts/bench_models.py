@@ -4,9 +4,11 @@ The shipped GGUF is served under two names with another ``ctx_size`` each ("alph
 ``models.max_loaded = 1``: every switch between them is a swap (one decoder stopped, the other
 started).  Conversations alternate between the models, a round at a time: on each model, its
 conversation's next turn right after the model was swapped back in ("swap-back"), then another turn
-at once, the model still loaded ("warm").  Run twice, one after the other, on a freshly started
-onebitd each: (a) with the prefix store, (b) without it (``cache.enabled = false``: what a peer that
-forgets its prompt cache on a swap gives).  llama-server's own in-memory cache is off on both.
+at once, the model still loaded ("warm").  Two onebitd side by side, both up for the whole run: (a)
+with the prefix store, (b) without it (``cache.enabled = false``: what a peer that forgets its prompt
+cache on a swap gives); ``--aa`` gives (b) the store too, an A/A run.  Each turn is asked on both
+sides (the same conversation, the same words), the order alternating turn by turn (ABBA); the
+conversations' first round is cold and unmeasured.  llama-server's own in-memory cache is off on both.
 
 Then a burst: requests for both models at once, in mixed order; counted, the swaps per model per
 burst.  Every request must answer 200 (or a clean 503 with Retry-After); no child, socket or state
@@ -21,16 +23,18 @@ burst's swaps.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
-import shutil
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import httpx
 import trio
 
@@ -54,6 +58,7 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=4, help="rounds of swap-back and warm turns per model (4)")
     parser.add_argument("--words", type=int, default=700, help="words of each conversation's document (~1,000 tokens)")
     parser.add_argument("--burst", type=int, default=8, help="requests in the burst, both models mixed (8)")
+    parser.add_argument("--aa", action="store_true", help="A/A: the store on both sides")
     parser.add_argument("--quick", action="store_true", help="2 rounds, a ~300-token document, a burst of 4: it runs")
 
 
@@ -123,76 +128,108 @@ def leftovers(runtime: Path, pids: list[int]) -> tuple[list[str], list[int]]:
     return [str(f) for f in files if f.parts[0] != "prefix"], [pid for pid in pids if Path(f"/proc/{pid}").exists()]
 
 
-async def run_side(args: argparse.Namespace, *, store: bool) -> dict[str, Any]:
-    runtime_dir = Path(tempfile.mkdtemp(prefix="ob-bench-", dir="/tmp"))
+SIDES = ("(a) store", "(b) no store")
+
+
+@attrs.define
+class Side:
+    """One onebitd of the two, and what its turns measured."""
+
+    daemon: Daemon
+    client: httpx.AsyncClient
+    chats: dict[str, list[dict[str, str]]]
+    swapback: list[dict[str, float]] = attrs.Factory(list)
+    warm: list[float] = attrs.Factory(list)
+    cold: list[float] = attrs.Factory(list)  # each conversation's first turn: no cache has any of it
+
+    async def turn(self, line_at: Any, name: str, question: str, kind: str, cold: bool) -> None:
+        chat = self.chats[name]
+        chat.append({"role": "user", "content": question})
+        ms, text = await turn(self.client, name, chat)
+        chat.append({"role": "assistant", "content": text})
+        # Its route line comes once the slot was saved for the store: nothing of this turn is left
+        # running when the other side's turn starts.
+        line = await line_at()
+        if cold:
+            if kind == "swap-back":  # the conversation's very first turn
+                self.cold.append(ms)
+        elif kind == "warm":
+            self.warm.append(ms)
+        else:
+            other = self.daemon.models.get(MODELS[1 - MODELS.index(name)])
+            this = self.daemon.models.get(name)
+            assert other is not None
+            assert this is not None
+            self.swapback.append(
+                {
+                    "ttft_ms": ms,
+                    "load_ms": line.get("load_ms") or 0.0,
+                    # Of that wait: the other model's unload, this one's load.
+                    "unload": other.last_unload_ms or 0.0,
+                    "decoder_load": this.last_load_ms or 0.0,
+                    "restored": line.get("restored_tokens") or 0,
+                    "prefilled": line.get("decoder_prompt_n") or 0,
+                }
+            )
+
+
+@contextlib.asynccontextmanager
+async def open_side(args: argparse.Namespace, runtime_dir: Path, *, store: bool) -> AsyncIterator[Side]:
+    daemon = Daemon(side_config(runtime_dir, store=store))
+    async with trio.open_nursery() as nursery:
+        started = await nursery.start(daemon.run)
+        try:
+            async with httpx.AsyncClient(base_url=started.binds[0], timeout=TIMEOUT_S) as client:
+                chats = {
+                    name: [{"role": "system", "content": document(args.words, 3 + i)}] for i, name in enumerate(MODELS)
+                }
+                yield Side(daemon, client, chats)
+        finally:
+            daemon.request_stop()
+
+
+async def run_sides(args: argparse.Namespace, runtime: Path) -> dict[str, dict[str, Any]]:
     lines = RouteLines()
     route_log = logging.getLogger(ROUTE_LOGGER)
     route_log.addHandler(lines)
     route_log.setLevel(logging.INFO)
-    swapback: list[dict[str, float]] = []
-    warm: list[float] = []
-    cold: list[float] = []  # each conversation's first turn: no cache has any of it
+    results: dict[str, dict[str, Any]] = {}
+    seen = 0
+
+    async def next_line() -> dict[str, Any]:
+        """The route line of the turn just asked (one request at a time: they come in order)."""
+        nonlocal seen
+        seen += 1
+        return await lines.wait(seen)
+
     try:
-        daemon = Daemon(side_config(runtime_dir, store=store))
-        async with trio.open_nursery() as nursery:
-            started = await nursery.start(daemon.run)
-            try:
-                with trio.fail_after(TIMEOUT_S):
-                    async with httpx.AsyncClient(base_url=started.binds[0], timeout=TIMEOUT_S) as client:
-                        chats = {
-                            name: [{"role": "system", "content": document(args.words, 3 + i)}]
-                            for i, name in enumerate(MODELS)
-                        }
-                        turns = 0
-                        for round_ in range(args.rounds):
-                            for name in MODELS:
-                                for kind in ("swap-back", "warm"):
-                                    chat = chats[name]
-                                    chat.append({"role": "user", "content": f"Round {round_}, {kind}: which box?"})
-                                    ms, text = await turn(client, name, chat)
-                                    chat.append({"role": "assistant", "content": text})
-                                    turns += 1
-                                    line = await lines.wait(turns)
-                                    if round_ == 0:
-                                        if kind == "swap-back":  # the conversation's very first turn
-                                            cold.append(ms)
-                                        continue  # the conversation's first turns are cold: no cache has them
-                                    if kind == "warm":
-                                        warm.append(ms)
-                                    else:
-                                        other = daemon.models.get(MODELS[1 - MODELS.index(name)])
-                                        this = daemon.models.get(name)
-                                        assert other is not None
-                                        assert this is not None
-                                        swapback.append(
-                                            {
-                                                "ttft_ms": ms,
-                                                "load_ms": line.get("load_ms") or 0.0,
-                                                # Of that wait: the other model's unload, this one's load.
-                                                "unload": other.last_unload_ms or 0.0,
-                                                "decoder_load": this.last_load_ms or 0.0,
-                                                "restored": line.get("restored_tokens") or 0,
-                                                "prefilled": line.get("decoder_prompt_n") or 0,
-                                            }
-                                        )
-                        bursts = await burst(client, daemon, args.burst)
-                    pids = [child.pid for child in daemon.children() if child.pid is not None]
-                    swaps = daemon.models.swaps
-            finally:
-                daemon.request_stop()
-        left, alive = leftovers(runtime_dir, pids)
-        return {
-            "swapback": swapback,
-            "warm": warm,
-            "cold": cold,
-            "burst": bursts,
-            "swaps": swaps,
-            "left": left,
-            "alive": alive,
-        }
+        async with (
+            open_side(args, runtime / "a", store=True) as a,
+            open_side(args, runtime / "b", store=args.aa) as b,
+        ):
+            with trio.fail_after(TIMEOUT_S):
+                turns = 0
+                for round_ in range(args.rounds):
+                    for name in MODELS:
+                        for kind in ("swap-back", "warm"):
+                            question = f"Round {round_}, {kind}: which box?"
+                            for side in (a, b) if turns % 2 == 0 else (b, a):
+                                await side.turn(next_line, name, question, kind, cold=round_ == 0)
+                            turns += 1
+                for label, side in zip(SIDES, (a, b), strict=True):
+                    results[label] = {
+                        "swapback": side.swapback,
+                        "warm": side.warm,
+                        "cold": side.cold,
+                        "burst": await burst(side.client, side.daemon, args.burst),
+                        "pids": [child.pid for child in side.daemon.children() if child.pid is not None],
+                        "swaps": side.daemon.models.swaps,
+                    }
     finally:
         route_log.removeHandler(lines)
-        shutil.rmtree(runtime_dir, ignore_errors=True)
+    for label, directory in zip(SIDES, ("a", "b"), strict=True):
+        results[label]["left"], results[label]["alive"] = leftovers(runtime / directory, results[label]["pids"])
+    return results
 
 
 def _median(values: list[float]) -> float:
@@ -204,10 +241,15 @@ async def run(args: argparse.Namespace) -> int:
         args.rounds, args.words, args.burst = 2, 200, 4
     print(
         f"onebit models: two models (alpha ctx 4096, beta ctx 2048) through max_loaded = 1, {args.rounds} rounds of "
-        f"a swap-back and a warm turn each, ~{args.words}-word conversations; a burst of {args.burst}; with the "
-        "prefix store (a) and without (b)"
+        f"a swap-back and a warm turn each, ~{args.words}-word conversations; a burst of {args.burst}; each turn on "
+        "both sides, the order alternating; (a) the prefix store, (b) " + ("the store too (A/A)" if args.aa else "none")
     )
-    sides = {"(a) store": await run_side(args, store=True), "(b) no store": await run_side(args, store=False)}
+    import bench  # the machine line and its noise, as every subcommand measures them (a late import: bench imports us)
+
+    print(f"machine: {bench.machine()}")
+    noise = bench.Noise.start([])
+    with tempfile.TemporaryDirectory(prefix="ob-bench-", dir="/tmp") as tmp:
+        sides = await run_sides(args, Path(tmp))
     ok = True
     for name, side in sides.items():
         print(
@@ -221,7 +263,8 @@ async def run(args: argparse.Namespace) -> int:
                 f"{s['ttft_ms']:>10.1f}{s['load_ms']:>10.1f}{s['unload']:>9.0f}{s['decoder_load']:>8.0f}"
                 f"{s['ttft_ms'] - s['load_ms']:>11.1f}{s['restored']:>10}{s['prefilled']:>11}"
             )
-        print(f"warm turns: median {_median(side['warm']):.1f} ms over {len(side['warm'])}")
+        warm = side["warm"]
+        print(f"warm turns: median {_median(warm):.1f} ms over {len(warm)} ({min(warm):.0f}-{max(warm):.0f})")
         statuses = side["burst"]["statuses"]
         clean = all(code == 200 or (code == 503 and retry) for code, retry in statuses)
         loads = side["burst"]["loads"]
@@ -244,6 +287,9 @@ async def run(args: argparse.Namespace) -> int:
         f"load_ms, median: (a) {_median([s['load_ms'] for s in a['swapback']]):.1f}, "
         f"(b) {_median([s['load_ms'] for s in b['swapback']]):.1f}"
     )
+    pairs = [y["ttft_ms"] / x["ttft_ms"] for x, y in zip(a["swapback"], b["swapback"], strict=True)]
+    print(f"swap-back (b) / (a), turn by turn: {' '.join(f'{r:.2f}' for r in pairs)}")
+    print(noise.report([]))
     if args.plot:
         bench_plot.write(args.plot, "scripts/bench models", model_figures(sides), quick=args.quick)
     return 0 if ok else 1

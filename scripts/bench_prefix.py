@@ -1,21 +1,24 @@
-"""``scripts/bench prefix``: a long shared system prompt, a decoder crash, and the prefix store.
+"""``scripts/bench prefix``: a long shared system prompt, decoder crashes, and the prefix store.
 
-20 requests share a ~1,500-token system prompt, each with its own short question; then the decoder
-is ``kill -9``ed and 5 more requests follow once it is back.  Run twice, one after the other, on a
-freshly started onebitd each: (a) with the prefix store, (b) without it (``cache.enabled = false``).
-llama-server's own host-memory prompt cache is off on both (``cache.ram_mib = 0``): it does not
-survive a crash either, and would only blur the warm figures.
+Two onebitd side by side, both up for the whole run: (a) with the prefix store, (b) without it
+(``cache.enabled = false``); ``--aa`` gives (b) the store as well, an A/A run that shows what the
+method itself favours.  llama-server's own host-memory prompt cache is off on both
+(``cache.ram_mib = 0``): it does not survive a crash either, and would only blur the warm figures.
+Requests share a ~1,500-token system prompt, each with its own short question, the same questions on
+both sides; each request is asked on both sides, the order alternating (ABBA).  First a cold request
+each, then ``--before`` warm ones; then ``--crashes`` times: both decoders ``kill -9``ed at once, and
+once both are back, ``--after`` more requests each, the first of them the first after the crash.
 
-Printed: time to first token of the first request (cold), the median of the warm ones before the
-crash, the first request after the crash, and the median after it; the ratios (b)/(a) after the
-crash (aim: at least 5x) and, on (a), first-after-crash against warm (aim: at most 2x).
+Printed: the cold first token, the median and spread of the warm ones, of the first after each
+crash and of the rest after the crashes; the ratios (b)/(a) of the first after the crash (aim: at
+least 5x) and, on (a), first-after-crash against warm (aim: at most 2x); the machine line and the
+other processes' CPU during the run.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import signal
 import statistics
 import sys
@@ -42,10 +45,12 @@ TIMEOUT_S = 900
 
 
 def arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--before", type=int, default=20, help="requests before the crash (20)")
-    parser.add_argument("--after", type=int, default=5, help="requests after the crash (5)")
+    parser.add_argument("--before", type=int, default=10, help="warm requests a side before the first crash (10)")
+    parser.add_argument("--crashes", type=int, default=6, help="decoder crashes, each side's at once (6)")
+    parser.add_argument("--after", type=int, default=2, help="requests a side after each crash (2)")
     parser.add_argument("--system-words", type=int, default=1100, help="words of system prompt (~1,500 tokens)")
-    parser.add_argument("--quick", action="store_true", help="4 + 2 requests, a ~300-token prompt: it runs")
+    parser.add_argument("--aa", action="store_true", help="A/A: the store on both sides")
+    parser.add_argument("--quick", action="store_true", help="2 warm requests, 1 crash, a ~300-token prompt: it runs")
 
 
 def system_prompt(words: int) -> str:
@@ -85,76 +90,133 @@ async def first_token_ms(client: httpx.AsyncClient, system: str, question: str) 
     return (first - start) * 1000
 
 
-async def run_side(args: argparse.Namespace, *, store: bool) -> dict[str, Any]:
-    runtime_dir = Path(tempfile.mkdtemp(prefix="ob-bench-", dir="/tmp"))
+SIDES = ("(a) store", "(b) no store")
+
+
+async def crash(daemon: Any) -> None:
+    """``kill -9`` the decoder; back when its next generation is ready."""
+    decoder = daemon.models.default.decoder
+    pid, generation = decoder.pid, decoder.generation
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    while not (decoder.generation > generation and decoder.state is ChildState.READY):
+        await decoder.wait_state(*(s for s in ChildState if s is not decoder.state))
+
+
+async def settled(daemon: Any) -> None:
+    """The store's writes run off the requests' path: wait until its first prefix is written."""
+    store = daemon.models.default.store
+    if store.enabled:
+        with trio.fail_after(120):
+            while store.statistics().stores < 1:  # noqa: ASYNC110
+                await trio.sleep(0.05)
+
+
+async def measure(args: argparse.Namespace, runtime: Path) -> dict[str, dict[str, Any]]:
     system = system_prompt(args.system_words)
-    try:
-        async with run_daemon(side_config(runtime_dir, store=store), ready_timeout_s=TIMEOUT_S) as running:
-            daemon = running.daemon
-            with trio.fail_after(TIMEOUT_S):
-                async with httpx.AsyncClient(base_url=running.url, timeout=TIMEOUT_S) as client:
-                    before = [
-                        await first_token_ms(client, system, f"Question {i}: where does parcel {i * 3} go?")
-                        for i in range(args.before)
-                    ]
-                    if store:  # the store's writes run off the requests' path: let them land
-                        with trio.fail_after(120):
-                            while daemon.models.default.store.statistics().stores < 2:  # noqa: ASYNC110
-                                await trio.sleep(0.05)
-                    decoder = daemon.models.default.decoder
-                    pid, generation = decoder.pid, decoder.generation
-                    assert pid is not None
-                    os.kill(pid, signal.SIGKILL)
-                    while not (decoder.generation > generation and decoder.state is ChildState.READY):
-                        await decoder.wait_state(*(s for s in ChildState if s is not decoder.state))
-                    after = [
-                        await first_token_ms(client, system, f"Question {i}: where does parcel {i * 5} go?")
-                        for i in range(args.before, args.before + args.after)
-                    ]
-                entries = daemon.models.default.store.statistics().entries
-        return {"before": before, "after": after, "entries": entries}
-    finally:
-        shutil.rmtree(runtime_dir, ignore_errors=True)
+    sides: dict[str, dict[str, Any]] = {name: {"cold": [], "warm": [], "first": [], "after": []} for name in SIDES}
+    async with (
+        run_daemon(side_config(runtime / "a", store=True), ready_timeout_s=TIMEOUT_S) as a,
+        run_daemon(side_config(runtime / "b", store=args.aa), ready_timeout_s=TIMEOUT_S) as b,
+        httpx.AsyncClient(base_url=a.url, timeout=TIMEOUT_S) as client_a,
+        httpx.AsyncClient(base_url=b.url, timeout=TIMEOUT_S) as client_b,
+    ):
+        running = dict(zip(SIDES, (a, b), strict=True))
+        clients = dict(zip(SIDES, (client_a, client_b), strict=True))
+        count = 0
+
+        async def ask(cell: str) -> None:
+            """One question on both sides, the order alternating from one question to the next."""
+            nonlocal count
+            question = f"Question {count}: where does parcel {count * 3} go?"
+            for name in SIDES if count % 2 == 0 else SIDES[::-1]:
+                sides[name][cell].append(await first_token_ms(clients[name], system, question))
+            count += 1
+
+        with trio.fail_after(TIMEOUT_S * (args.crashes + 1)):
+            await ask("cold")
+            for _ in range(args.before):
+                await ask("warm")
+            for _ in range(args.crashes):
+                for name in SIDES:
+                    await settled(running[name].daemon)
+                async with trio.open_nursery() as nursery:
+                    for name in SIDES:
+                        nursery.start_soon(crash, running[name].daemon)
+                await ask("first")
+                for _ in range(args.after - 1):
+                    await ask("after")
+        for name in SIDES:
+            sides[name]["entries"] = running[name].daemon.models.default.store.statistics().entries
+    return sides
+
+
+def cell(values: list[float]) -> str:
+    if not values:
+        return f"{'-':>9}{'':>14}"
+    return f"{statistics.median(values):>9.0f}{f'{min(values):.0f}-{max(values):.0f}':>14}"
 
 
 async def run(args: argparse.Namespace) -> int:
+    import bench  # the machine line and its noise, as every subcommand measures them (a late import: bench imports us)
+
     if args.quick:
-        args.before, args.after, args.system_words = 4, 2, 220
+        args.before, args.crashes, args.after, args.system_words = 2, 1, 2, 220
+    print(f"machine: {bench.machine()}")
     print(
-        f"onebit prefix: {args.before} requests sharing a ~{args.system_words}-word system prompt, kill -9 of the "
-        f"decoder, {args.after} more; with the prefix store (a) and without (b)"
+        f"onebit prefix: a ~{args.system_words}-word system prompt shared by every request; a cold request, "
+        f"{args.before} warm, then {args.crashes} x (kill -9 of both decoders, {args.after} more); "
+        f"each request on both sides, the order alternating; (a) the store, (b) "
+        + ("the store too (A/A)" if args.aa else "no store")
     )
-    sides = {"(a) store": await run_side(args, store=True), "(b) no store": await run_side(args, store=False)}
+    noise = bench.Noise.start([])
+    with tempfile.TemporaryDirectory(prefix="ob-bench-", dir="/tmp") as tmp:
+        sides = await measure(args, Path(tmp))
     print()
-    print(f"{'side':<14}{'cold ms':>10}{'warm median':>13}{'1st after':>11}{'after median':>14}{'entries':>9}")
+    print("first token, ms: median and spread")
+    print(
+        f"{'side':<14}{'cold':>9}{'warm':>9}{'spread':>14}{'1st after':>9}{'spread':>14}"
+        f"{'later':>9}{'spread':>14}{'entries':>9}"
+    )
     for name, side in sides.items():
-        warm = statistics.median(side["before"][1:]) if len(side["before"]) > 1 else float("nan")
         print(
-            f"{name:<14}{side['before'][0]:>10.1f}{warm:>13.1f}{side['after'][0]:>11.1f}"
-            f"{statistics.median(side['after']):>14.1f}{side['entries']:>9}"
+            f"{name:<14}{side['cold'][0]:>9.0f}{cell(side['warm'])}{cell(side['first'])}{cell(side['after'])}"
+            f"{side['entries']:>9}"
         )
-    a, b = sides["(a) store"], sides["(b) no store"]
-    warm_a = statistics.median(a["before"][1:]) if len(a["before"]) > 1 else a["before"][0]
+    a, b = sides[SIDES[0]], sides[SIDES[1]]
+    warm_a = statistics.median(a["warm"] or a["cold"])
+    pairs = [y / x for x, y in zip(a["first"], b["first"], strict=True)]
     print()
-    print(f"first after the crash, (b)/(a): {b['after'][0] / a['after'][0]:.2f}x   (aim: at least 5x)")
-    print(f"median after the crash, (b)/(a): {statistics.median(b['after']) / statistics.median(a['after']):.2f}x")
-    print(f"(a) first after the crash / warm median: {a['after'][0] / warm_a:.2f}x   (aim: at most 2x)")
+    print(
+        f"first after a crash, (b)/(a): {statistics.median(b['first']) / statistics.median(a['first']):.2f}x"
+        f" of the medians; crash by crash {' '.join(f'{r:.2f}' for r in pairs)}   (aim: at least 5x)"
+    )
+    print(f"warm, (b)/(a): {statistics.median(b['warm'] or b['cold']) / warm_a:.2f}x")
+    print(f"(a) first after a crash / warm median: {statistics.median(a['first']) / warm_a:.2f}x   (aim: at most 2x)")
+    print(noise.report([]))
     if args.plot:
         bench_plot.write(args.plot, "scripts/bench prefix", prefix_figures(sides), quick=args.quick)
     return 0
 
 
 def prefix_figures(sides: dict[str, dict[str, Any]]) -> list[bench_plot.Panel]:
-    """Every request's first token in order, the crash marked; and the table's four figures as bars."""
-    before = len(next(iter(sides.values()))["before"])
-    requests = {
-        name: [(i + 1, ms) for i, ms in enumerate(side["before"] + side["after"])] for name, side in sides.items()
-    }
+    """Every request's first token in order, the crashes marked; and the table's figures as bars."""
+    requests: dict[str, list[tuple[float, float]]] = {}
+    marks: list[tuple[float, str]] = []
+    for name, side in sides.items():
+        order = [*side["cold"], *side["warm"]]
+        after = len(side["after"]) // max(1, len(side["first"]))
+        later = iter(side["after"])
+        for i, first in enumerate(side["first"]):
+            if name == SIDES[0]:
+                marks.append((len(order) + 0.5, "decoder kill -9" if i == 0 else ""))
+            order += [first, *(next(later) for _ in range(after))]
+        requests[name] = [(i + 1, ms) for i, ms in enumerate(order)]
     table = {
-        "cold (the first)": {name: side["before"][:1] for name, side in sides.items()},
-        "warm": {name: side["before"][1:] for name, side in sides.items()},
-        "first after the crash": {name: side["after"][:1] for name, side in sides.items()},
-        "after the crash": {name: side["after"] for name, side in sides.items()},
+        "cold (the first)": {name: side["cold"] for name, side in sides.items()},
+        "warm": {name: side["warm"] for name, side in sides.items()},
+        "first after the crash": {name: side["first"] for name, side in sides.items()},
+        "later after the crash": {name: side["after"] for name, side in sides.items()},
     }
     return [
         bench_plot.XY(
@@ -162,9 +224,9 @@ def prefix_figures(sides: dict[str, dict[str, Any]]) -> list[bench_plot.Panel]:
             "request",
             "first token, ms",
             requests,
-            marks=[(before + 0.5, "decoder kill -9")],
+            marks=marks,
             integer_x=True,
             log_y=True,
         ),
-        bench_plot.Bars("first token: cold, warm, after the crash", "ms", table, log_y=True),
+        bench_plot.Bars("first token: cold, warm, after the crashes", "ms", table, log_y=True),
     ]

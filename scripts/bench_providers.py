@@ -1,16 +1,20 @@
 """``scripts/bench providers``: the first token on the plain route, the file route with a ggml provider
 and the file route with an OpenVINO provider, side by side in one run.
 
-Two daemons in turn, each a decoder on one core and one provider on the other (``cpu_affinity``):
-the ggml provider (the decoder's own engine), then the OpenVINO one (device CPU unless
-``--device``).  Per prompt size (about 256, 1024, 2048 and 3072 tokens), a fresh prompt each time (no
-cache helps anyone): the first streamed token straight from the decoder with ``cache_prompt`` off
-(plain: the decoder prefills), and through onebitd (the file route: tokenize, the provider's
-prefill, save, restore, the decoder's one token).  Then a running stream's longest gap between two
-tokens while a 2k-token prompt arrives, plain against each file route; each provider's start (to
-its READY, and again on its compile cache; the start-time fidelity check's cost), its RSS after the
-run and its peak; the fidelity verdict over 34 prompts.  Ratios are plain over file: above 1 is a
-sooner first token.
+Two daemons at once, each a decoder on one core and one provider on the other (``cpu_affinity``):
+one with the ggml provider (the decoder's own engine), one with the OpenVINO one (device CPU unless
+``--device``).  Per prompt size (about 256, 1024, 2048 and 3072 tokens), a fresh prompt per sample
+(no cache helps anyone), the same prompt on every side: the first streamed token straight from the
+ggml daemon's decoder with ``cache_prompt`` off (plain: the decoder prefills), and through each
+onebitd (the file route: tokenize, the provider's prefill, save, restore, the decoder's one token).
+The three sides take turns in every order (the six permutations in rotation: each side goes first,
+second and last alike), after one unmeasured warm-up sample per size; the medians and spreads of
+``--samples`` (6) per cell.  ``--aa`` makes every side plain (straight to the ggml decoder, then to
+the OpenVINO daemon's decoder, which is the same build): the ratios then show what the method
+itself favours.  Then a running stream's longest gap between two tokens while a 2k-token prompt
+arrives, plain against each file route; each provider's start (to its READY, and again on its
+compile cache), its RSS after the run and its peak; the fidelity verdict over 34 prompts.  Ratios
+are plain over file: above 1 is a sooner first token.
 
 Nothing here passes or fails on speed; a missing OpenVINO llama-server is a set-up problem (exit 2).
 """
@@ -18,12 +22,14 @@ Nothing here passes or fails on speed; a missing OpenVINO llama-server is a set-
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import os
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +48,19 @@ from supervisor.providers.llama import LlamaServerProvider  # noqa: E402
 from supervisor.routes import fidelity  # noqa: E402
 
 SIZES = (256, 1024, 2048, 3072)
+# The sides; their six orders go in rotation (first_tokens): after six samples each side went first,
+# second and last twice, so a side that gains from going after another (a warm cache line, a clock
+# that rose) gains on every side alike.
+SIDES = ("plain", "ggml", "openvino")
 
 
 def arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rounds", type=int, default=2, help="fresh prompts per size and route (2)")
+    parser.add_argument("--samples", type=int, default=6, help="measured samples per size and side (6)")
+    parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES), help="prompt sizes, tokens")
+    parser.add_argument("--gaps", type=int, default=3, help="inter-token gap rounds per engine (3)")
     parser.add_argument("--device", default="CPU", help="the OpenVINO provider's device (CPU)")
-    parser.add_argument("--quick", action="store_true", help="one round, 256 and 1024 tokens, no fidelity")
+    parser.add_argument("--aa", action="store_true", help="A/A: every side plain, to show what the method favours")
+    parser.add_argument("--quick", action="store_true", help="one sample, 256 and 1024 tokens, no fidelity")
 
 
 def engine_config(runtime_dir: Path, engine: str, device: str, compile_dir: Path) -> Config:
@@ -87,74 +100,107 @@ def memory_kib(pid: int | None) -> tuple[int, int]:
     return fields.get("VmRSS", 0), fields.get("VmHWM", 0)
 
 
-async def first_tokens(rig: Rig, rounds: int, chosen: tuple[int, ...], salt: int) -> dict[int, dict[str, Any]]:
+async def first_tokens(
+    rigs: dict[str, Rig], samples: int, chosen: Sequence[int], aa: bool
+) -> dict[int, dict[str, Any]]:
+    """Per size: a warm-up sample, then ``samples``, each one fresh prompt asked on every side in
+    the sample's order: plain (straight to the first rig's decoder), then each rig's file route."""
+    first = next(iter(rigs.values()))
+    sides = ("plain", *rigs)
+    orders = tuple(itertools.permutations(sides))
     rows: dict[int, dict[str, Any]] = {}
     for size in chosen:
-        plain: list[float] = []
-        hybrid: list[float] = []
-        decoder_n: list[int] = []
+        cells: dict[str, list[float]] = {side: [] for side in sides}
+        decoder_n: dict[str, list[int]] = {side: [] for side in rigs}
         count = 0
-        for r in range(rounds):
-            prompt, count = await prompt_of(rig.decoder, size, salt=salt + size * 100 + r)
+        for i in range(samples + 1):
+            prompt, count = await prompt_of(first.decoder, size, salt=size * 100 + i)
             body = {"prompt": prompt, "n_predict": 4, "temperature": 0, "stream": True}
-            ms, _ = await first_byte_ms(rig.decoder, "/completion", {**body, "cache_prompt": False, "id_slot": 1})
-            plain.append(ms)
-            other, _ = await prompt_of(rig.decoder, size, salt=salt + size * 100 + r + 50)
-            ms, timings = await first_byte_ms(rig.front, "/completion", {**body, "prompt": other})
-            hybrid.append(ms)
-            decoder_n.append(timings["prompt_n"])
+            direct = {**body, "cache_prompt": False, "id_slot": 1}
+            for side in orders[i % len(orders)]:
+                if side == "plain":
+                    ms, _ = await first_byte_ms(first.decoder, "/completion", direct)
+                elif aa:
+                    ms, _ = await first_byte_ms(rigs[side].decoder, "/completion", direct)
+                else:
+                    ms, timings = await first_byte_ms(rigs[side].front, "/completion", body)
+                    if i:
+                        decoder_n[side].append(int(timings.get("prompt_n", -1)))
+                if i:  # the first sample warms every side up
+                    cells[side].append(ms)
         rows[size] = {
             "tokens": count,
-            "plain_ms": statistics.median(plain),
-            "file_ms": statistics.median(hybrid),
-            "decoder_prompt_n": max(decoder_n),
-            "plain": plain,
-            "file": hybrid,
+            **cells,
+            "decoder_prompt_n": {side: max(n, default=-1) for side, n in decoder_n.items()},
         }
     return rows
 
 
-async def measure(
-    engine: str, device: str, rounds: int, chosen: tuple[int, ...], quick: bool, compile_dir: Path
-) -> dict[str, Any]:
+@contextlib.asynccontextmanager
+async def engine_rig(engine: str, device: str, compile_dir: Path) -> AsyncIterator[tuple[Rig, float]]:
+    """One engine's daemon, and its provider's start: from the daemon's (the device listing
+    included) to the provider's READY."""
     with tempfile.TemporaryDirectory(prefix="ob-bench-", dir="/tmp") as tmp:
         config = engine_config(Path(tmp), engine, device, compile_dir)
         started = time.time()
         # The start-time check is left out: the run measures fidelity itself, over 34 prompts, and
         # reports an engine over the bound rather than refusing to time it.
         async with open_rig(config, check_fidelity=False) as rig:
-            (provider,) = rig.daemon.models.default.parts.providers.all
-            assert isinstance(provider, LlamaServerProvider)
-            # The provider's start: from the daemon's (the device listing included) to its READY.
-            start_s = provider.child.statistics().state_since - started
-            check = None
-            if engine != "ggml":
-                at = time.monotonic()
-                await fidelity_of(rig, provider, fidelity.START_PROMPTS)
-                check = time.monotonic() - at
-            rows = await first_tokens(rig, rounds, chosen, salt=1000 if engine == "ggml" else 5000)
-            gaps_plain, gaps_file = [], []
-            stream_tokens = 64 if quick else 160
-            for _ in range(rounds):
-                gaps_plain.append(await longest_gap(rig, rig.decoder, rig.decoder, True, stream_tokens))
-                gaps_file.append(await longest_gap(rig, rig.decoder, rig.front, False, stream_tokens))
-            verdict = None if quick else await fidelity_of(rig, provider, fidelity.prompt_set(34))
+            provider = provider_of(rig)
+            yield rig, provider.child.statistics().state_since - started
+
+
+def provider_of(rig: Rig) -> LlamaServerProvider:
+    (provider,) = rig.daemon.models.default.parts.providers.all
+    assert isinstance(provider, LlamaServerProvider)
+    return provider
+
+
+async def measure(args: argparse.Namespace, chosen: Sequence[int], compile_dir: Path) -> dict[str, Any]:
+    """Both daemons up at once; the first tokens side by side; each engine's gaps, start, memory
+    and fidelity."""
+    import bench  # the machine's noise, measured the same way for every subcommand (a late import: bench imports us)
+
+    samples = 1 if args.quick else args.samples
+    async with (
+        engine_rig("ggml", args.device, compile_dir) as (ggml, ggml_start),
+        engine_rig("openvino", args.device, compile_dir) as (ov, ov_start),
+    ):
+        rigs = {"ggml": ggml, "openvino": ov}
+        noise = bench.Noise.start([])
+        rows = await first_tokens(rigs, samples, chosen, args.aa)
+        at = time.monotonic()
+        check = await fidelity_of(ov, provider_of(ov), fidelity.START_PROMPTS)
+        check_s = time.monotonic() - at
+        engines: dict[str, dict[str, Any]] = {}
+        stream_tokens = 64 if args.quick else 160
+        for engine, rig in rigs.items():
+            gaps: dict[str, list[float]] = {"plain": [], "file route": []}
+            for r in range(1 if args.quick else args.gaps):
+                for plain in (True, False) if r % 2 == 0 else (False, True):
+                    front = rig.decoder if plain else rig.front
+                    gaps["plain" if plain else "file route"].append(
+                        await longest_gap(rig, rig.decoder, front, plain, stream_tokens)
+                    )
+            provider = provider_of(rig)
+            # The verdict is of the file route, which an A/A run does not time.
+            verdict = None if args.quick or args.aa else await fidelity_of(rig, provider, fidelity.prompt_set(34))
             rss, peak = memory_kib(provider.child.pid)
             decoder_rss, _ = memory_kib(rig.daemon.models.default.decoder.pid)
-    return {
-        "engine": engine,
-        "device": provider.device,
-        "rows": rows,
-        "gap_plain_ms": statistics.median(gaps_plain),
-        "gap_file_ms": statistics.median(gaps_file),
-        "gaps": {"plain": gaps_plain, "file route": gaps_file},
-        "start_s": start_s,
-        "check_s": check,
-        "rss_mib": rss / 1024,
-        "peak_mib": peak / 1024,
-        "decoder_rss_mib": decoder_rss / 1024,
-        "verdict": verdict,
-    }
+            engines[engine] = {
+                "engine": engine,
+                "device": provider.device,
+                "gaps": gaps,
+                "start_s": ggml_start if engine == "ggml" else ov_start,
+                "check_s": None if engine == "ggml" else check_s,
+                "check": None if engine == "ggml" else check,
+                "rss_mib": rss / 1024,
+                "peak_mib": peak / 1024,
+                "decoder_rss_mib": decoder_rss / 1024,
+                "verdict": verdict,
+            }
+        noise_line = noise.report([])
+    return {"rows": rows, "engines": engines, "noise": noise_line}
 
 
 async def start_again(device: str, compile_dir: Path) -> float:
@@ -168,16 +214,21 @@ async def start_again(device: str, compile_dir: Path) -> float:
             return provider.child.statistics().state_since - started
 
 
-async def fidelity_of(rig: Rig, provider: LlamaServerProvider, texts: Sequence[str]) -> fidelity.Verdict:
+async def fidelity_of(
+    rig: Rig, provider: LlamaServerProvider, texts: Sequence[str], slot_context: int | None = None
+) -> fidelity.Verdict:
+    """The verdict over ``texts`` (those that fit ``slot_context``), measured as the start-time
+    check measures it."""
     hybrid = rig.daemon.models.default.parts.hybrid
     assert hybrid is not None
     probe = fidelity.Probe(
         client=rig.daemon.models.default.client, handoff=hybrid.file, timeout_s=bench_handoff.TIMEOUT_S
     )
     samples = []
+    prompts = fidelity.fitting([await probe.tokens(text) for text in texts], slot_context)
     async with rig.daemon.models.default.parts.slots.hold() as slot:
-        for i, text in enumerate(texts):
-            samples.append(await probe.sample(provider, slot, await probe.tokens(text), req=f"bench-fidelity-{i}"))
+        for i, tokens in enumerate(prompts):
+            samples.append(await probe.sample(provider, slot, tokens, req=f"bench-fidelity-{i}"))
         rig.daemon.models.default.parts.slots.forget(slot)
     return fidelity.judge(samples)
 
@@ -187,67 +238,83 @@ async def run(args: argparse.Namespace) -> int:
         raise ConfigError(
             [f"bench providers: no OpenVINO llama-server (set {openvino.BINARY_ENV}, or run scripts/setup)"]
         )
-    chosen = (256, 1024) if args.quick else SIZES
-    rounds = 1 if args.quick else args.rounds
+    import bench
+
+    chosen = (256, 1024) if args.quick else tuple(args.sizes)
+    print(f"machine: {bench.machine()}")
     with tempfile.TemporaryDirectory(prefix="ob-bench-ov-", dir="/tmp") as compiled:
-        results = [
-            await measure(engine, args.device, rounds, chosen, args.quick, Path(compiled))
-            for engine in ("ggml", "openvino")
-        ]
+        measured = await measure(args, chosen, Path(compiled))
         again_s = await start_again(args.device, Path(compiled))
-    ggml, ov = results
+    rows, engines = measured["rows"], measured["engines"]
+    report(args, chosen, rows, engines)
+    print(f"  openvino started again on its compile cache: {again_s:.1f} s")
+    for r in engines.values():
+        if r["verdict"] is not None:
+            within = "within" if r["verdict"].ok else "OVER"
+            print(f"fidelity, {r['engine']}: {r['verdict'].summary()}; {within} the bound")
+    print(measured["noise"])
+    if args.plot:
+        bench_plot.write(args.plot, "scripts/bench providers", provider_figures(rows, engines), quick=args.quick)
+    return 0
+
+
+def spread(values: Sequence[float]) -> str:
+    return f"{min(values):.0f}-{max(values):.0f}"
+
+
+def report(
+    args: argparse.Namespace, chosen: Sequence[int], rows: dict[int, dict[str, Any]], engines: dict[str, Any]
+) -> None:
+    samples = len(rows[chosen[0]]["plain"])
+    ov = engines["openvino"]["device"]
+    what = "A/A: every side plain, straight to a decoder" if args.aa else "plain: the decoder direct; file routes"
     print()
-    print("first streamed token, ms (median of fresh prompts); ratio: plain / file route (above 1: sooner)")
-    print("prompt   plain    file route  file route   plain/ggml  plain/openvino  decoder prompt_n")
-    print(f"tokens   (ggml)   ggml        openvino-{ov['device']:<4}                              ggml  openvino")
-    for size in chosen:
-        g, o = ggml["rows"][size], ov["rows"][size]
-        print(
-            f"{g['tokens']:>6}  {g['plain_ms']:>7.0f}  {g['file_ms']:>9.0f}  {o['file_ms']:>10.0f}"
-            f"   {g['plain_ms'] / g['file_ms']:>9.2f}x  {o['plain_ms'] / o['file_ms']:>13.2f}x"
-            f"  {g['decoder_prompt_n']:>5} {o['decoder_prompt_n']:>8}"
-        )
+    print(f"first streamed token, ms: median (spread) of {samples} sample(s) per cell after 1 warm-up,")
+    print(f"the same fresh prompt on every side, the sides in rotating order; {what}")
+    print("ratio: plain / side (above 1: the side's first token sooner)")
     print(
-        "(plain measured again beside the OpenVINO daemon: "
-        + ", ".join(f"{ov['rows'][size]['tokens']}: {ov['rows'][size]['plain_ms']:.0f} ms" for size in chosen)
-        + ")"
+        f"{'tokens':>6}  {'plain':>7} {'spread':>11}  {'ggml':>7} {'spread':>11}  {'openvino-' + ov:>12} {'spread':>11}"
+        f"  {'plain/ggml':>10}  {'plain/openvino':>14}  prompt_n ggml openvino"
     )
+    for size in chosen:
+        row = rows[size]
+        plain, g, o = (statistics.median(row[side]) for side in SIDES)
+        n = row["decoder_prompt_n"]
+        print(
+            f"{row['tokens']:>6}  {plain:>7.0f} {spread(row['plain']):>11}  {g:>7.0f} {spread(row['ggml']):>11}"
+            f"  {o:>12.0f} {spread(row['openvino']):>11}  {plain / g:>9.2f}x  {plain / o:>13.2f}x"
+            f"  {n['ggml']:>13} {n['openvino']:>8}"
+        )
     print()
-    print("a stream's longest inter-token gap while a 2k-token prompt arrives, ms")
-    for r in results:
-        print(f"  {r['engine']:<9} plain {r['gap_plain_ms']:>8.1f}   file route {r['gap_file_ms']:>8.1f}")
+    print("a stream's longest inter-token gap while a 2k-token prompt arrives, ms (median)")
+    for r in engines.values():
+        gaps = r["gaps"]
+        print(
+            f"  {r['engine']:<9} plain {statistics.median(gaps['plain']):>8.1f}"
+            f"   file route {statistics.median(gaps['file route']):>8.1f}"
+        )
     print()
     print("providers: start (from the daemon's to the provider's READY), memory after the run")
-    for r in results:
+    for r in engines.values():
         check = f"  start-time check {r['check_s']:.1f} s" if r["check_s"] is not None else ""
         print(
             f"  {r['engine']:<9} device {r['device']:<4} start {r['start_s']:>5.1f} s{check}"
             f"  rss {r['rss_mib']:>6.0f} MiB (peak {r['peak_mib']:.0f})  decoder rss {r['decoder_rss_mib']:.0f} MiB"
         )
-    print(f"  openvino started again on its compile cache: {again_s:.1f} s")
-    for r in results:
-        if r["verdict"] is not None:
-            within = "within" if r["verdict"].ok else "OVER"
-            print(f"fidelity, {r['engine']}: {r['verdict'].summary()}; {within} the bound")
-    if args.plot:
-        bench_plot.write(args.plot, "scripts/bench providers", provider_figures(results), quick=args.quick)
-    return 0
 
 
-def provider_figures(results: list[dict[str, Any]]) -> list[bench_plot.Panel]:
-    """First token against prompt length, plain and the file route on each engine (plain measured
-    beside each engine's daemon); the longest inter-token gap per engine."""
-    first: dict[str, list[tuple[float, float]]] = {}
-    for r in results:
-        engine = r["engine"] if r["engine"] == "ggml" else f"{r['engine']}-{r['device']}"
-        first[f"plain (beside {engine})"] = [(row["tokens"], ms) for row in r["rows"].values() for ms in row["plain"]]
-        first[f"file route, {engine}"] = [(row["tokens"], ms) for row in r["rows"].values() for ms in row["file"]]
+def provider_figures(rows: dict[int, dict[str, Any]], engines: dict[str, Any]) -> list[bench_plot.Panel]:
+    """First token against prompt length, plain and the file route on each engine, every sample;
+    the longest inter-token gap per engine."""
+    ov = f"openvino-{engines['openvino']['device']}"
+    names = {"plain": "plain", "ggml": "file route, ggml", "openvino": f"file route, {ov}"}
+    first = {names[side]: [(row["tokens"], ms) for row in rows.values() for ms in row[side]] for side in SIDES}
     return [
         bench_plot.XY("first streamed token against prompt length", "prompt tokens", "first token, ms", first),
         bench_plot.Bars(
             "a stream's longest gap while a 2k-token prompt arrives",
             "ms",
-            {r["engine"]: r["gaps"] for r in results},
+            {r["engine"]: r["gaps"] for r in engines.values()},
             log_y=True,
         ),
     ]

@@ -6,7 +6,8 @@ llama.cpp slot state file, proving the exec contract end to end.
 Reads the job from stdin, starts the given llama-server on a private unix socket with
 ``--slot-save-path`` set to the state file's directory, prefills the job's tokens with
 ``n_predict: 0``, saves slot 0 under the state file's name, prints the claim and exits 0.  Its
-llama-server is always stopped and reaped before it exits.  Stdlib only.
+llama-server is always stopped and reaped before it exits, and its socket's directory removed: on
+SIGTERM too (onebitd's stop of a cancelled job, given a ``kill_grace_s``).  Stdlib only.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -44,7 +46,14 @@ def call(path: str, method: str, url: str, body: object | None = None) -> tuple[
         conn.close()
 
 
+def stop(signum: int, _frame: object) -> None:
+    """SIGTERM unwinds like an exception: the finally blocks stop the llama-server and remove the
+    temporary directory."""
+    raise SystemExit(128 + signum)
+
+
 def main() -> int:
+    signal.signal(signal.SIGTERM, stop)
     binary, *model_args = sys.argv[1:]
     job = json.loads(sys.stdin.readline())
     state_file = Path(job["state_file"])

@@ -155,7 +155,9 @@ async def test_an_exec_program_is_measured_at_start_and_refused_when_it_moves_th
     )
     program = [sys.executable, str(TESTS / "llama_exec_provider.py"), str(real_llama_server())]
     program += [*model_args(config.model, q4 if wrong else q8), "-t", "1"]
-    config = attrs.evolve(config, provider=(ExecProviderConfig(name="npu", command=tuple(program)),))
+    # A grace on cancel: the program then stops its llama-server and removes its directory itself.
+    exec_provider = ExecProviderConfig(name="npu", command=tuple(program), kill_grace_s=10)
+    config = attrs.evolve(config, provider=(exec_provider,))
     with trio.fail_after(600):
         async with run_daemon(config) as running:
             (provider,) = running.daemon.models.default.parts.providers.all

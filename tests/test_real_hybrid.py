@@ -161,7 +161,8 @@ async def test_an_exec_provider_that_writes_a_real_state_file_serves_the_file_ro
         "-t",
         "1",
     ]
-    config = hybrid_config(short_dir, {"kind": "exec", "name": "npu", "command": command})
+    # A grace on cancel: the program then stops its llama-server and removes its directory itself.
+    config = hybrid_config(short_dir, {"kind": "exec", "name": "npu", "command": command, "kill_grace_s": 10})
     endpoint = "/v1/chat/completions"
     body = body_for(endpoint, False)
     with trio.fail_after(300):
