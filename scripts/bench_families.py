@@ -43,7 +43,7 @@ from bench_providers import fidelity_of, first_tokens, provider_of  # noqa: E402
 
 from supervisor import config as configuration  # noqa: E402
 from supervisor.config import Config, locate  # noqa: E402
-from supervisor.errors import ConfigError  # noqa: E402
+from supervisor.errors import ConfigError, ProviderError  # noqa: E402
 from supervisor.llama import openvino  # noqa: E402
 from supervisor.models.memory import rss_mib  # noqa: E402
 from supervisor.routes import fidelity  # noqa: E402
@@ -123,17 +123,23 @@ async def measure(name: str, tiny: Path, args: argparse.Namespace) -> dict[str, 
         model = rigs["ggml"].daemon.models.default
         refused = {}
         for engine, rig in rigs.items():
-            why = provider_of(rig).statistics().refused
-            if why is not None:
-                refused[engine] = why
+            stats = provider_of(rig).statistics()
+            if stats.refused is not None:
+                refused[engine] = stats.refused
+            elif not stats.ready:  # its server never came up: the restart policy gave up on it
+                refused[engine] = f"it did not start ({stats.child.last_exit if stats.child else '?'})"
         measured = {engine: rig for engine, rig in rigs.items() if engine not in refused}
         (row,) = (await first_tokens(measured, args.pairs, (args.tokens,), aa=False)).values()
         texts = [*fidelity.GATE_PROMPTS, *fidelity.prompt_set(max(0, args.fidelity - len(fidelity.GATE_PROMPTS)))]
-        verdicts = {}
+        verdicts: dict[str, fidelity.Verdict] = {}
+        failed: dict[str, str] = {}
         for engine, rig in measured.items():
             if args.fidelity and model.parts.capability.handoff:
                 slot_context = rig.daemon.models.default.parts.completions.slot_context
-                verdicts[engine] = await fidelity_of(rig, provider_of(rig), texts[: args.fidelity], slot_context)
+                try:
+                    verdicts[engine] = await fidelity_of(rig, provider_of(rig), texts[: args.fidelity], slot_context)
+                except ProviderError as error:  # a handoff that failed: the table says so, the run goes on
+                    failed[engine] = str(error)
         row.update(
             restores=model.parts.capability.restores.value,
             estimate_mib=model.estimate_mib,
@@ -142,6 +148,7 @@ async def measure(name: str, tiny: Path, args: argparse.Namespace) -> dict[str, 
             swa_full=model.swa_full,
             refused=refused,
             verdicts=verdicts,
+            failed=failed,
         )
     return row
 
@@ -166,7 +173,7 @@ def ratio(row: dict[str, Any], side: str) -> str:
 def distances(row: dict[str, Any], engine: str) -> str:
     verdict = row["verdicts"].get(engine)
     if verdict is None:
-        return f"{'-':>15}"
+        return f"{'failed' if engine in row['failed'] else '-':>15}"
     return f"{verdict.mean_handoff:>7.4f} {verdict.max_handoff:>7.4f}" + ("" if verdict.ok else "!")
 
 
@@ -223,6 +230,8 @@ async def run(args: argparse.Namespace) -> int:
     for name, row in rows.items():
         for engine, why in row["refused"].items():
             print(f"refused: {name} on {engine}: {why}")
+        for engine, why in row["failed"].items():
+            print(f"fidelity not measured: {name} on {engine}: {why}")
     print(noise.report([]))
     if args.plot:
         bench_plot.write(args.plot, "scripts/bench families", family_figures(rows), quick=args.quick)

@@ -125,8 +125,8 @@ async def wait_daemon_ready(daemon: Daemon, *, providers: bool = False) -> None:
         raise ChildError(f"model {model.name} failed to load: {model.decoder.statistics().last_exit}")
     if providers:
         for provider in daemon.models.default.parts.providers.all:
-            if provider.child is not None:
-                await provider.child.wait_state(ChildState.READY)
+            if provider.child is not None:  # healthy, or given up on (it will not be)
+                await provider.child.wait_state(ChildState.READY, ChildState.FAILED)
             await provider.wait_settled()  # and the start-time check's verdict, where it has one
 
 

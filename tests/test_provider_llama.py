@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from supervisor.config import Config
+from supervisor.config import Config, RestartPolicy
 from supervisor.config import LlamaServerProvider as LlamaServerProviderConfig
 from supervisor.llama import openvino
 from supervisor.providers import Provider
@@ -29,14 +29,20 @@ DEVICES = (
 )
 
 
-def openvino_binary(directory: Path) -> Path:
-    """A fake OpenVINO llama-server: the device list, else the fake decoder with its env noted."""
+def openvino_binary(directory: Path, *, crashes: bool = False) -> Path:
+    """A fake OpenVINO llama-server: the device list, else the fake decoder with its env noted
+    (``crashes``: else it dies of SIGSEGV, as the backend does loading a model it cannot take)."""
     (directory / "devices.txt").write_text(DEVICES)
     script = directory / "ov-llama-server"
     script.write_text(
         "#!/bin/sh\n"
-        'case " $* " in *" --list-devices "*) cat ' + str(directory / "devices.txt") + "; exit 0;; esac\n"
-        "env | grep '^GGML_OPENVINO_' | sort > " + str(directory / "ov-env.txt") + "\n"
+        'case " $* " in *" --list-devices "*) cat '
+        + str(directory / "devices.txt")
+        + "; exit 0;; esac\n"
+        + ("kill -SEGV $$\n" if crashes else "")
+        + "env | grep '^GGML_OPENVINO_' | sort > "
+        + str(directory / "ov-env.txt")
+        + "\n"
         f'exec {sys.executable} {FAKE_DECODER} "$@"\n'
     )
     script.chmod(0o755)
@@ -194,11 +200,17 @@ async def test_the_daemon_asks_for_devices_before_the_decoder_starts_and_unifies
 
 
 def auto_provider(
-    short_dir: Path, monkeypatch: pytest.MonkeyPatch, *, device: str, gate: Gate | None = None
+    short_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    device: str,
+    gate: Gate | None = None,
+    crashes: bool = False,
 ) -> LlamaServerProvider:
-    monkeypatch.setenv(openvino.BINARY_ENV, str(openvino_binary(short_dir)))
+    monkeypatch.setenv(openvino.BINARY_ENV, str(openvino_binary(short_dir, crashes=crashes)))
     config = fake_decoder_config(short_dir, model={"parallel": 4}, cache={"compile_dir": str(short_dir / "ov")})
-    spec = LlamaServerProviderConfig(name="ov", engine="auto", device=device, threads=1)
+    restart = RestartPolicy(backoff_initial_s=0, backoff_max_s=0, max_failures=2)
+    spec = LlamaServerProviderConfig(name="ov", engine="auto", device=device, threads=1, restart=restart)
     return LlamaServerProvider(spec, config, runtime_dir=short_dir, state_dir=short_dir / "state", gate=gate)
 
 
@@ -245,3 +257,21 @@ async def test_engine_auto_goes_on_with_ggml_when_openvino_is_over_the_fidelity_
     assert openvino_pid is not None
     assert reaped(openvino_pid)
     assert (stats.engine, stats.device, stats.refused, stats.ready) == ("ggml", "CPU", None, True)
+
+
+@pytest.mark.usefixtures("control")
+async def test_engine_auto_goes_on_with_ggml_when_openvino_crashes_at_every_start(
+    short_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="onebit.provider")
+    provider = auto_provider(short_dir, monkeypatch, device="CPU", crashes=True)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(provider.run)
+            await wait_until(lambda: provider.ready)
+            stats = provider.statistics()
+            nursery.cancel_scope.cancel()
+    assert (stats.engine, stats.device, stats.refused, stats.ready) == ("ggml", "CPU", None, True)
+    (line,) = [r.getMessage() for r in caplog.records if "engine auto" in r.getMessage()]
+    assert line.startswith("ov: engine auto: OpenVINO refused for this model (its llama-server did not start"), line
+    assert "SIGSEGV" in line, line

@@ -215,6 +215,11 @@ class LlamaServerProvider:
     async def _admit(self) -> bool:
         """Once its child is ready, run the gate: admitted (True) for as long as the daemon runs, or
         refused (False).  A gate that cannot finish (the child or the decoder died under it) runs again."""
+        if self._falls_back and await self.child.wait_state(ChildState.READY, ChildState.FAILED) is ChildState.FAILED:
+            # An OpenVINO server that never comes up for this model (it crashes at load, each time
+            # its restart policy allows) cannot take it: refused, and engine auto goes on with ggml.
+            self._refuse(f"its llama-server did not start ({self.child.statistics().last_exit})")
+            return False
         if self.gate is None:
             # Nothing to check (the ggml engine's handoffs are exact): admitted once it is healthy.
             # Settled only then, or when that first start fails: the daemon's readiness waits for it.
