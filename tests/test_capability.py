@@ -336,3 +336,32 @@ def test_an_exec_or_worker_program_is_measured_at_start_unless_its_config_vouche
     assert (getattr(provider, "gate", None) is not None) is gated
     if kind == "exec":  # nothing to start: ready at once unless measured first
         assert provider.ready is not gated
+
+
+async def test_a_later_start_takes_the_first_probes_verdict_and_a_withdrawn_one_is_probed_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A swap back or a restart after a crash runs the same build, flags and file: the probe's
+    save, erase and restore (about 0.6 s of SmolLM2's swap) is not paid again, unless the
+    capability was withdrawn since."""
+    probes = []
+
+    async def dense(*_: object) -> tuple[Restores, str]:
+        probes.append(1)
+        return Restores.WHOLE, "a restore spared the prompt"
+
+    async def tokens(*_: object) -> list[int]:
+        return TOKENS
+
+    monkeypatch.setattr(capability, "prompt_tokens", tokens)
+    monkeypatch.setattr(capability, "probe", dense)
+    (spec,) = modelspec.specs(fake_decoder_config(tmp_path))
+    parts = Model(spec, runtime_dir=tmp_path, settings=Settings(spec.config), check_fidelity=False).parts
+    with trio.fail_after(TIMEOUT):
+        await parts.after_start(store_enabled=True)
+        await parts.after_start(store_enabled=True)
+        assert (len(probes), parts.capability.restores, parts.capability.store) == (1, Restores.WHOLE, True)
+        parts.capability.withdraw("req-1 re-evaluated its prompt")
+        assert not parts.capability.store
+        await parts.after_start(store_enabled=True)
+    assert (len(probes), parts.capability.withdrawn, parts.capability.store) == (2, None, True)

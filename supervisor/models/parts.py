@@ -93,6 +93,10 @@ class Parts:
         self.model_file = memory.read_model(spec)
         self.swa_full = layout.swa_full(spec, self.model_file, settings().models.memory_budget_mib)
         self.capability = Capability(spec.name)
+        # The probe's verdict, once it ran: every later start of the decoder (a swap back, a restart
+        # after a crash) runs the same build, flags and file, so it is taken again unprobed; a
+        # capability withdrawn since is probed anew.
+        self._proven: tuple[Restores, str] | None = None
         # What llama-server says each slot holds, once it has started (after_start).
         self.slot_context: SlotContext | None = None
         # The one client of the decoder: the launcher health-checks through it, and every request,
@@ -243,7 +247,14 @@ class Parts:
         if self.hybrid is None and not store_enabled:
             self.capability.set(Restores.UNPROBED, "nothing is restored here (no provider, no prefix store)")
             return
+        if self._proven is not None and self.capability.withdrawn is None:
+            self.capability.set(*self._proven)
+            log.debug("model %s: restores %s, as its first start's probe found", self.name, self._proven[0].value)
+            return
+        self.capability.withdrawn = None
         await self._probe()
+        if self.capability.restores is not Restores.UNPROBED:  # a probe that could not run is tried again
+            self._proven = self.capability.restores, self.capability.why
 
     async def _read_context(self) -> None:
         try:
