@@ -252,8 +252,9 @@ async def run(args: argparse.Namespace) -> int:
         sides = await run_sides(args, Path(tmp))
     ok = True
     for name, side in sides.items():
+        label = "(b) store, A/A" if args.aa and name == SIDES[1] else name
         print(
-            f"\n{name}: swap-back turns (time to first token; load_ms, the wait for the model's load: the other's"
+            f"\n{label}: swap-back turns (time to first token; load_ms, the wait for the model's load: the other's"
             " unload, then this one's decoder start; tokens)"
         )
         heads = [("ttft ms", 10), ("load_ms", 10), ("(unload", 9), ("load)", 8), ("ttft-load", 11)]

@@ -181,8 +181,9 @@ async def run(args: argparse.Namespace) -> int:
         f"{'later':>9}{'spread':>14}{'entries':>9}"
     )
     for name, side in sides.items():
+        label = "(b) store, A/A" if args.aa and name == SIDES[1] else name
         print(
-            f"{name:<14}{side['cold'][0]:>9.0f}{cell(side['warm'])}{cell(side['first'])}{cell(side['after'])}"
+            f"{label:<14}{side['cold'][0]:>9.0f}{cell(side['warm'])}{cell(side['first'])}{cell(side['after'])}"
             f"{side['entries']:>9}"
         )
     a, b = sides[SIDES[0]], sides[SIDES[1]]
