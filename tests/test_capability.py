@@ -356,12 +356,15 @@ async def test_a_later_start_takes_the_first_probes_verdict_and_a_withdrawn_one_
     monkeypatch.setattr(capability, "prompt_tokens", tokens)
     monkeypatch.setattr(capability, "probe", dense)
     (spec,) = modelspec.specs(fake_decoder_config(tmp_path))
-    parts = Model(spec, runtime_dir=tmp_path, settings=Settings(spec.config), check_fidelity=False).parts
+    model = Model(spec, runtime_dir=tmp_path, settings=Settings(spec.config), check_fidelity=False)
     with trio.fail_after(TIMEOUT):
-        await parts.after_start(store_enabled=True)
-        await parts.after_start(store_enabled=True)
-        assert (len(probes), parts.capability.restores, parts.capability.store) == (1, Restores.WHOLE, True)
-        parts.capability.withdraw("req-1 re-evaluated its prompt")
-        assert not parts.capability.store
-        await parts.after_start(store_enabled=True)
-    assert (len(probes), parts.capability.withdrawn, parts.capability.store) == (2, None, True)
+        await model.parts.after_start(store_enabled=True)
+        await model.parts.after_start(store_enabled=True)  # a restart after a crash
+        model.fresh_parts()  # unloaded: the next load's parts
+        await model.parts.after_start(store_enabled=True)
+        assert (len(probes), model.parts.capability.restores, model.parts.capability.store) == (1, Restores.WHOLE, True)
+        model.parts.capability.withdraw("req-1 re-evaluated its prompt")
+        assert not model.parts.capability.store
+        model.fresh_parts()
+        await model.parts.after_start(store_enabled=True)
+    assert (len(probes), model.parts.capability.withdrawn, model.parts.capability.store) == (2, None, True)

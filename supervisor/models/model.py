@@ -39,6 +39,7 @@ from ..llama.openvino import UNIFIED_ARGS
 from ..observe.status import ModelStatistics
 from ..prefix.store import PrefixStore
 from ..providers.seat import Seats
+from ..routes.capability import Restores
 from ..routes.completion import Completions
 from ..routes.stored import StoredPrefixes
 from ..supervise.child import Child, ChildState
@@ -113,7 +114,7 @@ class Model:
         # Its memory from its GGUF header, which the first load's parts have read (models/memory.py).
         self.estimate_mib = memory.estimate_mib(spec, self.parts.model_file)
 
-    def _parts(self) -> Parts:
+    def _parts(self, proven: tuple[Restores, str] | None = None) -> Parts:
         return Parts(
             self.spec,
             runtime_dir=self.dir,
@@ -124,7 +125,13 @@ class Model:
             on_provider=self._on_child,
             seats=self.seats,
             model_idle=lambda: self.users == 0,
+            proven=proven,
         )
+
+    def fresh_parts(self) -> None:
+        """After an unload: the next load's parts, with the restore probe's verdict carried over
+        (the same build, flags and file: not probed again unless it was withdrawn)."""
+        self.parts = self._parts(self.parts.proven)
 
     # -- what others read ----------------------------------------------------------------------------
 
@@ -384,4 +391,4 @@ class Model:
             if clean:
                 self.last_unload_ms = (trio.current_time() - unloading) * 1000
                 self._set(ModelState.UNLOADED, f"its children stopped in {self.last_unload_ms:.0f} ms")
-                self.parts = self._parts()
+                self.fresh_parts()

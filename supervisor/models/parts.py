@@ -79,6 +79,7 @@ class Parts:
         on_provider: OnTransition | None = None,
         seats: Seats | None = None,
         model_idle: Callable[[], bool] = lambda: True,
+        proven: tuple[Restores, str] | None = None,
     ) -> None:
         config = spec.config
         self.config = config
@@ -95,8 +96,8 @@ class Parts:
         self.capability = Capability(spec.name)
         # The probe's verdict, once it ran: every later start of the decoder (a swap back, a restart
         # after a crash) runs the same build, flags and file, so it is taken again unprobed; a
-        # capability withdrawn since is probed anew.
-        self._proven: tuple[Restores, str] | None = None
+        # capability withdrawn since is probed anew.  ``proven``: its earlier loads' (Model carries it).
+        self._proven = proven
         # What llama-server says each slot holds, once it has started (after_start).
         self.slot_context: SlotContext | None = None
         # The one client of the decoder: the launcher health-checks through it, and every request,
@@ -255,6 +256,11 @@ class Parts:
         await self._probe()
         if self.capability.restores is not Restores.UNPROBED:  # a probe that could not run is tried again
             self._proven = self.capability.restores, self.capability.why
+
+    @property
+    def proven(self) -> tuple[Restores, str] | None:
+        """The probe's verdict for the model's next load to take, unless it was withdrawn since."""
+        return self._proven if self.capability.withdrawn is None else None
 
     async def _read_context(self) -> None:
         try:
