@@ -31,6 +31,7 @@ CONSTRAINTS = SCRIPTS.parent / "constraints.txt"
 LLAMA_SERVER_PATCH = SCRIPTS / "llama-server-share.patch"  # the share route's decoder side
 CPU_PATCH = SCRIPTS / "llama-cpp-cpu.patch"  # ggml's CPU variants: which to build, and the OS check
 AGENT_PATCH = SCRIPTS / "llama-server-agent.patch"  # ggml: /v1/messages keeps id_slot and cache_prompt
+TOOLS_PATCH = SCRIPTS / "llama-server-tools.patch"  # ggml: text with a "{" that opens no tool call is content
 OPENVINO_PATCH = SCRIPTS / "llama-server-openvino.patch"  # ggml-openvino: GGML_OP_DUP, Q4_1 zero points
 ENGINES = ("ggml", "openvino")
 # Where $ONEBIT_LLAMA_SERVER... names a binary instead of the build cache, per engine.
@@ -39,7 +40,7 @@ ENGINE_ENV = {"ggml": "ONEBIT_LLAMA_SERVER", "openvino": "ONEBIT_LLAMA_SERVER_OP
 
 def engine_patches(engine: str) -> tuple[Path, ...]:
     if engine == "ggml":
-        return (LLAMA_SERVER_PATCH, CPU_PATCH, AGENT_PATCH)
+        return (LLAMA_SERVER_PATCH, CPU_PATCH, AGENT_PATCH, TOOLS_PATCH)
     if engine == "openvino":
         return (LLAMA_SERVER_PATCH, OPENVINO_PATCH)
     raise ValueError(f"unknown llama-server engine {engine!r} (one of {', '.join(ENGINES)})")
