@@ -19,9 +19,9 @@ import trio
 
 from supervisor.config import Config
 from supervisor.supervise.child import ChildState
-from supervisor.testing import unix_transport
 
-from .rig import HANDOFF_ALWAYS, RouteLines, Running, child_of, make_config, real_llama_server, run_daemon
+from .rig import HANDOFF_ALWAYS, RouteLines, child_of, make_config, real_llama_server, run_daemon
+from .test_real_agent import cached_reply  # the decoder's own prompt-cache reply, on slot 1
 
 pytestmark = pytest.mark.real
 
@@ -74,16 +74,6 @@ def body(tool_choice: str | None, *, stream: bool) -> dict[str, Any]:
     return data
 
 
-async def cached_message(running: Running, data: dict[str, Any]) -> dict[str, Any]:
-    transport = unix_transport(running.daemon.models.default.parts.launcher.socket)
-    async with httpx.AsyncClient(transport=transport, base_url="http://decoder", timeout=120) as direct:
-        for _ in range(2):
-            reply = await direct.post("/v1/chat/completions", json={**data, "cache_prompt": True, "id_slot": 1})
-            assert reply.status_code == 200, reply.text
-    message: dict[str, Any] = reply.json()["choices"][0]["message"]
-    return message
-
-
 def streamed_content(text: str) -> str:
     assert '"error"' not in text, text[-400:]
     pieces = []
@@ -103,7 +93,8 @@ async def test_a_reply_with_a_brace_that_is_no_tool_call_is_content_on_the_file_
             await child_of(running.daemon.models.default.parts.providers.all[0]).wait_state(ChildState.READY)
             async with httpx.AsyncClient(base_url=running.url, timeout=120) as client:
                 for tool_choice in (None, "none"):
-                    reference = await cached_message(running, body(tool_choice, stream=False))
+                    cached = await cached_reply(running, "/v1/chat/completions", body(tool_choice, stream=False))
+                    reference = cached["choices"][0]["message"]
                     assert "{" in (reference.get("content") or ""), reference  # the case the parser refused
                     reply = await client.post("/v1/chat/completions", json=body(tool_choice, stream=False))
                     assert reply.status_code == 200, reply.text
