@@ -882,7 +882,7 @@ SUBCOMMANDS = [
         name="agent",
         help="an agent's session through anthropic-python and the Responses client: direct, plain, hybrid, restarted",
         arguments=bench_agent.arguments,
-        run=bench_agent.run,
+        run=lambda args: bench_agent.run(args, sys.modules[__name__]),
     ),
     Subcommand(
         name="models",

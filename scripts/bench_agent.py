@@ -24,6 +24,11 @@ side; on hybrid, the prompt tokens the decoder evaluated on turn 1 (handed over:
 turns 2..T through onebitd at most 1.05x direct; after the restart, the first turn at least 5x faster
 than direct's cold first turn.  Each session starts with its own line, so no side reuses another's
 prefix; llama-server's host-memory prompt cache is off (``cache.ram_mib = 0``) on every side.
+
+``--aa``: the A/A run of the turn-by-turn method.  Two direct sides, each a llama-server of its own
+with the plain decoder's flags, run turn by turn the same way (ABBA, the same sessions); what the
+second shows against the first is what the method favours, the noise the plain side's ratio is read
+against.  The restart headline (a restored onebitd against a cold llama-server, 300x apart) has none.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import anthropic
@@ -82,6 +88,7 @@ def arguments(parser: argparse.ArgumentParser) -> None:
         help="full restarts measured on their first turn, the session's one included (6)",
     )
     parser.add_argument("--quick", action="store_true", help="3 turns, a ~600-token prompt, 2 restarts: it runs")
+    parser.add_argument("--aa", action="store_true", help="A/A: two direct sides turn by turn, nothing else")
 
 
 def system_prompt(words: int) -> str:
@@ -369,15 +376,27 @@ async def writes_settled(daemon: Daemon) -> None:
         await trio.sleep(0.01)
 
 
-async def run(args: argparse.Namespace) -> int:
+async def run(args: argparse.Namespace, bench: ModuleType) -> int:
+    """``bench``: scripts/bench.py (the machine line, the other processes' CPU)."""
     if args.quick:
         args.turns, args.system_words, args.restarts = 3, 400, 2
     system = system_prompt(args.system_words)
     print(
         f"onebit agent: a {args.turns}-turn session (~{args.system_words}-word system prompt and {len(TOOL_NAMES)} "
         f"tools), {args.max_tokens} reply tokens a turn, through anthropic-python and openai-python's Responses "
-        "client; first-token ms per turn; each onebitd side turn by turn with a direct one (ABBA)"
+        "client; first-token ms per turn; "
+        + (
+            "A/A: two direct sides turn by turn (ABBA)"
+            if args.aa
+            else "each onebitd side turn by turn with a direct one (ABBA)"
+        )
     )
+    print(bench.machine())
+    noise = bench.Noise.start([])  # this process's tree: the clients, onebitd and every llama-server
+    if args.aa:
+        await run_aa(args, system)
+        print(noise.report([]))
+        return 0
     lines = RouteLines()
     logger = logging.getLogger(ROUTE_LOGGER)
     logger.addHandler(lines)
@@ -452,10 +471,58 @@ async def run(args: argparse.Namespace) -> int:
     for client in CLIENTS:
         report(client, args.turns, {name: s for (name, c), s in sides.items() if c == client})
     report_restarts(sides)
+    print(noise.report([]))
     if args.plot:
         figures = agent_figures({(name, client): s.first_ms for (name, client), s in sides.items()})
         bench_plot.write(args.plot, "scripts/bench agent", figures, quick=args.quick, columns=3)
     return 0
+
+
+async def run_aa(args: argparse.Namespace, system: str) -> None:
+    """Two direct sides, each a llama-server of its own with the plain decoder's flags, turn by turn
+    as the plain side runs with its direct one; onebitd is started only for its decoder's argv."""
+    root = Path(tempfile.mkdtemp(prefix="ob-bench-", dir="/tmp"))
+    plain = side_config(root / "plain", root / "store", hybrid=False)
+    lines = RouteLines()
+    sides: dict[tuple[str, str], Side] = {}
+    try:
+        with trio.fail_after(TIMEOUT_S * 2):
+            async with (
+                open_side(plain) as (daemon, _url),
+                open_direct(daemon, plain, root / "direct") as first_socket,
+                open_direct(daemon, plain, root / "direct-b") as second_socket,
+                askers("http://direct", first_socket) as first,
+                askers("http://direct", second_socket) as second,
+            ):
+                for client in CLIENTS:
+                    pair = [
+                        Side(
+                            "direct", first[client], Session(client, f"d-{client}", system, args.turns, args.max_tokens)
+                        ),
+                        Side(
+                            "direct-b",
+                            second[client],
+                            Session(client, f"b-{client}", system, args.turns, args.max_tokens),
+                        ),
+                    ]
+                    await lockstep(pair, lines)
+                    sides.update({(side.name, client): side for side in pair})
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    for client in CLIENTS:
+        a, b = sides["direct", client].first_ms, sides["direct-b", client].first_ms
+        print()
+        print(f"{client} (A/A):")
+        print(f"{'turn':>4}{'direct':>9}{'direct-b':>10}{'/direct':>8}")
+        for t in range(args.turns):
+            print(f"{t + 1:>4}{a[t]:>9.1f}{b[t]:>10.1f}{b[t] / a[t]:>8.2f}")
+        median = statistics.median(y / x for x, y in zip(a, b, strict=True))
+        if args.turns > 1:
+            summed = sum(b[1:]) / sum(a[1:])
+            print(
+                f"turns 2-{args.turns}, summed: direct-b/direct {summed:.2f}x   (the plain side's aim: at most 1.05x)"
+            )
+        print(f"median turn, direct-b/direct: {median:.2f}x")
 
 
 async def restart_again(

@@ -21,6 +21,9 @@ cold re-prefills (a turn whose host's cache held less than the whole of its prev
 ``timings.cache_n`` below the previous turn's prompt tokens) and the prompt tokens prefilled again
 that way.  ``--shared-dir DIR`` gives side (a)'s hosts one prefix store directory
 (``cache.shared_dir``, for a onebitd that has it; one that does not refuses the key, exit 2).
+
+``--aa``: the A/A run.  Side (b) gets the shipped config too, so both sides are (a): what one shows
+against the other is what the method (two sides at once, the order alternating) favours.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ AFFINITY_BALANCE = "balance hash var(txn.affinity)"
 BEFORE_BALANCE = "balance hdr(X-Session-Id)"  # config/haproxy.cfg before affinity by conversation
 HOSTS = 3
 SIDES = ("(a) affinity", "(b) before")
+AA_SIDES = ("(a) affinity", "(b) affinity, A/A")
 CHECK_INTER = "100ms"  # HAProxy sees the drain within a fraction of a second (the example: 2 s)
 TIMEOUT_S = 600
 # multiturn's topics and questions, with two questions more: a host's session runs 8 turns and more.
@@ -85,6 +89,7 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shared-dir", type=Path, help="side (a)'s hosts share this prefix store (cache.shared_dir)")
     parser.add_argument("--log", type=Path, help="keep the hosts' and HAProxy's logs here (default: discarded)")
     parser.add_argument("--quick", action="store_true", help="2 agents, 1 session each, 4 turns, short prompts")
+    parser.add_argument("--aa", action="store_true", help="A/A: side (b) runs the shipped config as well")
 
 
 def system_prompt(topic: str, words: int) -> str:
@@ -109,13 +114,14 @@ def host_config(directory: Path, address: str, args: argparse.Namespace, shared:
 
 
 def haproxy_text(side: str) -> str:
-    """config/haproxy.cfg with a third server line; side (b) with the balance line it had before."""
+    """config/haproxy.cfg with a third server line; side (b) with the balance line it had before
+    (in an A/A run, whose sides are AA_SIDES, the shipped one)."""
     text = HAPROXY_CONFIG.read_text()
     for needed in (SECOND_SERVER, AFFINITY_BALANCE):
         if text.count(needed) != 1:
             raise RuntimeError(f"{HAPROXY_CONFIG} should name {needed!r} once")
     text = text.replace(SECOND_SERVER, SECOND_SERVER + '\n    server onebit3 "${ONEBIT_HOST3}"')
-    return text if side == SIDES[0] else text.replace(AFFINITY_BALANCE, BEFORE_BALANCE)
+    return text if side != SIDES[1] else text.replace(AFFINITY_BALANCE, BEFORE_BALANCE)
 
 
 @attrs.define
@@ -284,7 +290,7 @@ def p90(values: Sequence[float]) -> float:
     return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))] if ordered else float("nan")
 
 
-def hosts_figures(samples: Sequence[Sample], half: int) -> list[bench_plot.Panel]:
+def hosts_figures(samples: Sequence[Sample], half: int, names: Sequence[str] = SIDES) -> list[bench_plot.Panel]:
     """Per turn, each session's first token on each side, and the prompt tokens its host's cache
     lacked, the drain marked."""
     drain = [(half + 0.5, "one host drained")]
@@ -293,7 +299,7 @@ def hosts_figures(samples: Sequence[Sample], half: int) -> list[bench_plot.Panel
             "first token per turn, every session",
             "turn",
             "first token, ms",
-            {name: [(s.turn, s.ttft_ms) for s in samples if s.side == name] for name in SIDES},
+            {name: [(s.turn, s.ttft_ms) for s in samples if s.side == name] for name in names},
             marks=drain,
             integer_x=True,
             log_y=True,
@@ -302,7 +308,7 @@ def hosts_figures(samples: Sequence[Sample], half: int) -> list[bench_plot.Panel
             "the last turn's prompt tokens its host's cache lacked",
             "turn",
             "tokens",
-            {name: [(s.turn, float(s.refilled)) for s in samples if s.side == name] for name in SIDES},
+            {name: [(s.turn, float(s.refilled)) for s in samples if s.side == name] for name in names},
             marks=drain,
             integer_x=True,
         ),
@@ -310,18 +316,19 @@ def hosts_figures(samples: Sequence[Sample], half: int) -> list[bench_plot.Panel
 
 
 def report(args: argparse.Namespace, samples: Sequence[Sample], drained: dict[str, str]) -> None:
+    names = AA_SIDES if args.aa else SIDES
     half = args.turns // 2
     print()
-    print(f"{'turn':<6}" + "".join(f"{name + ' ttft ms':>22}{'cold':>6}" for name in SIDES))
+    print(f"{'turn':<6}" + "".join(f"{name + ' ttft ms':>28}{'cold':>6}" for name in names))
     for t in range(1, args.turns + 1):
         cells = ""
-        for name in SIDES:
+        for name in names:
             row = [s for s in samples if s.side == name and s.turn == t]
-            cells += f"{med([s.ttft_ms for s in row]):>22.1f}{sum(s.refilled > 0 for s in row):>6}"
+            cells += f"{med([s.ttft_ms for s in row]):>28.1f}{sum(s.refilled > 0 for s in row):>6}"
         print(f"{t:<6}{cells}" + ("   <- after the drain" if t == half + 1 else ""))
     print()
     totals = {}
-    for name in SIDES:
+    for name in names:
         later = [s for s in samples if s.side == name and s.turn > 1]
         before = [s.ttft_ms for s in later if s.turn <= half]
         after = [s.ttft_ms for s in later if s.turn > half]
@@ -334,20 +341,24 @@ def report(args: argparse.Namespace, samples: Sequence[Sample], drained: dict[st
             f"{sum(s.refilled for s in later)} prompt tokens prefilled again; drained {drained[name]}; "
             f"turns per host {hosts}"
         )
-    a, b = totals[SIDES[0]], totals[SIDES[1]]
-    print(f"summed first-token time, turns 2..{args.turns}: (a)/(b) {a / b:.3f}")
+    a, b = totals[names[0]], totals[names[1]]
+    aim = "   (A/A: both sides the shipped config)" if args.aa else ""
+    print(f"summed first-token time, turns 2..{args.turns}: (a)/(b) {a / b:.3f}{aim}")
 
 
 async def run(args: argparse.Namespace, bench: ModuleType) -> int:
     """``bench``: scripts/bench.py (its ``spawn_onebitd`` starts each host and stops and reaps it)."""
     if args.quick:
         args.agents, args.sessions, args.turns, args.system_words = 2, 1, 4, 80
+    if args.aa and args.shared_dir:
+        raise bench.BenchError("--aa and --shared-dir: an A/A run gives both sides the same config, one store each")
+    names = AA_SIDES if args.aa else SIDES
     store = f"shared store {args.shared_dir}" if args.shared_dir else "each host its own prefix store"
     print(
         f"onebit hosts: {HOSTS} hosts per side behind HAProxy, {args.agents} agents x {args.sessions} sessions x "
         f"{args.turns} turns (keys: the even agents' sessions), ~{args.system_words} words of system prompt, "
         f"{args.max_tokens} reply tokens, {args.parallel} slots per host, {store} on (a); the busiest host "
-        f"drained after turn {args.turns // 2}"
+        f"drained after turn {args.turns // 2}" + ("; A/A: (b) runs the shipped config too" if args.aa else "")
     )
     print(bench.machine())
     top = Path(tempfile.mkdtemp(prefix="ob-bench-", dir="/tmp"))
@@ -357,7 +368,7 @@ async def run(args: argparse.Namespace, bench: ModuleType) -> int:
             async with AsyncExitStack() as stack:
                 sides = []
                 ours: list[int | None] = [os.getpid()]  # the CPU the run itself takes is not noise
-                for s, name in enumerate(SIDES):
+                for s, name in enumerate(names):
                     shared = args.shared_dir if s == 0 else None
                     endpoints, admin = [], []
                     for i in range(HOSTS):
@@ -388,7 +399,7 @@ async def run(args: argparse.Namespace, bench: ModuleType) -> int:
                     if t == args.turns // 2 + 1:
                         for side in sides:
                             drained[side.name] = await drain_busiest(side, sessions[side.name])
-                    for i in range(len(sessions[SIDES[0]])):
+                    for i in range(len(sessions[names[0]])):
                         order = [0, 1] if flip % 2 == 0 else [1, 0]
                         flip += 1
                         for s in order:
@@ -399,7 +410,7 @@ async def run(args: argparse.Namespace, bench: ModuleType) -> int:
         report(args, samples, drained)
         print(noisy)
         if args.plot:
-            figures = hosts_figures(samples, args.turns // 2)
+            figures = hosts_figures(samples, args.turns // 2, names)
             bench_plot.write(args.plot, "scripts/bench hosts", figures, quick=args.quick)
         return 0
     except* RuntimeError as group:  # raised inside the hosts' nurseries: a group
