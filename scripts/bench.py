@@ -852,7 +852,7 @@ SUBCOMMANDS = [
         name="handoff",
         help="the file route against the plain route: prefill, save, restore, first byte, decode isolation",
         arguments=bench_handoff.arguments,
-        run=bench_handoff.run,
+        run=lambda args: bench_handoff.run(args, sys.modules[__name__]),
     ),
     Subcommand(
         name="providers",
@@ -870,7 +870,7 @@ SUBCOMMANDS = [
         name="multiturn",
         help="chats re-sending their conversation every turn: plain, hybrid and llama-server direct",
         arguments=bench_multiturn.arguments,
-        run=bench_multiturn.run,
+        run=lambda args: bench_multiturn.run(args, sys.modules[__name__]),
     ),
     Subcommand(
         name="prefix",

@@ -3,12 +3,16 @@
 Part 1, per prompt size (about 256, 1024 and 2048 tokens): the provider's prefill, its save, the
 decoder's restore, the state file's size, the decoder's own prompt evaluation on each route, and the
 time to first byte of the plain route (the decoder prefills) against the file route (through
-onebitd: tokenize, provider prefill, save, restore, decode).  Plain and hybrid requests alternate.
+onebitd: tokenize, provider prefill, save, restore, decode).  One unmeasured round first (each
+side's first request pays for warming up), then ``--rounds`` rounds (6) in ABBA order: plain first
+in the even rounds, the file route first in the odd ones; every prompt is new text of the same
+length, so nothing is cached anywhere.  Medians, and the spread of the rounds' ratios.
 
 Part 2, decode isolation: one stream is decoding when a 2k-token prompt arrives; the stream's
 longest gap between two tokens with that prompt on the plain route (the decoder prefills it between
 the stream's tokens) against the file route (a provider on another core prefills it).  Decoder and
-provider are pinned to different cores (``cpu_affinity``).
+provider are pinned to different cores (``cpu_affinity``).  The rounds in ABBA order, new text
+each round.
 
 Part 3, share against file: on one decoder started with ``LLAMA_KV_SHARE=1`` (the patched build),
 per prompt size, a prompt prefilled and saved in slot 1, then handed to slot 0 both ways: a restore
@@ -17,7 +21,8 @@ the file's rows into the lent region, and an adopt (the share route's last steps
 evaluating one prompt token after each is checked, and the greedy reply after the adopt against the
 plain one.
 
-Figures are ratios between the two routes in the same run, on the same processes.
+Figures are ratios between the two routes in the same run, on the same processes; the machine line
+first, and last how much CPU other processes took during the run.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import attrs
@@ -59,7 +65,7 @@ SIZES = (256, 1024, 2048)
 
 
 def arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rounds", type=int, default=3, help="alternating plain/hybrid rounds per size (3)")
+    parser.add_argument("--rounds", type=int, default=6, help="measured rounds per size, in ABBA order (6)")
     parser.add_argument("--quick", action="store_true", help="one round, 256 and 1024 tokens, a short stream")
 
 
@@ -150,55 +156,71 @@ async def direct_handoff(rig: Rig, prompt: str, slot: int, name: str) -> dict[st
     }
 
 
+async def one_round(rig: Rig, size: int, r: int) -> dict[str, Any]:
+    """One round at ``size``: plain and the file route in ABBA order, then the file route's steps by
+    hand; three new texts of the same length (``r`` -1 is the unmeasured warm-up round)."""
+    salt = size * 1000 + (r + 1) * 3
+    got: dict[str, Any] = {}
+
+    async def plain() -> None:
+        prompt, got["tokens"] = await prompt_of(rig.decoder, size, salt=salt)
+        body = {"prompt": prompt, "n_predict": 4, "temperature": 0, "stream": True, "cache_prompt": False}
+        # Plain: the decoder prefills, no cache to help it.
+        got["plain_ms"], timings = await first_byte_ms(rig.decoder, "/completion", {**body, "id_slot": 1})
+        got["decoder_ms"], got["plain_n"] = timings["prompt_ms"], timings["prompt_n"]
+
+    async def hybrid() -> None:
+        prompt, _ = await prompt_of(rig.decoder, size, salt=salt + 1)
+        body = {"prompt": prompt, "n_predict": 4, "temperature": 0, "stream": True}
+        got["file_ms"], timings = await first_byte_ms(rig.front, "/completion", body)
+        got["hybrid_n"] = timings["prompt_n"]
+
+    for side in (plain, hybrid) if r % 2 == 0 else (hybrid, plain):
+        await side()
+    prompt, _ = await prompt_of(rig.decoder, size, salt=salt + 2)
+    got["steps"] = await direct_handoff(rig, prompt, slot=1, name=f"bench-{size}-{r + 1}.state")
+    return got
+
+
 async def sizes(rig: Rig, rounds: int, chosen: tuple[int, ...]) -> list[dict[str, Any]]:
     rows = []
     for size in chosen:
-        plain_fb: list[float] = []
-        hybrid_fb: list[float] = []
-        plain_prompt_ms: list[float] = []
-        plain_n: list[int] = []
-        hybrid_n: list[int] = []
-        steps: list[dict[str, float]] = []
-        count = 0
-        for r in range(rounds):
-            prompt, count = await prompt_of(rig.decoder, size, salt=size * 100 + r)
-            body = {"prompt": prompt, "n_predict": 4, "temperature": 0, "stream": True}
-            # Plain: the decoder prefills, no cache to help it.
-            ms, timings = await first_byte_ms(rig.decoder, "/completion", {**body, "cache_prompt": False, "id_slot": 1})
-            plain_fb.append(ms)
-            plain_prompt_ms.append(timings["prompt_ms"])
-            plain_n.append(timings["prompt_n"])
-            # Hybrid, through onebitd: a fresh prompt (a new salt) so nothing is cached anywhere.
-            prompt2, _ = await prompt_of(rig.decoder, size, salt=size * 100 + r + 50)
-            ms, timings = await first_byte_ms(rig.front, "/completion", {**body, "prompt": prompt2})
-            hybrid_fb.append(ms)
-            hybrid_n.append(timings["prompt_n"])
-            prompt3, _ = await prompt_of(rig.decoder, size, salt=size * 100 + r + 90)
-            steps.append(await direct_handoff(rig, prompt3, slot=1, name=f"bench-{size}-{r}.state"))
+        await one_round(rig, size, -1)  # warm-up, unmeasured
+        measured = [await one_round(rig, size, r) for r in range(rounds)]
+        steps = [m["steps"] for m in measured]
         median = statistics.median
+        shares = [(s["save_ms"] + s["restore_ms"]) / m["decoder_ms"] for s, m in zip(steps, measured, strict=True)]
         rows.append(
             {
-                "tokens": count,
+                "tokens": measured[0]["tokens"],
                 "provider_prefill_ms": median(s["prefill_ms"] for s in steps),
                 "save_ms": median(s["save_ms"] for s in steps),
                 "restore_ms": median(s["restore_ms"] for s in steps),
                 "state_bytes": int(median(s["bytes"] for s in steps)),
-                "decoder_prefill_ms": median(plain_prompt_ms),
-                "plain_prompt_n": int(median(plain_n)),
-                "hybrid_prompt_n": int(median(hybrid_n)),
-                "plain_first_byte_ms": median(plain_fb),
-                "hybrid_first_byte_ms": median(hybrid_fb),
-                "samples": {"plain": plain_fb, "file": hybrid_fb, "steps": steps, "decoder": plain_prompt_ms},
+                "decoder_prefill_ms": median(m["decoder_ms"] for m in measured),
+                "plain_prompt_n": int(median(m["plain_n"] for m in measured)),
+                "hybrid_prompt_n": int(median(m["hybrid_n"] for m in measured)),
+                "plain_first_byte_ms": median(m["plain_ms"] for m in measured),
+                "hybrid_first_byte_ms": median(m["file_ms"] for m in measured),
+                "share": median(shares),
+                "share_spread": (min(shares), max(shares)),
+                "samples": {
+                    "plain": [m["plain_ms"] for m in measured],
+                    "file": [m["file_ms"] for m in measured],
+                    "steps": steps,
+                    "decoder": [m["decoder_ms"] for m in measured],
+                },
             }
         )
     return rows
 
 
 async def longest_gap(
-    rig: Rig, stream_client: httpx.AsyncClient, intruder: httpx.AsyncClient, plain: bool, n: int
+    rig: Rig, stream_client: httpx.AsyncClient, intruder: httpx.AsyncClient, plain: bool, n: int, r: int = 0
 ) -> float:
-    """A stream decodes; after its 8th token a 2k-token prompt arrives; its longest inter-token gap."""
-    prompt, _ = await prompt_of(rig.decoder, 2048, salt=7000 + (0 if plain else 1))
+    """A stream decodes; after its 8th token a 2k-token prompt arrives; its longest inter-token gap.
+    The prompt is new text for each round ``r`` and route, so that no cache holds it."""
+    prompt, _ = await prompt_of(rig.decoder, 2048, salt=7000 + 2 * r + (0 if plain else 1))
     gaps: list[float] = []
     arrived = trio.Event()
 
@@ -342,38 +364,47 @@ async def share_against_file(tmp: Path, rounds: int, chosen: tuple[int, ...]) ->
     return rows
 
 
-async def run(args: argparse.Namespace) -> int:
+async def run(args: argparse.Namespace, bench: ModuleType) -> int:
+    """``bench``: scripts/bench.py (the machine line, the other processes' CPU)."""
     chosen = (256, 1024) if args.quick else SIZES
     rounds = 1 if args.quick else args.rounds
     stream_tokens = 64 if args.quick else 160
+    print(
+        f"onebit handoff: {rounds} round(s) per size after an unmeasured one, plain and the file route in ABBA "
+        "order, new text every request"
+    )
+    print(bench.machine())
+    noise = bench.Noise.start([])  # this process's tree: onebitd and every llama-server
     with tempfile.TemporaryDirectory(prefix="ob-bench-", dir="/tmp") as tmp:
         config = handoff_config(Path(tmp))
         print(f"cpus: decoder {config.decoder.cpu_affinity}, provider {config.provider[0].cpu_affinity}")
         async with open_rig(config) as rig:
             rows = await sizes(rig, rounds, chosen)
-            plain_gaps, hybrid_gaps = [], []
-            for _ in range(rounds):
+            gaps: dict[str, list[float]] = {"plain route": [], "file route": []}
+            await longest_gap(rig, rig.decoder, rig.front, False, stream_tokens, -1)  # warm-up, unmeasured
+            for r in range(rounds):
                 # The stream goes straight to the decoder both times; only the intruder's route differs.
-                plain_gaps.append(await longest_gap(rig, rig.decoder, rig.decoder, True, stream_tokens))
-                hybrid_gaps.append(await longest_gap(rig, rig.decoder, rig.front, False, stream_tokens))
+                for plain in (True, False) if r % 2 == 0 else (False, True):
+                    intruder = rig.decoder if plain else rig.front
+                    gaps["plain route" if plain else "file route"].append(
+                        await longest_gap(rig, rig.decoder, intruder, plain, stream_tokens, r)
+                    )
     print()
     print("prompt  provider   save   restore  state    decoder   decoder prompt_n  first byte ms     (save+restore)")
     print("tokens  prefill    ms     ms       MiB      prefill   plain  hybrid     plain   hybrid    / decoder prefill")
     for row in rows:
-        share = (row["save_ms"] + row["restore_ms"]) / row["decoder_prefill_ms"]
+        low, high = row["share_spread"]
         print(
             f"{row['tokens']:>6}  {row['provider_prefill_ms']:>7.1f}  {row['save_ms']:>6.2f}  {row['restore_ms']:>6.2f}"
             f"  {row['state_bytes'] / 2**20:>7.2f}  {row['decoder_prefill_ms']:>7.1f}  {row['plain_prompt_n']:>6}"
             f"  {row['hybrid_prompt_n']:>6}  {row['plain_first_byte_ms']:>8.1f} {row['hybrid_first_byte_ms']:>8.1f}"
-            f"    {share:>6.2%}"
+            f"    {row['share']:>6.2%} ({low:.2%} to {high:.2%})"
         )
-    plain_gap = statistics.median(plain_gaps)
-    hybrid_gap = statistics.median(hybrid_gaps)
     print()
-    print("decode isolation: a stream's longest inter-token gap while a 2k-token prompt arrives")
-    print(f"  plain route  {plain_gap:8.1f} ms")
-    print(f"  file route   {hybrid_gap:8.1f} ms")
-    print(f"  ratio file/plain: {hybrid_gap / plain_gap:.3f}")
+    print("decode isolation: a stream's longest inter-token gap while a 2k-token prompt arrives (median of the rounds)")
+    for route, measured in gaps.items():
+        print(f"  {route:<12} {statistics.median(measured):8.1f} ms   ({min(measured):.1f} to {max(measured):.1f})")
+    print(f"  ratio file/plain: {statistics.median(gaps['file route']) / statistics.median(gaps['plain route']):.3f}")
     with tempfile.TemporaryDirectory(prefix="ob-bench-", dir="/tmp") as tmp:
         shares = await share_against_file(Path(tmp), rounds, chosen)
     print()
@@ -386,8 +417,9 @@ async def run(args: argparse.Namespace) -> int:
             f"  {row['adopt_ms']:>6.3f}  {row['adopt_ms'] / row['restore_ms']:>7.2%}  {row['restore_prompt_n']:>6}"
             f"  {row['adopt_prompt_n']:>5}   {'yes' if row['same'] else 'NO'}"
         )
+    print(noise.report([]))
     if args.plot:
-        figures = handoff_figures(rows, {"plain route": plain_gaps, "file route": hybrid_gaps}, shares)
+        figures = handoff_figures(rows, gaps, shares)
         bench_plot.write(args.plot, "scripts/bench handoff", figures, quick=args.quick)
     return 0
 

@@ -1,20 +1,28 @@
 """``scripts/bench multiturn``: chats that re-send their whole conversation every turn.
 
 N chats (default 3) of T turns (default 6), interleaved turn by turn, each with its own ~600-token
-system prompt, streamed, through three sides measured in the same run, one after another, each on a
-freshly started onebitd (so every side starts cold):
+system prompt, streamed, through three sides up at once and measured request by request:
 
     (a) onebitd with hybrid off (the plain route)
     (b) onebitd with the default hybrid config (a llama-server provider, the file route, the cost
-        decision)
-    (c) the decoder's llama-server reached directly over its socket (the same process flags; it
-        picks its own slots by prompt similarity)
+        decision); with ``--aa``, a second onebitd with hybrid off: the A/A run
+    (c) a llama-server of its own with (a)'s decoder flags, reached over its socket (it picks its
+        own slots by prompt similarity)
+
+Each chat's turn is asked of the three sides one after another, the order rotating request by
+request and reversed every other cycle, so that each side goes first, second and third alike and
+the machine's drift falls on all three; after an onebitd side's request the bench waits for its
+route line and the prefix store's write, so the next side runs on a quiet machine.  Each side
+answers one unmeasured request of its own first (its first request pays for warming up, not the
+route).  Every side sees the same prompts: a chat's conversation is kept per side, since each
+side's replies become its next prompt.
 
 Per turn: time to first token (median over the chats), the prompt tokens the decoder evaluated, and
 on (b) the prompt tokens the provider evaluated; then the ratios (b)/(a) and (a)/(c) for turn 1 and
-for turns 2..T summed.  The decoder runs one thread on the first CPU, the provider one thread on the
-second (when there is one).  ``--cache-ram 0`` turns llama-server's host-memory prompt cache off on
-both children, so that the slot affinity is shown on its own.
+for turns 2..T summed, and the median of the per-request ratios on turns 2..T.  The decoders run
+one thread on the first CPU, the provider one thread on the second (when there is one).
+``--cache-ram 0`` turns llama-server's host-memory prompt cache off on every child, so that the
+slot affinity is shown on its own.
 """
 
 from __future__ import annotations
@@ -29,8 +37,9 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
+from types import ModuleType
 
 import attrs
 import httpx
@@ -41,12 +50,13 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_plot  # noqa: E402
+from bench_agent import open_direct, writes_settled  # noqa: E402
 
 from supervisor import config as configuration  # noqa: E402
 from supervisor.config import Config  # noqa: E402
 from supervisor.daemon import Daemon  # noqa: E402
 from supervisor.observe.logs import ROUTE_LOGGER  # noqa: E402
-from supervisor.testing import RouteLines, run_daemon  # noqa: E402
+from supervisor.testing import RouteLines, run_daemon, unix_transport  # noqa: E402
 
 TIMEOUT_S = 600
 TOPICS = ("lighthouses", "sourdough bread", "glaciers", "violins", "honeybees", "volcanoes")
@@ -68,6 +78,7 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=16, help="reply tokens per turn (16)")
     parser.add_argument("--parallel", type=int, default=2, help="decoder slots (2)")
     parser.add_argument("--cache-ram", type=int, default=None, metavar="MIB", help="llama-server --cache-ram")
+    parser.add_argument("--aa", action="store_true", help="A/A: (b) is a second plain onebitd, not the hybrid one")
     parser.add_argument("--quick", action="store_true", help="2 chats of 3 turns, short prompts: it runs")
 
 
@@ -104,14 +115,25 @@ class Sample:
     route: str
 
 
+@attrs.define
+class Side:
+    """One side of the run: where its requests go, its own copy of every chat, what it measured."""
+
+    name: str
+    client: httpx.AsyncClient
+    daemon: Daemon | None  # None: the direct llama-server (no route line, no store)
+    chats: list[list[dict[str, str]]]
+    samples: list[list[Sample]] = attrs.Factory(list)  # samples[turn][chat]
+
+
 @asynccontextmanager
-async def open_side(config: Config) -> AsyncIterator[tuple[Daemon, httpx.AsyncClient, httpx.AsyncClient]]:
+async def open_daemon(config: Config) -> AsyncIterator[tuple[Daemon, httpx.AsyncClient]]:
     # httpx's own pool limits for the front, as before the harness.
     async with (
         run_daemon(config, providers_ready=True, ready_timeout_s=TIMEOUT_S) as running,
         running.clients(request_timeout_s=TIMEOUT_S, max_connections=100, keepalive=20) as clients,
     ):
-        yield running.daemon, clients.front, clients.direct
+        yield running.daemon, clients.front
 
 
 async def turn(client: httpx.AsyncClient, messages: list[dict[str, str]], max_tokens: int) -> tuple[float, str, int]:
@@ -136,98 +158,151 @@ async def turn(client: httpx.AsyncClient, messages: list[dict[str, str]], max_to
     return ((first or time.perf_counter()) - start) * 1000, text, prompt_n
 
 
-async def run_side(args: argparse.Namespace, name: str, hybrid: bool, direct: bool) -> list[list[Sample]]:
-    """samples[turn][chat]"""
-    runtime_dir = Path(tempfile.mkdtemp(prefix="ob-bench-", dir="/tmp"))
-    lines = RouteLines()
-    logging.getLogger(ROUTE_LOGGER).addHandler(lines)
-    logging.getLogger(ROUTE_LOGGER).setLevel(logging.INFO)
-    try:
-        async with open_side(side_config(runtime_dir, args, hybrid=hybrid)) as (_daemon, front, decoder):
-            client = decoder if direct else front
-            topics = [TOPICS[i % len(TOPICS)] + ("" if i < len(TOPICS) else f" {i}") for i in range(args.chats)]
-            chats = [[{"role": "system", "content": system_prompt(t, args.system_words)}] for t in topics]
-            samples: list[list[Sample]] = []
-            for t in range(args.turns):
-                row = []
-                for chat in chats:
-                    chat.append({"role": "user", "content": QUESTIONS[t % len(QUESTIONS)]})
-                    before = len(lines.lines)
-                    ttft, reply, prompt_n = await turn(client, chat, args.max_tokens)
-                    chat.append({"role": "assistant", "content": reply})
-                    if not direct:  # the route line comes once the request is done, after the last byte
-                        with trio.fail_after(60):
-                            await lines.wait(before + 1)
-                    line = lines.lines[before] if len(lines.lines) > before else {}
-                    row.append(Sample(ttft, prompt_n, line.get("provider_prompt_n"), line.get("route", "direct")))
-                samples.append(row)
-                print(f"  {name}: turn {t + 1} done", file=sys.stderr, flush=True)
-            return samples
-    finally:
-        logging.getLogger(ROUTE_LOGGER).removeHandler(lines)
-        shutil.rmtree(runtime_dir, ignore_errors=True)
+def order(sides: list[Side], request: int) -> list[Side]:
+    """Request ``request``'s order: rotated by one each request, reversed every other cycle, so that
+    over 2 x len(sides) requests each side goes first, in the middle and last alike, and after each
+    other side alike."""
+    shift = request % len(sides)
+    rotated = sides[shift:] + sides[:shift]
+    return rotated[::-1] if (request // len(sides)) % 2 else rotated
+
+
+async def measure(side: Side, messages: list[dict[str, str]], args: argparse.Namespace, lines: RouteLines) -> Sample:
+    """One request on ``side``; on an onebitd side, its route line and the store's write awaited."""
+    before = len(lines.lines)
+    ttft, reply, prompt_n = await turn(side.client, messages, args.max_tokens)
+    messages.append({"role": "assistant", "content": reply})
+    if side.daemon is None:
+        return Sample(ttft, prompt_n, None, "direct")
+    with trio.fail_after(120):  # the route line comes once the request is done, after the last byte
+        line = await lines.wait(before + 1)
+        await writes_settled(side.daemon)
+    return Sample(ttft, prompt_n, line.get("provider_prompt_n"), str(line.get("route", "?")))
+
+
+async def measure_all(args: argparse.Namespace, sides: list[Side], lines: RouteLines) -> None:
+    for side in sides:  # warm-up, unmeasured: a short chat of its own on each side
+        await measure(side, [{"role": "user", "content": f"Warm-up for {side.name}: say hello."}], args, lines)
+    request = 0
+    for t in range(args.turns):
+        rows: dict[str, list[Sample]] = {side.name: [] for side in sides}
+        for c in range(args.chats):
+            for side in order(sides, request):
+                chat = side.chats[c]
+                chat.append({"role": "user", "content": QUESTIONS[t % len(QUESTIONS)]})
+                rows[side.name].append(await measure(side, chat, args, lines))
+            request += 1
+        for side in sides:
+            side.samples.append(rows[side.name])
+        print(f"  turn {t + 1} done", file=sys.stderr, flush=True)
 
 
 def med(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-async def run(args: argparse.Namespace) -> int:
+async def run(args: argparse.Namespace, bench: ModuleType) -> int:
+    """``bench``: scripts/bench.py (the machine line, the other processes' CPU)."""
     if args.quick:
         args.chats, args.turns, args.system_words = 2, 3, 120
+    b_name = "(b) plain, A/A" if args.aa else "(b) hybrid"
     print(
         f"onebit multiturn: {args.chats} chats x {args.turns} turns, interleaved, ~{args.system_words} words of "
         f"system prompt each, {args.max_tokens} reply tokens, parallel {args.parallel}, "
-        f"cache-ram {args.cache_ram if args.cache_ram is not None else 'llama-server default'}"
+        f"cache-ram {args.cache_ram if args.cache_ram is not None else 'llama-server default'}; "
+        "the sides up at once, request by request in rotating order"
+        + ("; A/A: (b) is a second plain onebitd" if args.aa else "")
     )
-    sides = {
-        "(c) direct": await run_side(args, "(c) direct", hybrid=False, direct=True),
-        "(a) plain": await run_side(args, "(a) plain", hybrid=False, direct=False),
-        "(b) hybrid": await run_side(args, "(b) hybrid", hybrid=True, direct=False),
-    }
+    print(bench.machine())
+    noise = bench.Noise.start([])  # this process's tree: onebitd and every llama-server
+    topics = [TOPICS[i % len(TOPICS)] + ("" if i < len(TOPICS) else f" {i}") for i in range(args.chats)]
+
+    def chats() -> list[list[dict[str, str]]]:
+        return [[{"role": "system", "content": system_prompt(topic, args.system_words)}] for topic in topics]
+
+    root = Path(tempfile.mkdtemp(prefix="ob-bench-", dir="/tmp"))
+    lines = RouteLines()
+    logger = logging.getLogger(ROUTE_LOGGER)
+    logger.addHandler(lines)
+    logger.setLevel(logging.INFO)
+    try:
+        plain = side_config(root / "a", args, hybrid=False)
+        other = side_config(root / "b", args, hybrid=not args.aa)
+        with trio.fail_after(TIMEOUT_S * 4):
+            async with AsyncExitStack() as stack:
+                a_daemon, a_front = await stack.enter_async_context(open_daemon(plain))
+                b_daemon, b_front = await stack.enter_async_context(open_daemon(other))
+                (root / "c").mkdir(mode=0o700)
+                socket = await stack.enter_async_context(open_direct(a_daemon, plain, root / "c"))
+                direct = await stack.enter_async_context(
+                    httpx.AsyncClient(transport=unix_transport(socket), base_url="http://direct", timeout=TIMEOUT_S)
+                )
+                sides = [
+                    Side("(a) plain", a_front, a_daemon, chats()),
+                    Side(b_name, b_front, b_daemon, chats()),
+                    Side("(c) direct", direct, None, chats()),
+                ]
+                await measure_all(args, sides, lines)
+    finally:
+        logger.removeHandler(lines)
+        shutil.rmtree(root, ignore_errors=True)
+    report(args, {side.name: side.samples for side in sides}, b_name)
+    print(noise.report([]))
+    if args.plot:
+        bench_plot.write(
+            args.plot,
+            "scripts/bench multiturn",
+            multiturn_figures({s.name: s.samples for s in sides}, b_name),
+            quick=args.quick,
+        )
+    return 0
+
+
+def report(args: argparse.Namespace, sides: dict[str, list[list[Sample]]], b_name: str) -> None:
     print()
-    header = (
-        "turn  " + "".join(f"{name + ' ttft ms':>20}{'dec n':>7}" for name in sides) + f"{'(b) prov n':>11}  routes (b)"
-    )
-    print(header)
+    header = "turn  " + "".join(f"{name + ' ttft ms':>20}{'dec n':>7}" for name in sides)
+    print(header + f"{'(b) prov n':>11}  routes (b)")
     for t in range(args.turns):
         cells = ""
         for samples in sides.values():
             row = samples[t]
             cells += f"{med([s.ttft_ms for s in row]):>20.1f}{med([float(s.decoder_n) for s in row]):>7.0f}"
-        hybrid_row = sides["(b) hybrid"][t]
-        provider_ns = [float(s.provider_n) for s in hybrid_row if s.provider_n is not None]
-        routes = ",".join(s.route for s in hybrid_row)
+        b_row = sides[b_name][t]
+        provider_ns = [float(s.provider_n) for s in b_row if s.provider_n is not None]
+        routes = ",".join(s.route for s in b_row)
         print(f"{t + 1:<6}{cells}{med(provider_ns) if provider_ns else float('nan'):>11.0f}  {routes}")
 
     def total(name: str, turns: range) -> float:
         return sum(s.ttft_ms for t in turns for s in sides[name][t])
 
+    def ratios(top: str, bottom: str, turns: range) -> list[float]:
+        return [x.ttft_ms / y.ttft_ms for t in turns for x, y in zip(sides[top][t], sides[bottom][t], strict=True)]
+
+    a, b, c = "(a) plain", b_name, "(c) direct"
     first, later = range(1), range(1, args.turns)
-    a1, b1, c1 = total("(a) plain", first), total("(b) hybrid", first), total("(c) direct", first)
-    a2, b2, c2 = total("(a) plain", later), total("(b) hybrid", later), total("(c) direct", later)
+    a1, b1, c1 = total(a, first), total(b, first), total(c, first)
+    a2, b2, c2 = total(a, later), total(b, later), total(c, later)
     print()
     print(f"turn 1, summed first-token time:     (b)/(a) {b1 / a1:.3f} (aim <= 1.05)   (a)/(c) {a1 / c1:.3f}")
     print(
         f"turns 2..{args.turns}, summed first-token time: (b)/(a) {b2 / a2:.3f} (aim <= 1.05)   (a)/(c) {a2 / c2:.3f}"
     )
+    ba, ac = ratios(b, a, later), ratios(a, c, later)
+    print(
+        f"turns 2..{args.turns}, median of {len(ba)} request ratios: (b)/(a) {med(ba):.3f} "
+        f"({min(ba):.2f} to {max(ba):.2f})   (a)/(c) {med(ac):.3f} ({min(ac):.2f} to {max(ac):.2f})"
+    )
     print(f"(a)/(c), all turns: {(a1 + a2) / (c1 + c2):.3f} (aim <= 1.02)")
-    if args.plot:
-        bench_plot.write(args.plot, "scripts/bench multiturn", multiturn_figures(sides), quick=args.quick)
-    return 0
 
 
-def multiturn_figures(sides: dict[str, list[list[Sample]]]) -> list[bench_plot.Panel]:
+def multiturn_figures(sides: dict[str, list[list[Sample]]], b_name: str) -> list[bench_plot.Panel]:
     """Per turn, each chat's first token on each side, and the prompt tokens each child evaluated."""
     evaluated = {
         f"{name}, decoder": [(t + 1, float(s.decoder_n)) for t, row in enumerate(samples) for s in row]
         for name, samples in sides.items()
     }
-    evaluated["(b) hybrid, provider"] = [
-        (t + 1, float(s.provider_n))
-        for t, row in enumerate(sides["(b) hybrid"])
-        for s in row
-        if s.provider_n is not None
+    evaluated[f"{b_name}, provider"] = [
+        (t + 1, float(s.provider_n)) for t, row in enumerate(sides[b_name]) for s in row if s.provider_n is not None
     ]
     return [
         bench_plot.XY(

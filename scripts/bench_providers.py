@@ -180,7 +180,7 @@ async def measure(args: argparse.Namespace, chosen: Sequence[int], compile_dir: 
                 for plain in (True, False) if r % 2 == 0 else (False, True):
                     front = rig.decoder if plain else rig.front
                     gaps["plain" if plain else "file route"].append(
-                        await longest_gap(rig, rig.decoder, front, plain, stream_tokens)
+                        await longest_gap(rig, rig.decoder, front, plain, stream_tokens, r)
                     )
             provider = provider_of(rig)
             # The verdict is of the file route, which an A/A run does not time.

@@ -221,7 +221,7 @@ async def test_the_handoff_benchmark_in_quick_mode_exits_0_and_shows_the_file_ro
     # tokens, provider prefill, save, restore, MiB, decoder prefill, prompt_n plain and hybrid, first
     # bytes, (save+restore) / decoder prefill
     five = "".join(rf"  +{NUMBER}" for _ in range(5))
-    row = rf"^ *(\d+){five}  +(\d+)  +(\d+)  +{NUMBER} +{NUMBER} +{NUMBER}%$"
+    row = rf"^ *(\d+){five}  +(\d+)  +(\d+)  +{NUMBER} +{NUMBER} +{NUMBER}% \({NUMBER}% to {NUMBER}%\)$"
     rows = re.findall(row, out, re.MULTILINE)
     assert len(rows) == 2, out
     for tokens, plain_n, hybrid_n in rows:
@@ -229,13 +229,15 @@ async def test_the_handoff_benchmark_in_quick_mode_exits_0_and_shows_the_file_ro
         assert int(plain_n) >= int(tokens) - 8, out
         assert int(hybrid_n) <= 2, out
     for route in ("plain route", "file route"):
-        assert re.search(rf"^  {route} +{NUMBER} ms$", out, re.MULTILINE), out
+        assert re.search(rf"^  {route} +{NUMBER} ms   \({NUMBER} to {NUMBER}\)$", out, re.MULTILINE), out
     assert re.search(rf"^  ratio file/plain: {NUMBER}$", out, re.MULTILINE), out
     # tokens, restore, share, worker write, adopt (ms), adopt/restore, prompt_n after each, same reply
     share = rf"^ *\d+  +{NUMBER}  +{NUMBER}  +{NUMBER}  +{NUMBER}  +{NUMBER}%  +(\d+)  +(\d+)   (yes|NO)$"
     shares = re.findall(share, out, re.MULTILINE)
     assert len(shares) == 2, out
     assert all(int(restored) <= 2 and int(adopted) <= 2 and same == "yes" for restored, adopted, same in shares), out
+    assert re.search(r"^\d+ CPUs \(.*python probe [\d.]+ ms$", out, re.MULTILINE), out
+    assert "machine noise: " in out, out
 
 
 @pytest.mark.real
@@ -243,7 +245,8 @@ async def test_the_multiturn_benchmark_in_quick_mode_exits_0_and_prints_every_tu
     tmp_path: Path,
 ) -> None:
     real_llama_server()
-    # Three sides, each a fresh onebitd (or llama-server), 2 chats of 3 turns each.
+    # Three sides up at once (two onebitd and a llama-server), 2 chats of 3 turns each, request by
+    # request in rotating order.
     picture = tmp_path / "multiturn.svg"
     out = await quick_run("multiturn", "--quick", "--plot", str(picture), timeout_s=600)
     assert {"(c) direct", "(a) plain", "(b) hybrid", "first token per turn, each chat"} <= set(svg_texts(picture))
@@ -255,6 +258,10 @@ async def test_the_multiturn_benchmark_in_quick_mode_exits_0_and_prints_every_tu
     assert re.search(rf"^turn 1, summed first-token time: +\(b\)/\(a\) {NUMBER} ", out, re.MULTILINE), out
     assert re.search(rf"^turns 2\.\.3, summed first-token time: \(b\)/\(a\) {NUMBER} ", out, re.MULTILINE), out
     assert re.search(rf"^\(a\)/\(c\), all turns: {NUMBER} ", out, re.MULTILINE), out
+    median = rf"^turns 2\.\.3, median of 4 request ratios: \(b\)/\(a\) {NUMBER} \({NUMBER} to {NUMBER}\)   \(a\)/\(c\) "
+    assert re.search(median, out, re.MULTILINE), out
+    assert re.search(r"^\d+ CPUs \(.*python probe [\d.]+ ms$", out, re.MULTILINE), out
+    assert "machine noise: " in out, out
 
 
 @pytest.fixture
