@@ -59,17 +59,21 @@ REFUSED: dict[str, tuple[str | None, ...]] = {
 }
 
 
+def templates_folder(binary: Path) -> Path:
+    # scripts/build-llama-server copies the sdist's models/templates beside the binary's bin/.
+    return binary.parent.parent / "templates"
+
+
 def shipped_templates() -> list[str]:
     """The templates the ggml build copied, at collection; one failing entry where there are none."""
     found = locate.llama_server("")
-    folder = found.parent.parent / "templates" if found is not None else None
+    folder = templates_folder(found) if found is not None else None
     stems = sorted(p.stem for p in folder.glob("*.jinja")) if folder is not None and folder.is_dir() else []
     return stems or ["no-templates-run-scripts-setup"]
 
 
 def template(stem: str) -> Path:
-    # scripts/build-llama-server copies the sdist's models/templates beside the binary's bin/.
-    path = real_llama_server().parent.parent / "templates" / f"{stem}.jinja"
+    path = templates_folder(real_llama_server()) / f"{stem}.jinja"
     if not path.is_file():
         pytest.fail(f"no {path}: run scripts/setup (the ggml build copies llama.cpp's chat templates)")
     return path
@@ -101,16 +105,6 @@ def body(tool_choice: str | None, *, stream: bool) -> dict[str, Any]:
     return data
 
 
-def streamed_content(text: str) -> str:
-    assert '"error"' not in text, text[-400:]
-    pieces = []
-    for line in text.splitlines():
-        if line.startswith("data: ") and line != "data: [DONE]":
-            for choice in json.loads(line[6:])["choices"]:
-                pieces.append(choice["delta"].get("content") or "")
-    return "".join(pieces)
-
-
 @pytest.mark.parametrize("stem", LLAMA_TEMPLATES)
 async def test_a_reply_with_a_brace_that_is_no_tool_call_is_content_on_the_file_route(
     stem: str, short_dir: Path, route_lines: RouteLines
@@ -131,7 +125,9 @@ async def test_a_reply_with_a_brace_that_is_no_tool_call_is_content_on_the_file_
                     async with client.stream("POST", "/v1/chat/completions", json=body(tool_choice, stream=True)) as s:
                         assert s.status_code == 200
                         text = (await s.aread()).decode()
-                    assert streamed_content(text) == reference.get("content")
+                    got, error = streamed(text)
+                    assert error is None, text[-400:]
+                    assert got == essence(reference), got
     assert route_lines.lines[0]["route"] == "file", route_lines.lines[0]
     assert all(line["outcome"] == "ok" for line in route_lines.lines), route_lines.lines
 
