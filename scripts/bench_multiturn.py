@@ -260,13 +260,14 @@ async def run(args: argparse.Namespace, bench: ModuleType) -> int:
 
 def report(args: argparse.Namespace, sides: dict[str, list[list[Sample]]], b_name: str) -> None:
     print()
-    header = "turn  " + "".join(f"{name + ' ttft ms':>20}{'dec n':>7}" for name in sides)
+    width = {name: max(20, len(name) + 10) for name in sides}
+    header = "turn  " + "".join(f"{name + ' ttft ms':>{width[name]}}{'dec n':>7}" for name in sides)
     print(header + f"{'(b) prov n':>11}  routes (b)")
     for t in range(args.turns):
         cells = ""
-        for samples in sides.values():
+        for name, samples in sides.items():
             row = samples[t]
-            cells += f"{med([s.ttft_ms for s in row]):>20.1f}{med([float(s.decoder_n) for s in row]):>7.0f}"
+            cells += f"{med([s.ttft_ms for s in row]):>{width[name]}.1f}{med([float(s.decoder_n) for s in row]):>7.0f}"
         b_row = sides[b_name][t]
         provider_ns = [float(s.provider_n) for s in b_row if s.provider_n is not None]
         routes = ",".join(s.route for s in b_row)
