@@ -171,7 +171,7 @@ def test_multiturn_draws_each_sides_first_token_per_turn(tmp_path: Path) -> None
         ]
         for name in ("(c) direct", "(a) plain", "(b) hybrid")
     }
-    texts = drawn(tmp_path, BENCH.bench_multiturn.multiturn_figures(sides))
+    texts = drawn(tmp_path, BENCH.bench_multiturn.multiturn_figures(sides, "(b) hybrid"))
     assert {"(c) direct", "(a) plain", "(b) hybrid", "turn", "(b) hybrid, provider", "(a) plain, decoder"} <= set(texts)
 
 
