@@ -1,6 +1,8 @@
 """The file route against the real parts: a llama-server decoder, a llama-server (or exec) provider,
-SmolLM2.  The reply through the file route must equal the plain route's, and the decoder must
-evaluate about one prompt token instead of the prompt."""
+SmolLM2.  The reply through the file route must equal what the decoder answers from its own prompt
+cache for the same tokens (the fidelity reference: a restore leaves the decoder to evaluate one token,
+as a cached prompt does, and llama.cpp's greedy output depends on the batch split), and the decoder
+must evaluate about one prompt token instead of the prompt."""
 
 from __future__ import annotations
 
@@ -75,7 +77,8 @@ async def ask(client: httpx.AsyncClient, endpoint: str, body: dict[str, Any]) ->
 
 
 async def plain_reply(socket: Path, endpoint: str, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """Straight to the decoder, no slot cache: what the plain route computes."""
+    """Straight to the decoder, no slot cache: what the plain route computes (the reference for a
+    request a failed handoff served plain)."""
     transport = unix_transport(socket)
     async with httpx.AsyncClient(transport=transport, base_url="http://decoder", timeout=120) as direct:
         reply = await direct.post(endpoint, json={**body, "stream": False, "cache_prompt": False})
@@ -84,9 +87,29 @@ async def plain_reply(socket: Path, endpoint: str, body: dict[str, Any]) -> tupl
         return text_of(endpoint, data), data["timings"]
 
 
+async def reference_reply(socket: Path, endpoint: str, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """Straight to the decoder, from its own prompt cache (the reference for a handed-over reply):
+    slot 1 erased, the body once into it (a plain prefill of the whole prompt, whose timings are
+    returned), then again, when the decoder evaluates only the prompt's last token, as after a
+    restore; that reply's text."""
+    transport = unix_transport(socket)
+    pinned = {**body, "stream": False, "cache_prompt": True, "id_slot": 1}
+    async with httpx.AsyncClient(transport=transport, base_url="http://decoder", timeout=120) as direct:
+        erased = await direct.post("/slots/1", params={"action": "erase"})
+        assert erased.status_code == 200, erased.text
+        replies = []
+        for _ in range(2):
+            reply = await direct.post(endpoint, json=pinned)
+            assert reply.status_code == 200, reply.text
+            replies.append(reply.json())
+    filled, cached = replies
+    assert cached["timings"]["prompt_n"] <= 2, cached["timings"]  # it answered from its cache
+    return text_of(endpoint, cached), filled["timings"]
+
+
 @pytest.mark.parametrize("endpoint", ["/v1/chat/completions", "/v1/completions", "/completion"])
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
-async def test_the_file_route_gives_the_plain_routes_greedy_reply_with_one_prompt_token_evaluated(
+async def test_the_file_route_gives_the_decoders_cached_greedy_reply_with_one_prompt_token_evaluated(
     short_dir: Path, route_lines: RouteLines, endpoint: str, stream: bool
 ) -> None:
     with trio.fail_after(180):
@@ -94,7 +117,7 @@ async def test_the_file_route_gives_the_plain_routes_greedy_reply_with_one_promp
             provider = running.daemon.models.default.parts.providers.all[0]
             await child_of(provider).wait_state(ChildState.READY)
             body = body_for(endpoint, stream)
-            expected, plain_timings = await plain_reply(
+            expected, plain_timings = await reference_reply(
                 running.daemon.models.default.parts.launcher.socket, endpoint, body
             )
             async with httpx.AsyncClient(base_url=running.url, timeout=120) as client:
@@ -105,7 +128,7 @@ async def test_the_file_route_gives_the_plain_routes_greedy_reply_with_one_promp
     assert line["fallback"] is None
     assert line["outcome"] == "ok"
     assert line["decoder_prompt_n"] <= 2
-    # The plain route evaluates every prompt token; the file route handed them all over.
+    # A plain prefill evaluates every prompt token; the file route handed them all over.
     assert plain_timings["prompt_n"] == line["prompt_tokens"]
     assert line["prompt_tokens"] >= 16
     assert line["share_ms"] == 0.0
@@ -124,7 +147,7 @@ async def test_eight_concurrent_hybrid_requests_over_four_slots_are_all_correct(
             await child_of(provider).wait_state(ChildState.READY)
             expected = [
                 (
-                    await plain_reply(
+                    await reference_reply(
                         running.daemon.models.default.parts.launcher.socket, endpoint, body_for(endpoint, False, q)
                     )
                 )[0]
@@ -168,7 +191,7 @@ async def test_an_exec_provider_that_writes_a_real_state_file_serves_the_file_ro
     with trio.fail_after(300):
         async with run_daemon(config, providers_ready=True) as running:
             (provider,) = running.daemon.models.default.parts.providers.all
-            expected, _ = await plain_reply(running.daemon.models.default.parts.launcher.socket, endpoint, body)
+            expected, _ = await reference_reply(running.daemon.models.default.parts.launcher.socket, endpoint, body)
             async with httpx.AsyncClient(base_url=running.url, timeout=120) as client:
                 got = await ask(client, endpoint, body)
             stats = provider.statistics()
@@ -206,7 +229,7 @@ async def test_a_worker_provider_with_its_own_llama_server_serves_the_file_route
             await child_of(worker).wait_state(ChildState.READY)
             expected = [
                 (
-                    await plain_reply(
+                    await reference_reply(
                         running.daemon.models.default.parts.launcher.socket, endpoint, body_for(endpoint, False, q)
                     )
                 )[0]
@@ -258,7 +281,7 @@ async def test_with_kv_share_on_a_stock_llama_server_refuses_and_every_request_t
             assert admitted.startswith("next-token TV distance over ")
             expected = [
                 (
-                    await plain_reply(
+                    await reference_reply(
                         running.daemon.models.default.parts.launcher.socket, endpoint, body_for(endpoint, False, q)
                     )
                 )[0]

@@ -1,7 +1,8 @@
 """The share route against the real parts: the patched llama-server lends a slot's KV cache,
-supervisor.llama.share_worker writes a stock llama-server's rows into it, SmolLM2.  The reply must be the
-plain route's (which the file route's equals: tests/test_real_hybrid.py), with one prompt token left
-for the decoder; every way the share can fail takes the fallback docs/protocol.md gives."""
+supervisor.llama.share_worker writes a stock llama-server's rows into it, SmolLM2.  The reply must be
+what the decoder answers from its own prompt cache for the same tokens (as the file route's:
+tests/test_real_hybrid.py), with one prompt token left for the decoder; every way the share can fail
+takes the fallback docs/protocol.md gives, and its reply is then a plain prefill's."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from supervisor.supervise.child import ChildState
 from supervisor.testing import unix_transport
 
 from .rig import HANDOFF_ALWAYS, TESTS, RouteLines, child_of, make_config, real_llama_server, run_daemon
-from .test_real_hybrid import QUESTION, ask, body_for, plain_reply
+from .test_real_hybrid import QUESTION, ask, body_for, plain_reply, reference_reply
 
 pytestmark = pytest.mark.real
 
@@ -52,7 +53,7 @@ def share_config(runtime: Path, *, fault: str = "", decoder_args: tuple[str, ...
     )
 
 
-async def test_the_share_route_gives_the_plain_routes_greedy_reply_on_every_endpoint_streamed_and_whole(
+async def test_the_share_route_gives_the_decoders_cached_greedy_reply_on_every_endpoint_streamed_and_whole(
     short_dir: Path, route_lines: RouteLines, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("ONEBIT_KV_SHARE", raising=False)
@@ -62,7 +63,7 @@ async def test_the_share_route_gives_the_plain_routes_greedy_reply_on_every_endp
             worker = running.daemon.models.default.parts.providers.all[0]
             await child_of(worker).wait_state(ChildState.READY)
             expected = [
-                await plain_reply(
+                await reference_reply(
                     running.daemon.models.default.parts.launcher.socket, endpoint, body_for(endpoint, False)
                 )
                 for endpoint, _ in cases
@@ -73,7 +74,7 @@ async def test_the_share_route_gives_the_plain_routes_greedy_reply_on_every_endp
     assert len(route_lines.lines) == len(cases)
     for line, (_, plain_timings) in zip(route_lines.lines, expected, strict=True):
         assert (line["route"], line["fallback"], line["outcome"]) == ("share", None, "ok")
-        # The plain route evaluates every prompt token; the share route handed them all over.
+        # A plain prefill evaluates every prompt token; the share route handed them all over.
         assert line["decoder_prompt_n"] == 1
         assert line["prompt_tokens"] == plain_timings["prompt_n"] >= 16
         assert line["share_ms"] > 0
@@ -103,7 +104,7 @@ async def test_share_mode_on_the_embedded_default_takes_the_share_route_with_its
         async with run_daemon(config) as running:
             provider = running.daemon.models.default.parts.providers.all[0]
             await child_of(provider).wait_state(ChildState.READY)
-            expected, _ = await plain_reply(
+            expected, _ = await reference_reply(
                 running.daemon.models.default.parts.launcher.socket, endpoint, body_for(endpoint, False)
             )
             async with httpx.AsyncClient(base_url=running.url, timeout=120) as client:
