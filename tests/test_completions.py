@@ -503,3 +503,38 @@ async def test_an_anthropic_message_restored_from_the_store_is_counted_when_the_
     assert warm.cached_tokens == (0 if unused else cold.prompt_tokens - 1)
     warned = [r.getMessage() for r in caplog.records if "did not use the restored prefix" in r.getMessage()]
     assert len(warned) == (1 if unused else 0)
+
+
+async def test_with_route_by_length_a_handed_over_prompt_restores_nothing_from_the_store(tmp_path: Path) -> None:
+    # The handoff's state would overwrite whatever the store restored into the slot: the restore is
+    # not made (it was, and wasted its time, before); a prompt kept plain still gets it.
+    rig = make_rig(tmp_path, ScriptedProvider())
+    rig.completions.configure(attrs.evolve(SETTINGS, route_by="length"))
+    store = await PrefixStore.open(tmp_path / "store", fingerprint=FINGERPRINT, max_bytes=1 << 20, min_tokens=4)
+    stored = StoredPrefixes(client=rig.completions.client, state_dir=tmp_path, store=store)
+    try:
+        with trio.fail_after(TIMEOUT):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(rig.completions.run, stored)
+                first = await rig.post("/completion", body_for(False))
+                await wait_until(lambda: store.statistics().stores == 1)
+                rig.fake.slots = [[], []]
+                rig.completions.decoder.generation += 1  # type: ignore[misc]
+                rig.fake.actions.clear()
+                handed = await rig.post("/completion", body_for(False))
+                assert store.statistics().restores == 0
+                # Kept plain (its prompt under the floor): the store serves it.
+                rig.fake.slots = [[], []]
+                rig.completions.decoder.generation += 1  # type: ignore[misc]
+                rig.completions.configure(attrs.evolve(SETTINGS, route_by="length", min_prompt_tokens=10_000))
+                plain = await rig.post("/completion", body_for(False))
+                nursery.cancel_scope.cancel()
+    finally:
+        store.close()
+    assert first.status == handed.status == plain.status == 200
+    _, file_line, plain_line = rig.lines
+    assert (file_line.route, file_line.fallback, file_line.restored_tokens) == ("file", None, None)
+    # The handoff's restore, then the plain request's restore from the store; none before the handoff.
+    assert [action[0] for action in rig.fake.actions if action[0] == "restore"] == ["restore", "restore"]
+    assert store.statistics().restores == 1
+    assert (plain_line.route, plain_line.fallback, plain_line.restored_tokens) == ("plain", "short-prompt>stored", M)

@@ -173,6 +173,20 @@ class Completions:
             line.origin_host = restored.entry.origin_host
         return restored.entry
 
+    async def _store_and_choose(
+        self, plan: Plan, slot: int, line: RouteLine, settings: HybridConfig
+    ) -> tuple[Entry | None, Choice]:
+        """The prefix store's restore, if any, and the route chosen knowing of it."""
+        if settings.route_by == "length":
+            # Every prompt long enough is handed over whatever the slot holds: a stored prefix
+            # restored into the slot would be overwritten by the handoff's state, so the store is
+            # asked only for a prompt that stays plain.
+            choice = self._choose(plan, slot, False, settings)
+            if choice.route is not Route.PLAIN:
+                return None, choice
+        entry = await self._from_store(plan, slot, line)
+        return entry, self._choose(plan, slot, entry is not None, settings)
+
     def _choose(self, plan: Plan, slot: int, restored: bool, settings: HybridConfig) -> Choice:
         """The route and every reason for it (routes.decision.choose), from the plan and the slot."""
         hybrid = self.hybrid
@@ -238,8 +252,7 @@ class Completions:
             line.slot = slot
             self.check_ready()  # it may have died while we queued
             await self._known(plan)
-            entry = await self._from_store(plan, slot, line)
-            choice = self._choose(plan, slot, entry is not None, settings)
+            entry, choice = await self._store_and_choose(plan, slot, line, settings)
             reasons = list(choice.reasons)
             if choice.estimate is not None:
                 line.est_plain_ms = choice.estimate.plain_ms
