@@ -9,7 +9,8 @@ disconnect the server reports once a response has finished.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +99,27 @@ def make_rig(tmp_path: Path, provider: Provider, *, share: bool = False, slot_co
     lines: list[RouteLine] = []
     front = Front(ServerConfig(), One(completions, client, decoder), emit=lines.append)
     return Rig(fake, completions, front, lines)
+
+
+@asynccontextmanager
+async def serving_with_store(rig: Rig, tmp_path: Path) -> AsyncIterator[PrefixStore]:
+    """The rig's completions running with a prefix store of their own (``tmp_path/store``) for the
+    block's requests; stopped, and the store closed, when the block ends."""
+    store = await PrefixStore.open(tmp_path / "store", fingerprint=FINGERPRINT, max_bytes=1 << 20, min_tokens=4)
+    stored = StoredPrefixes(client=rig.completions.client, state_dir=tmp_path, store=store)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(rig.completions.run, stored)
+            yield store
+            nursery.cancel_scope.cancel()
+    finally:
+        store.close()
+
+
+def restart_decoder(rig: Rig) -> None:
+    """The decoder restarted: its slots hold nothing, and onebitd knows it."""
+    rig.fake.slots = [[], []]
+    rig.completions.decoder.generation += 1  # type: ignore[misc]
 
 
 def body_for(stream: bool) -> dict[str, Any]:
@@ -321,18 +343,11 @@ async def test_a_prompt_over_a_slots_context_gets_the_decoders_400_with_no_hando
 async def test_a_stream_hung_up_after_its_first_token_keeps_its_prompt_in_the_prefix_store(tmp_path: Path) -> None:
     rig = make_rig(tmp_path, ScriptedProvider())
     rig.fake.modes = Modes(hold=True)  # the reply pauses after its first token: the client leaves then
-    store = await PrefixStore.open(tmp_path / "store", fingerprint=FINGERPRINT, max_bytes=1 << 20, min_tokens=4)
-    stored = StoredPrefixes(client=rig.completions.client, state_dir=tmp_path, store=store)
-    try:
-        with trio.fail_after(TIMEOUT):
-            async with trio.open_nursery() as nursery:
-                await nursery.start(rig.completions.run, stored)
-                await asgi.call(rig.front, "POST", "/completion", body_for(True), hang_up_on=b'"stop": false')
-                # The put runs off the request's path, its writes in a thread.
-                await wait_until(lambda: store.statistics().stores == 1)
-                nursery.cancel_scope.cancel()
-    finally:
-        store.close()
+    with trio.fail_after(TIMEOUT):
+        async with serving_with_store(rig, tmp_path) as store:
+            await asgi.call(rig.front, "POST", "/completion", body_for(True), hang_up_on=b'"stop": false')
+            # The put runs off the request's path, its writes in a thread.
+            await wait_until(lambda: store.statistics().stores == 1)
     [line] = rig.lines
     assert line.outcome == "cancelled"
     assert ("save", line.slot) in rig.fake.actions
@@ -397,22 +412,13 @@ async def test_a_client_that_leaves_during_the_providers_prefill_is_logged_on_th
 
 async def test_a_prompt_restored_from_the_store_says_stored_and_its_restore_time(tmp_path: Path) -> None:
     rig = make_rig(tmp_path, ScriptedProvider(ready=False))  # as at start: no provider ready yet
-    store = await PrefixStore.open(tmp_path / "store", fingerprint=FINGERPRINT, max_bytes=1 << 20, min_tokens=4)
-    stored = StoredPrefixes(client=rig.completions.client, state_dir=tmp_path, store=store)
-    try:
-        with trio.fail_after(TIMEOUT):
-            async with trio.open_nursery() as nursery:
-                await nursery.start(rig.completions.run, stored)
-                first = await rig.post("/completion", body_for(False))
-                # The put runs off the request's path, its writes in a thread.
-                await wait_until(lambda: store.statistics().stores == 1)
-                # The decoder restarted: its slots hold nothing, and onebitd knows it.
-                rig.fake.slots = [[], []]
-                rig.completions.decoder.generation += 1  # type: ignore[misc]
-                again = await rig.post("/completion", body_for(False))
-                nursery.cancel_scope.cancel()
-    finally:
-        store.close()
+    with trio.fail_after(TIMEOUT):
+        async with serving_with_store(rig, tmp_path) as store:
+            first = await rig.post("/completion", body_for(False))
+            # The put runs off the request's path, its writes in a thread.
+            await wait_until(lambda: store.statistics().stores == 1)
+            restart_decoder(rig)
+            again = await rig.post("/completion", body_for(False))
     assert first.status == again.status == 200
     cold, warm = rig.lines
     assert (cold.fallback, cold.restored_tokens, cold.restore_ms) == ("no-provider", None, 0)
@@ -424,25 +430,17 @@ async def test_a_next_turn_sent_while_its_slot_is_saved_for_the_store_waits_for_
     # An agent sends its next turn the moment a reply ends, while onebitd still holds the slot to
     # save it for the prefix store; the other slot is free, and holds nothing of the conversation.
     rig = make_rig(tmp_path, ScriptedProvider(ready=False))
-    store = await PrefixStore.open(tmp_path / "store", fingerprint=FINGERPRINT, max_bytes=1 << 20, min_tokens=4)
-    stored = StoredPrefixes(client=rig.completions.client, state_dir=tmp_path, store=store)
     gate = rig.fake.save_gate = trio.Event()
     # Long enough for slot affinity to count the shared prefix as a conversation (slots.USEFUL_TOKENS).
     turn1 = {**body_for(False), "prompt": f"{PROMPT} {PROMPT}"}
     turn2 = {**turn1, "prompt": f"{PROMPT} {PROMPT} and then a second question"}
-    try:
-        with trio.fail_after(TIMEOUT):
-            async with trio.open_nursery() as nursery:
-                await nursery.start(rig.completions.run, stored)
-                async with trio.open_nursery() as turns:
-                    turns.start_soon(rig.post, "/completion", turn1)
-                    await wait_until(lambda: rig.fake.saving == 1)
-                    turns.start_soon(rig.post, "/completion", turn2)
-                    await wait_until(lambda: rig.completions.slots.statistics().keep_waiting == 1)
-                    gate.set()
-                nursery.cancel_scope.cancel()
-    finally:
-        store.close()
+    with trio.fail_after(TIMEOUT):
+        async with serving_with_store(rig, tmp_path), trio.open_nursery() as turns:
+            turns.start_soon(rig.post, "/completion", turn1)
+            await wait_until(lambda: rig.fake.saving == 1)
+            turns.start_soon(rig.post, "/completion", turn2)
+            await wait_until(lambda: rig.completions.slots.statistics().keep_waiting == 1)
+            gate.set()
     first, second = rig.lines
     assert second.slot == first.slot
     assert rig.completions.slots.statistics().keep_waits == 1
@@ -477,22 +475,14 @@ async def test_an_anthropic_message_restored_from_the_store_is_counted_when_the_
     tmp_path: Path, caplog: pytest.LogCaptureFixture, unused: bool
 ) -> None:
     rig = make_rig(tmp_path, ScriptedProvider(ready=False))
-    store = await PrefixStore.open(tmp_path / "store", fingerprint=FINGERPRINT, max_bytes=1 << 20, min_tokens=4)
-    stored = StoredPrefixes(client=rig.completions.client, state_dir=tmp_path, store=store)
     body = {"system": "You are terse.", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 3}
-    try:
-        with trio.fail_after(TIMEOUT):
-            async with trio.open_nursery() as nursery:
-                await nursery.start(rig.completions.run, stored)
-                first = await rig.post("/v1/messages", body)
-                await wait_until(lambda: store.statistics().stores == 1)
-                rig.fake.slots = [[], []]  # the decoder restarted
-                rig.completions.decoder.generation += 1  # type: ignore[misc]
-                rig.fake.modes = Modes(restore_unused=unused)
-                again = await rig.post("/v1/messages", body)
-                nursery.cancel_scope.cancel()
-    finally:
-        store.close()
+    with trio.fail_after(TIMEOUT):
+        async with serving_with_store(rig, tmp_path) as store:
+            first = await rig.post("/v1/messages", body)
+            await wait_until(lambda: store.statistics().stores == 1)
+            restart_decoder(rig)
+            rig.fake.modes = Modes(restore_unused=unused)
+            again = await rig.post("/v1/messages", body)
     assert first.status == again.status == 200
     cold, warm = rig.lines
     assert cold.prompt_tokens is not None
@@ -510,27 +500,18 @@ async def test_with_route_by_length_a_handed_over_prompt_restores_nothing_from_t
     # not made (it was, and wasted its time, before); a prompt kept plain still gets it.
     rig = make_rig(tmp_path, ScriptedProvider())
     rig.completions.configure(attrs.evolve(SETTINGS, route_by="length"))
-    store = await PrefixStore.open(tmp_path / "store", fingerprint=FINGERPRINT, max_bytes=1 << 20, min_tokens=4)
-    stored = StoredPrefixes(client=rig.completions.client, state_dir=tmp_path, store=store)
-    try:
-        with trio.fail_after(TIMEOUT):
-            async with trio.open_nursery() as nursery:
-                await nursery.start(rig.completions.run, stored)
-                first = await rig.post("/completion", body_for(False))
-                await wait_until(lambda: store.statistics().stores == 1)
-                rig.fake.slots = [[], []]
-                rig.completions.decoder.generation += 1  # type: ignore[misc]
-                rig.fake.actions.clear()
-                handed = await rig.post("/completion", body_for(False))
-                assert store.statistics().restores == 0
-                # Kept plain (its prompt under the floor): the store serves it.
-                rig.fake.slots = [[], []]
-                rig.completions.decoder.generation += 1  # type: ignore[misc]
-                rig.completions.configure(attrs.evolve(SETTINGS, route_by="length", min_prompt_tokens=10_000))
-                plain = await rig.post("/completion", body_for(False))
-                nursery.cancel_scope.cancel()
-    finally:
-        store.close()
+    with trio.fail_after(TIMEOUT):
+        async with serving_with_store(rig, tmp_path) as store:
+            first = await rig.post("/completion", body_for(False))
+            await wait_until(lambda: store.statistics().stores == 1)
+            restart_decoder(rig)
+            rig.fake.actions.clear()
+            handed = await rig.post("/completion", body_for(False))
+            assert store.statistics().restores == 0
+            # Kept plain (its prompt under the floor): the store serves it.
+            restart_decoder(rig)
+            rig.completions.configure(attrs.evolve(SETTINGS, route_by="length", min_prompt_tokens=10_000))
+            plain = await rig.post("/completion", body_for(False))
     assert first.status == handed.status == plain.status == 200
     _, file_line, plain_line = rig.lines
     assert (file_line.route, file_line.fallback, file_line.restored_tokens) == ("file", None, None)
