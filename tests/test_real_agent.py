@@ -272,7 +272,7 @@ async def test_onebitds_chat_form_gives_the_tokens_the_decoder_evaluates_for_eve
 
 
 async def test_the_patched_decoder_takes_id_slot_on_v1_messages(short_dir: Path) -> None:
-    """scripts/llama-server-agent.patch: a stock llama-server drops ``id_slot`` there, and would take
+    """patches/llama-server-agent.patch: a stock llama-server drops ``id_slot`` there, and would take
     the second request to the slot that holds its prompt."""
     _name, endpoint, body = CONVERSIONS[0]
     with trio.fail_after(DEADLINE_S):

@@ -55,7 +55,7 @@ class Endpoint:
     canonical: str = ""
     # SLOT: llama-server honours ``id_slot`` here.  Embeddings and rerank tasks take no ``id_slot``:
     # those run on a slot llama-server picks.  (A stock llama-server's Anthropic conversion drops it
-    # too; scripts/llama-server-agent.patch keeps it, so /v1/messages is pinned like chat.)
+    # too; patches/llama-server-agent.patch keeps it, so /v1/messages is pinned like chat.)
     pinned: bool = True
     # REFUSED: why, in the answer's words.
     why: str = ""
