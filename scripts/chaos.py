@@ -878,10 +878,10 @@ async def burst(run: Run, tally: Tally) -> None:
         granted: list[str] = []
         serve, hold = completions.serve, slots.hold
 
-        async def counting_serve(endpoint: str, body: dict[str, Any], out: Any, line: Any, headers: Any = ()) -> None:
-            current_req.set(line.req)
-            arrived.append(line.req)
-            await serve(endpoint, body, out, line, headers)
+        async def counting_serve(endpoint: str, body: dict[str, Any], out: Any, story: Any, headers: Any = ()) -> None:
+            current_req.set(story.req)
+            arrived.append(story.req)
+            await serve(endpoint, body, out, story, headers)
 
         @asynccontextmanager
         async def recording_hold(*args: Any, **kwargs: Any) -> AsyncIterator[int]:

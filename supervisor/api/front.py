@@ -4,7 +4,8 @@ It admits a request (supervisor/api/access.py: Host, Origin, API key, body), fin
 path (supervisor/api/endpoints.py), turns errors into answers, and runs every completion request in
 its own cancel scope that the client's hang-up cancels (supervisor/api/hangup.py, which also keeps
 a stream sent with ``X-Conversation-Id`` going, ``outcome=detached``).  Exactly one route line is
-logged per completion request, whatever happened, written by :meth:`Front._end`.  Local answers are
+logged per completion request, whatever happened, built by the request's story
+(supervisor/routes/story.py) and logged by :meth:`Front._end`.  Local answers are
 supervisor/api/local.py's; Vertex AI's prediction route, where onebitd's environment asks for it,
 supervisor/api/predict.py's.
 """
@@ -28,7 +29,8 @@ from ..http.respond import Receive, Responder, Send, speaks_anthropic
 from ..http.server import HangUp, HttpServer
 from ..observe.logs import ROUTE_LOGGER
 from ..observe.status import FrontStatistics, InflightStatistics
-from ..routeline import RequestOutcome, RouteLine
+from ..routeline import RouteLine
+from ..routes.story import Story
 from . import access, hangup, relayed, statuspage
 from .access import Access
 from .endpoints import Endpoint, Kind, Local, local_endpoint, lookup, page_name, public
@@ -50,14 +52,14 @@ class InflightRequest:
     endpoint: str
     started: float  # trio clock
     wall_started: float
-    line: RouteLine  # filled in as the request goes: its route so far
+    story: Story  # told as the request goes: its route so far
 
     def statistics(self, now: float) -> InflightStatistics:
         return InflightStatistics(
             req=self.req,
             endpoint=self.endpoint,
-            route=self.line.route,
-            slot=self.line.slot,
+            route=self.story.route,
+            slot=self.story.slot,
             age_s=round(now - self.started, 3),
         )
 
@@ -217,8 +219,9 @@ class Front:
                 await out.error(exc.status, exc.code, exc.message, retry_after=exc.retry_after)
             if routed:
                 # Refused before _completion (caller, method, body): it logs its own line otherwise.
-                line = RouteLine(req=self._req(), endpoint=path, outcome=RequestOutcome.ERROR, error=exc.message)
-                self._end(line, out, exc.status)
+                story = Story(self._req(), path)
+                story.failed(exc.message)
+                self._end(story, out, exc.status)
         except DecoderError as exc:
             if exc.public != exc.message:
                 # The client is told words; the operator, what happened (a socket, an errno).
@@ -302,13 +305,14 @@ class Front:
         (``hang_up``, :class:`~supervisor.http.server.HangUp`) to a request without a conversation id;
         one with an id, which may go on detached, has a task that waits on ``receive``."""
         req = self._req()
-        line = RouteLine(req=req, endpoint=path)
+        story = Story(req, path)
         # Its age and its times count from its arrival, as its first byte's does (out.started_at).
-        self.inflight[req] = InflightRequest(req, path, out.started_at, time.time(), line)
+        self.inflight[req] = InflightRequest(req, path, out.started_at, time.time(), story)
         self._changed()
         gone: list[str] = []  # a hang-up, with the server's reason where it gave one
         detached: list[bool] = []  # the hang-up left the stream to finish into its session
         passed = [(CONVERSATION_HEADER, conversation)] if conversation else []
+        watch: Watch | None = None
 
         def cancels(why: str) -> bool:
             gone.append(why)
@@ -317,69 +321,68 @@ class Front:
         try:
             if hang_up is not None:
                 with hangup.told_by_server(hang_up, cancels):
-                    await self._serve(body, out, line, endpoint, passed, None)
+                    await self._serve(body, out, story, endpoint, passed, None)
             else:
                 async with trio.open_nursery() as nursery:
                     client = self.router.default.client
-                    watch = Watch(nursery.cancel_scope, gone, detached, conversation, line, client, self._server)
+                    watch = Watch(nursery.cancel_scope, gone, detached, conversation, req, client, self._server)
                     nursery.start_soon(hangup.watch_disconnect, receive, watch, out)
-                    await self._serve(body, out, line, endpoint, passed, watch)
+                    await self._serve(body, out, story, endpoint, passed, watch)
                     nursery.cancel_scope.cancel()
         finally:
             # A disconnect is reported after a finished response too, and a client may close once it
             # has a stream's final event: neither is a cancellation.
-            if detached:
-                if line.outcome == RequestOutcome.OK:
-                    line.outcome = RequestOutcome.DETACHED
-            elif gone and not out.complete:
-                line.outcome = RequestOutcome.CANCELLED
-                if gone[0]:
-                    line.error = gone[0]
+            if watch is not None and watch.stopped is not None:
+                story.stopped(watch.stopped)
+            story.left(detached=bool(detached), why=gone[0] if gone and not out.complete else None)
             del self.inflight[req]
             self._changed()
-            self._end(line, out, 499)  # 499: the client closed before any answer (nginx's code)
+            self._end(story, out, 499)  # 499: the client closed before any answer (nginx's code)
 
     async def _serve(
         self,
         body: dict[str, Any],
         out: Responder,
-        line: RouteLine,
+        story: Story,
         endpoint: Endpoint,
         passed: list[tuple[str, str]],
         watch: Watch | None,
     ) -> None:
+        hold = self.router.use(body.get("model"))
         try:
-            async with self.router.use(body.get("model"), line) as served:
+            async with hold as served:
                 if watch is not None:
                     watch.client = served.client
-                await self._run(served, body, out, line, endpoint, passed)
+                await self._run(served, body, out, story, endpoint, passed)
         except ClientError as exc:
-            line.outcome, line.error = RequestOutcome.ERROR, exc.message
+            story.failed(exc.message)
             await out.error(exc.status, exc.code, exc.message, retry_after=exc.retry_after)
         except DecoderError as exc:
-            line.outcome, line.error = RequestOutcome.ERROR, exc.message
+            story.failed(exc.message)
             if not out.started:
                 await out.error(exc.status, exc.code, exc.public, retry_after=self._retry_after(exc))
         except OnebitError as exc:
-            line.outcome, line.error = RequestOutcome.ERROR, str(exc)
+            story.failed(str(exc))
             if not out.started:
                 await out.error(500, "internal", str(exc))
+        finally:
+            story.held(hold.model, hold.load_ms)
 
     @staticmethod
     async def _run(
         served: Served,
         body: dict[str, Any],
         out: Responder,
-        line: RouteLine,
+        story: Story,
         endpoint: Endpoint,
         passed: list[tuple[str, str]],
     ) -> None:
         if endpoint.kind is Kind.COMPLETION:
-            await served.completions.serve(endpoint.canonical, body, out, line, passed)
+            await served.completions.serve(endpoint.canonical, body, out, story, passed)
         else:
             completions = served.completions
             await completions.relay(
-                endpoint.canonical, body, out, line, passed, pinned=endpoint.pinned, generates=endpoint.generates
+                endpoint.canonical, body, out, story, passed, pinned=endpoint.pinned, generates=endpoint.generates
             )
 
     # -- the route line -----------------------------------------------------------------------------
@@ -387,12 +390,9 @@ class Front:
     def _req(self) -> str:
         return f"{self._prefix}-{next(self._ids)}"
 
-    def _end(self, line: RouteLine, out: Responder, status: int) -> None:
+    def _end(self, story: Story, out: Responder, status: int) -> None:
         """The end of a request: its status (``status`` where none was sent), its times, its line."""
-        line.status = out.status or status
-        line.first_byte_ms = out.first_byte_ms
-        line.total_ms = out.elapsed_ms()
-        self.emit(line)
+        self.emit(story.line(status=out.status or status, first_byte_ms=out.first_byte_ms, total_ms=out.elapsed_ms()))
 
     def emit(self, line: RouteLine) -> None:
         route_log.info(line.logfmt(), extra={"route_fields": line.fields()})
