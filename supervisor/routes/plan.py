@@ -6,18 +6,17 @@ prompt from any provider whatever the costs.  The route itself is chosen once th
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
 import attrs
 
-from ..errors import ChatFormRefused, DecoderError
+from ..errors import DecoderError
 from ..llama.decoder import DecoderClient
 from ..llama.slots import PromptKey
 from ..providers import Provider, Providers
 from ..reasons import Reason
-from .prompt import CHAT, MESSAGES, RESPONSES, chat_form, handoff_unsupported, tokens_for
+from .prompt import Prompt, Unsupported, parse, tokens_of
 from .stored import StoredPrefixes
 
 log = logging.getLogger("onebit.hybrid")
@@ -45,16 +44,6 @@ class Plan:
         return not (self.over_context or self.refused)
 
 
-def prompt_text(endpoint: str, body: dict[str, Any]) -> str:
-    """A prompt's text for slot affinity, without a round trip to the tokenizer."""
-    if endpoint in (CHAT, MESSAGES):
-        return json.dumps(body.get("messages"), separators=(",", ":"), ensure_ascii=False)
-    if endpoint == RESPONSES:
-        return json.dumps(body.get("input"), separators=(",", ":"), ensure_ascii=False)
-    prompt = body.get("prompt")
-    return prompt if isinstance(prompt, str) else json.dumps(prompt, separators=(",", ":"))
-
-
 async def plan(
     endpoint: str,
     body: dict[str, Any],
@@ -70,39 +59,36 @@ async def plan(
     cost).  A Messages or Responses request is read in the chat form llama-server converts it into."""
     provider = providers.pick() if providers is not None else None
     away = providers.away() if providers is not None and provider is None else None
+    prompt = parse(endpoint, body)
     if away is not None:
-        planned = await _plan_with(None, endpoint, body, req, client=client, stored=stored, slot_context=slot_context)
+        planned = await _plan_with(None, prompt, req, client=client, stored=stored, slot_context=slot_context)
         log.info("hybrid: %s goes without its provider (%s); the backend prefills it", req, away.value)
         return attrs.evolve(planned, away=away)
-    return await _plan_with(provider, endpoint, body, req, client=client, stored=stored, slot_context=slot_context)
+    return await _plan_with(provider, prompt, req, client=client, stored=stored, slot_context=slot_context)
 
 
 async def _plan_with(
     provider: Provider | None,
-    endpoint: str,
-    body: dict[str, Any],
+    prompt: Prompt,
     req: str,
     *,
     client: DecoderClient,
     stored: StoredPrefixes | None,
     slot_context: int | None,
 ) -> Plan:
-    try:
-        endpoint, body = chat_form(endpoint, body)
-    except ChatFormRefused as exc:
-        # llama-server refuses it too, with its own 400, which is relayed: nothing to route.
-        log.info("hybrid: %s is not a request llama-server converts (%s); relayed for its answer", req, exc)
-        return Plan(PromptKey(prompt_text(endpoint, body)), None, provider, unsupported=True, refused=True)
-    text = prompt_text(endpoint, body)
-    why = handoff_unsupported(endpoint, body)
-    if why is not None:
+    text = prompt.text
+    if isinstance(prompt, Unsupported):
+        if prompt.refused:
+            # llama-server refuses it too, with its own 400, which is relayed: nothing to route.
+            log.info("hybrid: %s is not a request llama-server converts (%s); relayed for its answer", req, prompt.why)
+            return Plan(PromptKey(text), None, provider, unsupported=True, refused=True)
         if provider is not None:
-            log.info("hybrid: %s cannot be handed over (%s); the backend prefills it", req, why)
+            log.info("hybrid: %s cannot be handed over (%s); the backend prefills it", req, prompt.why)
         return Plan(PromptKey(text), None, provider, unsupported=True)
     if provider is None and (stored is None or not stored.may_hold(text)):
         return Plan(PromptKey(text), None, None)
     try:
-        tokens = await tokens_for(client, endpoint, body)
+        tokens = await tokens_of(client, prompt)
     except DecoderError as exc:
         log.warning("hybrid: tokenizing %s failed (%s); the backend prefills it", req, exc.message)
         return Plan(PromptKey(text), None, provider)
