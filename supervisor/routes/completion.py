@@ -27,7 +27,7 @@ from ..prefix.store import Entry
 from ..reasons import Reason
 from ..supervise.child import ChildState, ChildStatistics
 from .capability import Capability
-from .decision import Choice, Costs, Policy, Route, choose, restore_used
+from .decision import Choice, Costs, Offer, Policy, Route, choose, restore_used
 from .handover import Hybrid, Walk, hand_over
 from .plan import Plan, plan
 from .rates import Rates
@@ -181,42 +181,33 @@ class Completions:
 
     def _choose(self, plan: Plan, slot: int, restored: bool, settings: HybridConfig) -> Choice:
         """The route and every reason for it (routes.decision.choose), from the plan and the slot."""
-        hybrid = self.hybrid
-        provider = plan.provider
+        hybrid, provider, tokens = self.hybrid, plan.provider, plan.tokens
         generation = self.decoder.generation
-        share = hybrid is not None and hybrid.share is not None
         costs, share_refused = None, False
         # Only a prompt a provider could take is priced, and only for it is the share refusal asked
         # after (the first answer logs it).
-        if hybrid is not None and provider is not None and plan.tokens is not None:
+        if hybrid is not None and provider is not None and tokens is not None:
             share_refused = hybrid.share is not None and hybrid.share.refused_by(generation)
             if settings.route_by == "cost":
                 decoder_rate, provider_rate = self.rates.prefill(generation, provider.name)
                 costs = Costs(
                     decoder_cached=self.slots.cached(slot, plan.key),
-                    provider_cached=provider.cached_tokens(tuple(plan.tokens)),
+                    provider_cached=provider.cached_tokens(tokens),
                     decoder_ms_per_token=decoder_rate,
                     provider_ms_per_token=provider_rate,
-                    handoff_ms=self.rates.handoff_ms(len(plan.tokens)),
+                    handoff_ms=self.rates.handoff_ms(len(tokens)),
                     streams_decoding=self.decoding,
                 )
-        return choose(
+        offer = Offer(
             enabled=hybrid is not None,
-            share=share,
-            provider_picked=provider is not None,
+            share=hybrid is not None and hybrid.share is not None,
             provider_ready=provider is not None and provider.ready,
-            prompt_tokens=None if plan.tokens is None else len(plan.tokens),
-            min_prompt_tokens=settings.min_prompt_tokens,
             share_refused=share_refused,
-            costs=costs,
-            policy=Policy(prefer_margin=settings.prefer_margin, max_stall_ms=settings.max_stall_ms),
-            unsupported=plan.unsupported,
-            over_context=plan.over_context,
-            restored=restored,
-            provider_away=plan.away,
             restorable=self.capability is None or self.capability.handoff,
             store=self.stored is not None and self.stored.store.enabled,
         )
+        policy = Policy(settings.prefer_margin, settings.max_stall_ms, settings.min_prompt_tokens)
+        return choose(plan.ask(restored=restored), offer, costs, policy)
 
     async def _known(self, plan: Plan) -> None:
         """A request that may be handed over waits for its model's probe (a load's first second)."""
@@ -235,7 +226,7 @@ class Completions:
             self._slots_generation = self.decoder.generation
             self.slots.forget_all()
         plan = await self._plan(endpoint, body, story.req)
-        story.planned(len(plan.tokens) if plan.tokens is not None else plan.n_tokens)
+        story.planned(plan.n_tokens)
         async with self.slots.hold(plan.key if plan.remember else None, settle=self._settle) as slot:
             story.holds(slot)
             self.check_ready()  # it may have died while we queued

@@ -127,7 +127,7 @@ async def _attempt(
         return await hybrid.share.run(
             req=req,
             slot=slot,
-            tokens=plan.tokens or [],
+            tokens=list(plan.tokens or ()),
             provider=provider,
             generation=generation,
             timeout_s=settings.prefill_timeout_s,
@@ -135,7 +135,7 @@ async def _attempt(
     return await hybrid.file.run(
         req=req,
         slot=slot,
-        tokens=plan.tokens or [],
+        tokens=list(plan.tokens or ()),
         provider=provider,
         timeout_s=settings.prefill_timeout_s,
     )

@@ -16,6 +16,7 @@ from ..llama.decoder import DecoderClient
 from ..llama.slots import PromptKey
 from ..providers import Provider, Providers
 from ..reasons import Reason
+from .decision import Ask
 from .prompt import Prompt, Unsupported, parse, tokens_of
 from .stored import StoredPrefixes
 
@@ -24,24 +25,29 @@ log = logging.getLogger("onebit.hybrid")
 
 @attrs.frozen
 class Plan:
-    """What is known before a slot is taken: the prompt's key, its tokens (None: not tokenized, or
-    over a slot's context), the provider picked, and what keeps the prompt from a provider whatever
-    the costs (:func:`~supervisor.routes.decision.choose` weighs it all once the slot is held)."""
+    """What is known before a slot is taken, and what :func:`~supervisor.routes.decision.choose`
+    weighs once it is held: the prompt's key (its tokens where tokenized), the provider picked (or
+    why none was), and what keeps the prompt from any provider whatever the costs."""
 
     key: PromptKey
-    tokens: list[int] | None
     provider: Provider | None
-    unsupported: bool = False  # a prompt shape no provider takes: not tokenized
-    over_context: bool = False  # the decoder will refuse it with its own 400
-    n_tokens: int | None = None  # the prompt's length where it was tokenized
-    refused: bool = False  # a Messages or Responses body llama-server will not convert (its own 400)
+    # What keeps the prompt from any provider: over-context, unsupported-request, tokenize-failed.
+    kept: Reason | None = None
     # None picked because a shared provider runs for another model (providers/seat.py): why.
     away: Reason | None = None
+    n_tokens: int | None = None  # the prompt's length where it was tokenized (over a slot's context too)
+    # False for a prompt the decoder will refuse (its own 400): its slot keeps the memory of what it holds.
+    remember: bool = True
 
     @property
-    def remember(self) -> bool:
-        """False for a prompt the decoder will refuse: its slot keeps the memory of what it holds."""
-        return not (self.over_context or self.refused)
+    def tokens(self) -> tuple[int, ...] | None:
+        return self.key.tokens
+
+    def ask(self, *, restored: bool) -> Ask:
+        """What the plan brings to the decision, ``restored``: the prefix store restored a prefix."""
+        unpicked = None if self.provider is not None else self.away or Reason.NO_PROVIDER
+        tokens = None if self.tokens is None else len(self.tokens)
+        return Ask(tokens, kept=self.kept, unpicked=unpicked, restored=restored)
 
 
 async def plan(
@@ -81,17 +87,17 @@ async def _plan_with(
         if prompt.refused:
             # llama-server refuses it too, with its own 400, which is relayed: nothing to route.
             log.info("hybrid: %s is not a request llama-server converts (%s); relayed for its answer", req, prompt.why)
-            return Plan(PromptKey(text), None, provider, unsupported=True, refused=True)
+            return Plan(PromptKey(text), provider, Reason.UNSUPPORTED, remember=False)
         if provider is not None:
             log.info("hybrid: %s cannot be handed over (%s); the backend prefills it", req, prompt.why)
-        return Plan(PromptKey(text), None, provider, unsupported=True)
+        return Plan(PromptKey(text), provider, Reason.UNSUPPORTED)
     if provider is None and (stored is None or not stored.may_hold(text)):
-        return Plan(PromptKey(text), None, None)
+        return Plan(PromptKey(text), None)
     try:
         tokens = await tokens_of(client, prompt)
     except DecoderError as exc:
         log.warning("hybrid: tokenizing %s failed (%s); the backend prefills it", req, exc.message)
-        return Plan(PromptKey(text), None, provider)
+        return Plan(PromptKey(text), provider, Reason.TOKENIZE_FAILED)
     if slot_context is not None and len(tokens) >= slot_context:
         # No room for the prompt and a token of reply: the decoder refuses it with its own 400
         # (exceed_context_size_error, with n_prompt_tokens and n_ctx), which is relayed.  Before
@@ -102,5 +108,5 @@ async def _plan_with(
             len(tokens),
             slot_context,
         )
-        return Plan(PromptKey(text), None, provider, over_context=True, n_tokens=len(tokens))
-    return Plan(PromptKey(text, tuple(tokens)), tokens, provider)
+        return Plan(PromptKey(text), provider, Reason.OVER_CONTEXT, n_tokens=len(tokens), remember=False)
+    return Plan(PromptKey(text, tuple(tokens)), provider, n_tokens=len(tokens))
