@@ -216,7 +216,7 @@ async def test_status_lists_the_request_in_flight_and_counts_the_finished_one(
         async with run_daemon(fake_decoder_config(short_dir)) as running, client_for(running) as client:
             assert (await client.post(CHAT, json=chat("one two"))).status_code == 200
             async with open_held_streams(control, client, "held words"):
-                (req,) = running.daemon.front.inflight
+                (req,) = running.daemon.front.registry.requests
                 during = await onebitctl("--socket", running.daemon.admin.path, "status")
     assert during.returncode == 0
     cells = row(during.out, req)
@@ -363,7 +363,7 @@ async def test_drain_with_a_timeout_exits_1_naming_the_request_still_in_flight(
             client_for(running) as client,
             open_held_streams(control, client, "never finishes in time") as [held],
         ):
-            (req,) = running.daemon.front.inflight
+            (req,) = running.daemon.front.registry.requests
             done = await onebitctl("--socket", running.daemon.admin.path, "drain", "--timeout", "0.1")
     assert done.returncode == 1
     assert done.lines == ["draining: 1 in flight"]

@@ -544,7 +544,7 @@ async def test_anthropic_python_reads_onebitds_refusals_as_anthropics_errors(sho
                 # The decoder's own refusal (a body its conversion refuses) is relayed as it wrote it.
                 with pytest.raises(anthropic.APIStatusError) as bad:
                     await client.messages.create(**{**message, "messages": [{"role": "user"}]})
-                running.daemon.front.drain()
+                running.daemon.front.registry.drain()
                 with pytest.raises(anthropic.ServiceUnavailableError) as draining:
                     await client.messages.create(**message)
     assert (denied.value.status_code, denied.value.type) == (401, "authentication_error")
