@@ -25,7 +25,7 @@ from supervisor.prefix.store import PrefixStore
 from supervisor.reasons import Reason
 from supervisor.routes import capability
 from supervisor.routes.capability import Capability, Restores, verdict
-from supervisor.routes.decision import Route, choose
+from supervisor.routes.decision import Ask, Offer, Policy, Route, choose
 from supervisor.routes.stored import StoredPrefixes
 from supervisor.supervise.child import ChildState
 
@@ -117,25 +117,10 @@ def test_a_withdrawal_is_said_once_at_warning_and_holds(caplog: pytest.LogCaptur
 
 
 def test_an_unusable_restore_keeps_a_request_plain_before_any_provider_is_asked() -> None:
-    kept = choose(
-        enabled=True,
-        share=False,
-        provider_ready=True,
-        prompt_tokens=100,
-        min_prompt_tokens=4,
-        share_refused=False,
-        restorable=False,
-    )
+    kept = choose(Ask(100), Offer(enabled=True, restorable=False), policy=Policy(min_prompt_tokens=4))
     assert (kept.route, kept.reasons) == (Route.PLAIN, (Reason.RESTORE_UNUSABLE,))
     over = choose(
-        enabled=True,
-        share=False,
-        provider_ready=True,
-        prompt_tokens=100,
-        min_prompt_tokens=4,
-        share_refused=False,
-        restorable=False,
-        over_context=True,
+        Ask(None, kept=Reason.OVER_CONTEXT), Offer(enabled=True, restorable=False), policy=Policy(min_prompt_tokens=4)
     )
     assert over.reasons == (Reason.OVER_CONTEXT,)
 

@@ -181,7 +181,7 @@ class Daemon:
             children=tuple(child.statistics() for child in self.children()),
             providers=tuple(p for model in self.models.all for p in model.parts.providers.statistics()),
             slots=merged_slots([model.parts.slots.statistics() for model in self.models.all]),
-            inflight=self.front.statistics().inflight,
+            inflight=self.front.registry.statistics().inflight,
             restore_unused=sum(model.completions.restore_unused for model in self.models.all),
             routes=routes.routes,
             outcomes=routes.outcomes,
@@ -201,7 +201,7 @@ class Daemon:
         return LiveStatistics(
             children=tuple(child.statistics() for child in self.children()),
             slots=default.parts.slots.statistics(),
-            front=self.front.statistics(),
+            front=self.front.registry.statistics(),
             restore_unused=sum(model.completions.restore_unused for model in self.models.all),
             store=default.store.statistics(),
             providers=tuple(default.parts.providers.statistics()),
@@ -209,15 +209,15 @@ class Daemon:
         )
 
     def inflight_count(self) -> int:
-        return len(self.front.statistics().inflight)
+        return len(self.front.registry.statistics().inflight)
 
     async def wait_inflight_changed(self) -> None:
-        await self.front.wait_inflight_changed()
+        await self.front.registry.wait_changed()
 
     def start_drain(self) -> None:
         if not self.front.draining:
             log.info("draining: %d request(s) in flight", self.inflight_count())
-        self.front.drain()
+        self.front.registry.drain()
         self._update_status()
 
     async def hand_over(self) -> int:
@@ -234,7 +234,7 @@ class Daemon:
     def resume(self) -> None:
         if self.front.draining and not self.stopping:
             log.info("resuming: taking new requests again")
-            self.front.resume()
+            self.front.registry.resume()
         self._update_status()
 
     def store_of(self, name: str | None = None) -> PrefixStore:
@@ -340,7 +340,7 @@ class Daemon:
             "stopping: %d request(s) in flight, up to %gs", self.inflight_count(), self.config.server.shutdown_grace_s
         )
         with trio.move_on_after(self.config.server.shutdown_grace_s):
-            await self.front.wait_idle()
+            await self.front.registry.wait_idle()
             await self.hand_over()
         if self.inflight_count():
             log.warning("stopping with %d request(s) still in flight after the grace period", self.inflight_count())

@@ -3,7 +3,8 @@
 Whole (read, then sent) or streamed (chunk by chunk as it comes, the stream's last event marked
 final); an error reply relayed with its status, and summarized for the route line; a stream the
 decoder dropped ends with an error event.  :class:`Timings` collects what the decoder says it did,
-read from a whole reply or, by :class:`SseScanner`, from a stream's last events.
+read from a whole reply or, by :class:`SseScanner`, from a stream's last events; :func:`relay`
+returns them with how the reply ended (:class:`Relayed`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from ..http.respond import Responder
 from ..http.wire import Headers
 from ..llama import decoder as decoder_api
 from ..llama.decoder import DecoderClient
-from ..routeline import RequestOutcome, RouteLine
 
 log = logging.getLogger("onebit.hybrid")
 
@@ -108,6 +108,14 @@ class Timings:
         return self.usage_prompt_tokens
 
 
+@attrs.frozen
+class Relayed:
+    """What a relay returns: the decoder's timings, and its error where its reply was one."""
+
+    timings: Timings
+    error: str | None = None  # the decoder's error, summarized (its reply relayed as it was)
+
+
 # The event that ends a stream, in each of llama-server's APIs: OpenAI's ``data: [DONE]``,
 # Anthropic's ``message_stop``, the Responses API's ``response.completed``, and llama.cpp's own
 # /completion and /infill, whose last event says ``"stop": true`` (every other one ``false``; inside a
@@ -190,13 +198,14 @@ async def relay(
     endpoint: str,
     body: dict[str, Any],
     out: Responder,
-    line: RouteLine,
     timings: Timings,
     headers: Headers = (),
-) -> None:
+    *,
+    req: str,
+) -> Relayed:
     """The decoder's reply to ``body``: with ``"stream": true`` relayed chunk by chunk as it comes (its
-    last events' ``timings`` into ``timings``), else read whole, then sent; an error into ``line``.
-    ``headers``: the client's that the decoder is given too (``X-Conversation-Id``)."""
+    last events' ``timings`` into ``timings``, which a request cut short still reads), else read
+    whole, then sent.  ``headers``: the client's that the decoder is given too (``X-Conversation-Id``)."""
     if body.get("stream") is not True:
         reply = await client.request("POST", endpoint, body, headers)
         if 200 <= reply.status < 300:
@@ -204,27 +213,27 @@ async def relay(
                 timings.read(json.loads(reply.body))
             content_type = reply.headers.get("content-type", "application/json")
             await out.whole(reply.status, reply.body, content_type, source="decoder")
-            return
-        await _relay_error(reply.status, reply.headers, reply.body, out, line)
-        return
+            return Relayed(timings)
+        return await _relay_error(reply.status, reply.headers, reply.body, out, timings)
     async with client.stream(endpoint, body, headers) as upstream:
         if upstream.status != 200:
             chunks = [chunk async for chunk in upstream.chunks]
-            await _relay_error(upstream.status, upstream.headers, b"".join(chunks), out, line)
-            return
-        await _relay_chunks(upstream.chunks, out, line, timings)
+            return await _relay_error(upstream.status, upstream.headers, b"".join(chunks), out, timings)
+        return await _relay_chunks(upstream.chunks, out, timings, req)
 
 
-async def _relay_error(status: int, headers: Mapping[str, str], body: bytes, out: Responder, line: RouteLine) -> None:
-    line.outcome = RequestOutcome.ERROR
-    line.error = error_summary(status, body)
+async def _relay_error(
+    status: int, headers: Mapping[str, str], body: bytes, out: Responder, timings: Timings
+) -> Relayed:
     await relay_reply(out, status, headers, body)
+    return Relayed(timings, error_summary(status, body))
 
 
-async def _relay_chunks(chunks: AsyncIterator[bytes], out: Responder, line: RouteLine, timings: Timings) -> None:
+async def _relay_chunks(chunks: AsyncIterator[bytes], out: Responder, timings: Timings, req: str) -> Relayed:
     """A 200 stream's chunks to the client as they come; a decoder lost mid-stream ends it with an error event."""
     await out.start(200, SSE_HEADERS, source="decoder")
     scanner = SseScanner(timings)
+    error = None
     try:
         async for chunk in chunks:
             timings.began = True
@@ -233,8 +242,8 @@ async def _relay_chunks(chunks: AsyncIterator[bytes], out: Responder, line: Rout
     except DecoderError as exc:
         # Headers are gone already: the client learns of the loss as an error event, and the
         # operator from a warning (the route line, at info, says it too).
-        log.warning("%s: the decoder stopped mid-stream: %s", line.req, exc.message)
-        line.outcome = RequestOutcome.ERROR
-        line.error = exc.message
+        log.warning("%s: the decoder stopped mid-stream: %s", req, exc.message)
+        error = exc.message
         await out.body(sse_error(f"the decoder stopped mid-stream ({exc.public})", anthropic=out.anthropic), more=True)
     await out.body(b"", more=False)
+    return Relayed(timings, error)
