@@ -149,7 +149,7 @@ async def measure(args: argparse.Namespace, runtime: Path) -> dict[str, dict[str
                 for _ in range(args.after - 1):
                     await ask("after")
         for name in SIDES:
-            sides[name]["entries"] = running[name].daemon.models.default.store.statistics().entries
+            sides[name]["entries"] = running[name].daemon.models.default.store_statistics().entries
     return sides
 
 

@@ -41,6 +41,7 @@ from .fake_decoder import Modes
 from .fake_llama import Events, FakeLlama, HttpxWire
 from .helpers import wait_until
 from .rig import ScriptedProvider
+from .test_prefix_store import private_store
 
 TIMEOUT = 10
 PROMPT = "the quick brown fox jumps over the lazy dog"
@@ -105,7 +106,7 @@ def make_rig(tmp_path: Path, provider: Provider, *, share: bool = False, slot_co
 async def serving_with_store(rig: Rig, tmp_path: Path) -> AsyncIterator[PrefixStore]:
     """The rig's completions running with a prefix store of their own (``tmp_path/store``) for the
     block's requests; stopped, and the store closed, when the block ends."""
-    store = await PrefixStore.open(tmp_path / "store", fingerprint=FINGERPRINT, max_bytes=1 << 20, min_tokens=4)
+    store = await private_store(tmp_path / "store", fingerprint=FINGERPRINT, max_bytes=1 << 20, min_tokens=4)
     stored = StoredPrefixes(client=rig.completions.client, state_dir=tmp_path, store=store)
     try:
         async with trio.open_nursery() as nursery:

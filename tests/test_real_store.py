@@ -24,6 +24,7 @@ import trio
 
 from supervisor.config import Config
 from supervisor.daemon import Daemon
+from supervisor.prefix.store import PrefixStore
 from supervisor.supervise.child import ChildState
 
 from .helpers import wait_until
@@ -71,7 +72,14 @@ async def ask(url: str, question: str) -> str:
 
 async def stored(daemon: Daemon, n: int) -> None:
     """The store's writes run off the requests' path: wait for the n-th to commit."""
-    await wait_until(lambda: daemon.models.default.store.statistics().stores >= n)
+    await wait_until(lambda: daemon.models.default.store_statistics().stores >= n)
+
+
+def opened(daemon: Daemon) -> PrefixStore:
+    """The default model's prefix store, which this test's config turns on."""
+    store = daemon.models.default.store
+    assert store is not None
+    return store
 
 
 async def crash_decoder(daemon: Daemon) -> None:
@@ -116,13 +124,13 @@ async def test_a_shared_prefix_survives_a_decoder_crash_and_an_onebitd_restart_a
             await ask(running.url, QUESTIONS[0])  # a new prompt: kept whole
             await ask(running.url, QUESTIONS[1])  # branches off the first: the shared prefix is kept
             await stored(daemon, 2)
-            keys = {len(entry.tokens) for entry in daemon.models.default.store.list()}
+            keys = {len(entry.tokens) for entry in opened(daemon).list()}
             await crash_decoder(daemon)
             after_crash = await ask(running.url, QUESTIONS[2])
             told = store_events(feed)
         async with run_daemon(config(short_dir, store_dir)) as running:
             # The two, and the prompt that went on from the restored prefix, kept whole.
-            assert running.daemon.models.default.store.statistics().entries == 3
+            assert running.daemon.models.default.store_statistics().entries == 3
             after_restart = await ask(running.url, QUESTIONS[3])
     assert [after_crash, after_restart] == expected
     assert [e["what"] for e in told][:3] == ["stored", "stored", "restored"], told
@@ -145,7 +153,7 @@ async def test_an_entry_from_a_decoder_with_other_parameters_is_dropped_at_start
             await ask(running.url, QUESTIONS[0])
             await stored(running.daemon, 1)
         async with run_daemon(config(short_dir, store_dir, ctx_size=4096)) as running:
-            statistics = running.daemon.models.default.store.statistics()
+            statistics = running.daemon.models.default.store_statistics()
             assert (statistics.entries, statistics.drops) == (0, 1)
             await ask(running.url, QUESTIONS[0])
     dropped = [r.getMessage() for r in caplog.records if r.name == "onebit.prefix" and "fingerprint" in r.getMessage()]
@@ -161,7 +169,7 @@ async def test_an_entry_the_decoder_refuses_is_dropped_and_the_request_is_served
             daemon = running.daemon
             expected = await ask(running.url, QUESTIONS[0])
             await stored(daemon, 1)
-            [entry] = daemon.models.default.store.list()
+            [entry] = opened(daemon).list()
             # Damaged on disk after it was committed (same size, so nothing notices until it is used).
             state = store_dir / f"{entry.key}.state"
             data = bytearray(state.read_bytes())
@@ -169,7 +177,7 @@ async def test_an_entry_the_decoder_refuses_is_dropped_and_the_request_is_served
             state.write_bytes(bytes(data))
             await crash_decoder(daemon)  # its slot no longer holds the prompt
             got = await ask(running.url, QUESTIONS[0])
-            assert daemon.models.default.store.statistics().entries == 0
+            assert daemon.models.default.store_statistics().entries == 0
     assert got == expected
     line = route_lines.lines[-1]
     assert (line["outcome"], line["restored_tokens"]) == ("ok", None)

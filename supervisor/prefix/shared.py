@@ -32,6 +32,8 @@ from typing import Any
 import attrs
 
 from . import files as prefix_files
+from .directory import Listed as Listed
+from .directory import Listing as Listing
 from .files import SIDECAR, STATE, TEMP_PREFIX, Entry
 
 log = logging.getLogger("onebit.prefix")
@@ -49,29 +51,6 @@ def host_of(name: str) -> str | None:
     """The host an entry's name says wrote it (None: not a shared entry's name)."""
     parts = name.split(SEPARATOR)
     return parts[1] if len(parts) == 3 else None
-
-
-@attrs.frozen
-class Listed:
-    """A committed entry of any fingerprint, as the budget sees it."""
-
-    name: str
-    disk_bytes: int
-    last_used: float
-    ours: bool  # of our fingerprint: restorable here
-
-
-@attrs.frozen
-class Listing:
-    entries: dict[str, Entry]  # of our fingerprint, by name
-    listed: list[Listed]  # every committed entry, least recently used first
-    foreign: frozenset[str]  # names of entries of other fingerprints (never read again)
-    cleaned: int  # leftovers of dead hosts removed
-    aged: int  # entries evicted for age
-
-    @property
-    def bytes(self) -> int:
-        return sum(item.disk_bytes for item in self.listed)
 
 
 def _age(path: Path, now: float) -> float | None:
@@ -180,7 +159,7 @@ def listing(
                 continue  # vanished or half seen: the next listing tells
         listed.append(Listed(stem, state.st_size + sidecar_bytes, state.st_mtime, ours))
     listed.sort(key=lambda item: item.last_used)
-    return Listing(entries, listed, frozenset(others), cleaned, aged)
+    return Listing(entries, listed, cleaned, aged, frozenset(others))
 
 
 def choose_victims(listed: list[Listed], need: int, max_bytes: int, pinned: set[str]) -> list[str] | None:

@@ -223,7 +223,7 @@ class Completions:
             restored=restored,
             provider_away=plan.away,
             restorable=self.capability is None or self.capability.handoff,
-            store=self.stored is not None and self.stored.store.enabled,
+            store=self.stored is not None,
         )
 
     async def _known(self, plan: Plan) -> None:
