@@ -427,6 +427,30 @@ async def test_a_prompt_restored_from_the_store_says_stored_and_its_restore_time
     assert warm.restore_ms > 0
 
 
+async def test_a_stored_prefix_whose_state_file_was_damaged_is_not_restored_and_the_request_prefills(
+    tmp_path: Path,
+) -> None:
+    rig = make_rig(tmp_path, ScriptedProvider(ready=False))
+    with trio.fail_after(TIMEOUT):
+        async with serving_with_store(rig, tmp_path) as store:
+            first = await rig.post("/completion", body_for(False))
+            await wait_until(lambda: store.statistics().stores == 1)
+            [entry] = store.list()
+            state = store.io.state_path(entry.key)
+            # Another first token, the size and the magic as they were: a restore would give the
+            # slot state the prompt never had; only the content hash tells.
+            damaged = bytearray(state.read_bytes())
+            at = damaged.index(b'"tokens": [') + len(b'"tokens": [')
+            damaged[at] = ord("8") if damaged[at] == ord("9") else ord("9")
+            state.write_bytes(bytes(damaged))
+            restart_decoder(rig)
+            again = await rig.post("/completion", body_for(False))
+            assert store.statistics().entries == 0
+    assert first.status == again.status == 200
+    cold, warm = rig.lines
+    assert (warm.fallback, warm.restored_tokens, warm.decoder_prompt_n) == (cold.fallback, None, M)
+
+
 async def test_a_next_turn_sent_while_its_slot_is_saved_for_the_store_waits_for_that_slot(tmp_path: Path) -> None:
     # An agent sends its next turn the moment a reply ends, while onebitd still holds the slot to
     # save it for the prefix store; the other slot is free, and holds nothing of the conversation.

@@ -1,8 +1,8 @@
 """The prefix store without llama-server: lookup, de-duplication, LRU within max_bytes, pins, torn
 files, fingerprints, a full disk, a directory it cannot use, and readers racing a writer.
 
-State files here are made up (llama.cpp's magic, then filler bytes): the store never reads past the
-magic.  tests/test_real_prefix_store.py does the same with state files the real llama-server saved.
+State files here are made up (llama.cpp's magic, then filler bytes): the store checks only the
+magic and its content hash.  tests/test_real_prefix_store.py does the same with state files the real llama-server saved.
 """
 
 from __future__ import annotations

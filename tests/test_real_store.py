@@ -9,6 +9,7 @@ its own prompt cache: a fresh daemon without a store, the first question, then t
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -24,6 +25,7 @@ import trio
 
 from supervisor.config import Config
 from supervisor.daemon import Daemon
+from supervisor.prefix import files as prefix_files
 from supervisor.prefix.store import PrefixStore
 from supervisor.supervise.child import ChildState
 
@@ -166,17 +168,22 @@ async def test_an_entry_the_decoder_refuses_is_dropped_and_the_request_is_served
     caplog.set_level(logging.INFO, logger="onebit.prefix")
     with trio.fail_after(DEADLINE_S):
         async with run_daemon(config(short_dir, store_dir)) as running:
-            daemon = running.daemon
             expected = await ask(running.url, QUESTIONS[0])
-            await stored(daemon, 1)
-            [entry] = opened(daemon).list()
-            # Damaged on disk after it was committed (same size, so nothing notices until it is used).
-            state = store_dir / f"{entry.key}.state"
-            data = bytearray(state.read_bytes())
-            data[:4] = b"XXXX"
-            state.write_bytes(bytes(data))
-            await crash_decoder(daemon)  # its slot no longer holds the prompt
-            got = await ask(running.url, QUESTIONS[0])
+            await stored(running.daemon, 1)
+            [entry] = opened(running.daemon).list()
+        # Damaged before it was committed: a state file version llama-server does not read, the
+        # size, the magic and a content hash of the damaged bytes as a commit would have them, so
+        # that the store hands it over and the decoder is the one to refuse it.
+        state = store_dir / f"{entry.key}.state"
+        data = bytearray(state.read_bytes())
+        data[4:8] = (99).to_bytes(4, "little")
+        state.write_bytes(bytes(data))
+        sidecar = prefix_files.sidecar_path(store_dir, entry.key)
+        document = json.loads(sidecar.read_bytes())
+        sidecar.write_text(json.dumps({**document, "blake2b": prefix_files.digest(state)}))
+        async with run_daemon(config(short_dir, store_dir)) as running:
+            daemon = running.daemon
+            got = await ask(running.url, QUESTIONS[0])  # a new decoder: its slot holds nothing
             assert daemon.models.default.store_statistics().entries == 0
     assert got == expected
     line = route_lines.lines[-1]

@@ -192,7 +192,9 @@ async def test_a_killed_writers_temporary_files_are_never_an_entry_and_go_once_o
         hosts.shared_dir.mkdir()
         key = token_key(tokens(100))
         name = f"{key}~dead-host~0badf00d"
-        sidecar = prefix_files.render_sidecar(tuple(tokens(100)), FINGERPRINT.as_json(), ENTRY, time.time(), "dead")
+        sidecar = prefix_files.render_sidecar(
+            tuple(tokens(100)), FINGERPRINT.as_json(), ENTRY, time.time(), "dead", blake2b="00" * 16
+        )
         left = [
             hosts.shared_dir / f"{prefix_files.TEMP_PREFIX}{name}-1234abcd.state",
             prefix_files.state_path(hosts.shared_dir, name),  # renamed in, its sidecar never was

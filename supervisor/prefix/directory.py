@@ -43,10 +43,11 @@ class Listing:
     cleaned: int = 0  # leftovers removed (a write that never finished, a torn or foreign entry)
     aged: int = 0  # entries evicted for age
     foreign: frozenset[str] = frozenset()  # a shared directory's entries of other fingerprints: never read again
+    leftovers: int = 0  # bytes of files no entry owns (a write in progress, or a dead host's): counted, never evicted
 
     @property
     def bytes(self) -> int:
-        return sum(item.disk_bytes for item in self.listed)
+        return sum(item.disk_bytes for item in self.listed) + self.leftovers
 
 
 class Directory(Protocol):
@@ -84,6 +85,11 @@ class Directory(Protocol):
 
     async def use(self, name: str, when: float) -> bool:
         """Record a use of entry ``name`` (its state file's mtime); whether it is still there."""
+        ...
+
+    async def verify(self, name: str, blake2b: str) -> bool:
+        """Whether entry ``name``'s state file holds what was saved (its content hash, read in a
+        worker thread)."""
         ...
 
     def state_path(self, name: str) -> Path:

@@ -54,10 +54,14 @@ class FallbackDirectory:
         found = await self.shared_dir.list(shared_known)
         if found is None:
             return Listing({**shared_known, **private.entries}, private.listed)
-        return Listing({**found.entries, **private.entries}, found.listed, found.cleaned, found.aged, found.foreign)
+        both = {**found.entries, **private.entries}
+        return Listing(both, found.listed, found.cleaned, found.aged, found.foreign, found.leftovers)
 
     async def use(self, name: str, when: float) -> bool:
         return await self._of(name).use(name, when)
+
+    async def verify(self, name: str, blake2b: str) -> bool:
+        return await self._of(name).verify(name, blake2b)
 
     def state_path(self, name: str) -> Path:
         return self._of(name).state_path(name)

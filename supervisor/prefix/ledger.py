@@ -116,6 +116,6 @@ class Ledger:
             else:
                 self.add(entry)
         self.entries = OrderedDict(sorted(self.entries.items(), key=lambda item: item[1].last_used))
-        self._beside = sum(
+        self._beside = found.leftovers + sum(
             item.disk_bytes for item in found.listed if item.name not in self.entries and item.name not in self.doomed
         )

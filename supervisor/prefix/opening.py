@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -65,16 +66,18 @@ async def open_shared(
     max_age_s: float,
     disk: Disk | None = None,
     private: Path | None = None,
+    clock: Callable[[], float] = time.time,
 ) -> PrefixStore:
     """The store in ``directory``, shared with other hosts: not locked; ``host_id`` names this
     host's files and entries; ``max_bytes`` bounds the directory, every host's entries together;
     an entry unused for ``max_age_s`` is evicted.  ``private``: the host's private directory,
     opened (and locked) beside it, where puts go while the shared one is unreachable (what an
-    earlier such time left there is found).  Raises OSError when the shared directory cannot be
-    made, written or listed."""
+    earlier such time left there is found).  ``clock``: this host's (a test's seam: ages are
+    measured on the directory's).  Raises OSError when the shared directory cannot be made, written
+    or listed."""
     disk = disk or Disk()
     shared, found = await SharedDirectory.open(
-        directory, host_id=host_id, fingerprint=fingerprint.as_json(), max_age_s=max_age_s, disk=disk
+        directory, host_id=host_id, fingerprint=fingerprint.as_json(), max_age_s=max_age_s, disk=disk, clock=clock
     )
     others = sum(1 for entry in found.entries.values() if entry.origin_host != host_id)
     log.info(
@@ -90,7 +93,13 @@ async def open_shared(
     if opened is None:
         return await _store(shared, [found], fingerprint, max_bytes, min_tokens, host_id)
     beside, kept = opened
-    both = Listing({**found.entries, **kept.entries}, found.listed, found.cleaned + kept.cleaned, found.aged)
+    both = Listing(
+        {**found.entries, **kept.entries},
+        found.listed,
+        found.cleaned + kept.cleaned,
+        found.aged,
+        leftovers=found.leftovers,
+    )
     return await _store(FallbackDirectory(shared, beside), [kept, both], fingerprint, max_bytes, min_tokens, host_id)
 
 

@@ -65,6 +65,9 @@ class PrivateDirectory:
         prefix_files.touch(self.path, name, when)
         return True
 
+    async def verify(self, name: str, blake2b: str) -> bool:
+        return await trio.to_thread.run_sync(prefix_files.matches, self.state_path(name), blake2b)
+
     def state_path(self, name: str) -> Path:
         return prefix_files.state_path(self.path, name)
 

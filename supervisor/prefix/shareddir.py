@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import trio
@@ -38,9 +38,20 @@ class SharedDirectory:
     shared = True
     degraded = False
 
-    def __init__(self, path: Path, *, host_id: str, fingerprint: Mapping[str, object], max_age_s: float, disk: Disk):
-        """``max_age_s``: an entry no host used for this long, and a leftover this old, is removed."""
+    def __init__(
+        self,
+        path: Path,
+        *,
+        host_id: str,
+        fingerprint: Mapping[str, object],
+        max_age_s: float,
+        disk: Disk,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        """``max_age_s``: an entry no host used for this long, and a leftover this old, is removed.
+        ``clock``: this host's, read only where the directory's own cannot be (:meth:`now`)."""
         self.path = path
+        self.clock = clock
         self.host_id = host_id
         self.max_age_s = max_age_s
         self.problem: str | None = None  # why the directory cannot be listed now
@@ -50,14 +61,22 @@ class SharedDirectory:
 
     @classmethod
     async def open(
-        cls, path: Path, *, host_id: str, fingerprint: Mapping[str, object], max_age_s: float, disk: Disk
+        cls,
+        path: Path,
+        *,
+        host_id: str,
+        fingerprint: Mapping[str, object],
+        max_age_s: float,
+        disk: Disk,
+        clock: Callable[[], float] = time.time,
     ) -> tuple[SharedDirectory, Listing]:
-        """The directory made if need be, proven writable and listed: itself and what it holds.
-        Raises OSError when it cannot be made, written or listed."""
+        """The directory made if need be, proven writable and listed, this host's own leftovers
+        removed (none of its work is in progress yet): itself and what it holds.  Raises OSError
+        when it cannot be made, written or listed."""
         path = await trio.to_thread.run_sync(path.absolute)
         await trio.to_thread.run_sync(prefix_files.probe, disk, path, host_id)
-        directory = cls(path, host_id=host_id, fingerprint=fingerprint, max_age_s=max_age_s, disk=disk)
-        found = await trio.to_thread.run_sync(directory._listing, {})
+        directory = cls(path, host_id=host_id, fingerprint=fingerprint, max_age_s=max_age_s, disk=disk, clock=clock)
+        found = await trio.to_thread.run_sync(directory._listing, {}, True)
         directory._foreign = found.foreign
         return directory, found
 
@@ -88,7 +107,7 @@ class SharedDirectory:
         self._foreign = found.foreign
         return found
 
-    def _listing(self, known: Mapping[str, Entry]) -> Listing:
+    def _listing(self, known: Mapping[str, Entry], at_start: bool = False) -> Listing:
         """In a worker thread: the directory's listing, against a copy of what the store knows."""
         return shared_files.listing(
             self.path,
@@ -97,8 +116,25 @@ class SharedDirectory:
             foreign=self._foreign,
             host=self.host_id,
             max_age_s=self.max_age_s,
-            now=time.time(),
+            now=self.now(),
+            at_start=at_start,
         )
+
+    def now(self) -> float:
+        """The directory's clock (in a worker thread): the mtime the file system gives a file made
+        now, as it gives the state files whose use a restore records (an NFS server stamps its own
+        time), so that every host measures ages alike whatever its own clock says.  This host's
+        clock where no file can be made."""
+        path = self.path / f"{prefix_files.TEMP_PREFIX}clock-{self.host_id}~{os.getpid()}-{os.urandom(4).hex()}"
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, prefix_files.FILE_MODE)
+        except OSError:
+            return self.clock()
+        try:
+            return os.fstat(fd).st_mtime
+        finally:
+            os.close(fd)
+            path.unlink(missing_ok=True)
 
     async def use(self, name: str, when: float) -> bool:
         """Whether the entry's state file is still there (another host may have evicted it),
@@ -120,6 +156,12 @@ class SharedDirectory:
             return await trio.to_thread.run_sync(touch, abandon_on_cancel=True)
         log.warning("prefix store: %s did not answer in %g s; restoring nothing", self.path, SHARED_IO_TIMEOUT_S)
         return False
+
+    async def verify(self, name: str, blake2b: str) -> bool:
+        """Abandoned when the request stops waiting (a hung mount)."""
+        return await trio.to_thread.run_sync(
+            prefix_files.matches, self.state_path(name), blake2b, abandon_on_cancel=True
+        )
 
     def state_path(self, name: str) -> Path:
         return prefix_files.state_path(self.path, name)

@@ -163,8 +163,9 @@ class PrefixStore:
         ``--slot-save-path``) for the block; the name is removed on the way out, whatever happens.
 
         Raises :class:`~supervisor.errors.PrefixStoreError` when the entry is gone (evicted or
-        dropped since the lookup, here or by another host) or the name cannot be made.  Counts as a
-        use for the LRU order.
+        dropped since the lookup, here or by another host), its state file no longer holds what was
+        saved (its content hash differs: the entry is dropped, said once), or the name cannot be
+        made.  Counts as a use for the LRU order.
         """
         key = entry.key
         if key not in self._held.entries:
@@ -175,6 +176,9 @@ class PrefixStore:
             raise PrefixStoreError(f"prefix store entry {key} is gone (another host evicted it)")
         self._held.pin(key)
         try:
+            if not await self.io.verify(key, entry.blake2b):
+                self.drop(entry, "its state file does not match its content hash", level=logging.WARNING)
+                raise PrefixStoreError(f"prefix store entry {key} is damaged (its content hash differs)")
             name = f"prefix-{key[:16]}-{os.urandom(4).hex()}{prefix_files.STATE}"
             link = directory / name
             try:
@@ -191,13 +195,13 @@ class PrefixStore:
             if self._held.release(key):
                 self.io.remove(key)
 
-    def drop(self, entry: Entry, reason: str = "refused by the decoder") -> None:
+    def drop(self, entry: Entry, reason: str = "refused by the decoder", *, level: int = logging.INFO) -> None:
         """Forget ``entry`` (the decoder refused it, or its ``cache_n`` shows it was not used): no
         lookup returns it again; its files go now, or when the last :meth:`exposed` block ends.
         An entry already gone is ignored."""
         if entry.key not in self._held.entries:
             return
-        log.info("prefix store: dropping entry %s (%d tokens): %s", entry.key, entry.n_tokens, reason)
+        log.log(level, "prefix store: dropping entry %s (%d tokens): %s", entry.key, entry.n_tokens, reason)
         self._counts.drops += 1
         self._event("dropped", entry, why=reason)
         if self._held.forget(entry.key):
@@ -284,10 +288,12 @@ class PrefixStore:
         created = time.time()
         try:
             state_bytes = os.stat(path).st_size  # in the state directory, a tmpfs: no need for a thread
+            blake2b = await trio.to_thread.run_sync(prefix_files.digest, path)
         except OSError as exc:
             self._failed(key, exc)
             return False
-        sidecar = prefix_files.render_sidecar(tokens, self.fingerprint.as_json(), state_bytes, created, self.host_id)
+        fingerprint = self.fingerprint.as_json()
+        sidecar = prefix_files.render_sidecar(tokens, fingerprint, state_bytes, created, self.host_id, blake2b=blake2b)
         need = state_bytes + len(sidecar)
         found = await self._relist()
         if found is None:
@@ -306,7 +312,7 @@ class PrefixStore:
         if self._failing:
             log.info("prefix store: storing works again")
             self._failing = False
-        entry = Entry(name, tokens, state_bytes, need, created, created, self.host_id)
+        entry = Entry(name, tokens, state_bytes, need, created, created, self.host_id, blake2b)
         self._held.add(entry)
         self._counts.stores += 1
         self._event("stored", entry)
@@ -322,7 +328,7 @@ class PrefixStore:
         """Evict the least recently used unpinned entries of ``found``'s budget until ``need`` more
         bytes fit within ``max_bytes``: out of the index and the accounting first, then off the disk
         (in a worker thread).  False, and nothing evicted, when pins prevent it."""
-        victims = choose_victims(found.listed, need, self.max_bytes, set(self._held.pins))
+        victims = choose_victims(found.listed, need + found.leftovers, self.max_bytes, set(self._held.pins))
         if victims is None:
             return False
         if not victims:
