@@ -504,27 +504,32 @@ async def test_status_and_metrics_count_the_restores_of_other_hosts_entries(host
     assert render._store_line(fell_back).endswith("; shared directory: /mnt/x: Not a directory")
 
 
+async def kill_a_writer(hosts: Hosts, where: str) -> list[str]:
+    """tests/shared_store_writer.py (host ``doomed``) SIGKILLed half way through ``where`` (the state
+    file's copy, or the sidecar, fsynced there): the files it left."""
+    hosts.shared_dir.mkdir(exist_ok=True)
+    command = [sys.executable, "-m", "tests.shared_store_writer", str(hosts.shared_dir), str(hosts.state_file()), where]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    async with trio.open_nursery() as nursery:
+        run = functools.partial(trio.run_process, command, stdout=subprocess.PIPE, check=False, cwd=REPO, env=env)
+        writer: trio.Process = await nursery.start(run)
+        assert writer.stdout is not None
+        said = b""
+        while shared_store_writer.STUCK.encode() not in said:
+            chunk = await writer.stdout.receive_some()
+            assert chunk, f"the writer ended before it was half way: {said!r}"
+            said += chunk
+        writer.kill()
+    assert writer.returncode == -signal.SIGKILL
+    return sorted(path.name for path in hosts.shared_dir.iterdir())
+
+
 @pytest.mark.parametrize("where", ["state", "sidecar"])
 async def test_a_writer_sigkilled_mid_write_leaves_nothing_another_host_restores(hosts: Hosts, where: str) -> None:
     """A real kill: tests/shared_store_writer.py stops dead half way through the state file's copy or
     through the sidecar (fsynced), and is SIGKILLed there."""
     with trio.fail_after(TIMEOUT):
-        hosts.shared_dir.mkdir()
-        source = hosts.state_file()
-        command = [sys.executable, "-m", "tests.shared_store_writer", str(hosts.shared_dir), str(source), where]
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
-        async with trio.open_nursery() as nursery:
-            run = functools.partial(trio.run_process, command, stdout=subprocess.PIPE, check=False, cwd=REPO, env=env)
-            writer: trio.Process = await nursery.start(run)
-            assert writer.stdout is not None
-            said = b""
-            while shared_store_writer.STUCK.encode() not in said:
-                chunk = await writer.stdout.receive_some()
-                assert chunk, f"the writer ended before it was half way: {said!r}"
-                said += chunk
-            writer.kill()
-        assert writer.returncode == -signal.SIGKILL
-        left = sorted(path.name for path in hosts.shared_dir.iterdir())
+        left = await kill_a_writer(hosts, where)
         assert len(left) == (1 if where == "state" else 2), left
         survivor = await hosts.open("survivor")
         assert survivor.lookup(tokens(100)) is None

@@ -10,13 +10,9 @@ State files are made up as in tests/test_prefix_store.py (llama.cpp's magic, the
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,17 +27,16 @@ from supervisor.prefix.index import token_key
 from supervisor.prefix.opening import open_shared
 from supervisor.prefix.store import PrefixStore
 
-from . import shared_store_writer
 from .test_prefix_store import FINGERPRINT, KIB, MIN_TOKENS, mounted_tmpfs, private_store, tokens
 from .test_shared_store import (
     DAY,
     ENTRY,
-    REPO,
     Filled,
     Hosts,
     assert_least_recently_used_went_first,
     entry_bytes,
     fill,
+    kill_a_writer,
 )
 
 TIMEOUT = 30
@@ -137,26 +132,6 @@ async def test_an_entry_whose_sidecar_has_no_content_hash_is_dropped_at_open(
 
 
 # -- leftovers ----------------------------------------------------------------------------------------
-
-
-async def kill_a_writer(hosts: Hosts, where: str) -> list[str]:
-    """tests/shared_store_writer.py (host ``doomed``) SIGKILLed half way through ``where``: the
-    files it left."""
-    hosts.shared_dir.mkdir(exist_ok=True)
-    command = [sys.executable, "-m", "tests.shared_store_writer", str(hosts.shared_dir), str(hosts.state_file()), where]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    async with trio.open_nursery() as nursery:
-        run = functools.partial(trio.run_process, command, stdout=subprocess.PIPE, check=False, cwd=REPO, env=env)
-        writer: trio.Process = await nursery.start(run)
-        assert writer.stdout is not None
-        said = b""
-        while shared_store_writer.STUCK.encode() not in said:
-            chunk = await writer.stdout.receive_some()
-            assert chunk, f"the writer ended before it was half way: {said!r}"
-            said += chunk
-        writer.kill()
-    assert writer.returncode == -signal.SIGKILL
-    return sorted(path.name for path in hosts.shared_dir.iterdir())
 
 
 @pytest.mark.parametrize("where", ["state", "sidecar"])
