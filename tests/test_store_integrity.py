@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +24,7 @@ import trio
 from supervisor.errors import PrefixStoreError
 from supervisor.llama.statefile import MAGIC_BYTES as STATE_MAGIC
 from supervisor.prefix import files as prefix_files
+from supervisor.prefix import shareddir
 from supervisor.prefix.index import token_key
 from supervisor.prefix.opening import open_shared
 from supervisor.prefix.store import PrefixStore
@@ -109,6 +111,33 @@ async def test_a_truncated_state_file_under_a_committed_sidecar_is_never_restore
         assert b.lookup(tokens(100)) is None
         assert hosts.committed() == []  # removed for every host, through B's tombstone
         assert list(hosts.shared_dir.iterdir()) == []
+
+
+async def test_a_shared_state_file_not_read_in_time_is_not_restored_and_not_dropped(
+    hosts: Hosts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hung mount is no damage: the request prefills, the entry stays."""
+    with trio.fail_after(TIMEOUT):
+        store = await hosts.open("host-a")
+        assert await store.put_file(tokens(100), hosts.state_file())
+        entry = store.lookup(tokens(100))
+        assert entry is not None
+        release = threading.Event()
+
+        def hung(path: Path, expected: str) -> bool:
+            release.wait(TIMEOUT)
+            return True
+
+        monkeypatch.setattr(prefix_files, "matches", hung)
+        monkeypatch.setattr(shareddir, "VERIFY_TIMEOUT_S", 0.05)
+        try:
+            with pytest.raises(PrefixStoreError, match="in time"):
+                async with store.exposed(entry, hosts.root):
+                    pytest.fail("exposed an entry it could not check")
+        finally:
+            release.set()
+        assert store.lookup(tokens(100)) == entry
+        assert (store.statistics().pinned, store.statistics().drops) == (0, 0)
 
 
 async def test_an_entry_whose_sidecar_has_no_content_hash_is_dropped_at_open(

@@ -87,9 +87,9 @@ class Directory(Protocol):
         """Record a use of entry ``name`` (its state file's mtime); whether it is still there."""
         ...
 
-    async def verify(self, name: str, blake2b: str) -> bool:
+    async def verify(self, name: str, blake2b: str) -> bool | None:
         """Whether entry ``name``'s state file holds what was saved (its content hash, read in a
-        worker thread)."""
+        worker thread); None when the directory did not answer in time (said once)."""
         ...
 
     def state_path(self, name: str) -> Path:

@@ -60,7 +60,7 @@ class FallbackDirectory:
     async def use(self, name: str, when: float) -> bool:
         return await self._of(name).use(name, when)
 
-    async def verify(self, name: str, blake2b: str) -> bool:
+    async def verify(self, name: str, blake2b: str) -> bool | None:
         return await self._of(name).verify(name, blake2b)
 
     def state_path(self, name: str) -> Path:

@@ -30,6 +30,9 @@ log = logging.getLogger("onebit.prefix")
 # A stat of a shared entry (NFS) answers in milliseconds; one this slow is a hung mount, and the
 # request should prefill rather than wait for it.
 SHARED_IO_TIMEOUT_S = 5.0
+# Reading a state file to check its content hash: 100 MiB over a 100 Mbit/s link take about 8 s;
+# past this the mount is taken for hung and the request prefills.
+VERIFY_TIMEOUT_S = 30.0
 
 
 class SharedDirectory:
@@ -157,11 +160,14 @@ class SharedDirectory:
         log.warning("prefix store: %s did not answer in %g s; restoring nothing", self.path, SHARED_IO_TIMEOUT_S)
         return False
 
-    async def verify(self, name: str, blake2b: str) -> bool:
-        """Abandoned when the request stops waiting (a hung mount)."""
-        return await trio.to_thread.run_sync(
-            prefix_files.matches, self.state_path(name), blake2b, abandon_on_cancel=True
-        )
+    async def verify(self, name: str, blake2b: str) -> bool | None:
+        """Bounded (:data:`VERIFY_TIMEOUT_S`): a hung mount answers None, and the request prefills."""
+        with trio.move_on_after(VERIFY_TIMEOUT_S):
+            return await trio.to_thread.run_sync(
+                prefix_files.matches, self.state_path(name), blake2b, abandon_on_cancel=True
+            )
+        log.warning("prefix store: %s did not answer in %g s; restoring nothing", self.path, VERIFY_TIMEOUT_S)
+        return None
 
     def state_path(self, name: str) -> Path:
         return prefix_files.state_path(self.path, name)

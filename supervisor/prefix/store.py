@@ -176,7 +176,10 @@ class PrefixStore:
             raise PrefixStoreError(f"prefix store entry {key} is gone (another host evicted it)")
         self._held.pin(key)
         try:
-            if not await self.io.verify(key, entry.blake2b):
+            verified = await self.io.verify(key, entry.blake2b)
+            if verified is None:
+                raise PrefixStoreError(f"prefix store entry {key} could not be read in time")
+            if not verified:
                 self.drop(entry, "its state file does not match its content hash", level=logging.WARNING)
                 raise PrefixStoreError(f"prefix store entry {key} is damaged (its content hash differs)")
             name = f"prefix-{key[:16]}-{os.urandom(4).hex()}{prefix_files.STATE}"
