@@ -21,7 +21,6 @@ from supervisor.config.live import Settings
 from supervisor.errors import ConfigError
 from supervisor.llama import answers, gguf
 from supervisor.models.model import Model
-from supervisor.prefix.store import PrefixStore
 from supervisor.reasons import Reason
 from supervisor.routes import capability
 from supervisor.routes.capability import Capability, Restores, verdict
@@ -180,8 +179,9 @@ async def test_the_prefix_store_is_off_where_a_restored_prefix_cannot_spare_it(
     tmp_path: Path, restores: Restores, enabled: bool
 ) -> None:
     from .test_completions import FINGERPRINT
+    from .test_prefix_store import private_store
 
-    store = await PrefixStore.open(tmp_path / "store", fingerprint=FINGERPRINT, max_bytes=1 << 20, min_tokens=4)
+    store = await private_store(tmp_path / "store", fingerprint=FINGERPRINT, max_bytes=1 << 20, min_tokens=4)
     found = Capability("m")
     found.set(restores, "probed")
     stored = StoredPrefixes(client=FakeLlama(tmp_path).client(), state_dir=tmp_path, store=store, capability=found)

@@ -392,7 +392,6 @@ class Draining:
 
     def __init__(self, inflight: int) -> None:
         self.route_stats = RouteStats()
-        self.store = PrefixStore.disabled("a drain needs none")
         self.inflight = inflight
         self._changed = trio.Event()
 

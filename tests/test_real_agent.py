@@ -516,7 +516,7 @@ async def test_an_agents_conversation_is_restored_from_the_prefix_store_after_an
         async with run_daemon(store_config(short_dir, store_dir)) as running:
             async with open_anthropic(running) as client:
                 assert text_of(await client.messages.create(messages=first_turn, **common)) == text_of(first)
-            await wait_until(lambda: running.daemon.models.default.store.statistics().stores >= 1)
+            await wait_until(lambda: running.daemon.models.default.store_statistics().stores >= 1)
         async with run_daemon(store_config(short_dir, store_dir)) as running, open_anthropic(running) as client:
             got = await client.messages.create(messages=anthropic_turns(text_of(first)), **common)
     assert text_of(got) == text_of(expected)

@@ -190,7 +190,7 @@ class Daemon:
             watchers=routes.watchers,
             watch_dropped=routes.watch_dropped,
             watch_closed=routes.watch_closed,
-            store=self.models.default.store.statistics(),
+            store=self.models.default.store_statistics(),
             models=self.models.statistics(),
         )
 
@@ -203,7 +203,7 @@ class Daemon:
             slots=default.parts.slots.statistics(),
             front=self.front.registry.statistics(),
             restore_unused=sum(model.completions.restore_unused for model in self.models.all),
-            store=default.store.statistics(),
+            store=default.store_statistics(),
             providers=tuple(default.parts.providers.statistics()),
             models=self.models.statistics(),
         )
@@ -237,8 +237,9 @@ class Daemon:
             self.front.registry.resume()
         self._update_status()
 
-    def store_of(self, name: str | None = None) -> PrefixStore:
-        """A model's prefix store (None: the default model's); ClientError for a model there is not."""
+    def store_of(self, name: str | None = None) -> PrefixStore | None:
+        """A model's prefix store (``name`` None: the default model's; None: it has none); ClientError
+        for a model there is not."""
         return self.models.default.store if name is None else self.models.named(name).store
 
     async def load(self, name: str) -> ModelStatistics:

@@ -204,7 +204,7 @@ class Completions:
             provider_ready=provider is not None and provider.ready,
             share_refused=share_refused,
             restorable=self.capability is None or self.capability.handoff,
-            store=self.stored is not None and self.stored.store.enabled,
+            store=self.stored is not None,
         )
         policy = Policy(settings.prefer_margin, settings.max_stall_ms, settings.min_prompt_tokens)
         return choose(plan.ask(restored=restored), offer, costs, policy)
