@@ -57,7 +57,9 @@ def test_an_openvino_provider_finds_the_build_only_with_its_backend(
     assert locate.llama_server("", "openvino") == binary
 
 
-@pytest.mark.parametrize("patch", ["LLAMA_SERVER_PATCH", "CPU_PATCH", "AGENT_PATCH", "TOOLS_PATCH", "OPENVINO_PATCH"])
+@pytest.mark.parametrize(
+    "patch", ["LLAMA_SERVER_PATCH", "CPU_PATCH", "AGENT_PATCH", "TOOLS_PATCH", "OPENVINO_PATCH", "TEST_ARCHS_PATCH"]
+)
 def test_a_changed_patch_changes_the_build_key(patch: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     before = locate.llama_server_build_key()
     changed = tmp_path / "changed.patch"

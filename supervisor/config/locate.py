@@ -37,6 +37,7 @@ CPU_PATCH = PATCHES / "llama-cpp-cpu.patch"  # ggml's CPU variants: which to bui
 AGENT_PATCH = PATCHES / "llama-server-agent.patch"  # /v1/messages keeps id_slot and cache_prompt
 TOOLS_PATCH = PATCHES / "llama-server-tools.patch"  # text with a "{" that opens no tool call is content
 OPENVINO_PATCH = PATCHES / "llama-server-openvino.patch"  # ggml-openvino: GGML_OP_DUP, Q4_1 zero points
+TEST_ARCHS_PATCH = PATCHES / "llama-test-archs.patch"  # test-llama-archs loads the loadable backends
 ENGINES = ("ggml", "openvino")
 # Where $ONEBIT_LLAMA_SERVER... names a binary instead of the build cache, per engine.
 ENGINE_ENV = {"ggml": "ONEBIT_LLAMA_SERVER", "openvino": "ONEBIT_LLAMA_SERVER_OPENVINO"}
@@ -65,7 +66,7 @@ PORTABLE = "portable"
 
 def patches() -> tuple[Path, ...]:
     """Every patch, in the order the build applies them."""
-    return (LLAMA_SERVER_PATCH, CPU_PATCH, AGENT_PATCH, TOOLS_PATCH, OPENVINO_PATCH)
+    return (LLAMA_SERVER_PATCH, CPU_PATCH, AGENT_PATCH, TOOLS_PATCH, OPENVINO_PATCH, TEST_ARCHS_PATCH)
 
 
 def openvino_version() -> str | None:
@@ -281,6 +282,7 @@ if __name__ == "__main__":
         "cpu-tag": lambda: tag,
         "cpu-variants": lambda: cpu_variants(tag) if tag != "native" else "",
         "openvino-version": lambda: openvino_version() or "",
+        "patches": lambda: "\n".join(str(patch) for patch in patches()),
     }
     try:
         print(answers[what[0]]())
