@@ -112,15 +112,18 @@ class Host:
         tables: dict[str, dict[str, Any]] | None = None,
         onebitd: Path = BIN / "onebitd",
         cwd: Path | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         """``cache``: keys of its [cache] table (``shared_dir``: a prefix store the hosts share);
         ``tables``: keys of any table, over the host's own (``decoder.binary``, ``model.path``);
-        ``onebitd``: the console script it runs (another environment's), from ``cwd``."""
+        ``onebitd``: the console script it runs (another environment's), from ``cwd``, with ``env``
+        (else this process's environment)."""
         self.name = name
         self.cache = cache or {}
         self.tables = tables or {}
         self.onebitd = onebitd
         self.cwd = cwd
+        self.env = env
         self.address = address
         self.port = port
         self.directory = directory
@@ -168,6 +171,7 @@ class Host:
             self.process = await trio.lowlevel.open_process(
                 [str(self.onebitd), "--config", str(self.config_path)],
                 cwd=self.cwd,
+                env=self.env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,

