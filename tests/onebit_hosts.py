@@ -102,11 +102,28 @@ class Host:
     """One onebitd host: ``name`` is its name in the balancer's config."""
 
     def __init__(
-        self, name: str, address: str, port: int, directory: Path, cache: dict[str, Any] | None = None
+        self,
+        name: str,
+        address: str,
+        port: int,
+        directory: Path,
+        cache: dict[str, Any] | None = None,
+        *,
+        tables: dict[str, dict[str, Any]] | None = None,
+        onebitd: Path = BIN / "onebitd",
+        cwd: Path | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
-        """``cache``: keys of its [cache] table (``shared_dir``: a prefix store the hosts share)."""
+        """``cache``: keys of its [cache] table (``shared_dir``: a prefix store the hosts share);
+        ``tables``: keys of any table, over the host's own (``decoder.binary``, ``model.path``);
+        ``onebitd``: the console script it runs (another environment's), from ``cwd``, with ``env``
+        (else this process's environment)."""
         self.name = name
         self.cache = cache or {}
+        self.tables = tables or {}
+        self.onebitd = onebitd
+        self.cwd = cwd
+        self.env = env
         self.address = address
         self.port = port
         self.directory = directory
@@ -138,6 +155,8 @@ class Host:
         }
         if self.cache:
             sections["cache"] = self.cache
+        for table, keys in self.tables.items():
+            sections[table] = {**sections.get(table, {}), **keys}
         config = make_config(self.runtime_dir, **sections)
         data: dict[str, Any] = configuration.unstructure(config)
         self.config_path.write_text(tomli_w.dumps(data))
@@ -150,7 +169,9 @@ class Host:
             log.write(f"--- start {self.starts}\n")
             log.flush()
             self.process = await trio.lowlevel.open_process(
-                [str(BIN / "onebitd"), "--config", str(self.config_path)],
+                [str(self.onebitd), "--config", str(self.config_path)],
+                cwd=self.cwd,
+                env=self.env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -197,15 +218,17 @@ class Host:
 
 
 @asynccontextmanager
-async def open_hosts(directory: Path, n: int = 2, cache: dict[str, Any] | None = None) -> AsyncIterator[list[Host]]:
+async def open_hosts(
+    directory: Path, n: int = 2, cache: dict[str, Any] | None = None, **options: Any
+) -> AsyncIterator[list[Host]]:
     """``n`` hosts on 127.0.0.2, 127.0.0.3, ... sharing one port, all healthy; stopped on the way out
-    (``cache``: keys of every host's [cache] table)."""
+    (``cache``: keys of every host's [cache] table; ``options``: :class:`Host`'s keyword arguments)."""
     real_llama_server()
     addresses = [f"127.0.0.{2 + i}" for i in range(n)]
     for _attempt in range(3):
         port = free_port(addresses)
         hosts = [
-            Host(f"onebit{i + 1}", address, port, directory / f"host{i + 1}", cache)
+            Host(f"onebit{i + 1}", address, port, directory / f"host{i + 1}", cache, **options)
             for i, address in enumerate(addresses)
         ]
         for host in hosts:
