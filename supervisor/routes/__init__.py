@@ -10,6 +10,7 @@
     plan        what is known before a slot is taken: the prompt's key and tokens, the provider
     completion  a completion request's story: plan, slot, route, handoff, relay, verification
     relay       a decoder's reply on its way to the client: whole, streamed, or an error
+    usage       the usage a client is told: a provider's prefill is no cache hit
     rates       measured prefill and handoff rates, with configured priors
     fidelity    how far a handoff moves the decoder's next-token distribution
 

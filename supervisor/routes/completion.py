@@ -34,6 +34,7 @@ from .plan import Plan, plan
 from .rates import Rates
 from .relay import Timings, relay
 from .stored import StoredPrefixes
+from .usage import ProviderPrefill
 
 __all__ = ["STATE_BYTES_PER_TOKEN", "Completions", "Decoder", "Hybrid", "fallback_chain"]
 
@@ -277,12 +278,13 @@ class Completions:
                 )
                 line.fallback = fallback_chain(reasons)
             line.route = route.value
+            prefilled = None if route is Route.PLAIN else ProviderPrefill(line.provider_prompt_n, line.prefill_ms)
             if route is not Route.PLAIN:
                 # The handed-over cells are only reused by a request that may use its slot's cache.
                 forwarded["cache_prompt"] = True
             self.decoding += 1
             try:
-                await relay(self.client, endpoint, forwarded, out, line, timings, headers)
+                await relay(self.client, endpoint, forwarded, out, line, timings, headers, prefilled=prefilled)
             except trio.Cancelled:
                 # The client hung up mid-stream (a user pressed stop, an agent cancelled).  Once the
                 # decoder began its reply the slot holds the whole prompt: it is kept for the prefix

@@ -23,6 +23,7 @@ from ..http.wire import Headers
 from ..llama import decoder as decoder_api
 from ..llama.decoder import DecoderClient
 from ..routeline import RequestOutcome, RouteLine
+from .usage import ProviderPrefill
 
 log = logging.getLogger("onebit.hybrid")
 
@@ -193,17 +194,25 @@ async def relay(
     line: RouteLine,
     timings: Timings,
     headers: Headers = (),
+    *,
+    prefilled: ProviderPrefill | None = None,
 ) -> None:
     """The decoder's reply to ``body``: with ``"stream": true`` relayed chunk by chunk as it comes (its
     last events' ``timings`` into ``timings``), else read whole, then sent; an error into ``line``.
-    ``headers``: the client's that the decoder is given too (``X-Conversation-Id``)."""
+    ``headers``: the client's that the decoder is given too (``X-Conversation-Id``).  ``prefilled``:
+    what a provider spent on the prompt handed over, its usage rewritten with it (routes/usage.py;
+    ``timings`` reads the decoder's own)."""
     if body.get("stream") is not True:
         reply = await client.request("POST", endpoint, body, headers)
         if 200 <= reply.status < 300:
+            sent = reply.body
             with contextlib.suppress(ValueError):
-                timings.read(json.loads(reply.body))
+                data = json.loads(reply.body)
+                timings.read(data)
+                if prefilled is not None:
+                    sent = prefilled.reply(reply.body, data)
             content_type = reply.headers.get("content-type", "application/json")
-            await out.whole(reply.status, reply.body, content_type, source="decoder")
+            await out.whole(reply.status, sent, content_type, source="decoder")
             return
         await _relay_error(reply.status, reply.headers, reply.body, out, line)
         return
@@ -212,7 +221,7 @@ async def relay(
             chunks = [chunk async for chunk in upstream.chunks]
             await _relay_error(upstream.status, upstream.headers, b"".join(chunks), out, line)
             return
-        await _relay_chunks(upstream.chunks, out, line, timings)
+        await _relay_chunks(upstream.chunks, out, line, timings, prefilled)
 
 
 async def _relay_error(status: int, headers: Mapping[str, str], body: bytes, out: Responder, line: RouteLine) -> None:
@@ -221,15 +230,28 @@ async def _relay_error(status: int, headers: Mapping[str, str], body: bytes, out
     await relay_reply(out, status, headers, body)
 
 
-async def _relay_chunks(chunks: AsyncIterator[bytes], out: Responder, line: RouteLine, timings: Timings) -> None:
-    """A 200 stream's chunks to the client as they come; a decoder lost mid-stream ends it with an error event."""
+async def _relay_chunks(
+    chunks: AsyncIterator[bytes], out: Responder, line: RouteLine, timings: Timings, prefilled: ProviderPrefill | None
+) -> None:
+    """A 200 stream's chunks to the client as they come (a handed-over prompt's usage rewritten); a
+    decoder lost mid-stream ends it with an error event."""
     await out.start(200, SSE_HEADERS, source="decoder")
     scanner = SseScanner(timings)
+    usage = prefilled.stream() if prefilled is not None else None
     try:
         async for chunk in chunks:
             timings.began = True
             scanner.feed(chunk)
+            if usage is not None:
+                chunk = usage.feed(chunk)
+                if not chunk:
+                    continue
             await out.body(chunk, more=True, final=has_final_event(chunk))
+        # A line the stream ended without its newline.  (A decoder lost mid-line leaves its start
+        # held and dropped: the error event below then reaches the client as a line of its own.)
+        rest = usage.flush() if usage is not None else b""
+        if rest:
+            await out.body(rest, more=True, final=has_final_event(rest))
     except DecoderError as exc:
         # Headers are gone already: the client learns of the loss as an error event, and the
         # operator from a warning (the route line, at info, says it too).
