@@ -17,8 +17,9 @@ from supervisor.providers.base import Claim
 from supervisor.routes.usage import PROVIDER_PROMPT_MS, PROVIDER_PROMPT_N, ProviderPrefill
 
 from .asgi import Reply
-from .helpers import wait_until
-from .rig import ScriptedProvider
+from .helpers import client_for, wait_until
+from .rig import TIMEOUT as PROCESS_TIMEOUT
+from .rig import RouteRig, ScriptedProvider, run_daemon
 from .test_completions import PROMPT, TIMEOUT, make_rig, restart_decoder, serving_with_store
 
 APIS = ("/v1/chat/completions", "/v1/completions", "/completion", "/v1/messages", "/v1/responses")
@@ -155,6 +156,23 @@ async def test_a_prefix_store_restore_is_told_as_cached(tmp_path: Path, path: st
         assert said.cached == line.cached_tokens
     if said.timings is not None:
         assert PROVIDER_PROMPT_N not in said.timings
+
+
+async def test_a_prompt_handed_over_on_the_share_route_is_not_told_as_cached(route_rig: RouteRig) -> None:
+    # The share route's handoff, with the process fakes: the decoder adopts the provider's rows.
+    route_rig.provider, route_rig.mode = "share", "share"
+    path = "/v1/chat/completions"
+    with trio.fail_after(PROCESS_TIMEOUT):
+        async with run_daemon(route_rig.config()) as running, client_for(running, timeout=PROCESS_TIMEOUT) as client:
+            got = await client.post(path, json=body(path, stream=True))
+            [line] = await route_rig.route_lines.wait(1)
+    assert got.status_code == 200
+    assert (line["route"], line["fallback"], line["decoder_prompt_n"]) == ("share", None, 1)
+    said = told(Reply(200, dict(got.headers), got.content, []))
+    assert (said.cached, said.prompt) == (0, line["prompt_tokens"])
+    assert said.timings is not None
+    assert said.timings["cache_n"] == line["cached_tokens"] == line["prompt_tokens"] - 1
+    assert said.timings[PROVIDER_PROMPT_N] == line["provider_prompt_n"]
 
 
 # -- the rewriting itself, on llama-server's bytes ---------------------------------------------------
