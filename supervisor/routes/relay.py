@@ -3,7 +3,9 @@
 Whole (read, then sent) or streamed (chunk by chunk as it comes, the stream's last event marked
 final); an error reply relayed with its status, and summarized for the route line; a stream the
 decoder dropped ends with an error event.  :class:`Timings` collects what the decoder says it did,
-read from a whole reply or, by :class:`SseScanner`, from a stream's last events.
+read from a whole reply or, by :class:`SseScanner`, from a stream's last events.  After a handoff,
+the reply's usage counts are rewritten on the way (routes/usage.py): a provider's prefill is no
+cache hit.
 """
 
 from __future__ import annotations
