@@ -390,7 +390,7 @@ class Onebitd:
     async def line(self, back: int = 1) -> dict[str, Any]:
         """The route line of the ``back``-th last request, once every request in flight logged its own
         (the line is written after the last byte reached the client)."""
-        await self.daemon.front.wait_idle()
+        await self.daemon.front.registry.wait_idle()
         return self.lines[-back]
 
     def leftovers(self) -> list[str]:
@@ -486,7 +486,7 @@ async def open_onebitd(config: Config, tally: Tally) -> AsyncIterator[Onebitd]:
             yield od
             every_pid |= od.supervised_pids()
             with trio.move_on_after(60):
-                await od.daemon.front.wait_idle()
+                await od.daemon.front.registry.wait_idle()
             tally.leftovers += od.leftovers()
             every_pid |= set(children_of(os.getpid()))
     finally:
@@ -793,7 +793,7 @@ async def hang_ups(run: Run, tally: Tally) -> None:
             for i in range(n):
                 nursery.start_soon(one, i)
         with trio.fail_after(REQUEST_BOUND_S):
-            await od.daemon.front.wait_idle()
+            await od.daemon.front.registry.wait_idle()
         tally.check(len(od.lines) == n, f"one route line per request ({len(od.lines)} of {n})")
         outcomes: dict[str, int] = {}
         for line in od.lines:
@@ -878,10 +878,10 @@ async def burst(run: Run, tally: Tally) -> None:
         granted: list[str] = []
         serve, hold = completions.serve, slots.hold
 
-        async def counting_serve(endpoint: str, body: dict[str, Any], out: Any, line: Any, headers: Any = ()) -> None:
-            current_req.set(line.req)
-            arrived.append(line.req)
-            await serve(endpoint, body, out, line, headers)
+        async def counting_serve(endpoint: str, body: dict[str, Any], out: Any, story: Any, headers: Any = ()) -> None:
+            current_req.set(story.req)
+            arrived.append(story.req)
+            await serve(endpoint, body, out, story, headers)
 
         @asynccontextmanager
         async def recording_hold(*args: Any, **kwargs: Any) -> AsyncIterator[int]:
@@ -976,7 +976,7 @@ async def cancelled_prefill(run: Run, tally: Tally) -> None:
         ttft = first_token_at[0] - left_at
         remaining = idle_at[0] - left_at
         tally.figures.update(next_ttft_s=round(ttft, 2), abandoned_prefill_left_s=round(remaining, 2))
-        await od.daemon.front.wait_idle()
+        await od.daemon.front.registry.wait_idle()
         # The abandoned request logs its line last: it holds its slot until the decoder lets go.
         tally.figures["next request's slot"] = [line for line in od.lines if line["outcome"] == "ok"][-1]["slot"]
         tally.check(
@@ -1015,7 +1015,7 @@ async def soak(run: Run, tally: Tally) -> None:
             for i in range(n):
                 nursery.start_soon(one, i)
         with trio.fail_after(REQUEST_BOUND_S):
-            await od.daemon.front.wait_idle()
+            await od.daemon.front.registry.wait_idle()
         fd_after, rss_after = fds(), rss_mib()
         routes: dict[str, int] = {}
         for line in od.lines:

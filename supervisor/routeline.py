@@ -34,10 +34,10 @@ class RequestOutcome(enum.StrEnum):
     DETACHED = "detached"
 
 
-@attrs.define(kw_only=True)
+@attrs.frozen(kw_only=True)
 class RouteLine:
-    """Filled in as the request goes; rendered once, when it ends.  Its fields, in this order, are
-    the line's (:data:`FIELDS`)."""
+    """A request's line, built whole once it ended (supervisor/routes/story.py, the one builder)
+    and rendered then.  Its fields, in this order, are the line's (:data:`FIELDS`)."""
 
     route: str = "plain"
     req: str

@@ -17,7 +17,7 @@ from pathlib import Path
 import trio
 
 from supervisor.prefix.files import Disk
-from supervisor.prefix.sharedstore import SharedPrefixStore
+from supervisor.prefix.opening import open_shared
 
 from .test_prefix_store import FINGERPRINT, tokens
 
@@ -57,7 +57,7 @@ class StuckDisk(Disk):
 
 
 async def main(shared_dir: Path, state_file: Path, where: str) -> None:
-    store = await SharedPrefixStore.open_shared(
+    store = await open_shared(
         shared_dir,
         host_id="doomed",
         fingerprint=FINGERPRINT,

@@ -1,4 +1,5 @@
-"""The build script and the binary lookup agree on where each engine's patched llama-server lives."""
+"""The build script and the binary lookup agree on where the one patched build of llama.cpp lives, and
+what its key says: the patches and the CPU variant(s) it compiled."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from supervisor.config import locate
+from supervisor.llama import openvino
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,68 +26,125 @@ def test_locate_looks_where_the_build_script_builds(
         check=True,
         timeout=30,
     ).stdout.strip()
-    assert Path(printed) == locate.cached_llama_server(engine)
-    assert locate.llama_server_build_key(engine) in printed
+    assert Path(printed) == locate.cached_llama_server()
+    assert locate.llama_server_build_key() in printed
 
 
-def test_the_default_engine_is_ggml(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    printed = subprocess.run(
-        [ROOT / "scripts" / "build-llama-server", "--print-path"],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=30,
-    ).stdout.strip()
-    assert Path(printed) == locate.cached_llama_server() == locate.cached_llama_server("ggml")
+def test_the_openvino_backend_lives_beside_the_binary_where_ggml_does_not_look_by_itself(tmp_path: Path) -> None:
+    binary = tmp_path / "bin" / "llama-server"
+    backend = locate.openvino_backend(binary)
+    assert backend.parent.parent == binary.parent
+    assert backend.parent.name == f"openvino-{locate.openvino_version()}"
+    assert openvino.backend_env(binary) == {}  # not built: a provider asks nothing of ggml
+    backend.parent.mkdir(parents=True)
+    backend.write_bytes(b"")
+    assert openvino.backend_env(binary) == {"GGML_BACKEND_PATH": str(backend)}
 
 
-def test_the_two_engines_build_apart() -> None:
-    assert locate.cached_llama_server("ggml") != locate.cached_llama_server("openvino")
-    assert locate.llama_server_build_key("openvino").endswith(f"-openvino{locate.openvino_version()}")
-
-
-@pytest.mark.parametrize(
-    ("engine", "patch"),
-    [
-        ("ggml", "LLAMA_SERVER_PATCH"),
-        ("ggml", "CPU_PATCH"),
-        ("ggml", "AGENT_PATCH"),
-        ("openvino", "LLAMA_SERVER_PATCH"),
-        ("openvino", "OPENVINO_PATCH"),
-    ],
-)
-def test_a_changed_patch_changes_the_build_key(
-    engine: str, patch: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+def test_an_openvino_provider_finds_the_build_only_with_its_backend(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    before = locate.llama_server_build_key(engine)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("ONEBIT_LLAMA_SERVER_OPENVINO", raising=False)
+    binary = locate.cached_llama_server()
+    binary.parent.mkdir(parents=True)
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    assert locate.llama_server("", "openvino") is None
+    backend = locate.openvino_backend(binary)
+    backend.parent.mkdir()
+    backend.write_bytes(b"")
+    assert locate.llama_server("", "openvino") == binary
+
+
+@pytest.mark.parametrize("patch", ["LLAMA_SERVER_PATCH", "CPU_PATCH", "AGENT_PATCH", "TOOLS_PATCH", "OPENVINO_PATCH"])
+def test_a_changed_patch_changes_the_build_key(patch: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    before = locate.llama_server_build_key()
     changed = tmp_path / "changed.patch"
     changed.write_bytes(getattr(locate, patch).read_bytes() + b"\n")
     monkeypatch.setattr(locate, patch, changed)
-    after = locate.llama_server_build_key(engine)
+    after = locate.llama_server_build_key()
     assert after != before
     assert after.startswith(f"{locate.LLAMA_CPP_VERSION}-")
 
 
-def test_the_agent_patch_is_the_decoder_build_s_alone(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """The OpenVINO provider only prefills through /completion: its build (and key) stay without it."""
-    assert locate.AGENT_PATCH in locate.engine_patches("ggml")
-    assert locate.AGENT_PATCH not in locate.engine_patches("openvino")
-    openvino = locate.llama_server_build_key("openvino")
-    changed = tmp_path / "changed.patch"
-    changed.write_bytes(locate.AGENT_PATCH.read_bytes() + b"\n")
-    monkeypatch.setattr(locate, "AGENT_PATCH", changed)
-    assert locate.llama_server_build_key("openvino") == openvino
-
-
-def test_a_changed_openvino_pin_changes_only_the_openvino_key(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    ggml, openvino = locate.llama_server_build_key("ggml"), locate.llama_server_build_key("openvino")
+def test_a_changed_openvino_pin_keeps_the_build_and_moves_only_its_backend(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    key, backend = locate.llama_server_build_key(), locate.openvino_backend(Path("/b/llama-server"))
     constraints = tmp_path / "constraints.txt"
     constraints.write_text("openvino==2099.1.0\n")
     monkeypatch.setattr(locate, "CONSTRAINTS", constraints)
-    assert locate.llama_server_build_key("ggml") == ggml
-    assert locate.llama_server_build_key("openvino") != openvino
-    assert locate.llama_server_build_key("openvino").endswith("-openvino2099.1.0")
+    assert locate.llama_server_build_key() == key
+    moved = locate.openvino_backend(Path("/b/llama-server"))
+    assert moved == Path("/b/openvino-2099.1.0/libggml-openvino.so")
+    assert moved != backend
+
+
+@pytest.mark.parametrize(
+    ("flags", "variant"),
+    [
+        ("fpu sse4_2 avx avx2 fma f16c bmi2", "haswell"),  # x86-64-v3 (an AMD EPYC of Zen 3 too)
+        ("sse4_2 avx avx2 fma f16c bmi2 avx_vnni", "alderlake"),
+        ("sse4_2 avx avx2 fma f16c bmi2 avx512f avx512cd avx512vl avx512dq avx512bw", "skylakex"),
+        ("sse4_2 avx avx2 fma f16c bmi2 avx512f avx512cd avx512vl avx512dq avx512bw avx512_vnni", "cascadelake"),
+        (
+            "sse4_2 avx avx2 fma f16c bmi2 avx512f avx512cd avx512vl avx512dq avx512bw avx512vbmi avx512_vnni"
+            " avx512_bf16",
+            "zen4",
+        ),
+        (
+            "sse4_2 avx avx2 fma f16c bmi2 avx512f avx512cd avx512vl avx512dq avx512bw avx512vbmi avx512_vnni"
+            " avx512_bf16 amx_tile amx_int8 avx_vnni",
+            "sapphirerapids",
+        ),
+        ("sse4_2 avx", "x64"),  # no AVX2: the floor
+        # AVX-512 the OS leaves off: Linux drops its flags (and keeps avx512_vnni's lone name): AVX2 it is.
+        ("sse4_2 avx avx2 fma f16c bmi2 avx512_vnni avx512_bf16", "haswell"),
+    ],
+)
+def test_the_cpu_variant_is_the_best_this_processor_has(
+    flags: str, variant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(locate.CPU_VARIANTS_ENV, raising=False)
+    assert locate.cpu_tag("x86_64", frozenset(flags.split())) == variant
+    assert locate.cpu_variants(variant) == variant
+
+
+def test_the_portable_build_compiles_the_eight_variants_and_says_so_in_its_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    local = locate.llama_server_build_key()
+    monkeypatch.setenv(locate.CPU_VARIANTS_ENV, "portable")
+    assert locate.cpu_tag() == "portable"
+    assert locate.llama_server_build_key().endswith("-portable")
+    assert locate.llama_server_build_key() != local
+    assert locate.cpu_variants("portable").split(";") == [name for name, _ in locate.X86_VARIANTS]
+    with pytest.raises(ValueError, match="ONEBIT_CPU_VARIANTS='pentium'"):
+        locate.cpu_variants("pentium")
+
+
+def test_the_build_script_refuses_an_unknown_variant_naming_the_variable(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [ROOT / "scripts" / "build-llama-server"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={"PATH": "/usr/bin:/bin", "XDG_CACHE_HOME": str(tmp_path), "ONEBIT_CPU_VARIANTS": "pentium"},
+    )
+    assert done.returncode != 0
+    assert "ONEBIT_CPU_VARIANTS='pentium'" in done.stderr
+    assert not any(tmp_path.iterdir())  # refused before anything was made
+
+
+def test_the_cpu_flags_come_from_proc_cpuinfo(tmp_path: Path) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2 fma\n\nprocessor\t: 1\nflags\t\t: fpu\n")
+    assert locate.cpu_flags(cpuinfo) == {"fpu", "avx2", "fma"}
+    assert locate.cpu_flags(tmp_path / "none") == frozenset()
+
+
+def test_a_machine_other_than_x86_builds_ggml_s_native_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(locate.CPU_VARIANTS_ENV, raising=False)
+    assert locate.cpu_tag("aarch64", frozenset()) == "native"
 
 
 def test_each_engine_has_its_own_override(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

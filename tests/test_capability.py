@@ -21,11 +21,10 @@ from supervisor.config.live import Settings
 from supervisor.errors import ConfigError
 from supervisor.llama import answers, gguf
 from supervisor.models.model import Model
-from supervisor.prefix.store import PrefixStore
 from supervisor.reasons import Reason
 from supervisor.routes import capability
 from supervisor.routes.capability import Capability, Restores, verdict
-from supervisor.routes.decision import Route, choose
+from supervisor.routes.decision import Ask, Offer, Policy, Route, choose
 from supervisor.routes.stored import StoredPrefixes
 from supervisor.supervise.child import ChildState
 
@@ -117,25 +116,10 @@ def test_a_withdrawal_is_said_once_at_warning_and_holds(caplog: pytest.LogCaptur
 
 
 def test_an_unusable_restore_keeps_a_request_plain_before_any_provider_is_asked() -> None:
-    kept = choose(
-        enabled=True,
-        share=False,
-        provider_ready=True,
-        prompt_tokens=100,
-        min_prompt_tokens=4,
-        share_refused=False,
-        restorable=False,
-    )
+    kept = choose(Ask(100), Offer(enabled=True, restorable=False), policy=Policy(min_prompt_tokens=4))
     assert (kept.route, kept.reasons) == (Route.PLAIN, (Reason.RESTORE_UNUSABLE,))
     over = choose(
-        enabled=True,
-        share=False,
-        provider_ready=True,
-        prompt_tokens=100,
-        min_prompt_tokens=4,
-        share_refused=False,
-        restorable=False,
-        over_context=True,
+        Ask(None, kept=Reason.OVER_CONTEXT), Offer(enabled=True, restorable=False), policy=Policy(min_prompt_tokens=4)
     )
     assert over.reasons == (Reason.OVER_CONTEXT,)
 
@@ -195,8 +179,9 @@ async def test_the_prefix_store_is_off_where_a_restored_prefix_cannot_spare_it(
     tmp_path: Path, restores: Restores, enabled: bool
 ) -> None:
     from .test_completions import FINGERPRINT
+    from .test_prefix_store import private_store
 
-    store = await PrefixStore.open(tmp_path / "store", fingerprint=FINGERPRINT, max_bytes=1 << 20, min_tokens=4)
+    store = await private_store(tmp_path / "store", fingerprint=FINGERPRINT, max_bytes=1 << 20, min_tokens=4)
     found = Capability("m")
     found.set(restores, "probed")
     stored = StoredPrefixes(client=FakeLlama(tmp_path).client(), state_dir=tmp_path, store=store, capability=found)

@@ -41,6 +41,7 @@ from .fake_decoder import Modes
 from .fake_llama import Events, FakeLlama, HttpxWire
 from .helpers import wait_until
 from .rig import ScriptedProvider
+from .test_prefix_store import private_store
 
 TIMEOUT = 10
 PROMPT = "the quick brown fox jumps over the lazy dog"
@@ -105,7 +106,7 @@ def make_rig(tmp_path: Path, provider: Provider, *, share: bool = False, slot_co
 async def serving_with_store(rig: Rig, tmp_path: Path) -> AsyncIterator[PrefixStore]:
     """The rig's completions running with a prefix store of their own (``tmp_path/store``) for the
     block's requests; stopped, and the store closed, when the block ends."""
-    store = await PrefixStore.open(tmp_path / "store", fingerprint=FINGERPRINT, max_bytes=1 << 20, min_tokens=4)
+    store = await private_store(tmp_path / "store", fingerprint=FINGERPRINT, max_bytes=1 << 20, min_tokens=4)
     stored = StoredPrefixes(client=rig.completions.client, state_dir=tmp_path, store=store)
     try:
         async with trio.open_nursery() as nursery:
@@ -424,6 +425,30 @@ async def test_a_prompt_restored_from_the_store_says_stored_and_its_restore_time
     assert (cold.fallback, cold.restored_tokens, cold.restore_ms) == ("no-provider", None, 0)
     assert (warm.fallback, warm.restored_tokens) == ("no-provider>stored", M)
     assert warm.restore_ms > 0
+
+
+async def test_a_stored_prefix_whose_state_file_was_damaged_is_not_restored_and_the_request_prefills(
+    tmp_path: Path,
+) -> None:
+    rig = make_rig(tmp_path, ScriptedProvider(ready=False))
+    with trio.fail_after(TIMEOUT):
+        async with serving_with_store(rig, tmp_path) as store:
+            first = await rig.post("/completion", body_for(False))
+            await wait_until(lambda: store.statistics().stores == 1)
+            [entry] = store.list()
+            state = store.io.state_path(entry.key)
+            # Another first token, the size and the magic as they were: a restore would give the
+            # slot state the prompt never had; only the content hash tells.
+            damaged = bytearray(state.read_bytes())
+            at = damaged.index(b'"tokens": [') + len(b'"tokens": [')
+            damaged[at] = ord("8") if damaged[at] == ord("9") else ord("9")
+            state.write_bytes(bytes(damaged))
+            restart_decoder(rig)
+            again = await rig.post("/completion", body_for(False))
+            assert store.statistics().entries == 0
+    assert first.status == again.status == 200
+    cold, warm = rig.lines
+    assert (warm.fallback, warm.restored_tokens, warm.decoder_prompt_n) == (cold.fallback, None, M)
 
 
 async def test_a_next_turn_sent_while_its_slot_is_saved_for_the_store_waits_for_that_slot(tmp_path: Path) -> None:

@@ -44,7 +44,8 @@ from supervisor.observe.routestats import FirstByte, RouteStats
 from supervisor.observe.status import DaemonStatistics, ModelStatistics, from_wire, to_wire
 from supervisor.prefix.store import PrefixStore
 from supervisor.providers import ProviderStatistics
-from supervisor.routeline import RouteLine
+from supervisor.routes.decision import Route
+from supervisor.routes.story import Story
 from supervisor.supervise.child import ChildState
 
 from .helpers import CHAT, chat, client_for, open_held_streams, streamed_text, wait_until
@@ -215,7 +216,7 @@ async def test_status_lists_the_request_in_flight_and_counts_the_finished_one(
         async with run_daemon(fake_decoder_config(short_dir)) as running, client_for(running) as client:
             assert (await client.post(CHAT, json=chat("one two"))).status_code == 200
             async with open_held_streams(control, client, "held words"):
-                (req,) = running.daemon.front.inflight
+                (req,) = running.daemon.front.registry.requests
                 during = await onebitctl("--socket", running.daemon.admin.path, "status")
     assert during.returncode == 0
     cells = row(during.out, req)
@@ -260,7 +261,8 @@ async def test_status_json_prints_the_daemons_statistics_object_with_sorted_keys
 def busy_statistics(short_dir: Path) -> DaemonStatistics:
     """A daemon's own statistics, not run, with what the fake-decoder rig never has."""
     idle = Daemon(fake_decoder_config(short_dir)).statistics()
-    line = RouteLine(req="2a-7", endpoint=CHAT, route="file")
+    story = Story("2a-7", CHAT)
+    story.reached(Route.FILE)
     stats = attrs.evolve(
         idle,
         daemon=attrs.evolve(idle.daemon, uptime_s=3725.0),
@@ -271,7 +273,7 @@ def busy_statistics(short_dir: Path) -> DaemonStatistics:
                 "ov", "llama-server", False, 0, 0, 0, None, "openvino", "NPU", "fidelity 0.31 over the bound 0.05"
             ),
         ),
-        inflight=(InflightRequest("2a-7", CHAT, 10.0, time.time(), line).statistics(now=12.25),),
+        inflight=(InflightRequest("2a-7", CHAT, 10.0, time.time(), story).statistics(now=12.25),),
         routes={"file": 41, "plain": 3},
         outcomes={"ok": 43, "error": 1},
         fallbacks={"short-prompt": 2, "provider-failed": 1},
@@ -361,7 +363,7 @@ async def test_drain_with_a_timeout_exits_1_naming_the_request_still_in_flight(
             client_for(running) as client,
             open_held_streams(control, client, "never finishes in time") as [held],
         ):
-            (req,) = running.daemon.front.inflight
+            (req,) = running.daemon.front.registry.requests
             done = await onebitctl("--socket", running.daemon.admin.path, "drain", "--timeout", "0.1")
     assert done.returncode == 1
     assert done.lines == ["draining: 1 in flight"]
@@ -390,7 +392,6 @@ class Draining:
 
     def __init__(self, inflight: int) -> None:
         self.route_stats = RouteStats()
-        self.store = PrefixStore.disabled("a drain needs none")
         self.inflight = inflight
         self._changed = trio.Event()
 

@@ -450,9 +450,9 @@ async def test_a_busy_draining_or_unready_onebitd_is_overloaded_in_anthropics_wo
         busy = await rig.call("POST", "/v1/messages", body)
     assert anthropic_error(busy) == (503, "overloaded_error")
     assert busy.headers["retry-after"] == "1"
-    rig.front.drain()
+    rig.front.registry.drain()
     assert anthropic_error(await rig.call("POST", "/v1/messages", body)) == (503, "overloaded_error")
-    rig.front.resume()
+    rig.front.registry.resume()
     assert isinstance(rig.front.router.default.decoder, ReadyDecoder)
     rig.front.router.default.decoder.state = ChildState.STARTING
     unready = await rig.call("POST", "/v1/messages", body)
@@ -579,7 +579,7 @@ async def test_a_client_past_the_write_timeout_is_cancelled_like_a_hang_up_and_i
     [line] = rig.lines
     assert (line.outcome, line.error, line.status) == ("cancelled", why, 200)
     assert rig.slots.statistics().busy == 0
-    assert rig.front.inflight == {}
+    assert rig.front.registry.requests == {}
 
 
 # -- the table against llama-server's own ---------------------------------------------------------

@@ -606,7 +606,7 @@ async def test_header_names_go_out_in_the_case_llama_server_writes_them(short_di
             whole = await _raw_exchange(raw, request_head(CHAT, len(body))[:-2] + origin + b"\r\n" + body)
             streamed_body = json.dumps({**chat("hi"), "stream": True}).encode()
             streamed = await _raw_exchange(raw, request_head(CHAT, len(streamed_body)) + streamed_body)
-            running.daemon.front.drain()
+            running.daemon.front.registry.drain()
             health = await _raw_exchange(raw, b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
     for name in (b"Access-Control-Allow-Origin", b"Access-Control-Allow-Methods", b"Access-Control-Allow-Headers"):
         assert b"\r\n" + name + b": " in preflight, preflight

@@ -180,3 +180,26 @@ def test_every_module_over_400_lines_is_named_with_its_reason_and_no_function_is
     assert sorted(longer) == sorted(stated), "docs/architecture.md's longer modules"
     assert {n: lines for n, lines in longer.items() if lines > stated[n]} == {}, "over the lines the doc allows them"
     assert functions == []
+
+
+# -- one writer of a request's story ------------------------------------------------------------------
+
+# The one module that builds a route line from what a request's steps returned, and the one that reads
+# a line back off the admin socket to render it (`onebitctl watch`).
+LINE_BUILDERS = {"routes/story.py", "admin/render.py"}
+
+
+def test_a_route_line_is_frozen_and_built_by_one_module() -> None:
+    from supervisor.routeline import RouteLine
+
+    line = RouteLine(req="1-1", endpoint="/completion")
+    with pytest.raises(AttributeError):
+        line.route = "file"  # type: ignore[misc]
+    builders = set()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                called = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+                if called == "RouteLine":
+                    builders.add(str(path.relative_to(PACKAGE)))
+    assert builders == LINE_BUILDERS

@@ -133,13 +133,14 @@ def test_engine_auto_is_openvino_where_its_binary_is_found_else_ggml(
 
 
 def test_a_provider_runs_with_its_device_and_its_compile_cache_in_the_cache_directory(tmp_path: Path) -> None:
-    env = openvino.environment("NPU", static_shapes=False, cache=tmp_path / "openvino")
+    binary = tmp_path / "llama-server"
+    env = openvino.environment("NPU", static_shapes=False, cache=tmp_path / "openvino", binary=binary)
     assert env == {
         "GGML_OPENVINO_DEVICE": "NPU",
         "GGML_OPENVINO_COMPILED_MODEL_CACHE_DIR": str(tmp_path / "openvino" / "compiled"),
         "GGML_OPENVINO_CACHE_DIR": str(tmp_path / "openvino" / "plugin"),
     }
-    forced = openvino.environment("CPU", static_shapes=True, cache=tmp_path)
+    forced = openvino.environment("CPU", static_shapes=True, cache=tmp_path, binary=tmp_path / "llama-server")
     assert forced["GGML_OPENVINO_FORCE_STATIC"] == "1"
 
 

@@ -130,12 +130,12 @@ async def test_drain_refuses_new_requests_and_lets_the_ones_in_flight_finish_wit
 
                 nursery.start_soon(drain)
                 await wait_until(lambda: running.daemon.front.draining and progress == [2])
-                during = running.daemon.front.statistics()
+                during = running.daemon.front.registry.statistics()
                 health = await client.get("/health")
                 refused = await client.post(CHAT, json=chat("too late"))
                 control.set(decoder=DecoderModes())
             after = await client.get("/health")
-            drained = running.daemon.front.statistics()
+            drained = running.daemon.front.registry.statistics()
     assert during.draining is True
     assert [(r.endpoint, r.route) for r in during.inflight] == [(CHAT, "plain"), (CHAT, "plain")]
     assert (drained.draining, drained.inflight) == (True, ())

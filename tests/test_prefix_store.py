@@ -1,8 +1,8 @@
 """The prefix store without llama-server: lookup, de-duplication, LRU within max_bytes, pins, torn
 files, fingerprints, a full disk, a directory it cannot use, and readers racing a writer.
 
-State files here are made up (llama.cpp's magic, then filler bytes): the store never reads past the
-magic.  tests/test_real_prefix_store.py does the same with state files the real llama-server saved.
+State files here are made up (llama.cpp's magic, then filler bytes): the store checks only the
+magic and its content hash.  tests/test_real_prefix_store.py does the same with state files the real llama-server saved.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import subprocess
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
@@ -34,7 +35,7 @@ from supervisor.prefix import files as prefix_files
 from supervisor.prefix import index as prefix_index
 from supervisor.prefix.files import Disk
 from supervisor.prefix.index import BLOCK, PrefixIndex, token_key
-from supervisor.prefix.opening import open_prefix_store
+from supervisor.prefix.opening import open_prefix_store, open_private
 from supervisor.prefix.store import MAX_PENDING_PUTS, PrefixStore
 
 from .rig import make_config
@@ -61,6 +62,13 @@ def tokens(n: int, start: int = 0) -> list[int]:
     return list(range(start, start + n))
 
 
+async def private_store(directory: Path, **options: Any) -> PrefixStore:
+    """A private store in ``directory`` (supervisor/prefix/opening.py's ``open_private``), which must open."""
+    store = await open_private(directory, **options)
+    assert store is not None, f"the prefix store in {directory} is off"
+    return store
+
+
 @attrs.define
 class Rig:
     store_dir: Path
@@ -74,10 +82,15 @@ class Rig:
         path.write_bytes(STATE_MAGIC + b"\0" * (size - len(STATE_MAGIC)))
         return path
 
-    async def open(self, max_bytes: int = 1024 * KIB, **kwargs: object) -> PrefixStore:
-        options: dict[str, object] = {"fingerprint": FINGERPRINT, "max_bytes": max_bytes, "min_tokens": MIN_TOKENS}
-        options.update(kwargs)
-        return await PrefixStore.open(self.store_dir, **options)  # type: ignore[arg-type]
+    async def open(self, max_bytes: int = 1024 * KIB, **kwargs: Any) -> PrefixStore:
+        return await private_store(self.store_dir, **{**self.options(max_bytes), **kwargs})
+
+    async def try_open(self, max_bytes: int = 1024 * KIB, **kwargs: Any) -> PrefixStore | None:
+        """None: the store is off (said in one line)."""
+        return await open_private(self.store_dir, **{**self.options(max_bytes), **kwargs})
+
+    def options(self, max_bytes: int) -> dict[str, Any]:
+        return {"fingerprint": FINGERPRINT, "max_bytes": max_bytes, "min_tokens": MIN_TOKENS}
 
     def files(self) -> list[str]:
         return sorted(path.name for path in self.store_dir.iterdir() if path.name != ".lock")
@@ -642,10 +655,8 @@ def read_only_tmpfs(tmp_path: Path) -> Iterator[Path]:
 async def test_a_really_full_file_system_drops_the_entry_and_keeps_the_store_usable(
     rig: Rig, small_tmpfs: Path
 ) -> None:
-    store = await PrefixStore.open(
-        small_tmpfs / "store", fingerprint=FINGERPRINT, max_bytes=8 * 1024 * KIB, min_tokens=1
-    )
-    assert store.enabled
+    store = await open_private(small_tmpfs / "store", fingerprint=FINGERPRINT, max_bytes=8 * 1024 * KIB, min_tokens=1)
+    assert store is not None
     source = rig.state_file(2 * 1024 * KIB)  # on another file system: copied, and the copy fails
     assert not await store.put_file(tokens(100), source)
     assert not source.exists()
@@ -661,17 +672,9 @@ async def test_a_store_directory_that_cannot_be_made_disables_the_store_with_one
 ) -> None:
     blocker = rig.state_dir.parent / "a-file"
     blocker.write_text("")
-    store = await PrefixStore.open(blocker / "store", fingerprint=FINGERPRINT, max_bytes=KIB, min_tokens=1)
-    assert not store.enabled
+    store = await open_private(blocker / "store", fingerprint=FINGERPRINT, max_bytes=KIB, min_tokens=1)
+    assert store is None
     assert messages(prefix_log) == [f"prefix store: off: {blocker}/store: Not a directory"]
-    assert not store.wants(tokens(100))
-    source = rig.state_file()
-    assert not await store.put_file(tokens(100), source)
-    assert not source.exists()
-    assert store.lookup(tokens(100)) is None
-    assert store.statistics().enabled is False
-    assert await store.clear() == 0
-    store.close()
 
 
 class ReadOnlyDisk(Disk):
@@ -682,28 +685,27 @@ class ReadOnlyDisk(Disk):
 async def test_a_store_directory_that_cannot_be_written_disables_the_store(
     rig: Rig, prefix_log: pytest.LogCaptureFixture
 ) -> None:
-    store = await rig.open(disk=ReadOnlyDisk())
-    assert not store.enabled
+    store = await rig.try_open(disk=ReadOnlyDisk())
+    assert store is None
     assert messages(prefix_log) == [f"prefix store: off: {rig.store_dir}: Read-only file system"]
-    store.close()
 
 
 async def test_a_read_only_mount_disables_the_store(
     read_only_tmpfs: Path, prefix_log: pytest.LogCaptureFixture
 ) -> None:
-    store = await PrefixStore.open(read_only_tmpfs, fingerprint=FINGERPRINT, max_bytes=KIB, min_tokens=1)
-    assert not store.enabled
+    store = await open_private(read_only_tmpfs, fingerprint=FINGERPRINT, max_bytes=KIB, min_tokens=1)
+    assert store is None
     assert messages(prefix_log) == [f"prefix store: off: {read_only_tmpfs}: Read-only file system"]
 
 
 async def test_a_second_store_on_the_same_directory_is_disabled_until_the_first_closes(rig: Rig) -> None:
-    first = await rig.open()
-    second = await rig.open()
-    assert first.enabled
-    assert not second.enabled
+    first = await rig.try_open()
+    second = await rig.try_open()
+    assert first is not None
+    assert second is None
     first.close()
-    third = await rig.open()
-    assert third.enabled
+    third = await rig.try_open()
+    assert third is not None
     third.close()
 
 
@@ -831,13 +833,13 @@ async def test_the_store_is_opened_where_the_config_says_with_the_decoders_finge
     model.write_bytes(b"GGUF")
     config = make_config(tmp_path, model={"path": str(model)}, cache={"dir": str(tmp_path / "p"), "min_tokens": 5})
     async with open_prefix_store(config, "version: 9") as store:
-        assert store.enabled
+        assert store is not None
         assert store.directory == tmp_path / "p"
         assert store.min_tokens == 5
         assert store.fingerprint == StateFingerprint.of(config, "version: 9")
     off = make_config(tmp_path, model={"path": str(model)}, cache={"enabled": False, "dir": str(tmp_path / "q")})
     async with open_prefix_store(off, "version: 9") as store:
-        assert not store.enabled
+        assert store is None
     assert not (tmp_path / "q").exists()
 
 

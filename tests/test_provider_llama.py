@@ -188,7 +188,9 @@ async def test_the_daemon_asks_for_devices_before_the_decoder_starts_and_unifies
             await wait_until(lambda: provider.ready)
             decoder_argv = list(running.daemon.models.default.parts.launcher.argv())
             provider_argv = list(provider.launcher.argv())
-            fingerprint = running.daemon.models.default.store.fingerprint
+            store = running.daemon.models.default.store
+            assert store is not None
+            fingerprint = store.fingerprint
     assert provider.device == ("NPU" if unified else "CPU")
     assert ("--kv-unified" in decoder_argv) is unified
     assert ("--kv-unified" in provider_argv) is unified

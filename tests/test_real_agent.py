@@ -32,7 +32,7 @@ from supervisor.config import Config
 from supervisor.llama import statefile
 from supervisor.llama.decoder import DecoderClient
 from supervisor.llama.region import unpack_prompt
-from supervisor.routes.prompt import chat_form, tokens_for
+from supervisor.routes.prompt import Unsupported, parse, tokens_of
 from supervisor.supervise.child import ChildState
 from supervisor.testing import unix_transport
 
@@ -256,7 +256,9 @@ async def test_onebitds_chat_form_gives_the_tokens_the_decoder_evaluates_for_eve
             client = DecoderClient(running.daemon.models.default.parts.launcher.socket)
             try:
                 for name, endpoint, body in CONVERSIONS:
-                    ours = await tokens_for(client, *chat_form(endpoint, body))
+                    prompt = parse(endpoint, body)
+                    assert not isinstance(prompt, Unsupported), (name, prompt.why)
+                    ours = await tokens_of(client, prompt)
                     await erase(direct, 0)
                     reply = await direct.post(endpoint, json={**one_token(endpoint, body), "id_slot": 0})
                     assert reply.status_code == 200, (name, reply.text)
@@ -272,7 +274,7 @@ async def test_onebitds_chat_form_gives_the_tokens_the_decoder_evaluates_for_eve
 
 
 async def test_the_patched_decoder_takes_id_slot_on_v1_messages(short_dir: Path) -> None:
-    """scripts/llama-server-agent.patch: a stock llama-server drops ``id_slot`` there, and would take
+    """patches/llama-server-agent.patch: a stock llama-server drops ``id_slot`` there, and would take
     the second request to the slot that holds its prompt."""
     _name, endpoint, body = CONVERSIONS[0]
     with trio.fail_after(DEADLINE_S):
@@ -514,7 +516,7 @@ async def test_an_agents_conversation_is_restored_from_the_prefix_store_after_an
         async with run_daemon(store_config(short_dir, store_dir)) as running:
             async with open_anthropic(running) as client:
                 assert text_of(await client.messages.create(messages=first_turn, **common)) == text_of(first)
-            await wait_until(lambda: running.daemon.models.default.store.statistics().stores >= 1)
+            await wait_until(lambda: running.daemon.models.default.store_statistics().stores >= 1)
         async with run_daemon(store_config(short_dir, store_dir)) as running, open_anthropic(running) as client:
             got = await client.messages.create(messages=anthropic_turns(text_of(first)), **common)
     assert text_of(got) == text_of(expected)
@@ -542,7 +544,7 @@ async def test_anthropic_python_reads_onebitds_refusals_as_anthropics_errors(sho
                 # The decoder's own refusal (a body its conversion refuses) is relayed as it wrote it.
                 with pytest.raises(anthropic.APIStatusError) as bad:
                     await client.messages.create(**{**message, "messages": [{"role": "user"}]})
-                running.daemon.front.drain()
+                running.daemon.front.registry.drain()
                 with pytest.raises(anthropic.ServiceUnavailableError) as draining:
                     await client.messages.create(**message)
     assert (denied.value.status_code, denied.value.type) == (401, "authentication_error")

@@ -140,7 +140,7 @@ async def test_a_long_prompt_asked_again_and_after_a_restart_is_never_paid_for_t
             again = await ask(running.url)
             stats = model.statistics()
             if expected is Restores.WHOLE:
-                await wait_until(lambda: model.store.statistics().stores >= 1)
+                await wait_until(lambda: model.store_statistics().stores >= 1)
         # After a restart: no provider, the prefix store alone spares the prompt, or is off.
         async with run_daemon(config(short_dir, path, store_dir, with_provider=False)) as running:
             after = await ask(running.url)
@@ -262,7 +262,7 @@ async def test_a_model_swapped_out_and_back_restores_its_prompt_or_was_swapped_w
             await ask_model(running.url, "first")  # and loaded back
             first = running.daemon.models.get("first")
             assert first is not None
-            entries = first.store.statistics().entries
+            entries = first.store_statistics().entries
     cold, _, back = route_lines.lines
     if kept:
         assert back["restored_tokens"] == cold["prompt_tokens"]

@@ -119,11 +119,11 @@ async def test_a_swap_within_max_loaded_keeps_the_conversation_in_the_prefix_sto
             big = running.daemon.models.get("big")
             assert big is not None
             assert big.state is ModelState.UNLOADED
-            assert big.store.statistics().entries >= 1
+            assert big.store_statistics().entries >= 1
             # Each model's store of its own (another ctx_size, another fingerprint): onebitctl cache list --model.
             path = running.daemon.admin.path
             listed = {name: await admin.call(path, "cache list", {"model": name}) for name in ("big", "small")}
-            assert len(listed["big"]["result"]["entries"]) == big.store.statistics().entries
+            assert len(listed["big"]["result"]["entries"]) == big.store_statistics().entries
             assert listed["small"]["result"]["entries"] == []
             assert listed["big"]["result"]["statistics"]["directory"].endswith("model-big")
             unknown = await admin.call(path, "cache list", {"model": "nope"})

@@ -1,9 +1,10 @@
-"""The OpenVINO llama-server set-up builds (scripts/build-llama-server --engine openvino), on device
-CPU, against the ggml one: it serves prompts of every length (without the GGML_OP_DUP translation of
-scripts/llama-server-openvino.patch every prompt after the warm-up failed with "Compute error"), on
-the dynamic path and on the NPU's static one forced on the CPU; its slot files hold the ggml
-decoder's KV within a few percent per layer (with Q4_1 zero points rounded to integers the last
-layer was 15% off in K and 43% in V); and they restore into the ggml llama-server.
+"""The OpenVINO backend set-up builds (scripts/build-llama-server --engine openvino: the same llama-server,
+loading llama.cpp's OpenVINO backend by GGML_BACKEND_PATH), on device CPU, against the ggml one: it
+serves prompts of every length (without the GGML_OP_DUP translation of patches/llama-server-openvino.patch
+every prompt after the warm-up failed with "Compute error"), on the dynamic path and on the NPU's
+static one forced on the CPU; its slot files hold the ggml decoder's KV within a few percent per layer
+(with Q4_1 zero points rounded to integers the last layer was 15% off in K and 43% in V); and they
+restore into the ggml llama-server.
 
 Both servers run with the product's [model] flags (supervisor/llama/llama_server.py's model_args), one at
 a time, each on its own unix socket; a scenario per server type runs once and the tests read its
@@ -28,6 +29,7 @@ from supervisor.config import ModelConfig, locate
 from supervisor.llama import statefile
 from supervisor.llama.decoder import DecoderClient
 from supervisor.llama.llama_server import model_args
+from supervisor.llama.openvino import backend_env as openvino_env
 from supervisor.supervise.process import ChildProcess
 
 from .rig import openvino_llama_server, real_llama_server
@@ -134,7 +136,7 @@ class Results:
 
 async def scenario(top: Path) -> Results:
     ggml, openvino = real_llama_server(), openvino_llama_server()
-    cpu = {"GGML_OPENVINO_DEVICE": "CPU"}
+    cpu = {**openvino_env(openvino), "GGML_OPENVINO_DEVICE": "CPU"}
     served: dict[str, list[int]] = {}
     (top / "ov").mkdir()
     async with llama_server(openvino, top / "ov", env=cpu) as server:

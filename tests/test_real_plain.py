@@ -281,7 +281,7 @@ async def test_a_plain_request_logs_a_route_line_with_the_decoders_own_counts(
                 max_tokens=MAX_TOKENS,
             )
             # The line is written once the request has left the in-flight table.
-            await rig.running.daemon.front.wait_idle()
+            await rig.running.daemon.front.registry.wait_idle()
 
     (line,) = route_lines(captured)
     assert reply.usage is not None
@@ -318,7 +318,7 @@ async def test_a_client_that_hangs_up_mid_stream_frees_the_decoders_slot(
                             hang_up.cancel()
             assert hang_up.cancelled_caught, "the reply ended before the client could hang up"
             await wait_decoder_idle(rig)
-            await rig.running.daemon.front.wait_idle()
+            await rig.running.daemon.front.registry.wait_idle()
             statistics = rig.running.daemon.models.default.parts.slots.statistics()
             released = await wait_released(captured, slot["id_task"])
 
@@ -349,7 +349,7 @@ async def test_a_client_that_hangs_up_during_prefill_frees_the_decoders_slot(
                 slot = await wait_decoder_busy(rig)
                 nursery.cancel_scope.cancel()
             await wait_decoder_idle(rig)
-            await rig.running.daemon.front.wait_idle()
+            await rig.running.daemon.front.registry.wait_idle()
             statistics = rig.running.daemon.models.default.parts.slots.statistics()
             released = await wait_released(captured, slot["id_task"])
 
@@ -387,7 +387,7 @@ async def test_a_decoder_killed_mid_stream_ends_the_stream_with_an_error_event_a
             await until(back)
             new_pid = decoder.pid
             after = await rig.front.post("/v1/completions", json={"prompt": TEXT_PROMPT, **GREEDY})
-            await rig.running.daemon.front.wait_idle()
+            await rig.running.daemon.front.registry.wait_idle()
 
     assert "error" not in events[0]
     assert events[-1]["error"]["code"] == "decoder_lost"

@@ -25,10 +25,10 @@ import trio
 from supervisor.config import Config
 from supervisor.llama.decoder import DecoderClient
 from supervisor.llama.llama_server import LlamaServerLauncher, StateFingerprint, server_version
-from supervisor.prefix.store import PrefixStore
 from supervisor.supervise.process import ChildProcess
 
 from .rig import make_config, real_llama_server
+from .test_prefix_store import private_store
 
 pytestmark = pytest.mark.real
 
@@ -125,13 +125,13 @@ async def test_a_stored_prefix_restored_into_another_slot_after_a_restart_gives_
             await first.post("/completion", {"prompt": prefix, "n_predict": 0, "id_slot": 0, "cache_prompt": True})
             saved = await first.post("/slots/0?action=save", {"filename": "saved.state"})
             assert saved["n_saved"] == len(prefix)
-            store = await PrefixStore.open(store_dir, **store_options)
+            store = await private_store(store_dir, **store_options)
             assert await store.put_file(prefix, state_dir / "saved.state")
             store.close()
         assert os.listdir(state_dir) == []
 
         # 2. onebitd and the decoder restarted: the store is opened again, a new decoder started.
-        store = await PrefixStore.open(store_dir, **store_options)
+        store = await private_store(store_dir, **store_options)
         prompt = [*prefix, *suffix]
         entry = store.lookup(prompt)
         assert entry is not None
@@ -163,7 +163,7 @@ async def test_a_stored_prefix_restored_into_another_slot_after_a_restart_gives_
 
     # 4. A decoder started with another -c cannot use it: the entry is dropped at open.
     other = make_config(short_dir, model={**MODEL, "ctx_size": 4096}, cache={"ram_mib": 0})
-    reopened = await PrefixStore.open(store_dir, **{**store_options, "fingerprint": fingerprint(other, version)})
+    reopened = await private_store(store_dir, **{**store_options, "fingerprint": fingerprint(other, version)})
     assert reopened.list() == []
     assert sorted(path.name for path in store_dir.iterdir()) == [".lock"]
     reopened.close()

@@ -106,6 +106,8 @@ async def test_a_drained_hosts_conversation_goes_on_at_another_host_from_its_sha
         async with run_daemon(config(dirs, "host-a")) as a, run_daemon(config(dirs, "host-b", 60.0)) as b:
             store_a = a.daemon.models.default.store
             store_b = b.daemon.models.default.store
+            assert store_a is not None
+            assert store_b is not None
             assert store_a.shared
             await chat(a.url, first)  # a new prompt: stored whole after its reply
             reply = await chat(a.url, second)  # branches off the first: only the system prompt is stored

@@ -9,6 +9,7 @@ its own prompt cache: a fresh daemon without a store, the first question, then t
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -24,6 +25,8 @@ import trio
 
 from supervisor.config import Config
 from supervisor.daemon import Daemon
+from supervisor.prefix import files as prefix_files
+from supervisor.prefix.store import PrefixStore
 from supervisor.supervise.child import ChildState
 
 from .helpers import wait_until
@@ -71,7 +74,14 @@ async def ask(url: str, question: str) -> str:
 
 async def stored(daemon: Daemon, n: int) -> None:
     """The store's writes run off the requests' path: wait for the n-th to commit."""
-    await wait_until(lambda: daemon.models.default.store.statistics().stores >= n)
+    await wait_until(lambda: daemon.models.default.store_statistics().stores >= n)
+
+
+def opened(daemon: Daemon) -> PrefixStore:
+    """The default model's prefix store, which this test's config turns on."""
+    store = daemon.models.default.store
+    assert store is not None
+    return store
 
 
 async def crash_decoder(daemon: Daemon) -> None:
@@ -116,13 +126,13 @@ async def test_a_shared_prefix_survives_a_decoder_crash_and_an_onebitd_restart_a
             await ask(running.url, QUESTIONS[0])  # a new prompt: kept whole
             await ask(running.url, QUESTIONS[1])  # branches off the first: the shared prefix is kept
             await stored(daemon, 2)
-            keys = {len(entry.tokens) for entry in daemon.models.default.store.list()}
+            keys = {len(entry.tokens) for entry in opened(daemon).list()}
             await crash_decoder(daemon)
             after_crash = await ask(running.url, QUESTIONS[2])
             told = store_events(feed)
         async with run_daemon(config(short_dir, store_dir)) as running:
             # The two, and the prompt that went on from the restored prefix, kept whole.
-            assert running.daemon.models.default.store.statistics().entries == 3
+            assert running.daemon.models.default.store_statistics().entries == 3
             after_restart = await ask(running.url, QUESTIONS[3])
     assert [after_crash, after_restart] == expected
     assert [e["what"] for e in told][:3] == ["stored", "stored", "restored"], told
@@ -145,7 +155,7 @@ async def test_an_entry_from_a_decoder_with_other_parameters_is_dropped_at_start
             await ask(running.url, QUESTIONS[0])
             await stored(running.daemon, 1)
         async with run_daemon(config(short_dir, store_dir, ctx_size=4096)) as running:
-            statistics = running.daemon.models.default.store.statistics()
+            statistics = running.daemon.models.default.store_statistics()
             assert (statistics.entries, statistics.drops) == (0, 1)
             await ask(running.url, QUESTIONS[0])
     dropped = [r.getMessage() for r in caplog.records if r.name == "onebit.prefix" and "fingerprint" in r.getMessage()]
@@ -158,18 +168,23 @@ async def test_an_entry_the_decoder_refuses_is_dropped_and_the_request_is_served
     caplog.set_level(logging.INFO, logger="onebit.prefix")
     with trio.fail_after(DEADLINE_S):
         async with run_daemon(config(short_dir, store_dir)) as running:
-            daemon = running.daemon
             expected = await ask(running.url, QUESTIONS[0])
-            await stored(daemon, 1)
-            [entry] = daemon.models.default.store.list()
-            # Damaged on disk after it was committed (same size, so nothing notices until it is used).
-            state = store_dir / f"{entry.key}.state"
-            data = bytearray(state.read_bytes())
-            data[:4] = b"XXXX"
-            state.write_bytes(bytes(data))
-            await crash_decoder(daemon)  # its slot no longer holds the prompt
-            got = await ask(running.url, QUESTIONS[0])
-            assert daemon.models.default.store.statistics().entries == 0
+            await stored(running.daemon, 1)
+            [entry] = opened(running.daemon).list()
+        # Damaged before it was committed: a state file version llama-server does not read, the
+        # size, the magic and a content hash of the damaged bytes as a commit would have them, so
+        # that the store hands it over and the decoder is the one to refuse it.
+        state = store_dir / f"{entry.key}.state"
+        data = bytearray(state.read_bytes())
+        data[4:8] = (99).to_bytes(4, "little")
+        state.write_bytes(bytes(data))
+        sidecar = prefix_files.sidecar_path(store_dir, entry.key)
+        document = json.loads(sidecar.read_bytes())
+        sidecar.write_text(json.dumps({**document, "blake2b": prefix_files.digest(state)}))
+        async with run_daemon(config(short_dir, store_dir)) as running:
+            daemon = running.daemon
+            got = await ask(running.url, QUESTIONS[0])  # a new decoder: its slot holds nothing
+            assert daemon.models.default.store_statistics().entries == 0
     assert got == expected
     line = route_lines.lines[-1]
     assert (line["outcome"], line["restored_tokens"]) == ("ok", None)

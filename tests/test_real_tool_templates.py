@@ -3,7 +3,7 @@
 The JSON-native tool-call parser of llama-server stopped a reply's content at its first "{" and answered
 500 ("does not match the expected peg-native format") when no tool call followed, which SmolLM2's greedy
 reply to this question does with the Llama 3.x templates ("The weather in {city_name} ...").
-scripts/llama-server-tools.patch makes such text content; the Llama test fails on a build without it.
+patches/llama-server-tools.patch makes such text content; the Llama test fails on a build without it.
 
 The matrix then takes each of the sdist's ``models/templates`` (the ggml build copies them beside its
 bin/) through the file route, and holds onebitd to what the decoder answers from its own prompt cache

@@ -15,9 +15,11 @@ from supervisor.llama.slots import KEEP_WAIT_S, PromptKey, SlotPool, common_pref
 from supervisor.reasons import Reason
 from supervisor.routes.decision import (
     DEGRADE,
+    Ask,
     Choice,
     Costs,
     Estimate,
+    Offer,
     Policy,
     Route,
     Step,
@@ -37,8 +39,36 @@ HYBRID: dict[str, Any] = {
 }
 
 
+def choose_from(
+    *,
+    enabled: bool,
+    share: bool,
+    provider_ready: bool,
+    prompt_tokens: int | None,
+    min_prompt_tokens: int,
+    share_refused: bool,
+    costs: Costs | None = None,
+    policy: Policy | None = None,
+    provider_picked: bool | None = None,
+    unsupported: bool = False,
+    over_context: bool = False,
+    restored: bool = False,
+    provider_away: Reason | None = None,
+    restorable: bool = True,
+    store: bool = False,
+) -> Choice:
+    """``choose`` over its table's columns, one keyword each (``provider_picked`` None: as
+    ``provider_ready``), put into the values it takes."""
+    picked = provider_ready if provider_picked is None else provider_picked
+    kept = Reason.OVER_CONTEXT if over_context else Reason.UNSUPPORTED if unsupported else None
+    unpicked = None if picked else provider_away or Reason.NO_PROVIDER
+    ask = Ask(prompt_tokens, kept=kept, unpicked=unpicked, restored=restored)
+    offer = Offer(enabled, share, provider_ready, share_refused, restorable, store)
+    return choose(ask, offer, costs, attrs.evolve(policy or Policy(), min_prompt_tokens=min_prompt_tokens))
+
+
 def choice(**changes: Any) -> Choice:
-    return choose(**{**HYBRID, **changes})
+    return choose_from(**{**HYBRID, **changes})
 
 
 def test_a_long_prompt_with_a_ready_provider_takes_the_file_route() -> None:
@@ -143,18 +173,18 @@ inputs = st.fixed_dictionaries(
 @given(inputs)
 def test_choose_never_shares_when_share_is_off(kwargs: dict[str, Any]) -> None:
     if not kwargs["share"]:
-        assert choose(**kwargs).route is not Route.SHARE
+        assert choose_from(**kwargs).route is not Route.SHARE
 
 
 @given(inputs)
 def test_choose_never_picks_a_hybrid_route_when_off_or_without_a_provider(kwargs: dict[str, Any]) -> None:
     if not kwargs["enabled"] or not kwargs["provider_ready"]:
-        assert choose(**kwargs).route is Route.PLAIN
+        assert choose_from(**kwargs).route is Route.PLAIN
 
 
 @given(inputs)
 def test_choose_gives_a_reason_whenever_it_does_not_take_the_configured_route(kwargs: dict[str, Any]) -> None:
-    result = choose(**kwargs)
+    result = choose_from(**kwargs)
     configured = Route.SHARE if kwargs["share"] else Route.FILE
     assert (result.route is configured) == (result.reason is None)
 
@@ -174,7 +204,7 @@ COLD = Costs(
 
 
 def priced(costs: Costs = COLD, **changes: Any) -> Choice:
-    return choose(**{**HYBRID, "prompt_tokens": 600, **changes}, costs=costs, policy=Policy())
+    return choose_from(**{**HYBRID, "prompt_tokens": 600, **changes}, costs=costs, policy=Policy())
 
 
 def test_cold_priors_with_equal_rates_hand_a_long_prompt_over_as_a_near_tie() -> None:
@@ -219,7 +249,7 @@ def test_a_slow_provider_loses_to_a_cold_decoder_and_says_plain_cheaper() -> Non
 def test_the_margin_decides_near_ties() -> None:
     slower = attrs.evolve(COLD, provider_ms_per_token=5.7)  # hybrid 3485 ms against plain 3000
     assert priced(slower).route is Route.PLAIN
-    wide = choose(**{**HYBRID, "prompt_tokens": 600}, costs=slower, policy=Policy(prefer_margin=0.2))
+    wide = choose_from(**{**HYBRID, "prompt_tokens": 600}, costs=slower, policy=Policy(prefer_margin=0.2))
     assert wide.route is Route.FILE
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from supervisor.providers.seat import REASONS, Action, decide
 from supervisor.reasons import Reason
-from supervisor.routes.decision import Route, choose
+from supervisor.routes.decision import Ask, Offer, Route, choose
 
 
 @pytest.mark.parametrize(
@@ -40,29 +40,14 @@ def test_only_a_request_whose_model_holds_the_seat_says_nothing_of_it() -> None:
 
 @pytest.mark.parametrize("away", [Reason.PROVIDER_SWAPPING, Reason.PROVIDER_OTHER_MODEL, None])
 def test_a_request_without_its_shared_provider_is_plain_and_says_why(away: Reason | None) -> None:
-    choice = choose(
-        enabled=True,
-        share=False,
-        provider_ready=False,
-        provider_picked=False,
-        prompt_tokens=None,
-        min_prompt_tokens=4,
-        share_refused=False,
-        provider_away=away,
-    )
+    choice = choose(Ask(None, unpicked=away or Reason.NO_PROVIDER), Offer(enabled=True, provider_ready=False))
     assert choice.route is Route.PLAIN
     assert choice.reasons == ((away or Reason.NO_PROVIDER),)
 
 
 def test_over_context_still_comes_first() -> None:
     choice = choose(
-        enabled=True,
-        share=False,
-        provider_ready=False,
-        prompt_tokens=None,
-        min_prompt_tokens=4,
-        share_refused=False,
-        over_context=True,
-        provider_away=Reason.PROVIDER_SWAPPING,
+        Ask(None, kept=Reason.OVER_CONTEXT, unpicked=Reason.PROVIDER_SWAPPING),
+        Offer(enabled=True, provider_ready=False),
     )
     assert choice.reasons == (Reason.OVER_CONTEXT,)

@@ -32,9 +32,10 @@ from supervisor.llama.statefile import MAGIC_BYTES as STATE_MAGIC
 from supervisor.observe import metrics
 from supervisor.prefix import files as prefix_files
 from supervisor.prefix import shared
+from supervisor.prefix.fallback import FallbackDirectory
 from supervisor.prefix.index import token_key
-from supervisor.prefix.opening import open_prefix_store
-from supervisor.prefix.sharedstore import SharedPrefixStore
+from supervisor.prefix.opening import open_prefix_store, open_shared
+from supervisor.prefix.shareddir import SharedDirectory
 from supervisor.prefix.store import PrefixStore
 
 from . import shared_store_writer
@@ -61,7 +62,7 @@ class Hosts:
         path.write_bytes(STATE_MAGIC + b"\0" * (size - len(STATE_MAGIC)))
         return path
 
-    async def open(self, host: str, max_bytes: int = 1024 * KIB, **kwargs: object) -> SharedPrefixStore:
+    async def open(self, host: str, max_bytes: int = 1024 * KIB, **kwargs: object) -> PrefixStore:
         options: dict[str, object] = {
             "host_id": host,
             "fingerprint": FINGERPRINT,
@@ -70,7 +71,7 @@ class Hosts:
             "max_age_s": DAY,
         }
         options.update(kwargs)
-        return await SharedPrefixStore.open_shared(self.shared_dir, **options)  # type: ignore[arg-type]
+        return await open_shared(self.shared_dir, **options)  # type: ignore[arg-type]
 
     def committed(self) -> list[str]:
         """Names of the committed entries on disk now (whole: sidecar and state file of its size)."""
@@ -98,6 +99,12 @@ class Hosts:
                 continue  # evicted meanwhile
             total += sum(sizes)
         return total
+
+
+def age_limit(store: PrefixStore, max_age_s: float) -> None:
+    """A shared store's ``cache.shared_max_age_s`` lowered while it runs."""
+    assert isinstance(store.io, SharedDirectory)
+    store.io.max_age_s = max_age_s
 
 
 @pytest.fixture
@@ -185,7 +192,9 @@ async def test_a_killed_writers_temporary_files_are_never_an_entry_and_go_once_o
         hosts.shared_dir.mkdir()
         key = token_key(tokens(100))
         name = f"{key}~dead-host~0badf00d"
-        sidecar = prefix_files.render_sidecar(tuple(tokens(100)), FINGERPRINT.as_json(), ENTRY, time.time(), "dead")
+        sidecar = prefix_files.render_sidecar(
+            tuple(tokens(100)), FINGERPRINT.as_json(), ENTRY, time.time(), "dead", blake2b="00" * 16
+        )
         left = [
             hosts.shared_dir / f"{prefix_files.TEMP_PREFIX}{name}-1234abcd.state",
             prefix_files.state_path(hosts.shared_dir, name),  # renamed in, its sidecar never was
@@ -203,7 +212,7 @@ async def test_a_killed_writers_temporary_files_are_never_an_entry_and_go_once_o
             os.utime(path, (hour_ago, hour_ago))
         await store.refresh()
         assert all(path.exists() for path in left)  # younger than max_age_s still
-        store.max_age_s = 60
+        age_limit(store, 60)
         await store.refresh()
         assert not any(path.exists() for path in left)
         assert store.lookup(tokens(100)) is None
@@ -392,7 +401,7 @@ async def test_a_shared_directory_under_a_file_leaves_the_host_on_its_private_st
         cache = {"dir": str(tmp_path / "private"), "shared_dir": str(blocker / "shared")}
         config = make_config(tmp_path, model={"path": str(model)}, server={"host_id": "h1"}, cache=cache)
         async with open_prefix_store(config, "version: 9") as store:
-            assert store.enabled
+            assert store is not None
             assert store.directory == tmp_path / "private"
             stats = store.statistics()
             assert (stats.shared, stats.host_id) == (False, "h1")
@@ -419,6 +428,7 @@ async def test_a_shared_directory_it_may_not_enter_leaves_the_host_on_its_privat
             cache = {"dir": str(tmp_path / "private"), "shared_dir": str(closed / "shared")}
             config = make_config(tmp_path, model={"path": str(model)}, cache=cache)
             async with open_prefix_store(config, "version: 9") as store:
+                assert store is not None
                 assert store.directory == tmp_path / "private"
                 assert store.statistics().shared_problem == f"{closed}/shared: Permission denied"
         finally:
@@ -436,6 +446,8 @@ async def test_a_usable_shared_directory_is_not_locked_and_says_so_in_one_line_a
         first = make_config(tmp_path, model={"path": str(model)}, server={"host_id": "h1"}, cache=cache)
         second = make_config(tmp_path, model={"path": str(model)}, server={"host_id": "h2"}, cache=cache)
         async with open_prefix_store(first, "v") as one, open_prefix_store(second, "v") as two:
+            assert one is not None
+            assert two is not None
             assert (one.shared, two.shared) == (True, True)
             assert one.directory == two.directory == tmp_path / "shared"
         assert not (tmp_path / "shared" / ".lock").exists()
@@ -492,27 +504,32 @@ async def test_status_and_metrics_count_the_restores_of_other_hosts_entries(host
     assert render._store_line(fell_back).endswith("; shared directory: /mnt/x: Not a directory")
 
 
+async def kill_a_writer(hosts: Hosts, where: str) -> list[str]:
+    """tests/shared_store_writer.py (host ``doomed``) SIGKILLed half way through ``where`` (the state
+    file's copy, or the sidecar, fsynced there): the files it left."""
+    hosts.shared_dir.mkdir(exist_ok=True)
+    command = [sys.executable, "-m", "tests.shared_store_writer", str(hosts.shared_dir), str(hosts.state_file()), where]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    async with trio.open_nursery() as nursery:
+        run = functools.partial(trio.run_process, command, stdout=subprocess.PIPE, check=False, cwd=REPO, env=env)
+        writer: trio.Process = await nursery.start(run)
+        assert writer.stdout is not None
+        said = b""
+        while shared_store_writer.STUCK.encode() not in said:
+            chunk = await writer.stdout.receive_some()
+            assert chunk, f"the writer ended before it was half way: {said!r}"
+            said += chunk
+        writer.kill()
+    assert writer.returncode == -signal.SIGKILL
+    return sorted(path.name for path in hosts.shared_dir.iterdir())
+
+
 @pytest.mark.parametrize("where", ["state", "sidecar"])
 async def test_a_writer_sigkilled_mid_write_leaves_nothing_another_host_restores(hosts: Hosts, where: str) -> None:
     """A real kill: tests/shared_store_writer.py stops dead half way through the state file's copy or
     through the sidecar (fsynced), and is SIGKILLed there."""
     with trio.fail_after(TIMEOUT):
-        hosts.shared_dir.mkdir()
-        source = hosts.state_file()
-        command = [sys.executable, "-m", "tests.shared_store_writer", str(hosts.shared_dir), str(source), where]
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
-        async with trio.open_nursery() as nursery:
-            run = functools.partial(trio.run_process, command, stdout=subprocess.PIPE, check=False, cwd=REPO, env=env)
-            writer: trio.Process = await nursery.start(run)
-            assert writer.stdout is not None
-            said = b""
-            while shared_store_writer.STUCK.encode() not in said:
-                chunk = await writer.stdout.receive_some()
-                assert chunk, f"the writer ended before it was half way: {said!r}"
-                said += chunk
-            writer.kill()
-        assert writer.returncode == -signal.SIGKILL
-        left = sorted(path.name for path in hosts.shared_dir.iterdir())
+        left = await kill_a_writer(hosts, where)
         assert len(left) == (1 if where == "state" else 2), left
         survivor = await hosts.open("survivor")
         assert survivor.lookup(tokens(100)) is None
@@ -520,7 +537,7 @@ async def test_a_writer_sigkilled_mid_write_leaves_nothing_another_host_restores
         hour_ago = time.time() - 3600
         for path in hosts.shared_dir.iterdir():
             os.utime(path, (hour_ago, hour_ago))
-        survivor.max_age_s = 60
+        age_limit(survivor, 60)
         await survivor.refresh()
         assert list(hosts.shared_dir.iterdir()) == []
         assert await survivor.put_file(tokens(100), hosts.state_file())  # stored whole, by the survivor
@@ -568,7 +585,8 @@ async def test_a_shared_directory_lost_while_running_sends_the_puts_to_the_priva
         config = make_config(tmp_path, model={"path": str(model)}, server={"host_id": "h1"}, cache=cache)
         hosts = Hosts(shared_dir, tmp_path)
         async with open_prefix_store(config, "v") as store:
-            assert isinstance(store, SharedPrefixStore)
+            assert store is not None
+            assert isinstance(store.io, FallbackDirectory)
             assert await store.put_file(tokens(100), hosts.state_file())
             lost = shared_dir.rename(tmp_path / "unmounted")
             await store.refresh()

@@ -191,6 +191,7 @@ async def test_the_feed_sends_the_prefix_stores_events(short_dir: Path, control:
     with trio.fail_after(TIMEOUT):
         async with run_daemon(fake_decoder_config(short_dir)) as running:
             model = running.daemon.models.default
+            assert model.store is not None
             async with feed(running) as events:
                 assert (await anext(events))["event"] == "hello"
                 model.store.on_event({"what": "evicted", "tokens": 300, "bytes": 4096, "origin_host": "h"})

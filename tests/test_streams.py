@@ -67,7 +67,7 @@ async def test_a_stream_with_a_conversation_id_left_mid_way_runs_to_its_end_hold
             assert rig.lines == []
             assert rig.slots.statistics().busy == 1
             # Still in flight: a drain waits for it, `onebitctl status` shows it.
-            assert [request.endpoint for request in rig.front.statistics().inflight] == [CHAT]
+            assert [request.endpoint for request in rig.front.registry.statistics().inflight] == [CHAT]
             rig.fake.release.set()
     [line] = rig.lines
     assert (line.outcome, line.status, line.error) == ("detached", 200, None)

@@ -36,6 +36,7 @@ from ..config import converter
 from ..errors import AdminError, AdminUnavailable, ClientError, ConfigError, DecoderError
 from ..observe.routestats import RouteStats
 from ..observe.status import DaemonStatistics, ModelStatistics, to_wire
+from ..prefix.statistics import OFF
 from ..prefix.store import PrefixStore
 
 log = logging.getLogger("onebit.admin")
@@ -60,8 +61,9 @@ class Managed(Protocol):
 
     def reload(self) -> dict[str, Any]: ...
 
-    def store_of(self, name: str | None = None) -> PrefixStore:
-        """A model's prefix store (None: the default model's); ClientError for a model there is not."""
+    def store_of(self, name: str | None = None) -> PrefixStore | None:
+        """A model's prefix store (``name`` None: the default model's; None: it has none); ClientError
+        for a model there is not."""
         ...
 
     async def load(self, name: str) -> ModelStatistics: ...
@@ -210,20 +212,23 @@ async def verb_cache_list(daemon: Managed, args: dict[str, Any], send: Send) -> 
             "created": entry.created,
             "last_used": entry.last_used,
         }
-        for entry in store.list()
+        for entry in (store.list() if store is not None else [])
     ]
-    return {"statistics": converter.unstructure(store.statistics()), "entries": entries}
+    statistics = store.statistics() if store is not None else OFF
+    return {"statistics": converter.unstructure(statistics), "entries": entries}
 
 
 async def verb_cache_clear(daemon: Managed, args: dict[str, Any], send: Send) -> Any:
     """``{"verb": "cache clear", "args": {"model": NAME}}`` (``model`` optional) -> ``{"ok": true,
     "result": {"removed": N}}``: every entry not in use is removed from the prefix store (the
     model's, else the default model's; an entry being restored goes when its restore ends)."""
-    return {"removed": await _store(daemon, args).clear()}
+    store = _store(daemon, args)
+    return {"removed": await store.clear() if store is not None else 0}
 
 
-def _store(daemon: Managed, args: dict[str, Any]) -> PrefixStore:
-    """The prefix store of ``args["model"]`` (each model has its own), else the default model's."""
+def _store(daemon: Managed, args: dict[str, Any]) -> PrefixStore | None:
+    """The prefix store of ``args["model"]`` (each model has its own), else the default model's;
+    None where it has none."""
     name = args.get("model")
     if name is not None and not isinstance(name, str):
         raise AdminError("model must be the name of a model")

@@ -28,6 +28,7 @@ import enum
 import attrs
 
 from ..routes.prompt import CHAT
+from .vertex import Vertex
 
 
 class Kind(enum.Enum):
@@ -55,7 +56,7 @@ class Endpoint:
     canonical: str = ""
     # SLOT: llama-server honours ``id_slot`` here.  Embeddings and rerank tasks take no ``id_slot``:
     # those run on a slot llama-server picks.  (A stock llama-server's Anthropic conversion drops it
-    # too; scripts/llama-server-agent.patch keeps it, so /v1/messages is pinned like chat.)
+    # too; patches/llama-server-agent.patch keeps it, so /v1/messages is pinned like chat.)
     pinned: bool = True
     # REFUSED: why, in the answer's words.
     why: str = ""
@@ -180,6 +181,16 @@ UNSERVED: dict[tuple[str, str], str] = {
     ("GET", "/tools"): _TOOLS,
     ("POST", "/tools"): _TOOLS,
 }
+
+
+def vertex_endpoints(vertex: Vertex | None) -> dict[str, dict[str, Endpoint]]:
+    """Vertex AI's routes, where onebitd's environment asks for them (``AIP_MODE=PREDICTION``)."""
+    if vertex is None:
+        return {}
+    routes = {vertex.predict: {"POST": Endpoint(Kind.PREDICT)}}
+    if vertex.health:
+        routes[vertex.health] = {"GET": local_endpoint(Local.HEALTH)}
+    return routes
 
 
 def public(methods: dict[str, Endpoint] | None) -> bool:

@@ -1,38 +1,31 @@
 """The HTTP front: an ASGI app, served by onebitd's own HTTP/1.1 server (supervisor/http/server.py).
 
 It admits a request (supervisor/api/access.py: Host, Origin, API key, body), finds who answers its
-path (supervisor/api/endpoints.py), turns errors into answers, and runs every completion request in
-its own cancel scope that the client's hang-up cancels (supervisor/api/hangup.py, which also keeps
-a stream sent with ``X-Conversation-Id`` going, ``outcome=detached``).  Exactly one route line is
-logged per completion request, whatever happened, written by :meth:`Front._end`.  Local answers are
-supervisor/api/local.py's; Vertex AI's prediction route, where onebitd's environment asks for it,
-supervisor/api/predict.py's.
+path (supervisor/api/endpoints.py) and dispatches it: local answers to supervisor/api/local.py, a
+relayed path to supervisor/api/relayed.py, Vertex AI's prediction route (where onebitd's environment
+asks for it) to supervisor/api/predict.py, and a completion to supervisor/api/lifecycle.py, which
+runs it to its route line.  The requests in flight and the drain are supervisor/api/inflight.py's.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-import os
-import time
 from collections.abc import Callable
 from typing import Any
 
-import attrs
 import trio
 
 from ..config import ServerConfig, source
-from ..errors import ClientError, DecoderError, OnebitError
+from ..errors import ClientError, DecoderError
 from ..http import wire
 from ..http.respond import Receive, Responder, Send, speaks_anthropic
-from ..http.server import HangUp, HttpServer
-from ..observe.logs import ROUTE_LOGGER
-from ..observe.status import FrontStatistics, InflightStatistics
-from ..routeline import RequestOutcome, RouteLine
+from ..http.server import HttpServer
+from ..routeline import RouteLine
 from . import access, hangup, relayed, statuspage
 from .access import Access
-from .endpoints import Endpoint, Kind, Local, local_endpoint, lookup, page_name, public
-from .hangup import CONVERSATION_HEADER, Watch
+from .endpoints import Endpoint, Kind, lookup, page_name, public, vertex_endpoints
+from .inflight import Inflight, InflightRequest
+from .lifecycle import Lifecycle, answer_error
 from .local import Answers, ProviderReadiness
 from .predict import Predict
 from .serving import One, Router, Served
@@ -41,28 +34,11 @@ from .vertex import Vertex
 __all__ = ["Front", "InflightRequest", "One", "ProviderReadiness", "Router", "Served"]
 
 log = logging.getLogger("onebit.front")
-route_log = logging.getLogger(ROUTE_LOGGER)
-
-
-@attrs.frozen
-class InflightRequest:
-    req: str
-    endpoint: str
-    started: float  # trio clock
-    wall_started: float
-    line: RouteLine  # filled in as the request goes: its route so far
-
-    def statistics(self, now: float) -> InflightStatistics:
-        return InflightStatistics(
-            req=self.req,
-            endpoint=self.endpoint,
-            route=self.line.route,
-            slot=self.line.slot,
-            age_s=round(now - self.started, 3),
-        )
 
 
 class Front:
+    """The ASGI app: admits, finds the endpoint, dispatches; serves on its own HTTP server."""
+
     def __init__(
         self,
         server: ServerConfig | Callable[[], ServerConfig],
@@ -78,37 +54,25 @@ class Front:
         ``models``: which model serves a request (the daemon's; :class:`One` for one model)."""
         self._server = source(server)
         self.router = models
-        self._emit_hook = emit
         self._shutdown = trio.Event()
-        self._ids = itertools.count(1)
-        self._prefix = f"{os.getpid():x}"
-        self.inflight: dict[str, InflightRequest] = {}
-        self._inflight_changed: trio.Event | None = None  # made by the first waiter: most requests have none
-        self._draining = False
+        self.registry = Inflight()
+        self.lifecycle = Lifecycle(models, self.registry, self._server, emit)
+        self.completion = self.lifecycle.serve  # a completion request, run to its route line
         self._access = Access(self._server())
         self._http_server: HttpServer | None = None
         self.answers = Answers(models, providers, metrics, self._server)
         self.predict = Predict(self)
         self.page: statuspage.StatusPage | None = None  # /onebit/, the daemon's; None: those paths are 404
-        # Vertex AI's routes, where onebitd's environment asks for them (AIP_MODE=PREDICTION).
-        self._extra: dict[str, dict[str, Endpoint]] = {}
-        if vertex is not None:
-            self._extra[vertex.predict] = {"POST": Endpoint(Kind.PREDICT)}
-            if vertex.health:
-                self._extra[vertex.health] = {"GET": local_endpoint(Local.HEALTH)}
+        self._extra = vertex_endpoints(vertex)
 
     @property
     def server(self) -> ServerConfig:
         return self._server()
 
-    # -- lifecycle ----------------------------------------------------------------------------------
-
     async def run(self, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve until :meth:`stop`; ``started`` with the bound addresses once listening."""
-        # The daemon drains in-flight completions itself (up to server.shutdown_grace_s) before it
-        # stops the front; what the server still waits for then is idle keep-alive connections.
-        # A slow client may hold a stream for minutes; an idle keep-alive connection or a head that
-        # never ends is closed after idle_timeout_s; a stalled body, after body_timeout_s.
+        # The daemon drains in-flight completions itself (server.shutdown_grace_s) before it stops the
+        # front; the server then closes idle keep-alive connections (idle_timeout_s, body_timeout_s).
         if self._http_server is None:
             self.bind()
         assert self._http_server is not None
@@ -138,46 +102,14 @@ class Front:
         """Stop accepting; the server lets in-flight requests finish within its grace period."""
         self._shutdown.set()
 
-    # -- draining and what is in flight -------------------------------------------------------------
-
-    async def wait_inflight_changed(self) -> None:
-        if self._inflight_changed is None:
-            self._inflight_changed = trio.Event()
-        await self._inflight_changed.wait()
-
-    async def wait_idle(self) -> None:
-        while self.inflight:
-            await self.wait_inflight_changed()
-
-    def _changed(self) -> None:
-        if self._inflight_changed is not None:
-            self._inflight_changed.set()
-            self._inflight_changed = None
-
     @property
     def draining(self) -> bool:
-        return self._draining
-
-    def drain(self) -> None:
-        """Refuse new completion requests (503 ``draining``, and /health says so); those in flight go on."""
-        self._draining = True
-
-    def resume(self) -> None:
-        """Take new completion requests again."""
-        self._draining = False
-
-    def statistics(self) -> FrontStatistics:
-        now = trio.current_time()
-        return FrontStatistics(
-            draining=self._draining,
-            inflight=tuple(request.statistics(now) for request in self.inflight.values()),
-        )
+        """Refusing new completions (``registry.drain()``); those in flight go on."""
+        return self.registry.draining
 
     def health(self) -> tuple[int, dict[str, Any]]:
         """``/health``'s status and body (supervisor/api/local.py's :func:`~supervisor.api.local.health`)."""
-        return self.answers.health(draining=self._draining, stopping=self._shutdown.is_set())
-
-    # -- ASGI ---------------------------------------------------------------------------------------
+        return self.answers.health(draining=self.draining, stopping=self._shutdown.is_set())
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         # supervisor/http/server.py sends only "http" scopes (no lifespan: the daemon starts and stops us).
@@ -212,19 +144,14 @@ class Front:
                 access.check_method(method, *methods, *(["HEAD"] if "GET" in methods else []))
             assert endpoint is not None
             await self._dispatch(endpoint, method, path, scope, headers, receive, out)
-        except ClientError as exc:
-            if not out.started:
-                await out.error(exc.status, exc.code, exc.message, retry_after=exc.retry_after)
-            if routed:
-                # Refused before _completion (caller, method, body): it logs its own line otherwise.
-                line = RouteLine(req=self._req(), endpoint=path, outcome=RequestOutcome.ERROR, error=exc.message)
-                self._end(line, out, exc.status)
-        except DecoderError as exc:
-            if exc.public != exc.message:
+        except (ClientError, DecoderError) as exc:
+            words = await answer_error(exc, out, self.server.retry_after_s)
+            if isinstance(exc, DecoderError) and exc.public != exc.message:
                 # The client is told words; the operator, what happened (a socket, an errno).
                 log.info("%s %s: %s", method, path, exc.message)
-            if not out.started:
-                await out.error(exc.status, exc.code, exc.public, retry_after=self._retry_after(exc))
+            if isinstance(exc, ClientError) and routed:
+                # Refused before the completion's life began (caller, method, body): it logs its own line otherwise.
+                self.lifecycle.refused(path, out, exc.status, words)
 
     async def _dispatch(
         self,
@@ -244,7 +171,7 @@ class Front:
             if await self.answers.slots_off(endpoint, out):
                 return
             target = access.target(path, scope.get("query_string", b""))
-            body = await self._read_json(receive, headers) if method == "POST" else None
+            body = await access.read_json(receive, headers, self.server.max_body_bytes) if method == "POST" else None
             if await self.answers.listed(endpoint, out):
                 return
             if endpoint.streamed:
@@ -253,148 +180,21 @@ class Front:
                 forwarded = relayed.proxy_headers(headers) if endpoint.proxied else []
                 await self.pass_through(out, "GET" if method == "HEAD" else method, target, body, forwarded)
         elif endpoint.kind is Kind.PREDICT:
-            self._check_draining()
-            body = await self._read_json(receive, headers)
+            self.registry.check_open(self.server.retry_after_s)
+            body = await access.read_json(receive, headers, self.server.max_body_bytes)
             await self.predict(body, out, hangup.hang_up_cancels(receive, hangup.hang_up_of(scope)))
         else:
-            self._check_draining()
+            self.registry.check_open(self.server.retry_after_s)
             conversation = hangup.conversation(headers)
-            body = await self._read_json(receive, headers)
+            body = await access.read_json(receive, headers, self.server.max_body_bytes)
             hang_up = hangup.hang_up_of(scope) if conversation is None else None
-            await self.completion(path, body, receive, out, endpoint, conversation, hang_up)
-
-    def _check_draining(self) -> None:
-        if self.draining:
-            raise ClientError(
-                503, "draining", "onebitd is draining: not taking new requests", retry_after=self.server.retry_after_s
-            )
-
-    def _retry_after(self, exc: DecoderError) -> int | None:
-        return self.server.retry_after_s if exc.status == 503 else None
-
-    async def _read_json(self, receive: Receive, headers: dict[str, str]) -> dict[str, Any]:
-        return await access.read_json(receive, headers, self.server.max_body_bytes)
-
-    # -- what predict.Serves asks for, besides completion -------------------------------------------
+            await self.lifecycle.serve(path, body, receive, out, endpoint, conversation, hang_up)
 
     async def local(self, endpoint: Endpoint, out: Responder) -> None:
-        await self.answers.answer(endpoint, out, draining=self._draining, stopping=self._shutdown.is_set())
+        await self.answers.answer(endpoint, out, draining=self.draining, stopping=self._shutdown.is_set())
 
     async def slots_off(self, endpoint: Endpoint, out: Responder) -> bool:
         return await self.answers.slots_off(endpoint, out)
 
     async def pass_through(self, out: Responder, method: str, path: str, body: Any, headers: wire.Headers = ()) -> None:
         await relayed.pass_through(self.router, out, method, path, body, headers)
-
-    # -- a completion request, in its own cancel scope ----------------------------------------------
-
-    async def completion(
-        self,
-        path: str,
-        body: dict[str, Any],
-        receive: Receive,
-        out: Responder,
-        endpoint: Endpoint,
-        conversation: str | None = None,
-        hang_up: HangUp | None = None,
-    ) -> None:
-        """Served in a cancel scope that a hang-up cancels.  The server tells a hang-up itself
-        (``hang_up``, :class:`~supervisor.http.server.HangUp`) to a request without a conversation id;
-        one with an id, which may go on detached, has a task that waits on ``receive``."""
-        req = self._req()
-        line = RouteLine(req=req, endpoint=path)
-        # Its age and its times count from its arrival, as its first byte's does (out.started_at).
-        self.inflight[req] = InflightRequest(req, path, out.started_at, time.time(), line)
-        self._changed()
-        gone: list[str] = []  # a hang-up, with the server's reason where it gave one
-        detached: list[bool] = []  # the hang-up left the stream to finish into its session
-        passed = [(CONVERSATION_HEADER, conversation)] if conversation else []
-
-        def cancels(why: str) -> bool:
-            gone.append(why)
-            return not out.complete
-
-        try:
-            if hang_up is not None:
-                with hangup.told_by_server(hang_up, cancels):
-                    await self._serve(body, out, line, endpoint, passed, None)
-            else:
-                async with trio.open_nursery() as nursery:
-                    client = self.router.default.client
-                    watch = Watch(nursery.cancel_scope, gone, detached, conversation, line, client, self._server)
-                    nursery.start_soon(hangup.watch_disconnect, receive, watch, out)
-                    await self._serve(body, out, line, endpoint, passed, watch)
-                    nursery.cancel_scope.cancel()
-        finally:
-            # A disconnect is reported after a finished response too, and a client may close once it
-            # has a stream's final event: neither is a cancellation.
-            if detached:
-                if line.outcome == RequestOutcome.OK:
-                    line.outcome = RequestOutcome.DETACHED
-            elif gone and not out.complete:
-                line.outcome = RequestOutcome.CANCELLED
-                if gone[0]:
-                    line.error = gone[0]
-            del self.inflight[req]
-            self._changed()
-            self._end(line, out, 499)  # 499: the client closed before any answer (nginx's code)
-
-    async def _serve(
-        self,
-        body: dict[str, Any],
-        out: Responder,
-        line: RouteLine,
-        endpoint: Endpoint,
-        passed: list[tuple[str, str]],
-        watch: Watch | None,
-    ) -> None:
-        try:
-            async with self.router.use(body.get("model"), line) as served:
-                if watch is not None:
-                    watch.client = served.client
-                await self._run(served, body, out, line, endpoint, passed)
-        except ClientError as exc:
-            line.outcome, line.error = RequestOutcome.ERROR, exc.message
-            await out.error(exc.status, exc.code, exc.message, retry_after=exc.retry_after)
-        except DecoderError as exc:
-            line.outcome, line.error = RequestOutcome.ERROR, exc.message
-            if not out.started:
-                await out.error(exc.status, exc.code, exc.public, retry_after=self._retry_after(exc))
-        except OnebitError as exc:
-            line.outcome, line.error = RequestOutcome.ERROR, str(exc)
-            if not out.started:
-                await out.error(500, "internal", str(exc))
-
-    @staticmethod
-    async def _run(
-        served: Served,
-        body: dict[str, Any],
-        out: Responder,
-        line: RouteLine,
-        endpoint: Endpoint,
-        passed: list[tuple[str, str]],
-    ) -> None:
-        if endpoint.kind is Kind.COMPLETION:
-            await served.completions.serve(endpoint.canonical, body, out, line, passed)
-        else:
-            completions = served.completions
-            await completions.relay(
-                endpoint.canonical, body, out, line, passed, pinned=endpoint.pinned, generates=endpoint.generates
-            )
-
-    # -- the route line -----------------------------------------------------------------------------
-
-    def _req(self) -> str:
-        return f"{self._prefix}-{next(self._ids)}"
-
-    def _end(self, line: RouteLine, out: Responder, status: int) -> None:
-        """The end of a request: its status (``status`` where none was sent), its times, its line."""
-        line.status = out.status or status
-        line.first_byte_ms = out.first_byte_ms
-        line.total_ms = out.elapsed_ms()
-        self.emit(line)
-
-    def emit(self, line: RouteLine) -> None:
-        route_log.info(line.logfmt(), extra={"route_fields": line.fields()})
-        if self._emit_hook is not None:
-            self._emit_hook(line)

@@ -26,7 +26,6 @@ from ..http.respond import Receive, Responder
 from ..http.server import HANG_UP, HangUp
 from ..llama import decoder as decoder_api
 from ..llama.decoder import DecoderClient
-from ..routeline import RouteLine
 from .access import VISIBLE
 
 log = logging.getLogger("onebit.front")
@@ -103,9 +102,10 @@ class Watch:
     gone: list[str]  # a hang-up, with the server's reason where it gave one
     detached: list[bool]  # the hang-up left the stream to finish into its session
     conversation: str | None
-    line: RouteLine
+    req: str
     client: DecoderClient  # the decoder of the model serving it, once known
     live: Callable[[], ServerConfig]  # the settings now: server.detach_timeout_s
+    stopped: str | None = None  # why a detached stream was stopped, for the route line
 
 
 async def watch_disconnect(receive: Receive, watch: Watch, out: Responder) -> None:
@@ -135,6 +135,6 @@ async def watch_disconnect(receive: Receive, watch: Watch, out: Responder) -> No
         try:
             await decoder_api.delete_stream(watch.client, watch.conversation)
         except DecoderError as exc:
-            log.warning("%s: stopping its detached stream failed: %s", watch.line.req, exc.message)
-    watch.line.error = f"the detached stream ran past server.detach_timeout_s ({timeout:g}s); stopped"
+            log.warning("%s: stopping its detached stream failed: %s", watch.req, exc.message)
+    watch.stopped = f"the detached stream ran past server.detach_timeout_s ({timeout:g}s); stopped"
     watch.scope.cancel()

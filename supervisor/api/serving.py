@@ -4,14 +4,11 @@ nothing else (a test's, a tool's)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, Protocol
 
 import attrs
 
 from ..llama.decoder import DecoderClient
-from ..routeline import RouteLine
 from ..routes.completion import Completions, Decoder
 from ..supervise.child import ChildState
 
@@ -29,6 +26,21 @@ class Served(Protocol):
     def decoder(self) -> Decoder: ...
 
 
+class Hold(Protocol):
+    """A request's hold on its model (supervisor/models/registry.py's Held): the model for an
+    ``async with`` block, and, even when it could not be had, which one and how long its load took."""
+
+    @property
+    def model(self) -> str | None: ...
+
+    @property
+    def load_ms(self) -> float | None: ...
+
+    async def __aenter__(self) -> Served: ...
+
+    async def __aexit__(self, *exc_info: object) -> None: ...
+
+
 class Router(Protocol):
     """Which model serves a request (supervisor/models/registry.py's Models)."""
 
@@ -41,9 +53,7 @@ class Router(Protocol):
         scrape appends."""
         ...
 
-    def use(
-        self, asked: Any, line: RouteLine | None = None, *, any_loaded: bool = False
-    ) -> AbstractAsyncContextManager[Served]:
+    def use(self, asked: Any, *, any_loaded: bool = False) -> Hold:
         """The model the request's ``model`` names, held for the block; ClientError 404 for none.
         ``any_loaded``: a request that names none may go to any loaded model (a relayed GET)."""
         ...
@@ -68,11 +78,8 @@ class One:
     def default(self) -> Served:
         return self
 
-    @asynccontextmanager
-    async def use(
-        self, asked: Any, line: RouteLine | None = None, *, any_loaded: bool = False
-    ) -> AsyncIterator[Served]:
-        yield self
+    def use(self, asked: Any, *, any_loaded: bool = False) -> Hold:
+        return _HoldOne(self)
 
     def health_state(self) -> ChildState:
         return self.decoder.state
@@ -82,3 +89,18 @@ class One:
 
     def listing(self) -> dict[str, Any]:
         return {}
+
+
+@attrs.frozen
+class _HoldOne:
+    """:class:`One`'s hold: its one model, never loaded for a request, named on no route line."""
+
+    served: Served
+    model: str | None = None
+    load_ms: float | None = None
+
+    async def __aenter__(self) -> Served:
+        return self.served
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        return None

@@ -10,9 +10,11 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import platform
 import re
 import shutil
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 LLAMA_CPP_VERSION = "11434.0.0"
@@ -25,29 +27,49 @@ def cache_dir() -> Path:
     return Path(base) / "onebit"
 
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-CONSTRAINTS = SCRIPTS.parent / "constraints.txt"
-# The patches scripts/build-llama-server applies before building, per engine, in order.
-LLAMA_SERVER_PATCH = SCRIPTS / "llama-server-share.patch"  # the share route's decoder side
-CPU_PATCH = SCRIPTS / "llama-cpp-cpu.patch"  # ggml's CPU variants: which to build, and the OS check
-AGENT_PATCH = SCRIPTS / "llama-server-agent.patch"  # ggml: /v1/messages keeps id_slot and cache_prompt
-TOOLS_PATCH = SCRIPTS / "llama-server-tools.patch"  # ggml: text with a "{" that opens no tool call is content
-OPENVINO_PATCH = SCRIPTS / "llama-server-openvino.patch"  # ggml-openvino: GGML_OP_DUP, Q4_1 zero points
+SOURCE = Path(__file__).resolve().parents[2]  # the source tree (absent from an installed wheel)
+PATCHES = SOURCE / "patches"
+CONSTRAINTS = SOURCE / "constraints.txt"
+# The patches scripts/build-llama-server applies before its one build, in order (docs/architecture.md
+# says what each does).
+LLAMA_SERVER_PATCH = PATCHES / "llama-server-share.patch"  # the share route's decoder side
+CPU_PATCH = PATCHES / "llama-cpp-cpu.patch"  # ggml's CPU variants: which to build, and the OS check
+AGENT_PATCH = PATCHES / "llama-server-agent.patch"  # /v1/messages keeps id_slot and cache_prompt
+TOOLS_PATCH = PATCHES / "llama-server-tools.patch"  # text with a "{" that opens no tool call is content
+OPENVINO_PATCH = PATCHES / "llama-server-openvino.patch"  # ggml-openvino: GGML_OP_DUP, Q4_1 zero points
 ENGINES = ("ggml", "openvino")
 # Where $ONEBIT_LLAMA_SERVER... names a binary instead of the build cache, per engine.
 ENGINE_ENV = {"ggml": "ONEBIT_LLAMA_SERVER", "openvino": "ONEBIT_LLAMA_SERVER_OPENVINO"}
+# Which CPU backends the build compiles: unset, the one variant this processor loads; "portable",
+# the eight below (an image built once and run on many CPUs); or one variant's name.
+CPU_VARIANTS_ENV = "ONEBIT_CPU_VARIANTS"
+# ggml's x86 CPU variants the build may compile, best first, each with the /proc/cpuinfo flags its
+# instructions need (ggml/src/CMakeLists.txt's GGML_CPU_ALL_VARIANTS list, narrowed to eight: x64 is
+# the floor; haswell x86-64-v3; skylakex, cascadelake and icelake the AVX-512 Xeons; zen4 AVX512-BF16;
+# alderlake AVX-VNNI without AVX-512; sapphirerapids AMX).  Linux leaves out of the flags what the OS
+# does not enable (an AVX-512 that a hypervisor reports and keeps off), as ggml's patched check does.
+_AVX512 = ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw")
+_HASWELL = ("avx", "avx2", "fma", "f16c", "bmi2", "sse4_2")
+X86_VARIANTS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("sapphirerapids", (*_HASWELL, *_AVX512, "avx512vbmi", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8")),
+    ("zen4", (*_HASWELL, *_AVX512, "avx512vbmi", "avx512_vnni", "avx512_bf16")),
+    ("icelake", (*_HASWELL, *_AVX512, "avx512vbmi", "avx512_vnni")),
+    ("cascadelake", (*_HASWELL, *_AVX512, "avx512_vnni")),
+    ("skylakex", (*_HASWELL, *_AVX512)),
+    ("alderlake", (*_HASWELL, "avx_vnni")),
+    ("haswell", _HASWELL),
+    ("x64", ()),
+)
+PORTABLE = "portable"
 
 
-def engine_patches(engine: str) -> tuple[Path, ...]:
-    if engine == "ggml":
-        return (LLAMA_SERVER_PATCH, CPU_PATCH, AGENT_PATCH, TOOLS_PATCH)
-    if engine == "openvino":
-        return (LLAMA_SERVER_PATCH, OPENVINO_PATCH)
-    raise ValueError(f"unknown llama-server engine {engine!r} (one of {', '.join(ENGINES)})")
+def patches() -> tuple[Path, ...]:
+    """Every patch, in the order the build applies them."""
+    return (LLAMA_SERVER_PATCH, CPU_PATCH, AGENT_PATCH, TOOLS_PATCH, OPENVINO_PATCH)
 
 
 def openvino_version() -> str | None:
-    """The ``openvino==`` pin of constraints.txt, the wheel the OpenVINO build is built against."""
+    """The ``openvino==`` pin of constraints.txt, the wheel the OpenVINO backend is built against."""
     try:
         lines = CONSTRAINTS.read_text().splitlines()
     except OSError:
@@ -58,31 +80,68 @@ def openvino_version() -> str | None:
     return None
 
 
-def llama_server_build_key(engine: str = "ggml") -> str:
-    """What scripts/build-llama-server names its build after, the same way:
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The first processor's flags, as Linux reports them (empty where there is no /proc/cpuinfo)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() == "flags":
+            return frozenset(value.split())
+    return frozenset()
 
-    - ggml: ``<version>-<first 8 hex of the sha256 of its patches>-cpudl`` ("cpudl": the CPU backend as
-      loadable variants, the best one for the processor chosen at start; not ``-march=native``)
-    - openvino: ``<version>-<the same of its patches>-openvino<the openvino pin>``
 
-    Without the patch files (onebit installed without its source tree) the key is the bare version
-    and engine, an unpatched build's.
-    """
-    patches = engine_patches(engine)
+def cpu_tag(machine: str | None = None, flags: frozenset[str] | None = None) -> str:
+    """Which CPU backends the build compiles, as its key names them: $ONEBIT_CPU_VARIANTS where set,
+    else on x86-64 the best of :data:`X86_VARIANTS` whose flags this processor has, else ``native``
+    (ggml's own native build: an arm64 machine's one CPU backend)."""
+    chosen = os.environ.get(CPU_VARIANTS_ENV, "").strip()
+    if chosen:
+        return chosen
+    if (machine or platform.machine()) not in ("x86_64", "AMD64"):
+        return "native"
+    have = cpu_flags() if flags is None else flags
+    return next(name for name, needs in X86_VARIANTS if have.issuperset(needs))
+
+
+def cpu_variants(tag: str) -> str:
+    """The build's GGML_CPU_VARIANTS for a :func:`cpu_tag`: the portable eight, or the one named."""
+    if tag == PORTABLE:
+        return ";".join(name for name, _ in X86_VARIANTS)
+    if tag not in {name for name, _ in X86_VARIANTS}:
+        raise ValueError(
+            f"${CPU_VARIANTS_ENV}={tag!r}: not one of {PORTABLE}, {', '.join(name for name, _ in X86_VARIANTS)}"
+        )
+    return tag
+
+
+def llama_server_build_key() -> str:
+    """What scripts/build-llama-server names its one build after (it asks this function):
+    ``<version>-<first 8 hex of the sha256 of the patches>-<cpu_tag()>``.  A changed patch, or another
+    processor's variant, builds anew; the OpenVINO backend is a part of the same build, kept per pin
+    (:func:`openvino_backend`).  Without the patch files (onebit installed without its source tree)
+    the key is that of an unpatched build."""
     digest = hashlib.sha256()
     try:
-        for patch in patches:
+        for patch in patches():
             digest.update(patch.read_bytes())
     except OSError:
-        return LLAMA_CPP_VERSION if engine == "ggml" else f"{LLAMA_CPP_VERSION}-{engine}"
-    key = f"{LLAMA_CPP_VERSION}-{digest.hexdigest()[:8]}"
-    if engine == "ggml":
-        return f"{key}-cpudl"
-    return f"{key}-openvino{openvino_version() or ''}"
+        return f"{LLAMA_CPP_VERSION}-{cpu_tag()}"
+    return f"{LLAMA_CPP_VERSION}-{digest.hexdigest()[:8]}-{cpu_tag()}"
 
 
-def cached_llama_server(engine: str = "ggml") -> Path:
-    return cache_dir() / f"llama-server-{llama_server_build_key(engine)}" / "bin" / "llama-server"
+def cached_llama_server() -> Path:
+    """Where the build's llama-server is (or will be): the decoder's, and every provider's."""
+    return cache_dir() / f"llama-server-{llama_server_build_key()}" / "bin" / "llama-server"
+
+
+def openvino_backend(binary: Path) -> Path:
+    """Where a build keeps its OpenVINO backend, beside its binary but not where ggml loads backends
+    from by itself (the binary's own directory): a decoder never loads OpenVINO; a provider names
+    this file in ``GGML_BACKEND_PATH``.  One directory per ``openvino`` pin."""
+    return binary.parent / f"openvino-{openvino_version() or 'unpinned'}" / "libggml-openvino.so"
 
 
 def embedded_model() -> Path | None:
@@ -120,18 +179,18 @@ def model_path(configured: str) -> Path | None:
 
 
 def llama_server(binary: str, engine: str = "ggml") -> Path | None:
-    """The configured binary, else $ONEBIT_LLAMA_SERVER (``_OPENVINO`` for that engine), else the
-    engine's cached build, else (ggml only) PATH's llama-server."""
+    """The configured binary, else $ONEBIT_LLAMA_SERVER (``_OPENVINO`` for that engine), else the cached
+    build (for openvino: where its OpenVINO backend was built too), else (ggml only) PATH's llama-server."""
     if binary:
         return _expand(binary)
     env = os.environ.get(ENGINE_ENV[engine]) if engine in ENGINE_ENV else None
     if env:
         return Path(env)
-    cached = cached_llama_server(engine)
+    cached = cached_llama_server()
+    if engine != "ggml":
+        return cached if cached.is_file() and openvino_backend(cached).is_file() else None
     if cached.is_file():
         return cached
-    if engine != "ggml":
-        return None  # a llama-server on PATH is a ggml one as far as anyone can tell
     found = shutil.which("llama-server")
     return Path(found) if found else None
 
@@ -209,3 +268,21 @@ def executable_problem(key: str, path: Path | None, what: str) -> list[str]:
     if not os.access(path, os.X_OK):
         return [f"{key}: not executable: {path}"]
     return []
+
+
+if __name__ == "__main__":
+    # scripts/build-llama-server asks here, so that the key and the variants are computed once.
+    import sys
+
+    what = sys.argv[1:] or ["key"]
+    tag = cpu_tag()
+    answers: dict[str, Callable[[], str]] = {
+        "key": llama_server_build_key,
+        "cpu-tag": lambda: tag,
+        "cpu-variants": lambda: cpu_variants(tag) if tag != "native" else "",
+        "openvino-version": lambda: openvino_version() or "",
+    }
+    try:
+        print(answers[what[0]]())
+    except (KeyError, ValueError) as exc:
+        sys.exit(f"locate: {exc}")

@@ -181,7 +181,7 @@ class Daemon:
             children=tuple(child.statistics() for child in self.children()),
             providers=tuple(p for model in self.models.all for p in model.parts.providers.statistics()),
             slots=merged_slots([model.parts.slots.statistics() for model in self.models.all]),
-            inflight=self.front.statistics().inflight,
+            inflight=self.front.registry.statistics().inflight,
             restore_unused=sum(model.completions.restore_unused for model in self.models.all),
             routes=routes.routes,
             outcomes=routes.outcomes,
@@ -190,7 +190,7 @@ class Daemon:
             watchers=routes.watchers,
             watch_dropped=routes.watch_dropped,
             watch_closed=routes.watch_closed,
-            store=self.models.default.store.statistics(),
+            store=self.models.default.store_statistics(),
             models=self.models.statistics(),
         )
 
@@ -201,23 +201,23 @@ class Daemon:
         return LiveStatistics(
             children=tuple(child.statistics() for child in self.children()),
             slots=default.parts.slots.statistics(),
-            front=self.front.statistics(),
+            front=self.front.registry.statistics(),
             restore_unused=sum(model.completions.restore_unused for model in self.models.all),
-            store=default.store.statistics(),
+            store=default.store_statistics(),
             providers=tuple(default.parts.providers.statistics()),
             models=self.models.statistics(),
         )
 
     def inflight_count(self) -> int:
-        return len(self.front.statistics().inflight)
+        return len(self.front.registry.statistics().inflight)
 
     async def wait_inflight_changed(self) -> None:
-        await self.front.wait_inflight_changed()
+        await self.front.registry.wait_changed()
 
     def start_drain(self) -> None:
         if not self.front.draining:
             log.info("draining: %d request(s) in flight", self.inflight_count())
-        self.front.drain()
+        self.front.registry.drain()
         self._update_status()
 
     async def hand_over(self) -> int:
@@ -234,11 +234,12 @@ class Daemon:
     def resume(self) -> None:
         if self.front.draining and not self.stopping:
             log.info("resuming: taking new requests again")
-            self.front.resume()
+            self.front.registry.resume()
         self._update_status()
 
-    def store_of(self, name: str | None = None) -> PrefixStore:
-        """A model's prefix store (None: the default model's); ClientError for a model there is not."""
+    def store_of(self, name: str | None = None) -> PrefixStore | None:
+        """A model's prefix store (``name`` None: the default model's; None: it has none); ClientError
+        for a model there is not."""
         return self.models.default.store if name is None else self.models.named(name).store
 
     async def load(self, name: str) -> ModelStatistics:
@@ -340,7 +341,7 @@ class Daemon:
             "stopping: %d request(s) in flight, up to %gs", self.inflight_count(), self.config.server.shutdown_grace_s
         )
         with trio.move_on_after(self.config.server.shutdown_grace_s):
-            await self.front.wait_idle()
+            await self.front.registry.wait_idle()
             await self.hand_over()
         if self.inflight_count():
             log.warning("stopping with %d request(s) still in flight after the grace period", self.inflight_count())

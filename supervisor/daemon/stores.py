@@ -11,7 +11,7 @@ from ..config import Config, locate
 from ..errors import ChildError
 from ..llama.llama_server import server_version
 from ..models.model import Model
-from ..prefix.opening import open_prefix_store
+from ..prefix.opening import off, open_prefix_store
 from ..prefix.store import PrefixStore
 
 
@@ -33,14 +33,16 @@ class Stores:
             self._version_problem = f"cannot tell the decoder's version: {exc}"
 
     @asynccontextmanager
-    async def open(self, model: Model) -> AsyncIterator[PrefixStore]:
-        """The prefix store ``[cache]`` describes for ``model``; off (one log line) when it cannot work."""
+    async def open(self, model: Model) -> AsyncIterator[PrefixStore | None]:
+        """The prefix store ``[cache]`` describes for ``model``; None (one log line) when it is off or cannot work."""
         config = model.spec.config
         if not config.cache.enabled:
-            yield PrefixStore.disabled("cache.enabled is false", level=logging.INFO)
+            off("cache.enabled is false", level=logging.INFO)
+            yield None
             return
         if self._version is None:
-            yield PrefixStore.disabled(self._version_problem)
+            off(self._version_problem)
+            yield None
             return
         engines = [p.describe for p in model.parts.llama_providers()]
         async with open_prefix_store(

@@ -26,7 +26,7 @@ RESPONSES = "/v1/responses"
 ENDPOINTS = (MESSAGES, RESPONSES)
 
 # The Anthropic parameters llama-server keeps as they are; ``id_slot`` and ``cache_prompt`` only with
-# scripts/llama-server-agent.patch (a stock build drops them, and cannot be pinned on /v1/messages).
+# patches/llama-server-agent.patch (a stock build drops them, and cannot be pinned on /v1/messages).
 _ANTHROPIC_KEPT = ("temperature", "top_p", "top_k", "stream", "chat_template_kwargs")
 _ANTHROPIC_SLOT_KEYS = ("id_slot", "cache_prompt")
 _BILLING_HEADER = "x-anthropic-billing-header:"

@@ -282,7 +282,7 @@ async def slot_busy(client: DecoderClient, slot: int) -> bool:
 # A request that leaves its slot unfinished keeps it until the decoder says the slot is idle, for at
 # most this long: llama-server finishes a prefill it has begun before it notices the hang-up, which on
 # a small loaded CPU is a minute or more for a full slot (docs/reliability.md; the figures are in
-# docs/benchmarks.md, "How it got here").  Polled this often: the decoder's state is another process's.
+# docs/benchmarks.md, "Figures the code cites").  Polled this often: the decoder's state is another process's.
 SETTLE_TIMEOUT_S = 120.0
 SETTLE_POLL_S = 0.05
 

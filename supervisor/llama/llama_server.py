@@ -29,7 +29,7 @@ from .openvino import UNIFIED_ARGS
 # How llama-server says that it cannot load the model file (llama.cpp's llama_model_load).
 _LOAD_ERROR = "error loading model:"
 
-# The patched llama-server's switch (scripts/llama-server-share.patch): its KV cache on memfd regions.
+# The patched llama-server's switch (patches/llama-server-share.patch): its KV cache on memfd regions.
 KV_SHARE_ENV = "LLAMA_KV_SHARE"
 
 

@@ -37,6 +37,9 @@ DEVICE_ENV = "GGML_OPENVINO_DEVICE"
 FORCE_STATIC_ENV = "GGML_OPENVINO_FORCE_STATIC"
 COMPILED_CACHE_ENV = "GGML_OPENVINO_COMPILED_MODEL_CACHE_DIR"
 PLUGIN_CACHE_ENV = "GGML_OPENVINO_CACHE_DIR"
+# ggml loads one backend from outside the binary's directory by this variable: onebit's build keeps
+# the OpenVINO backend there (locate.openvino_backend), so that the decoder never loads it.
+BACKEND_PATH_ENV = "GGML_BACKEND_PATH"
 
 # "auto": the first of these kinds the runtime lists.  An NPU is what the provider is for; a GPU
 # (integrated or discrete) next; the CPU, which the decoder shares, last.
@@ -108,9 +111,18 @@ def engine_of(engine: str, binary: str) -> str:
     return "openvino" if found is not None and found.is_file() else "ggml"
 
 
-def environment(device: str, *, static_shapes: bool, cache: Path) -> dict[str, str]:
+def backend_env(binary: Path) -> dict[str, str]:
+    """What makes ``binary`` load its OpenVINO backend: onebit's build names the backend beside it; a
+    binary with the backend compiled in (one named in the config or $ONEBIT_LLAMA_SERVER_OPENVINO)
+    needs nothing."""
+    backend = locate.openvino_backend(binary)
+    return {BACKEND_PATH_ENV: str(backend)} if backend.is_file() else {}
+
+
+def environment(device: str, *, static_shapes: bool, cache: Path, binary: Path) -> dict[str, str]:
     """The variables a provider on ``device`` runs with, on top of onebitd's environment."""
     env = {
+        **backend_env(binary),
         DEVICE_ENV: device,
         COMPILED_CACHE_ENV: str(cache / "compiled"),
         PLUGIN_CACHE_ENV: str(cache / "plugin"),
@@ -124,7 +136,7 @@ async def list_devices(binary: Path, *, timeout_s: float = LIST_TIMEOUT_S) -> li
     """The devices the binary's OpenVINO runtime offers.  Raises ChildError when it cannot say."""
     # GGML_OPENVINO_DEVICE unset: the backend then picks CPU and lists everything, where a device
     # that is not there would abort the listing.
-    env = {key: value for key, value in os.environ.items() if key != DEVICE_ENV}
+    env = {key: value for key, value in os.environ.items() if key != DEVICE_ENV} | backend_env(binary)
     argv = [str(binary), "--list-devices"]
     lines, returncode = await output_of("llama-server --list-devices", argv, timeout_s=timeout_s, env=env)
     devices = parse_devices(lines)

@@ -37,11 +37,11 @@ from ..errors import DecoderUnavailable
 from ..llama.decoder import DecoderClient
 from ..llama.openvino import UNIFIED_ARGS
 from ..observe.status import ModelStatistics
+from ..prefix.statistics import OFF, StoreStatistics
 from ..prefix.store import PrefixStore
 from ..providers.seat import Seats
 from ..routes.capability import Restores
 from ..routes.completion import Completions
-from ..routes.stored import StoredPrefixes
 from ..supervise.child import Child, ChildState
 from ..supervise.states import StateMachine
 from . import memory
@@ -73,7 +73,7 @@ TRANSITIONS: dict[ModelState, frozenset[ModelState]] = {
 
 # How the daemon opens a model's prefix store (it knows the decoder's version): open for the
 # model's lifetime in the daemon, closed on the way out.
-StoreOpener = Callable[["Model"], contextlib.AbstractAsyncContextManager[PrefixStore]]
+StoreOpener = Callable[["Model"], contextlib.AbstractAsyncContextManager[PrefixStore | None]]
 
 
 class Model:
@@ -104,7 +104,7 @@ class Model:
         self.last_used: float | None = None  # trio clock: the scheduler's LRU order
         self.loaded_at: float | None = None  # trio clock: its last load's end (idle since, if unused since)
         self._last_used_wall: float | None = None
-        self.store = PrefixStore.disabled("not opened yet", level=logging.DEBUG)
+        self.store: PrefixStore | None = None  # opened by run(); None: no store (off, or it cannot work)
         # Called after every transition: the scheduler's (Models.kick) once it holds the model.
         self.on_change: Callable[[], None] = lambda: None
         # Told every transition of the model's and of its decoder's, as an event of the daemon's
@@ -194,12 +194,15 @@ class Model:
             state_since=self._lifecycle.since,
             slots=self.parts.slots.statistics(),
             providers=tuple(self.parts.providers.statistics()),
-            store=self.store.statistics(),
+            store=self.store_statistics(),
             restores="withdrawn" if capability.withdrawn is not None else capability.restores.value,
             restores_why=capability.withdrawn or capability.why,
             slot_context=None if self.parts.slot_context is None else self.parts.slot_context.n_ctx,
             swa_full=self.parts.swa_full,
         )
+
+    def store_statistics(self) -> StoreStatistics:
+        return self.store.statistics() if self.store is not None else OFF
 
     async def hand_over(self, draining: Callable[[], bool]) -> int:
         """A drain's last step (no request in flight): the store's writes in progress finish, and
@@ -211,7 +214,7 @@ class Model:
         if self.state is not ModelState.LOADED or stored is None or self.decoder.state is not ChildState.READY:
             return 0
         await stored.wait_writes()
-        return await self.parts.keep_slots(self.store, stored, self.name, draining)
+        return await self.parts.keep_slots(stored, self.name, draining)
 
     async def wait_state(self, *states: ModelState) -> ModelState:
         return await self._lifecycle.wait_for(*states)
@@ -323,7 +326,8 @@ class Model:
         async with contextlib.AsyncExitStack() as stack:
             if open_store is not None:
                 self.store = await stack.enter_async_context(open_store(self))
-                self.store.on_event = lambda event: self.on_event({"event": "store", "model": self.name, **event})
+                if self.store is not None:
+                    self.store.on_event = lambda event: self.on_event({"event": "store", "model": self.name, **event})
             task_status.started()
             try:
                 while True:
@@ -345,13 +349,7 @@ class Model:
                 await nursery.start(parts.decoder.run)
                 for provider in parts.providers.all:
                     await nursery.start(provider.run)
-                stored = StoredPrefixes(
-                    client=parts.client,
-                    state_dir=parts.state_dir,
-                    store=self.store,
-                    capability=parts.capability,
-                    rescan_s=self.spec.config.cache.shared_rescan_s,
-                )
+                stored = parts.stored_prefixes(self.store, self.spec.config.cache.shared_rescan_s)
                 await nursery.start(parts.completions.run, stored)
                 # Unwanted, it goes on serving the requests that hold it: none is unloaded under it.
                 while self._wanted or self.users:
@@ -359,7 +357,7 @@ class Model:
                     probed = probed and decoder is ChildState.READY
                     if decoder is ChildState.READY and self.state is ModelState.LOADING and not probed:
                         # Its slot context and what its restores can do, before it takes requests.
-                        await parts.after_start(self.store.enabled)
+                        await parts.after_start(self.store is not None)
                         probed = True
                         continue
                     if decoder is ChildState.READY and self.state is ModelState.LOADING:
@@ -375,8 +373,8 @@ class Model:
                     await self._woken()
                 self._set(ModelState.UNLOADING, "no longer wanted")
                 unloading = trio.current_time()
-                if parts.decoder.state is ChildState.READY:
-                    await parts.keep_slots(self.store, stored, self.name)
+                if parts.decoder.state is ChildState.READY and stored is not None:
+                    await parts.keep_slots(stored, self.name)
                 nursery.cancel_scope.cancel()
             clean = True
         finally:

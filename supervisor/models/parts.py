@@ -330,9 +330,15 @@ class Parts:
     def sockets(self) -> list[Path]:
         return [self.client.socket, *(p.launcher.socket for p in self.llama_providers())]
 
-    async def keep_slots(
-        self, store: PrefixStore, stored: StoredPrefixes, name: str, go_on: Callable[[], bool] = lambda: True
-    ) -> int:
+    def stored_prefixes(self, store: PrefixStore | None, rescan_s: float) -> StoredPrefixes | None:
+        """The model's prefix store as this load's requests meet it; None where it has none."""
+        if store is None:
+            return None
+        return StoredPrefixes(
+            client=self.client, state_dir=self.state_dir, store=store, capability=self.capability, rescan_s=rescan_s
+        )
+
+    async def keep_slots(self, stored: StoredPrefixes, name: str, go_on: Callable[[], bool] = lambda: True) -> int:
         """Before an unload or at a drain's end: each slot whose prompt the store would keep (and
         does not hold yet) is saved into it, awaited, so that the conversation restores from the
         store when its model is back, or on another host (instead of prefilling again).  No request
@@ -349,7 +355,7 @@ class Parts:
             if not tokens or not stored.store.wants(tokens):
                 continue
             path = await stored.save(slot, f"unload-{name}-{slot}")
-            if path is not None and await store.put_file(tokens, path):
+            if path is not None and await stored.store.put_file(tokens, path):
                 kept += 1
         if kept:
             log.info("model %s: %d slot(s) kept in the prefix store", name, kept)

@@ -21,7 +21,6 @@ import trio
 from ..config import Config
 from ..errors import ClientError, DecoderUnavailable, Overloaded
 from ..observe.status import ModelsStatistics
-from ..routeline import RouteLine
 from ..supervise.child import ChildState
 from .model import Model, ModelState, StoreOpener
 from .schedule import STARVE_S, Candidate, expired, in_the_way, plan, starving
@@ -86,24 +85,24 @@ class Models:
 
     # -- a request's hold on its model -----------------------------------------------------------
 
-    def use(self, asked: Any, line: RouteLine | None = None, *, any_loaded: bool = False) -> Held:
+    def use(self, asked: Any, *, any_loaded: bool = False) -> Held:
         """The model ``asked`` names, loaded and held for an ``async with`` block (it is not unloaded
-        under it).  ``line``: its ``model`` and ``load_ms`` are filled in.  ``any_loaded``: with
+        under it); the hold says which model it was and how long the request waited for its load
+        (``model``, ``load_ms``), even when it could not be had.  ``any_loaded``: with
         several models, a request that names none goes to the default one if it is loaded, else to
         the most recently used loaded one, and loads the default one only when none is."""
-        return Held(self, asked, line, any_loaded)
+        return Held(self, asked, any_loaded)
 
-    async def _take(self, asked: Any, line: RouteLine | None, any_loaded: bool) -> Model:
+    async def _take(self, asked: Any, held: Held, any_loaded: bool) -> Model:
         """:class:`Held`'s entry: the model, once it may be used, held."""
         if not self.several:
             model = self.default
-            if line is not None:
-                line.model = model.name
+            held.model = model.name
             # With one model, a request goes to it as it is (a decoder starting or restarting is a
             # 503, as ever), unless it was unloaded (ttl_s, onebitctl unload): then it is loaded
             # again, as one of several would be.
             if not model.wanted:
-                await self._wait_for(model, line)
+                await self._wait_for(model, held)
             model.hold()
             return model
         model = self.find(asked)
@@ -111,10 +110,9 @@ class Models:
             loaded = [m for m in self.all if self._admissible(m)]
             if loaded:
                 model = max(loaded, key=lambda m: m.last_used or 0.0)
-        if line is not None:
-            line.model = model.name
+        held.model = model.name
         if not self._admissible(model):
-            await self._wait_for(model, line)
+            await self._wait_for(model, held)
         model.hold()
         return model
 
@@ -127,7 +125,7 @@ class Models:
     def _admissible(self, model: Model) -> bool:
         return model.state is ModelState.LOADED and model.wanted and not self._blocked(model)
 
-    async def _wait_for(self, model: Model, line: RouteLine | None) -> None:
+    async def _wait_for(self, model: Model, held: Held) -> None:
         if model.state is ModelState.FAILED:
             model.check_serving()
         waiting = sum(len(w) for w in self._waiting.values())
@@ -151,8 +149,7 @@ class Models:
             queue.remove(began)
             if not queue:
                 del self._waiting[model.name]
-            if line is not None:
-                line.load_ms = (trio.current_time() - began) * 1000
+            held.load_ms = (trio.current_time() - began) * 1000
             self.kick()
 
     async def _changed(self) -> None:
@@ -398,17 +395,18 @@ class Held:
     the model is not loaded), let go on exit.  A class, not an ``asynccontextmanager``: every
     request enters one, and a generator's machinery would cost as much as the hold itself."""
 
-    __slots__ = ("_any_loaded", "_asked", "_line", "_model", "_models")
+    __slots__ = ("_any_loaded", "_asked", "_model", "_models", "load_ms", "model")
 
-    def __init__(self, models: Models, asked: Any, line: RouteLine | None, any_loaded: bool) -> None:
+    def __init__(self, models: Models, asked: Any, any_loaded: bool) -> None:
         self._models = models
         self._asked = asked
-        self._line = line
         self._any_loaded = any_loaded
         self._model: Model | None = None
+        self.model: str | None = None  # the model's name, once known
+        self.load_ms: float | None = None  # how long the request waited for its load (None: it did not)
 
     async def __aenter__(self) -> Model:
-        self._model = await self._models._take(self._asked, self._line, self._any_loaded)
+        self._model = await self._models._take(self._asked, self, self._any_loaded)
         return self._model
 
     async def __aexit__(self, *exc_info: object) -> None:

@@ -4,11 +4,16 @@ An entry ``K`` (:func:`~supervisor.prefix.index.token_key` of its tokens) is two
 directory::
 
     K.state   the llama.cpp slot state file, byte for byte as llama-server saved it
-    K.json    the sidecar: {"format", "tokens", "fingerprint", "state_bytes", "created", "host"}
+    K.json    the sidecar: {"format", "tokens", "fingerprint", "state_bytes", "blake2b", "created", "host"}
 
 In a store the hosts share, ``K`` is ``<token key>~<host id>~<nonce>`` (supervisor/prefix/shared.py):
 no two writes, of one host or of two, ever make the same name.  ``host`` is the writer's
-``server.host_id`` (absent in sidecars written before it was).
+``server.host_id`` (absent in sidecars written before it was).  ``blake2b`` is the state file's
+content hash (:func:`digest`, hex), taken before the sidecar is written and checked before each
+restore (:func:`matches`): a state file whose bytes changed under a committed sidecar (a lost write
+on a server that acknowledged it, a bad disk) is never restored.  A sidecar without one (written by
+an older onebitd) is not an entry: a private store drops it at open, a shared one leaves it to the
+host that wrote it.
 
 Writing one: the state file goes to ``.tmp-K-<random>.state`` (renamed in from the same file system,
 else copied) and is fsynced, then renamed to ``K.state``; the sidecar is written and fsynced the
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -40,6 +46,12 @@ log = logging.getLogger("onebit.prefix")
 
 FORMAT = 1
 FOREIGN = "made by another model, llama-server or [model] setting (fingerprint differs)"
+UNHASHED = "written without a content hash (by an older onebitd)"
+# The content hash's size: 128 bits tell a damaged file from the one saved (this is no defence
+# against someone who may write the directory: they could rewrite the sidecar too).
+DIGEST_BYTES = 16
+# What a digest reads at a time: large enough that the hash, not the system calls, sets the pace.
+DIGEST_CHUNK = 1 << 20
 TEMP_PREFIX = ".tmp-"
 STATE = ".state"
 SIDECAR = ".json"
@@ -56,6 +68,7 @@ class Entry:
     created: float  # seconds since the epoch
     last_used: float
     origin_host: str | None = None  # the server.host_id that stored it (None: written before hosts had one)
+    blake2b: str = ""  # the state file's content hash (digest), hex
 
     @property
     def n_tokens(self) -> int:
@@ -108,14 +121,36 @@ def sidecar_path(directory: Path, key: str) -> Path:
     return directory / f"{key}{SIDECAR}"
 
 
+def digest(path: Path) -> str:
+    """The content hash of the file at ``path`` (blake2b, hex), read a chunk at a time: in a worker
+    thread (hashlib lets go of the GIL while it hashes)."""
+    with open(path, "rb") as source:
+        return hashlib.file_digest(source, lambda: hashlib.blake2b(digest_size=DIGEST_BYTES)).hexdigest()
+
+
+def matches(path: Path, expected: str) -> bool:
+    """Whether the file at ``path`` holds what its sidecar's hash says (a file gone does not)."""
+    try:
+        return digest(path) == expected
+    except OSError:
+        return False
+
+
 def render_sidecar(
-    tokens: tuple[int, ...], fingerprint: Mapping[str, Any], state_bytes: int, created: float, host: str | None = None
+    tokens: tuple[int, ...],
+    fingerprint: Mapping[str, Any],
+    state_bytes: int,
+    created: float,
+    host: str | None = None,
+    *,
+    blake2b: str,
 ) -> bytes:
     document: dict[str, Any] = {
         "format": FORMAT,
         "tokens": list(tokens),
         "fingerprint": fingerprint,
         "state_bytes": state_bytes,
+        "blake2b": blake2b,
         "created": created,
     }
     if host is not None:
@@ -201,6 +236,9 @@ def read_entry(directory: Path, key: str, fingerprint: Mapping[str, Any]) -> Ent
         return "malformed sidecar"
     if document.get("fingerprint") != fingerprint:
         return FOREIGN
+    blake2b = document.get("blake2b")
+    if not isinstance(blake2b, str):
+        return UNHASHED
     host = document.get("host")
     state = state_path(directory, key)
     try:
@@ -220,6 +258,7 @@ def read_entry(directory: Path, key: str, fingerprint: Mapping[str, Any]) -> Ent
         created=float(created),
         last_used=stat.st_mtime,
         origin_host=host if isinstance(host, str) else None,
+        blake2b=blake2b,
     )
 
 

@@ -17,7 +17,13 @@ lease); instead:
   any file may vanish between the listing and the stat or read that follows, and is then not an entry.
 - **What a dead host left** (a temporary file, a tombstone, a state file never committed, an entry
   no one used) is removed by whichever host sees it past ``max_age_s``: a write or a removal takes
-  seconds, so a file that old is no one's work in progress.
+  seconds, so a file that old is no one's work in progress.  A host's own leftovers (their names
+  say whose they are: :func:`leftover_of`) it removes at its start, whatever their age: none of its
+  work is in progress then.  Until they are removed, leftovers count against ``max_bytes``.
+- **Ages on the directory's clock**, not the host's: ``now`` is the mtime the file system gives a
+  file made for the purpose (an NFS server stamps its own time), and uses are recorded with the
+  server's time too (``utime`` to now), so a host whose clock is minutes off neither removes a live
+  host's work in progress nor keeps what is old.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from typing import Any
 import attrs
 
 from . import files as prefix_files
+from .directory import Listed as Listed
+from .directory import Listing as Listing
 from .files import SIDECAR, STATE, TEMP_PREFIX, Entry
 
 log = logging.getLogger("onebit.prefix")
@@ -49,29 +57,6 @@ def host_of(name: str) -> str | None:
     """The host an entry's name says wrote it (None: not a shared entry's name)."""
     parts = name.split(SEPARATOR)
     return parts[1] if len(parts) == 3 else None
-
-
-@attrs.frozen
-class Listed:
-    """A committed entry of any fingerprint, as the budget sees it."""
-
-    name: str
-    disk_bytes: int
-    last_used: float
-    ours: bool  # of our fingerprint: restorable here
-
-
-@attrs.frozen
-class Listing:
-    entries: dict[str, Entry]  # of our fingerprint, by name
-    listed: list[Listed]  # every committed entry, least recently used first
-    foreign: frozenset[str]  # names of entries of other fingerprints (never read again)
-    cleaned: int  # leftovers of dead hosts removed
-    aged: int  # entries evicted for age
-
-    @property
-    def bytes(self) -> int:
-        return sum(item.disk_bytes for item in self.listed)
 
 
 def _age(path: Path, now: float) -> float | None:
@@ -112,6 +97,37 @@ def evict(directory: Path, name: str, host: str) -> bool:
     return True
 
 
+def leftover_of(name: str) -> str | None:
+    """The host whose unfinished work a file's name says it is: a temporary file's writer (an
+    entry's, a probe's, a clock reading's), a tombstone's remover, an uncommitted state file's
+    writer (None: no host named)."""
+    if name.startswith(TOMB_PREFIX):
+        parts = name.split(SEPARATOR)  # .tomb-<key>, its writer, its nonce, the remover, <random>.<ext>
+        return parts[3] if len(parts) == 5 else None
+    if name.startswith(TEMP_PREFIX):
+        rest = name[len(TEMP_PREFIX) :]
+        for word in ("probe-", "clock-"):
+            if rest.startswith(word):
+                return rest[len(word) :].split(SEPARATOR)[0]
+        parts = rest.split(SEPARATOR)  # <key>, its writer, <nonce>-<random>.<ext>
+        return parts[1] if len(parts) == 3 else None
+    return host_of(name[: -len(STATE)]) if name.endswith(STATE) else None
+
+
+def _leftover(path: Path, *, now: float, max_age_s: float, own: bool, what: str) -> int:
+    """A file no entry owns: removed when older than ``max_age_s`` or ``own`` (this host's, at its
+    start); else its size, which counts against the budget (-1: removed, 0: gone meanwhile)."""
+    try:
+        stat = os.lstat(path)
+    except FileNotFoundError:
+        return 0
+    age = now - stat.st_mtime
+    if (own or age > max_age_s) and _unlink(path):
+        log.info("prefix store: removing %s: %s (left %.0f s ago)", path.name, what, age)
+        return -1
+    return stat.st_size
+
+
 def listing(
     directory: Path,
     fingerprint: Mapping[str, Any],
@@ -121,30 +137,30 @@ def listing(
     host: str,
     max_age_s: float,
     now: float,
+    at_start: bool = False,
 ) -> Listing:
     """The shared directory as it is now (in a worker thread): committed entries, ours read (``known``
     ones are not read again, only their use times), others' sized; leftovers and aged entries past
-    ``max_age_s`` removed.  Raises OSError only when the directory itself cannot be listed."""
+    ``max_age_s`` removed, and ``at_start`` this host's leftovers whatever their age.  Raises OSError
+    only when the directory itself cannot be listed."""
     names = set(os.listdir(directory))
     entries: dict[str, Entry] = {}
     listed: list[Listed] = []
     others: set[str] = set()
-    cleaned = aged = 0
+    cleaned = aged = leftovers = 0
     for name in sorted(names):
         path = directory / name
-        if name.startswith((TEMP_PREFIX, TOMB_PREFIX)):
-            age = _age(path, now)
-            if age is not None and age > max_age_s and _unlink(path):
-                log.info("prefix store: removing %s: left %.0f s ago by a host that never finished", name, age)
+        uncommitted = name.endswith(STATE) and name[: -len(STATE)] + SIDECAR not in names
+        if name.startswith((TEMP_PREFIX, TOMB_PREFIX)) or uncommitted:
+            own = at_start and leftover_of(name) == host
+            what = "a state file never committed" if uncommitted else "a write or removal that never finished"
+            size = _leftover(path, now=now, max_age_s=max_age_s, own=own, what=what)
+            if size < 0:
                 cleaned += 1
+            else:
+                leftovers += size
             continue
         if name.endswith(STATE):
-            stem = name[: -len(STATE)]
-            if stem + SIDECAR not in names:
-                age = _age(path, now)
-                if age is not None and age > max_age_s and _unlink(path):
-                    log.info("prefix store: removing %s: a state file never committed", name)
-                    cleaned += 1
             continue
         if not name.endswith(SIDECAR) or host_of(name[: -len(SIDECAR)]) is None:
             continue  # none of ours (a private store's entry does not belong here)
@@ -174,13 +190,13 @@ def listing(
             if isinstance(found, Entry):
                 entries[stem] = found
                 ours = True
-            elif found == prefix_files.FOREIGN:
-                others.add(stem)  # another host's build or model: its own to restore, never ours
+            elif found in (prefix_files.FOREIGN, prefix_files.UNHASHED):
+                others.add(stem)  # another host's build, model or older onebitd: its own to restore, never ours
             else:
                 continue  # vanished or half seen: the next listing tells
         listed.append(Listed(stem, state.st_size + sidecar_bytes, state.st_mtime, ours))
     listed.sort(key=lambda item: item.last_used)
-    return Listing(entries, listed, frozenset(others), cleaned, aged)
+    return Listing(entries, listed, cleaned, aged, frozenset(others), leftovers)
 
 
 def choose_victims(listed: list[Listed], need: int, max_bytes: int, pinned: set[str]) -> list[str] | None:

@@ -3,6 +3,8 @@ the running tallies the store keeps for it."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 
 
@@ -33,6 +35,28 @@ class StoreStatistics:
     restores_other: int = 0  # of restores, those of entries another host stored
 
 
+# A model without a prefix store (off, or it could not work): what its statistics say.
+OFF = StoreStatistics(
+    enabled=False,
+    directory=None,
+    entries=0,
+    bytes=0,
+    max_bytes=0,
+    pinned=0,
+    hits=0,
+    misses=0,
+    evictions=0,
+    stores=0,
+    duplicates=0,
+    skipped=0,
+    store_failures=0,
+    drops=0,
+    restores=0,
+    restore_ms_mean=None,
+    restore_ms_last=None,
+)
+
+
 @attrs.define
 class Counts:
     """What the store has done since it opened: the running tallies behind its statistics."""
@@ -49,3 +73,10 @@ class Counts:
     restores_other: int = 0
     restore_ms_total: float = 0.0
     restore_ms_last: float | None = None
+
+    def figures(self) -> dict[str, Any]:
+        """The tallies as :class:`StoreStatistics`' fields."""
+        figures = attrs.asdict(self)
+        total = figures.pop("restore_ms_total")
+        figures["restore_ms_mean"] = total / self.restores if self.restores else None
+        return figures

@@ -197,7 +197,7 @@ class LlamaServerProvider:
         self.device = device
         static = openvino.is_static(device, self.spec.static_shapes, os.environ)
         self.launcher.engine_env = openvino.environment(
-            device, static_shapes=self.spec.static_shapes, cache=self.compile_dir
+            device, static_shapes=self.spec.static_shapes, cache=self.compile_dir, binary=self.launcher.binary
         )
         if static:
             self.parallel = 1

@@ -3,9 +3,9 @@
 The HTTP front hands over a parsed JSON object; this module has it planned (routes/plan.py: a
 provider, the prompt's tokens), pins it to a slot we own (``id_slot``), lets the prefix store restore a
 prefix into the slot (routes/stored.py), has routes/decision.py's ``choose`` pick the route and the
-reasons, walks ``DEGRADE`` with what the handoffs return (routes/handover.py), relays the
-decoder's answer (routes/relay.py: whole, or chunk by chunk for ``stream: true``) and fills the
-route line from the decoder's own ``timings``.
+reasons, walks ``DEGRADE`` with what the handoffs return (routes/handover.py) and relays the
+decoder's answer (routes/relay.py: whole, or chunk by chunk for ``stream: true``); each step's
+value goes to the request's story (routes/story.py), which builds the route line from them.
 """
 
 from __future__ import annotations
@@ -25,18 +25,18 @@ from ..llama.decoder import DecoderClient
 from ..llama.slots import SlotPool
 from ..prefix.store import Entry
 from ..reasons import Reason
-from ..routeline import RouteLine
 from ..supervise.child import ChildState, ChildStatistics
 from .capability import Capability
-from .decision import Choice, Costs, Policy, Route, choose, restore_used
-from .handover import Hybrid, hand_over
+from .decision import Choice, Costs, Offer, Policy, Route, choose, restore_used
+from .handover import Hybrid, Walk, hand_over
 from .plan import Plan, plan
 from .rates import Rates
-from .relay import Timings, relay
+from .relay import Relayed, Timings, relay
 from .stored import StoredPrefixes
+from .story import Story
 from .usage import ProviderPrefill
 
-__all__ = ["STATE_BYTES_PER_TOKEN", "Completions", "Decoder", "Hybrid", "fallback_chain"]
+__all__ = ["STATE_BYTES_PER_TOKEN", "Completions", "Decoder", "Hybrid"]
 
 log = logging.getLogger("onebit.hybrid")
 
@@ -62,15 +62,10 @@ STATE_BYTES_PER_TOKEN = 23_040
 PROBE_WAIT_S = 30.0
 
 
-def fallback_chain(reasons: list[Reason]) -> str | None:
-    """Every reason a request left a route, in order: ``share-refused>provider-failed``."""
-    return ">".join(reason.value for reason in reasons) or None
-
-
 class Completions:
     """The owner of a completion request's story: it plans the route, walks ``DEGRADE`` with the
-    outcomes the handoffs return, relays the reply, and is the only writer of the route line's route
-    fields.  ``settings`` is one frozen value, swapped whole by a reload and read once per request."""
+    outcomes the handoffs return, relays the reply, and tells the request's story what each step
+    returned.  ``settings`` is one frozen value, swapped whole by a reload and read once per request."""
 
     def __init__(
         self,
@@ -156,7 +151,7 @@ class Completions:
             slot_context=self.slot_context,
         )
 
-    async def _from_store(self, plan: Plan, slot: int, line: RouteLine) -> Entry | None:
+    async def _from_store(self, plan: Plan, slot: int, story: Story) -> Entry | None:
         """The prefix store's longest prefix of the prompt, restored into the slot when worth it."""
         if self.stored is None or plan.key.tokens is None:
             return None  # an untokenized prompt (most short ones) has no stored prefix to look up
@@ -166,16 +161,13 @@ class Completions:
             self.slots,
             decoder_ms_per_token=self.rates.decoder.get(self.decoder.generation),
             restore_ms_per_mib=self.rates.handoff.get(0),
-            req=line.req,
+            req=story.req,
         )
-        line.restore_ms += restored.ms
-        if restored.entry is not None:
-            line.restored_tokens = restored.entry.n_tokens
-            line.origin_host = restored.entry.origin_host
+        story.restored(restored)
         return restored.entry
 
     async def _store_and_choose(
-        self, plan: Plan, slot: int, line: RouteLine, settings: HybridConfig
+        self, plan: Plan, slot: int, story: Story, settings: HybridConfig
     ) -> tuple[Entry | None, Choice]:
         """The prefix store's restore, if any, and the route chosen knowing of it."""
         if settings.route_by == "length":
@@ -185,47 +177,38 @@ class Completions:
             choice = self._choose(plan, slot, False, settings)
             if choice.route is not Route.PLAIN:
                 return None, choice
-        entry = await self._from_store(plan, slot, line)
+        entry = await self._from_store(plan, slot, story)
         return entry, self._choose(plan, slot, entry is not None, settings)
 
     def _choose(self, plan: Plan, slot: int, restored: bool, settings: HybridConfig) -> Choice:
         """The route and every reason for it (routes.decision.choose), from the plan and the slot."""
-        hybrid = self.hybrid
-        provider = plan.provider
+        hybrid, provider, tokens = self.hybrid, plan.provider, plan.tokens
         generation = self.decoder.generation
-        share = hybrid is not None and hybrid.share is not None
         costs, share_refused = None, False
         # Only a prompt a provider could take is priced, and only for it is the share refusal asked
         # after (the first answer logs it).
-        if hybrid is not None and provider is not None and plan.tokens is not None:
+        if hybrid is not None and provider is not None and tokens is not None:
             share_refused = hybrid.share is not None and hybrid.share.refused_by(generation)
             if settings.route_by == "cost":
                 decoder_rate, provider_rate = self.rates.prefill(generation, provider.name)
                 costs = Costs(
                     decoder_cached=self.slots.cached(slot, plan.key),
-                    provider_cached=provider.cached_tokens(tuple(plan.tokens)),
+                    provider_cached=provider.cached_tokens(tokens),
                     decoder_ms_per_token=decoder_rate,
                     provider_ms_per_token=provider_rate,
-                    handoff_ms=self.rates.handoff_ms(len(plan.tokens)),
+                    handoff_ms=self.rates.handoff_ms(len(tokens)),
                     streams_decoding=self.decoding,
                 )
-        return choose(
+        offer = Offer(
             enabled=hybrid is not None,
-            share=share,
-            provider_picked=provider is not None,
+            share=hybrid is not None and hybrid.share is not None,
             provider_ready=provider is not None and provider.ready,
-            prompt_tokens=None if plan.tokens is None else len(plan.tokens),
-            min_prompt_tokens=settings.min_prompt_tokens,
             share_refused=share_refused,
-            costs=costs,
-            policy=Policy(prefer_margin=settings.prefer_margin, max_stall_ms=settings.max_stall_ms),
-            unsupported=plan.unsupported,
-            over_context=plan.over_context,
-            restored=restored,
-            provider_away=plan.away,
             restorable=self.capability is None or self.capability.handoff,
-            store=self.stored is not None and self.stored.store.enabled,
+            store=self.stored is not None,
         )
+        policy = Policy(settings.prefer_margin, settings.max_stall_ms, settings.min_prompt_tokens)
+        return choose(plan.ask(restored=restored), offer, costs, policy)
 
     async def _known(self, plan: Plan) -> None:
         """A request that may be handed over waits for its model's probe (a load's first second)."""
@@ -235,7 +218,7 @@ class Completions:
                 await capability.known.wait()
 
     async def serve(
-        self, endpoint: str, body: dict[str, Any], out: Responder, line: RouteLine, headers: Headers = ()
+        self, endpoint: str, body: dict[str, Any], out: Responder, story: Story, headers: Headers = ()
     ) -> None:
         """``headers``: the client's that the decoder is given too (``X-Conversation-Id``)."""
         settings = self.settings
@@ -243,72 +226,88 @@ class Completions:
         if self.decoder.generation != self._slots_generation:
             self._slots_generation = self.decoder.generation
             self.slots.forget_all()
-        plan = await self._plan(endpoint, body, line.req)
-        if plan.tokens is not None:
-            line.prompt_tokens = len(plan.tokens)
-        elif plan.n_tokens is not None:
-            line.prompt_tokens = plan.n_tokens
-        timings = Timings()
+        plan = await self._plan(endpoint, body, story.req)
+        story.planned(plan.n_tokens)
         async with self.slots.hold(plan.key if plan.remember else None, settle=self._settle) as slot:
-            line.slot = slot
+            story.holds(slot)
             self.check_ready()  # it may have died while we queued
             await self._known(plan)
-            entry, choice = await self._store_and_choose(plan, slot, line, settings)
-            reasons = list(choice.reasons)
-            if choice.estimate is not None:
-                line.est_plain_ms = choice.estimate.plain_ms
-                line.est_hybrid_ms = choice.estimate.hybrid_ms
-            line.fallback = fallback_chain(reasons)
+            entry, choice = await self._store_and_choose(plan, slot, story, settings)
+            story.chose(choice)
             forwarded = {**body, "id_slot": slot}
-            route = Route.PLAIN
+            route, prefilled = Route.PLAIN, None
             if choice.route is not Route.PLAIN and plan.provider is not None:
-                # The route attempted, until the handoff says where it ended: a request cancelled
+                # The walk says the route attempted until it is over: a request cancelled
                 # mid-handoff is logged on the route it was taking.
-                line.route = choice.route.value
+                walk = Walk(plan.provider, choice.route)
+                story.walks(walk)
                 route = await hand_over(
                     self.hybrid,
-                    choice.route,
+                    walk,
                     slot,
                     plan,
-                    line,
-                    reasons,
                     settings,
+                    req=story.req,
                     generation=self.decoder.generation,
                     rates=self.rates,
                 )
-                line.fallback = fallback_chain(reasons)
-            line.route = route.value
-            prefilled = None if route is Route.PLAIN else ProviderPrefill(line.provider_prompt_n, line.prefill_ms)
+                prefilled = walk.prefilled()
+            story.reached(route)
             if route is not Route.PLAIN:
                 # The handed-over cells are only reused by a request that may use its slot's cache.
                 forwarded["cache_prompt"] = True
-            self.decoding += 1
-            try:
-                await relay(self.client, endpoint, forwarded, out, line, timings, headers, prefilled=prefilled)
-            except trio.Cancelled:
-                # The client hung up mid-stream (a user pressed stop, an agent cancelled).  Once the
-                # decoder began its reply the slot holds the whole prompt: it is kept for the prefix
-                # store as after a finished reply, or it is lost across a restart.
-                if timings.began and self.stored is not None:
-                    await self.stored.after_hang_up(
-                        slot, plan.key, self.slots, req=line.req, restored=entry, settle=self._settle, ready=self._ready
-                    )
-                raise
-            finally:
-                self.decoding -= 1
-                self._record(timings, line)
+            relayed = await self._relay(
+                endpoint, forwarded, out, story, headers, plan=plan, slot=slot, entry=entry, prefilled=prefilled
+            )
             # After the last byte: this runs whether or not the client is still there (the front
             # cancels a request only while its response is unfinished); the slot is still ours.
-            if out.finished and line.outcome == "ok":
+            if out.finished and relayed.error is None:
+                timings = relayed.timings
                 self.rates.observe_decoder(self.decoder.generation, timings.prompt_n, timings.prompt_ms)
                 if route is not Route.PLAIN:
-                    self._verify_handoff(line, reasons, settings)
+                    self._verify_handoff(story, timings, settings)
                 elif entry is not None and self.stored is not None and self.stored.unused(entry, timings.cache_n):
-                    self._store_unused(line, reasons, entry, timings.cache_n)
+                    self._store_unused(story, entry, timings.cache_n)
                 # Saved after the reply, on every route: the slot then holds the reply's tokens too,
                 # which a conversation's next turn starts with (a handed-over state file lacks them).
                 if self.stored is not None:
-                    await self.stored.after(slot, plan.key, self.slots, req=line.req, restored=entry)
+                    await self.stored.after(slot, plan.key, self.slots, req=story.req, restored=entry)
+
+    async def _relay(
+        self,
+        endpoint: str,
+        forwarded: dict[str, Any],
+        out: Responder,
+        story: Story,
+        headers: Headers,
+        *,
+        plan: Plan,
+        slot: int,
+        entry: Entry | None,
+        prefilled: ProviderPrefill | None,
+    ) -> Relayed:
+        """The decoder's reply relayed, the story told what it did, even when the client hung up;
+        ``prefilled``: what a provider spent on the prompt handed over (the reply's usage told with it)."""
+        timings = Timings()
+        relayed: Relayed | None = None
+        self.decoding += 1
+        try:
+            relayed = await relay(
+                self.client, endpoint, forwarded, out, timings, headers, req=story.req, prefilled=prefilled
+            )
+            return relayed
+        except trio.Cancelled:
+            # The client hung up mid-stream (a user pressed stop, an agent cancelled).  Once the
+            # decoder began its reply the slot holds the whole prompt: it is kept for the prefix
+            # store as after a finished reply, or it is lost across a restart.
+            if timings.began and self.stored is not None:
+                await self.stored.after_hang_up(
+                    slot, plan.key, self.slots, req=story.req, restored=entry, settle=self._settle, ready=self._ready
+                )
+            raise
+        finally:
+            self.decoding -= 1
+            story.relayed(relayed or Relayed(timings))
 
     def _ready(self) -> bool:
         return self.decoder.state is ChildState.READY
@@ -323,39 +322,28 @@ class Completions:
                 "slot %d still busy in the decoder after %gs; handing it out anyway", slot, decoder_api.SETTLE_TIMEOUT_S
             )
 
-    @staticmethod
-    def _record(timings: Timings, line: RouteLine) -> None:
-        line.decoder_prompt_n = timings.prompt_n
-        line.decoder_prompt_ms = timings.prompt_ms
-        line.cached_tokens = timings.cache_n
-        line.decoded_n, line.decode_ms = timings.predicted_n, timings.predicted_ms
-        if line.prompt_tokens is None:
-            line.prompt_tokens = timings.prompt_tokens()
-
-    def _verify_handoff(self, line: RouteLine, reasons: list[Reason], settings: HybridConfig) -> None:
+    def _verify_handoff(self, story: Story, timings: Timings, settings: HybridConfig) -> None:
         """llama.cpp's restore can answer success and still re-prefill everything (#26676): the
         route line says so, and the model's capability is withdrawn for the rest of its load."""
-        if restore_used(line.decoder_prompt_n, settings.restore_check_tokens):
+        if restore_used(timings.prompt_n, settings.restore_check_tokens):
             return
         self.restore_unused += 1
-        reasons.append(Reason.RESTORE_UNUSED)
-        line.fallback = fallback_chain(reasons)
-        words = f"it evaluated {line.decoder_prompt_n} of {line.prompt_tokens} prompt tokens"
-        log.warning("hybrid: restore was not used by the decoder: %s (%s)", words, line.req)
+        story.fell_back(Reason.RESTORE_UNUSED)
+        words = f"it evaluated {timings.prompt_n} of {story.prompt_tokens} prompt tokens"
+        log.warning("hybrid: restore was not used by the decoder: %s (%s)", words, story.req)
         if self.capability is not None:
-            self.capability.withdraw(f"after a handoff the decoder re-evaluated the prompt: {words} ({line.req})")
+            self.capability.withdraw(f"after a handoff the decoder re-evaluated the prompt: {words} ({story.req})")
 
-    def _store_unused(self, line: RouteLine, reasons: list[Reason], entry: Entry, cache_n: int | None) -> None:
+    def _store_unused(self, story: Story, entry: Entry, cache_n: int | None) -> None:
         """The decoder did not use a prefix the store restored (a conversion of the prompt that
         differs from the decoder's lands here too): said on the route line; withdrawn when the
         decoder kept almost nothing of it (its memory, not the prompt, was at fault)."""
         self.restore_unused += 1
-        reasons.append(Reason.RESTORE_UNUSED)
-        line.fallback = fallback_chain(reasons)
-        log.warning("prefix store: the decoder did not use the restored prefix (%s)", line.req)
+        story.fell_back(Reason.RESTORE_UNUSED)
+        log.warning("prefix store: the decoder did not use the restored prefix (%s)", story.req)
         if self.capability is not None and (cache_n or 0) < entry.n_tokens // 2:
             self.capability.withdraw(
-                f"the decoder kept {cache_n} of the {entry.n_tokens} tokens the prefix store restored ({line.req})"
+                f"the decoder kept {cache_n} of the {entry.n_tokens} tokens the prefix store restored ({story.req})"
             )
 
     async def relay(
@@ -363,7 +351,7 @@ class Completions:
         endpoint: str,
         body: dict[str, Any],
         out: Responder,
-        line: RouteLine,
+        story: Story,
         headers: Headers = (),
         *,
         pinned: bool,
@@ -380,21 +368,22 @@ class Completions:
         if self.hybrid is not None and generates:  # embeddings and rerank have no prompt to hand over
             # A generative request a provider could in principle prefill, but onebitd does not
             # template these APIs itself: the decoder prefills it.
-            line.fallback = fallback_chain([Reason.UNSUPPORTED])
+            story.fell_back(Reason.UNSUPPORTED)
             log.info(
-                "hybrid: %s cannot be handed over (%s is relayed as is); the backend prefills it", line.req, endpoint
+                "hybrid: %s cannot be handed over (%s is relayed as is); the backend prefills it", story.req, endpoint
             )
         timings = Timings()
+        relayed: Relayed | None = None
         async with self.slots.hold(settle=self._settle if pinned else None) as slot:
             self.check_ready()  # it may have died while we queued
             forwarded = body
             if pinned:
-                line.slot = slot
+                story.holds(slot)
                 forwarded = {**body, "id_slot": slot}
             try:
-                await relay(self.client, endpoint, forwarded, out, line, timings, headers)
+                relayed = await relay(self.client, endpoint, forwarded, out, timings, headers, req=story.req)
             finally:
                 if pinned:
                     # Its cache now holds a prompt onebitd did not key: nothing to match a next one on.
                     self.slots.forget(slot)
-                self._record(timings, line)
+                story.relayed(relayed or Relayed(timings))

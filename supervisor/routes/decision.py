@@ -95,7 +95,7 @@ class Costs:
 
 @attrs.frozen
 class Policy:
-    """The knobs of the cost decision (``[hybrid]`` in the config)."""
+    """The knobs of the decision (``[hybrid]`` in the config)."""
 
     # Near-ties go to the hybrid route: moving a prefill off the decoder keeps it free for the streams
     # it decodes.  Hybrid is taken while its estimate is at most (1 + prefer_margin) x plain's.
@@ -103,6 +103,9 @@ class Policy:
     # A plain prefill stalls the streams being decoded for about as long as it takes; longer than
     # this and the prefill goes to a provider even when that is slower for this request.
     max_stall_ms: float = 500.0
+    # A prompt shorter than this stays plain, and so does one whose slot lacks fewer than this many
+    # tokens: no prefill worth moving.
+    min_prompt_tokens: int = 256
 
 
 @attrs.frozen
@@ -141,90 +144,84 @@ class Choice:
         return _alone(self.reason)
 
 
-def choose(
-    *,
-    enabled: bool,
-    share: bool,
-    provider_ready: bool,
-    prompt_tokens: int | None,
-    min_prompt_tokens: int,
-    share_refused: bool,
-    costs: Costs | None = None,
-    policy: Policy = Policy(),
-    provider_picked: bool | None = None,
-    unsupported: bool = False,
-    over_context: bool = False,
-    restored: bool = False,
-    provider_away: Reason | None = None,
-    restorable: bool = True,
-    store: bool = False,
-) -> Choice:
+@attrs.frozen
+class Ask:
+    """What a request brings to the decision, once it holds its slot (routes/plan.py's ``Plan``)."""
+
+    prompt_tokens: int | None  # None: not tokenized (``kept`` says why)
+    # What keeps the prompt itself from any provider: over-context, unsupported-request, tokenize-failed.
+    kept: Reason | None = None
+    # Why no provider was picked when it came: no-provider, provider-swapping, provider-other-model.
+    unpicked: Reason | None = None
+    restored: bool = False  # the prefix store restored a prefix of it into the slot
+
+
+@attrs.frozen
+class Offer:
+    """What the model offers the request: the hybrid routes and what stands behind them now."""
+
+    enabled: bool  # the hybrid routes are on
+    share: bool = False  # the share route is on
+    provider_ready: bool = True  # the provider picked is ready now
+    share_refused: bool = False  # this decoder process refused to share before
+    restorable: bool = True  # the model's restores spare a prompt (supervisor/routes/capability.py)
+    store: bool = False  # a prefix store is configured
+
+
+def choose(ask: Ask, offer: Offer, costs: Costs | None = None, policy: Policy = Policy()) -> Choice:
     """The route a request starts on, and every reason it is kept plain; nothing else decides them.
 
-    ``enabled``: the hybrid routes are on; ``provider_picked``: a provider was ready when the request
-    came (None: as ``provider_ready``); ``provider_ready``: one is ready now, once the request holds
-    its slot; ``restorable``: the model's restores spare a prompt (supervisor/routes/capability.py);
-    ``store``: a prefix store is configured (a model whose restores spare nothing says so then too);
-    ``provider_away``: why none was picked when the only one runs for another model
-    (``provider-swapping``, ``provider-other-model``; None: ``no-provider``); ``unsupported``: a
-    prompt shape no provider can take (not tokenized); ``prompt_tokens`` None: the prompt was not
-    tokenized (past the reasons above: tokenizing it failed);
-    ``over_context``: it does not fit a slot's context; ``restored``: the prefix store restored a
-    prefix of it into the slot.  The first that holds decides, in this order (a prompt no provider
-    could take is named so, whether or not its provider is still there):
+    The first that holds decides, in this order (a prompt no provider could take is named so, whether
+    or not its provider is still there):
 
-        over_context            plain  over-context
-        not restorable          plain  restore-unusable (with the hybrid routes or a store on)
-        not enabled             plain  (disabled: no fallback)
-        not provider_picked     plain  provider_away, or no-provider
-        unsupported             plain  unsupported-request
-        prompt_tokens None      plain  tokenize-failed
-        not provider_ready      plain  no-provider
-        under min_prompt_tokens plain  short-prompt
-        the costs               plain  cached or plain-cheaper
-        share and share_refused file   share-refused-earlier
-        otherwise               share or file
+        kept over-context          plain  over-context
+        not restorable             plain  restore-unusable (with the hybrid routes or a store on)
+        not enabled                plain  (disabled: no fallback)
+        unpicked                   plain  its reason (no-provider, provider-swapping, ...)
+        kept, or not tokenized     plain  its reason (unsupported-request), else tokenize-failed
+        not provider_ready         plain  no-provider
+        under min_prompt_tokens    plain  short-prompt
+        the costs                  plain  cached or plain-cheaper
+        share and share_refused    file   share-refused-earlier
+        otherwise                  share or file
 
     With ``costs`` the hybrid route must also pay (:func:`_costs_keep_plain`).  A plain request that
     the prefix store served says ``stored`` last, after what else kept it plain; ``cached`` is then
     the store's doing, not the slot's, and is left out."""
 
     def plain(reason: Reason | None, guess: Estimate | None = None) -> Choice:
-        if not restored:
+        if not ask.restored:
             return Choice(Route.PLAIN, reason, guess)
         kept = tuple(r for r in _alone(reason) if r is not Reason.CACHED)
         return Choice(Route.PLAIN, reason, guess, (*kept, Reason.STORED))
 
-    if over_context:
+    if ask.kept is Reason.OVER_CONTEXT:
         return plain(Reason.OVER_CONTEXT)
-    if not restorable and (enabled or store):
+    if not offer.restorable and (offer.enabled or offer.store):
         return plain(Reason.RESTORE_UNUSABLE)
-    if not enabled:
+    if not offer.enabled:
         return plain(Reason.DISABLED)
-    if not (provider_ready if provider_picked is None else provider_picked):
-        return plain(provider_away or Reason.NO_PROVIDER)
-    if unsupported:
-        return plain(Reason.UNSUPPORTED)
-    if prompt_tokens is None:
-        return plain(Reason.TOKENIZE_FAILED)
-    if not provider_ready:
+    if ask.unpicked is not None:
+        return plain(ask.unpicked)
+    if ask.kept is not None or ask.prompt_tokens is None:
+        return plain(ask.kept or Reason.TOKENIZE_FAILED)
+    prompt_tokens = ask.prompt_tokens
+    if not offer.provider_ready:
         return plain(Reason.NO_PROVIDER)
-    if prompt_tokens < min_prompt_tokens:
+    if prompt_tokens < policy.min_prompt_tokens:
         return plain(Reason.SHORT_PROMPT)
     guess = None
     if costs is not None:
-        guess, reason = _costs_keep_plain(prompt_tokens, min_prompt_tokens, costs, policy)
+        guess, reason = _costs_keep_plain(prompt_tokens, costs, policy)
         if reason is not None:
             return plain(reason, guess)
-    if share and share_refused:
+    if offer.share and offer.share_refused:
         # This decoder process refused to share before: asking again costs a round trip per request.
         return Choice(Route.FILE, Reason.SHARE_REMEMBERED, guess)
-    return Choice(Route.SHARE if share else Route.FILE, None, guess)
+    return Choice(Route.SHARE if offer.share else Route.FILE, None, guess)
 
 
-def _costs_keep_plain(
-    prompt_tokens: int, min_prompt_tokens: int, costs: Costs, policy: Policy
-) -> tuple[Estimate, Reason | None]:
+def _costs_keep_plain(prompt_tokens: int, costs: Costs, policy: Policy) -> tuple[Estimate, Reason | None]:
     """The estimates, and why the costs keep a request plain (None: the hybrid route pays).
 
     The tokens the decoder's slot lacks must reach the floor (else plain, ``cached``), and the
@@ -234,7 +231,7 @@ def _costs_keep_plain(
     guess = estimate(prompt_tokens, costs)
     # The floor is on the prefill a handoff would spare: a prompt whose slot already holds all
     # but a few tokens (a chat's next turn) leaves nothing worth moving.
-    if prompt_tokens - costs.decoder_cached < min_prompt_tokens:
+    if prompt_tokens - costs.decoder_cached < policy.min_prompt_tokens:
         return guess, Reason.CACHED
     worth_it = guess.hybrid_ms <= guess.plain_ms * (1 + policy.prefer_margin)
     spares_streams = costs.streams_decoding > 0 and guess.plain_ms > policy.max_stall_ms

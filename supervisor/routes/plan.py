@@ -6,18 +6,18 @@ prompt from any provider whatever the costs.  The route itself is chosen once th
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
 import attrs
 
-from ..errors import ChatFormRefused, DecoderError
+from ..errors import DecoderError
 from ..llama.decoder import DecoderClient
 from ..llama.slots import PromptKey
 from ..providers import Provider, Providers
 from ..reasons import Reason
-from .prompt import CHAT, MESSAGES, RESPONSES, chat_form, handoff_unsupported, tokens_for
+from .decision import Ask
+from .prompt import Prompt, Unsupported, parse, tokens_of
 from .stored import StoredPrefixes
 
 log = logging.getLogger("onebit.hybrid")
@@ -25,34 +25,29 @@ log = logging.getLogger("onebit.hybrid")
 
 @attrs.frozen
 class Plan:
-    """What is known before a slot is taken: the prompt's key, its tokens (None: not tokenized, or
-    over a slot's context), the provider picked, and what keeps the prompt from a provider whatever
-    the costs (:func:`~supervisor.routes.decision.choose` weighs it all once the slot is held)."""
+    """What is known before a slot is taken, and what :func:`~supervisor.routes.decision.choose`
+    weighs once it is held: the prompt's key (its tokens where tokenized), the provider picked (or
+    why none was), and what keeps the prompt from any provider whatever the costs."""
 
     key: PromptKey
-    tokens: list[int] | None
     provider: Provider | None
-    unsupported: bool = False  # a prompt shape no provider takes: not tokenized
-    over_context: bool = False  # the decoder will refuse it with its own 400
-    n_tokens: int | None = None  # the prompt's length where it was tokenized
-    refused: bool = False  # a Messages or Responses body llama-server will not convert (its own 400)
+    # What keeps the prompt from any provider: over-context, unsupported-request, tokenize-failed.
+    kept: Reason | None = None
     # None picked because a shared provider runs for another model (providers/seat.py): why.
     away: Reason | None = None
+    n_tokens: int | None = None  # the prompt's length where it was tokenized (over a slot's context too)
+    # False for a prompt the decoder will refuse (its own 400): its slot keeps the memory of what it holds.
+    remember: bool = True
 
     @property
-    def remember(self) -> bool:
-        """False for a prompt the decoder will refuse: its slot keeps the memory of what it holds."""
-        return not (self.over_context or self.refused)
+    def tokens(self) -> tuple[int, ...] | None:
+        return self.key.tokens
 
-
-def prompt_text(endpoint: str, body: dict[str, Any]) -> str:
-    """A prompt's text for slot affinity, without a round trip to the tokenizer."""
-    if endpoint in (CHAT, MESSAGES):
-        return json.dumps(body.get("messages"), separators=(",", ":"), ensure_ascii=False)
-    if endpoint == RESPONSES:
-        return json.dumps(body.get("input"), separators=(",", ":"), ensure_ascii=False)
-    prompt = body.get("prompt")
-    return prompt if isinstance(prompt, str) else json.dumps(prompt, separators=(",", ":"))
+    def ask(self, *, restored: bool) -> Ask:
+        """What the plan brings to the decision, ``restored``: the prefix store restored a prefix."""
+        unpicked = None if self.provider is not None else self.away or Reason.NO_PROVIDER
+        tokens = None if self.tokens is None else len(self.tokens)
+        return Ask(tokens, kept=self.kept, unpicked=unpicked, restored=restored)
 
 
 async def plan(
@@ -70,42 +65,39 @@ async def plan(
     cost).  A Messages or Responses request is read in the chat form llama-server converts it into."""
     provider = providers.pick() if providers is not None else None
     away = providers.away() if providers is not None and provider is None else None
+    prompt = parse(endpoint, body)
     if away is not None:
-        planned = await _plan_with(None, endpoint, body, req, client=client, stored=stored, slot_context=slot_context)
+        planned = await _plan_with(None, prompt, req, client=client, stored=stored, slot_context=slot_context)
         log.info("hybrid: %s goes without its provider (%s); the backend prefills it", req, away.value)
         return attrs.evolve(planned, away=away)
-    return await _plan_with(provider, endpoint, body, req, client=client, stored=stored, slot_context=slot_context)
+    return await _plan_with(provider, prompt, req, client=client, stored=stored, slot_context=slot_context)
 
 
 async def _plan_with(
     provider: Provider | None,
-    endpoint: str,
-    body: dict[str, Any],
+    prompt: Prompt,
     req: str,
     *,
     client: DecoderClient,
     stored: StoredPrefixes | None,
     slot_context: int | None,
 ) -> Plan:
-    try:
-        endpoint, body = chat_form(endpoint, body)
-    except ChatFormRefused as exc:
-        # llama-server refuses it too, with its own 400, which is relayed: nothing to route.
-        log.info("hybrid: %s is not a request llama-server converts (%s); relayed for its answer", req, exc)
-        return Plan(PromptKey(prompt_text(endpoint, body)), None, provider, unsupported=True, refused=True)
-    text = prompt_text(endpoint, body)
-    why = handoff_unsupported(endpoint, body)
-    if why is not None:
+    text = prompt.text
+    if isinstance(prompt, Unsupported):
+        if prompt.refused:
+            # llama-server refuses it too, with its own 400, which is relayed: nothing to route.
+            log.info("hybrid: %s is not a request llama-server converts (%s); relayed for its answer", req, prompt.why)
+            return Plan(PromptKey(text), provider, Reason.UNSUPPORTED, remember=False)
         if provider is not None:
-            log.info("hybrid: %s cannot be handed over (%s); the backend prefills it", req, why)
-        return Plan(PromptKey(text), None, provider, unsupported=True)
+            log.info("hybrid: %s cannot be handed over (%s); the backend prefills it", req, prompt.why)
+        return Plan(PromptKey(text), provider, Reason.UNSUPPORTED)
     if provider is None and (stored is None or not stored.may_hold(text)):
-        return Plan(PromptKey(text), None, None)
+        return Plan(PromptKey(text), None)
     try:
-        tokens = await tokens_for(client, endpoint, body)
+        tokens = await tokens_of(client, prompt)
     except DecoderError as exc:
         log.warning("hybrid: tokenizing %s failed (%s); the backend prefills it", req, exc.message)
-        return Plan(PromptKey(text), None, provider)
+        return Plan(PromptKey(text), provider, Reason.TOKENIZE_FAILED)
     if slot_context is not None and len(tokens) >= slot_context:
         # No room for the prompt and a token of reply: the decoder refuses it with its own 400
         # (exceed_context_size_error, with n_prompt_tokens and n_ctx), which is relayed.  Before
@@ -116,5 +108,5 @@ async def _plan_with(
             len(tokens),
             slot_context,
         )
-        return Plan(PromptKey(text), None, provider, over_context=True, n_tokens=len(tokens))
-    return Plan(PromptKey(text, tuple(tokens)), tokens, provider)
+        return Plan(PromptKey(text), provider, Reason.OVER_CONTEXT, n_tokens=len(tokens), remember=False)
+    return Plan(PromptKey(text, tuple(tokens)), provider, n_tokens=len(tokens))

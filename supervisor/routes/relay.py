@@ -3,9 +3,9 @@
 Whole (read, then sent) or streamed (chunk by chunk as it comes, the stream's last event marked
 final); an error reply relayed with its status, and summarized for the route line; a stream the
 decoder dropped ends with an error event.  :class:`Timings` collects what the decoder says it did,
-read from a whole reply or, by :class:`SseScanner`, from a stream's last events.  After a handoff,
-the reply's usage counts are rewritten on the way (routes/usage.py): a provider's prefill is no
-cache hit.
+read from a whole reply or, by :class:`SseScanner`, from a stream's last events; :func:`relay`
+returns them with how the reply ended (:class:`Relayed`).  After a handoff, the reply's usage
+counts are rewritten on the way (routes/usage.py): a provider's prefill is no cache hit.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from ..http.respond import Responder
 from ..http.wire import Headers
 from ..llama import decoder as decoder_api
 from ..llama.decoder import DecoderClient
-from ..routeline import RequestOutcome, RouteLine
 from .usage import ProviderPrefill
 
 log = logging.getLogger("onebit.hybrid")
@@ -111,6 +110,14 @@ class Timings:
         return self.usage_prompt_tokens
 
 
+@attrs.frozen
+class Relayed:
+    """What a relay returns: the decoder's timings, and its error where its reply was one."""
+
+    timings: Timings
+    error: str | None = None  # the decoder's error, summarized (its reply relayed as it was)
+
+
 # The event that ends a stream, in each of llama-server's APIs: OpenAI's ``data: [DONE]``,
 # Anthropic's ``message_stop``, the Responses API's ``response.completed``, and llama.cpp's own
 # /completion and /infill, whose last event says ``"stop": true`` (every other one ``false``; inside a
@@ -193,17 +200,17 @@ async def relay(
     endpoint: str,
     body: dict[str, Any],
     out: Responder,
-    line: RouteLine,
     timings: Timings,
     headers: Headers = (),
     *,
+    req: str,
     prefilled: ProviderPrefill | None = None,
-) -> None:
+) -> Relayed:
     """The decoder's reply to ``body``: with ``"stream": true`` relayed chunk by chunk as it comes (its
-    last events' ``timings`` into ``timings``), else read whole, then sent; an error into ``line``.
-    ``headers``: the client's that the decoder is given too (``X-Conversation-Id``).  ``prefilled``:
-    what a provider spent on the prompt handed over, its usage rewritten with it (routes/usage.py;
-    ``timings`` reads the decoder's own)."""
+    last events' ``timings`` into ``timings``, which a request cut short still reads), else read
+    whole, then sent.  ``headers``: the client's that the decoder is given too (``X-Conversation-Id``).
+    ``prefilled``: what a provider spent on the prompt handed over, the reply's usage rewritten with
+    it (routes/usage.py; ``timings`` reads the decoder's own)."""
     if body.get("stream") is not True:
         reply = await client.request("POST", endpoint, body, headers)
         if 200 <= reply.status < 300:
@@ -215,31 +222,31 @@ async def relay(
                     sent = prefilled.reply(reply.body, data)
             content_type = reply.headers.get("content-type", "application/json")
             await out.whole(reply.status, sent, content_type, source="decoder")
-            return
-        await _relay_error(reply.status, reply.headers, reply.body, out, line)
-        return
+            return Relayed(timings)
+        return await _relay_error(reply.status, reply.headers, reply.body, out, timings)
     async with client.stream(endpoint, body, headers) as upstream:
         if upstream.status != 200:
             chunks = [chunk async for chunk in upstream.chunks]
-            await _relay_error(upstream.status, upstream.headers, b"".join(chunks), out, line)
-            return
-        await _relay_chunks(upstream.chunks, out, line, timings, prefilled)
+            return await _relay_error(upstream.status, upstream.headers, b"".join(chunks), out, timings)
+        return await _relay_chunks(upstream.chunks, out, timings, req, prefilled)
 
 
-async def _relay_error(status: int, headers: Mapping[str, str], body: bytes, out: Responder, line: RouteLine) -> None:
-    line.outcome = RequestOutcome.ERROR
-    line.error = error_summary(status, body)
+async def _relay_error(
+    status: int, headers: Mapping[str, str], body: bytes, out: Responder, timings: Timings
+) -> Relayed:
     await relay_reply(out, status, headers, body)
+    return Relayed(timings, error_summary(status, body))
 
 
 async def _relay_chunks(
-    chunks: AsyncIterator[bytes], out: Responder, line: RouteLine, timings: Timings, prefilled: ProviderPrefill | None
-) -> None:
+    chunks: AsyncIterator[bytes], out: Responder, timings: Timings, req: str, prefilled: ProviderPrefill | None
+) -> Relayed:
     """A 200 stream's chunks to the client as they come (a handed-over prompt's usage rewritten); a
     decoder lost mid-stream ends it with an error event."""
     await out.start(200, SSE_HEADERS, source="decoder")
     scanner = SseScanner(timings)
     usage = prefilled.stream() if prefilled is not None else None
+    error = None
     try:
         async for chunk in chunks:
             timings.began = True
@@ -257,8 +264,8 @@ async def _relay_chunks(
     except DecoderError as exc:
         # Headers are gone already: the client learns of the loss as an error event, and the
         # operator from a warning (the route line, at info, says it too).
-        log.warning("%s: the decoder stopped mid-stream: %s", line.req, exc.message)
-        line.outcome = RequestOutcome.ERROR
-        line.error = exc.message
+        log.warning("%s: the decoder stopped mid-stream: %s", req, exc.message)
+        error = exc.message
         await out.body(sse_error(f"the decoder stopped mid-stream ({exc.public})", anthropic=out.anthropic), more=True)
     await out.body(b"", more=False)
+    return Relayed(timings, error)

@@ -119,7 +119,8 @@ class StoredPrefixes:
 
     @property
     def enabled(self) -> bool:
-        return self.store.enabled and (self.capability is None or self.capability.store)
+        """Whether a restored prefix can spare the model's decoder a prompt (its capability)."""
+        return self.capability is None or self.capability.store
 
     def may_hold(self, text: str) -> bool:
         """Whether a prompt of this text may have an entry, or make one: a prompt's text is at least

@@ -11,7 +11,8 @@ the tokens the provider evaluated for this request are taken out of the cached c
 truly served: the provider's own prompt cache on a handoff (a slot's earlier contents are
 overwritten by the handed-over state).  Every ``timings`` object keeps llama-server's fields and
 gains onebitd's: ``onebit_provider_prompt_n`` and ``onebit_provider_prompt_ms``, what the provider
-spent (the route line's ``provider_prompt_n`` and ``prefill_ms``).
+spent, from the handoff that worked (routes/handover.py's ``Walk.prefilled``; the route line
+tells them as ``provider_prompt_n`` and ``prefill_ms``).
 
 Only a handed-over request's reply is rewritten; a plain one (a slot that held a prefix, a prefix
 store restore) is relayed as it came, its counts true as llama-server gives them.  Only the JSON that
