@@ -11,8 +11,10 @@ word, its id a stable hash), ``/detokenize``, ``/apply-template`` (ChatML), and 
 ``/completion``, ``/v1/completions`` and ``/v1/chat/completions``.  A completion's reply is its prompt's
 words echoed (for chat, the last message's), ``n_predict``/``max_tokens`` of them (16 when unbounded),
 with ``timings`` (``cache_n`` from the slot's cache, below) and ``usage`` where llama-server puts them.
-``stream: true`` sends one ``data: {...}`` event per token, the last one with ``timings``; the OpenAI
-endpoints end with ``data: [DONE]``, llama.cpp's native ``/completion`` does not.  An invalid body gets
+``stream: true`` sends one ``data: {...}`` event per token, the last one with ``timings`` (a chat stream
+asked for its usage, ``stream_options.include_usage``, ends with one more: no choices, the ``usage``
+and the ``timings``); the OpenAI endpoints end with ``data: [DONE]``, llama.cpp's native
+``/completion`` does not.  An invalid body gets
 400 in llama-server's error shape ``{"error": {"code", "message", "type"}}``; while loading, every
 endpoint but ``/health`` gets 503.
 
@@ -1057,7 +1059,8 @@ def completion(ex: Exchange) -> None:
                 ex.send_event(_token_event(fake, job, word, i, len(prompt_tokens)))
                 sent += 1
                 _wait_while_held(ex, job)
-            ex.send_event(_final(fake, job, "", cache_n, len(prompt_tokens), len(words)))
+            for event in final_events(fake, job, cache_n, len(prompt_tokens), len(words)):
+                ex.send_event(event)
             if job.openai:
                 ex.send_event("[DONE]")
             done(finished=True, disconnected=False)
@@ -1125,15 +1128,32 @@ def _token_event(fake: Fake, job: Job, word: str, index: int, n_prompt: int) -> 
     }
 
 
-def _final(fake: Fake, job: Job, text: str, cache_n: int, n_prompt: int, n_out: int) -> dict[str, Any]:
-    """The whole reply, or (``text`` empty) a stream's last event: both carry ``timings``."""
-    t = timings(cache_n, n_prompt - cache_n, n_out)
-    usage = {
+def _usage(cache_n: int, n_prompt: int, n_out: int) -> dict[str, Any]:
+    return {
         "completion_tokens": n_out,
         "prompt_tokens": n_prompt,
         "total_tokens": n_prompt + n_out,
         "prompt_tokens_details": {"cached_tokens": cache_n},
     }
+
+
+def final_events(fake: Fake, job: Job, cache_n: int, n_prompt: int, n_out: int) -> list[dict[str, Any]]:
+    """A stream's last events (before ``[DONE]``), the last one with ``timings``: for chat, the chunk
+    with the finish reason and, when ``stream_options.include_usage`` asks for it, one with no
+    choices and the ``usage`` (server-task.cpp's ``to_json_oaicompat_chat_stream``)."""
+    last = _final(fake, job, "", cache_n, n_prompt, n_out)
+    options = job.body.get("stream_options")
+    if not (job.chat and isinstance(options, dict) and options.get("include_usage") is True):
+        return [last]
+    t = last.pop("timings")
+    usage = {**_chat_chunk(fake, job, {}, None), "choices": [], "usage": _usage(cache_n, n_prompt, n_out)}
+    return [last, {**usage, "timings": t}]
+
+
+def _final(fake: Fake, job: Job, text: str, cache_n: int, n_prompt: int, n_out: int) -> dict[str, Any]:
+    """The whole reply, or (``text`` empty) a stream's last event: both carry ``timings``."""
+    t = timings(cache_n, n_prompt - cache_n, n_out)
+    usage = _usage(cache_n, n_prompt, n_out)
     if not job.openai:
         return {
             "index": 0,
@@ -1155,9 +1175,6 @@ def _final(fake: Fake, job: Job, text: str, cache_n: int, n_prompt: int, n_out: 
         }
     if job.chat and job.stream:
         chunk = _chat_chunk(fake, job, {}, "length")
-        options = job.body.get("stream_options")
-        if isinstance(options, dict) and options.get("include_usage") is True:
-            chunk["usage"] = usage
         chunk["timings"] = t
         return chunk
     common = {

@@ -200,7 +200,8 @@ class FakeLlama:
                 yield _event(fake_decoder._token_event(me, job, word, index, len(prompt)))
                 if index == 0 and self.modes.hold:
                     await self.release.wait()
-            yield _event(fake_decoder._final(me, job, "", cache_n, len(prompt), len(words)))
+            for event in fake_decoder.final_events(me, job, cache_n, len(prompt), len(words)):
+                yield _event(event)
             if job.openai:
                 yield b"data: [DONE]\n\n"
 
@@ -292,8 +293,13 @@ class HttpxWire:
         await self.inner.aclose()
 
 
+def _json(data: dict[str, Any]) -> bytes:
+    """JSON as llama-server writes it into a stream: no spaces (nlohmann's ``dump()``)."""
+    return json.dumps(data, separators=(",", ":")).encode()
+
+
 def _event(data: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(data).encode() + b"\n\n"
+    return b"data: " + _json(data) + b"\n\n"
 
 
 def _not_supported(message: str) -> httpx.Response:
@@ -342,7 +348,7 @@ async def _count_tokens(fake: FakeLlama, body: Any) -> httpx.Response:
 
 
 def _sse(event: str, data: dict[str, Any]) -> bytes:
-    return f"event: {event}\ndata: ".encode() + json.dumps(data).encode() + b"\n\n"
+    return f"event: {event}\ndata: ".encode() + _json(data) + b"\n\n"
 
 
 def _anthropic(out: list[str], n_prompt: int, cache_n: int, *, stream: bool) -> httpx.Response:

@@ -263,7 +263,7 @@ async def test_a_restarted_decoder_is_not_taken_to_hold_what_its_slots_held(tmp_
             b"[DONE]",
             id="openai-done",
         ),
-        pytest.param("/completion", body_for(True), b'"stop": true', id="llama-stop"),
+        pytest.param("/completion", body_for(True), b'"stop":true', id="llama-stop"),
         pytest.param(
             "/v1/messages",
             {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 3, "stream": True},
@@ -346,7 +346,7 @@ async def test_a_stream_hung_up_after_its_first_token_keeps_its_prompt_in_the_pr
     rig.fake.modes = Modes(hold=True)  # the reply pauses after its first token: the client leaves then
     with trio.fail_after(TIMEOUT):
         async with serving_with_store(rig, tmp_path) as store:
-            await asgi.call(rig.front, "POST", "/completion", body_for(True), hang_up_on=b'"stop": false')
+            await asgi.call(rig.front, "POST", "/completion", body_for(True), hang_up_on=b'"stop":false')
             # The put runs off the request's path, its writes in a thread.
             await wait_until(lambda: store.statistics().stores == 1)
     [line] = rig.lines

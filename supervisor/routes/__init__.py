@@ -12,6 +12,7 @@
     handover    the walk down the hybrid routes, its outcomes kept in a Walk
     story       what each step returned, and the route line built from it once
     relay       a decoder's reply on its way to the client: whole, streamed, or an error
+    usage       the usage a client is told: a provider's prefill is no cache hit
     rates       measured prefill and handoff rates, with configured priors
     fidelity    how far a handoff moves the decoder's next-token distribution
 

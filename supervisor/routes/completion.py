@@ -34,6 +34,7 @@ from .rates import Rates
 from .relay import Relayed, Timings, relay
 from .stored import StoredPrefixes
 from .story import Story
+from .usage import ProviderPrefill
 
 __all__ = ["STATE_BYTES_PER_TOKEN", "Completions", "Decoder", "Hybrid"]
 
@@ -234,7 +235,7 @@ class Completions:
             entry, choice = await self._store_and_choose(plan, slot, story, settings)
             story.chose(choice)
             forwarded = {**body, "id_slot": slot}
-            route = Route.PLAIN
+            route, prefilled = Route.PLAIN, None
             if choice.route is not Route.PLAIN and plan.provider is not None:
                 # The walk says the route attempted until it is over: a request cancelled
                 # mid-handoff is logged on the route it was taking.
@@ -250,11 +251,14 @@ class Completions:
                     generation=self.decoder.generation,
                     rates=self.rates,
                 )
+                prefilled = walk.prefilled()
             story.reached(route)
             if route is not Route.PLAIN:
                 # The handed-over cells are only reused by a request that may use its slot's cache.
                 forwarded["cache_prompt"] = True
-            relayed = await self._relay(endpoint, forwarded, out, story, headers, plan=plan, slot=slot, entry=entry)
+            relayed = await self._relay(
+                endpoint, forwarded, out, story, headers, plan=plan, slot=slot, entry=entry, prefilled=prefilled
+            )
             # After the last byte: this runs whether or not the client is still there (the front
             # cancels a request only while its response is unfinished); the slot is still ours.
             if out.finished and relayed.error is None:
@@ -280,13 +284,17 @@ class Completions:
         plan: Plan,
         slot: int,
         entry: Entry | None,
+        prefilled: ProviderPrefill | None,
     ) -> Relayed:
-        """The decoder's reply relayed, the story told what it did, even when the client hung up."""
+        """The decoder's reply relayed, the story told what it did, even when the client hung up;
+        ``prefilled``: what a provider spent on the prompt handed over (the reply's usage told with it)."""
         timings = Timings()
         relayed: Relayed | None = None
         self.decoding += 1
         try:
-            relayed = await relay(self.client, endpoint, forwarded, out, timings, headers, req=story.req)
+            relayed = await relay(
+                self.client, endpoint, forwarded, out, timings, headers, req=story.req, prefilled=prefilled
+            )
             return relayed
         except trio.Cancelled:
             # The client hung up mid-stream (a user pressed stop, an agent cancelled).  Once the

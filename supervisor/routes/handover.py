@@ -19,6 +19,7 @@ from .file import FileHandoff
 from .plan import Plan
 from .rates import Rates
 from .share import ShareHandoff
+from .usage import ProviderPrefill
 
 log = logging.getLogger("onebit.hybrid")
 
@@ -60,9 +61,20 @@ class Walk:
             prefill_ms = self.cut_ms
         return prefill_ms, restore_ms, share_ms
 
+    def worked(self) -> Outcome | None:
+        """The handoff that worked, where one did."""
+        return next((outcome for outcome in self.outcomes if outcome.ok), None)
+
     def evaluated(self) -> int | None:
         """The prompt tokens the provider evaluated, where a handoff worked."""
-        return next((outcome.evaluated for outcome in self.outcomes if outcome.ok), None)
+        done = self.worked()
+        return None if done is None else done.evaluated
+
+    def prefilled(self) -> ProviderPrefill | None:
+        """What the provider spent on the prompt it handed over, where a handoff worked: the
+        reply's usage is told with it (routes/usage.py)."""
+        done = self.worked()
+        return None if done is None else ProviderPrefill(done.evaluated, done.prefill_ms)
 
 
 # How a fallback is worded in the log, by the route the request goes on to.

@@ -4,7 +4,8 @@ Whole (read, then sent) or streamed (chunk by chunk as it comes, the stream's la
 final); an error reply relayed with its status, and summarized for the route line; a stream the
 decoder dropped ends with an error event.  :class:`Timings` collects what the decoder says it did,
 read from a whole reply or, by :class:`SseScanner`, from a stream's last events; :func:`relay`
-returns them with how the reply ended (:class:`Relayed`).
+returns them with how the reply ended (:class:`Relayed`).  After a handoff, the reply's usage
+counts are rewritten on the way (routes/usage.py): a provider's prefill is no cache hit.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ..http.respond import Responder
 from ..http.wire import Headers
 from ..llama import decoder as decoder_api
 from ..llama.decoder import DecoderClient
+from .usage import ProviderPrefill
 
 log = logging.getLogger("onebit.hybrid")
 
@@ -202,24 +204,31 @@ async def relay(
     headers: Headers = (),
     *,
     req: str,
+    prefilled: ProviderPrefill | None = None,
 ) -> Relayed:
     """The decoder's reply to ``body``: with ``"stream": true`` relayed chunk by chunk as it comes (its
     last events' ``timings`` into ``timings``, which a request cut short still reads), else read
-    whole, then sent.  ``headers``: the client's that the decoder is given too (``X-Conversation-Id``)."""
+    whole, then sent.  ``headers``: the client's that the decoder is given too (``X-Conversation-Id``).
+    ``prefilled``: what a provider spent on the prompt handed over, the reply's usage rewritten with
+    it (routes/usage.py; ``timings`` reads the decoder's own)."""
     if body.get("stream") is not True:
         reply = await client.request("POST", endpoint, body, headers)
         if 200 <= reply.status < 300:
+            sent = reply.body
             with contextlib.suppress(ValueError):
-                timings.read(json.loads(reply.body))
+                data = json.loads(reply.body)
+                timings.read(data)
+                if prefilled is not None:
+                    sent = prefilled.reply(reply.body, data)
             content_type = reply.headers.get("content-type", "application/json")
-            await out.whole(reply.status, reply.body, content_type, source="decoder")
+            await out.whole(reply.status, sent, content_type, source="decoder")
             return Relayed(timings)
         return await _relay_error(reply.status, reply.headers, reply.body, out, timings)
     async with client.stream(endpoint, body, headers) as upstream:
         if upstream.status != 200:
             chunks = [chunk async for chunk in upstream.chunks]
             return await _relay_error(upstream.status, upstream.headers, b"".join(chunks), out, timings)
-        return await _relay_chunks(upstream.chunks, out, timings, req)
+        return await _relay_chunks(upstream.chunks, out, timings, req, prefilled)
 
 
 async def _relay_error(
@@ -229,16 +238,29 @@ async def _relay_error(
     return Relayed(timings, error_summary(status, body))
 
 
-async def _relay_chunks(chunks: AsyncIterator[bytes], out: Responder, timings: Timings, req: str) -> Relayed:
-    """A 200 stream's chunks to the client as they come; a decoder lost mid-stream ends it with an error event."""
+async def _relay_chunks(
+    chunks: AsyncIterator[bytes], out: Responder, timings: Timings, req: str, prefilled: ProviderPrefill | None
+) -> Relayed:
+    """A 200 stream's chunks to the client as they come (a handed-over prompt's usage rewritten); a
+    decoder lost mid-stream ends it with an error event."""
     await out.start(200, SSE_HEADERS, source="decoder")
     scanner = SseScanner(timings)
+    usage = prefilled.stream() if prefilled is not None else None
     error = None
     try:
         async for chunk in chunks:
             timings.began = True
             scanner.feed(chunk)
+            if usage is not None:
+                chunk = usage.feed(chunk)
+                if not chunk:
+                    continue
             await out.body(chunk, more=True, final=has_final_event(chunk))
+        # A line the stream ended without its newline.  (A decoder lost mid-line leaves its start
+        # held and dropped: the error event below then reaches the client as a line of its own.)
+        rest = usage.flush() if usage is not None else b""
+        if rest:
+            await out.body(rest, more=True, final=has_final_event(rest))
     except DecoderError as exc:
         # Headers are gone already: the client learns of the loss as an error event, and the
         # operator from a warning (the route line, at info, says it too).
