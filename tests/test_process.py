@@ -19,6 +19,7 @@ import trio
 
 from supervisor import config as configuration
 from supervisor.errors import ChildError
+from supervisor.supervise import llama_log
 from supervisor.supervise.process import ChildProcess, describe_exit
 
 from .fake_child import grandchild, kill_grandchild, running, wait_gone
@@ -52,7 +53,7 @@ def test_an_exit_is_told_in_words_and_sigill_says_what_it_means(code: int, words
 async def test_output_is_logged_line_by_line_prefixed_with_the_name(
     caplog: pytest.LogCaptureFixture, gather_s: float
 ) -> None:
-    caplog.set_level(logging.INFO, logger="onebit.child")
+    caplog.set_level(logging.DEBUG, logger="onebit.child")
     script = "import sys; sys.stdout.write('one\\ntwo\\r\\n'); sys.stdout.flush(); sys.stderr.write('three')"
     seen: list[str] = []
     with trio.fail_after(10):
@@ -67,27 +68,40 @@ async def test_output_is_logged_line_by_line_prefixed_with_the_name(
     assert logged == ["talker| one", "talker| two", "talker| three"]
 
 
-async def test_llama_servers_per_request_lines_are_logged_at_debug_and_its_errors_at_error(
-    caplog: pytest.LogCaptureFixture,
+@pytest.mark.parametrize(
+    ("children", "info"),
+    [
+        # log.children's default: a child's info lines (and lines with no mark) are debug.
+        ("warning", "DEBUG"),
+        ("info", "INFO"),
+    ],
+)
+async def test_llama_servers_lines_are_logged_from_log_children_up_and_the_per_request_ones_at_debug(
+    caplog: pytest.LogCaptureFixture, children: str, info: str
 ) -> None:
     caplog.set_level(logging.DEBUG, logger="onebit.child")
     lines = [
         "0.00.004.663 I srv    load_model: loading model 'm.gguf'",
         "1.14.070.548 I slot print_timing: id  0 | task 4497 | prompt eval time =      17.10 ms /     1 tokens",
         "1.13.951.584 W slot   operator(): id  0 | task 4491 | need to evaluate at least 1 token",
-        "0.00.002.784 W srv  llama_server: security: no API key is set",
+        "0.00.002.784 W srv  llama_server: security: no API key is set and CORS allows all origins",
+        "0.00.002.785 W srv  init: the slot context (8192) exceeds the training context of the model (4096)",
         "1.20.000.000 E slot launch_slot_: id  0 | task 12 | failed",
         "not llama.cpp's format",
     ]
     script = f"import sys; sys.stdout.write({chr(10).join(lines)!r} + '\\n')"
-    with trio.fail_after(10):
-        process = await ChildProcess.spawn("decoder", [sys.executable, "-c", script])
-        try:
-            await process.pump_output()
-        finally:
-            await process.stop(5)
+    llama_log.set_children_level(children)
+    try:
+        with trio.fail_after(10):
+            process = await ChildProcess.spawn("decoder", [sys.executable, "-c", script])
+            try:
+                await process.pump_output()
+            finally:
+                await process.stop(5)
+    finally:
+        llama_log.set_children_level("warning")
     levels = {r.getMessage().split("| ", 1)[1]: r.levelname for r in caplog.records if "| " in r.getMessage()}
-    assert [levels[line] for line in lines] == ["INFO", "DEBUG", "DEBUG", "WARNING", "ERROR", "INFO"]
+    assert [levels[line] for line in lines] == [info, "DEBUG", "DEBUG", "DEBUG", "WARNING", "ERROR", info]
 
 
 async def test_stop_reaps_even_when_the_caller_is_cancelled(short_dir: Path) -> None:
