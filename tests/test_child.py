@@ -22,7 +22,7 @@ import trio.testing
 
 from supervisor.config import HealthPolicy, RestartPolicy
 from supervisor.supervise import child as child_module
-from supervisor.supervise.child import TRANSITIONS, Child, ChildState
+from supervisor.supervise.child import TRANSITIONS, Child, ChildState, HeardLine
 
 from .fake_child import grandchild, kill_grandchild, running, wait_gone
 
@@ -420,16 +420,23 @@ async def test_the_last_lines_of_a_child_that_exits_are_logged_as_warnings(
     ]
 
 
-async def test_a_child_stopped_by_onebitd_says_no_last_words(short_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="onebit.child")
-    launcher = FakeLauncher(short_dir, "serve")
+async def ready_until_heard(launcher: FakeLauncher, condition: Callable[[tuple[HeardLine, ...]], bool]) -> Child:
+    """Supervise until the child is ready and its recent lines meet ``condition``, then stop it."""
     child = supervised(launcher, Backoffs())
     with trio.fail_after(20):
         async with trio.open_nursery() as nursery:
             await nursery.start(child.run)
             await child.wait_state(S.READY)
-            await launcher.until(lambda: bool(child.recent()))
+            # Looked at after each health check: a line is read within 0.1 s of being written.
+            await launcher.until(lambda: condition(child.recent()))
             nursery.cancel_scope.cancel()
+    return child
+
+
+async def test_a_child_stopped_by_onebitd_says_no_last_words(short_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="onebit.child")
+    launcher = FakeLauncher(short_dir, "serve")
+    child = await ready_until_heard(launcher, lambda heard: bool(heard))
     assert [line.line for line in child.recent()] == [f"fake_child: pid {launcher.served_pid()} healthy"]
     assert not [r for r in caplog.records if r.getMessage().startswith("fake| ")]
 
@@ -439,14 +446,7 @@ async def test_a_childs_recent_lines_span_its_lives_and_keep_the_last_ones(
 ) -> None:
     monkeypatch.setattr(child_module, "RECENT_LINES", 2)
     launcher = FakeLauncher(short_dir, "exit 3", "serve")
-    child = supervised(launcher, Backoffs())
-    with trio.fail_after(20):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(child.run)
-            await child.wait_state(S.READY)
-            # Looked at after each health check: the line is read within 0.1 s of the start.
-            await launcher.until(lambda: bool(child.recent()) and child.recent()[-1].life == 1)
-            nursery.cancel_scope.cancel()
+    child = await ready_until_heard(launcher, lambda heard: bool(heard) and heard[-1].life == 1)
     recent = child.recent()
     # The first life's first line is gone: two are kept.
     assert [(re.sub(r"pid \d+", "pid N", line.line), line.life) for line in recent] == [
