@@ -21,7 +21,8 @@ import trio
 import trio.testing
 
 from supervisor.config import HealthPolicy, RestartPolicy
-from supervisor.supervise.child import TRANSITIONS, Child, ChildState
+from supervisor.supervise import child as child_module
+from supervisor.supervise.child import TRANSITIONS, Child, ChildState, HeardLine
 
 from .fake_child import grandchild, kill_grandchild, running, wait_gone
 
@@ -398,9 +399,11 @@ async def test_a_program_that_cannot_be_started_counts_as_a_failed_life(short_di
     assert_legal(launcher)
 
 
-async def test_the_last_lines_of_a_child_that_exits_are_logged(
+async def test_the_last_lines_of_a_child_that_exits_are_logged_as_warnings(
     short_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    # Lines with no llama.cpp mark (an assertion's message) are info, below log.children's default:
+    # logged at debug as they come, and again, as warnings, once the child has exited by itself.
     caplog.set_level(logging.INFO, logger="onebit.child")
     launcher = FakeLauncher(short_dir, "exit 3")
     child = supervised(launcher, Backoffs(hold=True))
@@ -409,11 +412,48 @@ async def test_the_last_lines_of_a_child_that_exits_are_logged(
             await nursery.start(child.run)
             await child.wait_state(S.BACKOFF)
             nursery.cancel_scope.cancel()
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("fake| ")]
-    assert [re.sub(r"pid \d+", "pid N", line) for line in lines] == [
-        "fake| fake_child: pid N exiting with status 3",
-        "fake| fake_child: last words of pid N",
+    said = [r for r in caplog.records if r.getMessage().startswith("fake| ") or "-> backoff" in r.getMessage()]
+    assert [(re.sub(r"pid \d+", "pid N", r.getMessage().split(" (")[0]), r.levelno) for r in said] == [
+        ("fake| fake_child: pid N exiting with status 3", logging.WARNING),
+        ("fake| fake_child: last words of pid N", logging.WARNING),
+        ("fake: starting -> backoff", logging.WARNING),
     ]
+
+
+async def ready_until_heard(launcher: FakeLauncher, condition: Callable[[tuple[HeardLine, ...]], bool]) -> Child:
+    """Supervise until the child is ready and its recent lines meet ``condition``, then stop it."""
+    child = supervised(launcher, Backoffs())
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(child.run)
+            await child.wait_state(S.READY)
+            # Looked at after each health check: a line is read within 0.1 s of being written.
+            await launcher.until(lambda: condition(child.recent()))
+            nursery.cancel_scope.cancel()
+    return child
+
+
+async def test_a_child_stopped_by_onebitd_says_no_last_words(short_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="onebit.child")
+    launcher = FakeLauncher(short_dir, "serve")
+    child = await ready_until_heard(launcher, lambda heard: bool(heard))
+    assert [line.line for line in child.recent()] == [f"fake_child: pid {launcher.served_pid()} healthy"]
+    assert not [r for r in caplog.records if r.getMessage().startswith("fake| ")]
+
+
+async def test_a_childs_recent_lines_span_its_lives_and_keep_the_last_ones(
+    short_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(child_module, "RECENT_LINES", 2)
+    launcher = FakeLauncher(short_dir, "exit 3", "serve")
+    child = await ready_until_heard(launcher, lambda heard: bool(heard) and heard[-1].life == 1)
+    recent = child.recent()
+    # The first life's first line is gone: two are kept.
+    assert [(re.sub(r"pid \d+", "pid N", line.line), line.life) for line in recent] == [
+        ("fake_child: last words of pid N", 0),
+        ("fake_child: pid N healthy", 1),
+    ]
+    assert recent[0].at <= recent[-1].at
 
 
 async def test_what_an_exited_child_left_in_its_process_group_is_killed(short_dir: Path) -> None:

@@ -170,6 +170,12 @@ def test_a_value_not_among_the_choices_lists_them(site: dict[str, Any]) -> None:
     assert lines == ['site.toml: log.level: expected one of debug, info, warning, error, got "loud"']
 
 
+def test_log_children_is_a_level_named_at_its_key_and_warning_by_default(site: dict[str, Any]) -> None:
+    lines = problems_with(site, log={"children": "all"})
+    assert lines == ['site.toml: log.children: expected one of debug, info, warning, error, got "all"']
+    assert Config().log.children == "warning"
+
+
 def test_nan_is_no_duration(site: dict[str, Any]) -> None:
     lines = problems_with(site, decoder={"health": {"interval_s": float("nan")}})
     assert lines == ["site.toml: decoder.health.interval_s: expected number, got nan"]

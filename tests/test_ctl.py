@@ -144,7 +144,7 @@ def test_config_show_fills_in_every_default(good_file: Path, capsys: pytest.Capt
             "shared_rescan_s": 2.0,
             "shared_max_age_s": 604800.0,
         },
-        "log": {"format": "logfmt", "level": "info"},
+        "log": {"format": "logfmt", "level": "info", "children": "warning"},
         "models": {"default": "", "max_loaded": 0, "memory_budget_mib": 0, "load_timeout_s": 120.0},
     }
 
@@ -249,10 +249,11 @@ def test_every_verb_of_onebitds_table_reaches_onebitd_with_its_arguments_from_th
     options = [
         option
         for argument in arguments
-        for option in (("2.5",) if argument.positional else (f"--{argument.name}", "2.5"))
+        # A value every argument's type takes: seconds, a number of lines, a name.
+        for option in (("3",) if argument.positional else (f"--{argument.name}", "3"))
     ]
     assert ctl.main(["--socket", "/nonexistent/admin.sock", *name.split(), *options]) == 1
-    expected = {argument.name: argument.type("2.5") for argument in arguments}
+    expected = {argument.name: argument.type("3") for argument in arguments}
     assert sent == [(Path("/nonexistent/admin.sock"), name, expected)]
     assert capsys.readouterr().err == "onebitctl: refused by the test\nonebitctl: why\n"
 

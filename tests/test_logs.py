@@ -13,6 +13,7 @@ import pytest
 from supervisor.observe import logs
 from supervisor.observe.logs import ROUTE_LOGGER
 from supervisor.routeline import RouteLine
+from supervisor.supervise import llama_log
 
 
 @pytest.fixture
@@ -22,6 +23,7 @@ def restore_root_logging() -> Iterator[None]:
     try:
         yield
     finally:
+        llama_log.set_children_level("warning")
         for handler in list(root.handlers):
             root.removeHandler(handler)
         for handler in handlers:
@@ -84,3 +86,13 @@ def test_log_level_debug_shows_onebitds_debug_lines_but_not_trio_websockets() ->
         "onebit.child: decoder| a slot line",
         "trio-websocket: a real problem",
     ]
+
+
+@pytest.mark.usefixtures("restore_root_logging")
+@pytest.mark.parametrize(("children", "shown"), [("warning", False), ("info", True)])
+def test_log_children_decides_whether_a_childs_info_lines_reach_an_info_log(children: str, shown: bool) -> None:
+    stream = io.StringIO()
+    logs.setup("logfmt", "info", stream, children=children)
+    line = "0.00.247.567 I srv  main: server is listening on unix:///run/onebit/decoder.sock"
+    logging.getLogger("onebit.child").log(llama_log.relayed_level(line), "decoder| %s", line)
+    assert (line in stream.getvalue()) is shown

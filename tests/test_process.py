@@ -13,16 +13,20 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import tomli_w
 import trio
 
 from supervisor import config as configuration
+from supervisor.config import Config
 from supervisor.errors import ChildError
+from supervisor.supervise import llama_log
 from supervisor.supervise.process import ChildProcess, describe_exit
 
 from .fake_child import grandchild, kill_grandchild, running, wait_gone
-from .rig import env_without, fake_decoder_config
+from .helpers import chat
+from .rig import env_without, fake_decoder_config, make_config, real_llama_server
 
 FAKE_CHILD = Path(__file__).parent / "fake_child.py"
 REPO = Path(__file__).parent.parent
@@ -52,7 +56,7 @@ def test_an_exit_is_told_in_words_and_sigill_says_what_it_means(code: int, words
 async def test_output_is_logged_line_by_line_prefixed_with_the_name(
     caplog: pytest.LogCaptureFixture, gather_s: float
 ) -> None:
-    caplog.set_level(logging.INFO, logger="onebit.child")
+    caplog.set_level(logging.DEBUG, logger="onebit.child")
     script = "import sys; sys.stdout.write('one\\ntwo\\r\\n'); sys.stdout.flush(); sys.stderr.write('three')"
     seen: list[str] = []
     with trio.fail_after(10):
@@ -67,27 +71,40 @@ async def test_output_is_logged_line_by_line_prefixed_with_the_name(
     assert logged == ["talker| one", "talker| two", "talker| three"]
 
 
-async def test_llama_servers_per_request_lines_are_logged_at_debug_and_its_errors_at_error(
-    caplog: pytest.LogCaptureFixture,
+@pytest.mark.parametrize(
+    ("children", "info"),
+    [
+        # log.children's default: a child's info lines (and lines with no mark) are debug.
+        ("warning", "DEBUG"),
+        ("info", "INFO"),
+    ],
+)
+async def test_llama_servers_lines_are_logged_from_log_children_up_and_the_per_request_ones_at_debug(
+    caplog: pytest.LogCaptureFixture, children: str, info: str
 ) -> None:
     caplog.set_level(logging.DEBUG, logger="onebit.child")
     lines = [
         "0.00.004.663 I srv    load_model: loading model 'm.gguf'",
         "1.14.070.548 I slot print_timing: id  0 | task 4497 | prompt eval time =      17.10 ms /     1 tokens",
         "1.13.951.584 W slot   operator(): id  0 | task 4491 | need to evaluate at least 1 token",
-        "0.00.002.784 W srv  llama_server: security: no API key is set",
+        "0.00.002.784 W srv  llama_server: security: no API key is set and CORS allows all origins",
+        "0.00.002.785 W srv  init: the slot context (8192) exceeds the training context of the model (4096)",
         "1.20.000.000 E slot launch_slot_: id  0 | task 12 | failed",
         "not llama.cpp's format",
     ]
     script = f"import sys; sys.stdout.write({chr(10).join(lines)!r} + '\\n')"
-    with trio.fail_after(10):
-        process = await ChildProcess.spawn("decoder", [sys.executable, "-c", script])
-        try:
-            await process.pump_output()
-        finally:
-            await process.stop(5)
+    llama_log.set_children_level(children)
+    try:
+        with trio.fail_after(10):
+            process = await ChildProcess.spawn("decoder", [sys.executable, "-c", script])
+            try:
+                await process.pump_output()
+            finally:
+                await process.stop(5)
+    finally:
+        llama_log.set_children_level("warning")
     levels = {r.getMessage().split("| ", 1)[1]: r.levelname for r in caplog.records if "| " in r.getMessage()}
-    assert [levels[line] for line in lines] == ["INFO", "DEBUG", "DEBUG", "WARNING", "ERROR", "INFO"]
+    assert [levels[line] for line in lines] == [info, "DEBUG", "DEBUG", "DEBUG", "WARNING", "ERROR", info]
 
 
 async def test_stop_reaps_even_when_the_caller_is_cancelled(short_dir: Path) -> None:
@@ -206,10 +223,11 @@ class Onebitd:
 
 
 @asynccontextmanager
-async def onebitd(runtime_dir: Path) -> AsyncIterator[Onebitd]:
-    """Start onebitd on a fake-decoder config; SIGKILL and reap it on the way out, whatever happened."""
+async def onebitd(runtime_dir: Path, config: Config | None = None) -> AsyncIterator[Onebitd]:
+    """Start onebitd on ``config`` (a fake-decoder one by default); SIGKILL and reap it on the way
+    out, whatever happened."""
     config_file = runtime_dir / "onebit.toml"
-    config = fake_decoder_config(runtime_dir)
+    config = config or fake_decoder_config(runtime_dir)
     config_file.write_text(tomli_w.dumps(configuration.unstructure(config)))
     process = await trio.lowlevel.open_process(
         [sys.executable, "-m", "supervisor.daemon", "--config", str(config_file)],
@@ -251,6 +269,38 @@ async def test_sigterm_makes_onebitd_exit_0_after_stopping_its_decoder(short_dir
             await daemon.wait_for(r"decoder: stopping -> stopped")
             # onebitd reaped it before exiting: nothing is left to reap, or to be killed by the kernel.
             assert not running(decoder)
+
+
+# A line a child wrote, as onebitd logs it: ``<time> <level> onebit.child: decoder| <line>``.
+CHILD_LINE = re.compile(r"^\S+ \w+ onebit\.child: \S+\| ")
+
+
+@pytest.mark.parametrize("decoder", ["fake", pytest.param("real", marks=pytest.mark.real)])
+async def test_the_first_30_lines_of_onebitds_log_are_its_own_not_its_childrens(short_dir: Path, decoder: str) -> None:
+    if decoder == "real":
+        real_llama_server()
+        config = make_config(short_dir, model={"parallel": 2, "ctx_size": 1024})
+    else:
+        config = fake_decoder_config(short_dir)
+    with trio.fail_after(180):
+        async with onebitd(short_dir, config) as daemon:
+            url = (await daemon.wait_for(r"ready: serving on (\S+?)[;,]?$"))[1]
+            async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+                reply = await client.post("/v1/chat/completions", json=chat("Say hi"))
+            assert reply.status_code == 200
+            await daemon.wait_for(r"onebit\.route: ")  # the request's route line, after its slot lines
+            first = daemon.lines[:30]
+    assert [line for line in first if CHILD_LINE.match(line)] == [], "\n".join(first)
+    said = "\n".join(first)
+    said_of_itself = (
+        r" llama-server \S+: version: ",
+        r" onebitd \S+ listening on ",
+        r" decoder: starting -> ready ",
+        r" model \S+: restores ",
+        r" ready: serving on ",
+    )
+    for own in said_of_itself:
+        assert re.search(own, said), (own, said)
 
 
 async def test_children_are_forked_by_the_trio_thread_which_lives_as_long_as_the_daemon(

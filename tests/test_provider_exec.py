@@ -177,7 +177,7 @@ async def test_an_exec_program_the_fidelity_check_refuses_is_never_ready(caplog:
         "the decoder refused its state: a state file of another model",
     )
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
-    assert errors == [f"npu0: refused for this model, the other providers go on: {stats.refused}"]
+    assert errors == [f"provider npu0: refused for this model, the other providers go on: {stats.refused}"]
 
 
 async def test_a_check_that_could_not_finish_is_run_again(autojump_clock: trio.testing.MockClock) -> None:

@@ -116,7 +116,7 @@ async def test_a_device_the_runtime_does_not_list_is_refused_in_one_line_and_not
     assert provider.child.state is ChildState.STOPPED
     assert provider.refused == "device GPU is not among the runtime's devices (CPU, NPU)"
     (line,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
-    assert line == "ov: refused for this model, the other providers go on: " + provider.refused
+    assert line == "provider ov: refused for this model, the other providers go on: " + provider.refused
     assert not (short_dir / "ov-env.txt").exists()
 
 

@@ -415,4 +415,4 @@ async def test_a_worker_the_fidelity_check_refuses_is_stopped_and_takes_no_job(
     assert stats.refused == "next-token TV distance over 6 prompts: ...: over the bound"
     assert pid is None or reaped(pid)
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
-    assert errors == [f"npu0: refused for this model, the other providers go on: {stats.refused}"]
+    assert errors == [f"provider npu0: refused for this model, the other providers go on: {stats.refused}"]

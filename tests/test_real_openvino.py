@@ -280,7 +280,7 @@ async def test_a_provider_over_the_fidelity_bound_is_refused_at_start_and_the_de
     assert got.strip()
     (refusal,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert refusal.startswith(
-        f"ov: refused for this model, the other providers go on: next-token TV distance over"
+        f"provider ov: refused for this model, the other providers go on: next-token TV distance over"
         f" {len(fidelity.GATE_PROMPTS)} prompts"
     )
     assert refusal.endswith("over the bound")

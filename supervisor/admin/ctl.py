@@ -7,6 +7,7 @@
     onebitctl reload                        re-read the config file
     onebitctl load MODEL                    load a model now (unloading idle ones in its way)
     onebitctl unload MODEL                  unload a model once the requests holding it are done
+    onebitctl logs CHILD [--lines N]        a child's last lines of output, whatever level they were logged at
     onebitctl config show [--config FILE]   the effective configuration, defaults filled in, as TOML
     onebitctl config check FILE             "FILE: ok", or its error lines
 
@@ -190,6 +191,26 @@ def unload(args: argparse.Namespace, result: Any) -> int:
     """Unload a model once the requests holding it are done (its slots' prompts kept in the prefix
     store first).  Prints "MODEL: unloaded"."""
     print(f"{result['name']}: {result['state']}")
+    return 0
+
+
+# -- a child's output ----------------------------------------------------------------------------
+
+
+@shows("logs", json_option("onebitd's answer as JSON"))
+def logs(args: argparse.Namespace, result: Any) -> int:
+    """Print a child's last lines of output (llama-server's), oldest first, each after the time
+    onebitd read it.
+
+    onebitd keeps each child's last 500 lines whatever log.children and log.level let into its log:
+    the lines of a model's load, the requests after it, what it said before it died.  CHILD is a name
+    "onebitctl status" lists (decoder, provider-NAME); --lines N prints only the last N.
+    """
+    if args.json:
+        print(json.dumps(result, sort_keys=True))
+        return 0
+    for heard in result["lines"]:
+        print(f"{render.stamp(heard['at'])} {heard['line']}")
     return 0
 
 

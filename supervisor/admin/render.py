@@ -3,6 +3,7 @@ tables and spans (``5m03s``) they are made of.  Pure: values in, text out."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -26,6 +27,11 @@ def duration(seconds: float) -> str:
         return f"{hours}h{minutes:02d}m"
     days, hours = divmod(hours, 24)
     return f"{days}d{hours:02d}h"
+
+
+def stamp(at: float) -> str:
+    """A moment as onebitd's log writes it (local time, to the millisecond)."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(at)) + f".{int(at * 1000) % 1000:03d}"
 
 
 def age(seconds: float) -> str:

@@ -18,7 +18,7 @@ import logging
 import math
 import os
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -38,6 +38,7 @@ from ..observe.routestats import RouteStats
 from ..observe.status import DaemonStatistics, ModelStatistics, to_wire
 from ..prefix.statistics import OFF
 from ..prefix.store import PrefixStore
+from ..supervise.child import RECENT_LINES, Child
 
 log = logging.getLogger("onebit.admin")
 
@@ -61,14 +62,13 @@ class Managed(Protocol):
 
     def reload(self) -> dict[str, Any]: ...
 
-    def store_of(self, name: str | None = None) -> PrefixStore | None:
-        """A model's prefix store (``name`` None: the default model's; None: it has none); ClientError
-        for a model there is not."""
-        ...
+    def store_of(self, name: str | None = None) -> PrefixStore | None: ...  # None: it has none
 
     async def load(self, name: str) -> ModelStatistics: ...
 
     async def unload(self, name: str) -> ModelStatistics: ...
+
+    def children(self) -> Sequence[Child]: ...  # every supervised child, as ``status`` lists them
 
 
 # How long a client waits for the daemon's side of the websocket close handshake once it has its
@@ -168,6 +168,26 @@ async def verb_unload(daemon: Managed, args: dict[str, Any], send: Send) -> Any:
         raise AdminError(exc.message) from None
 
 
+async def verb_logs(daemon: Managed, args: dict[str, Any], send: Send) -> Any:
+    """``{"verb": "logs", "args": {"child": NAME, "lines": N}}`` (``lines`` optional) -> ``{"ok": true,
+    "result": {"child": NAME, "lines": [{"at": T, "life": N, "line": "..."}, ...]}}``: the child's
+    last N lines of output (without ``lines``, all it keeps: supervisor/supervise/child.py's
+    ``RECENT_LINES``), oldest first, whatever level onebitd logged them at; ``at`` is when onebitd
+    read the line, ``life`` which start of the child wrote it (its restarts then).  NAME is one of
+    the children ``status`` lists (``decoder``, ``provider-NAME``)."""
+    name = args.get("child")
+    if not isinstance(name, str) or not name:
+        raise AdminError("logs: child must be the name of a child")
+    count = args.get("lines", RECENT_LINES)
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise AdminError("logs: lines must be a number of lines >= 1")
+    children = {child.name: child for child in daemon.children()}
+    if name not in children:
+        raise AdminError(f"logs: no child named {name!r}; children here: {', '.join(children)}")
+    heard = children[name].recent()[-count:]
+    return {"child": name, "lines": [{"at": h.at, "life": h.life, "line": h.line} for h in heard]}
+
+
 def seconds(text: str) -> float:
     """A number of seconds >= 0, from a command line."""
     try:
@@ -176,6 +196,17 @@ def seconds(text: str) -> float:
         value = math.nan
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"expected a number of seconds >= 0, got {text!r}")
+    return value
+
+
+def lines(text: str) -> int:
+    """A number of lines >= 1, from a command line."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"expected a number of lines >= 1, got {text!r}")
     return value
 
 
@@ -251,6 +282,13 @@ VERBS: dict[str, Verb] = {
     "cache clear": Verb(verb_cache_clear, (_STORE_OF,)),
     "load": Verb(verb_load, (Argument("model", str, "MODEL", "the model's name or alias", positional=True),)),
     "unload": Verb(verb_unload, (Argument("model", str, "MODEL", "the model's name or alias", positional=True),)),
+    "logs": Verb(
+        verb_logs,
+        (
+            Argument("child", str, "CHILD", "a child as status lists it: decoder, provider-NAME", positional=True),
+            Argument("lines", lines, "N", "only its last N lines (default: all it keeps)"),
+        ),
+    ),
 }
 
 

@@ -359,6 +359,10 @@ PROVIDER_KINDS: dict[type, str] = {
 class LogConfig:
     format: str = field(default="logfmt", validator=_one_of("logfmt", "json"), metadata=LIVE)
     level: str = field(default="info", validator=_one_of("debug", "info", "warning", "error"), metadata=LIVE)
+    # The children's lines (llama-server's) below this level are logged at debug: by default an
+    # operator's log has their warnings and errors, not the hundreds of lines of each model's load.
+    # Every line is kept for onebitctl logs whatever this says.
+    children: str = field(default="warning", validator=_one_of("debug", "info", "warning", "error"), metadata=LIVE)
 
 
 @frozen

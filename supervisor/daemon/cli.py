@@ -90,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.check_config:
         print(f"{path}: ok")
         return 0
-    logs.setup(args.log_format or config.log.format, config.log.level)
+    logs.setup(args.log_format or config.log.format, config.log.level, children=config.log.children)
     status = 0
     try:
         trio.run(_serve, config, path)

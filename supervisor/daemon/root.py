@@ -272,7 +272,7 @@ class Daemon:
     def _apply(self, config: Config) -> None:
         # The one swap: every part reads the settings at each use.
         self.settings.swap(config)
-        logs.setup(config.log.format, config.log.level)
+        logs.setup(config.log.format, config.log.level, children=config.log.children)
         if self.models.several:
             # Models added or removed: the others are not touched.
             wanted = {spec.name: spec for spec in modelspec.specs(config)}

@@ -14,6 +14,8 @@ from ..models.model import Model
 from ..prefix.opening import off, open_prefix_store
 from ..prefix.store import PrefixStore
 
+log = logging.getLogger("onebit.daemon")
+
 
 class Stores:
     def __init__(self) -> None:
@@ -29,6 +31,8 @@ class Stores:
             if binary is None:
                 raise ChildError("no llama-server binary")
             self._version = await server_version(binary)
+            # Its own lines are below log.children: the version is said once, as onebitd's.
+            log.info("llama-server %s: %s", binary, self._version)
         except ChildError as exc:
             self._version_problem = f"cannot tell the decoder's version: {exc}"
 

@@ -236,7 +236,7 @@ class Parts:
         verdict = fidelity.judge(samples)
         if not verdict.ok:
             return f"{verdict.summary()}: over the bound"
-        log.info("%s: admitted in %.1fs: %s", provider.name, trio.current_time() - started, verdict.summary())
+        log.info("provider %s: admitted in %.1fs: %s", provider.name, trio.current_time() - started, verdict.summary())
         if isinstance(provider, LlamaServerProvider | ExecProvider | WorkerProvider):
             provider.admitted = verdict.summary()  # onebitctl status and the status page show it
         return None
@@ -247,6 +247,7 @@ class Parts:
         await self._read_context()
         if self.hybrid is None and not store_enabled:
             self.capability.set(Restores.UNPROBED, "nothing is restored here (no provider, no prefix store)")
+            log.info("model %s: no restore probe: %s", self.name, self.capability.why)
             return
         if self._proven is not None and self.capability.withdrawn is None:
             self.capability.set(*self._proven)

@@ -15,6 +15,8 @@ import sys
 import time
 from typing import Any, TextIO
 
+from ..supervise import llama_log
+
 ROUTE_LOGGER = "onebit.route"
 
 _SYSLOG_PRIORITY = {"DEBUG": 7, "INFO": 6, "WARNING": 4, "ERROR": 3, "CRITICAL": 2}
@@ -59,7 +61,9 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(data, separators=(",", ":"))
 
 
-def setup(fmt: str = "logfmt", level: str = "info", stream: TextIO | None = None) -> None:
+def setup(fmt: str = "logfmt", level: str = "info", stream: TextIO | None = None, *, children: str = "warning") -> None:
+    """One handler on the root logger at ``level`` (``log.level``); the children's lines below
+    ``children`` (``log.children``) at debug."""
     handler = logging.StreamHandler(stream or sys.stderr)
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
@@ -70,6 +74,7 @@ def setup(fmt: str = "logfmt", level: str = "info", stream: TextIO | None = None
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
+    llama_log.set_children_level(children)
     # No line here shows a record's caller, thread or process, and finding them costs every record
     # a walk up the stack and three lookups (the logging HOWTO's "Optimization"): a request's route
     # line is one record.

@@ -33,7 +33,7 @@ GATE_RETRY_S = 5.0
 
 
 def log_refusal(name: str, why: str) -> None:
-    log.error("%s: refused for this model, the other providers go on: %s", name, why)
+    log.error("provider %s: refused for this model, the other providers go on: %s", name, why)
 
 
 async def verdict(provider: Provider, gate: Gate, ready: Callable[[], Awaitable[object]]) -> str | None:

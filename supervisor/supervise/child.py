@@ -3,6 +3,13 @@
 The child's lifecycle is :class:`ChildState` plus the ``TRANSITIONS`` table, owned by the one task
 that runs :meth:`Child.run`.  Everyone else reads :attr:`Child.state`, waits with :meth:`wait_state`,
 or reads :meth:`statistics`.  Every transition is logged and counted.
+
+Every line of a child's output, whatever level it was logged at (supervisor/supervise/llama_log.py),
+is kept in a ring of its last :data:`RECENT_LINES` across its lives, for an operator to read on demand
+(:meth:`Child.recent`, ``onebitctl logs``).  When a child exits by itself, the lines it wrote in its
+last moments that were ``info`` on their own but logged at ``debug`` (below ``log.children``: an
+assertion's message has no llama.cpp level mark, so it is ``info``) are logged again as warnings
+before the transition, so the log says why it died.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ import enum
 import functools
 import logging
 import math
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Protocol
@@ -20,6 +28,7 @@ import trio
 
 from ..config import HealthPolicy, RestartPolicy
 from ..errors import ChildError
+from .llama_log import level_of, relayed
 from .process import ChildProcess, describe_exit
 from .states import StateMachine
 
@@ -32,6 +41,15 @@ _DRAIN_S = 1.0
 # costs at ten of them a second whatever the request rate.  The pipe (64 KiB) holds far more than a
 # tenth of a second of llama-server's lines (about 1 KiB a request).
 _GATHER_S = 0.1
+# A child's lines kept for onebitctl logs: llama-server writes 100 to 200 lines loading a model and 5
+# to 10 a request, so this holds a start and the requests after it, or the last 50 or so requests;
+# about 100 KiB a child.
+RECENT_LINES = 500
+# The lines of a child that exited by itself logged again as its last words: at most this many (an
+# assertion's message and the backtrace ggml prints after it), written at most this long before its
+# exit was seen (its output is read every _GATHER_S, and drained within _DRAIN_S).
+_LAST_WORDS = 10
+_LAST_WORDS_S = 2.0
 
 
 class ChildState(enum.Enum):
@@ -111,6 +129,16 @@ class ChildStatistics:
     transitions: int
 
 
+@attrs.frozen
+class HeardLine:
+    """One line of a child's output, as onebitd read it."""
+
+    at: float  # wall-clock seconds since the epoch
+    line: str
+    life: int  # which start of the child wrote it (its statistics' restarts, then)
+    unshown: bool  # info or more on its own, logged at debug (below log.children)
+
+
 # Told of each move of a child's state: (the child, from, to, why).
 OnTransition = Callable[["Child", ChildState, ChildState, str], None]
 
@@ -141,6 +169,7 @@ class Child:
         self._fatal: str | None = None
         # Set when the first start is over, healthy or not: what readiness waits for.
         self._first_start = trio.Event()
+        self._recent: deque[HeardLine] = deque(maxlen=RECENT_LINES)
         # Bumped on every READY: a fact learnt about one decoder process (it cannot share its KV,
         # say) is valid for that generation only.
         self.generation = 0
@@ -161,6 +190,10 @@ class Child:
     async def wait_first_start(self) -> None:
         """Until the first start is over: the child became healthy, or that life ended."""
         await self._first_start.wait()
+
+    def recent(self) -> tuple[HeardLine, ...]:
+        """Its last lines of output, oldest first, across its lives."""
+        return tuple(self._recent)
 
     def statistics(self) -> ChildStatistics:
         return ChildStatistics(
@@ -260,13 +293,28 @@ class Child:
                 code = await process.stop(self.health.stop_grace_s)
             self._last_exit = describe_exit(code)
             self._process = None
+        if not why:
+            self._say_last_words()
         return why or f"pid {process.pid} exited: {self._last_exit}"
 
     def _heard(self, line: str) -> None:
-        """Each line of its output: before its first healthy answer of a life, one that says no
-        restart can help is kept (the first such)."""
+        """Each line of its output: kept among the recent ones; before its first healthy answer of
+        a life, one that says no restart can help is kept (the first such)."""
+        if line:
+            level = level_of(line)
+            unshown = level >= logging.INFO > relayed(level)
+            self._recent.append(HeardLine(time.time(), line, self._restarts, unshown))
         if self._fatal is None and self._lifecycle.state is ChildState.STARTING:
             self._fatal = self.launcher.fatal(line)
+
+    def _say_last_words(self) -> None:
+        """Its last lines before it exited by itself that the log has not shown, as warnings."""
+        since = time.time() - _LAST_WORDS_S
+        unshown = [
+            heard.line for heard in self._recent if heard.life == self._restarts and heard.at >= since and heard.unshown
+        ]
+        for line in unshown[-_LAST_WORDS:]:
+            log.warning("%s| %s", self.name, line)
 
     async def _live(self, process: ChildProcess) -> str:
         """Gate on health, then watch; return why it must be stopped, or "" when it exited."""

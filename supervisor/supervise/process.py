@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 import trio
 
 from ..errors import ChildError
-from .llama_log import level_of
+from .llama_log import relayed_level
 
 log = logging.getLogger("onebit.child")
 
@@ -230,7 +230,7 @@ class ChildProcess:
         if on_line is not None:
             on_line(line)
         if line:
-            level = level_of(line)
+            level = relayed_level(line)
             if log.isEnabledFor(level):
                 log.log(level, "%s| %s", self.name, line)
 
