@@ -1,7 +1,7 @@
-"""The two llama-server builds side by side, with the product's [model] flags and ``-t``: prefill
-tokens per second (and per CPU-second) at a few prompt sizes, one server at a time; the per-layer K/V
-error of each OpenVINO slot file against the ggml server's own for the same prompt; and whether the
-OpenVINO files restore into the ggml server (``prompt_n`` 1 after the restore).
+"""The ggml and OpenVINO engines of the one llama-server build side by side, with the product's [model]
+flags and ``-t``: prefill tokens per second (and per CPU-second) at a few prompt sizes, one server at a
+time; the per-layer K/V error of each OpenVINO slot file against the ggml server's own for the same
+prompt; and whether the OpenVINO files restore into the ggml server (``prompt_n`` 1 after the restore).
 
     .venv/bin/python scripts/bench_engines.py [--ggml BIN] [--openvino BIN ...] [--sizes 200,700,1500]
                                               [--plot FILE.svg]
@@ -30,7 +30,7 @@ import bench_plot
 import httpx
 
 from supervisor.config import ModelConfig, locate
-from supervisor.llama import statefile
+from supervisor.llama import openvino, statefile
 from supervisor.llama.llama_server import model_args
 
 TEXT = (
@@ -196,9 +196,9 @@ def main() -> int:
     with server(ggml, args.threads, {}, [], out / "ggml.log") as s:
         runs["ggml"] = run_one(s, "ggml", sizes, args.reps, out)
     # llama-server logs "load_backend: loaded CPU backend from .../libggml-cpu-<variant>.so" only with -v.
-    cpu = {"GGML_OPENVINO_DEVICE": args.device}
     for name, path in openvinos:
         print(f"{name}: {path}", flush=True)
+        cpu = {**openvino.backend_env(path), "GGML_OPENVINO_DEVICE": args.device}  # set-up's: its backend beside it
         with server(path, args.threads, cpu, [], out / f"{name}.log") as s:
             runs[name] = run_one(s, name, sizes, args.reps, out)
         if args.static:
