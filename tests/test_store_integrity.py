@@ -94,6 +94,49 @@ async def test_a_state_file_with_a_flipped_byte_is_never_restored_but_dropped_an
         store.close()
 
 
+async def test_a_whole_state_file_is_hashed_once_until_it_is_another_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second restore of a file reads no byte of it; a file renamed over it (another inode, as a
+    writer's commit is) is hashed again, and its flipped byte found; a store opened anew hashes again."""
+    hashed: list[str] = []
+    digest = prefix_files.digest
+
+    def counted(path: Path) -> str:
+        hashed.append(path.name)
+        return digest(path)
+
+    monkeypatch.setattr(prefix_files, "digest", counted)
+    with trio.fail_after(TIMEOUT):
+        hosts = Hosts(tmp_path / "unused", tmp_path)
+        store = await private_store(tmp_path / "store", fingerprint=FINGERPRINT, max_bytes=1 << 20, min_tokens=8)
+        assert await store.put_file(tokens(100), hosts.state_file())
+        entry = store.lookup(tokens(120))
+        assert entry is not None
+        path = prefix_files.state_path(tmp_path / "store", entry.key)
+        hashed.clear()  # the put's own hash
+        for _ in range(2):
+            async with store.exposed(entry, tmp_path):
+                pass
+        assert hashed == [path.name]
+        store.close()
+        store = await private_store(tmp_path / "store", fingerprint=FINGERPRINT, max_bytes=1 << 20, min_tokens=8)
+        entry = store.lookup(tokens(120))
+        assert entry is not None
+        async with store.exposed(entry, tmp_path):
+            pass
+        assert hashed == [path.name, path.name]
+        damaged = tmp_path / "damaged"
+        damaged.write_bytes(path.read_bytes())
+        flip_a_byte(damaged)
+        damaged.replace(path)
+        with pytest.raises(PrefixStoreError, match="damaged"):
+            async with store.exposed(entry, tmp_path):
+                pytest.fail("exposed a damaged entry")
+        assert hashed == [path.name] * 3
+        store.close()
+
+
 async def test_a_truncated_state_file_under_a_committed_sidecar_is_never_restored_by_another_host(
     hosts: Hosts,
 ) -> None:

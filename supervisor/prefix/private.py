@@ -31,6 +31,7 @@ class PrivateDirectory:
         self.problem = problem
         self._disk = disk
         self._lock_fd: int | None = lock_fd
+        self._verified = prefix_files.Verified()
 
     @classmethod
     async def open(
@@ -66,7 +67,7 @@ class PrivateDirectory:
         return True
 
     async def verify(self, name: str, blake2b: str) -> bool:
-        return await trio.to_thread.run_sync(prefix_files.matches, self.state_path(name), blake2b)
+        return await trio.to_thread.run_sync(self._verified.matches, self.state_path(name), blake2b)
 
     def state_path(self, name: str) -> Path:
         return prefix_files.state_path(self.path, name)
@@ -75,6 +76,7 @@ class PrivateDirectory:
         prefix_files.write_entry(self._disk, self.path, name, source, sidecar, state_bytes)
 
     def remove(self, name: str) -> bool:
+        self._verified.forget(self.state_path(name))
         prefix_files.remove(self.path, name)
         return True
 

@@ -56,6 +56,7 @@ class SharedDirectory:
         self.path = path
         self.clock = clock
         self.host_id = host_id
+        self._verified = prefix_files.Verified()
         self.max_age_s = max_age_s
         self.problem: str | None = None  # why the directory cannot be listed now
         self._fingerprint = fingerprint
@@ -164,7 +165,7 @@ class SharedDirectory:
         """Bounded (:data:`VERIFY_TIMEOUT_S`): a hung mount answers None, and the request prefills."""
         with trio.move_on_after(VERIFY_TIMEOUT_S):
             return await trio.to_thread.run_sync(
-                prefix_files.matches, self.state_path(name), blake2b, abandon_on_cancel=True
+                self._verified.matches, self.state_path(name), blake2b, abandon_on_cancel=True
             )
         log.warning("prefix store: %s did not answer in %g s; restoring nothing", self.path, VERIFY_TIMEOUT_S)
         return None
@@ -177,4 +178,5 @@ class SharedDirectory:
 
     def remove(self, name: str) -> bool:
         """Through a tombstone: exactly one host removes an entry, whoever else chose it."""
+        self._verified.forget(self.state_path(name))
         return shared_files.evict(self.path, name, self.host_id)
