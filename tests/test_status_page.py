@@ -354,6 +354,67 @@ async def test_the_feeds_open_at_once_are_bounded(
                 assert (await anext(events))["event"] == "hello"
 
 
+async def test_one_client_holds_at_most_its_share_of_the_feeds_and_is_told_which_bound(
+    short_dir: Path, control: Control, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(statuspage, "MAX_CLIENT_FEEDS", 2)
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(fake_decoder_config(short_dir)) as running, client_for(running) as client:
+            async with feed(running) as first, feed(running) as second:
+                await anext(first)
+                await anext(second)
+                error = assert_envelope(await client.get(PAGE + "events"), 429)
+            await _wait_feeds(running, 0)
+            async with feed(running) as again:
+                assert (await anext(again))["event"] == "hello"
+    assert error["code"] == "too_many_client_feeds"
+    assert "one client" in error["message"]
+
+
+async def test_with_admin_keys_each_key_is_a_client_and_all_of_them_share_the_bound_in_all(
+    short_dir: Path, control: Control, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(statuspage, "MAX_CLIENT_FEEDS", 1)
+    monkeypatch.setattr(statuspage, "MAX_FEEDS", 2)
+    keys = ["k1", "k2", "k3"]
+    config = fake_decoder_config(short_dir, server={"admin_keys": keys})
+    bearer = [{"authorization": f"Bearer {key}"} for key in keys]
+    with trio.fail_after(TIMEOUT):
+        async with (
+            run_daemon(config) as running,
+            client_for(running) as client,
+            feed(running, bearer[0]) as first,
+        ):
+            await anext(first)
+            same_key = assert_envelope(await client.get(PAGE + "events", headers=bearer[0]), 429)
+            async with feed(running, bearer[1]) as second:
+                await anext(second)
+                third_key = assert_envelope(await client.get(PAGE + "events", headers=bearer[2]), 503)
+    assert same_key["code"] == "too_many_client_feeds"
+    assert third_key["code"] == "too_many_feeds"
+    assert "all clients" in third_key["message"]
+
+
+async def test_with_admin_keys_a_loopback_client_needs_one_and_an_api_key_is_none(
+    short_dir: Path, control: Control
+) -> None:
+    config = fake_decoder_config(short_dir, server={"api_keys": ["the-key"], "admin_keys": ["the-admin-key"]})
+    admin = {"authorization": "Bearer the-admin-key"}
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(config) as running, client_for(running) as client:
+            for path in ("events", "status"):
+                for headers in ({}, KEY, {"authorization": "Bearer wrong"}):
+                    error = assert_envelope(await client.get(PAGE + path, headers=headers), 403)
+                    assert error["code"] == "admin_key_required"
+            assert (await client.get(PAGE + "status", headers=admin)).status_code == 200
+            async with feed(running, admin) as events:
+                assert (await anext(events))["event"] == "hello"
+            for path in ("", "page.js", "page.css"):
+                assert (await client.get(PAGE + path)).status_code == 200
+            # The admin key opens the status surface only, not the API.
+            assert (await client.get("/v1/models", headers=admin)).status_code == 401
+
+
 async def _wait_feeds(running: Running, n: int) -> None:
     page = running.daemon.front.page
     assert page is not None
