@@ -122,7 +122,9 @@ def test_admin_keys_are_strings(site: dict[str, Any]) -> None:
     assert problems_with(site, server={"admin_keys": "one"}) == [
         'site.toml: server.admin_keys: expected a list, got "one"'
     ]
-    assert problems_with(site, server={"admin_keys": [7]}) == ["site.toml: server.admin_keys[0]: expected string, got 7"]
+    assert problems_with(site, server={"admin_keys": [7]}) == [
+        "site.toml: server.admin_keys[0]: expected string, got 7"
+    ]
 
 
 def test_a_value_where_a_table_belongs_is_refused() -> None:

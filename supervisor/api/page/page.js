@@ -155,7 +155,9 @@ function cell(row, value, cls) {
   const td = document.createElement("td");
   td.textContent = value === null || value === undefined ? "-" : String(value);
   if (typeof value === "number") td.classList.add("num");
-  if (cls) td.classList.add(...cls.split(" "));
+  // A class made of a value the daemon sent (a state, an outcome): only word characters, so that no
+  // value can throw (an empty token, a space) or name a class it was not meant to.
+  if (cls) td.classList.add(...cls.split(" ").filter(Boolean).map((token) => token.replace(/[^\w-]/g, "_")));
   row.appendChild(td);
   return td;
 }
