@@ -86,9 +86,31 @@ class Browser:
     def open(self) -> None:
         self.page.goto(self.origin + "/onebit/")
 
+    def open_live(self) -> None:
+        """Open the page and wait for it to show the daemon and read its feed."""
+        self.open()
+        self.page.wait_for_selector("#main:not([hidden])")
+        self.page.wait_for_selector("#feed.up")
+
     def close(self) -> None:
         self.context.close()
         self.browser.close()
+
+    def key_prompt(self, wrong: str, right: str) -> None:
+        """At the key prompt (nothing else shown): ``wrong`` is refused, ``right`` opens the page."""
+        page = self.page
+        page.wait_for_selector("#key:not([hidden])")
+        assert page.is_hidden("#main")
+        assert page.locator("#children tbody tr").count() == 0  # nothing of the daemon's shown
+        page.fill("#key-input", wrong)
+        page.click("#key-form button")
+        page.wait_for_selector("#key-error:text('that key was refused')")
+        assert page.is_hidden("#main")
+        page.fill("#key-input", right)
+        page.click("#key-form button")
+        page.wait_for_selector("#main:not([hidden])")
+        page.wait_for_selector("#feed.up")
+        assert page.is_hidden("#key")
 
     def assert_clean(self) -> None:
         assert self.foreign == []
@@ -152,9 +174,7 @@ async def test_the_page_shows_requests_as_they_end_and_a_killed_decoder_restarti
 
             def script(browser: Browser) -> None:
                 page = browser.page
-                browser.open()
-                page.wait_for_selector("#main:not([hidden])")
-                page.wait_for_selector("#feed.up")
+                browser.open_live()
                 assert page.is_hidden("#key")
                 assert state_of(page, "decoder") == "ready"
                 assert page.locator("#requests tbody tr").count() == 1
@@ -205,21 +225,9 @@ async def test_with_api_keys_the_page_shows_only_the_key_prompt_until_given_the_
         async with run_daemon(config) as running:
 
             def script(browser: Browser) -> None:
-                page = browser.page
                 browser.open()
-                page.wait_for_selector("#key:not([hidden])")
-                assert page.is_hidden("#main")
-                assert page.locator("#children tbody tr").count() == 0  # nothing of the daemon's shown
-                page.fill("#key-input", "a wrong key")
-                page.click("#key-form button")
-                page.wait_for_selector("#key-error:text('that key was refused')")
-                assert page.is_hidden("#main")
-                page.fill("#key-input", KEY)
-                page.click("#key-form button")
-                page.wait_for_selector("#main:not([hidden])")
-                page.wait_for_selector("#feed.up")
-                assert page.is_hidden("#key")
-                assert state_of(page, "decoder") == "ready"
+                browser.key_prompt("a wrong key", KEY)
+                assert state_of(browser.page, "decoder") == "ready"
                 # The key was sent as a header, never in a URL.
                 assert not [url for url in browser.requests if KEY in url]
                 # The 401s the page met while it had no key (or a wrong one) are console errors of
@@ -238,17 +246,8 @@ async def test_with_admin_keys_the_page_asks_for_one_and_an_api_key_is_refused(
         async with run_daemon(config) as running:
 
             def script(browser: Browser) -> None:
-                page = browser.page
                 browser.open()
-                page.wait_for_selector("#key:not([hidden])")
-                page.fill("#key-input", KEY)  # an API key opens the API, not this page
-                page.click("#key-form button")
-                page.wait_for_selector("#key-error:text('that key was refused')")
-                assert page.is_hidden("#main")
-                page.fill("#key-input", "the-admin-key")
-                page.click("#key-form button")
-                page.wait_for_selector("#main:not([hidden])")
-                page.wait_for_selector("#feed.up")
+                browser.key_prompt(KEY, "the-admin-key")  # an API key opens the API, not this page
                 # The 403s the page met without the admin key are console errors of the browser's.
                 browser.errors[:] = [e for e in browser.errors if "403" not in e]
                 browser.assert_clean()
@@ -312,9 +311,7 @@ async def test_hostile_strings_in_route_lines_model_names_and_errors_are_shown_a
 
             def script(browser: Browser) -> None:
                 page = browser.page
-                browser.open()
-                page.wait_for_selector("#main:not([hidden])")
-                page.wait_for_selector("#feed.up")
+                browser.open_live()
                 # One more as the feed's own event, and a transition of a hostile child.
                 trio.from_thread.run_sync(stats.record, hostile_line(len(HOSTILE) - 1, HOSTILE[-1]))
                 page.wait_for_selector(f'#requests tr[data-req="hostile-{len(HOSTILE) - 1}"]')
