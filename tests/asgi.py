@@ -52,11 +52,13 @@ async def call(
     hang_up_on: bytes | None = None,
     hang_up_after_s: float | None = None,
     body_after_s: float = 0.0,
+    client: tuple[str, int] | None = ("127.0.0.1", 50000),
 ) -> Reply:
     """One request; the client hangs up once the reply is whole, or once a chunk holding
     ``hang_up_on`` came (as a client that closes on ``data: [DONE]``), or ``hang_up_after_s`` after
     its body, whatever came by then (no reply at all: status 0).  ``body_after_s``: the body
-    comes this long after the head (a slow client; under an autojump clock, no real wait)."""
+    comes this long after the head (a slow client; under an autojump clock, no real wait).
+    ``client``: the peer's address, as the server gives it (None: unknown)."""
     sent: list[dict[str, Any]] = []
     finished = trio.Event()
     asked = False
@@ -89,6 +91,7 @@ async def call(
         "path": path,
         "query_string": query.encode(),
         "headers": [(k.encode(), v.encode()) for k, v in given.items()],
+        "client": client,
     }
     await front(scope, receive, send)
     if not sent:

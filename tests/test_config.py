@@ -112,6 +112,21 @@ def test_a_list_item_of_the_wrong_type_names_its_index(site: dict[str, Any]) -> 
     assert lines == ["site.toml: server.api_keys[1]: expected string, got 7"]
 
 
+@pytest.mark.parametrize("keys", [[""], ["good", "with space"], ["tab\there"]])
+def test_an_admin_key_a_header_cannot_carry_is_refused(site: dict[str, Any], keys: list[str]) -> None:
+    lines = problems_with(site, server={"admin_keys": keys})
+    assert lines == ["site.toml: server.admin_keys: expected keys of visible ASCII characters (no space), none empty"]
+
+
+def test_admin_keys_are_strings(site: dict[str, Any]) -> None:
+    assert problems_with(site, server={"admin_keys": "one"}) == [
+        'site.toml: server.admin_keys: expected a list, got "one"'
+    ]
+    assert problems_with(site, server={"admin_keys": [7]}) == [
+        "site.toml: server.admin_keys[0]: expected string, got 7"
+    ]
+
+
 def test_a_value_where_a_table_belongs_is_refused() -> None:
     assert problems("decoder = 3\n") == ["site.toml: decoder: expected a table, got 3"]
     assert problems("[decoder]\nhealth = [1]\n") == ["site.toml: decoder.health: expected a table, got [1]"]

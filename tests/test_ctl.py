@@ -69,6 +69,7 @@ def test_config_show_fills_in_every_default(good_file: Path, capsys: pytest.Capt
             "queue_limit": 64,
             "retry_after_s": 1,
             "api_keys": ["k1"],
+            "admin_keys": [],
             "shutdown_grace_s": 30.0,
             "runtime_dir": "",
             "cors_origins": ["localhost"],

@@ -382,7 +382,7 @@ async def test_a_context_overflow_is_relayed_byte_for_byte(tmp_path: Path, path:
     [line] = rig.lines
     assert (line.status, line.outcome) == (400, "error")
     assert line.error is not None
-    assert line.error.startswith("decoder answered 400: request (5000 tokens) exceeds")
+    assert line.error.startswith("decoder answered 400 (exceed_context_size_error): request (5000 tokens) exceeds")
 
 
 # -- Anthropic's error shape ------------------------------------------------------------------------

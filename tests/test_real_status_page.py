@@ -1,4 +1,6 @@
-"""The status page (``/onebit/``) in a real browser against a real onebitd on the real decoder.
+"""The status page (``/onebit/``) in a real browser against a real onebitd on the real decoder, and
+against one on the fake decoder fed hostile strings (markup, quotes, control characters) that it
+must show as text.
 
 Debian's chromium (scripts/setup installs it when run as root) runs headless, driven by Playwright for
 Python pointed at it: Playwright downloads no browser of its own.  Playwright's sync API runs in a
@@ -26,9 +28,10 @@ import httpx
 import pytest
 import trio
 
+from supervisor.routeline import RequestOutcome, RouteLine
 from supervisor.testing import Running
 
-from .rig import make_config, real_llama_server, run_daemon
+from .rig import Control, fake_decoder_config, make_config, real_llama_server, run_daemon
 
 pytestmark = pytest.mark.real
 
@@ -83,9 +86,31 @@ class Browser:
     def open(self) -> None:
         self.page.goto(self.origin + "/onebit/")
 
+    def open_live(self) -> None:
+        """Open the page and wait for it to show the daemon and read its feed."""
+        self.open()
+        self.page.wait_for_selector("#main:not([hidden])")
+        self.page.wait_for_selector("#feed.up")
+
     def close(self) -> None:
         self.context.close()
         self.browser.close()
+
+    def key_prompt(self, wrong: str, right: str) -> None:
+        """At the key prompt (nothing else shown): ``wrong`` is refused, ``right`` opens the page."""
+        page = self.page
+        page.wait_for_selector("#key:not([hidden])")
+        assert page.is_hidden("#main")
+        assert page.locator("#children tbody tr").count() == 0  # nothing of the daemon's shown
+        page.fill("#key-input", wrong)
+        page.click("#key-form button")
+        page.wait_for_selector("#key-error:text('that key was refused')")
+        assert page.is_hidden("#main")
+        page.fill("#key-input", right)
+        page.click("#key-form button")
+        page.wait_for_selector("#main:not([hidden])")
+        page.wait_for_selector("#feed.up")
+        assert page.is_hidden("#key")
 
     def assert_clean(self) -> None:
         assert self.foreign == []
@@ -149,9 +174,7 @@ async def test_the_page_shows_requests_as_they_end_and_a_killed_decoder_restarti
 
             def script(browser: Browser) -> None:
                 page = browser.page
-                browser.open()
-                page.wait_for_selector("#main:not([hidden])")
-                page.wait_for_selector("#feed.up")
+                browser.open_live()
                 assert page.is_hidden("#key")
                 assert state_of(page, "decoder") == "ready"
                 assert page.locator("#requests tbody tr").count() == 1
@@ -202,21 +225,9 @@ async def test_with_api_keys_the_page_shows_only_the_key_prompt_until_given_the_
         async with run_daemon(config) as running:
 
             def script(browser: Browser) -> None:
-                page = browser.page
                 browser.open()
-                page.wait_for_selector("#key:not([hidden])")
-                assert page.is_hidden("#main")
-                assert page.locator("#children tbody tr").count() == 0  # nothing of the daemon's shown
-                page.fill("#key-input", "a wrong key")
-                page.click("#key-form button")
-                page.wait_for_selector("#key-error:text('that key was refused')")
-                assert page.is_hidden("#main")
-                page.fill("#key-input", KEY)
-                page.click("#key-form button")
-                page.wait_for_selector("#main:not([hidden])")
-                page.wait_for_selector("#feed.up")
-                assert page.is_hidden("#key")
-                assert state_of(page, "decoder") == "ready"
+                browser.key_prompt("a wrong key", KEY)
+                assert state_of(browser.page, "decoder") == "ready"
                 # The key was sent as a header, never in a URL.
                 assert not [url for url in browser.requests if KEY in url]
                 # The 401s the page met while it had no key (or a wrong one) are console errors of
@@ -225,3 +236,123 @@ async def test_with_api_keys_the_page_shows_only_the_key_prompt_until_given_the_
                 browser.assert_clean()
 
             await in_browser(running, script)
+
+
+async def test_with_admin_keys_the_page_asks_for_one_and_an_api_key_is_refused(
+    short_dir: Path, control: Control
+) -> None:
+    config = fake_decoder_config(short_dir, server={"api_keys": [KEY], "admin_keys": ["the-admin-key"]})
+    with trio.fail_after(DEADLINE_S):
+        async with run_daemon(config) as running:
+
+            def script(browser: Browser) -> None:
+                browser.open()
+                browser.key_prompt(KEY, "the-admin-key")  # an API key opens the API, not this page
+                # The 403s the page met without the admin key are console errors of the browser's.
+                browser.errors[:] = [e for e in browser.errors if "403" not in e]
+                browser.assert_clean()
+
+            await in_browser(running, script)
+
+
+# Each would run script if the page parsed it as markup: each sets window.pwned.
+HOSTILE = [
+    "<script>window.pwned = 1</script>",
+    '"><img src=x onerror="window.pwned = 2">',
+    "'><svg onload=window.pwned=3>",
+    "</td></tr><tr><td><iframe src=javascript:window.pwned=4>",
+    "a\x00b\x07c\x1b[31md\u202ee\nf\r\ng",
+]
+# What survives the error's redaction (supervisor/observe/redact.py: no quote): still markup.
+HOSTILE_ERROR = "<script>window.pwned = 5</script><img src=x onerror=window.pwned=6>"
+
+
+def hostile_line(n: int, text: str) -> RouteLine:
+    return RouteLine(
+        route=text,
+        req=f"hostile-{n}",
+        endpoint=text,
+        model=text,
+        fallback=text,
+        status=500,
+        outcome=RequestOutcome.ERROR,
+        error=f"{HOSTILE_ERROR} {text}",
+    )
+
+
+def hostile_status(real: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
+    """The daemon's status with names, states and words that are markup; a child's state of control
+    characters (the page makes a class of it, which must not throw)."""
+
+    def status() -> dict[str, Any]:
+        data = real()
+        data["daemon"]["version"] = HOSTILE[0]
+        for child in data["children"]:
+            child["name"], child["state"], child["last_exit"] = HOSTILE[1], HOSTILE[4], HOSTILE[3]
+        for model in data["models"]["models"]:
+            model["name"], model["state"] = HOSTILE[0], HOSTILE[1]
+        return data
+
+    return status
+
+
+async def test_hostile_strings_in_route_lines_model_names_and_errors_are_shown_as_text_and_run_nothing(
+    short_dir: Path, control: Control
+) -> None:
+    with trio.fail_after(DEADLINE_S):
+        async with run_daemon(fake_decoder_config(short_dir)) as running:
+            stats = running.daemon.route_stats
+            page_data = running.daemon.front.page
+            assert page_data is not None
+            page_data.status = hostile_status(page_data.status)
+            for n, text in enumerate(HOSTILE[:-1]):  # before the page opens: in the feed's hello
+                stats.record(hostile_line(n, text))
+            shown: dict[str, Any] = {}
+
+            def script(browser: Browser) -> None:
+                page = browser.page
+                browser.open_live()
+                # One more as the feed's own event, and a transition of a hostile child.
+                trio.from_thread.run_sync(stats.record, hostile_line(len(HOSTILE) - 1, HOSTILE[-1]))
+                page.wait_for_selector(f'#requests tr[data-req="hostile-{len(HOSTILE) - 1}"]')
+                event = {"event": "child", "model": HOSTILE[0], "child": HOSTILE[1], "from": "ready", "to": HOSTILE[2]}
+                trio.from_thread.run_sync(stats.publish, event)
+                page.wait_for_selector("#models tbody tr")
+                shown.update(
+                    page.evaluate(
+                        """() => {
+                        const text = (selector) => [...document.querySelectorAll(selector)].map((e) => e.textContent);
+                        return {
+                            pwned: window.pwned === undefined ? null : window.pwned,
+                            markup: document.querySelectorAll("main img, main script, main svg:not([id]), main iframe")
+                                .length,
+                            scripts: document.querySelectorAll("script").length,
+                            rows: document.querySelectorAll("#requests tbody tr").length,
+                            routes: text("#requests tbody .route"),
+                            errors: text("#requests tbody td:last-child"),
+                            models: text("#models tbody td:first-child"),
+                            children: text("#children tbody td:first-child"),
+                            states: text("#children tbody .state"),
+                            daemon: document.getElementById("daemon").textContent,
+                        };
+                    }"""
+                    )
+                )
+                browser.assert_clean()
+
+            await in_browser(running, script)
+    assert shown["pwned"] is None  # no payload ran
+    assert shown["markup"] == 0  # none was made an element
+    assert shown["scripts"] == 1  # the page's own, /onebit/page.js
+    assert shown["rows"] == len(HOSTILE)
+    # Each shown as the very text it was, newest first; control characters and all.
+    assert shown["routes"] == HOSTILE[::-1]
+    for error, text in zip(shown["errors"], HOSTILE[::-1], strict=True):
+        assert error.startswith(HOSTILE_ERROR)
+        assert "\x00" not in error  # the feed's redaction took the control characters out
+        if "'" not in text and '"' not in text and "\x00" not in text:
+            assert error == f"{HOSTILE_ERROR} {text}"
+    assert shown["models"] == [f"{HOSTILE[0]} (default)"]
+    assert shown["children"] == [HOSTILE[1]]
+    assert shown["states"][0] in (HOSTILE[2], HOSTILE[4])
+    assert HOSTILE[0] in shown["daemon"]

@@ -32,6 +32,7 @@ from .rig import Control, fake_decoder_config, run_daemon
 TIMEOUT = 20  # seconds; a test that needs more is stuck, not slow
 PAGE = "/onebit/"
 KEY = {"authorization": "Bearer the-key"}
+ADMIN = {"authorization": "Bearer the-admin-key"}
 
 
 class Feed:
@@ -293,23 +294,36 @@ async def test_an_unknown_onebit_path_is_404_in_the_api_error_shape(
     assert assert_envelope(post, 405)["code"] == "method_not_allowed"
 
 
-async def test_with_api_keys_the_data_need_the_key_and_the_page_does_not(short_dir: Path, control: Control) -> None:
-    config = fake_decoder_config(short_dir, server={"api_keys": ["the-key"]})
+@pytest.mark.parametrize(
+    ("admin_keys", "key", "refused"),
+    [
+        ([], KEY, (401, "invalid_api_key")),
+        # With admin keys a loopback client needs one too, and an API key is none.
+        (["the-admin-key"], ADMIN, (403, "admin_key_required")),
+    ],
+)
+async def test_with_keys_the_data_need_one_and_the_page_does_not(
+    short_dir: Path, control: Control, admin_keys: list[str], key: dict[str, str], refused: tuple[int, str]
+) -> None:
+    config = fake_decoder_config(short_dir, server={"api_keys": ["the-key"], "admin_keys": admin_keys})
+    wrong = [{}, {"authorization": "Bearer wrong"}, *([KEY] if key is not KEY else [])]
     with trio.fail_after(TIMEOUT):
         async with run_daemon(config) as running, client_for(running) as client:
             for path in ("events", "status"):
-                for headers in ({}, {"authorization": "Bearer wrong"}):
-                    error = assert_envelope(await client.get(PAGE + path, headers=headers), 401)
-                    assert error["code"] == "invalid_api_key"
-            assert (await client.get(PAGE + "status", headers=KEY)).status_code == 200
-            async with feed(running, KEY) as events:
+                for headers in wrong:
+                    error = assert_envelope(await client.get(PAGE + path, headers=headers), refused[0])
+                    assert error["code"] == refused[1]
+            assert (await client.get(PAGE + "status", headers=key)).status_code == 200
+            async with feed(running, key) as events:
                 assert (await anext(events))["event"] == "hello"
             for path in ("", "page.js", "page.css"):
                 assert (await client.get(PAGE + path)).status_code == 200
             # A HEAD of the feed is answered with its head, and needs the key as its GET does.
-            assert (await client.head(PAGE + "events")).status_code == 401
-            head = await client.head(PAGE + "events", headers=KEY)
+            assert (await client.head(PAGE + "events")).status_code == refused[0]
+            head = await client.head(PAGE + "events", headers=key)
             assert (head.status_code, head.headers["content-type"]) == (200, "text/event-stream")
+            # Only an API key opens the API.
+            assert (await client.get("/v1/models", headers=key)).status_code == (401 if admin_keys else 200)
 
 
 async def test_no_cors_header_on_onebit_paths_even_for_an_origin_the_api_allows(
@@ -339,19 +353,51 @@ async def test_the_page_follows_the_hosts_rule_of_a_loopback_bind(short_dir: Pat
                 assert assert_envelope(reply, 403)["code"] == "forbidden_host"
 
 
-async def test_the_feeds_open_at_once_are_bounded(
-    short_dir: Path, control: Control, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("bound", "refused", "says"),
+    [
+        ("MAX_FEEDS", (503, "too_many_feeds"), "the most for all clients"),
+        ("MAX_CLIENT_FEEDS", (429, "too_many_client_feeds"), "the most one client may"),
+    ],
+)
+async def test_the_feeds_open_at_once_are_bounded_in_all_and_per_client_and_the_refusal_says_which(
+    short_dir: Path, control: Control, monkeypatch: pytest.MonkeyPatch, bound: str, refused: tuple[int, str], says: str
 ) -> None:
-    monkeypatch.setattr(statuspage, "MAX_FEEDS", 1)
+    monkeypatch.setattr(statuspage, bound, 1)
     with trio.fail_after(TIMEOUT):
         async with run_daemon(fake_decoder_config(short_dir)) as running, client_for(running) as client:
             async with feed(running) as events:
                 await anext(events)
-                error = assert_envelope(await client.get(PAGE + "events"), 503)
-            assert error["code"] == "too_many_feeds"
+                error = assert_envelope(await client.get(PAGE + "events"), refused[0])
+            assert error["code"] == refused[1]
+            assert says in error["message"]
             await _wait_feeds(running, 0)
             async with feed(running) as events:
                 assert (await anext(events))["event"] == "hello"
+
+
+async def test_with_admin_keys_each_key_is_a_client_and_all_of_them_share_the_bound_in_all(
+    short_dir: Path, control: Control, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(statuspage, "MAX_CLIENT_FEEDS", 1)
+    monkeypatch.setattr(statuspage, "MAX_FEEDS", 2)
+    keys = ["k1", "k2", "k3"]
+    config = fake_decoder_config(short_dir, server={"admin_keys": keys})
+    bearer = [{"authorization": f"Bearer {key}"} for key in keys]
+    with trio.fail_after(TIMEOUT):
+        async with (
+            run_daemon(config) as running,
+            client_for(running) as client,
+            feed(running, bearer[0]) as first,
+        ):
+            await anext(first)
+            same_key = assert_envelope(await client.get(PAGE + "events", headers=bearer[0]), 429)
+            async with feed(running, bearer[1]) as second:
+                await anext(second)
+                third_key = assert_envelope(await client.get(PAGE + "events", headers=bearer[2]), 503)
+    assert same_key["code"] == "too_many_client_feeds"
+    assert third_key["code"] == "too_many_feeds"
+    assert "all clients" in third_key["message"]
 
 
 async def _wait_feeds(running: Running, n: int) -> None:

@@ -2,16 +2,33 @@
 
 The ``Host`` (a loopback bind answers only loopback names: DNS rebinding), the ``Origin`` (CORS, as
 llama-server answers it: supervisor/api/cors.py), the API key (llama-server's: ``Authorization``,
-Bearer optional, else ``X-Api-Key``), and the JSON body (at most ``server.max_body_bytes``, an
-object).  :class:`Access` derives what it needs from the settings, and again when a reload swapped
-them.
+Bearer optional, else ``X-Api-Key``), the operator's rule for the status surface (below), and the
+JSON body (at most ``server.max_body_bytes``, an object).  :class:`Access` derives what it needs
+from the settings, and again when a reload swapped them.
+
+The status surface (``/onebit/``, its files, ``/onebit/status``, ``/onebit/events``) shows pids,
+paths and every client's request metadata, so it is the operator's (:meth:`Access.check_operator`):
+
+==================  ==================================  ===================================
+server.admin_keys   the page's files                    /onebit/status, /onebit/events
+==================  ==================================  ===================================
+empty               a loopback peer                     a loopback peer, with an API key
+                                                        where server.api_keys is set
+set                 anyone (they hold no data)          one of admin_keys, from anyone
+==================  ==================================  ===================================
+
+The peer is the TCP connection's: ``X-Forwarded-For`` is not read, so behind a reverse proxy on
+the same host every client is loopback (docs/operations.md).  A refusal is 403 (``loopback_only``,
+``admin_key_required``).
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import json
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from ..config import ServerConfig
@@ -32,6 +49,7 @@ class Access:
         self._loopback_only = all(is_loopback(host) for host in server.host)
         self._for = server
         self._keys = [key.encode() for key in server.api_keys]
+        self._admin_keys = [key.encode() for key in server.admin_keys]
         self.cors = Cors(server.cors_origins)
 
     def update(self, server: ServerConfig) -> None:
@@ -39,6 +57,7 @@ class Access:
         if server is not self._for:
             self._for = server
             self._keys = [key.encode() for key in server.api_keys]
+            self._admin_keys = [key.encode() for key in server.admin_keys]
             self.cors = Cors(server.cors_origins)
 
     def check_host(self, headers: dict[str, str]) -> None:
@@ -56,17 +75,66 @@ class Access:
             # the answer from the page, not stop the request.
             raise ClientError(403, "cross_origin", f"cross-site request from {origin!r} refused (server.cors_origins)")
         if self._keys and not public:
-            # llama-server takes the key from Authorization (Bearer optional), else X-Api-Key.
-            given = headers.get("authorization") or headers.get("x-api-key", "")
-            token = (given[7:] if given[:7].lower() == "bearer " else given).strip().encode()
-            # Compare against every key, so the time taken does not say which one nearly matched.
-            matched = False
-            for key in self._keys:
-                matched |= hmac.compare_digest(token, key)
-            if not matched:
+            self._api_key(headers)
+
+    def _api_key(self, headers: dict[str, str]) -> int:
+        which = key_index(self._keys, headers)
+        if which is None:
+            raise ClientError(
+                401, "invalid_api_key", "missing or wrong API key (Authorization: Bearer ..., or X-Api-Key)"
+            )
+        return which
+
+    def check_operator(self, peer: str | None, data: bool, headers: dict[str, str]) -> str:
+        """A request for the status surface (``data``: its status or feed, else the page's files)
+        from ``peer`` (the connection's address; None: unknown), by the rule in this module's
+        docstring; who the client is, for the per-client bound on feeds (a key it was let in by,
+        else its address)."""
+        if self._admin_keys:
+            if not data:
+                return ""
+            which = key_index(self._admin_keys, headers)
+            if which is None:
                 raise ClientError(
-                    401, "invalid_api_key", "missing or wrong API key (Authorization: Bearer ..., or X-Api-Key)"
+                    403,
+                    "admin_key_required",
+                    "the status page needs one of server.admin_keys (Authorization: Bearer ..., or X-Api-Key)",
                 )
+            return f"admin key {which + 1}"
+        if not is_loopback_peer(peer):
+            raise ClientError(
+                403,
+                "loopback_only",
+                f"the status page answers loopback clients only, and {peer or 'this client'} is not one "
+                "(server.admin_keys lets a client in by key)",
+            )
+        if data and self._keys:
+            return f"API key {self._api_key(headers) + 1}"
+        return str(peer)
+
+
+def key_index(keys: Sequence[bytes], headers: dict[str, str]) -> int | None:
+    """Which of ``keys`` the request bears, as llama-server takes one (Authorization, Bearer
+    optional, else X-Api-Key); None: none of them."""
+    given = headers.get("authorization") or headers.get("x-api-key", "")
+    token = (given[7:] if given[:7].lower() == "bearer " else given).strip().encode()
+    # Compare against every key, so the time taken does not say which one nearly matched.
+    which = None
+    for index, key in enumerate(keys):
+        if hmac.compare_digest(token, key):
+            which = index
+    return which
+
+
+def is_loopback_peer(peer: str | None) -> bool:
+    """A connection's address (an IP address, never a name) is this machine's own."""
+    try:
+        address = ipaddress.ip_address(peer or "")
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped.is_loopback  # ::ffff:127.0.0.1, from a dual-stack socket
+    return address.is_loopback
 
 
 def check_method(method: str, *allowed: str) -> None:

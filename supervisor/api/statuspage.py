@@ -1,25 +1,29 @@
 """The status page: ``/onebit/`` and what it reads, served by the front on the API's own port.
 
 - ``GET /onebit/`` (and ``/onebit``), ``/onebit/page.css``, ``/onebit/page.js``: the page, files of this package
-  (supervisor/api/page/), fetched from nowhere else, so it works offline.  Answered without an API
-  key: with ``server.api_keys`` set the page asks for one and sends it on every fetch.
+  (supervisor/api/page/), fetched from nowhere else, so it works offline.  With ``server.admin_keys``
+  set they are answered to anyone without a key: the page asks for one and sends it on every fetch.
 - ``GET /onebit/status``: exactly what ``onebitctl status --json`` prints (the ``status`` verb's result).
 - ``GET /onebit/events``: server-sent events of the daemon's feed, the one ``onebitctl watch`` reads
   (supervisor/observe/routestats.py): ``hello`` first (the last route lines, ``recent``), then
   ``line`` (a route line's fields), ``child`` and ``model`` (transitions).  Each
   reader has a bounded channel of its own; one that falls :data:`FEED_BOUND` events behind is
   dropped at once (its response cut short), so a slow reader slows nothing and holds no memory
-  without limit.  At most :data:`MAX_FEEDS` are open at a time.
+  without limit.  At most :data:`MAX_FEEDS` are open at a time, :data:`MAX_CLIENT_FEEDS` of them
+  one client's (its key, else its address: supervisor/api/access.py).
 
-Every answer under ``/onebit/`` carries :data:`HEADERS` (a Content-Security-Policy that lets the
-page load only its own files and talk only to onebitd) and no CORS header: the front leaves CORS
-out for these paths whatever ``server.cors_origins`` allows.  The page never shows a prompt's or a
-reply's text: none is in what it reads.
+Who may read any of it is the operator's rule (supervisor/api/access.py, ``check_operator``):
+loopback clients, or with ``server.admin_keys`` a request bearing one.  Every answer under
+``/onebit/`` carries :data:`HEADERS` (a Content-Security-Policy that lets the page load only its
+own files and talk only to onebitd) and no CORS header: the front leaves CORS out for these paths
+whatever ``server.cors_origins`` allows.  The page never shows a prompt's or a reply's text: none
+is in what it reads (a route line's ``error`` comes through supervisor/observe/redact.py).
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
 from importlib import resources
@@ -61,6 +65,9 @@ HEADERS = [
 FEED_BOUND = 256
 # Feeds open at once: each is a task and a channel; a page holds one.
 MAX_FEEDS = 32
+# Feeds one client may hold, so that one cannot take them all: a tab holds one, and a few tabs or
+# a reconnect that overlaps its predecessor's end fit in it.
+MAX_CLIENT_FEEDS = 4
 # A comment line on an idle feed, so a reader that went away is noticed by the write that fails,
 # and a proxy between does not time an idle stream out.
 HEARTBEAT_S = 15.0
@@ -82,10 +89,11 @@ class StatusPage:
         self.status = status
         self.events = events
         self.feeds = 0
+        self.client_feeds: Counter[str] = Counter()  # feeds open per client (access.py's who)
 
     @staticmethod
-    def needs_key(name: str) -> bool:
-        """The data need the API key; the page's own files do not (it asks for the key)."""
+    def is_data(name: str) -> bool:
+        """What the page reads, not the page's own files: these may need a key where they do not."""
         return name in DATA
 
     async def answer(
@@ -95,9 +103,11 @@ class StatusPage:
         out: Responder,
         hang_up: HangUp | None,
         stopping: Callable[[], Awaitable[None]],
+        client: str,
     ) -> None:
         """``name``: the path under /onebit/ (supervisor/api/endpoints.py's ``page_name``);
-        ``stopping`` returns when the front stops (an open feed ends then)."""
+        ``stopping`` returns when the front stops (an open feed ends then); ``client``: who asks
+        (supervisor/api/access.py's ``check_operator``)."""
         if name not in ASSETS and name not in DATA:
             raise ClientError(404, "not_found", f"no such endpoint: {PAGE}{name}")
         check_method(method, "GET", "HEAD")
@@ -106,17 +116,28 @@ class StatusPage:
         elif name == "events" and method == "HEAD":
             await out.whole(200, b"", "text/event-stream")  # its head only: a feed has no end to wait for
         elif name == "events":
-            await self.feed(out, hang_up, stopping)
+            await self.feed(out, hang_up, stopping, client)
         else:
             file, content_type = ASSETS[name]
             await out.whole(200, asset(file), content_type)
 
-    async def feed(self, out: Responder, hang_up: HangUp | None, stopping: Callable[[], Awaitable[None]]) -> None:
+    async def feed(
+        self, out: Responder, hang_up: HangUp | None, stopping: Callable[[], Awaitable[None]], client: str
+    ) -> None:
         """Until the reader goes, falls behind (cut short: the server closes the connection), or the
         front stops (ended)."""
+        if self.client_feeds[client] >= MAX_CLIENT_FEEDS:
+            raise ClientError(
+                429,
+                "too_many_client_feeds",
+                f"this client has {MAX_CLIENT_FEEDS} status page feeds open already, the most one client may",
+            )
         if self.feeds >= MAX_FEEDS:
-            raise ClientError(503, "too_many_feeds", f"{MAX_FEEDS} status page feeds are open already")
+            raise ClientError(
+                503, "too_many_feeds", f"{MAX_FEEDS} status page feeds are open already, the most for all clients"
+            )
         self.feeds += 1
+        self.client_feeds[client] += 1
         try:
             async with trio.open_nursery() as nursery:
                 scope = nursery.cancel_scope
@@ -144,6 +165,9 @@ class StatusPage:
                         hang_up.unwatch(gone)
         finally:
             self.feeds -= 1
+            self.client_feeds[client] -= 1
+            if not self.client_feeds[client]:
+                del self.client_feeds[client]
 
 
 async def serve(
@@ -157,17 +181,19 @@ async def serve(
     stopping: Callable[[], Awaitable[None]],
 ) -> None:
     """A request under /onebit/ (``name``: the rest of its path), as the front hands it over: the
-    API's Host and key rules and its error envelope, :data:`HEADERS` on every answer, and no CORS
-    header whatever server.cors_origins allows (these data are for onebitd's own page only).
-    ``page`` None: a front without one (tests' fronts), where every such path is 404."""
+    API's Host rule, the operator's rule (the peer is ``scope["client"]``) and the API's error
+    envelope, :data:`HEADERS` on every answer, and no CORS header whatever server.cors_origins
+    allows (these data are for onebitd's own page only).  ``page`` None: a front without one
+    (tests' fronts), where every such path is 404."""
     out = Responder(send, started, HEADERS)
     method: str = scope["method"]
+    peer = scope.get("client")
     try:
         access.check_host(headers)
         if page is None:
             raise ClientError(404, "not_found", f"no such endpoint: {scope['path']}")
-        access.check_caller(method, not page.needs_key(name), headers)
-        await page.answer(method, name, out, hang_up_of(scope), stopping)
+        client = access.check_operator(peer[0] if peer else None, page.is_data(name), headers)
+        await page.answer(method, name, out, hang_up_of(scope), stopping, client)
     except ClientError as exc:
         if not out.started:
             await out.error(exc.status, exc.code, exc.message, retry_after=exc.retry_after)

@@ -75,6 +75,16 @@ def _host_id(_inst: Any, attr: attrs.Attribute[Any], value: str) -> None:
         raise FieldError(attr, f"expected up to 64 letters, digits, '.', '-' and '_', got {json.dumps(value)}")
 
 
+# A key as a client sends it in a header: visible ASCII, no space (Authorization: Bearer KEY).
+KEY = re.compile(r"[\x21-\x7e]+")
+
+
+def _keys(_inst: Any, attr: attrs.Attribute[Any], value: tuple[str, ...]) -> None:
+    for key in value:
+        if not KEY.fullmatch(key):
+            raise FieldError(attr, "expected keys of visible ASCII characters (no space), none empty")
+
+
 def _non_empty(_inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
     if not value:
         raise FieldError(attr, "must not be empty")
@@ -138,6 +148,11 @@ class ServerConfig:
     queue_limit: int = field(default=64, validator=_at_least(0), metadata=LIVE)
     retry_after_s: int = field(default=1, validator=_at_least(0), metadata=LIVE)
     api_keys: tuple[str, ...] = field(default=(), metadata=LIVE)
+    # The status surface (/onebit/, /onebit/status, /onebit/events: supervisor/api/access.py) is the
+    # operator's: it shows pids, paths and every client's request metadata.  Empty: loopback clients
+    # only (and with api_keys, one of those too).  Set: a request must bear one of these, from
+    # anywhere, loopback included; the page's own files are then served to anyone (they ask for one).
+    admin_keys: tuple[str, ...] = field(default=(), validator=_keys, metadata=LIVE)
     # On SIGTERM in-flight requests get this long to finish before the children are stopped.
     shutdown_grace_s: float = field(default=30.0, validator=_at_least(0), metadata=LIVE)
     # Empty: $RUNTIME_DIRECTORY (systemd), else $XDG_RUNTIME_DIR/onebit, else /tmp/onebit-<uid>; with

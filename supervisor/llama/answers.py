@@ -23,6 +23,14 @@ def error_message(data: Any) -> str | None:
     return None
 
 
+def error_type(data: Any) -> str | None:
+    """llama-server's kind of error in an error answer (``{"error": {"type": ...}}``:
+    ``invalid_request_error``, ``exceed_context_size_error``, ``server_error``...), or None."""
+    error = data.get("error") if isinstance(data, dict) else None
+    kind = error.get("type") if isinstance(error, dict) else None
+    return kind if isinstance(kind, str) else None
+
+
 @attrs.frozen
 class Refusal:
     """llama-server did not do what it was asked: ``what`` says how (``restore answered 400``), and

@@ -40,6 +40,7 @@ from .answers import Refusal as Refusal
 from .answers import Saved as Saved
 from .answers import SlotContext as SlotContext
 from .answers import error_message as error_message
+from .answers import error_type as error_type
 from .answers import slot_context
 
 # A reply's read has no time limit: generation has no natural upper bound (a long reply on a slow

@@ -6,7 +6,10 @@ prefix stores' events (:meth:`RouteStats.publish`).
 The feed is one set of subscribers, each a bounded memory channel: an event is handed to each with
 ``send_nowait``, so no subscriber ever slows a request.  One that is full loses the event (``onebitctl
 watch``: it counts in ``watch_dropped``), or, where it asked so (the status page's feed), is closed
-and told at once (``watch_closed``): a slow reader is dropped, never buffered without limit."""
+and told at once (``watch_closed``): a slow reader is dropped, never buffered without limit.
+
+A line's fields go out as the route line's, but for its ``error``: redacted (supervisor/observe/
+redact.py), so that no feed carries what a client sent."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import attrs
 import trio
 
 from ..routeline import RequestOutcome, RouteLine
+from .redact import redact
 
 # The window `onebitctl status` summarises: enough requests for a p95 to mean something.
 RECENT = 200
@@ -78,12 +82,12 @@ class RouteStats:
         at = time.time()
         self._recent.append((at, line))
         if self._watchers:
-            self.publish({"event": "line", "at": round(at, 3), "line": line.fields()})
+            self.publish({"event": "line", "at": round(at, 3), "line": shown(line)})
 
     def recent(self) -> list[Event]:
         """The last :data:`RECENT` route lines, ``{"at", "line"}`` (``at``: its end, wall-clock
         seconds), oldest first: what a new status page shows."""
-        return [{"at": round(at, 3), "line": line.fields()} for at, line in self._recent]
+        return [{"at": round(at, 3), "line": shown(line)} for at, line in self._recent]
 
     def publish(self, event: Event) -> None:
         """Hand ``event`` to every watcher now, without waiting for any."""
@@ -127,3 +131,11 @@ class RouteStats:
             watch_dropped=self.dropped,
             watch_closed=self.closed,
         )
+
+
+def shown(line: RouteLine) -> dict[str, Any]:
+    """A route line's fields as the feed sends them: its ``error`` redacted."""
+    fields = line.fields()
+    if line.error is not None:
+        fields["error"] = redact(line.error)
+    return fields

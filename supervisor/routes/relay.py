@@ -177,13 +177,18 @@ async def relay_reply(out: Responder, status: int, headers: Mapping[str, str], b
 
 
 def error_summary(status: int, body: bytes) -> str:
-    """A decoder error for the route line and the log: its ``error.message`` where it has one."""
+    """A decoder error for the route line and the log: ``decoder answered 400 (TYPE): MESSAGE``,
+    its ``error.type`` and ``error.message`` where it has them (the status page's feed shows it
+    redacted: supervisor/observe/redact.py)."""
     message = body.decode("utf-8", "replace")[:2000] or f"decoder answered {status}"
+    kind = None
     with contextlib.suppress(ValueError):
-        words = decoder_api.error_message(json.loads(body))
+        data = json.loads(body)
+        words = decoder_api.error_message(data)
         if words is not None:
             message = words
-    return f"decoder answered {status}: {message}"
+        kind = decoder_api.error_type(data)
+    return f"decoder answered {status}{f' ({kind})' if kind else ''}: {message}"
 
 
 def sse_error(message: str, *, anthropic: bool = False) -> bytes:

@@ -1,6 +1,6 @@
 // onebitd's status page.  It reads /onebit/status (what `onebitctl status --json` prints) and the
 // feed /onebit/events (server-sent events: route lines, child and model transitions), with the API
-// key this tab was given, if the daemon asks for one.  The feed is read with fetch() rather than
+// key this tab was given, if the daemon asks for one (an admin key, else an API key).  The feed is read with fetch() rather than
 // EventSource, which cannot send the key in a header (and a key in the URL would land in logs).
 // Every value is written with textContent or an SVG attribute: nothing the daemon sends is parsed
 // as markup.  No prompt or reply text is ever in what it reads.
@@ -33,7 +33,7 @@ function askForKey(wrong) {
   $("main").hidden = true;
   $("key").hidden = false;
   $("key-error").textContent = wrong ? "that key was refused" : "";
-  $("daemon").textContent = "an API key is needed";
+  $("daemon").textContent = "a key is needed";
   setFeed(false);
 }
 
@@ -44,6 +44,18 @@ function onKey(event) {
   start();
 }
 
+// Whether a refusal asks for a key (a missing or wrong one): 401 for an API key, 403
+// admin_key_required for an admin key.  The prompt is shown then.
+async function asksForKey(reply) {
+  if (reply.status === 401) return true;
+  if (reply.status !== 403) return false;
+  try {
+    return (await reply.json()).error.code === "admin_key_required";
+  } catch (error) {
+    return false;
+  }
+}
+
 // -- status ----------------------------------------------------------------------------------------
 
 async function pollStatus() {
@@ -51,7 +63,7 @@ async function pollStatus() {
   if (page.stopped) return;
   try {
     const reply = await fetch("/onebit/status", { headers: authHeaders(), cache: "no-store" });
-    if (reply.status === 401) { askForKey(key() !== null); return; }
+    if (await asksForKey(reply)) { askForKey(key() !== null); return; }
     if (reply.ok) {
       page.status = await reply.json();
       $("key").hidden = true;
@@ -75,7 +87,7 @@ async function readFeed() {
     page.feedAbort = abort;
     try {
       const reply = await fetch("/onebit/events", { headers: authHeaders(), cache: "no-store", signal: abort.signal });
-      if (reply.status === 401) { askForKey(key() !== null); return; }
+      if (await asksForKey(reply)) { askForKey(key() !== null); return; }
       if (reply.ok && reply.body) {
         setFeed(true);
         const reader = reply.body.getReader();
@@ -143,7 +155,9 @@ function cell(row, value, cls) {
   const td = document.createElement("td");
   td.textContent = value === null || value === undefined ? "-" : String(value);
   if (typeof value === "number") td.classList.add("num");
-  if (cls) td.classList.add(...cls.split(" "));
+  // A class made of a value the daemon sent (a state, an outcome): only word characters, so that no
+  // value can throw (an empty token, a space) or name a class it was not meant to.
+  if (cls) td.classList.add(...cls.split(" ").filter(Boolean).map((token) => token.replace(/[^\w-]/g, "_")));
   row.appendChild(td);
   return td;
 }
@@ -270,6 +284,7 @@ function renderLines() {
     cell(row, round(line.first_byte_ms, 1));
     cell(row, round(line.total_ms, 1));
     cell(row, decodeRate(line));
+    cell(row, line.error, "wrap error-text"); // redacted by onebitd: no quoted request text
   });
   renderPlots();
 }
