@@ -37,6 +37,7 @@ from ..providers.worker import WorkerProvider
 from ..routes import capability, fidelity
 from ..routes.capability import Capability, Restores
 from ..routes.completion import Completions, Hybrid
+from ..routes.compute import Placement
 from ..routes.file import FileHandoff
 from ..routes.share import ShareHandoff, ShareHandshake
 from ..routes.stored import StoredPrefixes
@@ -138,14 +139,20 @@ class Parts:
             ]
         )
         self.hybrid = self._hybrid() if config.hybrid.enabled and self.providers.all else None
-        self.completions = Completions(
+        self.completions = self._completions()
+
+    def _completions(self) -> Completions:
+        """The model's completion requests, over its decoder, slots and hybrid routes."""
+        config = self.config
+        return Completions(
             decoder=self.decoder,
             client=self.client,
             slots=self.slots,
-            settings=settings.hybrid,
+            settings=self.settings.hybrid,
             hybrid=self.hybrid,
             slot_context=config.model.ctx_size // config.model.parallel,
             capability=self.capability,
+            prompt_cache=config.cache.ram_mib != 0,
         )
 
     def _hybrid(self) -> Hybrid:
@@ -161,6 +168,7 @@ class Parts:
                 capability=self.capability,
             ),
             share=self._share_handoff() if share_enabled(config) else None,
+            placement=Placement(config.decoder.cpu_affinity, {p.name: p.cpu_affinity for p in config.provider}),
         )
 
     def _share_handoff(self) -> ShareHandoff:

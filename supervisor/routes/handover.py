@@ -14,6 +14,7 @@ import trio
 from ..config import HybridConfig
 from ..providers import Provider, Providers
 from ..reasons import Reason
+from .compute import Placement
 from .decision import Outcome, Route, degrade
 from .file import FileHandoff
 from .plan import Plan
@@ -31,6 +32,8 @@ class Hybrid:
     providers: Providers
     file: FileHandoff
     share: ShareHandoff | None = None  # set when the share route is on (hybrid.mode / ONEBIT_KV_SHARE)
+    # Where the decoder and the providers are pinned: whether a provider computes apart.
+    placement: Placement = attrs.field(factory=Placement)
 
 
 @attrs.define
@@ -113,8 +116,10 @@ async def hand_over(
             raise
         walk.outcomes.append(outcome)
         if outcome.ok:
-            rates.observe_provider(provider.name, outcome.evaluated, outcome.prefill_ms)
-            rates.observe_handoff(len(plan.tokens or ()), outcome.state_bytes, outcome.handoff_ms)
+            n_tokens = len(plan.tokens or ())
+            evaluated = n_tokens if outcome.evaluated is None else outcome.evaluated
+            rates.observe_provider(provider.name, evaluated, outcome.prefill_ms, cached=n_tokens - evaluated)
+            rates.observe_handoff(n_tokens, outcome.state_bytes, outcome.handoff_ms)
             break
         assert outcome.reason is not None
         route = degrade(outcome)
