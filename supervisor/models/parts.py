@@ -39,6 +39,7 @@ from ..routes.capability import Capability, Restores
 from ..routes.completion import Completions, Hybrid
 from ..routes.compute import Placement
 from ..routes.file import FileHandoff
+from ..routes.handover import learn
 from ..routes.share import ShareHandoff, ShareHandshake
 from ..routes.stored import StoredPrefixes
 from ..supervise.child import Child, ChildState, OnTransition
@@ -241,6 +242,7 @@ class Parts:
                 return str(exc)
             finally:
                 self.slots.forget(slot)
+        self._learn(provider, samples)
         verdict = fidelity.judge(samples)
         if not verdict.ok:
             return f"{verdict.summary()}: over the bound"
@@ -248,6 +250,16 @@ class Parts:
         if isinstance(provider, LlamaServerProvider | ExecProvider | WorkerProvider):
             provider.admitted = verdict.summary()  # onebitctl status and the status page show it
         return None
+
+    def _learn(self, provider: Provider, samples: list[fidelity.Sample]) -> None:
+        """The start-time check's prefills, cold on the decoder and handed over from the provider,
+        are the rates' first measurements: on shared cores a provider is taken only where it is
+        measured cheaper, and nothing else would measure it first."""
+        rates = self.completions.rates
+        for sample in samples:
+            rates.observe_decoder(self.decoder.generation, sample.n_tokens, sample.cold_ms)
+            if sample.outcome is not None and sample.outcome.ok:
+                learn(rates, provider.name, sample.n_tokens, sample.outcome)
 
     async def after_start(self, store_enabled: bool) -> None:
         """After each start of the decoder, before the model takes requests: the context each slot

@@ -116,10 +116,7 @@ async def hand_over(
             raise
         walk.outcomes.append(outcome)
         if outcome.ok:
-            n_tokens = len(plan.tokens or ())
-            evaluated = n_tokens if outcome.evaluated is None else outcome.evaluated
-            rates.observe_provider(provider.name, evaluated, outcome.prefill_ms, cached=n_tokens - evaluated)
-            rates.observe_handoff(n_tokens, outcome.state_bytes, outcome.handoff_ms)
+            learn(rates, provider.name, len(plan.tokens or ()), outcome)
             break
         assert outcome.reason is not None
         route = degrade(outcome)
@@ -127,6 +124,14 @@ async def hand_over(
         log.log(level, "hybrid: %s; %s", outcome.why, _GOES_ON[route])
     walk.trying = walk.reached = route
     return route
+
+
+def learn(rates: Rates, provider: str, n_tokens: int, outcome: Outcome) -> None:
+    """What a handoff of ``n_tokens`` that worked teaches the rates: the provider's prefill of what
+    its cache lacked, and the state's move."""
+    evaluated = n_tokens if outcome.evaluated is None else outcome.evaluated
+    rates.observe_provider(provider, evaluated, outcome.prefill_ms, cached=n_tokens - evaluated)
+    rates.observe_handoff(n_tokens, outcome.state_bytes, outcome.handoff_ms)
 
 
 async def _attempt(
