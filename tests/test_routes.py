@@ -290,15 +290,7 @@ def test_a_prompt_the_store_restored_is_not_handed_over_to_spare_the_streams() -
     # The case: 769 tokens restored into the slot, 36-43 new, streams decoding, and a decoder rate
     # learnt high (56.87 ms a token) that puts plain's estimate past max_stall_ms.  The handoff would
     # overwrite the restore and prefill all 810 tokens again: plain evaluates the 41.
-    case = Costs(
-        decoder_cached=769,
-        provider_cached=0,
-        decoder=linear(56.87),
-        provider=linear(5.0),
-        handoff_ms=200.0,
-        streams_decoding=2,
-        apart=True,
-    )
+    case = attrs.evolve(COLD, decoder_cached=769, decoder=linear(56.87), handoff_ms=200.0, streams_decoding=2)
     policy = Policy(min_prompt_tokens=32)
     picked = choose(Ask(810, restored=True), Offer(enabled=True, store=True), case, policy)
     assert picked.estimate is not None
