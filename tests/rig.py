@@ -27,6 +27,7 @@ from supervisor.config import Config, locate
 from supervisor.errors import ProviderError
 from supervisor.llama import openvino
 from supervisor.providers import Claim, Job, PrefillJob, Provider, ProviderStatistics
+from supervisor.routes.compute import Placement
 from supervisor.supervise.child import Child, ChildState
 
 # Re-exported: the tests run onebitd through the rig.
@@ -321,6 +322,12 @@ class RouteRig:
 
 
 # -- an in-process provider -------------------------------------------------------------------------
+
+
+def own_cores(provider: str) -> Placement:
+    """The decoder pinned to core 0 and ``provider`` to core 1: compute apart, so the cost decision's
+    margin for near-ties and its sparing of the streams being decoded apply (tests/test_routes.py)."""
+    return Placement(decoder_cpus=(0,), provider_cpus={provider: (1,)})
 
 
 @attrs.define

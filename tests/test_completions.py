@@ -40,7 +40,7 @@ from .asgi import ReadyDecoder, Reply
 from .fake_decoder import Modes
 from .fake_llama import Events, FakeLlama, HttpxWire
 from .helpers import wait_until
-from .rig import ScriptedProvider
+from .rig import ScriptedProvider, own_cores
 from .test_prefix_store import private_store
 
 TIMEOUT = 10
@@ -87,6 +87,7 @@ def make_rig(tmp_path: Path, provider: Provider, *, share: bool = False, slot_co
         providers=Providers([provider]),
         file=FileHandoff(client=client, state_dir=tmp_path, model="fake-model", n_ctx=4096),
         share=share_handoff,
+        placement=own_cores(provider.name),
     )
     decoder = ReadyDecoder()
     completions = Completions(
@@ -518,6 +519,37 @@ async def test_an_anthropic_message_restored_from_the_store_is_counted_when_the_
     assert warm.cached_tokens == (0 if unused else cold.prompt_tokens - 1)
     warned = [r.getMessage() for r in caplog.records if "did not use the restored prefix" in r.getMessage()]
     assert len(warned) == (1 if unused else 0)
+
+
+async def test_in_cost_mode_a_prompt_the_store_restored_is_not_handed_over_to_spare_the_streams(
+    tmp_path: Path,
+) -> None:
+    # The case: 769 tokens restored from the store, 36-43 new, streams decoding, and plain's estimate
+    # past max_stall_ms: the handoff overwrote the restore and prefilled the whole prompt again.
+    # Here the stored prompt and 12 new words (more than it: the rates are the priors, unsure, and an
+    # unsure estimate alone keeps plain a prompt the slot holds most of), two streams decoding and
+    # max_stall_ms 0: a handoff is taken after a restore only when it is cheaper than the decoder's
+    # evaluating the rest, and it is not.
+    rig = make_rig(tmp_path, ScriptedProvider())
+    new = " and runs far away into the woods where no dog has ever found it"
+    more = {**body_for(False), "prompt": PROMPT + new}
+    with trio.fail_after(TIMEOUT):
+        async with serving_with_store(rig, tmp_path) as store:
+            await rig.post("/completion", body_for(False))
+            await wait_until(lambda: store.statistics().stores == 1)
+            restart_decoder(rig)
+            rig.completions.configure(attrs.evolve(SETTINGS, max_stall_ms=0.0))
+            rig.completions.decoding += 2  # two other requests' replies being decoded meanwhile
+            restored = await rig.post("/completion", more)
+            rig.completions.decoding -= 2
+    assert restored.status == 200
+    first, line = rig.lines
+    assert first.route == "file"
+    assert (line.route, line.fallback, line.restored_tokens) == ("plain", "plain-cheaper>stored", M)
+    assert line.decoder_prompt_n == len(new.split())  # the new words, on top of what the store restored
+    assert line.est_plain_ms is not None
+    assert line.est_hybrid_ms is not None
+    assert line.est_plain_ms < line.est_hybrid_ms
 
 
 async def test_with_route_by_length_a_handed_over_prompt_restores_nothing_from_the_store(tmp_path: Path) -> None:

@@ -38,7 +38,7 @@ from . import asgi
 from .asgi import ReadyDecoder, Reply
 from .fake_decoder import chatml
 from .fake_llama import Events, FakeLlama, HttpxWire
-from .rig import ScriptedProvider
+from .rig import ScriptedProvider, own_cores
 
 TIMEOUT = 10
 PROMPT = "the quick brown fox jumps over the lazy dog"
@@ -74,7 +74,7 @@ def make_rig(
     handoff = None
     if hybrid:
         file = FileHandoff(client=client, state_dir=tmp_path, model="fake-model", n_ctx=4096)
-        handoff = Hybrid(providers=Providers([ScriptedProvider()]), file=file)
+        handoff = Hybrid(providers=Providers([ScriptedProvider()]), file=file, placement=own_cores("scripted"))
     decoder = ReadyDecoder()
     slots = SlotPool(2, server.pop("queue_limit", 8))
     completions = Completions(decoder=decoder, client=client, slots=slots, settings=SETTINGS, hybrid=handoff)

@@ -15,6 +15,8 @@ from supervisor.reasons import Reason
 from supervisor.routes import fidelity
 from supervisor.routes.decision import Outcome, Route, Step
 from supervisor.routes.fidelity import Probe, Sample, judge, top_k, total_variation
+from supervisor.routes.handover import learn
+from supervisor.routes.rates import Rates
 
 from .rig import ScriptedProvider
 
@@ -22,7 +24,7 @@ from .rig import ScriptedProvider
 def reply(probs: dict[int, float], prompt_n: int = 1) -> dict[str, Any]:
     top = [{"id": t, "token": str(t), "logprob": math.log(p)} for t, p in probs.items()]
     first = {"id": next(iter(probs)), "logprob": top[0]["logprob"], "top_logprobs": top}
-    return {"completion_probabilities": [first], "timings": {"prompt_n": prompt_n}}
+    return {"completion_probabilities": [first], "timings": {"prompt_n": prompt_n, "prompt_ms": 2.5 * prompt_n}}
 
 
 def test_the_top_k_of_a_reply_are_its_first_tokens_probabilities() -> None:
@@ -100,7 +102,7 @@ class FakeHandoff:
         if self.fails:
             return Outcome(Route.FILE, Step.FILE_PREFILL, Reason.PROVIDER_FAILED, "provider failed: boom")
         self.decoder.slot = "restored"
-        return Outcome(Route.FILE)
+        return Outcome(Route.FILE, prefill_ms=9.0, evaluated=len(tokens), state_bytes=1 << 20, handoff_ms=3.0)
 
 
 async def test_the_probe_compares_the_handoff_and_the_cold_prefill_with_the_cached_path() -> None:
@@ -114,6 +116,23 @@ async def test_the_probe_compares_the_handoff_and_the_cold_prefill_with_the_cach
     assert sample.cold == pytest.approx(0.1)
     assert sample.same_top1
     assert decoder.calls == ["erase", "prefill", "cached", "cold", "handoff", "erase"]
+
+
+async def test_the_probes_prefills_are_the_rates_first_measurements() -> None:
+    # The decoder's cold prefill and the provider's handoff, as a request's would teach the rates:
+    # on shared cores a provider is taken only where it was measured cheaper.
+    decoder = FakeDecoder(handoff={1: 0.5, 2: 0.5}, cold={1: 0.6, 2: 0.4}, cached={1: 0.7, 2: 0.3})
+    probe = Probe(client=decoder, handoff=FakeHandoff(decoder), timeout_s=5)
+    with trio.fail_after(5):
+        sample = await probe.sample(ScriptedProvider(), 0, await probe.tokens("one two three four"))
+    assert sample.cold_ms == 10.0  # 4 tokens evaluated cold
+    assert sample.outcome is not None
+    assert (sample.outcome.prefill_ms, sample.outcome.evaluated) == (9.0, 4)
+    rates = Rates(decoder_ms_per_token=5.0, provider_ms_per_token=5.0, handoff_ms_per_mib=1.0, state_bytes_per_token=1)
+    rates.observe_decoder(1, sample.n_tokens, sample.cold_ms)
+    learn(rates, "scripted", sample.n_tokens, sample.outcome)
+    assert rates.decoder.samples == rates.provider("scripted").samples == 1
+    assert rates.handoff_ms(4) == pytest.approx(3.0)
 
 
 async def test_a_failed_handoff_or_a_lost_decoder_is_a_provider_error_and_the_slot_is_erased() -> None:

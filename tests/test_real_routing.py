@@ -55,10 +55,12 @@ def config(runtime: Path, *, hybrid: bool) -> Config:
     return make_config(
         runtime,
         model={"parallel": 2, "ctx_size": 2048},
-        decoder={"threads": 1},
+        # Pinned apart: the provider computes apart from the decoder, so a cold prompt's near-tie
+        # goes to it (on shared cores only a cheaper first token would).
+        decoder={"threads": 1, "cpu_affinity": [0]},
         # Turn 1 prompts are 66-74 tokens; a later turn adds about 30 (a reply of 12, a question).
         hybrid={"enabled": hybrid, "min_prompt_tokens": 48},
-        provider=[{"kind": "llama-server", "name": "p0", "threads": 1}] if hybrid else [],
+        provider=[{"kind": "llama-server", "name": "p0", "threads": 1, "cpu_affinity": [1]}] if hybrid else [],
     )
 
 

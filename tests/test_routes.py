@@ -27,6 +27,7 @@ from supervisor.routes.decision import (
     claim_matches,
     restore_used,
 )
+from supervisor.routes.rates import PrefillCost, linear
 
 # A request that could take a hybrid route: each test changes one input.
 HYBRID: dict[str, Any] = {
@@ -191,15 +192,16 @@ def test_choose_gives_a_reason_whenever_it_does_not_take_the_configured_route(kw
 
 # -- the cost decision ------------------------------------------------------------------------------
 
-# A 600-token prompt on a decoder and a provider that prefill at the same rate (the test machine:
-# both are llama-server on the same CPU), with a handoff that costs 2% of the prefill.
+# A 600-token prompt on a decoder and a provider that prefill at the same rate, the provider on
+# compute apart from the decoder's (its own cores), with a handoff that costs 2% of the prefill.
 COLD = Costs(
     decoder_cached=0,
     provider_cached=0,
-    decoder_ms_per_token=5.0,
-    provider_ms_per_token=5.0,
+    decoder=linear(5.0),
+    provider=linear(5.0),
     handoff_ms=60.0,
     streams_decoding=0,
+    apart=True,
 )
 
 
@@ -229,7 +231,7 @@ def test_a_provider_that_holds_the_prefix_too_still_loses_to_the_decoders_cache_
 def test_what_the_decoder_lacks_must_reach_the_floor_even_when_the_handoff_looks_cheap() -> None:
     # The provider holds the conversation too, and an NPU would prefill the new turn faster: still,
     # 50 tokens are under the floor (256), so there is no prefill worth moving.
-    fast = attrs.evolve(COLD, decoder_cached=550, provider_cached=550, provider_ms_per_token=0.1)
+    fast = attrs.evolve(COLD, decoder_cached=550, provider_cached=550, provider=linear(0.1))
     assert (priced(fast).route, priced(fast).reason) == (Route.PLAIN, Reason.CACHED)
     # 300 tokens lacking: the floor is met and the cost decides.
     assert priced(attrs.evolve(fast, decoder_cached=300, provider_cached=300)).route is Route.FILE
@@ -237,24 +239,24 @@ def test_what_the_decoder_lacks_must_reach_the_floor_even_when_the_handoff_looks
 
 def test_a_much_faster_provider_wins_even_against_a_partly_warm_decoder() -> None:
     # An NPU at 0.2 ms/token against a CPU at 5: holding a third of the prompt does not save plain.
-    picked = priced(attrs.evolve(COLD, decoder_cached=200, provider_ms_per_token=0.2))
+    picked = priced(attrs.evolve(COLD, decoder_cached=200, provider=linear(0.2)))
     assert (picked.route, picked.reason) == (Route.FILE, None)
 
 
 def test_a_slow_provider_loses_to_a_cold_decoder_and_says_plain_cheaper() -> None:
-    picked = priced(attrs.evolve(COLD, provider_ms_per_token=8.0))
+    picked = priced(attrs.evolve(COLD, provider=linear(8.0)))
     assert (picked.route, picked.reason) == (Route.PLAIN, Reason.PLAIN_CHEAPER)
 
 
 def test_the_margin_decides_near_ties() -> None:
-    slower = attrs.evolve(COLD, provider_ms_per_token=5.7)  # hybrid 3485 ms against plain 3000
+    slower = attrs.evolve(COLD, provider=linear(5.7))  # hybrid 3485 ms against plain 3000
     assert priced(slower).route is Route.PLAIN
     wide = choose_from(**{**HYBRID, "prompt_tokens": 600}, costs=slower, policy=Policy(prefer_margin=0.2))
     assert wide.route is Route.FILE
 
 
 def test_a_busy_decoder_hands_over_a_prefill_that_would_stall_its_streams() -> None:
-    slower = attrs.evolve(COLD, provider_ms_per_token=8.0, streams_decoding=3)
+    slower = attrs.evolve(COLD, provider=linear(8.0), streams_decoding=3)
     assert (priced(slower).route, priced(slower).reason) == (Route.FILE, None)
     # ... but not one whose stall is short enough to bear.
     short = attrs.evolve(slower, decoder_cached=550)  # 50 tokens: 250 ms < max_stall_ms 500
@@ -271,12 +273,67 @@ def test_a_remembered_share_refusal_still_applies_after_the_cost_decision() -> N
     assert (picked.route, picked.reason) == (Route.FILE, Reason.SHARE_REMEMBERED)
 
 
+def test_on_shared_compute_streams_decoding_do_not_send_a_prompt_away_and_near_ties_stay_plain() -> None:
+    # A provider on the decoder's own cores takes the same CPU: sparing the streams spares nothing.
+    slower = attrs.evolve(COLD, provider=linear(8.0), streams_decoding=3, apart=False)
+    assert (priced(slower).route, priced(slower).reason) == (Route.PLAIN, Reason.PLAIN_CHEAPER)
+    # A near-tie (hybrid 3065 ms against plain 3000) is a loss for this request, and nothing else gains.
+    assert (priced(attrs.evolve(COLD, apart=False)).route, priced(attrs.evolve(COLD, apart=False)).reason) == (
+        Route.PLAIN,
+        Reason.PLAIN_CHEAPER,
+    )
+    # A provider truly faster still wins on the first token's cost alone.
+    assert priced(attrs.evolve(COLD, provider=linear(4.0), apart=False)).route is Route.FILE
+
+
+def test_a_prompt_the_store_restored_is_not_handed_over_to_spare_the_streams() -> None:
+    # The case: 769 tokens restored into the slot, 36-43 new, streams decoding, and a decoder rate
+    # learnt high (56.87 ms a token) that puts plain's estimate past max_stall_ms.  The handoff would
+    # overwrite the restore and prefill all 810 tokens again: plain evaluates the 41.
+    case = attrs.evolve(COLD, decoder_cached=769, decoder=linear(56.87), handoff_ms=200.0, streams_decoding=2)
+    policy = Policy(min_prompt_tokens=32)
+    picked = choose(Ask(810, restored=True), Offer(enabled=True, store=True), case, policy)
+    assert picked.estimate is not None
+    assert picked.estimate.plain_ms == pytest.approx(41 * 56.87)  # past max_stall_ms, and streams decode
+    assert (picked.route, picked.reasons) == (Route.PLAIN, (Reason.STORED,))
+    # Without the restore the same slot would be handed over to spare the streams.
+    assert choose(Ask(810), Offer(enabled=True), case, policy).route is Route.FILE
+    # A handoff cheaper than the decoder's evaluating the rest is still taken after a restore.
+    cheap = attrs.evolve(case, provider_cached=800, provider=linear(0.1), handoff_ms=10.0)
+    assert choose(Ask(810, restored=True), Offer(enabled=True, store=True), cheap, policy).route is Route.FILE
+
+
+def test_an_unsure_estimate_keeps_plain_a_prompt_the_slot_holds_most_of() -> None:
+    # Nothing measured near 400 new tokens: a provider that looks twice as fast on its prior might be
+    # far slower under load; plain evaluates 400 of 1,000 tokens at the decoder's known rate.
+    unsure = attrs.evolve(COLD, decoder_cached=600, provider=PrefillCost(1.0))
+    picked = priced(unsure, prompt_tokens=1000)
+    assert picked.estimate is not None
+    assert not picked.estimate.sure
+    assert (picked.route, picked.reason) == (Route.PLAIN, Reason.CACHED)
+    # Sure of both, the provider's speed decides as before.
+    assert priced(attrs.evolve(unsure, provider=linear(1.0)), prompt_tokens=1000).route is Route.FILE
+    # Unsure, but the slot holds little: the estimates (priors) decide.
+    assert priced(attrs.evolve(unsure, decoder_cached=0), prompt_tokens=1000).route is Route.FILE
+
+
+def test_plain_is_estimated_on_what_the_decoder_evaluates_with_its_context() -> None:
+    # The decoder's cost has a fixed part and an attention term: plain pays them on the 300 new
+    # tokens after the 700 it reuses, the hybrid route on the last token after 999.
+    cost = PrefillCost(5.0, fixed_ms=40.0, ms_per_token=3.0, ms_per_context=0.001, everywhere=True)
+    guess = priced(attrs.evolve(COLD, decoder=cost, decoder_cached=700), prompt_tokens=1000).estimate
+    assert guess is not None
+    assert guess.plain_ms == pytest.approx(40.0 + 3.0 * 300 + 0.001 * 300 * (700 + 150))
+    assert guess.hybrid_ms == pytest.approx(5.0 * 1000 + 60.0 + 40.0 + 3.0 + 0.001 * (999 + 0.5))
+
+
 # -- every plain reason, in one table ----------------------------------------------------------------
 
 # The cost of a prompt the decoder's slot holds most of (cached) and of one a slow provider would take
 # longer over (plain-cheaper), for the 300-token prompt of HYBRID.
-HOLDS_MOST = attrs.evolve(COLD, decoder_cached=150, provider_ms_per_token=8.0)
-SLOWER = attrs.evolve(COLD, provider_ms_per_token=8.0)
+HOLDS_MOST = attrs.evolve(COLD, decoder_cached=150, provider=linear(8.0))
+SLOWER = attrs.evolve(COLD, provider=linear(8.0))
+FASTER = attrs.evolve(COLD, provider=linear(2.0))
 R = Reason
 
 
@@ -312,7 +369,9 @@ R = Reason
         ({"costs": HOLDS_MOST, "restored": True}, Route.PLAIN, (R.STORED,)),
         ({"costs": SLOWER}, Route.PLAIN, (R.PLAIN_CHEAPER,)),
         ({"costs": SLOWER, "restored": True}, Route.PLAIN, (R.PLAIN_CHEAPER, R.STORED)),
-        ({"costs": COLD, "restored": True}, Route.FILE, ()),
+        # After a restore only a handoff cheaper than plain is taken: no near-tie goes hybrid.
+        ({"costs": COLD, "restored": True}, Route.PLAIN, (R.PLAIN_CHEAPER, R.STORED)),
+        ({"costs": FASTER, "restored": True}, Route.FILE, ()),
         ({"share": True, "share_refused": True, "restored": True}, Route.FILE, (R.SHARE_REMEMBERED,)),
     ],
 )
@@ -342,6 +401,24 @@ async def test_a_request_gets_the_free_slot_holding_the_longest_prefix_of_its_pr
         assert pool.holds(slot) == key(*SYSTEM, 7)
         assert pool.cached(slot, key(*SYSTEM, 7, 8, 9)) == 41
     assert pool.statistics().affinity_hits == 1
+
+
+async def test_with_its_prompt_cache_the_decoder_reuses_what_another_slot_holds_when_its_own_keeps_little() -> None:
+    # llama-server with --cache-ram saves its idle slots into its prompt cache and, for a request
+    # whose slot would keep less than half of what it holds, loads the best match from there.
+    pool = SlotPool(2, queue_limit=8)
+    async with pool.hold(key(*SYSTEM, 7)) as other:
+        pass
+    asked = key(*SYSTEM, 8)
+    async with pool.hold() as slot:
+        assert slot != other
+        pool.remember(slot, key(9, 9, 9, 9))
+        assert pool.cached(slot, asked) == 0
+        assert pool.reusable(slot, asked, prompt_cache=False) == 0
+        assert pool.reusable(slot, asked, prompt_cache=True) == len(SYSTEM)
+        # A slot that keeps half of its prompt or more is used as it is: nothing loaded from the cache.
+        pool.remember(slot, key(*SYSTEM[:30], 5, 5))
+        assert pool.reusable(slot, asked, prompt_cache=True) == 30
 
 
 async def test_a_next_turn_sent_while_its_slot_is_being_saved_waits_for_that_slot_not_a_cold_one() -> None:

@@ -9,6 +9,7 @@ from typing import Any
 
 import attrs
 
+from ..observe.routestats import EstimateAccuracy
 from ..observe.status import DaemonStatistics, ModelStatistics
 from ..prefix.store import StoreStatistics
 from ..routeline import RouteLine
@@ -51,6 +52,17 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
     cells = [list(headers), *([_cell(value) for value in row] for row in rows)]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     return ["  ".join(text.ljust(width) for text, width in zip(row, widths, strict=True)).rstrip() for row in cells]
+
+
+def _estimates(estimates: Sequence[EstimateAccuracy]) -> str:
+    """How the cost decision's estimates held: actual over estimated per route and engine."""
+    if not estimates:
+        return "none yet (no request was routed by cost)"
+    return "; ".join(
+        f"{e.route}/{e.engine} actual {e.median_ratio:.2f}x the estimate (median), "
+        f"{e.within_1_5:.0%} within 1.5x, over {e.n}"
+        for e in estimates
+    )
 
 
 def _counts(counts: Mapping[str, int]) -> str:
@@ -114,6 +126,7 @@ def render_status(stats: DaemonStatistics) -> str:
         f"requests: {requests}",
         f"fallbacks: {_counts(stats.fallbacks) or 'none'}",
         f"first byte: {first_byte}",
+        f"estimates: {_estimates(stats.estimates)}",
     ]
     if stats.models is not None:
         lines += [_restores(m) for m in stats.models.models if m.state == "loaded"]

@@ -275,18 +275,18 @@ class HybridConfig:
     # A hybrid request whose decoder evaluated more prompt tokens than this did not use the restore
     # (llama.cpp can answer a restore with success and re-prefill anyway: ggml-org/llama.cpp#26676).
     restore_check_tokens: int = field(default=2, validator=_at_least(1), metadata=LIVE)
-    # The cost decision (docs/architecture.md, "Choosing a route"): the hybrid route is taken while
-    # its estimated time to first token is at most (1 + prefer_margin) x plain's, since moving a
-    # prefill off the decoder keeps it free for the streams it decodes ...
+    # The cost decision (docs/architecture.md, "Choosing a route"): with a provider on compute apart, the
+    # hybrid route is taken while its estimated time to first token is at most (1 + prefer_margin) x
+    # plain's, since moving a prefill off the decoder keeps it free for the streams it decodes ...
     prefer_margin: float = field(default=0.15, validator=_at_least(0), metadata=LIVE)
     # "cost": the decision above; "length": every prompt of at least min_prompt_tokens is handed
     # over, whatever the decoder's slot already holds (the most decode isolation, at a cost).
     route_by: str = field(default="cost", validator=_one_of("cost", "length"), metadata=LIVE)
     # ... or when a plain prefill would stall streams being decoded for longer than this.
     max_stall_ms: float = field(default=500.0, validator=_at_least(0), metadata=LIVE)
-    # Priors until the children's own timings are measured: milliseconds per prompt token on the
-    # decoder and on a provider, and per MiB of prompt state saved and restored (round figures above
-    # what the embedded model takes on a small machine: docs/benchmarks.md).
+    # Priors where the children's timings were not measured near a prompt's size (routes/rates.py): ms
+    # per prompt token on the decoder and on a provider, and per MiB of prompt state saved and restored
+    # (round figures above what the embedded model takes on a small machine: docs/benchmarks.md).
     decoder_ms_per_token: float = field(default=5.0, validator=_at_least(0.001))
     provider_ms_per_token: float = field(default=5.0, validator=_at_least(0.001))
     handoff_ms_per_mib: float = field(default=1.0, validator=_at_least(0))

@@ -192,6 +192,7 @@ class Daemon:
             watch_closed=routes.watch_closed,
             store=self.models.default.store_statistics(),
             models=self.models.statistics(),
+            estimates=routes.estimates,
         )
 
     def _metrics_snapshot(self) -> LiveStatistics:

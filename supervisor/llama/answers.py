@@ -73,10 +73,11 @@ class Prefilled:
 @attrs.frozen
 class NextToken:
     """The answer to a one-token completion: llama-server's whole reply (its ``completion_probabilities``
-    for a reader of the distribution) and how many prompt tokens it evaluated to give it."""
+    for a reader of the distribution) and how many prompt tokens it evaluated to give it, in how long."""
 
     reply: Any
     prompt_n: int | None
+    prompt_ms: float | None = None
 
 
 @attrs.frozen

@@ -263,8 +263,14 @@ async def next_token(
     if isinstance(answer, Refusal):
         return answer
     _, data = answer
-    prompt_n = data.get("timings", {}).get("prompt_n") if isinstance(data, dict) else None
-    return NextToken(data, prompt_n if isinstance(prompt_n, int) else None)
+    timings = data.get("timings") if isinstance(data, dict) else None
+    prompt_n = timings.get("prompt_n") if isinstance(timings, dict) else None
+    prompt_ms = timings.get("prompt_ms") if isinstance(timings, dict) else None
+    return NextToken(
+        data,
+        prompt_n if isinstance(prompt_n, int) else None,
+        float(prompt_ms) if isinstance(prompt_ms, int | float) and not isinstance(prompt_ms, bool) else None,
+    )
 
 
 def slot_processing(reply_status: int, slots: Any, slot: int) -> bool:

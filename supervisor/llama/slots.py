@@ -151,6 +151,18 @@ class SlotPool:
         """The most tokens of ``key`` any free slot holds: what a job would find if it came now."""
         return max((self.cached(slot, key) for slot in self._free), default=0)
 
+    def reusable(self, slot: int, key: PromptKey, *, prompt_cache: bool) -> int:
+        """Tokens of ``key`` llama-server would reuse with the request pinned to ``slot``: the
+        slot's prefix; with its prompt cache on (``--cache-ram``) and the slot keeping less than half
+        of what it holds, the most any free slot holds, as far as onebitd knows.  llama-server then
+        saves the slot into its cache and loads the best match from it, and it saves its idle slots
+        there as each task starts (server-context.cpp's ``get_available_slot``)."""
+        own = self.cached(slot, key)
+        held = self._held[slot].tokens
+        if not prompt_cache or (held and 2 * own >= len(held)):
+            return own
+        return max(own, self.best_cached(key))
+
     def forget(self, slot: int) -> None:
         """The slot was erased: it holds nothing."""
         self._held[slot] = PromptKey()

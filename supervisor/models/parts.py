@@ -37,7 +37,9 @@ from ..providers.worker import WorkerProvider
 from ..routes import capability, fidelity
 from ..routes.capability import Capability, Restores
 from ..routes.completion import Completions, Hybrid
+from ..routes.compute import Placement
 from ..routes.file import FileHandoff
+from ..routes.handover import learn
 from ..routes.share import ShareHandoff, ShareHandshake
 from ..routes.stored import StoredPrefixes
 from ..supervise.child import Child, ChildState, OnTransition
@@ -138,14 +140,20 @@ class Parts:
             ]
         )
         self.hybrid = self._hybrid() if config.hybrid.enabled and self.providers.all else None
-        self.completions = Completions(
+        self.completions = self._completions()
+
+    def _completions(self) -> Completions:
+        """The model's completion requests, over its decoder, slots and hybrid routes."""
+        config = self.config
+        return Completions(
             decoder=self.decoder,
             client=self.client,
             slots=self.slots,
-            settings=settings.hybrid,
+            settings=self.settings.hybrid,
             hybrid=self.hybrid,
             slot_context=config.model.ctx_size // config.model.parallel,
             capability=self.capability,
+            prompt_cache=config.cache.ram_mib != 0,
         )
 
     def _hybrid(self) -> Hybrid:
@@ -161,6 +169,7 @@ class Parts:
                 capability=self.capability,
             ),
             share=self._share_handoff() if share_enabled(config) else None,
+            placement=Placement(config.decoder.cpu_affinity, {p.name: p.cpu_affinity for p in config.provider}),
         )
 
     def _share_handoff(self) -> ShareHandoff:
@@ -233,6 +242,7 @@ class Parts:
                 return str(exc)
             finally:
                 self.slots.forget(slot)
+        self._learn(provider, samples)
         verdict = fidelity.judge(samples)
         if not verdict.ok:
             return f"{verdict.summary()}: over the bound"
@@ -240,6 +250,16 @@ class Parts:
         if isinstance(provider, LlamaServerProvider | ExecProvider | WorkerProvider):
             provider.admitted = verdict.summary()  # onebitctl status and the status page show it
         return None
+
+    def _learn(self, provider: Provider, samples: list[fidelity.Sample]) -> None:
+        """The start-time check's prefills, cold on the decoder and handed over from the provider,
+        are the rates' first measurements: on shared cores a provider is taken only where it is
+        measured cheaper, and nothing else would measure it first."""
+        rates = self.completions.rates
+        for sample in samples:
+            rates.observe_decoder(self.decoder.generation, sample.n_tokens, sample.cold_ms)
+            if sample.outcome is not None and sample.outcome.ok:
+                learn(rates, provider.name, sample.n_tokens, sample.outcome)
 
     async def after_start(self, store_enabled: bool) -> None:
         """After each start of the decoder, before the model takes requests: the context each slot

@@ -16,7 +16,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -43,6 +43,52 @@ class FirstByte:
 
 
 @attrs.frozen
+class EstimateAccuracy:
+    """How the cost decision's estimates held, for one route and engine over the last requests:
+    the actual prefill (the decoder's on plain; the provider's, the handoff's and the decoder's
+    last token on a hybrid route) over the estimate of the route taken (``est_plain_ms`` or
+    ``est_hybrid_ms``)."""
+
+    route: str
+    engine: str  # "decoder" on plain; else the provider's engine, or its name where it has none
+    n: int
+    median_ratio: float  # actual / estimated: above 1, the model is optimistic
+    within_1_5: float  # the share of requests whose actual was within 1.5x of the estimate, either way
+
+
+def accuracy_of(line: RouteLine) -> tuple[str, str, float] | None:
+    """``(route, engine, actual / estimate)`` for a request the cost decision estimated and that
+    ended well, on the route it was estimated for; None otherwise."""
+    if line.outcome != RequestOutcome.OK:
+        return None
+    if line.route == "plain":
+        estimate, actual, engine = line.est_plain_ms, line.decoder_prompt_ms, "decoder"
+    else:
+        estimate, engine = line.est_hybrid_ms, line.engine or line.provider or "?"
+        actual = line.prefill_ms + line.restore_ms + line.share_ms + (line.decoder_prompt_ms or 0.0)
+    if estimate is None or actual is None or estimate <= 0 or actual <= 0:
+        return None
+    return line.route, engine, actual / estimate
+
+
+def summarize(ratios: Iterable[tuple[str, str, float]]) -> tuple[EstimateAccuracy, ...]:
+    """Per route and engine, the median ratio of actual to estimate and the share within 1.5x."""
+    groups: dict[tuple[str, str], list[float]] = {}
+    for route, engine, ratio in ratios:
+        groups.setdefault((route, engine), []).append(ratio)
+    return tuple(
+        EstimateAccuracy(
+            route=route,
+            engine=engine,
+            n=len(values),
+            median_ratio=round(statistics.median(values), 3),
+            within_1_5=round(sum(1 for v in values if 1 / 1.5 <= v <= 1.5) / len(values), 3),
+        )
+        for (route, engine), values in sorted(groups.items())
+    )
+
+
+@attrs.frozen
 class RouteStatistics:
     routes: Mapping[str, int]
     outcomes: Mapping[str, int]
@@ -51,6 +97,7 @@ class RouteStatistics:
     watchers: int
     watch_dropped: int  # lines a watcher that could not keep up did not get
     watch_closed: int  # watchers closed because they could not keep up (the status page's feeds)
+    estimates: tuple[EstimateAccuracy, ...] = ()  # the cost decision's estimates against actuals
 
 
 @attrs.frozen(eq=False)  # each one itself: hashed by identity
@@ -66,6 +113,7 @@ class RouteStats:
         self.fallbacks: Counter[str] = Counter()
         self._first_byte: deque[float] = deque(maxlen=RECENT)
         self._recent: deque[tuple[float, RouteLine]] = deque(maxlen=RECENT)  # the last lines, and when
+        self._estimates: deque[tuple[str, str, float]] = deque(maxlen=RECENT)  # route, engine, actual/est
         self._watchers: set[_Watcher] = set()
         self.dropped = 0
         self.closed = 0
@@ -77,6 +125,8 @@ class RouteStats:
             self.fallbacks[line.fallback] += 1
         if line.first_byte_ms is not None and line.outcome == RequestOutcome.OK:
             self._first_byte.append(line.first_byte_ms)
+        if (ratio := accuracy_of(line)) is not None:
+            self._estimates.append(ratio)
         # Kept as it is (a line is not written to after its end): its fields are made only for a
         # watcher, so a daemon nobody watches pays a deque append a request.
         at = time.time()
@@ -130,6 +180,7 @@ class RouteStats:
             watchers=len(self._watchers),
             watch_dropped=self.dropped,
             watch_closed=self.closed,
+            estimates=summarize(self._estimates),
         )
 
 

@@ -23,7 +23,7 @@ from ..llama.slots import SlotStatistics
 from ..prefix.store import StoreStatistics
 from ..providers.base import ProviderStatistics
 from ..supervise.child import ChildStatistics
-from .routestats import FirstByte
+from .routestats import EstimateAccuracy, FirstByte
 
 
 @attrs.frozen
@@ -117,6 +117,9 @@ class DaemonStatistics:
     watch_closed: int = 0  # status page feeds dropped for not keeping up (0 from an older daemon)
     store: StoreStatistics | None = None  # the prefix store (None from a daemon that predates it)
     models: ModelsStatistics | None = None  # None from a daemon that predates several models
+    # The cost decision's estimates against the actual prefills, per route and engine, over the last
+    # requests (none from a daemon that predates them).
+    estimates: tuple[EstimateAccuracy, ...] = ()
 
 
 def merged_slots(pools: list[SlotStatistics]) -> SlotStatistics:

@@ -13,7 +13,8 @@
     story       what each step returned, and the route line built from it once
     relay       a decoder's reply on its way to the client: whole, streamed, or an error
     usage       the usage a client is told: a provider's prefill is no cache hit
-    rates       measured prefill and handoff rates, with configured priors
+    rates       prefill and handoff costs fitted per child, sure only near measured sizes, priors elsewhere
+    compute     whether a provider computes apart from the decoder (a device, CPU sets apart)
     fidelity    how far a handoff moves the decoder's next-token distribution
 
 Handoffs return a frozen :class:`~supervisor.routes.decision.Outcome`, the relay a ``Relayed``;

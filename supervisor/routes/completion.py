@@ -77,9 +77,12 @@ class Completions:
         hybrid: Hybrid | None = None,
         slot_context: int | None = None,
         capability: Capability | None = None,
+        prompt_cache: bool = False,
     ) -> None:
         """``capability``: what the model's restores can do (supervisor/routes/capability.py); None:
-        taken to restore whole, and never withdrawn (a test's fakes)."""
+        taken to restore whole, and never withdrawn (a test's fakes).  ``prompt_cache``: the
+        decoder keeps its own prompt cache (``cache.ram_mib`` not 0), which a plain request may
+        reuse from too."""
         self.decoder = decoder
         self.capability = capability
         self.client = client
@@ -89,6 +92,7 @@ class Completions:
         # The tokens one decoder slot holds, prompt and reply: model.ctx_size / model.parallel, as
         # llama-server divides its context (None: not checked here, the decoder still is).
         self.slot_context = slot_context
+        self.prompt_cache = prompt_cache
         # Requests whose decoder re-evaluated the prompt although the restore (a handoff's, or the
         # prefix store's) succeeded.
         self.restore_unused = 0
@@ -159,8 +163,8 @@ class Completions:
             slot,
             plan.key,
             self.slots,
-            decoder_ms_per_token=self.rates.decoder.get(self.decoder.generation),
-            restore_ms_per_mib=self.rates.handoff.get(0),
+            decoder_ms_per_token=self.rates.decoder_ms_per_token(self.decoder.generation),
+            restore_ms=self.rates.restore_ms,
             req=story.req,
         )
         story.restored(restored)
@@ -190,14 +194,16 @@ class Completions:
         if hybrid is not None and provider is not None and tokens is not None:
             share_refused = hybrid.share is not None and hybrid.share.refused_by(generation)
             if settings.route_by == "cost":
-                decoder_rate, provider_rate = self.rates.prefill(generation, provider.name)
+                decoder_cost, provider_cost = self.rates.prefill(generation, provider.name)
                 costs = Costs(
-                    decoder_cached=self.slots.cached(slot, plan.key),
+                    # With a restore from the prefix store the slot holds its prefix by now.
+                    decoder_cached=self.slots.reusable(slot, plan.key, prompt_cache=self.prompt_cache),
                     provider_cached=provider.cached_tokens(tokens),
-                    decoder_ms_per_token=decoder_rate,
-                    provider_ms_per_token=provider_rate,
+                    decoder=decoder_cost,
+                    provider=provider_cost,
                     handoff_ms=self.rates.handoff_ms(len(tokens)),
                     streams_decoding=self.decoding,
+                    apart=hybrid.placement.apart(provider),
                 )
         offer = Offer(
             enabled=hybrid is not None,
@@ -263,7 +269,9 @@ class Completions:
             # cancels a request only while its response is unfinished); the slot is still ours.
             if out.finished and relayed.error is None:
                 timings = relayed.timings
-                self.rates.observe_decoder(self.decoder.generation, timings.prompt_n, timings.prompt_ms)
+                self.rates.observe_decoder(
+                    self.decoder.generation, timings.prompt_n, timings.prompt_ms, cache_n=timings.cache_n
+                )
                 if route is not Route.PLAIN:
                     self._verify_handoff(story, timings, settings)
                 elif entry is not None and self.stored is not None and self.stored.unused(entry, timings.cache_n):

@@ -20,6 +20,7 @@ import enum
 import attrs
 
 from ..reasons import Reason
+from .rates import PrefillCost
 
 
 class Route(enum.Enum):
@@ -82,15 +83,19 @@ def degrade(outcome: Outcome) -> Route:
 class Costs:
     """What a route costs, as far as onebitd knows when the request has its slot.
 
-    Rates are moving averages of the children's own ``timings`` (configured priors until there are
-    measurements); the handoff's cost is the save and restore of the prompt's state."""
+    The prefill costs are fitted from the children's own ``timings`` (supervisor/routes/rates.py:
+    configured priors where nothing near the size was measured); the handoff's cost is the save and
+    restore of the prompt's state."""
 
-    decoder_cached: int  # prompt tokens the chosen decoder slot already holds
+    decoder_cached: int  # prompt tokens the decoder would reuse: its slot's, its prompt cache's, a restore's
     provider_cached: int  # prompt tokens the provider's cache already holds
-    decoder_ms_per_token: float
-    provider_ms_per_token: float
+    decoder: PrefillCost
+    provider: PrefillCost
     handoff_ms: float  # saving and restoring (or sharing) the whole prompt's state
     streams_decoding: int  # other requests the decoder is generating for right now
+    # The provider computes apart from the decoder (supervisor/routes/compute.py): only then does
+    # moving a prefill off the decoder spare the streams it decodes.
+    apart: bool = False
 
 
 @attrs.frozen
@@ -112,18 +117,25 @@ class Policy:
 class Estimate:
     plain_ms: float
     hybrid_ms: float
+    # Both prefills' per-token terms were measured near the sizes asked for (else a prior stands in).
+    sure: bool = True
 
 
 def estimate(prompt_tokens: int, costs: Costs) -> Estimate:
-    """Time to the first token on each route, prefill only (the decode is the same on both)."""
-    plain = max(1, prompt_tokens - costs.decoder_cached) * costs.decoder_ms_per_token
-    # The provider prefills what its cache lacks, the state moves, the decoder evaluates one token.
+    """Time to the first token on each route, prefill only (the decode is the same on both).
+
+    Plain: the decoder evaluates what it would not reuse.  Hybrid: the provider prefills what its
+    cache lacks, the state moves, the decoder evaluates the last token."""
+    plain_n = max(1, prompt_tokens - costs.decoder_cached)
+    provider_n = max(1, prompt_tokens - costs.provider_cached)
+    plain = costs.decoder.ms(plain_n, prompt_tokens - plain_n)
     hybrid = (
-        max(1, prompt_tokens - costs.provider_cached) * costs.provider_ms_per_token
+        costs.provider.ms(provider_n, prompt_tokens - provider_n)
         + costs.handoff_ms
-        + costs.decoder_ms_per_token
+        + costs.decoder.ms(1, prompt_tokens - 1)
     )
-    return Estimate(plain_ms=plain, hybrid_ms=hybrid)
+    sure = costs.decoder.sure(plain_n) and costs.provider.sure(provider_n)
+    return Estimate(plain_ms=plain, hybrid_ms=hybrid, sure=sure)
 
 
 def _alone(reason: Reason | None) -> tuple[Reason, ...]:
@@ -212,7 +224,7 @@ def choose(ask: Ask, offer: Offer, costs: Costs | None = None, policy: Policy = 
         return plain(Reason.SHORT_PROMPT)
     guess = None
     if costs is not None:
-        guess, reason = _costs_keep_plain(prompt_tokens, costs, policy)
+        guess, reason = _costs_keep_plain(prompt_tokens, costs, policy, restored=ask.restored)
         if reason is not None:
             return plain(reason, guess)
     if offer.share and offer.share_refused:
@@ -221,24 +233,40 @@ def choose(ask: Ask, offer: Offer, costs: Costs | None = None, policy: Policy = 
     return Choice(Route.SHARE if offer.share else Route.FILE, None, guess)
 
 
-def _costs_keep_plain(prompt_tokens: int, costs: Costs, policy: Policy) -> tuple[Estimate, Reason | None]:
+def _costs_keep_plain(
+    prompt_tokens: int, costs: Costs, policy: Policy, *, restored: bool
+) -> tuple[Estimate, Reason | None]:
     """The estimates, and why the costs keep a request plain (None: the hybrid route pays).
 
-    The tokens the decoder's slot lacks must reach the floor (else plain, ``cached``), and the
-    hybrid estimate must be within the policy's margin of plain's, or a plain prefill would stall
-    other streams too long; else plain, ``cached`` when the decoder already holds most of the
-    prompt, ``plain-cheaper`` otherwise."""
+        the slot lacks fewer than min_prompt_tokens      plain  cached
+        an unsure estimate, the slot holds half or more  plain  cached
+        the store restored a prefix (``restored``)       hybrid only when cheaper
+        the provider computes apart from the decoder     hybrid when within prefer_margin of plain,
+                                                         or streams decode and plain > max_stall_ms
+        it shares the decoder's compute                  hybrid only when cheaper
+
+    Otherwise plain, ``cached`` when the decoder already holds half of the prompt or more,
+    ``plain-cheaper`` else.  A handoff overwrites what the slot holds, a restore included, so after a
+    restore only a handoff cheaper than the decoder's evaluating the rest is taken.  An unsure
+    estimate (a prior standing in for what was not measured near the size) cannot rule out a
+    provider far slower than believed: with the slot holding half the prompt or more, plain
+    evaluates at most that half, and is the route that cannot be much worse.  A prefill moved to a
+    provider on the same cores spares the decoder's streams nothing, so only the first token's cost
+    decides there."""
     guess = estimate(prompt_tokens, costs)
+    holds_most = 2 * costs.decoder_cached >= prompt_tokens
+    why_plain = Reason.CACHED if holds_most else Reason.PLAIN_CHEAPER
     # The floor is on the prefill a handoff would spare: a prompt whose slot already holds all
     # but a few tokens (a chat's next turn) leaves nothing worth moving.
     if prompt_tokens - costs.decoder_cached < policy.min_prompt_tokens:
         return guess, Reason.CACHED
+    if not guess.sure and holds_most:
+        return guess, Reason.CACHED
+    if restored or not costs.apart:
+        return guess, None if guess.hybrid_ms < guess.plain_ms else why_plain
     worth_it = guess.hybrid_ms <= guess.plain_ms * (1 + policy.prefer_margin)
     spares_streams = costs.streams_decoding > 0 and guess.plain_ms > policy.max_stall_ms
-    if worth_it or spares_streams:
-        return guess, None
-    holds_most = 2 * costs.decoder_cached >= prompt_tokens
-    return guess, Reason.CACHED if holds_most else Reason.PLAIN_CHEAPER
+    return guess, None if worth_it or spares_streams else why_plain
 
 
 def claim_matches(claimed: int | None, expected: int) -> bool:

@@ -97,6 +97,10 @@ class Sample:
     handoff: float  # TV(handoff, cached)
     cold: float  # TV(cold, cached)
     same_top1: bool  # the handoff's most likely next token is the cached path's
+    # What the paths cost, for the rates (supervisor/routes/rates.py): the decoder's cold prefill of
+    # the prompt, and the handoff's outcome (the provider's prefill, the state moved).
+    cold_ms: float | None = None
+    outcome: Outcome | None = None
 
 
 @attrs.frozen
@@ -252,7 +256,8 @@ class Probe:
         try:
             await self._next(slot, tokens, cache=True)
             cached = await self._next(slot, tokens, cache=True, evaluated=1)
-            cold = await self._next(slot, tokens, cache=False, evaluated=len(tokens))
+            cold_answer = await self._ask(slot, tokens, cache=False, evaluated=len(tokens))
+            cold = _distribution(cold_answer)
             outcome = await self.handoff.run(
                 req=req, slot=slot, tokens=tokens, provider=provider, timeout_s=self.timeout_s
             )
@@ -272,11 +277,18 @@ class Probe:
             handoff=total_variation(handoff, cached),
             cold=total_variation(cold, cached),
             same_top1=top1(handoff) == top1(cached),
+            cold_ms=cold_answer.prompt_ms,
+            outcome=outcome,
         )
 
     async def _next(
         self, slot: int, tokens: list[int], *, cache: bool, evaluated: int | None = None
     ) -> dict[int, float]:
+        return _distribution(await self._ask(slot, tokens, cache=cache, evaluated=evaluated))
+
+    async def _ask(
+        self, slot: int, tokens: list[int], *, cache: bool, evaluated: int | None = None
+    ) -> decoder.NextToken:
         answer = await decoder.next_token(self.client, slot, tokens, n_probs=self.k, cache=cache)
         if isinstance(answer, decoder.Refusal):
             if answer.status == 0:
@@ -289,12 +301,16 @@ class Probe:
         if evaluated is not None and prompt_n is not None and abs(prompt_n - evaluated) > tolerance:
             # The path was not the one asked for (a cache the decoder did not use): no measurement.
             raise ProviderError(f"fidelity: the decoder evaluated {prompt_n} tokens where {evaluated} were due")
-        try:
-            return top_k(answer.reply)
-        except ValueError as exc:
-            raise ProviderError(f"fidelity: {exc}") from None
+        return answer
 
     async def _erase(self, slot: int) -> None:
         refused = await decoder.erase(self.client, slot)
         if refused is not None and refused.status == 0:
             raise ProviderError(f"fidelity: {refused.words}")
+
+
+def _distribution(answer: decoder.NextToken) -> dict[int, float]:
+    try:
+        return top_k(answer.reply)
+    except ValueError as exc:
+        raise ProviderError(f"fidelity: {exc}") from None

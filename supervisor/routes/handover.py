@@ -14,6 +14,7 @@ import trio
 from ..config import HybridConfig
 from ..providers import Provider, Providers
 from ..reasons import Reason
+from .compute import Placement
 from .decision import Outcome, Route, degrade
 from .file import FileHandoff
 from .plan import Plan
@@ -31,6 +32,8 @@ class Hybrid:
     providers: Providers
     file: FileHandoff
     share: ShareHandoff | None = None  # set when the share route is on (hybrid.mode / ONEBIT_KV_SHARE)
+    # Where the decoder and the providers are pinned: whether a provider computes apart.
+    placement: Placement = attrs.field(factory=Placement)
 
 
 @attrs.define
@@ -113,8 +116,7 @@ async def hand_over(
             raise
         walk.outcomes.append(outcome)
         if outcome.ok:
-            rates.observe_provider(provider.name, outcome.evaluated, outcome.prefill_ms)
-            rates.observe_handoff(len(plan.tokens or ()), outcome.state_bytes, outcome.handoff_ms)
+            learn(rates, provider.name, len(plan.tokens or ()), outcome)
             break
         assert outcome.reason is not None
         route = degrade(outcome)
@@ -122,6 +124,14 @@ async def hand_over(
         log.log(level, "hybrid: %s; %s", outcome.why, _GOES_ON[route])
     walk.trying = walk.reached = route
     return route
+
+
+def learn(rates: Rates, provider: str, n_tokens: int, outcome: Outcome) -> None:
+    """What a handoff of ``n_tokens`` that worked teaches the rates: the provider's prefill of what
+    its cache lacked, and the state's move."""
+    evaluated = n_tokens if outcome.evaluated is None else outcome.evaluated
+    rates.observe_provider(provider, evaluated, outcome.prefill_ms, cached=n_tokens - evaluated)
+    rates.observe_handoff(n_tokens, outcome.state_bytes, outcome.handoff_ms)
 
 
 async def _attempt(

@@ -1,38 +1,215 @@
 """What prefill and handoffs cost here, learnt from the children's own reports.
 
-The decoder's and each provider's milliseconds per prompt token come from their ``timings``
-(``prompt_ms / prompt_n``); a handoff's from its measured save and restore, per MiB of state.  Each is
-an exponential moving average, reset when the child it describes restarts (a new process may run on
-other cores or with other flags), and a configured prior stands in until the first measurement.
+A prefill's cost, per child (the decoder, each provider), is modelled as
+
+    ms = fixed + per_token x n_new + context x n_new x (n_cached + n_new / 2)
+
+``n_new`` the tokens it evaluates, ``n_cached`` those its cache already held: the last term is
+attention, whose work per token grows with the context before it.  The terms are fitted by least
+squares with non-negative coefficients (each child's last :data:`WINDOW` prefills of at least
+:data:`FLOOR` tokens, relative errors, one pass that drops outliers); ``fixed`` is the median of what
+the fitted terms leave over, short prefills included.  A short prefill is mostly fixed cost (the
+batch it joins, the streams it is interleaved with) and says little about the per-token rate.
+
+An estimate says whether it is sure: the fitted terms are used only for a size that prefills within
+:data:`NEAR` x of it were measured at (at least :data:`SURE_SAMPLES` of them); otherwise the
+configured prior rate stands in, scaled by the speed the fits show (a loaded machine slows both
+sides: :meth:`Rates.prefill`), and the estimate is unsure.  Short prefills make no fit: a rate
+from 30-token prefills is never extrapolated to 8,000.
+
+A handoff (a save and a restore, or a share) costs ``fixed + per_MiB x MiB`` of state, fitted the
+same way.  Every fit is forgotten when the child it describes restarts (a new process may run on
+other cores or with other flags); providers without a child generation are one population.
 """
 
 from __future__ import annotations
 
+import itertools
+import statistics
+from collections import deque
+from collections.abc import Sequence
+
 import attrs
 
-# Weight of a new measurement: about the last ten requests count.
-ALPHA = 0.2
-# A prefill of fewer tokens is mostly fixed cost (scheduling, the HTTP round trip) and says little
-# about the per-token rate.
-MIN_TOKENS = 8
+# Prefills kept per child for the fit: enough to span several sizes, few enough to follow the load.
+WINDOW = 48
+# Short prefills kept for the fixed cost (every request behind a handoff adds a 1-token one).
+SHORT_WINDOW = 16
+# A prefill of fewer tokens is mostly fixed cost and joins only the fixed cost's estimate: at the
+# few ms a token of a CPU, 64 tokens are a few hundred ms, the size of the fixed costs seen under load.
+FLOOR = 64
+# The fitted terms hold for sizes within this factor of measured ones.
+NEAR = 4.0
+# Measured prefills within NEAR of the size asked for before the fit is trusted there.
+SURE_SAMPLES = 2
+# A sample whose relative error is beyond this many times the median's is dropped before the refit.
+OUTLIER = 3.0
 MIB = 1 << 20
 
 
+@attrs.frozen
+class Sample:
+    n_new: int
+    n_cached: int
+    ms: float
+
+
+def _context(n_new: int, n_cached: int) -> float:
+    return n_new * (n_cached + n_new / 2)
+
+
+@attrs.frozen
+class PrefillCost:
+    """One child's prefill cost as fitted now: a value an estimate is made from."""
+
+    prior_ms_per_token: float  # stands in where the fit is not trusted (scaled, see Rates.prefill)
+    fixed_ms: float = 0.0
+    ms_per_token: float | None = None  # None: no fit
+    ms_per_context: float = 0.0  # per token evaluated and token of context before it
+    sizes: tuple[int, ...] = ()  # the sizes of the prefills the fit is from
+    everywhere: bool = False  # the terms hold at every size (a cost given, not fitted)
+
+    def sure(self, n_new: int) -> bool:
+        """Whether the fitted terms hold at ``n_new`` tokens: enough prefills near that size."""
+        if self.ms_per_token is None:
+            return False
+        near = sum(1 for n in self.sizes if n / NEAR <= max(1, n_new) <= n * NEAR)
+        return self.everywhere or near >= SURE_SAMPLES
+
+    def ms(self, n_new: int, n_cached: int = 0) -> float:
+        """The estimated time to prefill ``n_new`` tokens after ``n_cached``."""
+        if self.ms_per_token is not None and self.sure(n_new):  # mypy: sure() checks it too
+            return self.fixed_ms + self.ms_per_token * n_new + self.ms_per_context * _context(n_new, n_cached)
+        return self.fixed_ms + self.prior_ms_per_token * n_new
+
+    @property
+    def rate(self) -> float:
+        """Its per-token term: the fit's, else the prior."""
+        return self.prior_ms_per_token if self.ms_per_token is None else self.ms_per_token
+
+
+def linear(ms_per_token: float) -> PrefillCost:
+    """A cost that is ``ms_per_token`` a token at every size, and sure of it (a test's, a tool's)."""
+    return PrefillCost(ms_per_token, ms_per_token=ms_per_token, everywhere=True)
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """``a x = b`` by Gaussian elimination with partial pivoting; None when (nearly) singular."""
+    n = len(b)
+    m = [[*row, rhs] for row, rhs in zip(a, b, strict=True)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) <= 1e-12 * max(1.0, max(abs(v) for row in m for v in row[:n])):
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(n):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                m[r] = [x - f * y for x, y in zip(m[r], m[col], strict=True)]
+    return [m[r][n] / m[r][r] for r in range(n)]
+
+
+def nnls(rows: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:
+    """Least squares of relative error (``|row . x - y| / y``) with every coefficient >= 0.
+
+    Exact for the few columns here: every subset of the columns is solved unconstrained, and the
+    feasible one with the least error wins (the sparser on a tie, the order of the columns breaking
+    the rest)."""
+    k = len(rows[0])
+    best: tuple[float, list[float]] = (float("inf"), [0.0] * k)
+    for size in range(1, k + 1):
+        for cols in itertools.combinations(range(k), size):
+            # Each row scaled by 1/y: the squared error is relative.
+            scaled = [([row[c] / y for c in cols], 1.0) for row, y in zip(rows, ys, strict=True)]
+            normal = [[sum(r[i] * r[j] for r, _ in scaled) for j in range(size)] for i in range(size)]
+            rhs = [sum(r[i] * t for r, t in scaled) for i in range(size)]
+            x = _solve(normal, rhs)
+            if x is None or min(x) < 0:
+                continue
+            err = sum((sum(r[i] * x[i] for i in range(size)) - t) ** 2 for r, t in scaled)
+            if err < best[0] * (1 - 1e-9) - 1e-12:
+                full = [0.0] * k
+                for c, v in zip(cols, x, strict=True):
+                    full[c] = v
+                best = (err, full)
+    return best[1]
+
+
+def _robust(rows: list[list[float]], ys: list[float]) -> list[float]:
+    """:func:`nnls`, then again without the samples far off the first fit (one prefill that waited
+    behind a burst of decoding must not set the rate)."""
+    x = nnls(rows, ys)
+    errors = [abs(sum(r * c for r, c in zip(row, x, strict=True)) - y) / y for row, y in zip(rows, ys, strict=True)]
+    limit = OUTLIER * statistics.median(errors)
+    kept = [i for i, e in enumerate(errors) if e <= limit or e <= 0.05]
+    if len(rows) > 3 and len(kept) < len(rows):
+        x = nnls([rows[i] for i in kept], [ys[i] for i in kept])
+    return x
+
+
 @attrs.define
-class Average:
+class Prefills:
+    """One child's recent prefills, and the fit of them (kept until the next sample)."""
+
     prior: float
-    value: float | None = None
     generation: int = -1
-    samples: int = 0
+    long: deque[Sample] = attrs.Factory(lambda: deque(maxlen=WINDOW))
+    short: deque[Sample] = attrs.Factory(lambda: deque(maxlen=SHORT_WINDOW))
+    _fit: PrefillCost | None = None
 
-    def get(self, generation: int) -> float:
-        return self.value if self.value is not None and generation == self.generation else self.prior
-
-    def observe(self, sample: float, generation: int) -> None:
+    def observe(self, sample: Sample, generation: int) -> None:
         if generation != self.generation:
-            self.value, self.generation, self.samples = None, generation, 0
-        self.value = sample if self.value is None else (1 - ALPHA) * self.value + ALPHA * sample
-        self.samples += 1
+            self.generation = generation
+            self.long.clear()
+            self.short.clear()
+        (self.long if sample.n_new >= FLOOR else self.short).append(sample)
+        self._fit = None
+
+    @property
+    def samples(self) -> int:
+        return len(self.long) + len(self.short)
+
+    def measured(self, generation: int) -> bool:
+        return generation == self.generation and bool(self.long)
+
+    def cost(self, generation: int) -> PrefillCost:
+        """The fit for ``generation`` (the prior alone where it has no samples)."""
+        if generation != self.generation or not self.samples:
+            return PrefillCost(self.prior)
+        if self._fit is None:
+            self._fit = self._fitted()
+        return self._fit
+
+    def _fitted(self) -> PrefillCost:
+        per_token, context = self.prior, 0.0
+        if self.long:
+            # The per-token column first: one prefill, or several of one size, is all per-token cost.
+            rows = [[s.n_new, _context(s.n_new, s.n_cached), 1.0] for s in self.long]
+            per_token, context, _ = _robust(rows, [max(s.ms, 1e-3) for s in self.long])
+        left = [s.ms - per_token * s.n_new - context * _context(s.n_new, s.n_cached) for s in (*self.long, *self.short)]
+        fixed = max(0.0, statistics.median(left))
+        if not self.long:
+            return PrefillCost(self.prior, fixed_ms=fixed)
+        sizes = tuple(s.n_new for s in self.long)
+        return PrefillCost(self.prior, fixed, per_token, context, sizes)
+
+
+@attrs.define
+class Handoffs:
+    """Recent handoffs (state moved, ms), fitted as ``fixed + per_MiB x MiB``."""
+
+    prior_ms_per_mib: float
+    window: deque[tuple[float, float]] = attrs.Factory(lambda: deque(maxlen=WINDOW))
+
+    def observe(self, mib: float, ms: float) -> None:
+        self.window.append((mib, ms))
+
+    def fit(self) -> tuple[float, float]:
+        """``(fixed_ms, ms_per_mib)``: the prior per MiB alone until a handoff was measured."""
+        if not self.window:
+            return 0.0, self.prior_ms_per_mib
+        per_mib, fixed = _robust([[mib, 1.0] for mib, _ in self.window], [max(ms, 1e-3) for _, ms in self.window])
+        return fixed, per_mib
 
 
 @attrs.frozen
@@ -52,54 +229,71 @@ class Rates:
         handoff_ms_per_mib: float,
         state_bytes_per_token: float,
     ) -> None:
-        self.decoder = Average(decoder_ms_per_token)
+        self.decoder = Prefills(decoder_ms_per_token)
         self._provider_prior = provider_ms_per_token
-        self.providers: dict[str, Average] = {}
-        self.handoff = Average(handoff_ms_per_mib)
-        self.state = Average(state_bytes_per_token)
+        self.providers: dict[str, Prefills] = {}
+        self.handoff = Handoffs(handoff_ms_per_mib)
+        self.state_bytes_per_token = state_bytes_per_token
 
-    def provider(self, name: str) -> Average:
-        return self.providers.setdefault(name, Average(self._provider_prior))
+    def provider(self, name: str) -> Prefills:
+        return self.providers.setdefault(name, Prefills(self._provider_prior))
 
-    def prefill(self, generation: int, provider: str) -> tuple[float, float]:
-        """The decoder's and ``provider``'s ms per token, for comparing them.
+    def prefill(self, generation: int, provider: str) -> tuple[PrefillCost, PrefillCost]:
+        """The decoder's and ``provider``'s prefill costs, for comparing them.
 
-        A rate measured on one side only is compared with the other side's prior scaled by the same
-        factor: a loaded or slow machine slows both, and a measured rate against a bare prior would
-        make whichever side was measured first look the slower."""
+        Where a side's fit does not hold at a size, its prior stands in, scaled by what the fits
+        show of this machine's speed: a side with a fit by its own fitted rate over its prior, a
+        side without one by the other side's.  A loaded or slow machine slows both, and a measured
+        rate against a bare prior would make whichever side was measured first look the slower."""
         decoder, other = self.decoder, self.provider(provider)
-        decoder_measured = decoder.value is not None and decoder.generation == generation
-        other_measured = other.value is not None
-        d, p = decoder.get(generation), other.get(0)
-        if decoder_measured and not other_measured:
-            p = d * other.prior / decoder.prior
-        elif other_measured and not decoder_measured:
-            d = p * decoder.prior / other.prior
-        return d, p
+        d, p = decoder.cost(generation), other.cost(0)
+        d_speed = d.rate / decoder.prior if decoder.measured(generation) else None
+        p_speed = p.rate / other.prior if other.measured(0) else None
+        d_scale = d_speed if d_speed is not None else p_speed if p_speed is not None else 1.0
+        p_scale = p_speed if p_speed is not None else d_speed if d_speed is not None else 1.0
+        return (
+            attrs.evolve(d, prior_ms_per_token=decoder.prior * d_scale),
+            attrs.evolve(p, prior_ms_per_token=other.prior * p_scale),
+        )
 
-    def observe_decoder(self, generation: int, prompt_n: int | None, prompt_ms: float | None) -> None:
-        if prompt_n is not None and prompt_ms is not None and prompt_n >= MIN_TOKENS:
-            self.decoder.observe(prompt_ms / prompt_n, generation)
+    def decoder_ms_per_token(self, generation: int) -> float:
+        """The decoder's per-token term (the prefix store weighs a restore against it)."""
+        return self.decoder.cost(generation).rate
 
-    def observe_provider(self, name: str, evaluated: int | None, prefill_ms: float | None) -> None:
+    def observe_decoder(
+        self, generation: int, prompt_n: int | None, prompt_ms: float | None, cache_n: int | None = None
+    ) -> None:
+        if prompt_n is not None and prompt_ms is not None and prompt_n > 0:
+            self.decoder.observe(Sample(prompt_n, cache_n or 0, prompt_ms), generation)
+
+    def observe_provider(
+        self, name: str, evaluated: int | None, prefill_ms: float | None, cached: int | None = None
+    ) -> None:
         # Providers without a child generation (exec) are one population; 0 stands for it.
-        if evaluated is not None and prefill_ms is not None and evaluated >= MIN_TOKENS:
-            self.provider(name).observe(prefill_ms / evaluated, 0)
+        if evaluated is not None and prefill_ms is not None and evaluated > 0:
+            self.provider(name).observe(Sample(evaluated, cached or 0, prefill_ms), 0)
 
     def observe_handoff(self, n_tokens: int, state_bytes: int | None, handoff_ms: float | None) -> None:
         if state_bytes is None or handoff_ms is None or state_bytes <= 0 or n_tokens <= 0:
             return
-        self.handoff.observe(handoff_ms / (state_bytes / MIB), 0)
-        self.state.observe(state_bytes / n_tokens, 0)
+        self.handoff.observe(state_bytes / MIB, handoff_ms)
+        # A model's state per token is fixed: the last handoff's figure is the figure.
+        self.state_bytes_per_token = state_bytes / n_tokens
 
     def handoff_ms(self, n_tokens: int) -> float:
         """The estimated cost of moving ``n_tokens`` tokens' state from a provider to the decoder."""
-        return self.handoff.get(0) * n_tokens * self.state.get(0) / MIB
+        fixed, per_mib = self.handoff.fit()
+        return fixed + per_mib * n_tokens * self.state_bytes_per_token / MIB
+
+    def restore_ms(self, state_bytes: int) -> float:
+        """The estimated cost of restoring ``state_bytes`` of state (a stored prefix)."""
+        fixed, per_mib = self.handoff.fit()
+        return fixed + per_mib * state_bytes / MIB
 
     def statistics(self, generation: int) -> RateStatistics:
         return RateStatistics(
-            decoder_ms_per_token=self.decoder.get(generation),
-            providers_ms_per_token={name: avg.get(0) for name, avg in self.providers.items()},
-            handoff_ms_per_mib=self.handoff.get(0),
-            state_bytes_per_token=self.state.get(0),
+            decoder_ms_per_token=self.decoder.cost(generation).rate,
+            providers_ms_per_token={name: p.cost(0).rate for name, p in self.providers.items()},
+            handoff_ms_per_mib=self.handoff.fit()[1],
+            state_bytes_per_token=self.state_bytes_per_token,
         )

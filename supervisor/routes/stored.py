@@ -40,7 +40,6 @@ from ..prefix.store import Entry, PrefixStore
 from .capability import Capability
 from .decision import worth_restoring
 from .file import SlotClient, erase_slot
-from .rates import MIB
 
 log = logging.getLogger("onebit.prefix")
 # What a request's story says of the store (a restore it goes on without) is logged with its route.
@@ -134,11 +133,12 @@ class StoredPrefixes:
         slots: SlotPool,
         *,
         decoder_ms_per_token: float,
-        restore_ms_per_mib: float,
+        restore_ms: Callable[[int], float],
         req: str,
     ) -> Restored:
         """Restore the longest stored prefix of the prompt into the slot, when that spares more
-        prefill than it costs; ``slots`` then knows what the slot holds."""
+        prefill than it costs (``restore_ms``: of so many bytes of state); ``slots`` then knows what
+        the slot holds."""
         if key.tokens is None or not self.enabled:
             return NOTHING
         entry = await self.store.find(key.tokens)
@@ -148,7 +148,7 @@ class StoredPrefixes:
             entry_tokens=entry.n_tokens,
             decoder_cached=slots.cached(slot, key),
             decoder_ms_per_token=decoder_ms_per_token,
-            restore_ms=restore_ms_per_mib * entry.state_bytes / MIB,
+            restore_ms=restore_ms(entry.state_bytes),
         )
         if not worth:
             return NOTHING
