@@ -144,9 +144,42 @@ def test_the_cpu_flags_come_from_proc_cpuinfo(tmp_path: Path) -> None:
     assert locate.cpu_flags(tmp_path / "none") == frozenset()
 
 
-def test_a_machine_other_than_x86_builds_ggml_s_native_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_machine_other_than_x86_builds_ggml_s_native_backend_and_refuses_x86_variants(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.delenv(locate.CPU_VARIANTS_ENV, raising=False)
     assert locate.cpu_tag("aarch64", frozenset()) == "native"
+    assert locate.cpu_variants("native", "aarch64") == ""
+    with pytest.raises(ValueError, match="names x86 variants; on this processor the build is native"):
+        locate.cpu_variants("portable", "aarch64")
+
+
+def test_a_portable_build_is_the_one_in_use_where_this_processor_s_own_is_not_there(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """An image built with ONEBIT_CPU_VARIANTS=portable and run without it finds its build."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(locate.CPU_VARIANTS_ENV, raising=False)
+    own = locate.cached_llama_server()
+    monkeypatch.setenv(locate.CPU_VARIANTS_ENV, "portable")
+    portable = locate.cached_llama_server()
+    monkeypatch.delenv(locate.CPU_VARIANTS_ENV)
+    assert own != portable
+    portable.parent.mkdir(parents=True)
+    portable.write_text("#!/bin/sh\n")
+    assert locate.cached_llama_server() == portable
+    assert locate.llama_server_build_key().endswith("-portable")
+    own.parent.mkdir(parents=True)
+    own.write_text("#!/bin/sh\n")
+    assert locate.cached_llama_server() == own  # this processor's own, once it is built
+
+
+def test_the_build_recipe_is_part_of_the_key(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    before = locate.llama_server_build_key()
+    changed = tmp_path / "build-llama-server"
+    changed.write_bytes(locate.BUILD_SCRIPT.read_bytes() + b"# another recipe\n")
+    monkeypatch.setattr(locate, "BUILD_SCRIPT", changed)
+    assert locate.llama_server_build_key() != before
 
 
 def test_each_engine_has_its_own_override(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -38,6 +38,9 @@ AGENT_PATCH = PATCHES / "llama-server-agent.patch"  # /v1/messages keeps id_slot
 TOOLS_PATCH = PATCHES / "llama-server-tools.patch"  # text with a "{" that opens no tool call is content
 OPENVINO_PATCH = PATCHES / "llama-server-openvino.patch"  # ggml-openvino: GGML_OP_DUP, Q4_1 zero points
 TEST_ARCHS_PATCH = PATCHES / "llama-test-archs.patch"  # test-llama-archs loads the loadable backends
+# The recipe (flags, what is installed where) is part of the key: a build made by another recipe is
+# not taken for this one's.
+BUILD_SCRIPT = SOURCE / "scripts" / "build-llama-server"
 ENGINES = ("ggml", "openvino")
 # Where $ONEBIT_LLAMA_SERVER... names a binary instead of the build cache, per engine.
 ENGINE_ENV = {"ggml": "ONEBIT_LLAMA_SERVER", "openvino": "ONEBIT_LLAMA_SERVER_OPENVINO"}
@@ -94,21 +97,31 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     return frozenset()
 
 
+def _is_x86(machine: str | None = None) -> bool:
+    return (machine or platform.machine()) in ("x86_64", "AMD64")
+
+
 def cpu_tag(machine: str | None = None, flags: frozenset[str] | None = None) -> str:
-    """Which CPU backends the build compiles, as its key names them: $ONEBIT_CPU_VARIANTS where set,
-    else on x86-64 the best of :data:`X86_VARIANTS` whose flags this processor has, else ``native``
-    (ggml's own native build: an arm64 machine's one CPU backend)."""
+    """Which CPU backends a build for this machine compiles, as its key names them:
+    $ONEBIT_CPU_VARIANTS where set, else on x86-64 the best of :data:`X86_VARIANTS` whose flags this
+    processor has, else ``native`` (ggml's own native build: an arm64 machine's one CPU backend;
+    the variable names x86 variants, and is refused there by :func:`cpu_variants`)."""
     chosen = os.environ.get(CPU_VARIANTS_ENV, "").strip()
     if chosen:
         return chosen
-    if (machine or platform.machine()) not in ("x86_64", "AMD64"):
+    if not _is_x86(machine):
         return "native"
     have = cpu_flags() if flags is None else flags
     return next(name for name, needs in X86_VARIANTS if have.issuperset(needs))
 
 
-def cpu_variants(tag: str) -> str:
-    """The build's GGML_CPU_VARIANTS for a :func:`cpu_tag`: the portable eight, or the one named."""
+def cpu_variants(tag: str, machine: str | None = None) -> str:
+    """The build's GGML_CPU_VARIANTS for a :func:`cpu_tag`: the portable eight, or the one named;
+    empty for ``native``."""
+    if tag == "native" and not _is_x86(machine):
+        return ""
+    if not _is_x86(machine):
+        raise ValueError(f"${CPU_VARIANTS_ENV}={tag!r}: names x86 variants; on this processor the build is native")
     if tag == PORTABLE:
         return ";".join(name for name, _ in X86_VARIANTS)
     if tag not in {name for name, _ in X86_VARIANTS}:
@@ -118,24 +131,45 @@ def cpu_variants(tag: str) -> str:
     return tag
 
 
-def llama_server_build_key() -> str:
-    """What scripts/build-llama-server names its one build after (it asks this function):
-    ``<version>-<first 8 hex of the sha256 of the patches>-<cpu_tag()>``.  A changed patch, or another
-    processor's variant, builds anew; the OpenVINO backend is a part of the same build, kept per pin
-    (:func:`openvino_backend`).  Without the patch files (onebit installed without its source tree)
-    the key is that of an unpatched build."""
+def _key(tag: str) -> str:
     digest = hashlib.sha256()
     try:
-        for patch in patches():
-            digest.update(patch.read_bytes())
+        for part in (*patches(), BUILD_SCRIPT):
+            digest.update(part.read_bytes())
     except OSError:
-        return f"{LLAMA_CPP_VERSION}-{cpu_tag()}"
-    return f"{LLAMA_CPP_VERSION}-{digest.hexdigest()[:8]}-{cpu_tag()}"
+        return f"{LLAMA_CPP_VERSION}-{tag}"
+    return f"{LLAMA_CPP_VERSION}-{digest.hexdigest()[:8]}-{tag}"
+
+
+def _binary(key: str) -> Path:
+    return cache_dir() / f"llama-server-{key}" / "bin" / "llama-server"
+
+
+def build_tag() -> str:
+    """The CPU tag of the build in use: :func:`cpu_tag`, but where that build is not there and a
+    portable one is (an image built with ONEBIT_CPU_VARIANTS=portable, run without it), the
+    portable one."""
+    tag = cpu_tag()
+    if os.environ.get(CPU_VARIANTS_ENV, "").strip() or tag == PORTABLE:
+        return tag
+    if not _binary(_key(tag)).is_file() and _binary(_key(PORTABLE)).is_file():
+        return PORTABLE
+    return tag
+
+
+def llama_server_build_key() -> str:
+    """What scripts/build-llama-server names its one build after (it asks this function):
+    ``<version>-<first 8 hex of the sha256 of the patches and the build script>-<build_tag()>``.  A
+    changed patch or recipe, or another processor's variant, builds anew (ccache keeps what did not
+    change); the OpenVINO backend is a part of the same build, kept per pin
+    (:func:`openvino_backend`).  Without the patch files (onebit installed without its source tree)
+    the key is that of an unpatched build."""
+    return _key(build_tag())
 
 
 def cached_llama_server() -> Path:
     """Where the build's llama-server is (or will be): the decoder's, and every provider's."""
-    return cache_dir() / f"llama-server-{llama_server_build_key()}" / "bin" / "llama-server"
+    return _binary(llama_server_build_key())
 
 
 def openvino_backend(binary: Path) -> Path:
@@ -276,11 +310,11 @@ if __name__ == "__main__":
     import sys
 
     what = sys.argv[1:] or ["key"]
-    tag = cpu_tag()
+    tag = build_tag()
     answers: dict[str, Callable[[], str]] = {
         "key": llama_server_build_key,
         "cpu-tag": lambda: tag,
-        "cpu-variants": lambda: cpu_variants(tag) if tag != "native" else "",
+        "cpu-variants": lambda: cpu_variants(tag),
         "openvino-version": lambda: openvino_version() or "",
         "patches": lambda: "\n".join(str(patch) for patch in patches()),
     }

@@ -115,7 +115,7 @@ def backend_env(binary: Path) -> dict[str, str]:
     """What makes ``binary`` load its OpenVINO backend: onebit's build names the backend beside it; a
     binary with the backend compiled in (one named in the config or $ONEBIT_LLAMA_SERVER_OPENVINO)
     needs nothing."""
-    backend = locate.openvino_backend(binary)
+    backend = locate.openvino_backend(binary.resolve())  # ggml looks beside the real file (/proc/self/exe)
     return {BACKEND_PATH_ENV: str(backend)} if backend.is_file() else {}
 
 
