@@ -112,10 +112,12 @@ def test_a_list_item_of_the_wrong_type_names_its_index(site: dict[str, Any]) -> 
     assert lines == ["site.toml: server.api_keys[1]: expected string, got 7"]
 
 
+@pytest.mark.parametrize("name", ["admin_keys", "api_keys"])
 @pytest.mark.parametrize("keys", [[""], ["good", "with space"], ["tab\there"]])
-def test_an_admin_key_a_header_cannot_carry_is_refused(site: dict[str, Any], keys: list[str]) -> None:
-    lines = problems_with(site, server={"admin_keys": keys})
-    assert lines == ["site.toml: server.admin_keys: expected keys of visible ASCII characters (no space), none empty"]
+def test_a_key_a_header_cannot_carry_is_refused(site: dict[str, Any], name: str, keys: list[str]) -> None:
+    """An empty API key would match a request that bears none."""
+    lines = problems_with(site, server={name: keys})
+    assert lines == [f"site.toml: server.{name}: expected keys of visible ASCII characters (no space), none empty"]
 
 
 def test_admin_keys_are_strings(site: dict[str, Any]) -> None:

@@ -147,7 +147,7 @@ class ServerConfig:
     # Requests that wait for a free slot, in arrival order; one more gets 503 with Retry-After.
     queue_limit: int = field(default=64, validator=_at_least(0), metadata=LIVE)
     retry_after_s: int = field(default=1, validator=_at_least(0), metadata=LIVE)
-    api_keys: tuple[str, ...] = field(default=(), metadata=LIVE)
+    api_keys: tuple[str, ...] = field(default=(), validator=_keys, metadata=LIVE)
     # The status surface (/onebit/, /onebit/status, /onebit/events: supervisor/api/access.py) is the
     # operator's: it shows pids, paths and every client's request metadata.  Empty: loopback clients
     # only (and with api_keys, one of those too).  Set: a request must bear one of these, from
