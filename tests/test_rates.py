@@ -131,3 +131,19 @@ def test_a_linear_cost_is_sure_everywhere() -> None:
     cost = linear(2.0)
     assert (cost.sure(10_000), cost.ms(10_000)) == (True, 20_000.0)
     assert not PrefillCost(2.0).sure(10)
+
+
+def test_prefills_of_a_few_close_sizes_fit_a_line_not_a_curve_that_zeroes_the_other_side() -> None:
+    """A provider measured at 70 to 256 tokens (a fidelity check's prompts, then one size) on a
+    loaded machine: a context-only fit went through these as well as a line, estimated 1,024 tokens
+    quadratically (15x the 256-token time) and, its per-token term 0, scaled the unmeasured decoder's
+    prior to 0 ms: every prompt stayed plain (bench handoff's 1,024-token row)."""
+    r = rates()
+    for n, ms in [(90, 900.0), (110, 1000.0), (70, 800.0), (120, 1100.0), (100, 950.0), (95, 900.0)]:
+        r.observe_provider("ov", evaluated=n, prefill_ms=ms)
+    for ms in (5800.0, 5877.0):
+        r.observe_provider("ov", evaluated=256, prefill_ms=ms)
+    decoder, provider = r.prefill(0, "ov")
+    assert provider.ms_per_context == 0.0
+    assert provider.ms(1024) < 5 * provider.ms(256)
+    assert decoder.ms(1024) > 0.5 * provider.ms(1024) * 5.0 / 2.5  # the decoder's prior, scaled alike

@@ -84,8 +84,12 @@ class PrefillCost:
 
     @property
     def rate(self) -> float:
-        """Its per-token term: the fit's, else the prior."""
-        return self.prior_ms_per_token if self.ms_per_token is None else self.ms_per_token
+        """Its per-token cost where it was measured: the fit's at the middle of its sizes (context
+        term included), else the prior."""
+        if self.ms_per_token is None or not self.sizes:
+            return self.prior_ms_per_token
+        n = statistics.median(self.sizes)
+        return self.ms_per_token + self.ms_per_context * n / 2
 
 
 def linear(ms_per_token: float) -> PrefillCost:
@@ -183,9 +187,18 @@ class Prefills:
     def _fitted(self) -> PrefillCost:
         per_token, context = self.prior, 0.0
         if self.long:
-            # The per-token column first: one prefill, or several of one size, is all per-token cost.
-            rows = [[s.n_new, _context(s.n_new, s.n_cached), 1.0] for s in self.long]
-            per_token, context, _ = _robust(rows, [max(s.ms, 1e-3) for s in self.long])
+            ys = [max(s.ms, 1e-3) for s in self.long]
+            spans = [s.n_new + s.n_cached for s in self.long]
+            # The context term (attention's growth) only from prefills that span a range of lengths
+            # (NEAR x): from one size, or a few close ones, a curve fits as well as a line and would
+            # extrapolate quadratically.  And never instead of the per-token term: a fit whose
+            # per-token term came out 0 is refitted as a line.
+            if max(spans) >= NEAR * min(spans):
+                rows = [[s.n_new, _context(s.n_new, s.n_cached), 1.0] for s in self.long]
+                per_token, context, _ = _robust(rows, ys)
+            if context == 0.0 or per_token <= 0.0:
+                per_token, _ = _robust([[s.n_new, 1.0] for s in self.long], ys)
+                context = 0.0
         left = [s.ms - per_token * s.n_new - context * _context(s.n_new, s.n_cached) for s in (*self.long, *self.short)]
         fixed = max(0.0, statistics.median(left))
         if not self.long:
