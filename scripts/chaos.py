@@ -463,7 +463,7 @@ def hybrid_config(runtime: Path, kind: str, work: Path, **sections: Any) -> Conf
         "enabled": True,
         "min_prompt_tokens": 16,
         "prefill_timeout_s": PREFILL_TIMEOUT_S,
-        "prefer_margin": 1e9,  # every long prompt is handed over: the faults are in the handoff
+        "route_by": "length",  # every long prompt is handed over: the faults are in the handoff
     }
     return chaos_config(runtime, hybrid=hybrid, provider=[provider_spec(kind, base, work)], **sections)
 
