@@ -289,9 +289,12 @@ async def test_the_first_30_lines_of_onebitds_log_are_its_own_not_its_childrens(
                 reply = await client.post("/v1/chat/completions", json=chat("Say hi"))
             assert reply.status_code == 200
             await daemon.wait_for(r"onebit\.route: ")  # the request's route line, after its slot lines
+            # The restore probe's verdict: logged when the probe ends, which may be after "ready" and
+            # the first request (it is asked of the decoder beside them).
+            await daemon.wait_for(r" model \S+: (restores|no restore probe)")
             first = daemon.lines[:30]
+            said = "\n".join(daemon.lines)
     assert [line for line in first if CHILD_LINE.match(line)] == [], "\n".join(first)
-    said = "\n".join(first)
     said_of_itself = (
         r" llama-server \S+: version: ",
         r" onebitd \S+ listening on ",
