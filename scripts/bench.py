@@ -11,6 +11,9 @@
                                        client: direct, plain, hybrid, and after a full restart
     scripts/bench hosts [--quick]      agents' sessions over three hosts behind HAProxy, one drained half way:
                                        affinity by conversation against the round-robin it replaced
+    scripts/bench routes [--quick]     first token, 256 to 7,600 tokens: the shipped config's choice against
+                                       plain and the file route forced, sides rotating, an A/A pair
+    scripts/bench fleet [--quick]      an agent fleet's shared-prefix workload: onebitd against llama-server direct
 
 Each also takes ``--plot FILE.svg``: its figures drawn as one picture as well (scripts/bench_plot.py).
 
@@ -73,6 +76,7 @@ import bench_multiturn  # noqa: E402
 import bench_plot  # noqa: E402
 import bench_prefix  # noqa: E402
 import bench_providers  # noqa: E402
+import bench_routes  # noqa: E402
 import bench_trace  # noqa: E402
 import bench_versus  # noqa: E402
 
@@ -895,6 +899,18 @@ SUBCOMMANDS = [
         help="agents' sessions over three hosts behind HAProxy, one drained: affinity against round-robin",
         arguments=bench_hosts.arguments,
         run=lambda args: bench_hosts.run(args, sys.modules[__name__]),
+    ),
+    Subcommand(
+        name="routes",
+        help="first token from 256 to 7,600 tokens: the shipped config's route against plain and file forced, A/A",
+        arguments=bench_routes.routes_arguments,
+        run=lambda args: bench_routes.routes(args, sys.modules[__name__]),
+    ),
+    Subcommand(
+        name="fleet",
+        help="an agent fleet's shared-prefix workload, two at a time: onebitd against llama-server direct, ABBA",
+        arguments=bench_routes.fleet_arguments,
+        run=lambda args: bench_routes.fleet(args, sys.modules[__name__]),
     ),
     Subcommand(
         name="versus",
