@@ -23,6 +23,19 @@ LOADING = ProviderReadiness(settled=False, not_ready=("npu",))
             (200, {"status": "ok", "providers_not_ready": ["npu"]}),
         ),
         (ChildState.READY, LOADING, False, False, (503, {"status": "loading", "providers_not_ready": ["npu"]})),
+        (
+            ChildState.READY,
+            ProviderReadiness(refused=(("ov", "OpenVINO refused, the ggml engine instead: prefill 4 ms a token"),)),
+            False,
+            False,
+            (
+                200,
+                {
+                    "status": "ok",
+                    "providers_refused": {"ov": "OpenVINO refused, the ggml engine instead: prefill 4 ms a token"},
+                },
+            ),
+        ),
         (ChildState.READY, SETTLED, True, False, (503, {"status": "draining"})),
         (ChildState.FAILED, SETTLED, False, False, (503, {"status": "failed"})),
         (ChildState.STOPPING, SETTLED, False, True, (503, {"status": "stopping"})),
