@@ -4,7 +4,7 @@ decoder's own metrics appended, ``/metrics/decoder``, the model list of several 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -14,6 +14,7 @@ from ..config import ServerConfig
 from ..errors import ClientError, DecoderError
 from ..http.respond import Responder
 from ..llama import decoder as decoder_api
+from ..providers import ProviderStatistics
 from ..routes.relay import relay_reply
 from ..supervise.child import ChildState
 from .endpoints import Endpoint, Local
@@ -33,6 +34,15 @@ class ProviderReadiness:
     settled: bool = True
     not_ready: tuple[str, ...] = ()
     refused: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def of(cls, settled: bool, providers: Sequence[ProviderStatistics]) -> ProviderReadiness:
+        """From the providers' statistics (``settled``: every first start is over)."""
+        return cls(
+            settled=settled,
+            not_ready=tuple(p.name for p in providers if not p.ready),
+            refused=tuple((p.name, why) for p in providers if (why := p.refused or p.fell_back)),
+        )
 
 
 def health(

@@ -142,12 +142,7 @@ class Daemon:
         return [child for model in self.models.all for child in model.children()]
 
     def provider_readiness(self) -> ProviderReadiness:
-        stats = self.models.default.parts.providers.statistics()
-        return ProviderReadiness(
-            settled=self._providers_settled,
-            not_ready=tuple(p.name for p in stats if not p.ready),
-            refused=tuple((p.name, why) for p in stats if (why := p.refused or p.fell_back)),
-        )
+        return ProviderReadiness.of(self._providers_settled, self.models.default.parts.providers.statistics())
 
     def state(self) -> str:
         if self.stopping:
