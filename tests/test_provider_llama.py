@@ -18,7 +18,7 @@ from supervisor.config import LlamaServerProvider as LlamaServerProviderConfig
 from supervisor.config.live import Settings
 from supervisor.llama import openvino
 from supervisor.models.model import Model
-from supervisor.providers import Provider
+from supervisor.providers import Provider, ProviderStatistics
 from supervisor.providers.base import Gate
 from supervisor.providers.llama import LlamaServerProvider
 from supervisor.routes.capability import Restores
@@ -223,6 +223,17 @@ def auto_provider(
     return LlamaServerProvider(spec, config, runtime_dir=short_dir, state_dir=short_dir / "state", gate=gate)
 
 
+async def ready_statistics(provider: LlamaServerProvider) -> ProviderStatistics:
+    """``provider`` run until it takes jobs, on whichever engine it went on with: its statistics then."""
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(provider.run)
+            await wait_until(lambda: provider.ready)
+            stats = provider.statistics()
+            nursery.cancel_scope.cancel()
+    return stats
+
+
 @pytest.mark.usefixtures("control")
 async def test_engine_auto_goes_on_with_ggml_when_the_openvino_runtime_lacks_the_device(
     short_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
@@ -256,12 +267,7 @@ async def test_engine_auto_goes_on_with_ggml_when_openvino_is_over_the_fidelity_
         return "over the bound"
 
     provider = auto_provider(short_dir, monkeypatch, device="CPU", gate=too_far)
-    with trio.fail_after(30):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(provider.run)
-            await wait_until(lambda: provider.ready)
-            stats = provider.statistics()
-            nursery.cancel_scope.cancel()
+    stats = await ready_statistics(provider)
     (openvino_pid,) = pids
     assert openvino_pid is not None
     assert reaped(openvino_pid)
@@ -274,12 +280,7 @@ async def test_engine_auto_goes_on_with_ggml_when_openvino_crashes_at_every_star
 ) -> None:
     caplog.set_level(logging.INFO, logger="onebit.provider")
     provider = auto_provider(short_dir, monkeypatch, device="CPU", crashes=True)
-    with trio.fail_after(30):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(provider.run)
-            await wait_until(lambda: provider.ready)
-            stats = provider.statistics()
-            nursery.cancel_scope.cancel()
+    stats = await ready_statistics(provider)
     assert (stats.engine, stats.device, stats.refused, stats.ready) == ("ggml", "CPU", None, True)
     (line,) = [r.getMessage() for r in caplog.records if "engine auto" in r.getMessage()]
     assert line.startswith("ov: engine auto: OpenVINO refused for this model (its llama-server did not start"), line
@@ -317,12 +318,7 @@ async def test_engine_auto_goes_on_with_ggml_when_openvino_prefills_slower_than_
 
     monkeypatch.setattr(parts.decoder, "wait_state", ready)
     parts.capability.set(Restores.WHOLE, "a restore spared the prompt")
-    with trio.fail_after(30):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(provider.run)
-            await wait_until(lambda: provider.ready)
-            stats = provider.statistics()
-            nursery.cancel_scope.cancel()
+    stats = await ready_statistics(provider)
     assert (stats.engine, stats.device, stats.refused, stats.ready) == ("ggml", "CPU", None, True)
     assert stats.fell_back == (
         "OpenVINO refused, the ggml engine instead: prefill 4 ms a token, the decoder's own engine 2.5 ms a token"
