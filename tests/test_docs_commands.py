@@ -40,6 +40,8 @@ PARSED = {
     "scripts/bench.py": "scripts/bench.py",
     "scripts/chaos": "scripts/chaos.py",
     "scripts/chaos.py": "scripts/chaos.py",
+    "scripts/soak": "scripts/chaos_soak.py",
+    "scripts/chaos_soak.py": "scripts/chaos_soak.py",
     "scripts/bench_engines.py": "scripts/bench_engines.py",
     "scripts/slotdiff": "supervisor.llama.statefile",
 }
