@@ -1,5 +1,5 @@
 """scripts/chaos's short form, one test per scenario: each guarantee of docs/reliability.md fails its
-own test when it breaks.  Each runs ``scripts/chaos.py --quick --only NAME`` as a process of its own
+own test when it breaks.  Each runs ``python -m chaos --quick --only NAME`` as a process of its own
 (it starts, faults and reaps its own onebitd, llama-servers and providers; run_process reaps it), and
 its report is the failure message; a scenario that cannot run here (its line says ``skip``) skips
 its test with the reason.  Two tests without the real parts hold the report to that: a scenario
@@ -8,7 +8,7 @@ that cannot run is no ``ok``, nor is one that sent nothing."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -19,7 +19,7 @@ import trio
 
 from .rig import real_llama_server
 
-CHAOS = Path(__file__).parent.parent / "scripts" / "chaos.py"
+ROOT = Path(__file__).parent.parent
 # A scenario's own time limit, and ours a little beyond it: a loaded 2-core machine runs the real
 # model at a fraction of its speed.
 LIMIT_S = 420
@@ -46,7 +46,8 @@ async def test_chaos_scenario_loses_nothing_and_leaves_nothing_behind(scenario: 
     real_llama_server()
     with trio.fail_after(LIMIT_S + 60):
         result = await trio.run_process(
-            [sys.executable, str(CHAOS), "--quick", "--only", scenario, "--time-limit", str(LIMIT_S)],
+            [sys.executable, "-m", "chaos", "--quick", "--only", scenario, "--time-limit", str(LIMIT_S)],
+            cwd=ROOT,
             capture_stdout=True,
             capture_stderr=True,
             check=False,
@@ -61,12 +62,7 @@ async def test_chaos_scenario_loses_nothing_and_leaves_nothing_behind(scenario: 
 
 
 def chaos_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("chaos", CHAOS)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("chaos")
 
 
 async def report_of(chaos: ModuleType, scenario: object, capsys: pytest.CaptureFixture[str]) -> list[str]:

@@ -1,34 +1,23 @@
-"""scripts/soak (scripts/chaos_soak.py): the boundedness judgement, held to what it must tell apart,
+"""scripts/soak (chaos/soak.py): the boundedness judgement, held to what it must tell apart,
 and the soak's short form on the real parts."""
 
 from __future__ import annotations
 
 import csv
-import importlib.util
+import importlib
 import random
 import re
 import sys
 from pathlib import Path
-from types import ModuleType
+from typing import Any
 
 import pytest
 import trio
 
 from .rig import real_llama_server
 
-SOAK = Path(__file__).parent.parent / "scripts" / "chaos_soak.py"
-
-
-def soak_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("chaos_soak", SOAK)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-SOAK_MODULE = soak_module()
+ROOT = Path(__file__).parent.parent
+SOAK_MODULE: Any = importlib.import_module("chaos.soak")
 MINUTES = [60.0 * i for i in range(121)]  # two hours sampled each minute
 
 
@@ -84,7 +73,8 @@ async def test_the_quick_soak_samples_serves_survives_its_kills_and_draws(tmp_pa
     real_llama_server()
     with trio.fail_after(600):
         result = await trio.run_process(
-            [sys.executable, str(SOAK), "--quick", "--out", str(tmp_path)],
+            [sys.executable, "-m", "chaos.soak", "--quick", "--out", str(tmp_path)],
+            cwd=ROOT,
             capture_stdout=True,
             capture_stderr=True,
             check=False,

@@ -1,6 +1,6 @@
 """A long run, bounded: onebitd under mixed load for hours, its resources sampled (docs/reliability.md).
 
-    scripts/soak [--duration S] [--sample-s S] [--out DIR] [--quick]
+    scripts/soak [--duration S] [--sample-s S] [--out DIR] [--quick]    (python -m chaos.soak)
 
 onebitd runs as a process of its own (``python -m supervisor.daemon``, the ``onebitd`` entry point,
 on a config written under ``--out``), so that what is sampled is onebitd's and not this client's.
@@ -45,13 +45,11 @@ import httpx
 import tomli_w
 import trio
 
+from supervisor.config import locate
+
+from . import CHAT, Tally, ask, body_for, judge_whole
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # the tree this script sits in, whatever is installed
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # chaos.py, beside this script
-
-from chaos import CHAT, Tally, ask, body_for, judge_whole  # noqa: E402
-
-from supervisor.config import locate  # noqa: E402
 
 TINY = "llama-dense.gguf"  # scripts/tiny-models's smallest dense model: a swap's load takes well under a second
 # About 400 tokens of SmolLM2's vocabulary: above cache.min_tokens, so every agent turn's prefix is kept.

@@ -51,17 +51,16 @@ import attrs
 import httpx
 import trio
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # the tree this script sits in, whatever is installed
+from supervisor import config as configuration
+from supervisor.config import Config, locate
+from supervisor.daemon import Daemon
+from supervisor.llama.llama_server import connection_limit, model_args
+from supervisor.observe.logs import ROUTE_LOGGER
+from supervisor.providers.exec import ExecProvider
+from supervisor.supervise.child import ChildState
+from supervisor.testing import Clients, Running, run_daemon
 
-from supervisor import config as configuration  # noqa: E402
-from supervisor.config import Config, locate  # noqa: E402
-from supervisor.daemon import Daemon  # noqa: E402
-from supervisor.llama.llama_server import connection_limit, model_args  # noqa: E402
-from supervisor.observe.logs import ROUTE_LOGGER  # noqa: E402
-from supervisor.providers.exec import ExecProvider  # noqa: E402
-from supervisor.supervise.child import ChildState  # noqa: E402
-from supervisor.testing import Clients, Running, run_daemon  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 TESTS = ROOT / "tests"
 COMPLETIONS = "/v1/completions"
@@ -1047,7 +1046,7 @@ async def fuzz(run: Run, tally: Tally) -> None:
 
 async def send_case(od: Onebitd, raw: bytes) -> tuple[int | None, bool]:
     """``(status or None, closed)``: what the front answered, and whether it closed in time."""
-    from chaos_fuzz import CASE_BOUND_S
+    from chaos.fuzz import CASE_BOUND_S
 
     received = b""
     with trio.move_on_after(CASE_BOUND_S):
@@ -1064,8 +1063,8 @@ async def send_case(od: Onebitd, raw: bytes) -> tuple[int | None, bool]:
 
 
 async def fuzz_front(od: Onebitd, tally: Tally, *, examples: int) -> None:
-    # scripts/chaos_fuzz.py: hypothesis is a test dependency, imported only for this scenario.
-    from chaos_fuzz import judge, run_cases
+    # chaos/fuzz.py: hypothesis is a test dependency, imported only for this scenario.
+    from chaos.fuzz import judge, run_cases
 
     statuses: dict[str, int] = {}
     done = trio.Event()
@@ -1182,7 +1181,3 @@ def main() -> int:
     except ChaosError as exc:
         print(f"scripts/chaos: {exc}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -12,7 +12,7 @@
     scripts/bench hosts [--quick]      agents' sessions over three hosts behind HAProxy, one drained half way:
                                        affinity by conversation against the round-robin it replaced
 
-Each also takes ``--plot FILE.svg``: its figures drawn as one picture as well (scripts/bench_plot.py).
+Each also takes ``--plot FILE.svg``: its figures drawn as one picture as well (bench/plot.py).
 
 Every subcommand runs onebitd (port 0, a runtime directory under /tmp), waits until its decoder is
 ready, measures, then stops the daemon, which stops and reaps its children, whatever happened (an
@@ -53,28 +53,25 @@ import httpx
 import tomli_w
 import trio
 
+from bench import agent as bench_agent
+from bench import families as bench_families
+from bench import handoff as bench_handoff
+from bench import hosts as bench_hosts
+from bench import models as bench_models
+from bench import multiturn as bench_multiturn
+from bench import plot as bench_plot
+from bench import prefix as bench_prefix
+from bench import providers as bench_providers
+from bench import trace as bench_trace
+from bench import versus as bench_versus
+from supervisor import config as configuration
+from supervisor.config import Config, locate
+from supervisor.daemon import Daemon
+from supervisor.errors import ChildError, ConfigError
+from supervisor.observe import logs
+from supervisor.testing import run_daemon, unix_transport
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # measure the tree this script sits in, whatever is installed
-
-from supervisor import config as configuration  # noqa: E402
-from supervisor.config import Config, locate  # noqa: E402
-from supervisor.daemon import Daemon  # noqa: E402
-from supervisor.errors import ChildError, ConfigError  # noqa: E402
-from supervisor.observe import logs  # noqa: E402
-from supervisor.testing import run_daemon, unix_transport  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_agent  # noqa: E402
-import bench_families  # noqa: E402
-import bench_handoff  # noqa: E402
-import bench_hosts  # noqa: E402
-import bench_models  # noqa: E402
-import bench_multiturn  # noqa: E402
-import bench_plot  # noqa: E402
-import bench_prefix  # noqa: E402
-import bench_providers  # noqa: E402
-import bench_trace  # noqa: E402
-import bench_versus  # noqa: E402
 
 # Loading SmolLM2 takes about a second; a busy 2-core machine can take far longer.
 READY_TIMEOUT_S = 300
@@ -970,7 +967,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except* KeyboardInterrupt:
         status = 130
     return status
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -33,20 +33,17 @@ from typing import Any
 
 import trio
 
+from bench import plot as bench_plot
+from bench.handoff import Rig, open_rig
+from bench.providers import fidelity_of, first_tokens, provider_of
+from supervisor import config as configuration
+from supervisor.config import Config, locate
+from supervisor.errors import ConfigError, ProviderError
+from supervisor.llama import openvino
+from supervisor.models.memory import rss_mib
+from supervisor.routes import fidelity
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_plot  # noqa: E402
-from bench_handoff import Rig, open_rig  # noqa: E402
-from bench_providers import fidelity_of, first_tokens, provider_of  # noqa: E402
-
-from supervisor import config as configuration  # noqa: E402
-from supervisor.config import Config, locate  # noqa: E402
-from supervisor.errors import ConfigError, ProviderError  # noqa: E402
-from supervisor.llama import openvino  # noqa: E402
-from supervisor.models.memory import rss_mib  # noqa: E402
-from supervisor.routes import fidelity  # noqa: E402
 
 FAMILIES = (
     "llama-dense",

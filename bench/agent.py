@@ -38,7 +38,6 @@ import logging
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -54,18 +53,15 @@ import httpx2
 import openai
 import trio
 
+from bench import plot as bench_plot
+from supervisor import config as configuration
+from supervisor.config import Config
+from supervisor.daemon import Daemon
+from supervisor.observe.logs import ROUTE_LOGGER
+from supervisor.supervise.process import ChildProcess
+from supervisor.testing import RouteLines, run_daemon, unix_transport
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_plot  # noqa: E402
-
-from supervisor import config as configuration  # noqa: E402
-from supervisor.config import Config  # noqa: E402
-from supervisor.daemon import Daemon  # noqa: E402
-from supervisor.observe.logs import ROUTE_LOGGER  # noqa: E402
-from supervisor.supervise.process import ChildProcess  # noqa: E402
-from supervisor.testing import RouteLines, run_daemon, unix_transport  # noqa: E402
 
 TIMEOUT_S = 900
 CLIENTS = ("anthropic", "responses")
@@ -377,7 +373,7 @@ async def writes_settled(daemon: Daemon) -> None:
 
 
 async def run(args: argparse.Namespace, bench: ModuleType) -> int:
-    """``bench``: scripts/bench.py (the machine line, the other processes' CPU)."""
+    """``bench``: bench/__init__.py (the machine line, the other processes' CPU)."""
     if args.quick:
         args.turns, args.system_words, args.restarts = 3, 400, 2
     system = system_prompt(args.system_words)

@@ -26,26 +26,23 @@ import contextlib
 import itertools
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from bench import handoff as bench_handoff
+from bench import plot as bench_plot
+from bench.handoff import Rig, first_byte_ms, longest_gap, open_rig, prompt_of
+from supervisor import config as configuration
+from supervisor.config import Config
+from supervisor.errors import ConfigError
+from supervisor.llama import openvino
+from supervisor.providers.llama import LlamaServerProvider
+from supervisor.routes import fidelity
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import bench_handoff  # noqa: E402
-import bench_plot  # noqa: E402
-from bench_handoff import Rig, first_byte_ms, longest_gap, open_rig, prompt_of  # noqa: E402
-
-from supervisor import config as configuration  # noqa: E402
-from supervisor.config import Config  # noqa: E402
-from supervisor.errors import ConfigError  # noqa: E402
-from supervisor.llama import openvino  # noqa: E402
-from supervisor.providers.llama import LlamaServerProvider  # noqa: E402
-from supervisor.routes import fidelity  # noqa: E402
 
 SIZES = (256, 1024, 2048, 3072)
 # The sides; their six orders go in rotation (first_tokens): after six samples each side went first,

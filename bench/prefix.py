@@ -21,7 +21,6 @@ import argparse
 import os
 import signal
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,16 +29,13 @@ from typing import Any
 import httpx
 import trio
 
+from bench import plot as bench_plot
+from supervisor import config as configuration
+from supervisor.config import Config
+from supervisor.supervise.child import ChildState
+from supervisor.testing import run_daemon
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_plot  # noqa: E402
-
-from supervisor import config as configuration  # noqa: E402
-from supervisor.config import Config  # noqa: E402
-from supervisor.supervise.child import ChildState  # noqa: E402
-from supervisor.testing import run_daemon  # noqa: E402
 
 TIMEOUT_S = 900
 

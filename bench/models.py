@@ -27,7 +27,6 @@ import contextlib
 import json
 import logging
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator
@@ -38,17 +37,14 @@ import attrs
 import httpx
 import trio
 
+from bench import plot as bench_plot
+from supervisor import config as configuration
+from supervisor.config import Config
+from supervisor.daemon import Daemon
+from supervisor.observe.logs import ROUTE_LOGGER
+from supervisor.testing import RouteLines
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_plot  # noqa: E402
-
-from supervisor import config as configuration  # noqa: E402
-from supervisor.config import Config  # noqa: E402
-from supervisor.daemon import Daemon  # noqa: E402
-from supervisor.observe.logs import ROUTE_LOGGER  # noqa: E402
-from supervisor.testing import RouteLines  # noqa: E402
 
 TIMEOUT_S = 900
 MODELS = ("alpha", "beta")

@@ -3,7 +3,7 @@ flags and ``-t``: prefill tokens per second (and per CPU-second) at a few prompt
 time; the per-layer K/V error of each OpenVINO slot file against the ggml server's own for the same
 prompt; and whether the OpenVINO files restore into the ggml server (``prompt_n`` 1 after the restore).
 
-    .venv/bin/python scripts/bench_engines.py [--ggml BIN] [--openvino BIN ...] [--sizes 200,700,1500]
+    .venv/bin/python -m bench.engines [--ggml BIN] [--openvino BIN ...] [--sizes 200,700,1500]
                                               [--plot FILE.svg]
 
 ``--openvino`` may be given several times (say, before and after a patch); each may carry
@@ -26,9 +26,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import bench_plot
 import httpx
 
+from bench import plot as bench_plot
 from supervisor.config import ModelConfig, locate
 from supervisor.llama import openvino, statefile
 from supervisor.llama.llama_server import model_args
@@ -239,7 +239,7 @@ def main() -> int:
             )
     print(f"\nslot files and logs: {out}")
     if args.plot:
-        bench_plot.write(args.plot, "scripts/bench_engines.py", engine_figures(runs), quick=False)
+        bench_plot.write(args.plot, "bench/engines.py", engine_figures(runs), quick=False)
     return 0
 
 

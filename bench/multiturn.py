@@ -45,18 +45,15 @@ import attrs
 import httpx
 import trio
 
+from bench import plot as bench_plot
+from bench.agent import open_direct, writes_settled
+from supervisor import config as configuration
+from supervisor.config import Config
+from supervisor.daemon import Daemon
+from supervisor.observe.logs import ROUTE_LOGGER
+from supervisor.testing import RouteLines, run_daemon, unix_transport
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_plot  # noqa: E402
-from bench_agent import open_direct, writes_settled  # noqa: E402
-
-from supervisor import config as configuration  # noqa: E402
-from supervisor.config import Config  # noqa: E402
-from supervisor.daemon import Daemon  # noqa: E402
-from supervisor.observe.logs import ROUTE_LOGGER  # noqa: E402
-from supervisor.testing import RouteLines, run_daemon, unix_transport  # noqa: E402
 
 TIMEOUT_S = 600
 TOPICS = ("lighthouses", "sourdough bread", "glaciers", "violins", "honeybees", "volcanoes")
@@ -202,7 +199,7 @@ def med(values: list[float]) -> float:
 
 
 async def run(args: argparse.Namespace, bench: ModuleType) -> int:
-    """``bench``: scripts/bench.py (the machine line, the other processes' CPU)."""
+    """``bench``: bench/__init__.py (the machine line, the other processes' CPU)."""
     if args.quick:
         args.chats, args.turns, args.system_words = 2, 3, 120
     b_name = "(b) plain, A/A" if args.aa else "(b) hybrid"

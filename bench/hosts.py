@@ -52,16 +52,13 @@ import attrs
 import httpx
 import trio
 
+from bench import plot as bench_plot
+from bench.multiturn import QUESTIONS as MULTITURN_QUESTIONS
+from bench.multiturn import TOPICS
+from supervisor import config as configuration
+from supervisor.config import Config
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_plot  # noqa: E402
-from bench_multiturn import QUESTIONS as MULTITURN_QUESTIONS  # noqa: E402
-from bench_multiturn import TOPICS  # noqa: E402
-
-from supervisor import config as configuration  # noqa: E402
-from supervisor.config import Config  # noqa: E402
 
 HAPROXY_CONFIG = ROOT / "config" / "haproxy.cfg"
 SECOND_SERVER = 'server onebit2 "${ONEBIT_HOST2-10.0.0.12:8080}"'  # a third host's line goes after it
@@ -349,7 +346,7 @@ def report(args: argparse.Namespace, samples: Sequence[Sample], drained: dict[st
 
 
 async def run(args: argparse.Namespace, bench: ModuleType) -> int:
-    """``bench``: scripts/bench.py (its ``spawn_onebitd`` starts each host and stops and reaps it)."""
+    """``bench``: bench/__init__.py (its ``spawn_onebitd`` starts each host and stops and reaps it)."""
     if args.quick:
         args.agents, args.sessions, args.turns, args.system_words = 2, 1, 4, 80
     if args.aa and args.shared_dir:

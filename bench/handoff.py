@@ -36,7 +36,6 @@ import os
 import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -48,18 +47,15 @@ import attrs
 import httpx
 import trio
 
+from bench import plot as bench_plot
+from supervisor import config as configuration
+from supervisor.config import Config, locate
+from supervisor.daemon import Daemon
+from supervisor.llama.region import SlotState, write_rows
+from supervisor.providers.llama import LlamaServerProvider
+from supervisor.testing import run_daemon, unix_transport
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_plot  # noqa: E402
-
-from supervisor import config as configuration  # noqa: E402
-from supervisor.config import Config, locate  # noqa: E402
-from supervisor.daemon import Daemon  # noqa: E402
-from supervisor.llama.region import SlotState, write_rows  # noqa: E402
-from supervisor.providers.llama import LlamaServerProvider  # noqa: E402
-from supervisor.testing import run_daemon, unix_transport  # noqa: E402
 
 TIMEOUT_S = 600  # one 2k-token prefill on a loaded 2-core machine is seconds, not minutes
 SIZES = (256, 1024, 2048)
@@ -369,7 +365,7 @@ async def share_against_file(tmp: Path, rounds: int, chosen: tuple[int, ...]) ->
 
 
 async def run(args: argparse.Namespace, bench: ModuleType) -> int:
-    """``bench``: scripts/bench.py (the machine line, the other processes' CPU)."""
+    """``bench``: bench/__init__.py (the machine line, the other processes' CPU)."""
     chosen = (256, 1024) if args.quick else SIZES
     rounds = 1 if args.quick else args.rounds
     stream_tokens = 64 if args.quick else 160

@@ -35,7 +35,7 @@ NAMES = ("this tree", "other tree")
 
 
 def arguments(parser: argparse.ArgumentParser) -> None:
-    """Beside scripts/bench.py's ``load_arguments`` (pairs, rounds, streams, ``--quick``)."""
+    """Beside bench/__init__.py's ``load_arguments`` (pairs, rounds, streams, ``--quick``)."""
     parser.add_argument("--tree", type=Path, required=True, help="the other checkout (its scripts/ and supervisor/)")
     parser.add_argument("--threads", type=int, default=0, help="decoder threads (0: llama-server's default)")
     parser.add_argument("--log", type=Path, help="keep both onebitds' logs here (default: discarded)")
@@ -57,7 +57,7 @@ async def _shape(tree: Path) -> dict[str, Any]:
 
 
 async def run(args: argparse.Namespace, bench: ModuleType) -> int:
-    """``bench``: scripts/bench.py, whose pieces (spawning onebitd, the sides, /proc) this reuses;
+    """``bench``: bench/__init__.py, whose pieces (spawning onebitd, the sides, /proc) this reuses;
     handed in, as that script imports this module to list it."""
     other = _tree(bench, args.tree)
     short, streams = bench.load_bodies(args)
