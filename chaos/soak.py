@@ -100,7 +100,7 @@ SERIES = (
     Series("temp_files", "temporary files", 1.0),
 )
 # Beside the judged series: what the load did by then.
-COUNTS = ("requests", "kills", "swaps")
+COUNTS = ("requests", "correct", "clean", "failed", "kills", "swaps")
 
 
 @attrs.frozen
@@ -438,6 +438,7 @@ class Load:
             self.tally.notes.append(f"failed: {name}'s decoder not back {RESTART_BOUND_S:g}s after its kill")
         else:
             self.restart_s.append(trio.current_time() - killed_at)
+            print(f"killed {name}'s decoder (pid {pid}), back after {self.restart_s[-1]:.1f} s", flush=True)
 
     async def models(self) -> list[dict[str, Any]]:
         reply = await self.client.get("/onebit/status")
@@ -464,6 +465,9 @@ async def sample_lane(
                 "t_s": round(now - started, 1),
                 **sample(load.od.pid, load.od.runtime, load.od.store),
                 "requests": load.tally.sent,
+                "correct": load.tally.ok,
+                "clean": load.tally.clean,
+                "failed": load.tally.lost + load.tally.bad,
                 "kills": load.kills,
                 "swaps": status["models"]["swaps"],
             }
@@ -562,7 +566,7 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=7200.0, help="seconds of load (default 2 h)")
     parser.add_argument("--sample-s", type=float, default=60.0, help="seconds between samples (default 60)")
     parser.add_argument("--swap-s", type=float, default=180.0, help="seconds between model swaps (default 180)")
-    parser.add_argument("--crash-s", type=float, default=600.0, help="seconds between decoder kills (default 600)")
+    parser.add_argument("--crash-s", type=float, default=300.0, help="seconds between decoder kills (default 300)")
     parser.add_argument(
         "--quick", action="store_true", help=f"{QUICK.duration_s:g} s, a sample every {QUICK.sample_s:g} s"
     )
