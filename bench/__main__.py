@@ -1,7 +1,8 @@
-"""``python -m bench``: scripts/bench's entry point (the benchmarks: bench/__init__.py)."""
+"""``python -m bench``: scripts/bench's entry point (the command line: bench/cli.py)."""
 
 import sys
 
-from bench import main
+from bench.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,7 +1,8 @@
-"""``python -m chaos``: scripts/chaos's entry point (the scenarios: chaos/__init__.py)."""
+"""``python -m chaos``: scripts/chaos's entry point (the command line: chaos/cli.py)."""
 
 import sys
 
-from chaos import main
+from chaos.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":
+    sys.exit(main())
