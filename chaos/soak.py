@@ -47,7 +47,7 @@ import trio
 
 from supervisor.config import locate
 
-from . import CHAT, Tally, ask, body_for, judge_whole
+from .traffic import CHAT, Tally, ask, body_for, judge_whole
 
 ROOT = Path(__file__).resolve().parent.parent
 
