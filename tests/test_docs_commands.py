@@ -39,6 +39,7 @@ TIMEOUT_S = 60
 PARSED = {
     "scripts/bench": "bench",
     "scripts/chaos": "chaos",
+    "scripts/soak": "chaos.soak",
     "scripts/slotdiff": "supervisor.llama.statefile",
     "bench.engines": "bench.engines",
 }
