@@ -41,7 +41,7 @@ PARSED = {
     "scripts/chaos": "scripts/chaos.py",
     "scripts/chaos.py": "scripts/chaos.py",
     "scripts/bench_engines.py": "scripts/bench_engines.py",
-    "scripts/slotdiff": "supervisor.llama.statefile",
+    "scripts/slotdiff": "supervisor.llama.statediff",
 }
 # The set-up scripts, with how many words they take: scripts/run FILE (the config); scripts/test's
 # words go to pytest (none is documented); and the options each takes (scripts/setup --tests: what
