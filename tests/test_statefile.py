@@ -172,9 +172,9 @@ def kv_part(cells: list[tuple[int, list[float], list[float]]]) -> bytes:
     out = struct.pack("<II", 1, len(cells))
     out += b"".join(struct.pack("<iIi", pos, 1, 0) for pos, _, _ in cells)
     out += struct.pack("<IIII", 0, 1, 0, 0)
-    for at in (1, 2):
+    for rows in ([k for _, k, _ in cells], [v for _, _, v in cells]):
         out += struct.pack("<iQ", statefile.GGML_F32, 4 * width)
-        out += b"".join(struct.pack(f"<{width}f", *cell[at]) for cell in cells)
+        out += b"".join(struct.pack(f"<{width}f", *row) for row in rows)
     return out
 
 
