@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import logging
 import math
-import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,14 +73,14 @@ GGML_LOGITS = 1e-6
 OPENVINO_STATE = 0.1
 OPENVINO_LOGITS = 0.1
 # What OpenVINO does with a family otherwise: "refused" at start (its prefill answers "Compute
-# error"), or the tensor whose handed-over state is past the bound (measured: mamba2's SSM state
-# comes back with a relative error of 1.0, as if empty).
+# error"), or the tensor whose handed-over state is past the bound (measured: Granite 4's mamba2 SSM
+# state, its norm 50 times the decoder's once the start-time gate's prompts ran before it).
 OPENVINO_OTHERWISE = {"gemma3-dense": "refused", "gpt-oss-moe": "refused", "granitehybrid-dense": "S"}
 
 
 @attrs.frozen
 class Logits:
-    """A next token's log-probabilities by token id, centred over the ids both lists hold."""
+    """A next token's top log-probabilities, as llama-server lists them."""
 
     ranked: tuple[int, ...]  # the ids, the likeliest first
     logprob: dict[int, float]
@@ -102,12 +100,6 @@ def logits_error(a: Logits, b: Logits) -> float:
     mean_a = math.fsum(a.logprob[t] for t in ids) / len(ids)
     mean_b = math.fsum(b.logprob[t] for t in ids) / len(ids)
     return max(abs((a.logprob[t] - mean_a) - (b.logprob[t] - mean_b)) for t in ids)
-
-
-@pytest.fixture
-def runtime(short_dir: Path) -> Iterator[Path]:
-    yield short_dir
-    shutil.rmtree(short_dir / "store", ignore_errors=True)
 
 
 def config(runtime: Path, model_path: Path, provider: dict[str, Any]) -> Config:
@@ -161,13 +153,13 @@ class Decoder:
         return logits_of(answer)
 
 
-def relabelled(state: Path, as_of: Path, target: Path) -> Path:
-    """``state``'s memory under ``as_of``'s tokens (both of as many tokens): a state that claims to be
-    another prompt's."""
-    head, body = state.read_bytes(), as_of.read_bytes()
-    n = 12 + 4 * int.from_bytes(body[8:12], "little")
-    assert head[8:12] == body[8:12]
-    target.write_bytes(body[:n] + head[n:])
+def relabelled(memory_of: Path, named_as: Path, target: Path) -> Path:
+    """``memory_of``'s memory under ``named_as``'s tokens (both files of as many tokens): a state that
+    claims to be another prompt's."""
+    memory, name = memory_of.read_bytes(), named_as.read_bytes()
+    assert memory[8:12] == name[8:12]  # the token count
+    header = 12 + 4 * int.from_bytes(name[8:12], "little")  # magic, version, count, the tokens
+    target.write_bytes(name[:header] + memory[header:])
     return target
 
 
@@ -191,8 +183,6 @@ async def prove(config: Config) -> Proof | str:
         job = PrefillJob("proof", handoff.model, handoff.n_ctx, tuple(handed), provided)
         done = await prefill(provider, job, timeout_s=120)
         assert done.reason is None, done.why
-        kept = provided.with_name("kept.state")
-        shutil.copyfile(provided, kept)
 
         own = await dec.own_state(handed, "own.state")
         short = await dec.own_state(handed[:-1], "short.state")
@@ -202,11 +192,11 @@ async def prove(config: Config) -> Proof | str:
         # The cached path: the decoder's own cells, then the same request.
         await dec.own_state(handed, "again.state")
         cached = await dec.next(tokens, evaluated=len(tokens) - len(handed) or 1)
-        after = await dec.next_after_restore(kept, len(handed), tokens)
+        after = await dec.next_after_restore(provided, len(handed), tokens)
         forged = relabelled(rotated, own, handoff.state_dir / "forged.state")
         after_forged = await dec.next_after_restore(forged, len(handed), tokens)
     return Proof(
-        state=statediff.compare(statefile.read(kept), reference),
+        state=statediff.compare(statefile.read(provided), reference),
         logits=logits_error(after, cached),
         same_top1=after.ranked[0] == cached.ranked[0],
         short=statediff.compare(statefile.read(short), reference),
@@ -238,17 +228,17 @@ def assert_one_position_off_is_flagged(proof: Proof, *, state_bound: float, logi
     [difference] = proof.rotated.differences
     assert difference.startswith("tokens: ")
     assert proof.rotated.max_error > state_bound
-    assert proof.rotated_logits > logits_bound
+    assert proof.rotated_logits > logits_bound  # OpenVINO's bound is relative to it: the ggml one is not
 
 
 @pytest.mark.parametrize("name", FAMILIES)
 async def test_the_ggml_providers_state_and_the_decoders_next_token_after_it_are_the_decoders_own(
-    runtime: Path,
+    short_dir: Path,
     tiny_models: Path,  # noqa: F811
     name: str,
 ) -> None:
     with trio.fail_after(DEADLINE_S):
-        proof = await prove(config(runtime, model_file(tiny_models, name), {}))
+        proof = await prove(config(short_dir, model_file(tiny_models, name), {}))
     assert isinstance(proof, Proof), proof
     log.warning("%s", summary(name, "ggml", proof))
     assert proof.state.differences == ()
@@ -260,14 +250,14 @@ async def test_the_ggml_providers_state_and_the_decoders_next_token_after_it_are
 
 @pytest.mark.parametrize("name", FAMILIES)
 async def test_the_openvino_providers_state_and_the_decoders_next_token_after_it_stay_within_the_bound(
-    runtime: Path,
+    short_dir: Path,
     tiny_models: Path,  # noqa: F811
     name: str,
 ) -> None:
     binary = openvino_llama_server()
     provider = {"engine": "openvino", "device": "CPU", "binary": str(binary)}
     with trio.fail_after(DEADLINE_S):
-        proof = await prove(config(runtime, model_file(tiny_models, name), provider))
+        proof = await prove(config(short_dir, model_file(tiny_models, name), provider))
     otherwise = OPENVINO_OTHERWISE.get(name)
     if otherwise == "refused":
         assert isinstance(proof, str), "OpenVINO was admitted"
