@@ -40,7 +40,7 @@ PARSED = {
     "scripts/bench": "bench",
     "scripts/chaos": "chaos",
     "scripts/soak": "chaos.soak",
-    "scripts/slotdiff": "supervisor.llama.statefile",
+    "scripts/slotdiff": "supervisor.llama.statediff",
     "bench.engines": "bench.engines",
 }
 # The set-up scripts, with how many words they take: scripts/run FILE (the config); scripts/test's
