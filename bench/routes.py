@@ -21,8 +21,6 @@ requests in the same order.  First-token median and p90 and token throughput, on
 onebitd's route lines: requests handed over after a prefix-store restore, and the share whose
 estimate came within 1.5x of the actual prefill (supervisor/observe/routestats.py's measure).
 
-This module imports nothing of the other benchmarks: scripts/bench.py passes itself in (its
-machine line, its noise report, its plot writer).
 """
 
 from __future__ import annotations
@@ -37,13 +35,14 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import attrs
 import httpx
 import trio
 
+from bench import plot
+from bench.rig import Noise, machine
 from supervisor import config as configuration
 from supervisor.config import Config
 from supervisor.observe.logs import ROUTE_LOGGER
@@ -197,11 +196,11 @@ def side_settings(side: str, shipped: Any) -> Any:
     return shipped
 
 
-async def routes(args: argparse.Namespace, bench: ModuleType) -> int:
+async def routes(args: argparse.Namespace) -> int:
     sizes = QUICK_SIZES if args.quick else tuple(int(s) for s in args.sizes.split(",")) if args.sizes else SIZES
     samples = 1 if args.quick else args.samples
-    print(bench.machine())
-    noise = bench.Noise.start([])
+    print(machine())
+    noise = Noise.start([])
     rng = random.Random(1)
     measured: dict[int, dict[str, list[float]]] = {}
     taken: dict[int, list[str]] = {}
@@ -260,7 +259,6 @@ async def routes(args: argparse.Namespace, bench: ModuleType) -> int:
     print(noise.report([]))
     if args.plot:
         series = {side: [(size, ms) for size in sizes for ms in measured[size][side]] for side in SIDES}
-        plot = bench.bench_plot
         figures = [plot.XY("first token against prompt length", "prompt tokens", "first token, ms", series)]
         plot.write(args.plot, "scripts/bench routes", figures, quick=args.quick)
     return 0
@@ -305,10 +303,10 @@ async def run_block(client: httpx.AsyncClient, prefixes: Sequence[str], asks: Se
     return Block(first, tokens, time.perf_counter() - start)
 
 
-async def fleet(args: argparse.Namespace, bench: ModuleType) -> int:
+async def fleet(args: argparse.Namespace) -> int:
     per_block = 12 if args.quick else args.requests
-    print(bench.machine())
-    noise = bench.Noise.start([])
+    print(machine())
+    noise = Noise.start([])
     rng = random.Random(2)
     blocks: dict[str, list[Block]] = {"direct": [], "onebitd": []}
     with tempfile.TemporaryDirectory(prefix="ob-bench-", dir="/tmp") as tmp:
@@ -370,7 +368,6 @@ async def fleet(args: argparse.Namespace, bench: ModuleType) -> int:
     )
     print(noise.report([]))
     if args.plot:
-        plot = bench.bench_plot
         figures = [plot.Bars("first token (ms)", "ms", {"first token": ttft})]
         plot.write(args.plot, "scripts/bench fleet", figures, quick=args.quick)
     return 0
