@@ -1,6 +1,6 @@
 """What a model's restores can do, proven at its load (supervisor/routes/capability.py), and what each
 verdict does to a request's route, against tests/fake_llama.py: a dense model's restore spares the
-whole prompt, a recurrent one's only a state saved a token short, and one that restores nothing
+whole prompt, a recurrent one's only a state saved short of it (tests/test_hybrid_store.py), and one that restores nothing
 turns the hybrid routes and the prefix store off with ``fallback=restore-unusable``.  The same on
 the real llama-server, per family: tests/test_real_families.py."""
 
@@ -96,7 +96,7 @@ def test_each_verdict_says_what_runs() -> None:
     found = Capability("m")
     assert (found.handoff, found.store, found.short_by) == (True, True, 0)  # unprobed: as before
     found.set(Restores.PREFIX, "recurrent")
-    assert (found.handoff, found.store, found.short_by) == (True, False, 1)
+    assert (found.handoff, found.store, found.short_by, found.at_boundary) == (True, True, 1, True)
     found.set(Restores.NONE, "nothing")
     assert (found.handoff, found.store) == (False, False)
     found.set(Restores.WHOLE, "dense")
@@ -173,7 +173,7 @@ async def test_a_restore_the_decoder_ignored_withdraws_the_capability_for_the_lo
 
 
 @pytest.mark.parametrize(
-    ("restores", "enabled"), [(Restores.WHOLE, True), (Restores.PREFIX, False), (Restores.NONE, False)]
+    ("restores", "enabled"), [(Restores.WHOLE, True), (Restores.PREFIX, True), (Restores.NONE, False)]
 )
 async def test_the_prefix_store_is_off_where_a_restored_prefix_cannot_spare_it(
     tmp_path: Path, restores: Restores, enabled: bool

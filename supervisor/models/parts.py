@@ -50,7 +50,7 @@ log = logging.getLogger("onebit.model")
 # What each verdict means for the model's requests, in its load's log line.
 _VERDICT_WORDS = {
     Restores.WHOLE: "the hybrid routes and the prefix store are on",
-    Restores.PREFIX: "the file route hands over the prompt less its last token; the prefix store is off",
+    Restores.PREFIX: "what the file route hands over and the prefix store keeps ends at the prompt's boundary",
     Restores.NONE: "the hybrid routes and the prefix store are off (fallback=restore-unusable)",
     Restores.UNPROBED: "the routes run unproven, each handoff checked after",
 }
@@ -365,8 +365,9 @@ class Parts:
         store when its model is back, or on another host (instead of prefilling again).  No request
         holds a slot now (the scheduler unloads only an unused model; a drain waits for its
         in-flight requests first, and ``go_on`` says before each slot that it still drains: a
-        resume lets requests in again).  How many slots it saved."""
-        if not stored.enabled:
+        resume lets requests in again).  How many slots it saved.  None where a state cannot be cut
+        back: a slot holds its reply too, and each request kept its boundary already."""
+        if not stored.enabled or stored.at_boundary:
             return 0
         kept = 0
         for slot in range(self.slots.n_slots):

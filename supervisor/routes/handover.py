@@ -160,4 +160,5 @@ async def _attempt(
         tokens=list(plan.tokens or ()),
         provider=provider,
         timeout_s=settings.prefill_timeout_s,
+        end=plan.boundary,
     )
