@@ -1,7 +1,7 @@
 """What a model's restores can do, proven at its load (supervisor/routes/capability.py), and what each
 verdict does to a request's route, against tests/fake_llama.py: a dense model's restore spares the
-whole prompt, a recurrent one's only a state saved short of it (tests/test_hybrid_store.py), and one that restores nothing
-turns the hybrid routes and the prefix store off with ``fallback=restore-unusable``.  The same on
+whole prompt, a recurrent one's only a state saved short of it (tests/test_hybrid_store.py), and one
+that restores nothing turns the hybrid routes and the prefix store off with ``fallback=restore-unusable``.  The same on
 the real llama-server, per family: tests/test_real_families.py."""
 
 from __future__ import annotations

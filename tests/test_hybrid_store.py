@@ -111,6 +111,10 @@ async def test_a_chats_boundary_is_before_its_generation_prompt_and_a_texts_its_
         # A template that renders the messages otherwise without its generation prompt: no point
         # the next turn keeps, so nothing is kept.
         other = await boundary.find(client, prompt.Chat(chat("how heavy is box 7"), ""), (9, *whole))
+        # The messages' last token merged with the generation prompt's first (a vocabulary without
+        # the template's markers): the next turn parts from this one a token earlier too.
+        merged = await boundary.find(client, prompt.Chat(chat("how heavy is box 7"), ""), (*before[:-1], 7, 8))
+    assert merged == len(before) - 1
     assert found == len(before) == len(whole) - 1
     assert text == 2
     assert other is None

@@ -15,7 +15,7 @@ and removed on every other path.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 import attrs
@@ -41,19 +41,32 @@ async def find(client: JsonClient, prompt: Chat | Text | Tokens, tokens: tuple[i
     A chat's next turn re-renders its messages and adds its reply and the new message after them, so
     it matches this one token for token up to the template's generation prompt (the assistant turn's
     opening): the messages are rendered without it (``add_generation_prompt: false``) and tokenized,
-    and the boundary is their length where they are a prefix of the prompt's tokens.  A text's or
-    tokens' next request is its continuation: the prompt less its last token (llama-server keeps one
-    back to compute the logits from), as for a chat whose template adds nothing (a continued
-    assistant message).  Raises DecoderError."""
+    and the boundary is where those tokens and the prompt's part.  Where the messages' last token
+    merges with what follows it (a vocabulary without the template's markers as special tokens), that
+    is a token or two before the messages end: the next turn, which goes on with the generation
+    prompt too, parts there as well.  A text's or tokens' next request is its continuation: the
+    prompt less its last token (llama-server keeps one back to compute the logits from), as for a
+    chat whose template adds nothing (a continued assistant message).  Raises DecoderError."""
     whole = len(tokens)
     if isinstance(prompt, Chat):
         text = await decoder.apply_template(client, template(prompt, add_generation_prompt=False))
         before = await decoder.tokenize(client, text)
-        if 0 < len(before) < whole and tuple(before) == tokens[: len(before)]:
-            return len(before)
-        if tuple(before) != tokens:
+        shared = _shared(before, tokens)
+        if 0 < shared < whole:
+            return shared
+        if shared == 0:
             return None  # rendered otherwise without its generation prompt: no point the next turn keeps
     return whole - 1 if whole > 1 else None
+
+
+def _shared(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many first tokens ``a`` and ``b`` have in common."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 async def bounded(client: JsonClient, capability: Capability | None, plan: Plan, req: str) -> Plan:
