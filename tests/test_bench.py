@@ -1,4 +1,4 @@
-"""scripts/bench.py runs end to end in quick mode: it measures, prints its ratios, draws its
+"""scripts/bench (python -m bench) runs end to end in quick mode: it measures, prints its ratios, draws its
 figures (``--plot``), and exits 0.
 
 Speed is not checked: a quick run's figures are noise.  What is checked is that the benchmark can
@@ -9,21 +9,22 @@ its picture parses as SVG and names the routes and sides it measured.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import re
 import sys
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import trio
+
+import bench.cli
+from bench import agent, hosts
 
 from .rig import openvino_llama_server, real_llama_server
 from .test_bench_plot import svg_texts
 
 ROOT = Path(__file__).parent.parent
-BENCH = ROOT / "scripts" / "bench.py"
 NUMBER = r"[-+]?\d+\.\d+"
 
 
@@ -33,20 +34,15 @@ def test_every_subcommand_has_a_quick_form_and_a_test_here_that_runs_it() -> Non
     assert tested == subcommands
 
 
-def test_every_python_script_is_in_mypys_file_list() -> None:
+def test_every_python_package_is_in_mypys_file_list() -> None:
     files = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]["files"]
-    scripts = {str(path.relative_to(ROOT)) for path in (ROOT / "scripts").glob("*.py")}
-    assert scripts - set(files) == set()
+    packages = {path.parent.name for path in ROOT.glob("*/__init__.py")}
+    assert packages - set(files) == set()
 
 
 def bench_subcommands() -> list[Any]:
-    """scripts/bench.py's SUBCOMMANDS, each with a ``--quick`` in its arguments."""
-    spec = importlib.util.spec_from_file_location("bench", BENCH)
-    assert spec is not None
-    assert spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    commands: list[Any] = bench.SUBCOMMANDS
+    """bench's SUBCOMMANDS, each with a ``--quick`` in its arguments."""
+    commands: list[Any] = bench.cli.SUBCOMMANDS
     for command in commands:
         parser = argparse.ArgumentParser()
         command.arguments(parser)
@@ -59,7 +55,7 @@ async def quick_run(*args: str, timeout_s: float) -> str:
     starts and reaps its own onebitd and llama-server; run_process reaps the benchmark)."""
     with trio.fail_after(timeout_s):
         result = await trio.run_process(
-            [sys.executable, str(BENCH), *args], capture_stdout=True, capture_stderr=True, check=False
+            [sys.executable, "-m", "bench", *args], cwd=ROOT, capture_stdout=True, capture_stderr=True, check=False
         )
     assert result.returncode == 0, result.stderr.decode()[-3000:]
     return result.stdout.decode()
@@ -166,14 +162,51 @@ async def test_the_hosts_benchmark_in_quick_mode_exits_0_with_both_sides_and_no_
     assert row.group(1) == "0", out
 
 
+def test_the_hosts_benchmark_refuses_a_shared_store_that_holds_anything_and_starts_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Side (b)'s stores start empty; an earlier run's entries in (a)'s would serve this run's greedy,
+    identical turns, the ones after the drain included."""
+    used = tmp_path / "shared"
+    (used / "prefix-v3").mkdir(parents=True)
+    assert bench.cli.main(["hosts", "--quick", "--shared-dir", str(used)]) == 1
+    out, err = capsys.readouterr()
+    assert err.startswith(f"scripts/bench: --shared-dir {used} holds 1 entries (prefix-v3): each side starts from"), err
+    assert "onebit hosts:" not in out  # refused before anything started
+    assert hosts.used_store(tmp_path / "new") is None  # absent: onebitd makes it
+    (tmp_path / "empty").mkdir()
+    assert hosts.used_store(tmp_path / "empty") is None
+
+
+def test_the_agent_benchmarks_restart_headline_says_what_it_compares(capsys: pytest.CaptureFixture[str]) -> None:
+    """A restore against the cold side's prefill on this machine, not a speed-up: the times, the
+    tokens and the threads, one value each (the medians over the restarts)."""
+    sides: dict[tuple[str, str], agent.Side] = {}
+    for client in agent.CLIENTS:
+        restored = [{"decoder_prompt_n": 1, "prompt_tokens": 3044}]
+        sides["restart", client] = agent.Side(
+            "restart", cast(Any, None), cast(Any, None), first_ms=[130.0], again=[120.0, 140.0], lines=restored
+        )
+        sides["restart", client].again_lines += restored * 2
+        sides["direct'", client] = agent.Side(
+            "direct'", cast(Any, None), cast(Any, None), first_ms=[36000.0], again=[35000.0, 37000.0]
+        )
+    agent.report_restarts(sides, 1)
+    out = capsys.readouterr().out
+    for client in agent.CLIENTS:
+        headline = (
+            f"{client}: the first turn after a restart: restored in 130 ms against a prefill of 3044 tokens in"
+            " 36.0 s on this machine (the decoder's flags, 1 thread)"
+        )
+        assert headline in out.splitlines(), out
+
+
 @pytest.mark.real
 async def test_the_versus_benchmark_in_quick_mode_exits_0_and_prints_both_trees(tmp_path: Path) -> None:
     real_llama_server()
     # This tree against itself: what is checked is that both onebitds start, alternate and report.
     picture = tmp_path / "versus.svg"
-    out = await quick_run(
-        "versus", "--quick", "--tree", str(BENCH.parent.parent), "--plot", str(picture), timeout_s=300
-    )
+    out = await quick_run("versus", "--quick", "--tree", str(ROOT), "--plot", str(picture), timeout_s=300)
     assert {"this tree", "other tree"} <= {text.split(" (median")[0] for text in svg_texts(picture)}
     for measure in ("(a) latency median, ms", "(a) onebitd cpu per request, ms", "(b) onebitd cpu per chunk, us"):
         row = rf"^{re.escape(measure)}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}$"

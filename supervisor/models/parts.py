@@ -197,8 +197,11 @@ class Parts:
                 swa_full=self.swa_full,
                 on_transition=self.on_provider,
                 # The decoder's own build is exact (tests hold its handoffs to identical replies):
-                # nothing to measure at start.  Another engine or another binary is measured.
-                gate=self._fidelity_gate if self.check_fidelity and self._foreign(spec) else None,
+                # nothing to measure at start.  Another engine or another binary is measured, and
+                # an engine chosen for it (engine "auto") must also be faster than the decoder's.
+                gate=partial(self._fidelity_gate, must_be_faster=spec.engine == "auto")
+                if self.check_fidelity and self._foreign(spec)
+                else None,
             )
         # A program of the user's own: measured unless its config vouches for the decoder's build.
         gate = self._fidelity_gate if self.check_fidelity and spec.fidelity_check else None
@@ -215,9 +218,10 @@ class Parts:
         theirs = locate.llama_server(spec.ggml_binary(self.config.decoder.binary))
         return decoder is None or theirs is None or decoder.resolve() != theirs.resolve()
 
-    async def _fidelity_gate(self, provider: Provider) -> str | None:
+    async def _fidelity_gate(self, provider: Provider, *, must_be_faster: bool = False) -> str | None:
         """A provider's start-time check (supervisor/routes/fidelity.py): a few prompts through the decoder's
-        three paths, in a slot held like a request's.  None: admitted; else why it is refused.
+        three paths, in a slot held like a request's.  None: admitted; else why it is refused (over the
+        fidelity bound, or with ``must_be_faster`` a prefill no faster than the decoder's own engine's).
         Raises ProviderError when it cannot finish (the decoder or the provider went away)."""
         if self.hybrid is None:
             return None  # no hybrid route: nothing will be handed over
@@ -244,8 +248,9 @@ class Parts:
                 self.slots.forget(slot)
         self._learn(provider, samples)
         verdict = fidelity.judge(samples)
-        if not verdict.ok:
-            return f"{verdict.summary()}: over the bound"
+        refused = verdict.refusal(must_be_faster=must_be_faster)
+        if refused is not None:
+            return refused
         log.info("provider %s: admitted in %.1fs: %s", provider.name, trio.current_time() - started, verdict.summary())
         if isinstance(provider, LlamaServerProvider | ExecProvider | WorkerProvider):
             provider.admitted = verdict.summary()  # onebitctl status and the status page show it

@@ -22,7 +22,10 @@ Per side: time to first token over turns 2 and later (median, p90, before and af
 cold re-prefills (a turn whose host's cache held less than the whole of its previous turn's prompt:
 ``timings.cache_n`` below the previous turn's prompt tokens) and the prompt tokens prefilled again
 that way.  ``--shared-dir DIR`` gives side (a)'s hosts one prefix store directory
-(``cache.shared_dir``, for a onebitd that has it; one that does not refuses the key, exit 2).
+(``cache.shared_dir``, for a onebitd that has it; one that does not refuses the key, exit 2).  Each
+side starts from empty stores: (b)'s hosts and (a)'s private ones are made under a new directory, and
+a ``--shared-dir`` that holds anything is refused (the sessions are greedy and the same run to run,
+so an earlier run's entries would serve any turn, the ones after the drain included).
 
 ``--aa``: the A/A run.  Side (b) gets the shipped config too, so both sides are (a): what one shows
 against the other is what the method (two sides at once, the order alternating) favours.
@@ -45,23 +48,20 @@ from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
-from types import ModuleType
 from typing import Any, TextIO
 
 import attrs
 import httpx
 import trio
 
+from bench import plot
+from bench.rig import BenchError, Noise, leaves, machine, spawn_onebitd
+from bench.workloads import QUESTIONS as MULTITURN_QUESTIONS
+from bench.workloads import TOPICS
+from supervisor import config as configuration
+from supervisor.config import Config
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_plot  # noqa: E402
-from bench_multiturn import QUESTIONS as MULTITURN_QUESTIONS  # noqa: E402
-from bench_multiturn import TOPICS  # noqa: E402
-
-from supervisor import config as configuration  # noqa: E402
-from supervisor.config import Config  # noqa: E402
 
 HAPROXY_CONFIG = ROOT / "config" / "haproxy.cfg"
 SECOND_SERVER = 'server onebit2 "${ONEBIT_HOST2-10.0.0.12:8080}"'  # a third host's line goes after it
@@ -88,7 +88,9 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system-words", type=int, default=1200, help="words of system prompt (~1,600 tokens)")
     parser.add_argument("--max-tokens", type=int, default=8, help="reply tokens per turn (8)")
     parser.add_argument("--parallel", type=int, default=2, help="slots per host (2)")
-    parser.add_argument("--shared-dir", type=Path, help="side (a)'s hosts share this prefix store (cache.shared_dir)")
+    parser.add_argument(
+        "--shared-dir", type=Path, help="side (a)'s hosts share this prefix store (cache.shared_dir): empty or absent"
+    )
     parser.add_argument("--log", type=Path, help="keep the hosts' and HAProxy's logs here (default: discarded)")
     parser.add_argument("--quick", action="store_true", help="2 agents, 1 session each, 4 turns, short prompts")
     parser.add_argument("--aa", action="store_true", help="A/A: side (b) runs the shipped config as well")
@@ -98,6 +100,24 @@ def system_prompt(topic: str, words: int) -> str:
     facts = [f"Fact {i} about {topic}: it matters in way number {i * 7 % 31} for reason {i % 5}." for i in range(400)]
     text = f"You are a friendly expert on {topic}. Answer briefly. Here is your reference sheet. "
     return " ".join((text + " ".join(facts)).split()[:words])
+
+
+def used_store(directory: Path) -> str | None:
+    """Why ``directory`` cannot be side (a)'s shared store (None: it is empty, or absent and onebitd
+    makes it): an earlier run's entries would serve this run's turns, and (b)'s stores start empty."""
+    try:
+        held = sorted(path.name for path in directory.iterdir())
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"--shared-dir {directory}: {exc.strerror or exc}"
+    if held:
+        shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+        return (
+            f"--shared-dir {directory} holds {len(held)} entries ({shown}): each side starts from an empty"
+            " store, so give an empty or new directory"
+        )
+    return None
 
 
 def host_config(directory: Path, address: str, args: argparse.Namespace, shared: Path | None) -> Config:
@@ -292,12 +312,12 @@ def p90(values: Sequence[float]) -> float:
     return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))] if ordered else float("nan")
 
 
-def hosts_figures(samples: Sequence[Sample], half: int, names: Sequence[str] = SIDES) -> list[bench_plot.Panel]:
+def hosts_figures(samples: Sequence[Sample], half: int, names: Sequence[str] = SIDES) -> list[plot.Panel]:
     """Per turn, each session's first token on each side, and the prompt tokens its host's cache
     lacked, the drain marked."""
     drain = [(half + 0.5, "one host drained")]
     return [
-        bench_plot.XY(
+        plot.XY(
             "first token per turn, every session",
             "turn",
             "first token, ms",
@@ -306,7 +326,7 @@ def hosts_figures(samples: Sequence[Sample], half: int, names: Sequence[str] = S
             integer_x=True,
             log_y=True,
         ),
-        bench_plot.XY(
+        plot.XY(
             "the last turn's prompt tokens its host's cache lacked",
             "turn",
             "tokens",
@@ -348,12 +368,14 @@ def report(args: argparse.Namespace, samples: Sequence[Sample], drained: dict[st
     print(f"summed first-token time, turns 2..{args.turns}: (a)/(b) {a / b:.3f}{aim}")
 
 
-async def run(args: argparse.Namespace, bench: ModuleType) -> int:
-    """``bench``: scripts/bench.py (its ``spawn_onebitd`` starts each host and stops and reaps it)."""
+async def run(args: argparse.Namespace) -> int:
+    """Each host is onebitd in a process of its own (bench/rig.py's ``spawn_onebitd`` starts, stops and reaps it)."""
     if args.quick:
         args.agents, args.sessions, args.turns, args.system_words = 2, 1, 4, 80
     if args.aa and args.shared_dir:
-        raise bench.BenchError("--aa and --shared-dir: an A/A run gives both sides the same config, one store each")
+        raise BenchError("--aa and --shared-dir: an A/A run gives both sides the same config, one store each")
+    if args.shared_dir is not None and (why := used_store(args.shared_dir)) is not None:
+        raise BenchError(why)
     names = AA_SIDES if args.aa else SIDES
     store = f"shared store {args.shared_dir}" if args.shared_dir else "each host its own prefix store"
     print(
@@ -362,7 +384,7 @@ async def run(args: argparse.Namespace, bench: ModuleType) -> int:
         f"{args.max_tokens} reply tokens, {args.parallel} slots per host, {store} on (a); the busiest host "
         f"drained after turn {args.turns // 2}" + ("; A/A: (b) runs the shipped config too" if args.aa else "")
     )
-    print(bench.machine())
+    print(machine())
     top = Path(tempfile.mkdtemp(prefix="ob-bench-", dir="/tmp"))
     try:
         log_path = Path(args.log) if args.log else top / "hosts.log"
@@ -377,7 +399,7 @@ async def run(args: argparse.Namespace, bench: ModuleType) -> int:
                         directory = top / f"side{s}-host{i + 1}"
                         directory.mkdir()
                         config = host_config(directory, f"127.0.0.{2 + i}", args, shared)
-                        spawned = await stack.enter_async_context(bench.spawn_onebitd(config, directory, log))
+                        spawned = await stack.enter_async_context(spawn_onebitd(config, directory, log))
                         ours += [spawned.pid, spawned.decoder_pid]
                         endpoints.append(spawned.url.removeprefix("http://"))
                         admin.append(directory / "admin.sock")
@@ -395,7 +417,7 @@ async def run(args: argparse.Namespace, bench: ModuleType) -> int:
                 sessions = {side.name: sessions_of(args) for side in sides}
                 samples: list[Sample] = []
                 drained: dict[str, str] = {}
-                noise = bench.Noise.start(ours)
+                noise = Noise.start(ours)
                 for t in range(1, args.turns + 1):
                     if t == args.turns // 2 + 1:
                         for side in sides:
@@ -416,9 +438,9 @@ async def run(args: argparse.Namespace, bench: ModuleType) -> int:
         print(noisy)
         if args.plot:
             figures = hosts_figures(samples, args.turns // 2, names)
-            bench_plot.write(args.plot, "scripts/bench hosts", figures, quick=args.quick)
+            plot.write(args.plot, "scripts/bench hosts", figures, quick=args.quick)
         return 0
     except* RuntimeError as group:  # raised inside the hosts' nurseries: a group
-        raise bench.BenchError("; ".join(str(exc) for exc in bench.leaves(group))) from None
+        raise BenchError("; ".join(str(exc) for exc in leaves(group))) from None
     finally:
         shutil.rmtree(top, ignore_errors=True)

@@ -28,7 +28,7 @@ prefix; llama-server's host-memory prompt cache is off (``cache.ram_mib = 0``) o
 ``--aa``: the A/A run of the turn-by-turn method.  Two direct sides, each a llama-server of its own
 with the plain decoder's flags, run turn by turn the same way (ABBA, the same sessions); what the
 second shows against the first is what the method favours, the noise the plain side's ratio is read
-against.  The restart headline (a restored onebitd against a cold llama-server, 300x apart) has none.
+against.  The restart headline (a restored onebitd against a cold llama-server's prefill) has none.
 """
 
 from __future__ import annotations
@@ -38,34 +38,28 @@ import logging
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import anthropic
 import attrs
-import httpx
 import httpx2
 import openai
 import trio
 
+from bench import plot
+from bench.rig import Noise, machine, open_direct, writes_settled
+from supervisor import config as configuration
+from supervisor.config import Config
+from supervisor.daemon import Daemon
+from supervisor.observe.logs import ROUTE_LOGGER
+from supervisor.testing import RouteLines, run_daemon
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_plot  # noqa: E402
-
-from supervisor import config as configuration  # noqa: E402
-from supervisor.config import Config  # noqa: E402
-from supervisor.daemon import Daemon  # noqa: E402
-from supervisor.observe.logs import ROUTE_LOGGER  # noqa: E402
-from supervisor.supervise.process import ChildProcess  # noqa: E402
-from supervisor.testing import RouteLines, run_daemon, unix_transport  # noqa: E402
 
 TIMEOUT_S = 900
 CLIENTS = ("anthropic", "responses")
@@ -337,47 +331,7 @@ async def open_side(config: Config) -> AsyncIterator[tuple[Daemon, str]]:
         yield running.daemon, running.url
 
 
-@asynccontextmanager
-async def open_direct(daemon: Daemon, config: Config, directory: Path) -> AsyncIterator[Path]:
-    """The direct side: a llama-server of its own with the decoder's flags (its binary, model, slots,
-    threads and CPU), on its own socket, so that no request of onebitd's ever takes its slots.  The
-    sides run turn by turn, never at once, so sharing the decoder's CPU costs neither anything."""
-    argv = list(daemon.models.default.parts.launcher.argv())
-    socket, state = directory / "direct.sock", directory / "direct-state"
-    state.mkdir(mode=0o700, parents=True)
-    argv[argv.index("--host") + 1] = str(socket)
-    argv[argv.index("--slot-save-path") + 1] = str(state)
-    process = await ChildProcess.spawn(
-        "direct", argv, env=daemon.models.default.parts.launcher.env, cpu_affinity=config.decoder.cpu_affinity
-    )
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(process.pump_output)
-            async with httpx.AsyncClient(transport=unix_transport(socket), base_url="http://direct") as client:
-                with trio.fail_after(TIMEOUT_S):
-                    while True:  # a process of its own loading its model: poll its health
-                        try:
-                            if (await client.get("/health")).status_code == 200:
-                                break
-                        except httpx.TransportError:
-                            pass
-                        await trio.sleep(0.05)
-            yield socket
-            nursery.cancel_scope.cancel()
-    finally:
-        with trio.CancelScope(shield=True):
-            await process.stop(grace=5)
-
-
-async def writes_settled(daemon: Daemon) -> None:
-    """The prefix store's writes run off the requests' path: wait until none is left."""
-    stored = daemon.models.default.completions.stored
-    while stored is not None and stored.writing:  # noqa: ASYNC110  # no event announces it
-        await trio.sleep(0.01)
-
-
-async def run(args: argparse.Namespace, bench: ModuleType) -> int:
-    """``bench``: scripts/bench.py (the machine line, the other processes' CPU)."""
+async def run(args: argparse.Namespace) -> int:
     if args.quick:
         args.turns, args.system_words, args.restarts = 3, 400, 2
     system = system_prompt(args.system_words)
@@ -391,8 +345,8 @@ async def run(args: argparse.Namespace, bench: ModuleType) -> int:
             else "each onebitd side turn by turn with a direct one (ABBA)"
         )
     )
-    print(bench.machine())
-    noise = bench.Noise.start([])  # this process's tree: the clients, onebitd and every llama-server
+    print(machine())
+    noise = Noise.start([])  # this process's tree: the clients, onebitd and every llama-server
     if args.aa:
         await run_aa(args, system)
         print(noise.report([]))
@@ -470,11 +424,11 @@ async def run(args: argparse.Namespace, bench: ModuleType) -> int:
 
     for client in CLIENTS:
         report(client, args.turns, {name: s for (name, c), s in sides.items() if c == client})
-    report_restarts(sides)
+    report_restarts(sides, plain.decoder.threads)
     print(noise.report([]))
     if args.plot:
         figures = agent_figures({(name, client): s.first_ms for (name, client), s in sides.items()})
-        bench_plot.write(args.plot, "scripts/bench agent", figures, quick=args.quick, columns=3)
+        plot.write(args.plot, "scripts/bench agent", figures, quick=args.quick, columns=3)
     return 0
 
 
@@ -551,8 +505,10 @@ async def restart_again(
             sides["restart", client].again_lines.append(restart.lines[0])
 
 
-def report_restarts(sides: dict[tuple[str, str], Side]) -> None:
-    """The first turn after each full restart: the headline, from every restart."""
+def report_restarts(sides: dict[tuple[str, str], Side], threads: int) -> None:
+    """The first turn after each full restart: the headline, from every restart, said as what it
+    compares (a restore against the cold side's prefill on this machine, with the decoder's flags
+    and ``threads``), since the ratio is this machine's prefill speed over a file read."""
     print()
     for client in CLIENTS:
         restart, cold = sides["restart", client], sides["direct'", client]
@@ -567,6 +523,11 @@ def report_restarts(sides: dict[tuple[str, str], Side]) -> None:
             f" restart by restart {' '.join(f'{r:.2f}' for r in ratios)}   (aim: at least 5x);"
             f" the decoder evaluated {' '.join(str(n) for n in evaluated)} prompt tokens"
         )
+        print(
+            f"{client}: the first turn after a restart: restored in {statistics.median(ours):.0f} ms against a"
+            f" prefill of {restart.lines[0]['prompt_tokens']} tokens in {statistics.median(theirs) / 1000:.1f} s"
+            f" on this machine (the decoder's flags, {threads} thread{'s' if threads != 1 else ''})"
+        )
 
 
 # Each panel: an onebitd side against the direct side it ran turn by turn with.
@@ -577,10 +538,10 @@ PANELS = (
 )
 
 
-def agent_figures(first_ms: dict[tuple[str, str], list[float]]) -> list[bench_plot.Panel]:
+def agent_figures(first_ms: dict[tuple[str, str], list[float]]) -> list[plot.Panel]:
     """Per client (a row), per turn, each side's first token beside its direct side's."""
     return [
-        bench_plot.XY(
+        plot.XY(
             f"{client}: {title}",
             "turn",
             "first token, ms",
