@@ -25,8 +25,8 @@ from supervisor.routes import boundary, prompt
 from supervisor.routes.capability import Capability, Restores
 from supervisor.routes.stored import StoredPrefixes
 
-from . import asgi
-from .fake_decoder import Modes
+from . import asgi, fake_llama
+from .fake_decoder import Modes, chatml
 from .fake_llama import FakeLlama
 from .helpers import wait_until
 from .rig import ScriptedProvider
@@ -80,8 +80,6 @@ def chat(*turns: str) -> dict[str, Any]:
 
 def tokens_of(*turns: str, generation_prompt: bool = True) -> list[int]:
     """The fake decoder's tokens for the conversation (tests/fake_decoder.py's ChatML)."""
-    from .fake_decoder import chatml
-
     return FakeLlama.tokenize(chatml(messages(*turns), generation_prompt=generation_prompt))
 
 
@@ -202,6 +200,26 @@ async def test_a_hybrid_chat_handed_over_ends_at_its_boundary_and_is_kept_from_t
     assert (line.route, line.fallback, line.decoder_prompt_n) == ("file", None, 1)
     # The slot held the boundary as handed over: saved as it was, no prefill before it.
     assert [r.prompt_n for r in rig.fake.requests] == [1]
+
+
+async def test_a_hybrid_chat_whose_template_renders_otherwise_keeps_nothing_and_says_no_boundary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def dated(messages: Any, *, generation_prompt: bool = True) -> str:
+        # A template that renders a date before the messages only without the generation prompt.
+        return ("" if generation_prompt else "today ") + chatml(messages, generation_prompt=generation_prompt)
+
+    monkeypatch.setattr(fake_llama, "chatml", dated)
+    rig = hybrid_rig(tmp_path)
+    with trio.fail_after(TIMEOUT):
+        async with serving(rig, tmp_path) as store:
+            reply = await rig.post(CHAT, chat("how heavy is box 7 in the store room"))
+            stats = store.statistics()
+    assert reply.status == 200
+    [line] = rig.lines
+    assert line.fallback == "no-provider>no-boundary"
+    assert (stats.stores, stats.entries) == (0, 0)
+    assert "save" not in [action for action, _ in rig.fake.actions]
 
 
 # -- faults -------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ import attrs
 from ..errors import DecoderError
 from ..llama import decoder
 from ..llama.decoder import JsonClient
+from ..reasons import Reason
 from .capability import Capability
 from .decision import Route
 from .plan import Plan
@@ -69,18 +70,20 @@ def _shared(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-async def bounded(client: JsonClient, capability: Capability | None, plan: Plan, req: str) -> Plan:
+async def bounded(client: JsonClient, capability: Capability | None, plan: Plan, story: Story) -> Plan:
     """The plan with its prompt's boundary (:func:`find`), for a model whose state cannot be cut
-    back; the plan as it was for any other, or a prompt not tokenized."""
+    back; the plan as it was for any other, or a prompt not tokenized.  A prompt that has none says
+    ``no-boundary`` on its route line: nothing of it is kept."""
     if capability is None or not capability.at_boundary or plan.prompt is None or plan.tokens is None:
         return plan
     try:
         found = await find(client, plan.prompt, plan.tokens)
     except DecoderError as exc:
-        log.warning("hybrid: the boundary of %s could not be found (%s); nothing is kept of it", req, exc.message)
-        return plan
+        log.warning("hybrid: the boundary of %s could not be found (%s); nothing is kept of it", story.req, exc.message)
+        found = None
     if found is None:
-        log.info("hybrid: %s's template renders its messages otherwise without the generation prompt", req)
+        story.fell_back(Reason.NO_BOUNDARY)
+        log.info("hybrid: %s has no point its next turn still matches; nothing of it is kept", story.req)
     return attrs.evolve(plan, boundary=found)
 
 

@@ -239,7 +239,7 @@ class Completions:
             story.holds(slot)
             self.check_ready()  # it may have died while we queued
             await self._known(plan)
-            plan = await boundary.bounded(self.client, self.capability, plan, story.req)
+            plan = await boundary.bounded(self.client, self.capability, plan, story)
             entry, choice = await self._store_and_choose(plan, slot, story, settings)
             story.chose(choice)
             forwarded = {**body, "id_slot": slot}

@@ -113,8 +113,8 @@ class Story:
             self._outcome, self._error = RequestOutcome.ERROR, relayed.error
 
     def fell_back(self, reason: Reason) -> None:
-        """A reason found after the route was walked (``restore-unused``), or on a request no route
-        takes (``unsupported-request``)."""
+        """A reason found after the route was walked (``restore-unused``), on a request no route
+        takes (``unsupported-request``), or on a prompt nothing of which is kept (``no-boundary``)."""
         self._later.append(reason)
 
     def failed(self, error: str) -> None:
