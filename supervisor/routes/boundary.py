@@ -104,7 +104,8 @@ async def keeping(
     store first (on the plain route the decoder first evaluates up to it; a handoff left the slot
     there), and committed when the block sets ``done``, else removed, a cancellation included."""
     marked = None
-    if stored is not None and plan.boundary is not None and plan.tokens is not None:
+    # The share route lends the whole prompt's state: past the boundary, nothing to keep of it.
+    if stored is not None and plan.boundary is not None and plan.tokens is not None and route is not Route.SHARE:
         head = plan.tokens[: plan.boundary]
         marked = await stored.mark(slot, head, prefill=route is Route.PLAIN, req=story.req)
     story.marked(marked)
