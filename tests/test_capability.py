@@ -32,6 +32,7 @@ from .fake_decoder import Modes
 from .fake_llama import FakeLlama
 from .rig import ScriptedProvider, fake_decoder_config
 from .test_completions import M, body_for, make_rig, state_files
+from .test_hybrid_store import hybrid_rig
 
 TIMEOUT = 10
 TOKENS = list(range(3, 43))
@@ -139,13 +140,7 @@ async def test_a_model_whose_restores_spare_nothing_starts_no_provider_job(tmp_p
 
 async def test_a_recurrent_model_hands_over_its_prompt_less_the_last_token(tmp_path: Path) -> None:
     provider = ScriptedProvider()
-    rig = make_rig(tmp_path, provider)
-    rig.fake.modes = Modes(recurrent=True)
-    found = Capability("fake-model")
-    found.set(Restores.PREFIX, "recurrent")
-    rig.completions.capability = found
-    assert rig.completions.hybrid is not None
-    rig.completions.hybrid.file.capability = found
+    rig = hybrid_rig(tmp_path, provider)
     with trio.fail_after(TIMEOUT):
         reply = await rig.post("/completion", body_for(False))
     assert reply.status == 200

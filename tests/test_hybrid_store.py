@@ -9,8 +9,6 @@ tests/test_real_families.py."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -19,19 +17,16 @@ import attrs
 import pytest
 import trio
 
-from supervisor.llama.llama_server import StateFingerprint
 from supervisor.prefix.store import PrefixStore
 from supervisor.routes import boundary, prompt
 from supervisor.routes.capability import Capability, Restores
-from supervisor.routes.stored import StoredPrefixes
 
 from . import asgi, fake_llama
 from .fake_decoder import Modes, chatml
 from .fake_llama import FakeLlama
 from .helpers import wait_until
 from .rig import ScriptedProvider
-from .test_completions import FINGERPRINT, SETTINGS, Rig, make_rig, restart_decoder
-from .test_prefix_store import private_store
+from .test_completions import FINGERPRINT, SETTINGS, Rig, make_rig, restart_decoder, serving_with_store
 
 TIMEOUT = 10
 SYSTEM = "you are a careful assistant who answers every question about the weights of boxes in full"
@@ -48,22 +43,6 @@ def hybrid_rig(tmp_path: Path, provider: ScriptedProvider | None = None) -> Rig:
     assert rig.completions.hybrid is not None
     rig.completions.hybrid.file.capability = found
     return rig
-
-
-@asynccontextmanager
-async def serving(rig: Rig, tmp_path: Path, fingerprint: StateFingerprint = FINGERPRINT) -> AsyncIterator[PrefixStore]:
-    """The rig's completions with a prefix store (``tmp_path/store``) that knows the model's capability."""
-    store = await private_store(tmp_path / "store", fingerprint=fingerprint, max_bytes=1 << 20, min_tokens=4)
-    stored = StoredPrefixes(
-        client=rig.completions.client, state_dir=tmp_path, store=store, capability=rig.completions.capability
-    )
-    try:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(rig.completions.run, stored)
-            yield store
-            nursery.cancel_scope.cancel()
-    finally:
-        store.close()
 
 
 def messages(*turns: str) -> list[dict[str, str]]:
@@ -125,7 +104,7 @@ async def three_turns(rig: Rig, tmp_path: Path, *, restart_before_third: bool = 
     """Three turns of one conversation, the decoder restarted (its slots empty) before the third."""
     replies: list[str] = []
     turns: list[str] = ["how heavy is box 7 in the store room"]
-    async with serving(rig, tmp_path) as store:
+    async with serving_with_store(rig, tmp_path) as store:
         for n in range(3):
             if n == 2 and restart_before_third:
                 restart_decoder(rig)
@@ -170,15 +149,24 @@ async def test_a_hybrid_models_slot_is_never_saved_after_its_reply(tmp_path: Pat
     assert sorted(e.tokens for e in entries) == sorted(tuple(p[:-1]) for p in prompts)
 
 
-async def test_a_raw_completion_is_kept_less_its_last_token_and_its_continuation_restores_it(tmp_path: Path) -> None:
-    rig = hybrid_rig(tmp_path)
+async def continued(rig: Rig, tmp_path: Path, *, torn: bool = False) -> int:
+    """A raw prompt, then its continuation after a restart (``torn``: the state restores a token
+    short); the store's drops."""
     first = "item 1 weighs 7 units and item 2 weighs 1 unit"
     with trio.fail_after(TIMEOUT):
-        async with serving(rig, tmp_path) as store:
+        async with serving_with_store(rig, tmp_path) as store:
             await rig.post("/completion", {"prompt": first, "n_predict": 3})
             await wait_until(lambda: store.statistics().stores == 1)
             restart_decoder(rig)
+            rig.fake.modes = Modes(recurrent=True, restore_wrong_n=torn)
             await rig.post("/completion", {"prompt": f"{first} and item 3", "n_predict": 3})
+            await wait_until(lambda: store.statistics().stores >= 1)
+            return store.statistics().drops
+
+
+async def test_a_raw_completion_is_kept_less_its_last_token_and_its_continuation_restores_it(tmp_path: Path) -> None:
+    rig = hybrid_rig(tmp_path)
+    await continued(rig, tmp_path)
     cold, warm = rig.lines
     assert warm.restored_tokens == count(cold.prompt_tokens) - 1
     # The prefill up to the new boundary, then its last token.
@@ -189,7 +177,7 @@ async def test_a_hybrid_chat_handed_over_ends_at_its_boundary_and_is_kept_from_t
     provider = ScriptedProvider()
     rig = hybrid_rig(tmp_path, provider)
     with trio.fail_after(TIMEOUT):
-        async with serving(rig, tmp_path) as store:
+        async with serving_with_store(rig, tmp_path) as store:
             reply = await rig.post(CHAT, chat("how heavy is box 7 in the store room"))
             await wait_until(lambda: store.statistics().stores == 1)
             [entry] = store.list()
@@ -212,7 +200,7 @@ async def test_a_hybrid_chat_whose_template_renders_otherwise_keeps_nothing_and_
     monkeypatch.setattr(fake_llama, "chatml", dated)
     rig = hybrid_rig(tmp_path)
     with trio.fail_after(TIMEOUT):
-        async with serving(rig, tmp_path) as store:
+        async with serving_with_store(rig, tmp_path) as store:
             reply = await rig.post(CHAT, chat("how heavy is box 7 in the store room"))
             stats = store.statistics()
     assert reply.status == 200
@@ -232,7 +220,7 @@ async def test_a_request_cancelled_after_its_boundary_save_leaves_no_file_no_ent
     rig.fake.modes = Modes(recurrent=True, hold=True)  # the reply pauses after its first token
     body = {**chat("how heavy is box 7 in the store room"), "stream": True}
     with trio.fail_after(TIMEOUT):
-        async with serving(rig, tmp_path) as store:
+        async with serving_with_store(rig, tmp_path) as store:
             await asgi.call(rig.front, "POST", CHAT, body, hang_up_on=b'"content"')
             assert ("save", 0) in rig.fake.actions or ("save", 1) in rig.fake.actions
             stats = store.statistics()
@@ -246,16 +234,7 @@ async def test_a_request_cancelled_after_its_boundary_save_leaves_no_file_no_ent
 
 async def test_a_stored_entry_that_restores_short_is_dropped_and_the_request_prefills(tmp_path: Path) -> None:
     rig = hybrid_rig(tmp_path)
-    first = "item 1 weighs 7 units and item 2 weighs 1 unit"
-    with trio.fail_after(TIMEOUT):
-        async with serving(rig, tmp_path) as store:
-            await rig.post("/completion", {"prompt": first, "n_predict": 3})
-            await wait_until(lambda: store.statistics().stores == 1)
-            restart_decoder(rig)
-            rig.fake.modes = Modes(recurrent=True, restore_wrong_n=True)  # a torn state: one token short
-            await rig.post("/completion", {"prompt": f"{first} and item 3", "n_predict": 3})
-            await wait_until(lambda: store.statistics().stores == 1)
-            drops = store.statistics().drops
+    drops = await continued(rig, tmp_path, torn=True)  # a torn state: it restores one token short
     _, warm = rig.lines
     assert warm.restored_tokens is None
     assert warm.decoder_prompt_n is not None
@@ -268,7 +247,7 @@ async def test_a_stored_state_holding_more_than_its_entry_is_never_restored_wher
     rig = hybrid_rig(tmp_path)
     prompt_tokens = FakeLlama.tokenize("item 1 weighs 7 units and item 2 weighs 1 unit and item 3")
     with trio.fail_after(TIMEOUT):
-        async with serving(rig, tmp_path) as store:
+        async with serving_with_store(rig, tmp_path) as store:
             # An entry whose state holds three tokens past it (a slot saved after a reply).
             state = tmp_path / "made.keep"
             rig.fake.slots[0] = [*prompt_tokens[:8], 1, 2, 3]
@@ -294,11 +273,11 @@ async def test_a_hybrid_entry_is_refused_by_its_fingerprint_under_another_memory
 ) -> None:
     rig = hybrid_rig(tmp_path)
     with trio.fail_after(TIMEOUT):
-        async with serving(rig, tmp_path) as store:
+        async with serving_with_store(rig, tmp_path) as store:
             await rig.post(CHAT, chat("how heavy is box 7 in the store room"))
             await wait_until(lambda: store.statistics().stores == 1)
         restart_decoder(rig)
-        async with serving(rig, tmp_path, attrs.evolve(FINGERPRINT, **changed)) as store:
+        async with serving_with_store(rig, tmp_path, attrs.evolve(FINGERPRINT, **changed)) as store:
             assert store.list() == []
             await rig.post(CHAT, chat("how heavy is box 7 in the store room"))
     assert rig.lines[-1].restored_tokens is None
