@@ -20,6 +20,7 @@ from supervisor.config import convert, modelspec
 from supervisor.config.live import Settings
 from supervisor.errors import ConfigError
 from supervisor.llama import answers, gguf
+from supervisor.models import layout
 from supervisor.models.model import Model
 from supervisor.reasons import Reason
 from supervisor.routes import capability
@@ -348,3 +349,34 @@ async def test_a_later_start_takes_the_first_probes_verdict_and_a_withdrawn_one_
         model.fresh_parts()
         await model.parts.after_start(store_enabled=True)
     assert (len(probes), model.parts.capability.withdrawn, model.parts.capability.store) == (2, None, True)
+
+
+async def test_a_load_whose_sliding_window_layers_are_kept_otherwise_is_probed_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a restore can do rests on ``--swa-full``, which the memory budget can turn on or off at a
+    reload (``model.swa_full = "auto"``): the next load with the other layout probes again."""
+    probes: list[bool] = []
+    swa_full = [False]
+
+    async def probe(*_: object) -> tuple[Restores, str]:
+        probes.append(swa_full[0])
+        return (Restores.WHOLE, "kept whole") if swa_full[0] else (Restores.NONE, "the window only")
+
+    async def tokens(*_: object) -> list[int]:
+        return TOKENS
+
+    monkeypatch.setattr(capability, "prompt_tokens", tokens)
+    monkeypatch.setattr(capability, "probe", probe)
+    monkeypatch.setattr(layout, "swa_full", lambda *_: swa_full[0])
+    (spec,) = modelspec.specs(fake_decoder_config(tmp_path))
+    model = Model(spec, runtime_dir=tmp_path, settings=Settings(spec.config), check_fidelity=False)
+    with trio.fail_after(TIMEOUT):
+        await model.parts.after_start(store_enabled=True)
+        swa_full[0] = True  # a reload gave the budget room for the whole cache
+        model.fresh_parts()
+        await model.parts.after_start(store_enabled=True)
+        assert (probes, model.parts.capability.restores) == ([False, True], Restores.WHOLE)
+        model.fresh_parts()  # the same layout again: the verdict taken unprobed
+        await model.parts.after_start(store_enabled=True)
+    assert (probes, model.parts.capability.restores) == ([False, True], Restores.WHOLE)

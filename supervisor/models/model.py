@@ -40,13 +40,12 @@ from ..observe.status import ModelStatistics
 from ..prefix.statistics import OFF, StoreStatistics
 from ..prefix.store import PrefixStore
 from ..providers.seat import Seats
-from ..routes.capability import Restores
 from ..routes.completion import Completions
 from ..supervise.child import Child, ChildState
 from ..supervise.states import StateMachine
 from . import memory
 from .memory import rss_mib
-from .parts import SHARE_CONNECT_TIMEOUT_S, Parts, share_enabled
+from .parts import SHARE_CONNECT_TIMEOUT_S, Parts, Proven, share_enabled
 
 __all__ = ["SHARE_CONNECT_TIMEOUT_S", "TRANSITIONS", "Model", "ModelState", "Parts", "StoreOpener", "share_enabled"]
 
@@ -114,7 +113,7 @@ class Model:
         # Its memory from its GGUF header, which the first load's parts have read (models/memory.py).
         self.estimate_mib = memory.estimate_mib(spec, self.parts.model_file)
 
-    def _parts(self, proven: tuple[Restores, str] | None = None) -> Parts:
+    def _parts(self, proven: Proven | None = None) -> Parts:
         return Parts(
             self.spec,
             runtime_dir=self.dir,

@@ -55,6 +55,10 @@ _VERDICT_WORDS = {
     Restores.UNPROBED: "the routes run unproven, each handoff checked after",
 }
 
+# A load's probe verdict, its words, and whether its llama-servers ran with --swa-full: what a later
+# load takes again unprobed while the last is the same.
+Proven = tuple[Restores, str, bool]
+
 # The decoder connects back to our share socket right after answering ?action=share; a local
 # connect that takes longer than this will not come.
 SHARE_CONNECT_TIMEOUT_S = 5.0
@@ -81,7 +85,7 @@ class Parts:
         on_provider: OnTransition | None = None,
         seats: Seats | None = None,
         model_idle: Callable[[], bool] = lambda: True,
-        proven: tuple[Restores, str] | None = None,
+        proven: Proven | None = None,
     ) -> None:
         config = spec.config
         self.config = config
@@ -98,8 +102,9 @@ class Parts:
         self.capability = Capability(spec.name)
         # The probe's verdict, once it ran: every later start of the decoder (a swap back, a restart
         # after a crash) runs the same build, flags and file, so it is taken again unprobed; a
-        # capability withdrawn since is probed anew.  ``proven``: its earlier loads' (Model carries it).
-        self._proven = proven
+        # capability withdrawn since, or one found with the sliding-window layers kept otherwise (a
+        # reload moved the memory budget), is probed anew.  ``proven``: its earlier loads' (Model carries it).
+        self._proven = proven if proven is None or proven[2] == self.swa_full else None
         # What llama-server says each slot holds, once it has started (after_start).
         self.slot_context: SlotContext | None = None
         # The one client of the decoder: the launcher health-checks through it, and every request,
@@ -275,16 +280,16 @@ class Parts:
             log.info("model %s: no restore probe: %s", self.name, self.capability.why)
             return
         if self._proven is not None and self.capability.withdrawn is None:
-            self.capability.set(*self._proven)
+            self.capability.set(self._proven[0], self._proven[1])
             log.debug("model %s: restores %s, as its first start's probe found", self.name, self._proven[0].value)
             return
         self.capability.withdrawn = None
         await self._probe()
         if self.capability.restores is not Restores.UNPROBED:  # a probe that could not run is tried again
-            self._proven = self.capability.restores, self.capability.why
+            self._proven = self.capability.restores, self.capability.why, self.swa_full
 
     @property
-    def proven(self) -> tuple[Restores, str] | None:
+    def proven(self) -> Proven | None:
         """The probe's verdict for the model's next load to take, unless it was withdrawn since."""
         return self._proven if self.capability.withdrawn is None else None
 
