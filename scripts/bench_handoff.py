@@ -57,7 +57,7 @@ import bench_plot  # noqa: E402
 from supervisor import config as configuration  # noqa: E402
 from supervisor.config import Config, locate  # noqa: E402
 from supervisor.daemon import Daemon  # noqa: E402
-from supervisor.llama.region import SlotState, write_rows  # noqa: E402
+from supervisor.llama.region import StateRows, write_rows  # noqa: E402
 from supervisor.providers.llama import LlamaServerProvider  # noqa: E402
 from supervisor.testing import run_daemon, unix_transport  # noqa: E402
 
@@ -326,7 +326,7 @@ async def share_against_file(tmp: Path, rounds: int, chosen: tuple[int, ...]) ->
                 region = mmap.mmap(fds[0], header["regions"][0]["size"])
                 try:
                     start = trio.current_time()
-                    written = write_rows(SlotState(state_path.read_bytes()), header, [region], len(tokens))
+                    written = write_rows(StateRows(state_path.read_bytes()), header, [region], len(tokens))
                     write_ms = (trio.current_time() - start) * 1000
                 finally:
                     region.close()

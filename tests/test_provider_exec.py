@@ -11,7 +11,7 @@ import pytest
 import trio
 import trio.testing
 
-from supervisor.config import ExecProvider as ExecProviderConfig
+from supervisor.config import ExecProviderConfig
 from supervisor.errors import ProviderError
 from supervisor.providers import Claim, PrefillJob, base, parse_claim
 from supervisor.providers.exec import ExecProvider

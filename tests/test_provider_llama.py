@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from supervisor.config import Config, RestartPolicy
-from supervisor.config import LlamaServerProvider as LlamaServerProviderConfig
+from supervisor.config import Config, LlamaServerProviderConfig, RestartPolicy
 from supervisor.llama import openvino
 from supervisor.providers import Provider
 from supervisor.providers.base import Gate

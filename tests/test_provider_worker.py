@@ -17,8 +17,7 @@ import pytest
 import trio
 import trio.testing
 
-from supervisor.config import HealthPolicy, RestartPolicy
-from supervisor.config import WorkerProvider as WorkerProviderConfig
+from supervisor.config import HealthPolicy, RestartPolicy, WorkerProviderConfig
 from supervisor.errors import ProviderError
 from supervisor.providers import Claim, PrefillJob
 from supervisor.providers.worker import WorkerProvider

@@ -204,7 +204,7 @@ class Model:
     def store_statistics(self) -> StoreStatistics:
         return self.store.statistics() if self.store is not None else OFF
 
-    async def hand_over(self, draining: Callable[[], bool]) -> int:
+    async def keep_slots(self, draining: Callable[[], bool]) -> int:
         """A drain's last step (no request in flight): the store's writes in progress finish, and
         each slot whose prompt the store would keep (and does not hold yet) is saved into it, so
         that the host its conversations move to restores them (a shared store) or this one does

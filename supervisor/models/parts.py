@@ -17,9 +17,7 @@ from pathlib import Path
 
 import trio
 
-from ..config import Config, ProviderConfig, locate, modelspec
-from ..config import ExecProvider as ExecProviderConfig
-from ..config import LlamaServerProvider as LlamaServerProviderConfig
+from ..config import Config, ExecProviderConfig, LlamaServerProviderConfig, ProviderConfig, locate, modelspec
 from ..config.live import Settings
 from ..config.modelspec import ModelSpec
 from ..errors import DecoderError, ProviderStateRefused

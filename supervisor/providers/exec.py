@@ -18,7 +18,7 @@ from typing import Any
 
 import trio
 
-from ..config import ExecProvider as ExecProviderConfig
+from ..config import ExecProviderConfig
 from ..errors import ChildError, ProviderError
 from ..supervise.child import Child
 from ..supervise.process import ChildProcess, describe_exit

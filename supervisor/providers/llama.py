@@ -25,13 +25,12 @@ from typing import Any
 
 import trio
 
-from ..config import Config
-from ..config import LlamaServerProvider as LlamaServerProviderConfig
+from ..config import Config, LlamaServerProviderConfig
 from ..errors import ChildError, ProviderAnswered, ProviderError
 from ..llama import decoder, openvino
 from ..llama.decoder import DecoderClient
 from ..llama.llama_server import LlamaServerLauncher, connection_limit
-from ..llama.region import Refused, write_saved_state
+from ..llama.region import JobRefused, write_saved_state
 from ..llama.slots import PromptKey, SlotPool
 from ..supervise.child import Child, ChildState, OnTransition
 from .base import Claim, Gate, Job, JobCounts, PrefillJob, ProviderStatistics, ShareJob, log_refusal, verdict
@@ -286,7 +285,7 @@ class LlamaServerProvider:
                 written = await trio.to_thread.run_sync(
                     write_saved_state, path, list(job.tokens), job.layout, list(job.fds)
                 )
-            except (Refused, OSError, ValueError, KeyError) as exc:
+            except (JobRefused, OSError, ValueError, KeyError) as exc:
                 raise ProviderError(f"{self.name}: cannot write the shared region: {exc}") from exc
             return Claim(n_tokens=written, prefill_ms=done.prefill_ms, evaluated=done.evaluated)
         finally:

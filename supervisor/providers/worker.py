@@ -34,7 +34,7 @@ from typing import Any
 import attrs
 import trio
 
-from ..config import WorkerProvider as WorkerProviderConfig
+from ..config import WorkerProviderConfig
 from ..errors import ProviderError
 from ..supervise.child import Child, ChildState, OnTransition
 from .base import Claim, Gate, Job, JobCounts, ProviderStatistics, ShareJob, log_refusal, parse_claim, verdict
