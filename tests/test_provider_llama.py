@@ -11,10 +11,13 @@ from pathlib import Path
 import pytest
 import trio
 
-from supervisor.config import Config, LlamaServerProviderConfig, RestartPolicy
+from supervisor.config import Config, LlamaServerProviderConfig, RestartPolicy, modelspec
+from supervisor.config.live import Settings
 from supervisor.llama import openvino
+from supervisor.models.layout import Layout
+from supervisor.models.model import Model
 from supervisor.providers import Provider
-from supervisor.providers.base import Gate
+from supervisor.providers.base import Checked, Gate
 from supervisor.providers.llama import LlamaServerProvider
 from supervisor.supervise.child import ChildState
 
@@ -123,11 +126,11 @@ async def test_a_device_the_runtime_does_not_list_is_refused_in_one_line_and_not
 async def test_a_provider_its_gate_refuses_takes_no_job_and_its_server_is_stopped(short_dir: Path) -> None:
     asked: list[int | None] = []
 
-    async def too_far(provider: Provider) -> str | None:
+    async def too_far(provider: Provider) -> Checked:
         assert provider.child is not None
         asked.append(provider.child.pid)
         await trio.lowlevel.checkpoint()
-        return "next-token TV distance 0.4: over the bound"
+        return Checked(refused="next-token TV distance 0.4: over the bound")
 
     provider, _ = provider_for(short_dir, device="CPU", gate=too_far)
     with trio.fail_after(30):
@@ -148,10 +151,10 @@ async def test_a_provider_is_not_ready_until_its_gate_admits_it(short_dir: Path)
     admit = trio.Event()
     seen_ready: list[bool] = []
 
-    async def slow(provider: Provider) -> str | None:
+    async def slow(provider: Provider) -> Checked:
         seen_ready.append(provider.ready)
         await admit.wait()
-        return None
+        return Checked()
 
     provider, _ = provider_for(short_dir, device="CPU", gate=slow)
     with trio.fail_after(30):
@@ -200,6 +203,38 @@ async def test_the_daemon_asks_for_devices_before_the_decoder_starts_and_unifies
     assert fingerprint.kv_unified is unified
 
 
+@pytest.mark.usefixtures("control")
+async def test_a_models_layout_is_chosen_before_its_first_start_and_every_load_is_built_whole_from_it(
+    short_dir: Path,
+) -> None:
+    """The devices asked once; the load's parts built from the layout, not patched after: every
+    launcher takes ``--kv-unified`` as it is made, the provider its device and one slot, and a later
+    load's provider has its device without asking the runtime again."""
+    binary = openvino_binary(short_dir)
+    config = fake_decoder_config(
+        short_dir,
+        model={"parallel": 4},
+        cache={"compile_dir": str(short_dir / "ov")},
+        provider=[
+            {"kind": "llama-server", "name": "ov", "engine": "openvino", "device": "auto", "binary": str(binary)}
+        ],
+    )
+    (spec,) = modelspec.specs(config)
+    model = Model(spec, runtime_dir=short_dir, settings=Settings(config), check_fidelity=False)
+    asking = model.parts
+    with trio.fail_after(30):
+        await model.choose_layout()
+    assert model.layout == Layout(kv_unified=True, devices={"ov": "NPU"})
+    first = model.parts
+    model.fresh_parts()  # after an unload: the next load's parts
+    for parts in (first, model.parts):
+        assert parts is not asking
+        (provider,) = parts.llama_providers()
+        assert (provider.device, provider.parallel, provider.static) == ("NPU", 1, True)
+        assert "--kv-unified" in parts.launcher.argv()
+        assert "--kv-unified" in provider.launcher.argv()
+
+
 def auto_provider(
     short_dir: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -241,11 +276,11 @@ async def test_engine_auto_goes_on_with_ggml_when_openvino_is_over_the_fidelity_
 ) -> None:
     pids: list[int | None] = []
 
-    async def too_far(provider: Provider) -> str | None:
+    async def too_far(provider: Provider) -> Checked:
         assert provider.child is not None
         pids.append(provider.child.pid)
         await trio.lowlevel.checkpoint()
-        return "over the bound"
+        return Checked(refused="over the bound")
 
     provider = auto_provider(short_dir, monkeypatch, device="CPU", gate=too_far)
     with trio.fail_after(30):

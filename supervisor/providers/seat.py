@@ -147,6 +147,10 @@ class Tenant:
         return self.inner.child if self.inner is not None else None
 
     @property
+    def admitted(self) -> str | None:
+        return self.last.admitted
+
+    @property
     def holds(self) -> bool:
         return self.seat.holder == self.model and self.seat.wanted == self.model
 
