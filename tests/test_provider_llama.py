@@ -169,13 +169,10 @@ async def test_a_provider_is_not_ready_until_its_gate_admits_it(short_dir: Path)
     assert seen_ready == [False]
 
 
-@pytest.mark.parametrize(("device", "unified"), [("auto", True), ("CPU", False)])
-@pytest.mark.usefixtures("control")
-async def test_the_daemon_asks_for_devices_before_the_decoder_starts_and_unifies_every_kv_for_an_npu(
-    short_dir: Path, device: str, unified: bool
-) -> None:
+def openvino_config(short_dir: Path, device: str) -> Config:
+    """A model on four slots with one OpenVINO provider ``ov`` on ``device``, the fake runtime's."""
     binary = openvino_binary(short_dir)
-    config = fake_decoder_config(
+    return fake_decoder_config(
         short_dir,
         model={"parallel": 4},
         cache={"compile_dir": str(short_dir / "ov")},
@@ -183,6 +180,14 @@ async def test_the_daemon_asks_for_devices_before_the_decoder_starts_and_unifies
             {"kind": "llama-server", "name": "ov", "engine": "openvino", "device": device, "binary": str(binary)}
         ],
     )
+
+
+@pytest.mark.parametrize(("device", "unified"), [("auto", True), ("CPU", False)])
+@pytest.mark.usefixtures("control")
+async def test_the_daemon_asks_for_devices_before_the_decoder_starts_and_unifies_every_kv_for_an_npu(
+    short_dir: Path, device: str, unified: bool
+) -> None:
+    config = openvino_config(short_dir, device)
     with trio.fail_after(30):
         async with run_daemon(config) as running:
             (provider,) = running.daemon.models.default.parts.providers.all
@@ -210,15 +215,7 @@ async def test_a_models_layout_is_chosen_before_its_first_start_and_every_load_i
     """The devices asked once; the load's parts built from the layout, not patched after: every
     launcher takes ``--kv-unified`` as it is made, the provider its device and one slot, and a later
     load's provider has its device without asking the runtime again."""
-    binary = openvino_binary(short_dir)
-    config = fake_decoder_config(
-        short_dir,
-        model={"parallel": 4},
-        cache={"compile_dir": str(short_dir / "ov")},
-        provider=[
-            {"kind": "llama-server", "name": "ov", "engine": "openvino", "device": "auto", "binary": str(binary)}
-        ],
-    )
+    config = openvino_config(short_dir, "auto")
     (spec,) = modelspec.specs(config)
     model = Model(spec, runtime_dir=short_dir, settings=Settings(config), check_fidelity=False)
     asking = model.parts

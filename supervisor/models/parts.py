@@ -58,6 +58,8 @@ def share_enabled(config: Config) -> bool:
 
 
 class Parts:
+    """One load of a model, built whole from its config and layout (the module's docstring)."""
+
     def __init__(
         self,
         spec: ModelSpec,
