@@ -7,7 +7,9 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
+from typing import cast
 
+import attrs
 import pytest
 import trio
 
@@ -16,13 +18,16 @@ from supervisor.config.live import Settings
 from supervisor.llama import openvino
 from supervisor.models.layout import Layout
 from supervisor.models.model import Model
-from supervisor.providers import Provider
+from supervisor.providers import Provider, ProviderStatistics
 from supervisor.providers.base import Checked, Gate
 from supervisor.providers.llama import LlamaServerProvider
+from supervisor.routes.capability import Restores
+from supervisor.routes.file import FileHandoff
 from supervisor.supervise.child import ChildState
 
 from .helpers import reaped, wait_until
 from .rig import FAKE_DECODER, fake_decoder_config, run_daemon
+from .test_fidelity import FakeDecoder, FakeHandoff
 
 DEVICES = (
     "Available devices:\n"
@@ -247,6 +252,17 @@ def auto_provider(
     return LlamaServerProvider(spec, config, runtime_dir=short_dir, state_dir=short_dir / "state", gate=gate)
 
 
+async def ready_statistics(provider: LlamaServerProvider) -> ProviderStatistics:
+    """``provider`` run until it takes jobs, on whichever engine it went on with: its statistics then."""
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(provider.run)
+            await wait_until(lambda: provider.ready)
+            stats = provider.statistics()
+            nursery.cancel_scope.cancel()
+    return stats
+
+
 @pytest.mark.usefixtures("control")
 async def test_engine_auto_goes_on_with_ggml_when_the_openvino_runtime_lacks_the_device(
     short_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
@@ -280,12 +296,7 @@ async def test_engine_auto_goes_on_with_ggml_when_openvino_is_over_the_fidelity_
         return Checked(refused="over the bound")
 
     provider = auto_provider(short_dir, monkeypatch, device="CPU", gate=too_far)
-    with trio.fail_after(30):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(provider.run)
-            await wait_until(lambda: provider.ready)
-            stats = provider.statistics()
-            nursery.cancel_scope.cancel()
+    stats = await ready_statistics(provider)
     (openvino_pid,) = pids
     assert openvino_pid is not None
     assert reaped(openvino_pid)
@@ -298,13 +309,49 @@ async def test_engine_auto_goes_on_with_ggml_when_openvino_crashes_at_every_star
 ) -> None:
     caplog.set_level(logging.INFO, logger="onebit.provider")
     provider = auto_provider(short_dir, monkeypatch, device="CPU", crashes=True)
-    with trio.fail_after(30):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(provider.run)
-            await wait_until(lambda: provider.ready)
-            stats = provider.statistics()
-            nursery.cancel_scope.cancel()
+    stats = await ready_statistics(provider)
     assert (stats.engine, stats.device, stats.refused, stats.ready) == ("ggml", "CPU", None, True)
     (line,) = [r.getMessage() for r in caplog.records if "engine auto" in r.getMessage()]
     assert line.startswith("ov: engine auto: OpenVINO refused for this model (its llama-server did not start"), line
     assert "SIGSEGV" in line, line
+
+
+@pytest.mark.usefixtures("control")
+async def test_engine_auto_goes_on_with_ggml_when_openvino_prefills_slower_than_the_decoders_engine(
+    short_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The model's own start-time check (models/parts.py's gate), its decoder and handoff in-process
+    fakes: OpenVINO's replies as faithful as the decoder's, its prefill 4 ms a token against the
+    decoder's cold 2.5.  Refused with its figures; ggml goes on, and statistics say why."""
+    caplog.set_level(logging.INFO, logger="onebit.provider")
+    monkeypatch.setenv(openvino.BINARY_ENV, str(openvino_binary(short_dir)))
+    restart = {"backoff_initial_s": 0, "backoff_max_s": 0, "max_failures": 2}
+    ov = {"kind": "llama-server", "name": "ov", "engine": "auto", "device": "CPU", "threads": 1, "restart": restart}
+    config = fake_decoder_config(
+        short_dir, hybrid={"enabled": True}, cache={"compile_dir": str(short_dir / "ov")}, provider=[ov]
+    )
+    (spec,) = modelspec.specs(config)
+    parts = Model(spec, runtime_dir=short_dir, settings=Settings(config), check_fidelity=True).parts
+    (provider,) = parts.providers.all
+    assert isinstance(provider, LlamaServerProvider)
+    assert parts.hybrid is not None
+    fake = FakeDecoder(handoff={1: 0.6, 2: 0.4}, cold={1: 0.6, 2: 0.4}, cached={1: 0.6, 2: 0.4})
+    monkeypatch.setattr(parts, "client", fake)
+    monkeypatch.setattr(
+        parts, "hybrid", attrs.evolve(parts.hybrid, file=cast(FileHandoff, FakeHandoff(fake, ms_per_token=4.0)))
+    )
+
+    async def ready(*_: object) -> ChildState:
+        await trio.lowlevel.checkpoint()
+        return ChildState.READY
+
+    monkeypatch.setattr(parts.decoder, "wait_state", ready)
+    parts.capability.set(Restores.WHOLE, "a restore spared the prompt")
+    stats = await ready_statistics(provider)
+    assert (stats.engine, stats.device, stats.refused, stats.ready) == ("ggml", "CPU", None, True)
+    assert stats.fell_back == (
+        "OpenVINO refused, the ggml engine instead: prefill 4 ms a token, the decoder's own engine 2.5 ms a token"
+        " (medians over the prompts): not faster than the decoder's own engine on this model"
+    )
+    (line,) = [r.getMessage() for r in caplog.records if "engine auto" in r.getMessage()]
+    assert "prefill 4 ms a token, the decoder's own engine 2.5 ms a token" in line

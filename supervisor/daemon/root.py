@@ -142,10 +142,7 @@ class Daemon:
         return [child for model in self.models.all for child in model.children()]
 
     def provider_readiness(self) -> ProviderReadiness:
-        return ProviderReadiness(
-            settled=self._providers_settled,
-            not_ready=tuple(p.name for p in self.models.default.parts.providers.all if not p.ready),
-        )
+        return ProviderReadiness.of(self._providers_settled, self.models.default.parts.providers.statistics())
 
     def state(self) -> str:
         if self.stopping:

@@ -137,7 +137,8 @@ async def _probe(start: Start, found: SlotContext | None) -> tuple[Restores, str
 class Gauge:
     """What a provider's start-time check measures with: the load's decoder, its client and slots,
     its restore capability, the file handoff it hands over through, the rates its prefills teach,
-    and the prefill timeout and the slot context as they are at the check."""
+    and the prefill timeout and the slot context as they are at the check.  ``must_be_faster``: a
+    prefill no faster than the decoder's own engine's is refused too (engine "auto")."""
 
     decoder: Child
     client: DecoderClient
@@ -147,6 +148,7 @@ class Gauge:
     rates: Rates
     timeout_s: float
     slot_context: int | None
+    must_be_faster: bool = False
 
 
 async def check(provider: Provider, gauge: Gauge) -> Checked:
@@ -174,8 +176,9 @@ async def check(provider: Provider, gauge: Gauge) -> Checked:
             gauge.slots.forget(slot)
     _learn(gauge, provider, samples)
     verdict = fidelity.judge(samples)
-    if not verdict.ok:
-        return Checked(refused=f"{verdict.summary()}: over the bound")
+    refused = verdict.refusal(must_be_faster=gauge.must_be_faster)
+    if refused is not None:
+        return Checked(refused=refused)
     log.info("provider %s: admitted in %.1fs: %s", provider.name, trio.current_time() - started, verdict.summary())
     return Checked(admitted=verdict.summary())  # onebitctl status and the status page show it
 

@@ -209,8 +209,9 @@ class Parts:
                 device=self.layout.devices.get(spec.name),
                 on_transition=on_transition,
                 # The decoder's own build is exact (tests hold its handoffs to identical replies):
-                # nothing to measure at start.  Another engine or another binary is measured.
-                gate=self._gate() if self._foreign(spec) else None,
+                # nothing to measure at start.  Another engine or another binary is measured, and
+                # an engine chosen for it (engine "auto") must also be faster than the decoder's.
+                gate=self._gate(must_be_faster=spec.engine == "auto") if self._foreign(spec) else None,
             )
         # A program of the user's own: measured unless its config vouches for the decoder's build.
         gate = self._gate() if spec.fidelity_check else None
@@ -227,11 +228,12 @@ class Parts:
         theirs = locate.llama_server(spec.ggml_binary(self.config.decoder.binary))
         return decoder is None or theirs is None or decoder.resolve() != theirs.resolve()
 
-    def _gate(self) -> Gate | None:
-        """The providers' start-time check (supervisor/models/admission.py), where the daemon runs it."""
-        return self._check if self.check_fidelity else None
+    def _gate(self, *, must_be_faster: bool = False) -> Gate | None:
+        """The providers' start-time check (supervisor/models/admission.py), where the daemon runs it;
+        ``must_be_faster``: a prefill no faster than the decoder's own engine's is refused too."""
+        return partial(self._check, must_be_faster=must_be_faster) if self.check_fidelity else None
 
-    async def _check(self, provider: Provider) -> Checked:
+    async def _check(self, provider: Provider, *, must_be_faster: bool) -> Checked:
         """``provider``'s start-time check, measured with this load's decoder as it is then."""
         if self.hybrid is None:
             return Checked()  # no hybrid route: nothing will be handed over
@@ -244,6 +246,7 @@ class Parts:
             rates=self.completions.rates,
             timeout_s=self.settings.hybrid().prefill_timeout_s,
             slot_context=self._slot_tokens(),
+            must_be_faster=must_be_faster,
         )
         return await admission.check(provider, gauge)
 

@@ -167,6 +167,7 @@ class JobCounts:
         device: str | None = None,
         refused: str | None = None,
         admitted: str | None = None,
+        fell_back: str | None = None,
     ) -> ProviderStatistics:
         """A provider's snapshot; ``child``: its supervised child's statistics, if it has one."""
         return ProviderStatistics(
@@ -181,6 +182,7 @@ class JobCounts:
             device=device,
             refused=refused,
             admitted=admitted,
+            fell_back=fell_back,
         )
 
 
@@ -203,6 +205,9 @@ class ProviderStatistics:
     # The start-time check's verdict it was admitted with (its fidelity distances); None where no
     # check ran (the ggml engine's handoffs are exact, no hybrid route) or it was refused.
     admitted: str | None = None
+    # engine "auto": why OpenVINO was refused and the ggml engine runs instead (its figures where
+    # the start-time check measured it slower); None where it was not.
+    fell_back: str | None = None
 
 
 class Provider(Protocol):

@@ -75,8 +75,10 @@ class LlamaServerProvider:
         self.admitted: str | None = None  # the gate's verdict, where it admitted it (its words)
         # Its first start is over (admitted, refused, or that start failed): wait_settled.
         self._settled = trio.Event()
-        # engine "auto" that found OpenVINO goes on with ggml when OpenVINO is refused.
+        # engine "auto" that found OpenVINO goes on with ggml when OpenVINO is refused (unfaithful,
+        # slower than the decoder's own engine, or unable to start), and says why in ``fell_back``.
         self._falls_back = spec.engine == "auto" and engine == "openvino"
+        self.fell_back: str | None = None
         self._config = config
         self.client = DecoderClient(
             runtime_dir / f"provider-{spec.name}.sock", max_connections=connection_limit(config.model.parallel)
@@ -240,6 +242,8 @@ class LlamaServerProvider:
         return True
 
     def _refuse(self, why: str) -> None:
+        if self._falls_back:
+            self.fell_back = f"OpenVINO refused, the ggml engine instead: {why}"
         if self._falls_back and self.child.state is ChildState.STOPPED and self.device is None:
             # Before any start (its device): ggml at once.
             log.warning("%s: engine auto: OpenVINO refused (%s); the ggml engine instead", self.name, why)
@@ -309,4 +313,5 @@ class LlamaServerProvider:
             device=self.device,
             refused=self.refused,
             admitted=self.admitted,
+            fell_back=self.fell_back,
         )
