@@ -76,7 +76,7 @@ class Marked:
 
     tokens: tuple[int, ...]
     path: Path
-    prefilled: decoder.Prefilled | None  # the decoder's prefill up to the boundary, where it made one
+    prefilled: decoder.Evaluated | None  # the decoder's prefill up to the boundary, where it made one
 
 
 class StoredPrefixes:
@@ -194,7 +194,7 @@ class StoredPrefixes:
         caller commits it with :meth:`keep_marked` after the reply, or :meth:`discard` s it."""
         if self._writes is None or not self.enabled or not self.at_boundary or not self.store.wants(tokens):
             return None
-        prefilled: decoder.Prefilled | None = None
+        prefilled: decoder.Evaluated | None = None
         if prefill:
             done = await decoder.prefill(self.client, slot, tokens)
             if isinstance(done, decoder.Refusal):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TypeVar
 
-from ..llama.answers import Prefilled
+from ..llama.answers import Evaluated
 from ..reasons import Reason
 from ..routeline import RequestOutcome, RouteLine
 from .decision import Choice, Route
@@ -68,7 +68,7 @@ class Story:
         self._reached: Route | None = None
         self._relayed: Relayed | None = None
         self._later: list[Reason] = []  # reasons found after the route was chosen and walked
-        self._marked: Prefilled | None = None
+        self._marked: Evaluated | None = None
         self._outcome = RequestOutcome.OK
         self._error: str | None = None
 
