@@ -9,6 +9,7 @@ tests/test_real_families.py."""
 
 from __future__ import annotations
 
+import json
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -282,3 +283,31 @@ async def test_a_hybrid_entry_is_refused_by_its_fingerprint_under_another_memory
             await rig.post(CHAT, chat("how heavy is box 7 in the store room"))
     assert rig.lines[-1].restored_tokens is None
     assert SETTINGS.enabled
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_hybrid_chats_own_prefill_to_its_boundary_is_no_cache_hit_in_its_usage(
+    tmp_path: Path, stream: bool
+) -> None:
+    """The plain route's two calls (up to the boundary, then the rest): the second's reply counts the
+    first's tokens as cached; the client is told they were evaluated (routes/usage.py)."""
+    rig = hybrid_rig(tmp_path)
+    with trio.fail_after(TIMEOUT):
+        async with serving_with_store(rig, tmp_path):
+            body = {**chat("how heavy is box 7 in the store room"), "stream": stream}
+            if stream:
+                body["stream_options"] = {"include_usage": True}
+            reply = await rig.post(CHAT, body)
+            assert reply.status == 200, reply.body
+    (line,) = rig.lines
+    n_prompt = count(line.prompt_tokens)
+    first, rest = rig.fake.requests[-2:]
+    assert (first.prompt_n, rest.cache_n) == (n_prompt - 1, n_prompt - 1)  # the decoder's own view
+    if stream:
+        events = [e for e in reply.body.split(b"\n\n") if e.startswith(b"data: {") and b'"timings"' in e]
+        final = json.loads(events[-1].removeprefix(b"data: "))
+    else:
+        final = reply.json()
+    assert final["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert (final["timings"]["prompt_n"], final["timings"]["cache_n"]) == (n_prompt, 0)
+    assert count(line.decoder_prompt_n) == n_prompt

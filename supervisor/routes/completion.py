@@ -35,7 +35,7 @@ from .rates import Rates
 from .relay import Relayed, Timings, relay
 from .stored import StoredPrefixes
 from .story import Story
-from .usage import ProviderPrefill
+from .usage import Prefill
 
 __all__ = ["STATE_BYTES_PER_TOKEN", "Completions", "Decoder", "Hybrid"]
 
@@ -264,6 +264,10 @@ class Completions:
             async with boundary.keeping(self.stored, plan, slot, route, story) as keep:
                 if route is not Route.PLAIN or keep.marked is not None:
                     forwarded["cache_prompt"] = True  # the cells handed over or up to the boundary: the slot's cache
+                if prefilled is None and keep.marked is not None and keep.marked.prefilled is not None:
+                    # This request's own prefill to the boundary: no cache hit (routes/usage.py).
+                    first = keep.marked.prefilled
+                    prefilled = Prefill(first.prompt_n, first.prompt_ms, provider=False)
                 relayed = await self._relay(
                     endpoint, forwarded, out, story, headers, plan=plan, slot=slot, entry=entry, prefilled=prefilled
                 )
@@ -295,7 +299,7 @@ class Completions:
         plan: Plan,
         slot: int,
         entry: Entry | None,
-        prefilled: ProviderPrefill | None,
+        prefilled: Prefill | None,
     ) -> Relayed:
         """The decoder's reply relayed, the story told what it did, even when the client hung up;
         ``prefilled``: what a provider spent on the prompt handed over (the reply's usage told with it)."""
