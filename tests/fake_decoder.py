@@ -191,7 +191,8 @@ def expected_row(token: int, pos: int, tensor: str, row_bytes: int) -> bytes:
     return token.to_bytes(4, "big") + digest[: row_bytes - 4]
 
 
-def chatml(messages: Any) -> str:
+def chatml(messages: Any, *, generation_prompt: bool = True) -> str:
+    """The messages in ChatML; ``generation_prompt``: with the assistant turn's opening after them."""
     if not isinstance(messages, list) or not messages:
         raise HttpError(400, "'messages' is required")
     parts: list[str] = []
@@ -199,7 +200,7 @@ def chatml(messages: Any) -> str:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise HttpError(400, "each message must be an object with a 'role'")
         parts.append(f"<|im_start|>{message['role']}\n{content_text(message.get('content'))}<|im_end|>\n")
-    return "".join(parts) + "<|im_start|>assistant\n"
+    return "".join(parts) + ("<|im_start|>assistant\n" if generation_prompt else "")
 
 
 def content_text(content: Any) -> str:

@@ -19,7 +19,8 @@ kept) and templated as chat is.  ``seen`` keeps every request's path, query and 
 see what onebitd asked.
 
 The slot cache is llama-server's: a slot holding a prefix of the prompt evaluates only the rest (at
-least one token), a restore fills the slot from a ``{"fake_state": true, "tokens": [...]}`` file in
+least one token; under ``modes.recurrent`` a slot holds the reply too and nothing is cut back, as a
+hybrid model's state), a restore fills the slot from a ``{"fake_state": true, "tokens": [...]}`` file in
 ``state_dir``, an erase empties it.  ``?action=share`` answers 400 as a stock llama-server does.
 """
 
@@ -103,7 +104,10 @@ class FakeLlama:
             if path == "/tokenize":
                 return httpx.Response(200, json={"tokens": self.tokenize(body.get("content"))})
             if path == "/apply-template":
-                return httpx.Response(200, json={"prompt": chatml(body.get("messages"))})
+                generation_prompt = body.get("add_generation_prompt", True) is not False
+                return httpx.Response(
+                    200, json={"prompt": chatml(body.get("messages"), generation_prompt=generation_prompt)}
+                )
             if path.startswith("/slots/"):
                 if self.save_gate is not None and "action=save" in request.url.query.decode():
                     self.saving += 1
@@ -190,6 +194,8 @@ class FakeLlama:
             )
         cache_n = self.evaluate(path, body, prompt)
         words = [job.echo[i % len(job.echo)] for i in range(job.n_predict)]
+        if self.modes.recurrent:  # its state holds the reply too, and cannot be cut back to the prompt
+            self.slots[body.get("id_slot", 0)] = prompt + [token_id(word) for word in words]
         me = cast(Any, self)  # fake_decoder's reply builders read only ``alias``
         if not job.stream:
             text = " ".join(words) if job.chat else " " + " ".join(words)

@@ -13,13 +13,13 @@ import attrs
 import pytest
 import trio
 
-from supervisor.config import Config, RestartPolicy, modelspec
-from supervisor.config import LlamaServerProvider as LlamaServerProviderConfig
+from supervisor.config import Config, LlamaServerProviderConfig, RestartPolicy, modelspec
 from supervisor.config.live import Settings
 from supervisor.llama import openvino
+from supervisor.models.layout import Layout
 from supervisor.models.model import Model
 from supervisor.providers import Provider, ProviderStatistics
-from supervisor.providers.base import Gate
+from supervisor.providers.base import Checked, Gate
 from supervisor.providers.llama import LlamaServerProvider
 from supervisor.routes.capability import Restores
 from supervisor.routes.file import FileHandoff
@@ -131,11 +131,11 @@ async def test_a_device_the_runtime_does_not_list_is_refused_in_one_line_and_not
 async def test_a_provider_its_gate_refuses_takes_no_job_and_its_server_is_stopped(short_dir: Path) -> None:
     asked: list[int | None] = []
 
-    async def too_far(provider: Provider) -> str | None:
+    async def too_far(provider: Provider) -> Checked:
         assert provider.child is not None
         asked.append(provider.child.pid)
         await trio.lowlevel.checkpoint()
-        return "next-token TV distance 0.4: over the bound"
+        return Checked(refused="next-token TV distance 0.4: over the bound")
 
     provider, _ = provider_for(short_dir, device="CPU", gate=too_far)
     with trio.fail_after(30):
@@ -156,10 +156,10 @@ async def test_a_provider_is_not_ready_until_its_gate_admits_it(short_dir: Path)
     admit = trio.Event()
     seen_ready: list[bool] = []
 
-    async def slow(provider: Provider) -> str | None:
+    async def slow(provider: Provider) -> Checked:
         seen_ready.append(provider.ready)
         await admit.wait()
-        return None
+        return Checked()
 
     provider, _ = provider_for(short_dir, device="CPU", gate=slow)
     with trio.fail_after(30):
@@ -174,13 +174,10 @@ async def test_a_provider_is_not_ready_until_its_gate_admits_it(short_dir: Path)
     assert seen_ready == [False]
 
 
-@pytest.mark.parametrize(("device", "unified"), [("auto", True), ("CPU", False)])
-@pytest.mark.usefixtures("control")
-async def test_the_daemon_asks_for_devices_before_the_decoder_starts_and_unifies_every_kv_for_an_npu(
-    short_dir: Path, device: str, unified: bool
-) -> None:
+def openvino_config(short_dir: Path, device: str) -> Config:
+    """A model on four slots with one OpenVINO provider ``ov`` on ``device``, the fake runtime's."""
     binary = openvino_binary(short_dir)
-    config = fake_decoder_config(
+    return fake_decoder_config(
         short_dir,
         model={"parallel": 4},
         cache={"compile_dir": str(short_dir / "ov")},
@@ -188,6 +185,14 @@ async def test_the_daemon_asks_for_devices_before_the_decoder_starts_and_unifies
             {"kind": "llama-server", "name": "ov", "engine": "openvino", "device": device, "binary": str(binary)}
         ],
     )
+
+
+@pytest.mark.parametrize(("device", "unified"), [("auto", True), ("CPU", False)])
+@pytest.mark.usefixtures("control")
+async def test_the_daemon_asks_for_devices_before_the_decoder_starts_and_unifies_every_kv_for_an_npu(
+    short_dir: Path, device: str, unified: bool
+) -> None:
+    config = openvino_config(short_dir, device)
     with trio.fail_after(30):
         async with run_daemon(config) as running:
             (provider,) = running.daemon.models.default.parts.providers.all
@@ -206,6 +211,30 @@ async def test_the_daemon_asks_for_devices_before_the_decoder_starts_and_unifies
     assert fingerprint is not None
     assert fingerprint.engines == (("ov=openvino/NPU/static",) if unified else ("ov=openvino/CPU",))
     assert fingerprint.kv_unified is unified
+
+
+@pytest.mark.usefixtures("control")
+async def test_a_models_layout_is_chosen_before_its_first_start_and_every_load_is_built_whole_from_it(
+    short_dir: Path,
+) -> None:
+    """The devices asked once; the load's parts built from the layout, not patched after: every
+    launcher takes ``--kv-unified`` as it is made, the provider its device and one slot, and a later
+    load's provider has its device without asking the runtime again."""
+    config = openvino_config(short_dir, "auto")
+    (spec,) = modelspec.specs(config)
+    model = Model(spec, runtime_dir=short_dir, settings=Settings(config), check_fidelity=False)
+    asking = model.parts
+    with trio.fail_after(30):
+        await model.choose_layout()
+    assert model.layout == Layout(kv_unified=True, devices={"ov": "NPU"})
+    first = model.parts
+    model.fresh_parts()  # after an unload: the next load's parts
+    for parts in (first, model.parts):
+        assert parts is not asking
+        (provider,) = parts.llama_providers()
+        assert (provider.device, provider.parallel, provider.static) == ("NPU", 1, True)
+        assert "--kv-unified" in parts.launcher.argv()
+        assert "--kv-unified" in provider.launcher.argv()
 
 
 def auto_provider(
@@ -260,11 +289,11 @@ async def test_engine_auto_goes_on_with_ggml_when_openvino_is_over_the_fidelity_
 ) -> None:
     pids: list[int | None] = []
 
-    async def too_far(provider: Provider) -> str | None:
+    async def too_far(provider: Provider) -> Checked:
         assert provider.child is not None
         pids.append(provider.child.pid)
         await trio.lowlevel.checkpoint()
-        return "over the bound"
+        return Checked(refused="over the bound")
 
     provider = auto_provider(short_dir, monkeypatch, device="CPU", gate=too_far)
     stats = await ready_statistics(provider)

@@ -135,7 +135,7 @@ class Decoder:
         """The decoder prefills ``tokens`` into an empty slot and saves it as ``name``."""
         assert await decoder.erase(self.client, 0) is None
         prefilled = await decoder.prefill(self.client, 0, tokens)
-        assert isinstance(prefilled, decoder.Prefilled), prefilled
+        assert isinstance(prefilled, decoder.Evaluated), prefilled
         saved = await decoder.save(self.client, 0, name)
         assert isinstance(saved, decoder.Saved), saved
         return self.state_dir / name
