@@ -72,6 +72,10 @@ class Shape:
     # its conv window and its SSM state; LFM2's short convolution: its cache).
     recurrent_layers: int = 0
     recurrent_values: int = 0
+    # One attention head's K and V widths (``attention.key_length``, ``attention.value_length``);
+    # None: ``embedding / heads``.  Qwen3.5's and Gemma's heads are wider than that.
+    key_length: int | None = None
+    value_length: int | None = None
 
     @property
     def attention_layers(self) -> int:
@@ -88,10 +92,10 @@ class Shape:
         """What one token of context takes in llama.cpp's KV cache: K and V rows of every
         attention layer."""
         kv_heads = max(self.kv_heads) if isinstance(self.kv_heads, tuple) else self.kv_heads
-        row = kv_heads * (self.embedding // max(self.heads, 1))
-        k = CACHE_TYPE_BYTES.get(cache_type_k, 2.0)
-        v = CACHE_TYPE_BYTES.get(cache_type_v, 2.0)
-        return self.attention_layers * row * (k + v)
+        head = self.embedding // max(self.heads, 1)
+        k = kv_heads * (self.key_length or head) * CACHE_TYPE_BYTES.get(cache_type_k, 2.0)
+        v = kv_heads * (self.value_length or head) * CACHE_TYPE_BYTES.get(cache_type_v, 2.0)
+        return self.attention_layers * (k + v)
 
     def recurrent_bytes(self) -> float:
         """One sequence's recurrent state (f32, llama.cpp's default for it), over its layers."""
@@ -170,11 +174,7 @@ def _shape(arch: Any, found: dict[str, Any]) -> Shape:
     swa = 0
     if window is not None:
         swa = sum(1 for flag in pattern if flag) if pattern is not None and len(pattern) == layers else layers
-    recurrent_flags = _ints(key("attention.recurrent_layers"))
-    if recurrent_flags is not None and len(recurrent_flags) == layers:
-        recurrent = sum(1 for flag in recurrent_flags if flag)
-    else:
-        recurrent = sum(1 for h in kv if h == 0) if len(kv) > 1 else 0
+    recurrent = _recurrent_layers(arch, layers, kv, key)
     return Shape(
         layers=layers,
         embedding=int(found[f"{arch}.embedding_length"]),
@@ -185,7 +185,30 @@ def _shape(arch: Any, found: dict[str, Any]) -> Shape:
         swa_layers=swa,
         recurrent_layers=recurrent,
         recurrent_values=_recurrent_values(key) if recurrent else 0,
+        key_length=_positive(key("attention.key_length")),
+        value_length=_positive(key("attention.value_length")),
     )
+
+
+# The gated delta-net architectures whose GGUF may say which layers are full attention only by an
+# interval (llama.cpp's src/models/qwen35.cpp and its kin: every ``full_attention_interval``-th
+# layer, 4 without the key; the next-token-prediction layers past the trunk are attention).
+_INTERVAL_ARCHS = frozenset({"qwen3next", "qwen35", "qwen35moe", "minimax-01"})
+
+
+def _recurrent_layers(arch: Any, layers: int, kv: tuple[int, ...], key: Any) -> int:
+    """How many layers keep a recurrent state rather than KV, as llama.cpp marks them: the
+    ``attention.recurrent_layers`` flags where the GGUF has them; for the interval architectures
+    every layer of the trunk but each ``full_attention_interval``-th; else the layers without KV
+    heads (LFM2, Granite 4: a per-layer ``head_count_kv`` of 0)."""
+    flags = _ints(key("attention.recurrent_layers"))
+    if flags is not None and len(flags) == layers:
+        return sum(1 for flag in flags if flag)
+    if arch in _INTERVAL_ARCHS:
+        interval = _positive(key("full_attention_interval")) or 4
+        trunk = layers - (_positive(key("nextn_predict_layers")) or 0)
+        return sum(1 for i in range(trunk) if (i + 1) % interval != 0)
+    return sum(1 for h in kv if h == 0) if len(kv) > 1 else 0
 
 
 def _recurrent_values(key: Any) -> int:

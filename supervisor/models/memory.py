@@ -59,21 +59,40 @@ def estimate_mib(spec: ModelSpec, found: ModelFile | None, *, swa_full: bool = F
 
 
 def cache_bytes(shape: gguf.Shape, table: ModelConfig, *, swa_full: bool) -> float:
-    """One llama-server's caches for ``table``, as llama.cpp sizes them: its context, capped at the
-    training context a slot, in each full-attention layer; in each sliding-window layer (unless
-    ``--swa-full``) only the window per slot and one micro-batch; and each slot's recurrent state.
-    Pure."""
+    """One llama-server's caches for ``table``: its attention layers' KV (:func:`kv_cache_bytes`)
+    and each slot's recurrent or convolution state (:func:`recurrent_cache_bytes`).  Pure."""
+    return kv_cache_bytes(shape, table, swa_full=swa_full) + recurrent_cache_bytes(shape, table)
+
+
+def _cells(n: int) -> int:
+    """llama.cpp pads a cache's cells to a multiple of 256 (llama-context.cpp, llama-kv-cache-iswa.cpp)."""
+    return -(-n // 256) * 256
+
+
+def kv_cache_bytes(shape: gguf.Shape, table: ModelConfig, *, swa_full: bool) -> float:
+    """The KV cache of one llama-server for ``table``, as llama.cpp sizes it (a stream a slot, its
+    default): a slot's context (``ctx_size / parallel``, capped at the training context, padded to
+    256 cells) in each full-attention layer; in each sliding-window layer (unless ``--swa-full``)
+    the window and one micro-batch a slot, padded to 256 cells.  Recurrent and convolution layers
+    keep no KV.  Pure."""
     slots = max(table.parallel, 1)
-    ctx = table.ctx_size
+    per_slot = _cells(_cells(table.ctx_size) // slots)
     if shape.context_length is not None:
-        ctx = min(ctx, shape.context_length * slots)
+        per_slot = min(per_slot, _cells(shape.context_length))
     per_layer = shape.kv_bytes_per_token(table.cache_type_k, table.cache_type_v) / max(shape.attention_layers, 1)
     swa = min(shape.swa_layers, shape.attention_layers)
     full = shape.attention_layers - swa
-    window = (
-        ctx if swa_full or shape.sliding_window is None else min(ctx, shape.sliding_window * slots + table.ubatch_size)
-    )
-    return per_layer * (full * ctx + swa * window) + shape.recurrent_bytes() * slots
+    window = per_slot
+    if not swa_full and shape.sliding_window is not None:
+        window = _cells(min(per_slot, shape.sliding_window + table.ubatch_size))
+    return per_layer * slots * (full * per_slot + swa * window)
+
+
+def recurrent_cache_bytes(shape: gguf.Shape, table: ModelConfig) -> float:
+    """The recurrent or convolution state of one llama-server for ``table``: one sequence's
+    (:meth:`~supervisor.llama.gguf.Shape.recurrent_bytes`) a slot, as llama.cpp's
+    ``llama_memory_recurrent`` keeps a cell a sequence.  0 for a model without one.  Pure."""
+    return shape.recurrent_bytes() * max(table.parallel, 1)
 
 
 def footprint_mib(file_bytes: int, kv_bytes: float, *, processes: int, cache_ram_mib: int) -> float:
