@@ -1,11 +1,11 @@
 """The one control file every subprocess fake takes its modes from, and the logs they write beside it.
-Standard library only: the fakes run as programs (``python tests/fake_decoder.py``) and import it too.
+Standard library only: the fakes run as programs (``python -m tests.fakes.llama.process``) and import it too.
 
 ``FAKE_CONTROL`` names a JSON file with a section per fake::
 
     {"decoder": {...}, "provider": {...}, "share": {...}}
 
-tests/fake_decoder.py reads ``decoder``, tests/fake_provider.py ``provider`` and
+tests/fakes/llama/process.py reads ``decoder``, tests/fake_provider.py ``provider`` and
 tests/fake_share_provider.py ``share``; each section holds the fields of that fake's ``Modes`` dataclass
 (a missing field keeps its default).  A fake reads its section again whenever a mode matters, so a test
 changes what a running fake does by rewriting the file.  Tests write it with ``tests/rig.py``'s

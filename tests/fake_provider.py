@@ -9,7 +9,7 @@ talks one JSON object per line over the socket whose fd is in ``ONEBIT_PROVIDER_
 cancels are done in order on the main thread).
 
 The "state file" it writes is JSON, ``{"fake_state": true, "tokens": [...]}`` (the tokens it says it
-prefilled), which tests/fake_decoder.py accepts on restore.
+prefilled), which the fake llama-server accepts on restore (tests/fakes/llama/slots.py).
 
 Modes: the fields of :class:`Modes`, read from the ``provider`` section of the control file
 (tests/fake_control.py; tests write it with ``Control.set(provider=Modes(...))``) for every job:

@@ -7,9 +7,9 @@ whose fd is in ``ONEBIT_PROVIDER_FD``: ``{"ready": true}`` first, then one answe
 job's fds arrive with its line (SCM_RIGHTS), in the order of ``job["fds"]``.
 
 A share job: it maps the regions (``job["layout"]``, docs/protocol.md) and writes, for each position p
-of the job's tokens and each tensor, the row :func:`expected_row` gives, which tests/fake_decoder.py
-checks on ``?action=adopt``.  A file job: it writes ``{"fake_state": true, "tokens": [...]}`` to
-``state_file``, which the fake decoder restores.  The claim is ``{"n_tokens", "prefill_ms"}``.
+of the job's tokens and each tensor, the row :func:`expected_row` gives, which the fake llama-server
+(tests/fakes/llama/share.py) checks on ``?action=adopt``.  A file job: it writes ``{"fake_state": true,
+"tokens": [...]}`` to ``state_file``, which the fake decoder restores.  The claim is ``{"n_tokens", "prefill_ms"}``.
 
 Modes: the fields of :class:`Modes`, read from the ``share`` section of the control file
 (tests/fake_control.py; tests write it with ``Control.set(share=Modes(...))``) for every job:
@@ -55,7 +55,7 @@ MAX_FDS = 64
 
 def expected_row(token: int, pos: int, tensor: str, row_bytes: int) -> bytes:
     """The bytes for ``token`` at ``pos`` in ``tensor``: the token id, big-endian, then a hash of all
-    three.  tests/fake_decoder.py has the same function; they must agree."""
+    three.  tests/fakes/llama/share.py has the same function; they must agree."""
     seed = f"{tensor}:{pos}:{token}".encode()
     digest = b""
     while len(digest) < row_bytes - 4:

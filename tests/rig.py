@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import os
+import shlex
 import struct
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ import pytest
 import trio
 
 from supervisor import config as configuration
+from supervisor import testing
 from supervisor.config import Config, locate
 from supervisor.errors import ProviderError
 from supervisor.llama import openvino
@@ -34,12 +36,17 @@ from supervisor.supervise.child import Child, ChildState
 from supervisor.testing import Running as Running
 from supervisor.testing import run_daemon as run_daemon
 
-from . import fake_control, fake_decoder, fake_provider, fake_share_provider
+from . import fake_control, fake_provider, fake_share_provider
+from .fakes.llama import core as fake_llama
 
 TESTS = Path(__file__).parent
-FAKE_DECODER = TESTS / "fake_decoder.py"
-# Each fake's modes, by the names the tests give them (tests/fake_llama.py takes the decoder's too).
-DecoderModes = fake_decoder.Modes
+# The fake llama-server as a program (tests/fakes/llama/process.py), as a launcher's last line of sh.
+FAKE_LLAMA_EXEC = (
+    f'PYTHONPATH={shlex.quote(str(TESTS.parent))} exec {shlex.quote(sys.executable)} -m tests.fakes.llama.process "$@"'
+)
+# Each fake's modes, by the names the tests give them (the in-process fake llama-server takes the
+# decoder's too).
+DecoderModes = fake_llama.Modes
 ProviderModes = fake_provider.Modes
 ShareModes = fake_share_provider.Modes
 
@@ -103,15 +110,21 @@ FAKE_GGUF = (
 ) + _gguf_string("fake")
 
 
+def fake_llama_server(directory: Path) -> Path:
+    """A launcher for the fake llama-server as a program (run by this interpreter): ``decoder.binary``."""
+    launcher = directory / "fake-llama-server"
+    launcher.write_text(f"#!/bin/sh\n{FAKE_LLAMA_EXEC}\n")
+    launcher.chmod(0o755)
+    return launcher
+
+
 def fake_decoder_config(runtime_dir: Path, *, model_file: Path | None = None, **sections: Any) -> Config:
-    """A config whose decoder is tests/fake_decoder.py (run by this interpreter)."""
+    """A config whose decoder is the fake llama-server, run as a program."""
     model = model_file
     if model is None:
         model = runtime_dir / "fake.gguf"
         model.write_bytes(FAKE_GGUF)
-    launcher = runtime_dir / "fake-llama-server"
-    launcher.write_text(f'#!/bin/sh\nexec {sys.executable} {FAKE_DECODER} "$@"\n')
-    launcher.chmod(0o755)
+    launcher = fake_llama_server(runtime_dir)
     decoder = {"binary": str(launcher), "health": {"interval_s": 0.2, "stop_grace_s": 2.0}}
     decoder.update(sections.pop("decoder", {}))
     model_section = {"path": str(model), "parallel": 2}
@@ -131,9 +144,7 @@ def several(
     """A config whose [[model]] tables are ``names``, each the fake decoder on its own fake file
     (``table``: keys every table has too; ``decoder``: keys of the [decoder] table; ``sections``:
     other tables, as ``hybrid`` and ``provider``)."""
-    launcher = runtime_dir / "fake-llama-server"
-    launcher.write_text(f'#!/bin/sh\nexec {sys.executable} {FAKE_DECODER} "$@"\n')
-    launcher.chmod(0o755)
+    launcher = fake_llama_server(runtime_dir)
     tables = []
     for name in names:
         path = runtime_dir / f"{name}.gguf"
@@ -204,13 +215,8 @@ class Control:
         return self.marker.read_text().splitlines() if self.marker.exists() else []
 
 
-class RouteLines(logging.Handler):
-    """Collects the fields of every route line."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[dict[str, Any]] = []
-        self._changed = trio.Event()
+class RouteLines(testing.RouteLines):
+    """supervisor/testing.py's collector, holding each line to what every route line must be."""
 
     def emit(self, record: logging.LogRecord) -> None:
         fields = getattr(record, "route_fields", None)
@@ -218,14 +224,7 @@ class RouteLines(logging.Handler):
         # Both count from the request's arrival: a response ends after its first byte.
         first, total = fields.get("first_byte_ms"), fields.get("total_ms")
         assert first is None or (total is not None and total >= first), record.getMessage()
-        self.lines.append(fields)
-        self._changed.set()
-        self._changed = trio.Event()
-
-    async def wait(self, n: int) -> list[dict[str, Any]]:
-        while len(self.lines) < n:
-            await self._changed.wait()
-        return self.lines
+        super().emit(record)
 
 
 # -- the hybrid routes end to end: onebitd, the fake decoder and a fake provider ---------------------

@@ -1,5 +1,5 @@
 """What a model's restores can do, proven at its load (supervisor/routes/capability.py), and what each
-verdict does to a request's route, against tests/fake_llama.py: a dense model's restore spares the
+verdict does to a request's route, against tests/fakes/llama/inprocess.py: a dense model's restore spares the
 whole prompt, a recurrent one's only a state saved a token short, and one that restores nothing
 turns the hybrid routes and the prefix store off with ``fallback=restore-unusable``.  The same on
 the real llama-server, per family: tests/test_real_families.py."""
@@ -28,8 +28,8 @@ from supervisor.routes.decision import Ask, Offer, Policy, Route, choose
 from supervisor.routes.stored import StoredPrefixes
 from supervisor.supervise.child import ChildState
 
-from .fake_decoder import Modes
-from .fake_llama import FakeLlama
+from .fakes.llama.core import Modes
+from .fakes.llama.inprocess import FakeLlama
 from .rig import ScriptedProvider, fake_decoder_config
 from .test_completions import M, body_for, make_rig, state_files
 

@@ -1,4 +1,4 @@
-"""A request's story, in process: ``Front`` and ``Completions`` against tests/fake_llama.py (an httpx
+"""A request's story, in process: ``Front`` and ``Completions`` against tests/fakes/llama/inprocess.py (an httpx
 transport) and an in-test provider, driven through the ASGI interface the way the server drives it.
 
 What only these tests can show without a process: the fallback chain keeps every reason in order,
@@ -37,8 +37,8 @@ from supervisor.supervise.child import ChildState
 
 from . import asgi
 from .asgi import ReadyDecoder, Reply
-from .fake_decoder import Modes
-from .fake_llama import Events, FakeLlama, HttpxWire
+from .fakes.llama.core import Modes
+from .fakes.llama.inprocess import Events, FakeLlama, HttpxWire
 from .helpers import wait_until
 from .rig import ScriptedProvider, own_cores
 from .test_prefix_store import private_store
@@ -120,7 +120,7 @@ async def serving_with_store(rig: Rig, tmp_path: Path) -> AsyncIterator[PrefixSt
 
 def restart_decoder(rig: Rig) -> None:
     """The decoder restarted: its slots hold nothing, and onebitd knows it."""
-    rig.fake.slots = [[], []]
+    rig.fake.core.empty()
     rig.completions.decoder.generation += 1  # type: ignore[misc]
 
 
@@ -245,7 +245,7 @@ async def test_a_restarted_decoder_is_not_taken_to_hold_what_its_slots_held(tmp_
         decoder = rig.completions.decoder
         assert isinstance(decoder, ReadyDecoder)
         decoder.generation += 1  # a new decoder process, with empty slots
-        rig.fake.slots = [[] for _ in rig.fake.slots]
+        rig.fake.core.empty()
         await rig.post("/completion", body)
     first, second, third = rig.lines
     assert [(line.route, line.fallback) for line in (first, second)] == [("file", None), ("plain", "cached")]
@@ -317,7 +317,7 @@ async def test_a_prompt_over_a_slots_context_gets_the_decoders_400_with_no_hando
 ) -> None:
     provider = ScriptedProvider()
     rig = make_rig(tmp_path, provider, slot_context=M)  # PROMPT has M tokens: no room for a reply
-    rig.fake.n_ctx_slot = M
+    rig.fake.with_slot_context(M)
     # Every prompt over the floor is handed over (no cost decision): so is the one that fits.
     rig.completions.configure(attrs.evolve(SETTINGS, route_by="length"))
     with trio.fail_after(TIMEOUT):
@@ -456,17 +456,17 @@ async def test_a_next_turn_sent_while_its_slot_is_saved_for_the_store_waits_for_
     # An agent sends its next turn the moment a reply ends, while onebitd still holds the slot to
     # save it for the prefix store; the other slot is free, and holds nothing of the conversation.
     rig = make_rig(tmp_path, ScriptedProvider(ready=False))
-    gate = rig.fake.save_gate = trio.Event()
+    rig.fake.modes = Modes(hold_save=True)
     # Long enough for slot affinity to count the shared prefix as a conversation (slots.USEFUL_TOKENS).
     turn1 = {**body_for(False), "prompt": f"{PROMPT} {PROMPT}"}
     turn2 = {**turn1, "prompt": f"{PROMPT} {PROMPT} and then a second question"}
     with trio.fail_after(TIMEOUT):
         async with serving_with_store(rig, tmp_path), trio.open_nursery() as turns:
             turns.start_soon(rig.post, "/completion", turn1)
-            await wait_until(lambda: rig.fake.saving == 1)
+            await wait_until(lambda: [r["event"] for r in rig.fake.records].count("save-held") == 1)
             turns.start_soon(rig.post, "/completion", turn2)
             await wait_until(lambda: rig.completions.slots.statistics().keep_waiting == 1)
-            gate.set()
+            rig.fake.release.set()
     first, second = rig.lines
     assert second.slot == first.slot
     assert rig.completions.slots.statistics().keep_waits == 1
@@ -562,7 +562,7 @@ async def test_with_route_by_length_a_handed_over_prompt_restores_nothing_from_t
             first = await rig.post("/completion", body_for(False))
             await wait_until(lambda: store.statistics().stores == 1)
             restart_decoder(rig)
-            rig.fake.actions.clear()
+            rig.fake.records.clear()
             handed = await rig.post("/completion", body_for(False))
             assert store.statistics().restores == 0
             # Kept plain (its prompt under the floor): the store serves it.

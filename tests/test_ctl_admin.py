@@ -339,7 +339,7 @@ async def test_logs_prints_a_childs_recent_lines_that_the_daemons_log_left_at_de
         async with run_daemon(fake_decoder_config(short_dir)) as running:
             socket_path = running.daemon.admin.path
             pid = running.daemon.models.default.decoder.pid
-            listening = f"fake_decoder: pid {pid} listening on"
+            listening = f"fake llama-server: pid {pid} listening on"
             # The line is read within 0.1 s of the decoder writing it, before or after it is healthy.
             await wait_until(lambda: any(listening in h.line for h in running.daemon.models.default.decoder.recent()))
             everything = await onebitctl("--socket", socket_path, "logs", "decoder")
@@ -538,7 +538,7 @@ async def test_watch_json_prints_exactly_one_line_per_request_and_ctrl_c_ends_it
             await watchers(running.daemon, 1)
             await send_three_requests(client)
             seen = [json.loads(await watch.line()) for _ in range(3)]
-            await route_lines.wait(3)
+            await route_lines.until(3)
             watch.process.send_signal(signal.SIGINT)
             done = await watch.finish()
     assert seen == route_lines.lines

@@ -130,7 +130,7 @@ async def test_a_file_route_chat_request_passes_each_module_at_most_twice(route_
             with recorded() as paths:
                 reply = await client.post(CHAT, json=chat(PROMPT))
             assert reply.status_code == 200
-            [line] = await route_rig.route_lines.wait(1)
+            [line] = await route_rig.route_lines.until(1)
     assert line["route"] == "file"
     assert_at_most_twice(paths)
 

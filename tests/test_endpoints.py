@@ -1,5 +1,5 @@
 """llama-server's API through ``Front``, in process: every spelling, every relayed endpoint, the
-refusals, CORS and the key headers, against tests/fake_llama.py and driven through ASGI.
+refusals, CORS and the key headers, against tests/fakes/llama/inprocess.py and driven through ASGI.
 
 tests/test_real_compat.py asks the same of the real llama-server, side by side with onebitd.
 """
@@ -36,8 +36,8 @@ from supervisor.supervise.child import ChildState
 
 from . import asgi
 from .asgi import ReadyDecoder, Reply
-from .fake_decoder import chatml
-from .fake_llama import Events, FakeLlama, HttpxWire
+from .fakes.llama.core import chatml
+from .fakes.llama.inprocess import Events, FakeLlama, HttpxWire
 from .rig import ScriptedProvider, own_cores
 
 TIMEOUT = 10

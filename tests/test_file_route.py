@@ -1,4 +1,4 @@
-"""The state-file route end to end: onebitd, tests/fake_decoder.py restoring slot state files, and
+"""The state-file route end to end: onebitd, tests/fakes/llama/process.py restoring slot state files, and
 tests/fake_provider.py writing them, as an ``exec`` and as a ``worker`` provider.
 
 The fake decoder's slot cache behaves like llama-server's: a slot that holds the prompt evaluates one
@@ -15,7 +15,7 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from . import fake_decoder
+from .fakes.llama import slots as fake_slots
 from .helpers import client_for, gone, hang_up_when, reaped, wait_until
 from .rig import (
     BODY,
@@ -63,7 +63,7 @@ async def test_a_provider_state_file_is_restored_and_the_decoder_evaluates_one_t
         async with run_daemon(rig.config(kind)) as running, client_for(running, timeout=TIMEOUT) as client:
             await ready(running, kind)
             assert await complete(client) == plain_reply()
-            [line] = await rig.route_lines.wait(1)
+            [line] = await rig.route_lines.until(1)
             assert_nothing_left(rig, running)
     assert (line["route"], line["fallback"], line["prefill_ms"]) == ("file", None, 7.25)
     assert line["decoder_prompt_n"] <= 2
@@ -81,7 +81,7 @@ async def test_a_last_line_that_is_not_a_claim_still_takes_the_file_route(rig: R
         async with run_daemon(rig.config(kind)) as running, client_for(running, timeout=TIMEOUT) as client:
             await ready(running, kind)
             assert await complete(client) == plain_reply()
-            [line] = await rig.route_lines.wait(1)
+            [line] = await rig.route_lines.until(1)
             assert_nothing_left(rig, running)
     assert (line["route"], line["fallback"]) == ("file", None)
     assert line["decoder_prompt_n"] <= 2
@@ -140,7 +140,7 @@ FALLBACKS: dict[str, tuple[str, DecoderModes, str, dict[str, str]]] = {
         "ok",
         DecoderModes(restore_refuse=True),
         "restore-refused",
-        dict.fromkeys(KINDS, f"hybrid: restore answered 400: {fake_decoder.RESTORE_FAILED}{TAIL}"),
+        dict.fromkeys(KINDS, f"hybrid: restore answered 400: {fake_slots.RESTORE_FAILED}{TAIL}"),
     ),
     "restore-short": (
         "ok",
@@ -162,7 +162,7 @@ async def test_every_fallback_answers_correctly_and_leaves_nothing_behind(rig: R
         async with run_daemon(config) as running, client_for(running, timeout=TIMEOUT) as client:
             await ready(running, kind)
             assert await complete(client) == plain_reply()
-            [line] = await rig.route_lines.wait(1)
+            [line] = await rig.route_lines.until(1)
             assert_nothing_left(rig, running)
             if kind == "exec":
                 assert all(reaped(pid) for pid in rig.provider_pids())
@@ -205,7 +205,7 @@ async def test_a_client_gone_during_the_prefill_stops_the_provider_and_leaves_no
                 await hang_up_when(running, BODY, rig.control.pidfile.exists)  # the provider wrote its file, and hangs
             else:
                 await hang_up_when(running, BODY, lambda: bool(rig.jobs()))
-            [line] = await rig.route_lines.wait(1)
+            [line] = await rig.route_lines.until(1)
             assert (line["outcome"], line["status"]) == ("cancelled", 499)
             assert_nothing_left(rig, running)
             if kind == "exec":
@@ -221,7 +221,7 @@ async def test_a_client_gone_during_the_restore_leaves_nothing(rig: RouteRig) ->
     with trio.fail_after(TIMEOUT):
         async with run_daemon(rig.config("exec")) as running:
             await hang_up_when(running, BODY, lambda: bool(rig.decoder("restore-held")))
-            [line] = await rig.route_lines.wait(1)
+            [line] = await rig.route_lines.until(1)
             assert (line["outcome"], line["status"]) == ("cancelled", 499)
             assert_nothing_left(rig, running)
             # The decoder saw its client go and restored nothing.
@@ -236,7 +236,7 @@ async def test_a_client_gone_while_the_decoder_decodes_leaves_nothing(rig: Route
     with trio.fail_after(TIMEOUT):
         async with run_daemon(rig.config("exec")) as running:
             await hang_up_when(running, BODY, lambda: bool(rig.decoder("arrived")))
-            [line] = await rig.route_lines.wait(1)
+            [line] = await rig.route_lines.until(1)
             assert (line["route"], line["outcome"], line["status"]) == ("file", "cancelled", 499)
             assert_nothing_left(rig, running)
             [completion] = await until_entries(rig, "completion")
@@ -273,7 +273,7 @@ async def test_concurrent_hybrid_requests_each_get_their_own_slot(rig: RouteRig)
                 assert sorted(entry["id_slot"] for entry in arrived) == [0, 1]
                 assert all(entry["slot"] == entry["id_slot"] for entry in arrived)
                 rig.control.set(decoder=DecoderModes())
-            lines = await rig.route_lines.wait(2)
+            lines = await rig.route_lines.until(2)
             assert_nothing_left(rig, running)
     assert replies == {prompt: plain_reply(prompt) for prompt in prompts}
     assert [line["route"] for line in lines] == ["file", "file"]
@@ -299,7 +299,7 @@ async def test_the_route_line_and_the_metrics_name_the_provider_and_count_its_fa
         async with run_daemon(rig.config("exec")) as running, client_for(running, timeout=TIMEOUT) as client:
             assert await complete(client) == plain_reply()
             assert await complete(client, PROMPT + " again") == plain_reply(PROMPT + " again")
-            ok, failed = await rig.route_lines.wait(2)
+            ok, failed = await rig.route_lines.until(2)
             samples = samples_of((await client.get("/metrics")).text)
     # An exec provider is a program of its own: onebitd does not know what it runs on.
     assert (ok["route"], ok["provider"], ok["engine"], ok["device"]) == ("file", "npu0", None, None)
@@ -317,6 +317,6 @@ async def test_a_plain_request_names_no_provider(rig: RouteRig) -> None:
     with trio.fail_after(TIMEOUT):
         async with run_daemon(rig.config("exec")) as running, client_for(running, timeout=TIMEOUT) as client:
             assert await complete(client, "short") == plain_reply("short")
-            [line] = await rig.route_lines.wait(1)
+            [line] = await rig.route_lines.until(1)
     assert (line["route"], line["fallback"]) == ("plain", "short-prompt")
     assert (line["provider"], line["engine"], line["device"]) == (None, None, None)

@@ -1,4 +1,4 @@
-"""The HTTP front and the plain route, end to end against tests/fake_decoder.py.
+"""The HTTP front and the plain route, end to end against tests/fakes/llama/process.py.
 
 Each test runs onebitd in-process (``run_daemon``) with the fake decoder as its child, talks to it with
 httpx, and steers the fake through its control file: ``hold`` pauses a completion after its first
@@ -469,7 +469,7 @@ async def test_a_client_that_disconnects_mid_stream_closes_the_upstream_request_
                 await receive_until(raw, bytearray(), b'"content":"going"')
                 assert running.daemon.models.default.parts.slots.statistics().busy == 1
             # Leaving the block closed the connection mid-stream.
-            [line] = await route_lines.wait(1)
+            [line] = await route_lines.until(1)
             assert (line["route"], line["outcome"], line["status"]) == ("plain", "cancelled", 200)
             assert running.daemon.models.default.parts.slots.statistics().busy == 0
             [entry] = await control.wait_entries(1)
@@ -504,7 +504,7 @@ async def test_a_client_that_leaves_the_queue_is_cancelled_without_reaching_the_
             nursery.start_soon(wait_in_queue)
             await wait_queued(slots, 1)
             waiting.cancel()  # the client hangs up
-            [line] = await route_lines.wait(1)
+            [line] = await route_lines.until(1)
             assert (line["outcome"], line["status"], line["slot"]) == ("cancelled", 499, None)
             assert slots.statistics().queued == 0
             control.set(decoder=DecoderModes())
@@ -535,7 +535,7 @@ async def test_a_decoder_killed_mid_stream_ends_the_stream_with_an_error_event_a
             error = json.loads(rest[-1])["error"]
             assert (error["source"], error["code"]) == ("decoder", "decoder_lost")
             assert "[DONE]" not in rest
-            [line] = await route_lines.wait(1)
+            [line] = await route_lines.until(1)
             assert (line["outcome"], line["status"]) == ("error", 200)
             assert running.daemon.models.default.parts.slots.statistics().busy == 0
 

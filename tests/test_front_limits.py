@@ -1,4 +1,4 @@
-"""What a malformed or stalled request gets from the front, against tests/fake_decoder.py: a body
+"""What a malformed or stalled request gets from the front, against tests/fakes/llama/process.py: a body
 nested too deeply is a 400 (not a 500), a body that stops arriving is a 408 after
 ``server.body_timeout_s``, a head that never ends is closed after ``server.idle_timeout_s``, and a
 client that stops reading its stream is cancelled after ``server.write_timeout_s``.
@@ -60,7 +60,7 @@ async def test_a_client_that_stops_reading_its_stream_is_cancelled_after_write_t
         async with run_daemon(config) as running, await open_raw(running) as raw:
             raw.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             await raw.send_all(request_head(CHAT, len(data)) + data.encode())
-            (line,) = await route_lines.wait(1)  # the client reads nothing meanwhile
+            (line,) = await route_lines.until(1)  # the client reads nothing meanwhile
             [entry] = await control.wait_entries(1)
     assert (line["outcome"], line["status"]) == ("cancelled", 200)
     assert "server.write_timeout_s" in line["error"]

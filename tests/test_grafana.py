@@ -217,7 +217,7 @@ async def scrape(runtime: Path, route_lines: RouteLines) -> str:
             for model in ("a", "b"):
                 reply = await client.post("/completion", json={"model": model, "prompt": PROMPT, "n_predict": 2})
                 assert reply.status_code == 200, reply.text
-            lines = await route_lines.wait(2)
+            lines = await route_lines.until(2)
             assert [(line["model"], line["route"]) for line in lines] == [("a", "file"), ("b", "plain")]
             assert lines[1]["load_ms"] is not None  # b waited for its load
             scraped = await client.get("/metrics")

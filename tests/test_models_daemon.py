@@ -50,7 +50,7 @@ async def test_a_model_that_does_not_load_in_time_is_a_503_with_retry_after(
             assert reply.status_code == 503
             assert reply.headers["retry-after"] == "1"
             assert "model b" in reply.json()["error"]["message"]
-            (line,) = await route_lines.wait(1)
+            (line,) = await route_lines.until(1)
             assert (line["model"], line["status"], line["outcome"]) == ("b", 503, "error")
             assert line["load_ms"] > 0
             control.set(decoder=DecoderModes())
@@ -101,7 +101,7 @@ async def test_with_one_model_a_request_may_name_any_model_as_llama_server_allow
         ):
             reply = await client.post("/completion", json={"model": "gpt-4", "prompt": "hello there", "n_predict": 2})
             assert reply.status_code == 200
-            (line,) = await route_lines.wait(1)
+            (line,) = await route_lines.until(1)
             assert (line["model"], line["load_ms"]) == ("fake", None)
 
 
@@ -197,7 +197,7 @@ async def test_one_model_unloaded_by_onebitctl_is_loaded_again_by_the_next_reque
             assert unloaded.state == "unloaded"
             reply = await client.post("/completion", json={"prompt": "hello there", "n_predict": 2})
             assert reply.status_code == 200
-            (line,) = await route_lines.wait(1)
+            (line,) = await route_lines.until(1)
             assert line["load_ms"] > 0
             assert running.daemon.models.default.loads == 2
 
@@ -216,14 +216,14 @@ async def test_one_model_idle_past_its_ttl_is_loaded_again_by_the_next_request_a
             for n in (1, 2):
                 reply = await client.post("/completion", json={"prompt": "hello there", "n_predict": 2})
                 assert reply.status_code == 200
-                line = (await route_lines.wait(n))[n - 1]
+                line = (await route_lines.until(n))[n - 1]
                 assert line["load_ms"] > 0
                 assert model.loads == n
                 while model.state is not ModelState.UNLOADED:  # idle past its ttl_s
                     await model.wait_changed()
             refused = await client.post("/completion", json={"prompt": "hello there", "n_predict": "two"})
             assert refused.status_code == 400
-            await route_lines.wait(3)
+            await route_lines.until(3)
             assert model.loads == 3
             assert model.users == 0  # held by each request, let go whether it ended well or not
 
@@ -287,7 +287,7 @@ async def test_a_provider_two_models_name_is_restarted_for_the_other_which_goes_
             await wait_until(lambda: b.ready)
             assert not a.ready
             assert (await client.post("/completion", json={"model": "b", **body})).status_code == 200
-            lines = await route_lines.wait(4)
+            lines = await route_lines.until(4)
             assert [(line["model"], line["route"], line.get("fallback")) for line in lines] == [
                 ("a", "file", None),
                 ("b", "plain", "provider-swapping"),  # the handover it asked for

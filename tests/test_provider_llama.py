@@ -1,11 +1,10 @@
-"""The llama-server provider's engine and start gate, against tests/fake_decoder.py in a wrapper that
+"""The llama-server provider's engine and start gate, against tests/fakes/llama/process.py in a wrapper that
 answers ``--list-devices`` as an OpenVINO llama-server does: the device it resolves, the variables and
 slots it starts with, and a refusal (a missing device, a gate's verdict) that stops only it."""
 
 from __future__ import annotations
 
 import logging
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ from supervisor.providers.llama import LlamaServerProvider
 from supervisor.supervise.child import ChildState
 
 from .helpers import reaped, wait_until
-from .rig import FAKE_DECODER, fake_decoder_config, run_daemon
+from .rig import FAKE_LLAMA_EXEC, fake_decoder_config, run_daemon
 
 DEVICES = (
     "Available devices:\n"
@@ -43,7 +42,8 @@ def openvino_binary(directory: Path, *, crashes: bool = False) -> Path:
         + "env | grep '^GGML_OPENVINO_' | sort > "
         + str(directory / "ov-env.txt")
         + "\n"
-        f'exec {sys.executable} {FAKE_DECODER} "$@"\n'
+        + FAKE_LLAMA_EXEC
+        + "\n"
     )
     script.chmod(0o755)
     return script

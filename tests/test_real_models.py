@@ -92,7 +92,7 @@ async def test_two_models_answer_by_name_and_alias_and_v1_models_lists_their_sta
             await complete(client, None, "The sky is")  # no model: the default
             await complete(client, "s", "The sky is")  # loaded on demand, by its alias
             assert states((await client.get("/v1/models")).json()) == {"big": "loaded", "small": "loaded"}
-            first, second = (await route_lines.wait(2))[-2:]
+            first, second = (await route_lines.until(2))[-2:]
             assert (first["model"], first["load_ms"]) == ("big", None)
             assert second["model"] == "small"
             assert second["load_ms"] > 0
@@ -130,7 +130,7 @@ async def test_a_swap_within_max_loaded_keeps_the_conversation_in_the_prefix_sto
             assert unknown["ok"] is False
             turn2 = await complete(client, "big", LONG + turn1["content"] + " Now say word42.")
             assert turn2["content"]
-            line = (await route_lines.wait(3))[-1]
+            line = (await route_lines.until(3))[-1]
             assert line["model"] == "big"
             assert line["load_ms"] > 0
             # Restored from the store: the decoder prefilled only what is new.
@@ -167,7 +167,7 @@ async def test_a_model_in_use_is_not_unloaded_under_its_request(short_dir: Path,
                     async for _chunk in chunks:
                         pass
             assert stream.status_code == 200
-            streamed, small = sorted((await route_lines.wait(2))[-2:], key=lambda line: line["model"])
+            streamed, small = sorted((await route_lines.until(2))[-2:], key=lambda line: line["model"])
             assert (streamed["model"], streamed["outcome"], streamed["status"]) == ("big", "ok", 200)
             assert small["model"] == "small"
             assert small["status"] == 200
@@ -246,7 +246,7 @@ async def test_one_ggml_provider_both_models_name_is_swapped_to_each_and_takes_t
                 if turn in (2, 4):  # after each swap was asked for: its model's process up
                     await wait_until(partial(ready, name))
                 await complete(client, name, f"{LONG} turn {turn}")
-            lines = await route_lines.wait(len(order))
+            lines = await route_lines.until(len(order))
             assert [(line["model"], line["route"], line.get("fallback")) for line in lines] == [
                 ("big", "file", None),
                 ("small", "plain", "provider-swapping"),

@@ -125,7 +125,7 @@ async def test_an_openvino_provider_on_the_cpu_serves_the_whole_file_route(
             provider = await admitted(running)
             got = await ask(running, chat(QUESTION, max_tokens=16, temperature=0))
             # A request is counted when its route line is written, after its last byte: wait for it.
-            await route_lines.wait(1)
+            await route_lines.until(1)
             async with httpx.AsyncClient(base_url=running.url, timeout=30) as client:
                 metrics = (await client.get("/metrics")).text
             stats = provider.statistics()
@@ -211,7 +211,7 @@ async def test_an_openvino_provider_that_dies_mid_prefill_sends_the_request_plai
                 await wait_until(lambda: provider.busy == 1)
                 os.kill(pid, signal.SIGKILL)
             # A request is counted when its route line is written, after its last byte: wait for it.
-            await route_lines.wait(1)
+            await route_lines.until(1)
             async with httpx.AsyncClient(base_url=running.url, timeout=30) as client:
                 metrics = (await client.get("/metrics")).text
             stats = provider.statistics()

@@ -78,7 +78,7 @@ async def test_a_stream_left_mid_way_finishes_into_its_session_and_replays_as_fr
             ):
                 await hang_up_mid_stream(running, "conv-a", chat_body(**LONG))
                 # The decoder's request went on to its end: the line comes once it has, detached.
-                [line] = await route_lines.wait(1)
+                [line] = await route_lines.until(1)
                 assert (line["outcome"], line["status"], line["endpoint"]) == ("detached", 200, "/v1/chat/completions")
                 assert line["decoder_prompt_n"] is not None  # read from the final event, after the hang-up
                 assert running.daemon.models.default.parts.slots.statistics().busy == 0
@@ -133,7 +133,7 @@ async def test_a_stop_ends_a_detached_stream_and_frees_its_slot(short_dir: Path,
                 assert stopped.status_code == 204
                 # The replay ends with the session: the chunked body's last chunk.
                 await receive_until(raw, buffer, b"\r\n0\r\n\r\n")
-            [line] = await route_lines.wait(1)
+            [line] = await route_lines.until(1)
             assert (line["outcome"], line["status"]) == ("detached", 200)
             await wait_until(lambda: running.daemon.models.default.parts.slots.statistics().busy == 0)
             assert await lookup(front, "conv-b") == (200, [])

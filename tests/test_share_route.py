@@ -1,4 +1,4 @@
-"""The share route end to end: onebitd, tests/fake_decoder.py lending its KV as memfds, and
+"""The share route end to end: onebitd, tests/fakes/llama/process.py lending its KV as memfds, and
 tests/fake_share_provider.py writing the rows into them.
 
 Every test runs onebitd in-process with the share route on, and checks what the decoder and the
@@ -25,7 +25,9 @@ import trio
 
 from supervisor.supervise.child import ChildState
 
-from . import fake_decoder, fake_share_provider
+from . import fake_share_provider
+from .fakes.llama import share as fake_share
+from .fakes.llama import slots as fake_slots
 from .helpers import client_for, hang_up_when, reaped, with_model
 from .rig import (
     BODY,
@@ -91,13 +93,13 @@ def assert_pinned(rig: RouteRig, line: dict[str, Any]) -> dict[str, Any]:
 
 def test_the_fake_decoder_and_the_fake_provider_agree_on_every_row() -> None:
     for token, pos, tensor, row_bytes in [(0, 0, "cache_k_l0", 16), (49151, 4095, "cache_v_l1", 16), (7, 3, "x", 80)]:
-        row = fake_decoder.expected_row(token, pos, tensor, row_bytes)
+        row = fake_share.expected_row(token, pos, tensor, row_bytes)
         assert row == fake_share_provider.expected_row(token, pos, tensor, row_bytes)
         assert len(row) == row_bytes
         assert row[:4] == token.to_bytes(4, "big")
     # A row for another position or tensor differs: a row written in the wrong place is caught.
-    assert fake_decoder.expected_row(5, 1, "cache_k_l0", 16) != fake_decoder.expected_row(5, 2, "cache_k_l0", 16)
-    assert fake_decoder.expected_row(5, 1, "cache_k_l0", 16) != fake_decoder.expected_row(5, 1, "cache_v_l0", 16)
+    assert fake_share.expected_row(5, 1, "cache_k_l0", 16) != fake_share.expected_row(5, 2, "cache_k_l0", 16)
+    assert fake_share.expected_row(5, 1, "cache_k_l0", 16) != fake_share.expected_row(5, 1, "cache_v_l0", 16)
 
 
 @pytest.mark.parametrize(
@@ -116,7 +118,7 @@ async def test_a_shared_prompt_is_adopted_into_the_pinned_slot_and_the_decoder_e
         async with run_daemon(config) as running, client_for(running, timeout=TIMEOUT) as client:
             await ready(running, kind)
             assert await complete(client) == plain_reply()
-            [line] = await rig.route_lines.wait(1)
+            [line] = await rig.route_lines.until(1)
     assert (line["route"], line["fallback"], line["outcome"]) == ("share", None, "ok")
     assert line["share_ms"] > 0
     assert line["prefill_ms"] == 3.5  # the provider's own number
@@ -144,8 +146,8 @@ async def test_a_refused_share_takes_the_state_file_route_and_says_so(
     with trio.fail_after(TIMEOUT):
         async with run_daemon(rig.config()) as running, client_for(running, timeout=TIMEOUT) as client:
             assert await complete(client) == plain_reply()
-            [line] = await rig.route_lines.wait(1)
-    refusal = json.dumps({"error": {"message": fake_decoder.SHARE_REFUSED}})
+            [line] = await rig.route_lines.until(1)
+    refusal = json.dumps({"error": {"message": fake_slots.SHARE_REFUSED}})
     assert rig.warnings() == [f"hybrid: share answered 400: {refusal}; {CANNOT_SHARE}"]
     assert (line["route"], line["fallback"], line["share_ms"]) == ("file", "share-refused", 0.0)
     [logfmt] = [r.getMessage() for r in caplog.records if r.name == "onebit.route"]
@@ -179,7 +181,7 @@ async def test_every_handshake_failure_takes_the_state_file_route(
     with trio.fail_after(TIMEOUT):
         async with run_daemon(rig.config()) as running, client_for(running, timeout=TIMEOUT) as client:
             assert await complete(client) == plain_reply()
-            [line] = await rig.route_lines.wait(1)
+            [line] = await rig.route_lines.until(1)
             fds = open_fds()
     [warning] = rig.warnings()
     assert warning.startswith(f"hybrid: {why}")
@@ -198,7 +200,7 @@ async def test_an_adopt_refusal_goes_plain_and_never_takes_the_state_file_route(
     with trio.fail_after(TIMEOUT):
         async with run_daemon(rig.config()) as running, client_for(running, timeout=TIMEOUT) as client:
             assert await complete(client) == plain_reply()
-            [line] = await rig.route_lines.wait(1)
+            [line] = await rig.route_lines.until(1)
     # The provider did run and write: a file-route retry would pay for the prefill twice.
     [job] = rig.jobs()
     assert job["route"] == "share"
@@ -221,7 +223,7 @@ async def test_a_short_claim_is_named_and_no_cells_are_adopted(rig: RouteRig) ->
     with trio.fail_after(TIMEOUT):
         async with run_daemon(rig.config()) as running, client_for(running, timeout=TIMEOUT) as client:
             assert await complete(client) == plain_reply()
-            [line] = await rig.route_lines.wait(1)
+            [line] = await rig.route_lines.until(1)
     assert rig.warnings() == [f"hybrid: provider prefilled {M - 1} of {M} tokens into the shared region{TAIL}"]
     assert rig.decoder("adopt") == []
     assert (line["route"], line["fallback"]) == ("plain", "short-claim")
@@ -247,7 +249,7 @@ async def test_a_provider_that_wrote_the_region_and_then_failed_goes_plain(
     with trio.fail_after(TIMEOUT):
         async with run_daemon(rig.config()) as running, client_for(running, timeout=TIMEOUT) as client:
             assert await complete(client) == plain_reply()
-            [line] = await rig.route_lines.wait(1)
+            [line] = await rig.route_lines.until(1)
     assert len(rig.control.written()) == 1
     assert rig.warnings() == [warning.format(req=line["req"])]
     assert (line["route"], line["fallback"]) == ("plain", fallback)
@@ -262,7 +264,7 @@ async def test_a_last_line_that_is_not_a_claim_still_adopts_the_region(rig: Rout
     with trio.fail_after(TIMEOUT):
         async with run_daemon(rig.config()) as running, client_for(running, timeout=TIMEOUT) as client:
             assert await complete(client) == plain_reply()
-            [line] = await rig.route_lines.wait(1)
+            [line] = await rig.route_lines.until(1)
     assert (line["route"], line["fallback"]) == ("share", None)
     [adopt] = rig.decoder("adopt")
     assert adopt["n_adopted"] == M
@@ -282,7 +284,7 @@ async def test_a_remembered_refusal_asks_the_decoder_no_more_until_it_restarts(r
             for _ in range(2):
                 assert await complete(client) == plain_reply()
             assert len(rig.decoder("share")) == 1
-            lines = await rig.route_lines.wait(3)
+            lines = await rig.route_lines.until(3)
             assert [(line["route"], line["fallback"]) for line in lines] == [
                 ("file", "share-refused"),
                 ("file", "share-refused-earlier"),
@@ -298,7 +300,7 @@ async def test_a_remembered_refusal_asks_the_decoder_no_more_until_it_restarts(r
             while not (decoder.generation > generation and decoder.state is ChildState.READY):
                 await decoder.wait_state(*(s for s in ChildState if s is not decoder.state))
             assert await complete(client) == plain_reply()
-            line = (await rig.route_lines.wait(4))[3]
+            line = (await rig.route_lines.until(4))[3]
     assert len(rig.decoder("share")) == 2
     assert (line["route"], line["fallback"]) == ("share", None)
 
@@ -309,7 +311,7 @@ async def test_a_client_gone_during_the_shared_prefill_kills_the_provider_and_le
         async with run_daemon(rig.config()) as running:
             # Hang up once the provider wrote into the region, while it still holds it.
             await hang_up_when(running, BODY, lambda: len(rig.control.written()) == 1)
-            [line] = await rig.route_lines.wait(1)
+            [line] = await rig.route_lines.until(1)
             assert (line["outcome"], line["status"]) == ("cancelled", 499)
             assert running.daemon.models.default.parts.slots.statistics().busy == 0
             assert running.daemon.models.default.parts.providers.all[0].busy == 0
@@ -329,7 +331,7 @@ async def test_a_slot_whose_shared_prefill_was_abandoned_is_erased_before_it_ser
             assert await complete(client, short) == plain_reply(short)
             rig.control.set(share=ShareModes(hang=True))
             await hang_up_when(running, BODY, lambda: len(rig.control.written()) == 1)
-            first, cancelled = await rig.route_lines.wait(2)
+            first, cancelled = await rig.route_lines.until(2)
             assert first["slot"] == cancelled["slot"]
             assert cancelled["outcome"] == "cancelled"
             # The provider's rows overwrote the cells the short prompt left in that slot; were they
@@ -380,7 +382,7 @@ async def test_two_hundred_share_requests_with_mixed_failures_leave_no_fd_and_no
                 # Halfway, a handshake fails: the rest go the state-file route, which must not leak either.
                 await one_round(client, handshake_fails=i == 6)
             fds_after, files_after = open_fds(), sorted(os.listdir(rig.runtime))
-            lines = await rig.route_lines.wait(16 * 14)
+            lines = await rig.route_lines.until(16 * 14)
     routes = {(line["route"], line["fallback"]) for line in lines}
     assert {("share", None), ("plain", "adopt-refused"), ("file", "share-refused-earlier")} <= routes
 

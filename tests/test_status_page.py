@@ -1,4 +1,4 @@
-"""The status page's endpoints (supervisor/api/statuspage.py) on a daemon with tests/fake_decoder.py:
+"""The status page's endpoints (supervisor/api/statuspage.py) on a daemon with tests/fakes/llama/process.py:
 the page's own files with their Content-Security-Policy, ``/onebit/status`` as the admin ``status``
 verb answers, ``/onebit/events`` as the ``watch`` feed, the API's rules (Host, key, no CORS), and a
 feed reader that stops reading dropped at its bound while other requests go on.

@@ -1,4 +1,4 @@
-"""Resumable streams through ``Front``, in process, against tests/fake_llama.py: ``X-Conversation-Id``
+"""Resumable streams through ``Front``, in process, against tests/fakes/llama/inprocess.py: ``X-Conversation-Id``
 is passed on, a hang-up mid-stream detaches the request instead of cancelling it (its slot held
 until the decoder's stream ends, or ``server.detach_timeout_s``), and the three stream endpoints are
 relayed.  tests/test_real_streams.py asks the same of the real llama-server.
@@ -24,8 +24,8 @@ from supervisor.routes.completion import Completions
 
 from . import asgi
 from .asgi import ReadyDecoder
-from .fake_decoder import Modes
-from .fake_llama import FakeLlama
+from .fakes.llama.core import Modes
+from .fakes.llama.inprocess import FakeLlama
 
 TIMEOUT = 10
 CHAT = "/v1/chat/completions"

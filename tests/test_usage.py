@@ -1,7 +1,7 @@
 """The usage a client is told (supervisor/routes/usage.py), in every API llama-server answers, whole
 and streamed: a handed-over prompt's tokens are not counted as cached, a prefix store's restore and
 a slot's earlier prompt are.  The rig is tests/test_completions.py's: ``Front`` and ``Completions``
-against tests/fake_llama.py, whose replies are llama-server's shapes."""
+against tests/fakes/llama/inprocess.py, whose replies are llama-server's shapes."""
 
 from __future__ import annotations
 
@@ -165,7 +165,7 @@ async def test_a_prompt_handed_over_on_the_share_route_is_not_told_as_cached(rou
     with trio.fail_after(PROCESS_TIMEOUT):
         async with run_daemon(route_rig.config()) as running, client_for(running, timeout=PROCESS_TIMEOUT) as client:
             got = await client.post(path, json=body(path, stream=True))
-            [line] = await route_rig.route_lines.wait(1)
+            [line] = await route_rig.route_lines.until(1)
     assert got.status_code == 200
     assert (line["route"], line["fallback"], line["decoder_prompt_n"]) == ("share", None, 1)
     said = told(Reply(200, dict(got.headers), got.content, []))

@@ -1,4 +1,4 @@
-"""Vertex AI's prediction route through ``Front``, in process, against tests/fake_llama.py: each
+"""Vertex AI's prediction route through ``Front``, in process, against tests/fakes/llama/inprocess.py: each
 instance through onebitd's table, answered together as llama-server's ``register_gcp_compat`` does."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from supervisor.routes.completion import Completions
 
 from . import asgi
 from .asgi import ReadyDecoder, Reply
-from .fake_llama import FakeLlama
+from .fakes.llama.inprocess import FakeLlama
 
 TIMEOUT = 10
 KEY = {"authorization": "Bearer k"}

@@ -75,7 +75,7 @@ class DecoderClient:
 
     The bytes go through ``transport``: :class:`~supervisor.http.wire.UnixTransport` on ``socket`` unless
     one is given (httpx's ``MockTransport`` style): the tests hand it an in-process fake llama-server
-    (tests/fake_llama.py) and need no process at all."""
+    (tests/fakes/llama/inprocess.py) and need no process at all."""
 
     def __init__(self, socket: Path, *, max_connections: int = 64, transport: wire.Transport | None = None) -> None:
         self.socket = socket
