@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +33,9 @@ from supervisor.llama.decoder import DecoderClient
 from supervisor.llama.region import unpack_prompt
 from supervisor.routes.prompt import Unsupported, parse, tokens_of
 from supervisor.supervise.child import ChildState
-from supervisor.testing import unix_transport
 
 from .helpers import wait_until
+from .reference import cached_reply, direct_to
 from .rig import HANDOFF_ALWAYS, RouteLines, Running, child_of, make_config, real_llama_server, run_daemon
 
 pytestmark = [
@@ -215,13 +214,6 @@ def decoder_saw(endpoint: str, reply: dict[str, Any]) -> int:
     if endpoint == "/v1/messages":
         return int(usage["input_tokens"]) + int(usage["cache_read_input_tokens"])
     return int(usage["input_tokens"])
-
-
-@asynccontextmanager
-async def direct_to(running: Running) -> AsyncIterator[httpx.AsyncClient]:
-    transport = unix_transport(running.daemon.models.default.parts.launcher.socket)
-    async with httpx.AsyncClient(transport=transport, base_url="http://decoder", timeout=120) as client:
-        yield client
 
 
 async def slot_tokens(direct: httpx.AsyncClient, state_dir: Path, slot: int) -> tuple[int, ...]:
@@ -421,19 +413,6 @@ def hybrid_config(runtime: Path) -> Config:
     )
 
 
-async def cached_reply(running: Running, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
-    """Straight to the decoder, from its own prompt cache: the body once to fill slot 1, then again,
-    when the decoder evaluates only the prompt's last token, as after a handoff's restore (a reply
-    prefilled in batches can differ: llama.cpp's greedy output depends on the batch split)."""
-    pinned = {**body, "stream": False, "cache_prompt": True, "id_slot": 1}
-    async with direct_to(running) as direct:
-        for _ in range(2):
-            reply = await direct.post(endpoint, json=pinned)
-            assert reply.status_code == 200, reply.text
-    data: dict[str, Any] = reply.json()
-    return data
-
-
 async def test_both_apis_take_the_file_route_and_answer_what_the_decoder_answers_from_its_cache(
     short_dir: Path, route_lines: RouteLines
 ) -> None:
@@ -457,8 +436,9 @@ async def test_both_apis_take_the_file_route_and_answer_what_the_decoder_answers
         async with run_daemon(hybrid_config(short_dir)) as running:
             provider = running.daemon.models.default.parts.providers.all[0]
             await child_of(provider).wait_state(ChildState.READY)
-            cached_message = await cached_reply(running, "/v1/messages", message_body)
-            cached_response = await cached_reply(running, "/v1/responses", responses_body)
+            async with direct_to(running) as decoder:
+                _, cached_message = await cached_reply(decoder, "/v1/messages", message_body)
+                _, cached_response = await cached_reply(decoder, "/v1/responses", responses_body)
             async with open_anthropic(running) as client:
                 message = await client.messages.create(
                     **{k: v for k, v in message_body.items() if k != "temperature"}, **ANTHROPIC_GREEDY

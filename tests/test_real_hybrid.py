@@ -22,6 +22,7 @@ from supervisor.routes import fidelity
 from supervisor.supervise.child import ChildState
 from supervisor.testing import unix_transport
 
+from . import reference
 from .rig import HANDOFF_ALWAYS, TESTS, RouteLines, child_of, make_config, real_llama_server, run_daemon
 
 pytestmark = pytest.mark.real
@@ -88,22 +89,10 @@ async def plain_reply(socket: Path, endpoint: str, body: dict[str, Any]) -> tupl
 
 
 async def reference_reply(socket: Path, endpoint: str, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """Straight to the decoder, from its own prompt cache (the reference for a handed-over reply):
-    slot 1 erased, the body once into it (a plain prefill of the whole prompt, whose timings are
-    returned), then again, when the decoder evaluates only the prompt's last token, as after a
-    restore; that reply's text."""
-    transport = unix_transport(socket)
-    pinned = {**body, "stream": False, "cache_prompt": True, "id_slot": 1}
-    async with httpx.AsyncClient(transport=transport, base_url="http://decoder", timeout=120) as direct:
-        erased = await direct.post("/slots/1", params={"action": "erase"})
-        assert erased.status_code == 200, erased.text
-        replies = []
-        for _ in range(2):
-            reply = await direct.post(endpoint, json=pinned)
-            assert reply.status_code == 200, reply.text
-            replies.append(reply.json())
-    filled, cached = replies
-    assert cached["timings"]["prompt_n"] <= 2, cached["timings"]  # it answered from its cache
+    """The reference for a handed-over reply (tests/reference.py): its text, and the timings of the
+    plain prefill of the whole prompt that filled the slot."""
+    async with reference.direct(socket) as decoder:
+        filled, cached = await reference.cached_reply(decoder, endpoint, body)
     return text_of(endpoint, cached), filled["timings"]
 
 

@@ -26,8 +26,8 @@ import trio
 from supervisor.config import Config, locate
 from supervisor.supervise.child import ChildState
 
+from .reference import cached_reply, direct_to, fill, pinned
 from .rig import HANDOFF_ALWAYS, RouteLines, Running, child_of, make_config, real_llama_server, run_daemon
-from .test_real_agent import cached_reply, direct_to  # the decoder's own prompt-cache reply, on slot 1
 
 pytestmark = pytest.mark.real
 
@@ -114,7 +114,8 @@ async def test_a_reply_with_a_brace_that_is_no_tool_call_is_content_on_the_file_
             await child_of(running.daemon.models.default.parts.providers.all[0]).wait_state(ChildState.READY)
             async with httpx.AsyncClient(base_url=running.url, timeout=120) as client:
                 for tool_choice in (None, "none"):
-                    cached = await cached_reply(running, "/v1/chat/completions", body(tool_choice, stream=False))
+                    async with direct_to(running) as decoder:
+                        _, cached = await cached_reply(decoder, "/v1/chat/completions", body(tool_choice, stream=False))
                     reference = cached["choices"][0]["message"]
                     assert "{" in (reference.get("content") or ""), reference  # the case the parser refused
                     reply = await client.post("/v1/chat/completions", json=body(tool_choice, stream=False))
@@ -195,11 +196,9 @@ async def from_the_decoders_cache(running: Running, data: dict[str, Any]) -> Ans
     slot 1 (one reply token: the slot keeps the prompt), then the body, which evaluates only the
     prompt's last token.  Streamed against streamed: llama-server's parser splits reasoning from
     content differently in the two (DeepSeek V4's "<think>" is content whole, reasoning streamed)."""
-    pinned = {**data, "cache_prompt": True, "id_slot": 1}
-    async with direct_to(running) as direct:
-        fill = {**pinned, "stream": False, "n_predict": 1}
-        await direct.post("/v1/chat/completions", json=fill)  # the prompt is what it keeps
-        return await answer(direct, pinned)
+    async with direct_to(running) as decoder:
+        await fill(decoder, "/v1/chat/completions", {**data, "n_predict": 1})  # the prompt is what it keeps
+        return await answer(decoder, pinned(data))
 
 
 @pytest.mark.parametrize("stem", shipped_templates())
