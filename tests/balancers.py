@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import httpx
 import pytest
 import trio
 
@@ -236,3 +237,13 @@ async def wait_listening(process: trio.Process, port: int, log: Path) -> None:
         else:
             await stream.aclose()
             return
+
+
+async def assert_status_surface_refused(client: httpx.AsyncClient, host_url: str) -> None:
+    """The balancer (``client``) refuses onebitd's status surface, which the host itself serves to
+    the balancer: the proxy reaches it from loopback, which onebitd lets in."""
+    async with httpx.AsyncClient(base_url=host_url, timeout=client.timeout) as direct:
+        assert (await direct.get("/onebit/status")).status_code == 200
+    for path in ("/onebit", "/onebit/", "/onebit/status", "/onebit/events"):
+        reply = await client.get(path)
+        assert reply.status_code == 403, (path, reply.status_code)

@@ -1,5 +1,5 @@
 """The rig the daemon-level and route tests share: configs for onebitd with the fakes, onebitd run in
-this trio run (supervisor/testing.py's ``run_daemon``, which scripts/bench.py and scripts/chaos.py
+this trio run (supervisor/testing.py's ``run_daemon``, which bench/ and chaos/
 use too), the fakes' control file, the route lines, and the pieces of a hybrid-route test.
 
 tests/conftest.py turns these into fixtures (``control``, ``route_lines``, ``route_rig``); tests/helpers.py

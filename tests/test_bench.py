@@ -1,4 +1,4 @@
-"""scripts/bench.py runs end to end in quick mode: it measures, prints its ratios, draws its
+"""scripts/bench (python -m bench) runs end to end in quick mode: it measures, prints its ratios, draws its
 figures (``--plot``), and exits 0.
 
 Speed is not checked: a quick run's figures are noise.  What is checked is that the benchmark can
@@ -9,7 +9,6 @@ its picture parses as SVG and names the routes and sides it measured.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import re
 import sys
 import tomllib
@@ -19,11 +18,12 @@ from typing import Any
 import pytest
 import trio
 
+import bench.cli
+
 from .rig import openvino_llama_server, real_llama_server
 from .test_bench_plot import svg_texts
 
 ROOT = Path(__file__).parent.parent
-BENCH = ROOT / "scripts" / "bench.py"
 NUMBER = r"[-+]?\d+\.\d+"
 
 
@@ -33,20 +33,15 @@ def test_every_subcommand_has_a_quick_form_and_a_test_here_that_runs_it() -> Non
     assert tested == subcommands
 
 
-def test_every_python_script_is_in_mypys_file_list() -> None:
+def test_every_python_package_is_in_mypys_file_list() -> None:
     files = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]["files"]
-    scripts = {str(path.relative_to(ROOT)) for path in (ROOT / "scripts").glob("*.py")}
-    assert scripts - set(files) == set()
+    packages = {path.parent.name for path in ROOT.glob("*/__init__.py")}
+    assert packages - set(files) == set()
 
 
 def bench_subcommands() -> list[Any]:
-    """scripts/bench.py's SUBCOMMANDS, each with a ``--quick`` in its arguments."""
-    spec = importlib.util.spec_from_file_location("bench", BENCH)
-    assert spec is not None
-    assert spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    commands: list[Any] = bench.SUBCOMMANDS
+    """bench's SUBCOMMANDS, each with a ``--quick`` in its arguments."""
+    commands: list[Any] = bench.cli.SUBCOMMANDS
     for command in commands:
         parser = argparse.ArgumentParser()
         command.arguments(parser)
@@ -59,7 +54,7 @@ async def quick_run(*args: str, timeout_s: float) -> str:
     starts and reaps its own onebitd and llama-server; run_process reaps the benchmark)."""
     with trio.fail_after(timeout_s):
         result = await trio.run_process(
-            [sys.executable, str(BENCH), *args], capture_stdout=True, capture_stderr=True, check=False
+            [sys.executable, "-m", "bench", *args], cwd=ROOT, capture_stdout=True, capture_stderr=True, check=False
         )
     assert result.returncode == 0, result.stderr.decode()[-3000:]
     return result.stdout.decode()
@@ -171,9 +166,7 @@ async def test_the_versus_benchmark_in_quick_mode_exits_0_and_prints_both_trees(
     real_llama_server()
     # This tree against itself: what is checked is that both onebitds start, alternate and report.
     picture = tmp_path / "versus.svg"
-    out = await quick_run(
-        "versus", "--quick", "--tree", str(BENCH.parent.parent), "--plot", str(picture), timeout_s=300
-    )
+    out = await quick_run("versus", "--quick", "--tree", str(ROOT), "--plot", str(picture), timeout_s=300)
     assert {"this tree", "other tree"} <= {text.split(" (median")[0] for text in svg_texts(picture)}
     for measure in ("(a) latency median, ms", "(a) onebitd cpu per request, ms", "(b) onebitd cpu per chunk, us"):
         row = rf"^{re.escape(measure)}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}$"

@@ -1,5 +1,5 @@
 """scripts/chaos's short form, one test per scenario: each guarantee of docs/reliability.md fails its
-own test when it breaks.  Each runs ``scripts/chaos.py --quick --only NAME`` as a process of its own
+own test when it breaks.  Each runs ``python -m chaos --quick --only NAME`` as a process of its own
 (it starts, faults and reaps its own onebitd, llama-servers and providers; run_process reaps it), and
 its report is the failure message; a scenario that cannot run here (its line says ``skip``) skips
 its test with the reason.  Two tests without the real parts hold the report to that: a scenario
@@ -8,18 +8,21 @@ that cannot run is no ``ok``, nor is one that sent nothing."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import trio
 
+from chaos import cli
+from chaos.resources import disk_full
+from chaos.rig import Run, Skipped
+from chaos.traffic import Tally
+
 from .rig import real_llama_server
 
-CHAOS = Path(__file__).parent.parent / "scripts" / "chaos.py"
+ROOT = Path(__file__).parent.parent
 # A scenario's own time limit, and ours a little beyond it: a loaded 2-core machine runs the real
 # model at a fraction of its speed.
 LIMIT_S = 420
@@ -46,7 +49,8 @@ async def test_chaos_scenario_loses_nothing_and_leaves_nothing_behind(scenario: 
     real_llama_server()
     with trio.fail_after(LIMIT_S + 60):
         result = await trio.run_process(
-            [sys.executable, str(CHAOS), "--quick", "--only", scenario, "--time-limit", str(LIMIT_S)],
+            [sys.executable, "-m", "chaos", "--quick", "--only", scenario, "--time-limit", str(LIMIT_S)],
+            cwd=ROOT,
             capture_stdout=True,
             capture_stderr=True,
             check=False,
@@ -60,45 +64,34 @@ async def test_chaos_scenario_loses_nothing_and_leaves_nothing_behind(scenario: 
     assert verdict == "ok", out
 
 
-def chaos_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("chaos", CHAOS)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-async def report_of(chaos: ModuleType, scenario: object, capsys: pytest.CaptureFixture[str]) -> list[str]:
+async def report_of(scenario: object, capsys: pytest.CaptureFixture[str]) -> list[str]:
     """scripts/chaos's exit status and report of one scenario, run as its command line runs it."""
     args = argparse.Namespace(quick=True, only=["stand-in"], time_limit=10.0)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(chaos.SCENARIOS, "stand-in", scenario)
-        status = await chaos.main_async(args)
+        patch.setitem(cli.SCENARIOS, "stand-in", scenario)
+        status = await cli.main_async(args)
     lines = capsys.readouterr().out.splitlines()
     return [str(status), *lines]
 
 
 async def test_a_scenario_that_cannot_run_here_says_skip_and_why_not_ok(capsys: pytest.CaptureFixture[str]) -> None:
-    chaos = chaos_module()
 
     async def cannot_mount(run: object, tally: object) -> None:
         await trio.lowlevel.checkpoint()
-        raise chaos.Skipped("cannot mount a tmpfs (needs root and CAP_SYS_ADMIN): permission denied")
+        raise Skipped("cannot mount a tmpfs (needs root and CAP_SYS_ADMIN): permission denied")
 
-    status, line, *rest = await report_of(chaos, cannot_mount, capsys)
+    status, line, *rest = await report_of(cannot_mount, capsys)
     assert line.split()[:4] == ["stand-in", "skip", "sent", "0"]
     assert rest == ["    skipped: cannot mount a tmpfs (needs root and CAP_SYS_ADMIN): permission denied"]
     assert status == "0"  # a skip is no failure
 
 
 async def test_a_scenario_that_sent_no_request_fails(capsys: pytest.CaptureFixture[str]) -> None:
-    chaos = chaos_module()
 
     async def does_nothing(run: object, tally: object) -> None:
         await trio.lowlevel.checkpoint()
 
-    status, line, *rest = await report_of(chaos, does_nothing, capsys)
+    status, line, *rest = await report_of(does_nothing, capsys)
     assert line.split()[:4] == ["stand-in", "FAIL", "sent", "0"]
     assert rest == ["    failed: the scenario sent no request"]
     assert status == "1"
@@ -107,15 +100,14 @@ async def test_a_scenario_that_sent_no_request_fails(capsys: pytest.CaptureFixtu
 async def test_disk_full_where_mount_is_refused_skips_in_the_refusals_words(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    chaos = chaos_module()
     refusing = tmp_path / "bin"
     refusing.mkdir()
     (refusing / "mount").write_text("#!/bin/sh\necho 'mount: only root can use \"--types\" option' >&2\nexit 1\n")
     (refusing / "mount").chmod(0o755)
     monkeypatch.setenv("PATH", f"{refusing}:{os.environ['PATH']}")
-    tally = chaos.Tally()
-    with trio.fail_after(10), pytest.raises(chaos.Skipped) as skipped:
-        await chaos.disk_full(chaos.Run(True, tmp_path), tally)
+    tally = Tally()
+    with trio.fail_after(10), pytest.raises(Skipped) as skipped:
+        await disk_full(Run(True, tmp_path), tally)
     assert str(skipped.value) == (
         'cannot mount a tmpfs (needs root and CAP_SYS_ADMIN): mount: only root can use "--types" option'
     )

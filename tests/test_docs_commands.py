@@ -1,4 +1,5 @@
-"""Every ``scripts/...`` command that README.md and docs/ name exists and takes the arguments they give it.
+"""Every ``scripts/...`` command (and ``python -m bench...``) that README.md and docs/ name exists and takes the
+arguments they give it.
 
 Commands are read from the docs' code.  A line of a fenced block, up to its comment (``#``, or two
 spaces before a description) or a shell operator, is a whole command line.  An inline span (which
@@ -33,15 +34,13 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # a minute is a script that does more than parse.
 TIMEOUT_S = 60
 
-# The Python entry points whose parser a dry run asks, by the name the docs give them: a script
-# (its path) or a module (``-m``); a wrapper under scripts/ must run the one it is listed with.
+# The Python entry points whose parser a dry run asks, by the name the docs give them: a wrapper
+# under scripts/, with the module (``-m``) it runs, or a module the docs run themselves.
 PARSED = {
-    "scripts/bench": "scripts/bench.py",
-    "scripts/bench.py": "scripts/bench.py",
-    "scripts/chaos": "scripts/chaos.py",
-    "scripts/chaos.py": "scripts/chaos.py",
-    "scripts/bench_engines.py": "scripts/bench_engines.py",
+    "scripts/bench": "bench",
+    "scripts/chaos": "chaos",
     "scripts/slotdiff": "supervisor.llama.statefile",
+    "bench.engines": "bench.engines",
 }
 # The set-up scripts, with how many words they take: scripts/run FILE (the config); scripts/test's
 # words go to pytest (none is documented); and the options each takes (scripts/setup --tests: what
@@ -52,7 +51,7 @@ PLAIN_OPTIONS = {"scripts/setup": {"--tests"}}
 BUILD = "scripts/build-llama-server"
 
 DRY_RUN = r"""
-import argparse, contextlib, io, json, os, runpy, sys
+import argparse, contextlib, importlib, io, json, sys
 
 target, cases = sys.argv[1], json.loads(sys.argv[2])
 lenient = False
@@ -83,11 +82,10 @@ def parse_and_stop(self, args=None, namespace=None):
 
 
 argparse.ArgumentParser.parse_args = parse_and_stop
-if target.endswith(".py"):
-    sys.path.insert(0, os.path.dirname(os.path.abspath(target)))  # as `python scripts/x.py` has it
-    entry = runpy.run_path(target, run_name="dry-run")["main"]
-else:
-    entry = runpy.run_module(target, run_name="dry-run")["main"]
+module = importlib.import_module(target)
+if hasattr(module, "__path__"):  # a package: `python -m` runs its __main__ (which runs main() only as __main__)
+    module = importlib.import_module(target + ".__main__")
+entry = module.main
 results = []
 for argv, lenient in cases:
     sys.argv = [target, *argv]
@@ -117,6 +115,8 @@ class Command:
 
 
 _SCRIPT = re.compile(r"(?<![\w/.-])scripts/[\w.-]*\w")
+# A module of this tree run as a program without a wrapper (``.venv/bin/python -m bench.engines``).
+_MODULE = re.compile(r"(?<=python -m )(?:bench|chaos)(?:\.\w+)*")
 _FENCE = re.compile(r"^\s*(```|~~~)")
 _END = re.compile(r"\s#|\s{2,}|&&|\|\||[|;>]")  # a comment, a description column, a shell operator
 
@@ -142,7 +142,7 @@ def _forms(words: list[str]) -> tuple[tuple[str, ...], ...]:
 def _commands_in(code: str, where: str, *, inline: bool) -> list[Command]:
     found = []
     code = re.sub(r"<[^>]*>", "X", code)
-    for match in _SCRIPT.finditer(code):
+    for match in [*_SCRIPT.finditer(code), *_MODULE.finditer(code)]:
         rest = code[match.end() :]
         cut = _END.search(rest)
         words = rest[: cut.start() if cut else len(rest)].split()
@@ -205,7 +205,7 @@ def test_every_command_the_docs_name_is_one_this_test_knows_how_to_check() -> No
     known = PARSED.keys() | PLAIN.keys() | {BUILD}
     commands = {script for script in COMMANDS if not script.endswith(".patch")}
     assert sorted(commands - known) == []
-    for script in commands - {s for s, target in PARSED.items() if s == target}:
+    for script in {script for script in commands if script.startswith("scripts/")}:
         path = ROOT / script
         assert path.is_file(), script
         assert os.access(path, os.X_OK), f"{script} is not executable"
@@ -215,9 +215,7 @@ def test_every_command_the_docs_name_is_one_this_test_knows_how_to_check() -> No
 def test_each_python_command_the_docs_name_parses_its_arguments(script: str) -> None:
     target = PARSED[script]
     if target != script:  # a wrapper: it must run what it is listed with
-        wrapper = (ROOT / script).read_text()
-        ran = f"-m {target}" if not target.endswith(".py") else target
-        assert ran in wrapper, f"{script} does not run {ran}"
+        assert f"-m {target}" in (ROOT / script).read_text(), f"{script} does not run -m {target}"
     commands = COMMANDS[script]
     cases = sorted({(attempt, c.inline) for c in commands for form in c.forms for attempt in _attempts(c, form)})
     done = subprocess.run(

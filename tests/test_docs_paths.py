@@ -1,5 +1,5 @@
-"""Every module of onebitd's that README.md and docs/ name exists where they say it is, and every
-picture they show (``![...](plots/overhead.svg)``) is there.
+"""Every module of onebitd's, bench/'s, chaos/'s and tools/' that README.md and docs/ name exists where
+they say it is, and every picture they show (``![...](plots/overhead.svg)``) is there.
 
 A doc names a module three ways: a path (``supervisor/http/server.py``), a path under one of
 supervisor/'s folders with the ``supervisor/`` left out (docs/architecture.md's tree and tables say
@@ -26,7 +26,8 @@ HISTORY = "## How it got here"
 
 FOLDERS = sorted(path.name for path in PACKAGE.iterdir() if (path / "__init__.py").is_file())
 # A path not inside a longer one (``tests/routes/x.py`` is not supervisor's): no word, slash or dot before it.
-PATH = re.compile(r"(?<![\w/.])supervisor/(?:\w+/)*\w+\.py\b")
+# The repository's other packages are named by their paths too (``bench/rig.py``).
+PATH = re.compile(r"(?<![\w/.])(?:supervisor|bench|chaos|tools)/(?:\w+/)*\w+\.py\b")
 UNDER = re.compile(rf"(?<![\w/.])(?:{'|'.join(FOLDERS)})/(?:\w+/)*\w+\.py\b")
 DOTTED = re.compile(r"(?<![\w/.])supervisor(?:\.\w+)+")
 MODULE_ROW = re.compile(r"^\| (`[^|]*`) \|")
@@ -102,7 +103,7 @@ def test_the_docs_name_modules_at_all() -> None:
                 kinds["dotted"] += 1
             elif written.startswith("the module table's"):
                 kinds["table"] += 1
-            elif written.startswith("supervisor/"):
+            elif PATH.fullmatch(written):
                 kinds["path"] += 1
             else:
                 kinds["under"] += 1

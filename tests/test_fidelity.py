@@ -152,7 +152,7 @@ async def test_a_failed_handoff_or_a_lost_decoder_is_a_provider_error_and_the_sl
 
 
 def test_a_prompt_set_is_that_many_different_prompts_the_start_prompts_first_and_at_most_34() -> None:
-    # 34: the benchmark's set (scripts/bench_providers.py); the real-parts test takes 33.
+    # 34: the benchmark's set (bench/providers.py); the real-parts test takes 33.
     start = len(fidelity.START_PROMPTS)
     for n in (1, start, start + 1, 33, 34):
         texts = fidelity.prompt_set(n)

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import trio
 
-from .balancers import HAProxy, open_haproxy
+from .balancers import HAProxy, assert_status_surface_refused, open_haproxy
 from .load import CHAT, Load, LongStream
 from .onebit_hosts import Host, open_hosts
 
@@ -82,6 +82,7 @@ async def test_rolling_restart_behind_haproxy_loses_no_request(short_dir: Path) 
         ):
             for host in hosts:
                 await haproxy.wait_status(host.name, "UP")
+            await assert_status_surface_refused(client, hosts[0].url)
             load = Load(client, workers=WORKERS, host_header=HOST_HEADER)
             async with trio.open_nursery() as nursery:
                 await nursery.start(load.run)

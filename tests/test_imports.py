@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import importlib
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -53,8 +54,8 @@ def module_name(path: Path) -> str:
 MODULES = {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
 
 
-def imported(name: str, path: Path) -> set[str]:
-    """The supervisor modules ``name``'s source imports."""
+def imported(name: str, path: Path, modules: Mapping[str, Path] = MODULES) -> set[str]:
+    """The modules of ``modules`` (supervisor's) that ``name``'s source imports."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -67,15 +68,15 @@ def imported(name: str, path: Path) -> set[str]:
                 base = ".".join([*anchor, *([base] if base else [])])
             # ``from . import decoder`` imports the module; ``from .errors import ConfigError``, errors.
             for alias in node.names:
-                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base)
-    return {module for module in found if module in MODULES and module != name}
+                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
+    return {module for module in found if module in modules and module != name}
 
 
 GRAPH = {name: imported(name, path) for name, path in MODULES.items()}
 
 
-def a_cycle() -> list[str] | None:
-    """One circle of imports, as the modules along it, or None."""
+def a_cycle(graph: Mapping[str, set[str]] = GRAPH) -> list[str] | None:
+    """One circle of imports in ``graph`` (supervisor's), as the modules along it, or None."""
     done: set[str] = set()
     path: list[str] = []
 
@@ -85,14 +86,14 @@ def a_cycle() -> list[str] | None:
         if name in done:
             return None
         path.append(name)
-        for other in sorted(GRAPH[name]):
+        for other in sorted(graph[name]):
             if (found := visit(other)) is not None:
                 return found
         path.pop()
         done.add(name)
         return None
 
-    for name in sorted(GRAPH):
+    for name in sorted(graph):
         if (found := visit(name)) is not None:
             return found
     return None
@@ -203,3 +204,85 @@ def test_a_route_line_is_frozen_and_built_by_one_module() -> None:
                 if called == "RouteLine":
                     builders.add(str(path.relative_to(PACKAGE)))
     assert builders == LINE_BUILDERS
+
+
+# -- the repository's other packages: bench/, chaos/, tools/ and tests/ ---------------------------------
+
+ROOT = PACKAGE.parent
+# Each package of the repository, with the packages it may import: supervisor/ and tools/ none of the
+# others, the benchmarks and the chaos suite only onebit, the tests all of them.
+PACKAGES = {
+    "supervisor": set(),
+    "tools": set(),
+    "bench": {"supervisor"},
+    "chaos": {"supervisor"},
+    "tests": {"supervisor", "tools", "bench", "chaos"},
+}
+REPOSITORY = {
+    ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): path
+    for package in PACKAGES
+    for path in sorted((ROOT / package).rglob("*.py"))
+}
+EVERY_GRAPH = {name: imported(name, path, REPOSITORY) for name, path in REPOSITORY.items()}
+# The layers within bench/ and chaos/, lowest first: a module imports only modules of lower layers.  A
+# module not named here is one benchmark, or one kind of chaos scenario, at BENCHMARK: it imports the
+# rig, the workloads and the plotting, never another benchmark.
+WINGS = {
+    "bench": {"__init__": 0, "plot": 0, "trace": 0, "rig": 1, "workloads": 2, "cli": 4, "__main__": 5},
+    "chaos": {"__init__": 0, "traffic": 0, "fuzz": 0, "rig": 1, "faults": 2, "cli": 4, "__main__": 5},
+}
+BENCHMARK = 3
+
+
+def wing_layer(name: str) -> int:
+    package, _, module = name.partition(".")
+    return WINGS[package].get(module or "__init__", BENCHMARK)
+
+
+def test_the_repository_graph_is_read_from_every_package() -> None:
+    assert "bench.rig" in EVERY_GRAPH["bench.workloads"]
+    assert "chaos.fuzz" in EVERY_GRAPH["chaos.clients"]  # imported in a function: hypothesis only when it runs
+    assert "tests.rig" in EVERY_GRAPH["tests.conftest"]  # from .rig import ...
+    assert "bench.cli" in EVERY_GRAPH["tests.test_bench"]
+
+
+def test_no_import_anywhere_in_the_repository_runs_in_a_circle() -> None:
+    assert a_cycle(EVERY_GRAPH) is None, " -> ".join(a_cycle(EVERY_GRAPH) or [])
+
+
+def test_each_package_imports_only_the_packages_below_it() -> None:
+    across = [
+        f"{name} imports {other}"
+        for name in sorted(EVERY_GRAPH)
+        for other in sorted(EVERY_GRAPH[name])
+        if other.split(".")[0] != name.split(".")[0] and other.split(".")[0] not in PACKAGES[name.split(".")[0]]
+    ]
+    assert across == []
+
+
+@pytest.mark.parametrize("name", sorted(name for name in REPOSITORY if name.split(".")[0] in WINGS))
+def test_every_benchmark_and_chaos_module_imports(name: str) -> None:
+    importlib.import_module(name)
+
+
+def test_bench_and_chaos_import_only_down_their_layers_and_no_benchmark_another() -> None:
+    upward = [
+        f"{name} ({wing_layer(name)}) imports {other} ({wing_layer(other)})"
+        for name in sorted(EVERY_GRAPH)
+        if name.split(".")[0] in WINGS
+        for other in sorted(EVERY_GRAPH[name])
+        if other.split(".")[0] == name.split(".")[0] and wing_layer(other) >= wing_layer(name)
+    ]
+    assert upward == []
+
+
+def test_no_module_puts_a_folder_on_sys_path_and_every_import_is_at_the_top() -> None:
+    # Each package is imported as one (``python -m bench``, ``import bench.cli``), from the checkout.
+    found = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for path in REPOSITORY.values()
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"sys\.path\.(insert|append)\(|noqa: E40[2]", line)
+    ]
+    assert found == []
+    assert sorted(str(path.relative_to(ROOT)) for path in (ROOT / "scripts").glob("*.py")) == []  # entry points only

@@ -18,7 +18,7 @@ import httpx
 import pytest
 import trio
 
-from .balancers import open_nginx
+from .balancers import assert_status_surface_refused, open_nginx
 from .load import CHAT, Load, LongStream
 from .onebit_hosts import Host, open_hosts
 
@@ -80,6 +80,7 @@ async def test_rolling_restart_behind_nginx_loses_no_request(short_dir: Path) ->
             open_nginx(short_dir / "nginx", hosts) as nginx,
             httpx.AsyncClient(base_url=nginx.url, timeout=DEADLINE_S) as client,
         ):
+            await assert_status_surface_refused(client, hosts[0].url)
             load = Load(client, workers=WORKERS, host_header=HOST_HEADER)
             async with trio.open_nursery() as nursery:
                 await nursery.start(load.run)

@@ -9,7 +9,7 @@ overwrites the old one's bytes and nothing else of the file moves: no dependency
 library (the ``gguf`` package would need numpy).  Layout: ggml's docs/gguf.md (magic, version, tensor
 and key counts, then typed little-endian key/value pairs).
 
-Usage: python3 scripts/gguf_set_int.py KEY VALUE FILE...   (KEY without the architecture: context_length;
+Usage: python3 tools/gguf_set_int.py KEY VALUE FILE...   (KEY without the architecture: context_length;
 prints each file's old and new value)
 """
 

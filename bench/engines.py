@@ -3,7 +3,7 @@ flags and ``-t``: prefill tokens per second (and per CPU-second) at a few prompt
 time; the per-layer K/V error of each OpenVINO slot file against the ggml server's own for the same
 prompt; and whether the OpenVINO files restore into the ggml server (``prompt_n`` 1 after the restore).
 
-    .venv/bin/python scripts/bench_engines.py [--ggml BIN] [--openvino BIN ...] [--sizes 200,700,1500]
+    .venv/bin/python -m bench.engines [--ggml BIN] [--openvino BIN ...] [--sizes 200,700,1500]
                                               [--plot FILE.svg]
 
 ``--openvino`` may be given several times (say, before and after a patch); each may carry
@@ -26,9 +26,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import bench_plot
 import httpx
 
+from bench import plot
 from supervisor.config import ModelConfig, locate
 from supervisor.llama import openvino, statefile
 from supervisor.llama.llama_server import model_args
@@ -167,7 +167,9 @@ def restores(s: Server, files: dict[str, Path]) -> dict[str, Any]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.engines", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--ggml", type=Path, default=None, help="default: the ggml build scripts/setup made")
     parser.add_argument("--openvino", action="append", default=[], help="[NAME=]BINARY; default: setup's build")
     parser.add_argument("--sizes", default="200,700,1500")
@@ -176,10 +178,10 @@ def main() -> int:
     parser.add_argument("--device", default="CPU", help="GGML_OPENVINO_DEVICE")
     parser.add_argument("--static", action="store_true", help="also the static (NPU) path forced on the CPU")
     parser.add_argument("--out", type=Path, default=None, help="where to keep the slot files and logs")
-    bench_plot.add_argument(parser)
+    plot.add_argument(parser)
     args = parser.parse_args()
     if args.plot:
-        bench_plot.check()  # now, not after the runs
+        plot.check()  # now, not after the runs
     ggml = args.ggml or locate.llama_server("", "ggml")
     if ggml is None:
         raise SystemExit("no ggml llama-server: run scripts/setup, or give --ggml")
@@ -239,21 +241,21 @@ def main() -> int:
             )
     print(f"\nslot files and logs: {out}")
     if args.plot:
-        bench_plot.write(args.plot, "scripts/bench_engines.py", engine_figures(runs), quick=False)
+        plot.write(args.plot, "bench/engines.py", engine_figures(runs), quick=False)
     return 0
 
 
-def engine_figures(runs: dict[str, dict[str, Any]]) -> list[bench_plot.Panel]:
+def engine_figures(runs: dict[str, dict[str, Any]]) -> list[plot.Panel]:
     """Prefill rate against prompt length, per build: every run's, and the best per CPU-second."""
     measured = {name: run for name, run in runs.items() if run["runs"]}
     return [
-        bench_plot.XY(
+        plot.XY(
             "prefill rate against prompt length, every run",
             "prompt tokens",
             "tokens/s",
             {name: [(n, rate) for n, rates in run["runs"].items() for rate in rates] for name, run in measured.items()},
         ),
-        bench_plot.XY(
+        plot.XY(
             "prefill per CPU-second of the server, the best run",
             "prompt tokens",
             "tokens per CPU-second",

@@ -23,28 +23,42 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import attrs
 import trio
 
+from bench import plot
+from bench.rig import (
+    ROOT,
+    BenchError,
+    Noise,
+    bench_config,
+    decoder_version,
+    machine,
+    percentile,
+    process_cpu_s,
+    rss_of,
+    spawn_onebitd,
+)
+from bench.workloads import Side, load_arguments, load_bodies, relay_figures, short_completion, stream_round
 from supervisor.config import locate
 
 NAMES = ("this tree", "other tree")
 
 
 def arguments(parser: argparse.ArgumentParser) -> None:
-    """Beside scripts/bench.py's ``load_arguments`` (pairs, rounds, streams, ``--quick``)."""
+    """``overhead``'s load (pairs, rounds, streams, ``--quick``), and the other tree."""
+    load_arguments(parser, pairs=300, rounds=4)
     parser.add_argument("--tree", type=Path, required=True, help="the other checkout (its scripts/ and supervisor/)")
     parser.add_argument("--threads", type=int, default=0, help="decoder threads (0: llama-server's default)")
     parser.add_argument("--log", type=Path, help="keep both onebitds' logs here (default: discarded)")
 
 
-def _tree(bench: ModuleType, path: Path) -> Path:
+def _tree(path: Path) -> Path:
     path = path.resolve()
     if not any((path / "supervisor" / name).is_file() for name in ("daemon.py", "daemon/__init__.py")):
-        raise bench.BenchError(f"--tree {path}: no supervisor/daemon there")
+        raise BenchError(f"--tree {path}: no supervisor/daemon there")
     return path
 
 
@@ -56,11 +70,11 @@ async def _shape(tree: Path) -> dict[str, Any]:
     return shape
 
 
-async def run(args: argparse.Namespace, bench: ModuleType) -> int:
-    """``bench``: scripts/bench.py, whose pieces (spawning onebitd, the sides, /proc) this reuses;
-    handed in, as that script imports this module to list it."""
-    other = _tree(bench, args.tree)
-    short, streams = bench.load_bodies(args)
+async def run(args: argparse.Namespace) -> int:
+    """Both onebitds in processes of their own (bench/rig.py), measured alternately with
+    ``overhead``'s load (bench/workloads.py)."""
+    other = _tree(args.tree)
+    short, streams = load_bodies(args)
     dirs = [Path(tempfile.mkdtemp(prefix="ob-bench-", dir="/tmp")) for _ in NAMES]
     try:
         log_path = Path(args.log) if args.log else dirs[0] / "onebitd.log"
@@ -71,35 +85,35 @@ async def run(args: argparse.Namespace, bench: ModuleType) -> int:
             # two decoders would differ (a portable AVX2 build against this tree's CPU variants).
             binary = locate.llama_server("")
             if binary is None:
-                raise bench.BenchError("no llama-server built: run scripts/setup")
+                raise BenchError("no llama-server built: run scripts/setup")
             configs = [
                 attrs.evolve(config, decoder=attrs.evolve(config.decoder, binary=str(binary)))
                 for config in (
-                    bench.bench_config(directory, parallel=args.parallel, ctx_size=ctx_size, threads=args.threads)
+                    bench_config(directory, parallel=args.parallel, ctx_size=ctx_size, threads=args.threads)
                     for directory in dirs
                 )
             ]
             model = locate.model_path(configs[0].model.path)
             print("onebit versus: onebitd from this tree and from another, side by side, each with its own decoder")
-            print(f"this tree: {bench.ROOT}\nother tree: {other}")
-            print(f"machine: {bench.machine()}")
-            print(f"decoder: {await bench.decoder_version(configs[0])}")
+            print(f"this tree: {ROOT}\nother tree: {other}")
+            print(f"machine: {machine()}")
+            print(f"decoder: {await decoder_version(configs[0])}")
             print(f"model: {model.name if model else '?'}, ctx_size {ctx_size}, parallel {args.parallel}")
             print(
                 f"(a) {args.pairs} short completions each, alternating, after {args.warmup} each; "
                 f"(b) {args.rounds} rounds each of {args.streams} streams x {args.stream_tokens} tokens"
             )
             async with (
-                bench.spawn_onebitd(configs[0], dirs[0], log) as mine,
-                bench.spawn_onebitd(configs[1], dirs[1], log, root=other, shape=await _shape(other)) as theirs,
+                spawn_onebitd(configs[0], dirs[0], log) as mine,
+                spawn_onebitd(configs[1], dirs[1], log, root=other, shape=await _shape(other)) as theirs,
             ):
                 spawned = (mine, theirs)
                 ours = (*[s.pid for s in spawned], *[s.decoder_pid for s in spawned])
-                noise = bench.Noise.start(ours)
-                sides = [bench.Side(), bench.Side()]
+                noise = Noise.start(ours)
+                sides = [Side(), Side()]
 
                 def cpus() -> list[float]:
-                    return [bench.process_cpu_s(s.pid) for s in spawned]
+                    return [process_cpu_s(s.pid) for s in spawned]
 
                 # Each onebitd's CPU over the whole phase, not around its own requests: what it does after
                 # a reply's last byte (the route line, the next idle period, its decoder's log lines)
@@ -108,36 +122,36 @@ async def run(args: argparse.Namespace, bench: ModuleType) -> int:
                     if i == args.warmup:
                         before = cpus()
                     for k in (0, 1) if i % 2 == 0 else (1, 0):
-                        latency = await bench.short_completion(spawned[k].front, short)
+                        latency = await short_completion(spawned[k].front, short)
                         if i >= args.warmup:
                             sides[k].latencies.append(latency)
                 short_cpu = [after - start for after, start in zip(cpus(), before, strict=True)]
                 for k in (0, 1):  # a warm-up round each
-                    await bench.stream_round(spawned[k].front, streams, bench.Side())
+                    await stream_round(spawned[k].front, streams, Side())
                 before = cpus()
                 for r in range(args.rounds):
                     for k in (0, 1) if r % 2 == 0 else (1, 0):
-                        await bench.stream_round(spawned[k].front, streams, sides[k])
+                        await stream_round(spawned[k].front, streams, sides[k])
                 stream_cpu = [after - start for after, start in zip(cpus(), before, strict=True)]
                 sides = [
                     attrs.evolve(side, short_cpu=short_s, stream_cpu=stream_s)
                     for side, short_s, stream_s in zip(sides, short_cpu, stream_cpu, strict=True)
                 ]
-                rss = [bench.rss_of(s.pid) for s in spawned]
+                rss = [rss_of(s.pid) for s in spawned]
                 print()
-                _report(bench, sides, args)
+                _report(sides, args)
                 print(f"rss after: this tree {rss[0]:.1f} MiB, other tree {rss[1]:.1f} MiB")
                 print(noise.report(ours))
                 if args.plot:
-                    figures = bench.relay_figures(dict(zip(NAMES, sides, strict=True)))
-                    bench.bench_plot.write(args.plot, "scripts/bench versus", figures, quick=args.quick)
+                    figures = relay_figures(dict(zip(NAMES, sides, strict=True)))
+                    plot.write(args.plot, "scripts/bench versus", figures, quick=args.quick)
     finally:  # a run cut short (Ctrl-C, SIGTERM) leaves nothing behind either
         for directory in dirs:
             shutil.rmtree(directory, ignore_errors=True)
     return 0
 
 
-def _report(bench: ModuleType, sides: list[Any], args: argparse.Namespace) -> None:
+def _report(sides: list[Any], args: argparse.Namespace) -> None:
     def per_request(side: Any) -> float:
         return float(side.short_cpu / len(side.latencies) * 1000)
 
@@ -149,7 +163,7 @@ def _report(bench: ModuleType, sides: list[Any], args: argparse.Namespace) -> No
 
     rows = [
         ("(a) latency median, ms", *(statistics.median(s.latencies) * 1000 for s in sides)),
-        ("(a) latency p99, ms", *(bench.percentile(s.latencies, 99) * 1000 for s in sides)),
+        ("(a) latency p99, ms", *(percentile(s.latencies, 99) * 1000 for s in sides)),
         ("(a) onebitd cpu per request, ms", *(per_request(s) for s in sides)),
         ("(b) aggregate tokens/s", *(s.token_rate for s in sides)),
         ("(b) first token median, ms", *(statistics.median(s.first_tokens) * 1000 for s in sides)),

@@ -36,30 +36,24 @@ import os
 import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
-import attrs
 import httpx
 import trio
 
+from bench import plot
+from bench.rig import Noise, Rig, machine, open_rig
+from bench.workloads import first_byte_ms, longest_gap, prompt_of
+from supervisor import config as configuration
+from supervisor.config import Config, locate
+from supervisor.llama.region import SlotState, write_rows
+from supervisor.testing import unix_transport
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_plot  # noqa: E402
-
-from supervisor import config as configuration  # noqa: E402
-from supervisor.config import Config, locate  # noqa: E402
-from supervisor.daemon import Daemon  # noqa: E402
-from supervisor.llama.region import SlotState, write_rows  # noqa: E402
-from supervisor.providers.llama import LlamaServerProvider  # noqa: E402
-from supervisor.testing import run_daemon, unix_transport  # noqa: E402
 
 TIMEOUT_S = 600  # one 2k-token prefill on a loaded 2-core machine is seconds, not minutes
 SIZES = (256, 1024, 2048)
@@ -87,59 +81,6 @@ def handoff_config(runtime_dir: Path) -> Config:
     config = configuration.structure(data, "bench")
     configuration.check(config, "bench")
     return config
-
-
-@attrs.frozen
-class Rig:
-    daemon: Daemon
-    front: httpx.AsyncClient
-    decoder: httpx.AsyncClient
-    provider: httpx.AsyncClient
-
-
-@asynccontextmanager
-async def open_rig(config: Config, *, check_fidelity: bool = True) -> AsyncIterator[Rig]:
-    async with (
-        run_daemon(config, check_fidelity=check_fidelity, providers_ready=True, ready_timeout_s=TIMEOUT_S) as running,
-        # httpx's own pool limits for the front, as before the harness.
-        running.clients(request_timeout_s=TIMEOUT_S, max_connections=100, keepalive=20) as clients,
-    ):
-        (provider,) = running.daemon.models.default.parts.providers.all
-        assert isinstance(provider, LlamaServerProvider)
-        # As onebitd's own client: keep-alive connections retired before llama-server's 5 s idle
-        # close (a bare transport reuses one at that moment: "Server disconnected without sending
-        # a response").
-        provider_t = unix_transport(provider.launcher.socket)
-        async with httpx.AsyncClient(transport=provider_t, base_url="http://p", timeout=TIMEOUT_S) as provider_client:
-            yield Rig(running.daemon, clients.front, clients.direct, provider_client)
-
-
-async def prompt_of(decoder: httpx.AsyncClient, n_tokens: int, salt: int) -> tuple[str, int]:
-    """A text prompt of about ``n_tokens`` tokens (by the decoder's tokenizer), different per salt."""
-    words = " ".join(f"item {salt}-{i} is {i * 7 % 101} units;" for i in range(n_tokens))
-    tokens = (await decoder.post("/tokenize", json={"content": words})).json()["tokens"][:n_tokens]
-    text = (await decoder.post("/detokenize", json={"tokens": tokens})).json()["content"]
-    count = len((await decoder.post("/tokenize", json={"content": text, "add_special": True})).json()["tokens"])
-    return text, count
-
-
-async def first_byte_ms(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> tuple[float, dict[str, Any]]:
-    """Time to the first streamed token, and the last chunk's timings."""
-    start = trio.current_time()
-    first: float | None = None
-    timings: dict[str, Any] = {}
-    async with client.stream("POST", path, json=body) as reply:
-        if reply.status_code != 200:
-            raise RuntimeError(f"{path} answered {reply.status_code}: {(await reply.aread())[:300]!r}")
-        async for line in reply.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            data = json.loads(line[6:])
-            if first is None and data.get("content"):
-                first = trio.current_time()
-            timings = data.get("timings", timings)
-    assert first is not None, "no token came"
-    return (first - start) * 1000, timings
 
 
 async def direct_handoff(rig: Rig, prompt: str, slot: int, name: str) -> dict[str, float]:
@@ -215,43 +156,6 @@ async def sizes(rig: Rig, rounds: int, chosen: tuple[int, ...]) -> list[dict[str
             }
         )
     return rows
-
-
-async def longest_gap(
-    rig: Rig, stream_client: httpx.AsyncClient, intruder: httpx.AsyncClient, plain: bool, n: int, r: int = 0
-) -> float:
-    """A stream decodes; after its 8th token a 2k-token prompt arrives; its longest inter-token gap.
-    The prompt is new text for each round ``r`` and route, so that no cache holds it."""
-    prompt, _ = await prompt_of(rig.decoder, 2048, salt=7000 + 2 * r + (0 if plain else 1))
-    gaps: list[float] = []
-    arrived = trio.Event()
-
-    async def stream() -> None:
-        body = {"prompt": "Count slowly: one, two, three,", "n_predict": n, "temperature": 0, "stream": True}
-        last: float | None = None
-        tokens = 0
-        async with stream_client.stream("POST", "/completion", json={**body, "ignore_eos": True}) as reply:
-            async for line in reply.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                now = trio.current_time()
-                if last is not None and arrived.is_set():
-                    gaps.append(now - last)
-                last = now
-                tokens += 1
-                if tokens == 8:
-                    arrived.set()
-
-    async def intrude() -> None:
-        await arrived.wait()
-        extra = {"cache_prompt": False} if plain else {}
-        reply = await intruder.post("/completion", json={"prompt": prompt, "n_predict": 1, **extra})
-        reply.raise_for_status()
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(stream)
-        nursery.start_soon(intrude)
-    return max(gaps) * 1000
 
 
 @asynccontextmanager
@@ -368,8 +272,7 @@ async def share_against_file(tmp: Path, rounds: int, chosen: tuple[int, ...]) ->
     return rows
 
 
-async def run(args: argparse.Namespace, bench: ModuleType) -> int:
-    """``bench``: scripts/bench.py (the machine line, the other processes' CPU)."""
+async def run(args: argparse.Namespace) -> int:
     chosen = (256, 1024) if args.quick else SIZES
     rounds = 1 if args.quick else args.rounds
     stream_tokens = 64 if args.quick else 160
@@ -377,8 +280,8 @@ async def run(args: argparse.Namespace, bench: ModuleType) -> int:
         f"onebit handoff: {rounds} round(s) per size after an unmeasured one, plain and the file route in ABBA "
         "order, new text every request"
     )
-    print(bench.machine())
-    noise = bench.Noise.start([])  # this process's tree: onebitd and every llama-server
+    print(machine())
+    noise = Noise.start([])  # this process's tree: onebitd and every llama-server
     with tempfile.TemporaryDirectory(prefix="ob-bench-", dir="/tmp") as tmp:
         config = handoff_config(Path(tmp))
         print(f"cpus: decoder {config.decoder.cpu_affinity}, provider {config.provider[0].cpu_affinity}")
@@ -424,13 +327,13 @@ async def run(args: argparse.Namespace, bench: ModuleType) -> int:
     print(noise.report([]))
     if args.plot:
         figures = handoff_figures(rows, gaps, shares)
-        bench_plot.write(args.plot, "scripts/bench handoff", figures, quick=args.quick)
+        plot.write(args.plot, "scripts/bench handoff", figures, quick=args.quick)
     return 0
 
 
 def handoff_figures(
     rows: list[dict[str, Any]], gaps: dict[str, list[float]], shares: list[dict[str, Any]]
-) -> list[bench_plot.Panel]:
+) -> list[plot.Panel]:
     """First byte against prompt length per route; the file route's steps beside the decoder's own
     prefill; decode isolation; share against file."""
     first = {
@@ -454,13 +357,13 @@ def handoff_figures(
         for row in shares
     }
     return [
-        bench_plot.XY("first byte against prompt length", "prompt tokens", "first byte, ms", first),
-        bench_plot.Bars("the file route's steps (medians)", "ms", steps, log_y=True),
-        bench_plot.Bars(
+        plot.XY("first byte against prompt length", "prompt tokens", "first byte, ms", first),
+        plot.Bars("the file route's steps (medians)", "ms", steps, log_y=True),
+        plot.Bars(
             "decode isolation: a stream's longest gap while a 2k-token prompt arrives",
             "ms",
             {"longest inter-token gap": gaps},
             log_y=True,  # the plain route's gap is the whole prefill, the file route's a token's
         ),
-        bench_plot.Bars("share against file: the handoff's last steps", "ms", last_steps, log_y=True),
+        plot.Bars("share against file: the handoff's last steps", "ms", last_steps, log_y=True),
     ]

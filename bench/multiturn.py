@@ -39,36 +39,23 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
-from types import ModuleType
 
 import attrs
 import httpx
 import trio
 
+from bench import plot
+from bench.rig import Noise, machine, open_direct, writes_settled
+from bench.workloads import QUESTIONS, TOPICS
+from supervisor import config as configuration
+from supervisor.config import Config
+from supervisor.daemon import Daemon
+from supervisor.observe.logs import ROUTE_LOGGER
+from supervisor.testing import RouteLines, run_daemon, unix_transport
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_plot  # noqa: E402
-from bench_agent import open_direct, writes_settled  # noqa: E402
-
-from supervisor import config as configuration  # noqa: E402
-from supervisor.config import Config  # noqa: E402
-from supervisor.daemon import Daemon  # noqa: E402
-from supervisor.observe.logs import ROUTE_LOGGER  # noqa: E402
-from supervisor.testing import RouteLines, run_daemon, unix_transport  # noqa: E402
 
 TIMEOUT_S = 600
-TOPICS = ("lighthouses", "sourdough bread", "glaciers", "violins", "honeybees", "volcanoes")
-QUESTIONS = (
-    "Introduce yourself in one sentence.",
-    "What is the most surprising fact you know?",
-    "Explain it to a child.",
-    "What would you ask an expert?",
-    "Give me one practical tip.",
-    "Summarise our chat in one line.",
-    "Say goodbye.",
-)
 
 
 def arguments(parser: argparse.ArgumentParser) -> None:
@@ -201,8 +188,7 @@ def med(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-async def run(args: argparse.Namespace, bench: ModuleType) -> int:
-    """``bench``: scripts/bench.py (the machine line, the other processes' CPU)."""
+async def run(args: argparse.Namespace) -> int:
     if args.quick:
         args.chats, args.turns, args.system_words = 2, 3, 120
     b_name = "(b) plain, A/A" if args.aa else "(b) hybrid"
@@ -213,8 +199,8 @@ async def run(args: argparse.Namespace, bench: ModuleType) -> int:
         "the sides up at once, request by request in rotating order"
         + ("; A/A: (b) is a second plain onebitd" if args.aa else "")
     )
-    print(bench.machine())
-    noise = bench.Noise.start([])  # this process's tree: onebitd and every llama-server
+    print(machine())
+    noise = Noise.start([])  # this process's tree: onebitd and every llama-server
     topics = [TOPICS[i % len(TOPICS)] + ("" if i < len(TOPICS) else f" {i}") for i in range(args.chats)]
 
     def chats() -> list[list[dict[str, str]]]:
@@ -249,7 +235,7 @@ async def run(args: argparse.Namespace, bench: ModuleType) -> int:
     report(args, {side.name: side.samples for side in sides}, b_name)
     print(noise.report([]))
     if args.plot:
-        bench_plot.write(
+        plot.write(
             args.plot,
             "scripts/bench multiturn",
             multiturn_figures({s.name: s.samples for s in sides}, b_name),
@@ -296,7 +282,7 @@ def report(args: argparse.Namespace, sides: dict[str, list[list[Sample]]], b_nam
     print(f"(a)/(c), all turns: {(a1 + a2) / (c1 + c2):.3f} (aim <= 1.02)")
 
 
-def multiturn_figures(sides: dict[str, list[list[Sample]]], b_name: str) -> list[bench_plot.Panel]:
+def multiturn_figures(sides: dict[str, list[list[Sample]]], b_name: str) -> list[plot.Panel]:
     """Per turn, each chat's first token on each side, and the prompt tokens each child evaluated."""
     evaluated = {
         f"{name}, decoder": [(t + 1, float(s.decoder_n)) for t, row in enumerate(samples) for s in row]
@@ -306,7 +292,7 @@ def multiturn_figures(sides: dict[str, list[list[Sample]]], b_name: str) -> list
         (t + 1, float(s.provider_n)) for t, row in enumerate(sides[b_name]) for s in row if s.provider_n is not None
     ]
     return [
-        bench_plot.XY(
+        plot.XY(
             "first token per turn, each chat",
             "turn",
             "first token, ms",
@@ -316,5 +302,5 @@ def multiturn_figures(sides: dict[str, list[list[Sample]]], b_name: str) -> list
             },
             integer_x=True,
         ),
-        bench_plot.XY("prompt tokens evaluated per turn", "turn", "tokens", evaluated, integer_x=True),
+        plot.XY("prompt tokens evaluated per turn", "turn", "tokens", evaluated, integer_x=True),
     ]

@@ -38,34 +38,28 @@ import logging
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import anthropic
 import attrs
-import httpx
 import httpx2
 import openai
 import trio
 
+from bench import plot
+from bench.rig import Noise, machine, open_direct, writes_settled
+from supervisor import config as configuration
+from supervisor.config import Config
+from supervisor.daemon import Daemon
+from supervisor.observe.logs import ROUTE_LOGGER
+from supervisor.testing import RouteLines, run_daemon
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_plot  # noqa: E402
-
-from supervisor import config as configuration  # noqa: E402
-from supervisor.config import Config  # noqa: E402
-from supervisor.daemon import Daemon  # noqa: E402
-from supervisor.observe.logs import ROUTE_LOGGER  # noqa: E402
-from supervisor.supervise.process import ChildProcess  # noqa: E402
-from supervisor.testing import RouteLines, run_daemon, unix_transport  # noqa: E402
 
 TIMEOUT_S = 900
 CLIENTS = ("anthropic", "responses")
@@ -337,47 +331,7 @@ async def open_side(config: Config) -> AsyncIterator[tuple[Daemon, str]]:
         yield running.daemon, running.url
 
 
-@asynccontextmanager
-async def open_direct(daemon: Daemon, config: Config, directory: Path) -> AsyncIterator[Path]:
-    """The direct side: a llama-server of its own with the decoder's flags (its binary, model, slots,
-    threads and CPU), on its own socket, so that no request of onebitd's ever takes its slots.  The
-    sides run turn by turn, never at once, so sharing the decoder's CPU costs neither anything."""
-    argv = list(daemon.models.default.parts.launcher.argv())
-    socket, state = directory / "direct.sock", directory / "direct-state"
-    state.mkdir(mode=0o700, parents=True)
-    argv[argv.index("--host") + 1] = str(socket)
-    argv[argv.index("--slot-save-path") + 1] = str(state)
-    process = await ChildProcess.spawn(
-        "direct", argv, env=daemon.models.default.parts.launcher.env, cpu_affinity=config.decoder.cpu_affinity
-    )
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(process.pump_output)
-            async with httpx.AsyncClient(transport=unix_transport(socket), base_url="http://direct") as client:
-                with trio.fail_after(TIMEOUT_S):
-                    while True:  # a process of its own loading its model: poll its health
-                        try:
-                            if (await client.get("/health")).status_code == 200:
-                                break
-                        except httpx.TransportError:
-                            pass
-                        await trio.sleep(0.05)
-            yield socket
-            nursery.cancel_scope.cancel()
-    finally:
-        with trio.CancelScope(shield=True):
-            await process.stop(grace=5)
-
-
-async def writes_settled(daemon: Daemon) -> None:
-    """The prefix store's writes run off the requests' path: wait until none is left."""
-    stored = daemon.models.default.completions.stored
-    while stored is not None and stored.writing:  # noqa: ASYNC110  # no event announces it
-        await trio.sleep(0.01)
-
-
-async def run(args: argparse.Namespace, bench: ModuleType) -> int:
-    """``bench``: scripts/bench.py (the machine line, the other processes' CPU)."""
+async def run(args: argparse.Namespace) -> int:
     if args.quick:
         args.turns, args.system_words, args.restarts = 3, 400, 2
     system = system_prompt(args.system_words)
@@ -391,8 +345,8 @@ async def run(args: argparse.Namespace, bench: ModuleType) -> int:
             else "each onebitd side turn by turn with a direct one (ABBA)"
         )
     )
-    print(bench.machine())
-    noise = bench.Noise.start([])  # this process's tree: the clients, onebitd and every llama-server
+    print(machine())
+    noise = Noise.start([])  # this process's tree: the clients, onebitd and every llama-server
     if args.aa:
         await run_aa(args, system)
         print(noise.report([]))
@@ -474,7 +428,7 @@ async def run(args: argparse.Namespace, bench: ModuleType) -> int:
     print(noise.report([]))
     if args.plot:
         figures = agent_figures({(name, client): s.first_ms for (name, client), s in sides.items()})
-        bench_plot.write(args.plot, "scripts/bench agent", figures, quick=args.quick, columns=3)
+        plot.write(args.plot, "scripts/bench agent", figures, quick=args.quick, columns=3)
     return 0
 
 
@@ -577,10 +531,10 @@ PANELS = (
 )
 
 
-def agent_figures(first_ms: dict[tuple[str, str], list[float]]) -> list[bench_plot.Panel]:
+def agent_figures(first_ms: dict[tuple[str, str], list[float]]) -> list[plot.Panel]:
     """Per client (a row), per turn, each side's first token beside its direct side's."""
     return [
-        bench_plot.XY(
+        plot.XY(
             f"{client}: {title}",
             "turn",
             "first token, ms",

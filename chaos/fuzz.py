@@ -9,7 +9,7 @@ open after the front's timeouts, is a failure.  Meanwhile one good request after
 answered correctly: the daemon keeps serving others.
 
 hypothesis runs in a worker thread (its ``@given`` is synchronous) and sends each case through
-``trio.from_thread.run``.  This module draws and judges the cases; scripts/chaos.py sends them and
+``trio.from_thread.run``.  This module draws and judges the cases; chaos/clients.py sends them and
 serves the good requests (it imports this module, never the other way round).
 """
 

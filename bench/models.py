@@ -27,7 +27,6 @@ import contextlib
 import json
 import logging
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator
@@ -38,17 +37,15 @@ import attrs
 import httpx
 import trio
 
+from bench import plot
+from bench.rig import Noise, machine
+from supervisor import config as configuration
+from supervisor.config import Config
+from supervisor.daemon import Daemon
+from supervisor.observe.logs import ROUTE_LOGGER
+from supervisor.testing import RouteLines
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_plot  # noqa: E402
-
-from supervisor import config as configuration  # noqa: E402
-from supervisor.config import Config  # noqa: E402
-from supervisor.daemon import Daemon  # noqa: E402
-from supervisor.observe.logs import ROUTE_LOGGER  # noqa: E402
-from supervisor.testing import RouteLines  # noqa: E402
 
 TIMEOUT_S = 900
 MODELS = ("alpha", "beta")
@@ -244,10 +241,9 @@ async def run(args: argparse.Namespace) -> int:
         f"a swap-back and a warm turn each, ~{args.words}-word conversations; a burst of {args.burst}; each turn on "
         "both sides, the order alternating; (a) the prefix store, (b) " + ("the store too (A/A)" if args.aa else "none")
     )
-    import bench  # the machine line and its noise, as every subcommand measures them (a late import: bench imports us)
 
-    print(f"machine: {bench.machine()}")
-    noise = bench.Noise.start([])
+    print(f"machine: {machine()}")
+    noise = Noise.start([])
     with tempfile.TemporaryDirectory(prefix="ob-bench-", dir="/tmp") as tmp:
         sides = await run_sides(args, Path(tmp))
     ok = True
@@ -292,11 +288,11 @@ async def run(args: argparse.Namespace) -> int:
     print(f"swap-back (b) / (a), turn by turn: {' '.join(f'{r:.2f}' for r in pairs)}")
     print(noise.report([]))
     if args.plot:
-        bench_plot.write(args.plot, "scripts/bench models", model_figures(sides), quick=args.quick)
+        plot.write(args.plot, "scripts/bench models", model_figures(sides), quick=args.quick)
     return 0 if ok else 1
 
 
-def model_figures(sides: dict[str, dict[str, Any]]) -> list[bench_plot.Panel]:
+def model_figures(sides: dict[str, dict[str, Any]]) -> list[plot.Panel]:
     """Swap-back turns against warm and cold ones, with and without the store; the ratios."""
     turns = {
         "swap-back": {name: [s["ttft_ms"] for s in side["swapback"]] for name, side in sides.items()},
@@ -321,6 +317,6 @@ def model_figures(sides: dict[str, dict[str, Any]]) -> list[bench_plot.Panel]:
         },
     }
     return [
-        bench_plot.Bars("first token: swap-back against warm and cold", "ms", turns, log_y=True),
-        bench_plot.Bars("the ratios (medians)", "ratio", ratios, reference=1.0),
+        plot.Bars("first token: swap-back against warm and cold", "ms", turns, log_y=True),
+        plot.Bars("the ratios (medians)", "ratio", ratios, reference=1.0),
     ]

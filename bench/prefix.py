@@ -21,7 +21,6 @@ import argparse
 import os
 import signal
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,16 +29,14 @@ from typing import Any
 import httpx
 import trio
 
+from bench import plot
+from bench.rig import Noise, machine
+from supervisor import config as configuration
+from supervisor.config import Config
+from supervisor.supervise.child import ChildState
+from supervisor.testing import run_daemon
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_plot  # noqa: E402
-
-from supervisor import config as configuration  # noqa: E402
-from supervisor.config import Config  # noqa: E402
-from supervisor.supervise.child import ChildState  # noqa: E402
-from supervisor.testing import run_daemon  # noqa: E402
 
 TIMEOUT_S = 900
 
@@ -160,18 +157,17 @@ def cell(values: list[float]) -> str:
 
 
 async def run(args: argparse.Namespace) -> int:
-    import bench  # the machine line and its noise, as every subcommand measures them (a late import: bench imports us)
 
     if args.quick:
         args.before, args.crashes, args.after, args.system_words = 2, 1, 2, 220
-    print(f"machine: {bench.machine()}")
+    print(f"machine: {machine()}")
     print(
         f"onebit prefix: a ~{args.system_words}-word system prompt shared by every request; a cold request, "
         f"{args.before} warm, then {args.crashes} x (kill -9 of both decoders, {args.after} more); "
         f"each request on both sides, the order alternating; (a) the store, (b) "
         + ("the store too (A/A)" if args.aa else "no store")
     )
-    noise = bench.Noise.start([])
+    noise = Noise.start([])
     with tempfile.TemporaryDirectory(prefix="ob-bench-", dir="/tmp") as tmp:
         sides = await measure(args, Path(tmp))
     print()
@@ -198,11 +194,11 @@ async def run(args: argparse.Namespace) -> int:
     print(f"(a) first after a crash / warm median: {statistics.median(a['first']) / warm_a:.2f}x   (aim: at most 2x)")
     print(noise.report([]))
     if args.plot:
-        bench_plot.write(args.plot, "scripts/bench prefix", prefix_figures(sides), quick=args.quick)
+        plot.write(args.plot, "scripts/bench prefix", prefix_figures(sides), quick=args.quick)
     return 0
 
 
-def prefix_figures(sides: dict[str, dict[str, Any]]) -> list[bench_plot.Panel]:
+def prefix_figures(sides: dict[str, dict[str, Any]]) -> list[plot.Panel]:
     """Every request's first token in order, the crashes marked; and the table's figures as bars."""
     requests: dict[str, list[tuple[float, float]]] = {}
     marks: list[tuple[float, str]] = []
@@ -222,7 +218,7 @@ def prefix_figures(sides: dict[str, dict[str, Any]]) -> list[bench_plot.Panel]:
         "later after the crash": {name: side["after"] for name, side in sides.items()},
     }
     return [
-        bench_plot.XY(
+        plot.XY(
             "first token, request by request",
             "request",
             "first token, ms",
@@ -231,5 +227,5 @@ def prefix_figures(sides: dict[str, dict[str, Any]]) -> list[bench_plot.Panel]:
             integer_x=True,
             log_y=True,
         ),
-        bench_plot.Bars("first token: cold, warm, after the crashes", "ms", table, log_y=True),
+        plot.Bars("first token: cold, warm, after the crashes", "ms", table, log_y=True),
     ]

@@ -45,23 +45,20 @@ from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
-from types import ModuleType
 from typing import Any, TextIO
 
 import attrs
 import httpx
 import trio
 
+from bench import plot
+from bench.rig import BenchError, Noise, leaves, machine, spawn_onebitd
+from bench.workloads import QUESTIONS as MULTITURN_QUESTIONS
+from bench.workloads import TOPICS
+from supervisor import config as configuration
+from supervisor.config import Config
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_plot  # noqa: E402
-from bench_multiturn import QUESTIONS as MULTITURN_QUESTIONS  # noqa: E402
-from bench_multiturn import TOPICS  # noqa: E402
-
-from supervisor import config as configuration  # noqa: E402
-from supervisor.config import Config  # noqa: E402
 
 HAPROXY_CONFIG = ROOT / "config" / "haproxy.cfg"
 SECOND_SERVER = 'server onebit2 "${ONEBIT_HOST2-10.0.0.12:8080}"'  # a third host's line goes after it
@@ -292,12 +289,12 @@ def p90(values: Sequence[float]) -> float:
     return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))] if ordered else float("nan")
 
 
-def hosts_figures(samples: Sequence[Sample], half: int, names: Sequence[str] = SIDES) -> list[bench_plot.Panel]:
+def hosts_figures(samples: Sequence[Sample], half: int, names: Sequence[str] = SIDES) -> list[plot.Panel]:
     """Per turn, each session's first token on each side, and the prompt tokens its host's cache
     lacked, the drain marked."""
     drain = [(half + 0.5, "one host drained")]
     return [
-        bench_plot.XY(
+        plot.XY(
             "first token per turn, every session",
             "turn",
             "first token, ms",
@@ -306,7 +303,7 @@ def hosts_figures(samples: Sequence[Sample], half: int, names: Sequence[str] = S
             integer_x=True,
             log_y=True,
         ),
-        bench_plot.XY(
+        plot.XY(
             "the last turn's prompt tokens its host's cache lacked",
             "turn",
             "tokens",
@@ -348,12 +345,12 @@ def report(args: argparse.Namespace, samples: Sequence[Sample], drained: dict[st
     print(f"summed first-token time, turns 2..{args.turns}: (a)/(b) {a / b:.3f}{aim}")
 
 
-async def run(args: argparse.Namespace, bench: ModuleType) -> int:
-    """``bench``: scripts/bench.py (its ``spawn_onebitd`` starts each host and stops and reaps it)."""
+async def run(args: argparse.Namespace) -> int:
+    """Each host is onebitd in a process of its own (bench/rig.py's ``spawn_onebitd`` starts, stops and reaps it)."""
     if args.quick:
         args.agents, args.sessions, args.turns, args.system_words = 2, 1, 4, 80
     if args.aa and args.shared_dir:
-        raise bench.BenchError("--aa and --shared-dir: an A/A run gives both sides the same config, one store each")
+        raise BenchError("--aa and --shared-dir: an A/A run gives both sides the same config, one store each")
     names = AA_SIDES if args.aa else SIDES
     store = f"shared store {args.shared_dir}" if args.shared_dir else "each host its own prefix store"
     print(
@@ -362,7 +359,7 @@ async def run(args: argparse.Namespace, bench: ModuleType) -> int:
         f"{args.max_tokens} reply tokens, {args.parallel} slots per host, {store} on (a); the busiest host "
         f"drained after turn {args.turns // 2}" + ("; A/A: (b) runs the shipped config too" if args.aa else "")
     )
-    print(bench.machine())
+    print(machine())
     top = Path(tempfile.mkdtemp(prefix="ob-bench-", dir="/tmp"))
     try:
         log_path = Path(args.log) if args.log else top / "hosts.log"
@@ -377,7 +374,7 @@ async def run(args: argparse.Namespace, bench: ModuleType) -> int:
                         directory = top / f"side{s}-host{i + 1}"
                         directory.mkdir()
                         config = host_config(directory, f"127.0.0.{2 + i}", args, shared)
-                        spawned = await stack.enter_async_context(bench.spawn_onebitd(config, directory, log))
+                        spawned = await stack.enter_async_context(spawn_onebitd(config, directory, log))
                         ours += [spawned.pid, spawned.decoder_pid]
                         endpoints.append(spawned.url.removeprefix("http://"))
                         admin.append(directory / "admin.sock")
@@ -395,7 +392,7 @@ async def run(args: argparse.Namespace, bench: ModuleType) -> int:
                 sessions = {side.name: sessions_of(args) for side in sides}
                 samples: list[Sample] = []
                 drained: dict[str, str] = {}
-                noise = bench.Noise.start(ours)
+                noise = Noise.start(ours)
                 for t in range(1, args.turns + 1):
                     if t == args.turns // 2 + 1:
                         for side in sides:
@@ -416,9 +413,9 @@ async def run(args: argparse.Namespace, bench: ModuleType) -> int:
         print(noisy)
         if args.plot:
             figures = hosts_figures(samples, args.turns // 2, names)
-            bench_plot.write(args.plot, "scripts/bench hosts", figures, quick=args.quick)
+            plot.write(args.plot, "scripts/bench hosts", figures, quick=args.quick)
         return 0
     except* RuntimeError as group:  # raised inside the hosts' nurseries: a group
-        raise bench.BenchError("; ".join(str(exc) for exc in bench.leaves(group))) from None
+        raise BenchError("; ".join(str(exc) for exc in leaves(group))) from None
     finally:
         shutil.rmtree(top, ignore_errors=True)

@@ -11,7 +11,7 @@ start-time check, as onebitd does: a model the backend cannot take is refused th
 says so).  Each sample is one fresh prompt asked on every side: plain straight to the ggml daemon's
 llama-server (``cache_prompt: false``: the whole prompt prefilled) and through each onebitd (the
 provider prefills, the decoder restores); the sides' order rotates sample by sample
-(bench_providers.first_tokens), after one warm-up sample, so that the machine's drift falls on every
+(bench/workloads.py's first_tokens), after one warm-up sample, so that the machine's drift falls on every
 side alike.  Printed per model: the load-time probe's verdict, the medians and spreads, the ratios
 plain / file (above 1: the file route's first token came sooner), the decoder's prompt_n after the
 restore (worst sample), each engine's next-token distance (mean and worst, over the gate's prompts
@@ -33,20 +33,17 @@ from typing import Any
 
 import trio
 
+from bench import plot
+from bench.rig import Noise, Rig, machine, open_rig, provider_of
+from bench.workloads import fidelity_of, first_tokens
+from supervisor import config as configuration
+from supervisor.config import Config, locate
+from supervisor.errors import ConfigError, ProviderError
+from supervisor.llama import openvino
+from supervisor.models.memory import rss_mib
+from supervisor.routes import fidelity
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_plot  # noqa: E402
-from bench_handoff import Rig, open_rig  # noqa: E402
-from bench_providers import fidelity_of, first_tokens, provider_of  # noqa: E402
-
-from supervisor import config as configuration  # noqa: E402
-from supervisor.config import Config, locate  # noqa: E402
-from supervisor.errors import ConfigError, ProviderError  # noqa: E402
-from supervisor.llama import openvino  # noqa: E402
-from supervisor.models.memory import rss_mib  # noqa: E402
-from supervisor.routes import fidelity  # noqa: E402
 
 FAMILIES = (
     "llama-dense",
@@ -182,13 +179,12 @@ async def run(args: argparse.Namespace) -> int:
         [str(ROOT / "scripts" / "tiny-models"), "--print-path", sys.executable], capture_stdout=True
     )
     tiny = Path(found.stdout.decode().strip())
-    import bench  # the machine line, measured the same way for every subcommand
 
     args.openvino = not args.no_openvino and openvino.llama_server("") is not None
     if args.quick:
         args.pairs, args.tokens, args.fidelity = 1, 200, 0
-    print(f"machine: {bench.machine()}")
-    noise = bench.Noise.start([])
+    print(f"machine: {machine()}")
+    noise = Noise.start([])
     names = args.models or (["llama-dense", "qwen35-dense"] if args.quick else [*FAMILIES, *QUANTS])
     engines = ("ggml", "openvino") if args.openvino else ("ggml",)
     print(
@@ -234,23 +230,23 @@ async def run(args: argparse.Namespace) -> int:
             print(f"fidelity not measured: {name} on {engine}: {why}")
     print(noise.report([]))
     if args.plot:
-        bench_plot.write(args.plot, "scripts/bench families", family_figures(rows), quick=args.quick)
+        plot.write(args.plot, "scripts/bench families", family_figures(rows), quick=args.quick)
     return 0
 
 
-def family_figures(rows: dict[str, dict[str, Any]]) -> list[bench_plot.Panel]:
+def family_figures(rows: dict[str, dict[str, Any]]) -> list[plot.Panel]:
     """One prompt length for every model: no axis to put it on, so the table as bars, the first
     token each way per model and the ratio plain / file."""
     tokens = max(row["tokens"] for row in rows.values())
     names = {"plain": "plain", "ggml": "file route", "openvino": "file route, openvino"}
     return [
-        bench_plot.Bars(
+        plot.Bars(
             f"first streamed token, a {tokens}-token prompt",
             "ms",
             {name: {names[side]: row[side] for side in names if row.get(side)} for name, row in rows.items()},
             log_y=True,
         ),
-        bench_plot.Bars(
+        plot.Bars(
             "plain / file route (above 1: the file route's first token sooner)",
             "ratio of the medians",
             {

@@ -23,29 +23,25 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from bench import plot
+from bench.rig import Noise, Rig, machine, open_rig, provider_of
+from bench.workloads import fidelity_of, first_tokens, longest_gap
+from supervisor import config as configuration
+from supervisor.config import Config
+from supervisor.errors import ConfigError
+from supervisor.llama import openvino
+from supervisor.providers.llama import LlamaServerProvider
+from supervisor.routes import fidelity
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import bench_handoff  # noqa: E402
-import bench_plot  # noqa: E402
-from bench_handoff import Rig, first_byte_ms, longest_gap, open_rig, prompt_of  # noqa: E402
-
-from supervisor import config as configuration  # noqa: E402
-from supervisor.config import Config  # noqa: E402
-from supervisor.errors import ConfigError  # noqa: E402
-from supervisor.llama import openvino  # noqa: E402
-from supervisor.providers.llama import LlamaServerProvider  # noqa: E402
-from supervisor.routes import fidelity  # noqa: E402
 
 SIZES = (256, 1024, 2048, 3072)
 # The sides; their six orders go in rotation (first_tokens): after six samples each side went first,
@@ -100,42 +96,6 @@ def memory_kib(pid: int | None) -> tuple[int, int]:
     return fields.get("VmRSS", 0), fields.get("VmHWM", 0)
 
 
-async def first_tokens(
-    rigs: dict[str, Rig], samples: int, chosen: Sequence[int], aa: bool
-) -> dict[int, dict[str, Any]]:
-    """Per size: a warm-up sample, then ``samples``, each one fresh prompt asked on every side in
-    the sample's order: plain (straight to the first rig's decoder), then each rig's file route."""
-    first = next(iter(rigs.values()))
-    sides = ("plain", *rigs)
-    orders = tuple(itertools.permutations(sides))
-    rows: dict[int, dict[str, Any]] = {}
-    for size in chosen:
-        cells: dict[str, list[float]] = {side: [] for side in sides}
-        decoder_n: dict[str, list[int]] = {side: [] for side in rigs}
-        count = 0
-        for i in range(samples + 1):
-            prompt, count = await prompt_of(first.decoder, size, salt=size * 100 + i)
-            body = {"prompt": prompt, "n_predict": 4, "temperature": 0, "stream": True}
-            direct = {**body, "cache_prompt": False, "id_slot": 1}
-            for side in orders[i % len(orders)]:
-                if side == "plain":
-                    ms, _ = await first_byte_ms(first.decoder, "/completion", direct)
-                elif aa:
-                    ms, _ = await first_byte_ms(rigs[side].decoder, "/completion", direct)
-                else:
-                    ms, timings = await first_byte_ms(rigs[side].front, "/completion", body)
-                    if i:
-                        decoder_n[side].append(int(timings.get("prompt_n", -1)))
-                if i:  # the first sample warms every side up
-                    cells[side].append(ms)
-        rows[size] = {
-            "tokens": count,
-            **cells,
-            "decoder_prompt_n": {side: max(n, default=-1) for side, n in decoder_n.items()},
-        }
-    return rows
-
-
 @contextlib.asynccontextmanager
 async def engine_rig(engine: str, device: str, compile_dir: Path) -> AsyncIterator[tuple[Rig, float]]:
     """One engine's daemon, and its provider's start: from the daemon's (the device listing
@@ -150,16 +110,9 @@ async def engine_rig(engine: str, device: str, compile_dir: Path) -> AsyncIterat
             yield rig, provider.child.statistics().state_since - started
 
 
-def provider_of(rig: Rig) -> LlamaServerProvider:
-    (provider,) = rig.daemon.models.default.parts.providers.all
-    assert isinstance(provider, LlamaServerProvider)
-    return provider
-
-
 async def measure(args: argparse.Namespace, chosen: Sequence[int], compile_dir: Path) -> dict[str, Any]:
     """Both daemons up at once; the first tokens side by side; each engine's gaps, start, memory
     and fidelity."""
-    import bench  # the machine's noise, measured the same way for every subcommand (a late import: bench imports us)
 
     samples = 1 if args.quick else args.samples
     async with (
@@ -167,7 +120,7 @@ async def measure(args: argparse.Namespace, chosen: Sequence[int], compile_dir: 
         engine_rig("openvino", args.device, compile_dir) as (ov, ov_start),
     ):
         rigs = {"ggml": ggml, "openvino": ov}
-        noise = bench.Noise.start([])
+        noise = Noise.start([])
         rows = await first_tokens(rigs, samples, chosen, args.aa)
         at = time.monotonic()
         check = await fidelity_of(ov, provider_of(ov), fidelity.START_PROMPTS)
@@ -214,34 +167,14 @@ async def start_again(device: str, compile_dir: Path) -> float:
             return provider.child.statistics().state_since - started
 
 
-async def fidelity_of(
-    rig: Rig, provider: LlamaServerProvider, texts: Sequence[str], slot_context: int | None = None
-) -> fidelity.Verdict:
-    """The verdict over ``texts`` (those that fit ``slot_context``), measured as the start-time
-    check measures it."""
-    hybrid = rig.daemon.models.default.parts.hybrid
-    assert hybrid is not None
-    probe = fidelity.Probe(
-        client=rig.daemon.models.default.client, handoff=hybrid.file, timeout_s=bench_handoff.TIMEOUT_S
-    )
-    samples = []
-    prompts = fidelity.fitting([await probe.tokens(text) for text in texts], slot_context)
-    async with rig.daemon.models.default.parts.slots.hold() as slot:
-        for i, tokens in enumerate(prompts):
-            samples.append(await probe.sample(provider, slot, tokens, req=f"bench-fidelity-{i}"))
-        rig.daemon.models.default.parts.slots.forget(slot)
-    return fidelity.judge(samples)
-
-
 async def run(args: argparse.Namespace) -> int:
     if openvino.llama_server("") is None:
         raise ConfigError(
             [f"bench providers: no OpenVINO llama-server (set {openvino.BINARY_ENV}, or run scripts/setup)"]
         )
-    import bench
 
     chosen = (256, 1024) if args.quick else tuple(args.sizes)
-    print(f"machine: {bench.machine()}")
+    print(f"machine: {machine()}")
     with tempfile.TemporaryDirectory(prefix="ob-bench-ov-", dir="/tmp") as compiled:
         measured = await measure(args, chosen, Path(compiled))
         again_s = await start_again(args.device, Path(compiled))
@@ -254,7 +187,7 @@ async def run(args: argparse.Namespace) -> int:
             print(f"fidelity, {r['engine']}: {r['verdict'].summary()}; {within} the bound")
     print(measured["noise"])
     if args.plot:
-        bench_plot.write(args.plot, "scripts/bench providers", provider_figures(rows, engines), quick=args.quick)
+        plot.write(args.plot, "scripts/bench providers", provider_figures(rows, engines), quick=args.quick)
     return 0
 
 
@@ -303,15 +236,15 @@ def report(
         )
 
 
-def provider_figures(rows: dict[int, dict[str, Any]], engines: dict[str, Any]) -> list[bench_plot.Panel]:
+def provider_figures(rows: dict[int, dict[str, Any]], engines: dict[str, Any]) -> list[plot.Panel]:
     """First token against prompt length, plain and the file route on each engine, every sample;
     the longest inter-token gap per engine."""
     ov = f"openvino-{engines['openvino']['device']}"
     names = {"plain": "plain", "ggml": "file route, ggml", "openvino": f"file route, {ov}"}
     first = {names[side]: [(row["tokens"], ms) for row in rows.values() for ms in row[side]] for side in SIDES}
     return [
-        bench_plot.XY("first streamed token against prompt length", "prompt tokens", "first token, ms", first),
-        bench_plot.Bars(
+        plot.XY("first streamed token against prompt length", "prompt tokens", "first token, ms", first),
+        plot.Bars(
             "a stream's longest gap while a 2k-token prompt arrives",
             "ms",
             {r["engine"]: r["gaps"] for r in engines.values()},
