@@ -6,7 +6,7 @@ and keeps the only keep-alive pool and the only resend (of a request a pooled co
 unanswered) onebitd has.
 
 The calls onebitd makes of llama-server's own API are spelled here and nowhere else
-(tests/test_llama_paths.py holds it so): :meth:`DecoderClient.healthy`, :func:`restore`,
+(tests/unit/llama/test_llama_paths.py holds it so): :meth:`DecoderClient.healthy`, :func:`restore`,
 :func:`save`, :func:`erase`, :func:`share`, :func:`adopt`, :func:`prefill`, :func:`next_token`,
 :func:`tokenize` and :func:`apply_template` take any :class:`JsonClient` (a DecoderClient; a fake in
 tests) and return their value, or a :class:`Refusal` carrying llama-server's words (the slot calls

@@ -11,7 +11,7 @@ process     the core as a program started like llama-server, for what only a pro
 
 The two adapters differ only in how they wait and speak HTTP: the in-process one waits on a trio
 event (``release``) where a step pauses, and keeps what it was asked; the program polls its modes
-(tests/fake_control.py) and logs what it did beside the control file.
+(tests/fakes/fake_control.py) and logs what it did beside the control file.
 """
 
 # The completions and the slot actions register their endpoints in core's table as they are imported.

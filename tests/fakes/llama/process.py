@@ -1,13 +1,13 @@
 """The fake llama-server as a program, for what only a process shows (crashes, restarts, signals, fd
 passing): the core (tests/fakes/llama/core.py) behind an HTTP/1.1 server, one thread per connection.
 
-It is started exactly like llama-server (tests/rig.py's ``fake_llama_server`` writes the launcher set
+It is started exactly like llama-server (tests/rigs/rig.py's ``fake_llama_server`` writes the launcher set
 as ``decoder.binary``: ``python -m tests.fakes.llama.process``), takes the arguments onebitd passes
 (``-m -c -np -b -ub -ctk -ctv --host --port --slot-save-path --alias --no-webui -t``), ignores any
 other, and listens on the unix socket given by ``--host`` (a host ending in ``.sock``, as llama-server
 does) or on TCP otherwise.  It is the share route's fork: ``?action=share`` and ``adopt`` work.
 
-Its modes are read from the ``decoder`` section of the control file (tests/fake_control.py:
+Its modes are read from the ``decoder`` section of the control file (tests/fakes/fake_control.py:
 ``FAKE_CONTROL`` names it, tests write it with ``Control.set(decoder=Modes(...))``) whenever a mode
 matters, so a test can change the behaviour of a running fake or between restarts; a pause polls them
 (and gives up when the client leaves).  ``exit``/``exit_starts`` and ``ignore_sigterm`` are this
@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from tests import fake_control
+from tests.fakes import fake_control
 
 from .core import Core, Modes, Settings
 from .steps import After, Answer, Chunk, Head, Pause, Sleep, Whole

@@ -4,7 +4,7 @@ onebitd's socket with the fds.
 
 The layout: n_layer 2, tensors cache_k_l<L> and cache_v_l<L>, row_bytes 16, align 4096, n_ctx the
 slot's context; one region, or two (K and V apart).  A provider writes, for each of the job's tokens
-and each tensor, the row :func:`expected_row` gives (tests/fake_share_provider.py writes them).
+and each tensor, the row :func:`expected_row` gives (tests/fakes/fake_share_provider.py writes them).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 def expected_row(token: int, pos: int, tensor: str, row_bytes: int) -> bytes:
     """The bytes a provider writes for ``token`` at ``pos`` in ``tensor``: the token id, big-endian,
-    then a hash of all three.  tests/fake_share_provider.py has the same function; they must agree."""
+    then a hash of all three.  tests/fakes/fake_share_provider.py has the same function; they must agree."""
     seed = f"{tensor}:{pos}:{token}".encode()
     digest = b""
     while len(digest) < row_bytes - 4:
