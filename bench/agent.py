@@ -28,7 +28,7 @@ prefix; llama-server's host-memory prompt cache is off (``cache.ram_mib = 0``) o
 ``--aa``: the A/A run of the turn-by-turn method.  Two direct sides, each a llama-server of its own
 with the plain decoder's flags, run turn by turn the same way (ABBA, the same sessions); what the
 second shows against the first is what the method favours, the noise the plain side's ratio is read
-against.  The restart headline (a restored onebitd against a cold llama-server, 300x apart) has none.
+against.  The restart headline (a restored onebitd against a cold llama-server's prefill) has none.
 """
 
 from __future__ import annotations
@@ -424,7 +424,7 @@ async def run(args: argparse.Namespace) -> int:
 
     for client in CLIENTS:
         report(client, args.turns, {name: s for (name, c), s in sides.items() if c == client})
-    report_restarts(sides)
+    report_restarts(sides, plain.decoder.threads)
     print(noise.report([]))
     if args.plot:
         figures = agent_figures({(name, client): s.first_ms for (name, client), s in sides.items()})
@@ -505,8 +505,10 @@ async def restart_again(
             sides["restart", client].again_lines.append(restart.lines[0])
 
 
-def report_restarts(sides: dict[tuple[str, str], Side]) -> None:
-    """The first turn after each full restart: the headline, from every restart."""
+def report_restarts(sides: dict[tuple[str, str], Side], threads: int) -> None:
+    """The first turn after each full restart: the headline, from every restart, said as what it
+    compares (a restore against the cold side's prefill on this machine, with the decoder's flags
+    and ``threads``), since the ratio is this machine's prefill speed over a file read."""
     print()
     for client in CLIENTS:
         restart, cold = sides["restart", client], sides["direct'", client]
@@ -520,6 +522,11 @@ def report_restarts(sides: dict[tuple[str, str], Side]) -> None:
             f" ({statistics.median(ours):.0f} ms against {statistics.median(theirs):.0f} ms);"
             f" restart by restart {' '.join(f'{r:.2f}' for r in ratios)}   (aim: at least 5x);"
             f" the decoder evaluated {' '.join(str(n) for n in evaluated)} prompt tokens"
+        )
+        print(
+            f"{client}: the first turn after a restart: restored in {statistics.median(ours):.0f} ms against a"
+            f" prefill of {restart.lines[0]['prompt_tokens']} tokens in {statistics.median(theirs) / 1000:.1f} s"
+            f" on this machine (the decoder's flags, {threads} thread{'s' if threads != 1 else ''})"
         )
 
 

@@ -30,7 +30,7 @@ import httpx
 
 from bench import plot
 from supervisor.config import ModelConfig, locate
-from supervisor.llama import openvino, statefile
+from supervisor.llama import openvino, statediff, statefile
 from supervisor.llama.llama_server import model_args
 
 TEXT = (
@@ -233,7 +233,7 @@ def main() -> int:
         if name == "ggml":
             continue
         for prompt, path in run["files"].items():
-            errors = statefile.layer_errors(statefile.read(path), statefile.read(runs["ggml"]["files"][prompt]))
+            errors = statediff.layer_errors(statefile.read(path), statefile.read(runs["ggml"]["files"][prompt]))
             prompt_n, restore_ms = run.get("restores", {}).get(prompt, (None, None))
             print(
                 f"| {name} | {prompt} | {max(e.k for e in errors):.4f} | {max(e.v for e in errors):.4f} | "

@@ -132,7 +132,7 @@ async def measure(name: str, tiny: Path, args: argparse.Namespace) -> dict[str, 
         failed: dict[str, str] = {}
         for engine, rig in measured.items():
             if args.fidelity and model.parts.capability.handoff:
-                slot_context = rig.daemon.models.default.parts.completions.slot_context
+                slot_context = rig.daemon.models.default.parts.completions.slot_context()
                 try:
                     verdicts[engine] = await fidelity_of(rig, provider_of(rig), texts[: args.fidelity], slot_context)
                 except ProviderError as error:  # a handoff that failed: the table says so, the run goes on

@@ -50,7 +50,7 @@ from bench.rig import Noise, Rig, machine, open_rig
 from bench.workloads import first_byte_ms, longest_gap, prompt_of
 from supervisor import config as configuration
 from supervisor.config import Config, locate
-from supervisor.llama.region import SlotState, write_rows
+from supervisor.llama.region import StateRows, write_rows
 from supervisor.testing import unix_transport
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -230,7 +230,7 @@ async def share_against_file(tmp: Path, rounds: int, chosen: tuple[int, ...]) ->
                 region = mmap.mmap(fds[0], header["regions"][0]["size"])
                 try:
                     start = trio.current_time()
-                    written = write_rows(SlotState(state_path.read_bytes()), header, [region], len(tokens))
+                    written = write_rows(StateRows(state_path.read_bytes()), header, [region], len(tokens))
                     write_ms = (trio.current_time() - start) * 1000
                 finally:
                     region.close()

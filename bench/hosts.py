@@ -22,7 +22,10 @@ Per side: time to first token over turns 2 and later (median, p90, before and af
 cold re-prefills (a turn whose host's cache held less than the whole of its previous turn's prompt:
 ``timings.cache_n`` below the previous turn's prompt tokens) and the prompt tokens prefilled again
 that way.  ``--shared-dir DIR`` gives side (a)'s hosts one prefix store directory
-(``cache.shared_dir``, for a onebitd that has it; one that does not refuses the key, exit 2).
+(``cache.shared_dir``, for a onebitd that has it; one that does not refuses the key, exit 2).  Each
+side starts from empty stores: (b)'s hosts and (a)'s private ones are made under a new directory, and
+a ``--shared-dir`` that holds anything is refused (the sessions are greedy and the same run to run,
+so an earlier run's entries would serve any turn, the ones after the drain included).
 
 ``--aa``: the A/A run.  Side (b) gets the shipped config too, so both sides are (a): what one shows
 against the other is what the method (two sides at once, the order alternating) favours.
@@ -85,7 +88,9 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system-words", type=int, default=1200, help="words of system prompt (~1,600 tokens)")
     parser.add_argument("--max-tokens", type=int, default=8, help="reply tokens per turn (8)")
     parser.add_argument("--parallel", type=int, default=2, help="slots per host (2)")
-    parser.add_argument("--shared-dir", type=Path, help="side (a)'s hosts share this prefix store (cache.shared_dir)")
+    parser.add_argument(
+        "--shared-dir", type=Path, help="side (a)'s hosts share this prefix store (cache.shared_dir): empty or absent"
+    )
     parser.add_argument("--log", type=Path, help="keep the hosts' and HAProxy's logs here (default: discarded)")
     parser.add_argument("--quick", action="store_true", help="2 agents, 1 session each, 4 turns, short prompts")
     parser.add_argument("--aa", action="store_true", help="A/A: side (b) runs the shipped config as well")
@@ -95,6 +100,24 @@ def system_prompt(topic: str, words: int) -> str:
     facts = [f"Fact {i} about {topic}: it matters in way number {i * 7 % 31} for reason {i % 5}." for i in range(400)]
     text = f"You are a friendly expert on {topic}. Answer briefly. Here is your reference sheet. "
     return " ".join((text + " ".join(facts)).split()[:words])
+
+
+def used_store(directory: Path) -> str | None:
+    """Why ``directory`` cannot be side (a)'s shared store (None: it is empty, or absent and onebitd
+    makes it): an earlier run's entries would serve this run's turns, and (b)'s stores start empty."""
+    try:
+        held = sorted(path.name for path in directory.iterdir())
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"--shared-dir {directory}: {exc.strerror or exc}"
+    if held:
+        shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+        return (
+            f"--shared-dir {directory} holds {len(held)} entries ({shown}): each side starts from an empty"
+            " store, so give an empty or new directory"
+        )
+    return None
 
 
 def host_config(directory: Path, address: str, args: argparse.Namespace, shared: Path | None) -> Config:
@@ -351,6 +374,8 @@ async def run(args: argparse.Namespace) -> int:
         args.agents, args.sessions, args.turns, args.system_words = 2, 1, 4, 80
     if args.aa and args.shared_dir:
         raise BenchError("--aa and --shared-dir: an A/A run gives both sides the same config, one store each")
+    if args.shared_dir is not None and (why := used_store(args.shared_dir)) is not None:
+        raise BenchError(why)
     names = AA_SIDES if args.aa else SIDES
     store = f"shared store {args.shared_dir}" if args.shared_dir else "each host its own prefix store"
     print(

@@ -40,12 +40,12 @@ def _no_arguments(_parser: argparse.ArgumentParser) -> None:
 
 
 @attrs.frozen
-class Verb:
+class Command:
     handler: Handler  # its docstring: first line the one-line help, the rest the verb's --help
     arguments: Callable[[argparse.ArgumentParser], None] = _no_arguments
 
 
-VERBS: dict[str, Verb] = {}
+VERBS: dict[str, Command] = {}
 
 
 def verb(
@@ -58,7 +58,7 @@ def verb(
             raise TypeError(f"{name!r} is onebitd's verb: onebitctl only says how it is shown (@shows)")
         if not inspect.getdoc(handler):
             raise TypeError(f"verb {name!r}: its handler needs a docstring (it is the help)")
-        VERBS[name] = Verb(handler, arguments)
+        VERBS[name] = Command(handler, arguments)
         return handler
 
     return register
@@ -206,7 +206,7 @@ def _typed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     return typed
 
 
-def daemon_verb(name: str, verb: admin.Verb) -> Verb:
+def daemon_verb(name: str, verb: admin.Verb) -> Command:
     """``onebitctl NAME``: onebitd's verb NAME with its arguments, shown as :data:`SHOWN` says."""
     shown = SHOWN.get(name) or Shown(_print_result)
 
@@ -244,7 +244,7 @@ def daemon_verb(name: str, verb: admin.Verb) -> Verb:
         handler.__doc__ = inspect.getdoc(shown.result)
     else:
         handler.__doc__ = f"onebitd's verb; its answer printed as JSON.\n\n{inspect.getdoc(verb.handler) or ''}"
-    return Verb(handler, arguments)
+    return Command(handler, arguments)
 
 
 # -- the command line ---------------------------------------------------------------------------

@@ -93,6 +93,7 @@ def render_status(stats: DaemonStatistics) -> str:
             [(p.name, p.kind, p.engine, p.device, p.ready, p.busy, p.jobs, p.failures) for p in stats.providers],
         )
         lines += [f"provider {p.name} refused: {p.refused}" for p in stats.providers if p.refused]
+        lines += [f"provider {p.name}: {p.fell_back}" for p in stats.providers if p.fell_back]
     else:
         lines.append("providers: none")
     slots = stats.slots

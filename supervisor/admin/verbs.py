@@ -54,7 +54,7 @@ class Managed(Protocol):
 
     def start_drain(self) -> None: ...
 
-    async def hand_over(self) -> int: ...
+    async def keep_slots(self) -> int: ...
 
     def resume(self) -> None: ...
 
@@ -101,7 +101,7 @@ async def verb_drain(daemon: Managed, args: dict[str, Any], send: Send) -> Any:
         while True:
             await send({"event": "progress", "inflight": count})
             if count == 0:
-                return {"drained": True, "kept": await daemon.hand_over()}
+                return {"drained": True, "kept": await daemon.keep_slots()}
             # Checked again right before waiting: a request that ended while the event above was
             # being sent set the previous event, which nobody waits on any more.
             while daemon.inflight_count() == count:

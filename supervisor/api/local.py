@@ -4,7 +4,7 @@ decoder's own metrics appended, ``/metrics/decoder``, the model list of several 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -14,6 +14,7 @@ from ..config import ServerConfig
 from ..errors import ClientError, DecoderError
 from ..http.respond import Responder
 from ..llama import decoder as decoder_api
+from ..providers import ProviderStatistics
 from ..routes.relay import relay_reply
 from ..supervise.child import ChildState
 from .endpoints import Endpoint, Local
@@ -27,10 +28,21 @@ DECODER_METRICS_TIMEOUT_S = 2.0
 @attrs.frozen
 class ProviderReadiness:
     """What ``/health`` needs of the providers: whether every one's first start is over (healthy,
-    or failed), and the names of those not ready now."""
+    or failed), the names of those not ready now, and why a provider was refused at start (or,
+    engine "auto", why its OpenVINO engine was), by name."""
 
     settled: bool = True
     not_ready: tuple[str, ...] = ()
+    refused: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def of(cls, settled: bool, providers: Sequence[ProviderStatistics]) -> ProviderReadiness:
+        """From the providers' statistics (``settled``: every first start is over)."""
+        return cls(
+            settled=settled,
+            not_ready=tuple(p.name for p in providers if not p.ready),
+            refused=tuple((p.name, why) for p in providers if (why := p.refused or p.fell_back)),
+        )
 
 
 def health(
@@ -43,11 +55,14 @@ def health(
 ) -> tuple[int, dict[str, Any]]:
     """``/health``'s status and body: ``ok`` once the decoder is ready and every provider's first
     start is over (the first requests must not quietly take the plain route because a provider is
-    still loading); the providers not ready are named, and the models whose restores spare no
-    prompt (``restores_unusable``: their hybrid routes and prefix store are off)."""
+    still loading); the providers not ready are named, those refused at start with why
+    (``providers_refused``), and the models whose restores spare no prompt (``restores_unusable``:
+    their hybrid routes and prefix store are off)."""
     if draining:
         return 503, {"status": "draining"}
     named: dict[str, Any] = {"providers_not_ready": list(providers.not_ready)} if providers.not_ready else {}
+    if providers.refused:
+        named["providers_refused"] = dict(providers.refused)
     if unrestorable:
         named["restores_unusable"] = unrestorable
     if state is ChildState.READY and providers.settled:

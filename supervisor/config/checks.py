@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from . import locate, origins
-from .schema import Config, LlamaServerProvider, ModelConfig, model_name
+from .schema import Config, LlamaServerProviderConfig, ModelConfig, model_name
 
 
 def check(config: Config, source: str) -> None:
@@ -34,12 +34,12 @@ def check(config: Config, source: str) -> None:
         for i, cpu in enumerate(provider.cpu_affinity):
             if cpu < 0 or cpu >= (os.cpu_count() or 1):
                 errors.append(f"{source}: provider[{index}].cpu_affinity[{i}]: no such CPU {cpu}")
-        if isinstance(provider, LlamaServerProvider) and provider.engine == "auto" and provider.binary:
+        if isinstance(provider, LlamaServerProviderConfig) and provider.engine == "auto" and provider.binary:
             errors.append(
                 f'{source}: provider[{index}].binary: engine "auto" looks for its own (an OpenVINO build, else'
                 " the ggml one); name the engine with the binary"
             )
-        if isinstance(provider, LlamaServerProvider) and provider.engine == "ggml":
+        if isinstance(provider, LlamaServerProviderConfig) and provider.engine == "ggml":
             for key, value in (("device", provider.device), ("static_shapes", provider.static_shapes)):
                 if value:
                     errors.append(
@@ -113,14 +113,14 @@ def path_problems(config: Config) -> list[str]:
     )
     for index, provider in enumerate(config.provider):
         key = f"provider[{index}]"
-        if isinstance(provider, LlamaServerProvider) and provider.engine == "openvino":
+        if isinstance(provider, LlamaServerProviderConfig) and provider.engine == "openvino":
             lines += locate.executable_problem(
                 f"{key}.binary",
                 locate.llama_server(provider.binary, "openvino"),
                 "empty, and no OpenVINO llama-server was found (run scripts/setup, or set"
                 f" {locate.ENGINE_ENV['openvino']})",
             )
-        elif isinstance(provider, LlamaServerProvider):
+        elif isinstance(provider, LlamaServerProviderConfig):
             binary = provider.ggml_binary(config.decoder.binary)
             lines += locate.executable_problem(
                 f"{key}.binary", locate.llama_server(binary), "empty, and no llama-server was found (run scripts/setup)"

@@ -306,7 +306,7 @@ def _device(_inst: Any, attr: attrs.Attribute[Any], value: str) -> None:
 
 
 @frozen
-class LlamaServerProvider:
+class LlamaServerProviderConfig:
     """A second llama-server used only for prefill; same [model] parameters as the decoder."""
 
     name: str = field(validator=_name)
@@ -333,7 +333,7 @@ class LlamaServerProvider:
 
 
 @frozen
-class ExecProvider:
+class ExecProviderConfig:
     """A program started per job: the job as JSON on stdin, its claim as the last stdout line."""
 
     name: str = field(validator=_name)
@@ -348,7 +348,7 @@ class ExecProvider:
 
 
 @frozen
-class WorkerProvider:
+class WorkerProviderConfig:
     """A long-lived program taking jobs as JSON lines over a socketpair (ONEBIT_PROVIDER_FD)."""
 
     name: str = field(validator=_name)
@@ -362,11 +362,11 @@ class WorkerProvider:
     restart: RestartPolicy = RestartPolicy()
 
 
-ProviderConfig = LlamaServerProvider | ExecProvider | WorkerProvider
+ProviderConfig = LlamaServerProviderConfig | ExecProviderConfig | WorkerProviderConfig
 PROVIDER_KINDS: dict[type, str] = {
-    LlamaServerProvider: "llama-server",
-    ExecProvider: "exec",
-    WorkerProvider: "worker",
+    LlamaServerProviderConfig: "llama-server",
+    ExecProviderConfig: "exec",
+    WorkerProviderConfig: "worker",
 }
 
 

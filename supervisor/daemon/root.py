@@ -142,10 +142,7 @@ class Daemon:
         return [child for model in self.models.all for child in model.children()]
 
     def provider_readiness(self) -> ProviderReadiness:
-        return ProviderReadiness(
-            settled=self._providers_settled,
-            not_ready=tuple(p.name for p in self.models.default.parts.providers.all if not p.ready),
-        )
+        return ProviderReadiness.of(self._providers_settled, self.models.default.parts.providers.statistics())
 
     def state(self) -> str:
         if self.stopping:
@@ -221,15 +218,15 @@ class Daemon:
         self.front.registry.drain()
         self._update_status()
 
-    async def hand_over(self) -> int:
+    async def keep_slots(self) -> int:
         """A drain's end: each loaded model's slots that hold long prompts saved into its prefix
-        store (supervisor/models/model.py's hand_over), so another host (a shared store) or this one
+        store (supervisor/models/model.py's keep_slots), so another host (a shared store) or this one
         after a restart restores them.  How many were saved."""
         kept = 0
         for model in self.models.all:
-            kept += await model.hand_over(lambda: self.front.draining)
+            kept += await model.keep_slots(lambda: self.front.draining)
         if kept:
-            log.info("drained: %d slot(s) handed over to the prefix store", kept)
+            log.info("drained: %d slot(s) kept in the prefix store", kept)
         return kept
 
     def resume(self) -> None:
@@ -343,7 +340,7 @@ class Daemon:
         )
         with trio.move_on_after(self.config.server.shutdown_grace_s):
             await self.front.registry.wait_idle()
-            await self.hand_over()
+            await self.keep_slots()
         if self.inflight_count():
             log.warning("stopping with %d request(s) still in flight after the grace period", self.inflight_count())
 

@@ -50,6 +50,6 @@ class Stores:
             return
         engines = [p.describe for p in model.parts.llama_providers()]
         async with open_prefix_store(
-            config, self._version, kv_unified=model.kv_unified, engines=engines, swa_full=model.swa_full
+            config, self._version, kv_unified=model.layout.kv_unified, engines=engines, swa_full=model.swa_full
         ) as store:
             yield store

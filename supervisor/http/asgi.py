@@ -96,7 +96,7 @@ class Request:
     """One request on a connection: its scope, its body as the app reads it, its response as the app
     sends it."""
 
-    def __init__(self, connection: Link, head: framing.Request) -> None:
+    def __init__(self, connection: Link, head: framing.RequestHead) -> None:
         self.connection = connection
         self.head = head
         self.method = head.method

@@ -10,7 +10,7 @@ order).
 - Writes have a deadline: a client that takes no byte of a response for ``write_timeout_s`` loses its
   connection, and the app learns it as a hang-up (``http.disconnect``).
 - The socket is a plain non-blocking socket under ``trio.lowlevel.wait_readable``/``wait_writable``;
-  its reads are shared with the hang-up watcher (supervisor/http/hangup.py).
+  its reads are shared with the hang-up watcher (supervisor/http/watch.py).
 - A socket error is a gone client; anything else that fails here is logged, and closes this
   connection only.
 """
@@ -27,8 +27,8 @@ from ..errors import Malformed
 from . import asgi, framing
 from .asgi import Request
 from .framing import NEED_DATA, writers
-from .hangup import HANG_UP, Watched
 from .respond import Message, Responder
+from .watch import HANG_UP, Watched
 
 log = logging.getLogger("onebit.front")
 
@@ -37,7 +37,7 @@ LINGER_S = 2.0  # after the last response on a connection, wait this long for th
 READS_BEFORE_YIELD = 16  # reads that found data ready, in a row, before the connection lets others run
 
 
-class Server(asgi.Server, Protocol):
+class Host(asgi.Server, Protocol):
     """The server, as its connections see it (supervisor/http/server.py's)."""
 
     @property
@@ -49,7 +49,7 @@ class Server(asgi.Server, Protocol):
 class Connection(Watched):
     """One client connection: its socket, its requests' framing, and the request on it."""
 
-    def __init__(self, server: Server, sock: socket.socket, nursery: trio.Nursery) -> None:
+    def __init__(self, server: Host, sock: socket.socket, nursery: trio.Nursery) -> None:
         super().__init__(nursery)
         self.server = server
         self.sock = sock
@@ -110,7 +110,7 @@ class Connection(Watched):
         self._idle = None
         if head is None or idle.cancelled_caught:
             return None
-        assert isinstance(head, framing.Request), head  # the last request's body was read to its end
+        assert isinstance(head, framing.RequestHead), head  # the last request's body was read to its end
         return Request(self, head)
 
     async def next_event(self) -> framing.Event | None:

@@ -8,7 +8,7 @@ when their response is out, all within ``graceful_timeout_s``.  The rest, each i
   deadline, a refused head);
 - supervisor/http/asgi.py: a request as the app sees it (scope, ``receive`` with the body's deadline,
   ``send``);
-- supervisor/http/hangup.py: :class:`HangUp` and the one watcher task per connection;
+- supervisor/http/watch.py: :class:`HangUp` and the one watcher task per connection;
 - supervisor/http/framing/: the request's parse, the response's head and chunks, keep or close.
 
 The timeouts are sources (a value, or a function that gives the value now: the daemon's one live
@@ -30,7 +30,7 @@ from ..errors import ListenError
 from . import framing
 from .asgi import App
 from .connection import Connection
-from .hangup import HANG_UP, HangUp
+from .watch import HANG_UP, HangUp
 
 __all__ = ["BODY_TIMEOUT_S", "HANG_UP", "MAX_HEAD_BYTES", "WRITE_TIMEOUT_S", "App", "HangUp", "HttpServer"]
 

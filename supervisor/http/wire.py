@@ -252,7 +252,7 @@ class UnixTransport:
             raise
         return reply.response()
 
-    async def _head(self, connection: _Connection, pooled: bool) -> framing.Response:
+    async def _head(self, connection: _Connection, pooled: bool) -> framing.ResponseHead:
         reader = connection.reader
         while True:
             event = _next(reader)
@@ -266,7 +266,7 @@ class UnixTransport:
                     raise DecoderUnavailable("decoder closed the connection without answering")
                 reader.feed(data)
                 continue
-            assert isinstance(event, framing.Response), event
+            assert isinstance(event, framing.ResponseHead), event
             if event.status >= 200:
                 return event
             # An informational reply (100 Continue) comes before the real one.
@@ -286,7 +286,7 @@ class UnixTransport:
 class _Reply:
     """The body of one reply, framed as its head says, and what happens to its connection after."""
 
-    def __init__(self, pool: UnixTransport, connection: _Connection, head: framing.Response) -> None:
+    def __init__(self, pool: UnixTransport, connection: _Connection, head: framing.ResponseHead) -> None:
         self.pool = pool
         self.connection: _Connection | None = connection
         self.head = head

@@ -65,7 +65,7 @@ class Saved:
 
 
 @attrs.frozen
-class Prefilled:
+class Evaluated:
     prompt_n: int | None  # the prompt tokens it evaluated (its cache held the rest)
     prompt_ms: float | None
 

@@ -34,8 +34,8 @@ import trio
 
 from ..errors import DecoderError, DecoderProtocolError
 from ..http import wire
+from .answers import Evaluated as Evaluated
 from .answers import NextToken as NextToken
-from .answers import Prefilled as Prefilled
 from .answers import Refusal as Refusal
 from .answers import Saved as Saved
 from .answers import SlotContext as SlotContext
@@ -225,7 +225,7 @@ async def adopt(client: JsonClient, slot: int, share_id: str, tokens: list[int])
     return answer if isinstance(answer, Refusal) else None
 
 
-async def prefill(client: JsonClient, slot: int, tokens: tuple[int, ...] | list[int]) -> Prefilled | Refusal:
+async def prefill(client: JsonClient, slot: int, tokens: tuple[int, ...] | list[int]) -> Evaluated | Refusal:
     """``POST /completion`` of ``tokens`` into ``slot`` with nothing generated: its KV, cached."""
     answer = await _post(
         client,
@@ -239,7 +239,7 @@ async def prefill(client: JsonClient, slot: int, tokens: tuple[int, ...] | list[
     timings = data.get("timings") if isinstance(data, dict) else None
     prompt_ms = timings.get("prompt_ms") if isinstance(timings, dict) else None
     prompt_n = timings.get("prompt_n") if isinstance(timings, dict) else None
-    return Prefilled(
+    return Evaluated(
         prompt_n if isinstance(prompt_n, int) else None,
         float(prompt_ms) if isinstance(prompt_ms, int | float) else None,
     )

@@ -35,7 +35,7 @@ from .statefile import VERSION as STATE_VERSION
 from .statefile import Reader, StateFileError
 
 
-class Refused(Exception):
+class JobRefused(Exception):
     """A job this worker cannot do, said in its answer's ``error``."""
 
 
@@ -46,7 +46,7 @@ class StateReader(Reader):
         try:
             return super().take(n)
         except StateFileError:
-            raise Refused(f"the state file ends at byte {len(self.data)}, inside a field at {self.at}") from None
+            raise JobRefused(f"the state file ends at byte {len(self.data)}, inside a field at {self.at}") from None
 
 
 def unpack_prompt(packed: list[int]) -> list[int]:
@@ -55,22 +55,22 @@ def unpack_prompt(packed: list[int]) -> list[int]:
     if not packed or packed[0] != -1:
         return packed  # a plain token list, as older servers wrote
     if len(packed) < 3 or packed[1] != 1:
-        raise Refused("the state file's prompt is packed in an unknown version")
+        raise JobRefused("the state file's prompt is packed in an unknown version")
     n = packed[2]
     if not 0 <= n <= len(packed) - 4 or packed[3 + n] != 0:
-        raise Refused("the state file's prompt holds media or does not parse")
+        raise JobRefused("the state file's prompt holds media or does not parse")
     return packed[3 : 3 + n]
 
 
 def read_prompt(r: StateReader) -> list[int]:
     """The magic, the version and the prompt's tokens: the first fields of a slot state file."""
     if r.u32() != STATE_MAGIC or r.u32() != STATE_VERSION:
-        raise Refused(f"not a version-{STATE_VERSION} llama.cpp slot state file")
+        raise JobRefused(f"not a version-{STATE_VERSION} llama.cpp slot state file")
     n_token = r.u32()
     return unpack_prompt(list(struct.unpack(f"<{n_token}i", r.take(4 * n_token))))
 
 
-class SlotState:
+class StateRows:
     """One sequence's cells as a slot state file holds them: positions, and per layer the K and V rows."""
 
     def __init__(self, data: bytes) -> None:
@@ -87,16 +87,16 @@ class SlotState:
             if cell_count == 0:
                 continue
             if self.positions:
-                raise Refused("the state file holds cells in more than one stream")
+                raise JobRefused("the state file holds cells in more than one stream")
             for _ in range(cell_count):
                 pos, n_seq_id = r.i32(), r.u32()
                 if n_seq_id != 1:
-                    raise Refused(f"a cell belongs to {n_seq_id} sequences (cells with extra data?)")
+                    raise JobRefused(f"a cell belongs to {n_seq_id} sequences (cells with extra data?)")
                 r.take(4)  # the saving server's seq id, ours to ignore as the decoder's restore does
                 self.positions.append(pos)
             v_trans, n_layer, self.n_rot_k, self.n_rot_v = r.u32(), r.u32(), r.u32(), r.u32()
             if v_trans:
-                raise Refused("the saved V cache is transposed (flash attention off)")
+                raise JobRefused("the saved V cache is transposed (flash attention off)")
             for rows in (self.k_rows, self.v_rows):
                 for _ in range(n_layer):
                     r.i32()  # the type: the header's row sizes are what must agree
@@ -105,7 +105,7 @@ class SlotState:
                     r.take(row_bytes * cell_count)
                     rows.append((row_bytes, view[start : r.at]))
         if r.at != len(data):
-            raise Refused(f"{len(data) - r.at} bytes after the last field: not the layout this worker parses")
+            raise JobRefused(f"{len(data) - r.at} bytes after the last field: not the layout this worker parses")
 
     def runs(self) -> Iterator[tuple[int, int, int]]:
         """(first cell, first position, length) of each run of cells whose positions go up by one."""
@@ -118,22 +118,22 @@ class SlotState:
             i = j
 
 
-def write_rows(state: SlotState, layout: dict[str, Any], regions: list[mmap.mmap], n_tokens: int) -> int:
+def write_rows(state: StateRows, layout: dict[str, Any], regions: list[mmap.mmap], n_tokens: int) -> int:
     """Copy positions 0..n_tokens-1 into the regions; the claim: how many positions from 0 were written."""
     tensors = layout.get("tensors")
     if not isinstance(tensors, list):
-        raise Refused("the share header has no tensors")
+        raise JobRefused("the share header has no tensors")
     if layout.get("v_trans"):
-        raise Refused("the decoder's V cache is transposed")
+        raise JobRefused("the decoder's V cache is transposed")
     if (layout.get("n_rot_k", 0), layout.get("n_rot_v", 0)) != (state.n_rot_k, state.n_rot_v):
-        raise Refused(
+        raise JobRefused(
             f"the decoder rotates K/V by {layout.get('n_rot_k')}/{layout.get('n_rot_v')}, "
             f"the saved state by {state.n_rot_k}/{state.n_rot_v}"
         )
     keys = [t for t in tensors if t.get("kind") == "k"]
     values = [t for t in tensors if t.get("kind") == "v"]
     if len(keys) != len(state.k_rows) or len(values) != len(state.v_rows):
-        raise Refused(
+        raise JobRefused(
             f"the decoder lends {len(keys)} K and {len(values)} V tensors, "
             f"the state file holds {len(state.k_rows)} and {len(state.v_rows)} layers"
         )
@@ -141,7 +141,8 @@ def write_rows(state: SlotState, layout: dict[str, Any], regions: list[mmap.mmap
     for tensor, (row_bytes, rows) in zip([*keys, *values], [*state.k_rows, *state.v_rows], strict=True):
         stride = int(tensor.get("stride", tensor["row_bytes"]))
         if int(tensor["row_bytes"]) != row_bytes or stride < row_bytes:
-            raise Refused(f"{tensor.get('name')}: rows of {tensor['row_bytes']} bytes, the state file's {row_bytes}")
+            name = tensor.get("name")
+            raise JobRefused(f"{name}: rows of {tensor['row_bytes']} bytes, the state file's {row_bytes}")
         region = regions[int(tensor["region"])]
         offset = int(tensor["offset"])
         for cell, pos, length in state.runs():
@@ -151,7 +152,7 @@ def write_rows(state: SlotState, layout: dict[str, Any], regions: list[mmap.mmap
             src = rows[cell * row_bytes : (cell + length) * row_bytes]
             at = offset + pos * stride
             if at + length * stride > len(region):
-                raise Refused(f"{tensor.get('name')}: position {pos + length - 1} is outside its region")
+                raise JobRefused(f"{tensor.get('name')}: position {pos + length - 1} is outside its region")
             if stride == row_bytes:
                 region[at : at + len(src)] = src
             else:
@@ -168,14 +169,14 @@ def write_rows(state: SlotState, layout: dict[str, Any], regions: list[mmap.mmap
 
 def write_saved_state(path: Path, tokens: list[int], layout: dict[str, Any], fds: list[int]) -> int:
     """Parse the slot state file at ``path`` and copy its rows for ``tokens`` into the lent regions
-    (``fds``, in the order of ``layout["regions"]``); the claim.  Raises :class:`Refused`."""
+    (``fds``, in the order of ``layout["regions"]``); the claim.  Raises :class:`JobRefused`."""
     regions: list[mmap.mmap] = []
     try:
         for fd, region in zip(fds, layout["regions"], strict=True):
             regions.append(mmap.mmap(fd, int(region["size"])))
-        state = SlotState(path.read_bytes())
+        state = StateRows(path.read_bytes())
         if state.tokens[: len(tokens)] != tokens:
-            raise Refused("the saved state is not of the job's tokens")
+            raise JobRefused("the saved state is not of the job's tokens")
         return write_rows(state, layout, regions, len(tokens))
     finally:
         for region in regions:

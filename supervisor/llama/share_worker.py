@@ -32,7 +32,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from .region import Refused, StateReader, read_prompt, write_saved_state
+from .region import JobRefused, StateReader, read_prompt, write_saved_state
 
 # Regions per job: one per slot today; more than this is not a layout.
 _MAX_FDS = 64
@@ -94,7 +94,7 @@ class Channel:
 
     def take_fds(self, n: int) -> list[int]:
         if len(self.fds) < n:
-            raise Refused(f"the job names {n} region fds, {len(self.fds)} came with it")
+            raise JobRefused(f"the job names {n} region fds, {len(self.fds)} came with it")
         return [self.fds.popleft() for _ in range(n)]
 
     def send(self, answer: dict[str, Any]) -> None:
@@ -111,10 +111,10 @@ class Worker:
             self.server_socket, "POST", "/completion", {"prompt": job["tokens"], "n_predict": 0, "id_slot": 0}
         )
         if status != 200 or not isinstance(done, dict):
-            raise Refused(f"prefill answered {status}: {json.dumps(done)[:200]}")
+            raise JobRefused(f"prefill answered {status}: {json.dumps(done)[:200]}")
         status, saved = call(self.server_socket, "POST", "/slots/0?action=save", {"filename": name})
         if status != 200 or not isinstance(saved, dict):
-            raise Refused(f"save answered {status}: {json.dumps(saved)[:200]}")
+            raise JobRefused(f"save answered {status}: {json.dumps(saved)[:200]}")
         return float(done.get("timings", {}).get("prompt_ms", 0.0)), self.save_dir / name
 
     def file_job(self, job: dict[str, Any]) -> dict[str, Any]:
@@ -194,8 +194,8 @@ def main(argv: list[str] | None = None) -> int:
                         answer.update(worker.share_job(job, fds))
                     else:
                         answer.update(worker.file_job(job))
-                except (Refused, OSError, KeyError, TypeError, ValueError) as exc:
-                    answer["error"] = f"{type(exc).__name__}: {exc}" if not isinstance(exc, Refused) else str(exc)
+                except (JobRefused, OSError, KeyError, TypeError, ValueError) as exc:
+                    answer["error"] = f"{type(exc).__name__}: {exc}" if not isinstance(exc, JobRefused) else str(exc)
                 finally:
                     for fd in fds:
                         os.close(fd)

@@ -1,9 +1,13 @@
-"""A llama.cpp slot state file, read: its tokens and each layer's K and V rows, as floats.
+"""A llama.cpp slot state file, read: its tokens and each memory part's rows, as floats.
 
 ``POST /slots/N?action=save`` writes ``llama_state_seq_save_file``'s format (llama.cpp's
-src/llama-context.cpp and src/llama-kv-cache.cpp, ``LLAMA_STATE_SEQ_VERSION`` 4), all little-endian::
+src/llama-context.cpp, src/llama-kv-cache.cpp and src/llama-memory-recurrent.cpp,
+``LLAMA_STATE_SEQ_VERSION`` 4), all little-endian::
 
     u32 magic 'ggsq'   u32 version   u32 n_tokens   i32 tokens[n_tokens]
+    then each part of the model's memory, in its order:
+
+    a KV cache:
     u32 n_stream, then per stream: u32 cell_count, and when it is not 0:
         per cell:  i32 pos, u32 n_seq, [the cell's 12-byte extension], i32 seq_id[n_seq]
         u32 v_trans   u32 n_layer   u32 n_rot_k   u32 n_rot_v
@@ -11,20 +15,29 @@ src/llama-context.cpp and src/llama-kv-cache.cpp, ``LLAMA_STATE_SEQ_VERSION`` 4)
         per layer: i32 v_type, u64 row_bytes, cell_count rows                     (v_trans 0)
                or: i32 v_type, u32 element_bytes, u32 n_embd_v, n_embd_v columns  (v_trans 1)
 
-The extension (2D position and token) is there only for M-RoPE and PLE models, which the file does
-not say: a file that does not parse to its end without it is read again with it.  Only a plain KV
-cache is understood (not the SWA pair, recurrent or hybrid memories); the K and V types may be f32,
-f16, bf16 or q8_0.  :func:`layer_errors` compares two files layer by layer; ``scripts/slotdiff``
-prints it.  The prefix store checks a file's magic only (:func:`has_magic`); share_worker.py reads
-a file's fields with :class:`Reader`.
+    a recurrent memory (always last):
+    u32 cell_count, per cell: i32 pos, u32 n_seq (0), then u32 s_trans (0), u32 n_layer (all layers)
+        per recurrent layer: i32 r_type, u64 row_bytes, cell_count rows   (R: the convolution state)
+        per recurrent layer: i32 s_type, u64 row_bytes, cell_count rows   (S: the SSM or delta-net state;
+                                                                           0 bytes where there is none)
+
+What the parts are the file does not say; they are the model's memory (src/llama-model.cpp): one KV
+cache (a dense model); two, the full-attention layers' then the sliding window's (an SWA model,
+``kv base`` and ``kv swa``); a KV cache and a recurrent memory (a hybrid: Qwen3.5's gated delta-net,
+Granite 4's mamba2, LFM2's convolutions); or two KV caches and a recurrent memory (LFM2 with its
+window).  A file is read as each of these in that order until one parses to its end.  The extension
+(2D position and token) is there only for M-RoPE and PLE models, which the file does not say either:
+a file that does not parse without it is read again with it.  The cache and state types may be f32,
+f16, bf16 or q8_0.
+
+statediff.py compares two files read here (``scripts/slotdiff``).  The prefix store checks a file's
+magic only (:func:`has_magic`); share_worker.py reads a file's fields with :class:`Reader`.
 """
 
 from __future__ import annotations
 
 import array
-import math
 import struct
-from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
@@ -55,11 +68,53 @@ class Layer:
 
 
 @attrs.frozen
-class SlotState:
-    tokens: tuple[int, ...]
-    positions: tuple[int, ...]  # of each cell, in file order
+class KvCache:
+    """One KV cache of the memory: its cells' positions, in file order, and each layer's K and V rows."""
+
+    name: str  # "kv" (the only one), "kv base" or "kv swa"
     n_stream: int
+    positions: tuple[int, ...]
     layers: tuple[Layer, ...]
+
+
+@attrs.frozen
+class Rows:
+    """One recurrent layer's R or S rows, a cell's row after another."""
+
+    type: int
+    values: array.array[float]
+    width: int
+
+
+@attrs.frozen
+class Recurrent:
+    """A recurrent memory: its cells (a sequence's state is one cell, at its last token's position)
+    and each recurrent layer's R (convolution) and S (SSM or delta-net) rows."""
+
+    positions: tuple[int, ...]
+    r: tuple[Rows, ...]
+    s: tuple[Rows, ...]
+
+
+@attrs.frozen
+class SlotState:
+    tokens: tuple[int, ...]  # as the file holds them (llama-server packs them behind a -1 and a version)
+    caches: tuple[KvCache, ...]
+    recurrent: Recurrent | None = None
+
+    @property
+    def positions(self) -> tuple[int, ...]:
+        """The first KV cache's cell positions (none without one)."""
+        return self.caches[0].positions if self.caches else ()
+
+    @property
+    def n_stream(self) -> int:
+        return self.caches[0].n_stream if self.caches else 0
+
+    @property
+    def layers(self) -> tuple[Layer, ...]:
+        """The first KV cache's layers."""
+        return self.caches[0].layers if self.caches else ()
 
     @property
     def n_cells(self) -> int:
@@ -128,18 +183,10 @@ def _width(ggml_type: int, row_bytes: int) -> int:
     raise StateFileError(f"cache type {ggml_type} is not one this reader decodes ({sorted(TYPE_NAMES.values())})")
 
 
-def _parse(data: bytes, cell_ext: bool) -> SlotState:
-    r = Reader(data)
-    if r.u32() != MAGIC:
-        raise StateFileError("not a llama.cpp slot state file (no 'ggsq' magic)")
-    version = r.u32()
-    if version != VERSION:
-        raise StateFileError(f"state file version {version}, this reader knows {VERSION}")
-    n_tokens = r.u32()
-    tokens = struct.unpack(f"<{n_tokens}i", r.take(4 * n_tokens))
+def _kv_cache(r: Reader, name: str, cell_ext: bool) -> KvCache:
     n_stream = r.u32()
     if not 1 <= n_stream <= 4096:
-        raise StateFileError(f"implausible stream count {n_stream}: not a plain KV cache's file")
+        raise StateFileError(f"implausible stream count {n_stream}: not a KV cache")
     positions: list[int] = []
     layers: list[Layer] | None = None
     for _ in range(n_stream):
@@ -155,7 +202,7 @@ def _parse(data: bytes, cell_ext: bool) -> SlotState:
                 r.take(CELL_EXT_BYTES)
             r.take(4 * n_seq)
         v_trans, n_layer, _n_rot_k, _n_rot_v = r.u32(), r.u32(), r.u32(), r.u32()
-        if v_trans not in (0, 1) or not 1 <= n_layer <= 4096:
+        if v_trans not in (0, 1) or not 0 <= n_layer <= 4096:  # 0: an SWA model whose every layer is SWA
             raise StateFileError(f"implausible layer header (v_trans {v_trans}, {n_layer} layers)")
         keys: list[tuple[int, int, array.array[float]]] = []
         for _layer in range(n_layer):
@@ -176,20 +223,71 @@ def _parse(data: bytes, cell_ext: bool) -> SlotState:
                 v_width = _width(v_type, row_bytes)
                 v = decode(v_type, r.take(cell_count * row_bytes))
             layers.append(Layer(k_type, v_type, k, v, k_width, v_width))
+    return KvCache(name, n_stream, tuple(positions), tuple(layers or ()))
+
+
+def _recurrent(r: Reader) -> Recurrent:
+    """A recurrent memory, read to the end of the file (it is the memory's last part)."""
+    cell_count = r.u32()
+    if cell_count > 4096:
+        raise StateFileError(f"implausible recurrent cell count {cell_count}")
+    positions = []
+    for _cell in range(cell_count):
+        positions.append(r.i32())
+        r.take(4 * r.u32())
+    s_trans, n_layer = r.u32(), r.u32()
+    if s_trans != 0 or not 1 <= n_layer <= 4096:
+        raise StateFileError(f"implausible recurrent header (s_trans {s_trans}, {n_layer} layers)")
+    # The file does not say how many layers are recurrent: R's and S's entries run to its end, as
+    # many of one as of the other.
+    entries: list[Rows] = []
+    while r.at < len(r.data):
+        ggml_type, row_bytes = r.i32(), r.u64()
+        values = decode(ggml_type, r.take(cell_count * row_bytes))
+        entries.append(Rows(ggml_type, values, _width(ggml_type, row_bytes)))
+    half = len(entries) // 2
+    if len(entries) % 2 or len(entries) > 2 * n_layer:
+        raise StateFileError(f"{len(entries)} recurrent entries for {n_layer} layers: not R and S per layer")
+    return Recurrent(tuple(positions), tuple(entries[:half]), tuple(entries[half:]))
+
+
+# The memories a model can have (src/llama-model.cpp), as the parts its file holds, the likeliest first.
+LAYOUTS: tuple[tuple[str, ...], ...] = (
+    ("kv",),
+    ("kv base", "kv swa"),
+    ("kv", "recurrent"),
+    ("kv base", "kv swa", "recurrent"),
+    ("recurrent",),
+)
+
+
+def _parse(data: bytes, layout: tuple[str, ...], cell_ext: bool) -> SlotState:
+    r = Reader(data)
+    if r.u32() != MAGIC:
+        raise StateFileError("not a llama.cpp slot state file (no 'ggsq' magic)")
+    version = r.u32()
+    if version != VERSION:
+        raise StateFileError(f"state file version {version}, this reader knows {VERSION}")
+    n_tokens = r.u32()
+    tokens = struct.unpack(f"<{n_tokens}i", r.take(4 * n_tokens))
+    caches = tuple(_kv_cache(r, name, cell_ext) for name in layout if name != "recurrent")
+    recurrent = _recurrent(r) if layout[-1] == "recurrent" else None
     if r.at != len(data):
-        raise StateFileError(f"{len(data) - r.at} bytes left over after the KV cache")
-    return SlotState(tuple(tokens), tuple(positions), n_stream, tuple(layers or ()))
+        raise StateFileError(f"{len(data) - r.at} bytes left over after the {' and '.join(layout)}")
+    return SlotState(tuple(tokens), caches, recurrent)
 
 
 def parse(data: bytes) -> SlotState:
-    """A slot state file's contents, read (see the module docstring); raises :class:`StateFileError`."""
-    try:
-        return _parse(data, cell_ext=False)
-    except StateFileError as plain:
-        try:
-            return _parse(data, cell_ext=True)
-        except StateFileError:
-            raise plain from None
+    """A slot state file's contents, read (see the module docstring); raises :class:`StateFileError`
+    with why the likeliest reading, a plain KV cache's, failed."""
+    failed: list[StateFileError] = []
+    for cell_ext in (False, True):
+        for layout in LAYOUTS:
+            try:
+                return _parse(data, layout, cell_ext)
+            except StateFileError as exc:
+                failed.append(exc)
+    raise failed[0]
 
 
 def read(path: Path) -> SlotState:
@@ -201,79 +299,3 @@ def has_magic(path: Path) -> bool:
     of a file it takes or finds).  Raises OSError."""
     with open(path, "rb") as f:
         return f.read(len(MAGIC_BYTES)) == MAGIC_BYTES
-
-
-@attrs.frozen
-class LayerError:
-    layer: int
-    k: float  # ||K_a - K_b|| / ||K_b|| over the compared cells
-    v: float
-
-
-def relative_error(a: Sequence[float], b: Sequence[float]) -> float:
-    """``||a - b|| / ||b||`` (0 when both are all zeros, inf when only ``b`` is)."""
-    diff = math.fsum((x - y) * (x - y) for x, y in zip(a, b, strict=True))
-    norm = math.fsum(y * y for y in b)
-    if norm == 0.0:
-        return 0.0 if diff == 0.0 else math.inf
-    return math.sqrt(diff / norm)
-
-
-def layer_errors(a: SlotState, b: SlotState) -> list[LayerError]:
-    """Each layer's relative K and V error of ``a`` against ``b`` (the reference), over the cells at
-    the positions both hold; raises :class:`StateFileError` when they cannot be compared."""
-    if len(a.layers) != len(b.layers):
-        raise StateFileError(f"{len(a.layers)} layers against {len(b.layers)}: not the same model")
-    cell_of_b = {pos: i for i, pos in enumerate(b.positions)}
-    pairs = [(i, cell_of_b[pos]) for i, pos in enumerate(a.positions) if pos in cell_of_b]
-    if not pairs:
-        raise StateFileError("no position in common")
-    errors = []
-    for n, (la, lb) in enumerate(zip(a.layers, b.layers, strict=True)):
-        if (la.k_width, la.v_width) != (lb.k_width, lb.v_width):
-            raise StateFileError(f"layer {n}: rows of {la.k_width}/{la.v_width} against {lb.k_width}/{lb.v_width}")
-        errors.append(
-            LayerError(n, _rows_error(la.k, lb.k, la.k_width, pairs), _rows_error(la.v, lb.v, la.v_width, pairs))
-        )
-    return errors
-
-
-def _rows_error(a: array.array[float], b: array.array[float], width: int, pairs: list[tuple[int, int]]) -> float:
-    if all(i == j for i, j in pairs) and len(pairs) * width == len(a) == len(b):
-        return relative_error(a, b)
-    picked_a = array.array("f")
-    picked_b = array.array("f")
-    for i, j in pairs:
-        picked_a.extend(a[i * width : (i + 1) * width])
-        picked_b.extend(b[j * width : (j + 1) * width])
-    return relative_error(picked_a, picked_b)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``scripts/slotdiff A.state B.state``: each layer's relative K and V error of A against B."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="slotdiff", description=main.__doc__)
-    parser.add_argument("a", type=Path, help="the slot state file to measure")
-    parser.add_argument("b", type=Path, help="the reference slot state file")
-    args = parser.parse_args(argv)
-    try:
-        a, b = read(args.a), read(args.b)
-        errors = layer_errors(a, b)
-    except (OSError, StateFileError) as exc:
-        print(f"slotdiff: {exc}")
-        return 2
-    common = len(set(a.positions) & set(b.positions))
-    print(
-        f"{a.n_cells} cells against {b.n_cells}, {common} positions compared; "
-        f"tokens {'equal' if a.tokens == b.tokens else 'differ'}"
-    )
-    print("layer  K rel err  V rel err")
-    for e in errors:
-        print(f"{e.layer:5d}  {e.k:9.5f}  {e.v:9.5f}")
-    print(f"  max  {max(e.k for e in errors):9.5f}  {max(e.v for e in errors):9.5f}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -9,7 +9,7 @@ import attrs
 
 from ..config import locate
 from ..config.modelspec import ModelSpec
-from ..config.schema import LlamaServerProvider, ModelConfig
+from ..config.schema import LlamaServerProviderConfig, ModelConfig
 from ..llama import gguf
 
 MIB = 1024 * 1024
@@ -53,7 +53,7 @@ def estimate_mib(spec: ModelSpec, found: ModelFile | None, *, swa_full: bool = F
     file cannot be read; a header this reader does not know counts no cache.  Pure."""
     if found is None:
         return 0.0
-    processes = 1 + sum(isinstance(p, LlamaServerProvider) for p in spec.config.provider)
+    processes = 1 + sum(isinstance(p, LlamaServerProviderConfig) for p in spec.config.provider)
     kv = cache_bytes(found.shape, spec.table, swa_full=swa_full) if found.shape is not None else 0.0
     return footprint_mib(found.size, kv, processes=processes, cache_ram_mib=spec.config.cache.ram_mib)
 

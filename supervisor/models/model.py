@@ -5,13 +5,15 @@
         ├── Provider.run            each of its [[provider]]s: its Child, or none (exec)
         └── Completions.run         the prefix store's saves, off the requests' path
 
-A load builds its parts afresh (:class:`~supervisor.models.parts.Parts`).  The model's state is
+A load builds its parts afresh and whole (:class:`~supervisor.models.parts.Parts`) from its
+:class:`~supervisor.models.layout.Layout`: the devices and ``kv_unified`` decided before the model's
+first start (:meth:`Model.choose_layout`), ``swa_full`` from the file the load reads.  Its state is
 :class:`ModelState` and ``TRANSITIONS``, owned by the one task that runs :meth:`Model.run`; the
 scheduler (supervisor/models/registry.py) asks through :meth:`Model.want` and waits with
 :meth:`Model.wait_state`.  :meth:`Model._one_load` is a load's whole sequence, start to unload.
 
 Before an unload the slots whose prompts the prefix store would keep are saved into it
-(:meth:`Parts.keep_slots`); the model's prefix store is the daemon's for its lifetime, not the load's.
+(supervisor/models/keep.py); the model's prefix store is the daemon's for its lifetime, not the load's.
 
 Where its files go: ``<runtime_dir>/decoder.sock`` and ``<runtime_dir>/state`` with the single
 ``[model]`` table; ``<runtime_dir>/model-<name>/`` for each of several
@@ -28,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import attrs
 import trio
 
 from ..config import ModelConfig, modelspec
@@ -35,7 +38,6 @@ from ..config.live import Settings
 from ..config.modelspec import ModelSpec
 from ..errors import DecoderUnavailable
 from ..llama.decoder import DecoderClient
-from ..llama.openvino import UNIFIED_ARGS
 from ..observe.status import ModelStatistics
 from ..prefix.statistics import OFF, StoreStatistics
 from ..prefix.store import PrefixStore
@@ -44,8 +46,9 @@ from ..routes.capability import Restores
 from ..routes.completion import Completions
 from ..supervise.child import Child, ChildState
 from ..supervise.states import StateMachine
-from . import memory
-from .memory import rss_mib
+from . import keep, layout, memory
+from .layout import Layout
+from .memory import ModelFile, rss_mib
 from .parts import SHARE_CONNECT_TIMEOUT_S, Parts, share_enabled
 
 __all__ = ["SHARE_CONNECT_TIMEOUT_S", "TRANSITIONS", "Model", "ModelState", "Parts", "StoreOpener", "share_enabled"]
@@ -93,7 +96,7 @@ class Model:
         self._settings = settings
         self.check_fidelity = check_fidelity
         self.seats = seats
-        self.kv_unified = False  # decided by choose_layout(), before any child starts
+        self.layout = Layout()  # its devices and kv_unified: choose_layout(), before any child starts
         self._lifecycle = StateMachine(f"model {self.name}", TRANSITIONS, ModelState.UNLOADED)
         self._wake = trio.Event()
         self._wanted = False
@@ -114,12 +117,17 @@ class Model:
         # Its memory from its GGUF header, which the first load's parts have read (models/memory.py).
         self.estimate_mib = memory.estimate_mib(spec, self.parts.model_file)
 
-    def _parts(self, proven: tuple[Restores, str] | None = None) -> Parts:
+    def _parts(self, proven: tuple[Restores, str] | None = None, found: ModelFile | None = None) -> Parts:
+        """A load's parts, from its layout; ``found``: the model's file as already read for it (else
+        the load reads it, once: a file replaced since is the next load's)."""
+        found = found or memory.read_model(self.spec)
+        budget = self._settings().models.memory_budget_mib
         return Parts(
             self.spec,
+            layout=attrs.evolve(self.layout, swa_full=layout.swa_full(self.spec, found, budget)),
+            model_file=found,
             runtime_dir=self.dir,
             settings=self._settings,
-            kv_unified=self.kv_unified,
             check_fidelity=self.check_fidelity,
             on_decoder=self._on_decoder,
             on_provider=self._on_child,
@@ -204,7 +212,7 @@ class Model:
     def store_statistics(self) -> StoreStatistics:
         return self.store.statistics() if self.store is not None else OFF
 
-    async def hand_over(self, draining: Callable[[], bool]) -> int:
+    async def keep_slots(self, draining: Callable[[], bool]) -> int:
         """A drain's last step (no request in flight): the store's writes in progress finish, and
         each slot whose prompt the store would keep (and does not hold yet) is saved into it, so
         that the host its conversations move to restores them (a shared store) or this one does
@@ -214,7 +222,7 @@ class Model:
         if self.state is not ModelState.LOADED or stored is None or self.decoder.state is not ChildState.READY:
             return 0
         await stored.wait_writes()
-        return await self.parts.keep_slots(stored, self.name, draining)
+        return await keep.keep_slots(self.parts.slots, stored, self.name, draining)
 
     async def wait_state(self, *states: ModelState) -> ModelState:
         return await self._lifecycle.wait_for(*states)
@@ -288,20 +296,12 @@ class Model:
         self._wake = trio.Event()
 
     async def choose_layout(self) -> None:
-        """Before its first start: each OpenVINO provider's device (its runtime's list), then one KV
-        layout for every llama-server child of the model.  A provider on the static path (an NPU)
-        writes files with one KV stream, which only a unified-KV decoder restores
-        (supervisor/llama/openvino.py)."""
-        providers = self.parts.llama_providers()
-        for provider in providers:
-            if provider.engine == "openvino" and provider.device is None:
-                await provider.choose_device()
-        self.kv_unified = any(p.static for p in providers if p.refused is None)
-        if self.kv_unified:
-            log.info("a provider takes the static path: every llama-server runs with %s", " ".join(UNIFIED_ARGS))
-        self.parts.launcher.kv_unified = self.kv_unified
-        for provider in providers:
-            provider.launcher.kv_unified = self.kv_unified
+        """Before its first start: the model's layout (supervisor/models/layout.py), asked of its first
+        load's providers; that load's parts are then built whole from it (those that asked go unused)."""
+        self.layout = await layout.choose(self.parts.llama_providers())
+        if self.layout != Layout():
+            first, self.parts = self.parts, self._parts(found=self.parts.model_file)
+            await first.client.aclose()
 
     def prepare_dir(self) -> None:
         """Whatever a crashed daemon left in the model's directory belongs to no live request."""
@@ -374,7 +374,7 @@ class Model:
                 self._set(ModelState.UNLOADING, "no longer wanted")
                 unloading = trio.current_time()
                 if parts.decoder.state is ChildState.READY and stored is not None:
-                    await parts.keep_slots(stored, self.name)
+                    await keep.keep_slots(parts.slots, stored, self.name)
                 nursery.cancel_scope.cancel()
             clean = True
         finally:

@@ -95,7 +95,7 @@ def expired(models: Sequence[Candidate], now: float) -> tuple[str, ...]:
 
 
 @attrs.frozen
-class Plan:
+class Moves:
     """One round's decisions: the models to load now, and those to unload to make room."""
 
     load: tuple[str, ...] = ()
@@ -104,7 +104,7 @@ class Plan:
 
 def plan(
     waiting: Sequence[str], models: Sequence[Candidate], wanted: frozenset[str], *, max_loaded: int, budget_mib: float
-) -> Plan:
+) -> Moves:
     """What to do for the models requests wait for (``waiting``: oldest waiter first), given the
     models now and those already ``wanted`` loaded.  A model fits now: it is loaded.  Idle models in
     its way: they are unloaded, and it is loaded once they are gone.  Busy ones in its way: it waits.
@@ -130,4 +130,4 @@ def plan(
         if not chosen:
             load.append(name)
             pool[name] = attrs.evolve(want, resident=True)  # it takes its room from the next waiter
-    return Plan(tuple(load), tuple(unload))
+    return Moves(tuple(load), tuple(unload))

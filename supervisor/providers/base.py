@@ -24,9 +24,19 @@ from ..supervise.child import Child, ChildStatistics
 
 log = logging.getLogger("onebit.provider")
 
+
+@attrs.frozen
+class Checked:
+    """A start-time check's verdict on a provider: ``refused``, why it takes no job (None: admitted);
+    ``admitted``, the words it was admitted with (its fidelity distances; None: nothing measured)."""
+
+    refused: str | None = None
+    admitted: str | None = None
+
+
 # The start-time check a provider passes before its first job (the daemon's fidelity check,
-# supervisor/routes/fidelity.py): None, or why it is refused.
-Gate = Callable[["Provider"], Awaitable[str | None]]
+# supervisor/models/admission.py): its verdict.
+Gate = Callable[["Provider"], Awaitable[Checked]]
 # A check that raised ProviderError (a child restarting under it) is tried again this much later:
 # about what a llama-server restart takes with the small models this runs.
 GATE_RETRY_S = 5.0
@@ -36,10 +46,10 @@ def log_refusal(name: str, why: str) -> None:
     log.error("provider %s: refused for this model, the other providers go on: %s", name, why)
 
 
-async def verdict(provider: Provider, gate: Gate, ready: Callable[[], Awaitable[object]]) -> str | None:
+async def verdict(provider: Provider, gate: Gate, ready: Callable[[], Awaitable[object]]) -> Checked:
     """``gate``'s verdict on ``provider`` once ``ready`` returns (its child healthy, or at once for a
-    kind with none): None, admitted; else why it is refused.  A check that cannot finish (the child
-    or the decoder died under it) runs again, after the next ``ready``."""
+    kind with none).  A check that cannot finish (the child or the decoder died under it) runs
+    again, after the next ``ready``."""
     while True:
         await ready()
         try:
@@ -157,6 +167,7 @@ class JobCounts:
         device: str | None = None,
         refused: str | None = None,
         admitted: str | None = None,
+        fell_back: str | None = None,
     ) -> ProviderStatistics:
         """A provider's snapshot; ``child``: its supervised child's statistics, if it has one."""
         return ProviderStatistics(
@@ -171,6 +182,7 @@ class JobCounts:
             device=device,
             refused=refused,
             admitted=admitted,
+            fell_back=fell_back,
         )
 
 
@@ -193,6 +205,9 @@ class ProviderStatistics:
     # The start-time check's verdict it was admitted with (its fidelity distances); None where no
     # check ran (the ggml engine's handoffs are exact, no hybrid route) or it was refused.
     admitted: str | None = None
+    # engine "auto": why OpenVINO was refused and the ggml engine runs instead (its figures where
+    # the start-time check measured it slower); None where it was not.
+    fell_back: str | None = None
 
 
 class Provider(Protocol):
@@ -204,6 +219,11 @@ class Provider(Protocol):
     device: str | None
     # Can take a ShareJob (write into the decoder's region); llama-server providers cannot.
     supports_share: bool
+
+    @property
+    def admitted(self) -> str | None:
+        """The words its start-time check admitted it with (:attr:`Checked.admitted`); None where
+        no check measured it, or it was refused."""
 
     @property
     def child(self) -> Child | None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import trio
 
-from ..config import ExecProvider as ExecProviderConfig
+from ..config import ExecProviderConfig
 from ..errors import ChildError, ProviderError
 from ..supervise.child import Child
 from ..supervise.process import ChildProcess, describe_exit
@@ -66,12 +66,12 @@ class ExecProvider:
         task_status.started(self)
         try:
             if self.gate is not None:
-                why = await verdict(self, self.gate, trio.lowlevel.checkpoint)
-                if why is None:
-                    self._admitted = True
+                checked = await verdict(self, self.gate, trio.lowlevel.checkpoint)
+                if checked.refused is None:
+                    self._admitted, self.admitted = True, checked.admitted
                 else:
-                    self.refused = why
-                    log_refusal(self.name, why)
+                    self.refused = checked.refused
+                    log_refusal(self.name, checked.refused)
         finally:
             self._settled.set()
         await trio.sleep_forever()

@@ -25,13 +25,12 @@ from typing import Any
 
 import trio
 
-from ..config import Config
-from ..config import LlamaServerProvider as LlamaServerProviderConfig
+from ..config import Config, LlamaServerProviderConfig
 from ..errors import ChildError, ProviderAnswered, ProviderError
 from ..llama import decoder, openvino
 from ..llama.decoder import DecoderClient
 from ..llama.llama_server import LlamaServerLauncher, connection_limit
-from ..llama.region import Refused, write_saved_state
+from ..llama.region import JobRefused, write_saved_state
 from ..llama.slots import PromptKey, SlotPool
 from ..supervise.child import Child, ChildState, OnTransition
 from .base import Claim, Gate, Job, JobCounts, PrefillJob, ProviderStatistics, ShareJob, log_refusal, verdict
@@ -54,10 +53,13 @@ class LlamaServerProvider:
         state_dir: Path,
         kv_unified: bool = False,
         swa_full: bool = False,
+        device: str | None = None,
         gate: Gate | None = None,
         on_transition: OnTransition | None = None,
     ) -> None:
-        """``swa_full``: the model's sliding-window layers keep every cell, as in the decoder."""
+        """``kv_unified``, ``swa_full``: the model's layout, as in the decoder (supervisor/models/layout.py);
+        ``device``: an OpenVINO provider's device as its runtime named it before (None: asked before
+        its first start)."""
         self.name = spec.name
         self._swa_full = swa_full
         self.spec = spec
@@ -73,18 +75,22 @@ class LlamaServerProvider:
         self.admitted: str | None = None  # the gate's verdict, where it admitted it (its words)
         # Its first start is over (admitted, refused, or that start failed): wait_settled.
         self._settled = trio.Event()
-        # engine "auto" that found OpenVINO goes on with ggml when OpenVINO is refused.
+        # engine "auto" that found OpenVINO goes on with ggml when OpenVINO is refused (unfaithful,
+        # slower than the decoder's own engine, or unable to start), and says why in ``fell_back``.
         self._falls_back = spec.engine == "auto" and engine == "openvino"
+        self.fell_back: str | None = None
         self._config = config
         self.client = DecoderClient(
             runtime_dir / f"provider-{spec.name}.sock", max_connections=connection_limit(config.model.parallel)
         )
         self.launcher = self._launcher(engine, kv_unified)
+        self.parallel = config.model.parallel
+        if engine == "openvino" and device is not None:
+            self._use_device(device)
         self._on_transition = on_transition  # its child's moves, each child it runs: the live feed's
         self.child = self._child()
         # Its own slots, as many as the decoder's (-np is shared) but on the static path; jobs beyond
         # that wait their turn.
-        self.parallel = config.model.parallel
         self.slots = SlotPool(self.parallel, queue_limit=1 << 16)
         self.counts = JobCounts()
 
@@ -194,15 +200,9 @@ class LlamaServerProvider:
         if device is None:
             self._refuse(f"device {self.spec.device} is not among the runtime's devices ({', '.join(available)})")
             return
-        self.device = device
-        static = openvino.is_static(device, self.spec.static_shapes, os.environ)
-        self.launcher.engine_env = openvino.environment(
-            device, static_shapes=self.spec.static_shapes, cache=self.compile_dir, binary=self.launcher.binary
-        )
-        if static:
-            self.parallel = 1
-            self.launcher.parallel = 1
-            self.slots = SlotPool(1, queue_limit=1 << 16)
+        self._use_device(device)
+        self.slots = SlotPool(self.parallel, queue_limit=1 << 16)
+        static = self.static
         log.info(
             "%s: engine openvino, device %s (of %s)%s; compile cache %s",
             self.name,
@@ -211,6 +211,15 @@ class LlamaServerProvider:
             ", static shapes, one slot" if static else "",
             self.compile_dir,
         )
+
+    def _use_device(self, device: str) -> None:
+        """Run on ``device``: its variables, and one slot on the static path."""
+        self.device = device
+        self.launcher.engine_env = openvino.environment(
+            device, static_shapes=self.spec.static_shapes, cache=self.compile_dir, binary=self.launcher.binary
+        )
+        if self.static:
+            self.parallel = self.launcher.parallel = 1
 
     async def _admit(self) -> bool:
         """Once its child is ready, run the gate: admitted (True) for as long as the daemon runs, or
@@ -225,14 +234,16 @@ class LlamaServerProvider:
             # Settled only then, or when that first start fails: the daemon's readiness waits for it.
             await self.child.wait_state(ChildState.READY)
             return True
-        why = await verdict(self, self.gate, partial(self.child.wait_state, ChildState.READY))
-        if why is not None:
-            self._refuse(why)
+        checked = await verdict(self, self.gate, partial(self.child.wait_state, ChildState.READY))
+        if checked.refused is not None:
+            self._refuse(checked.refused)
             return False
-        self._admitted = True
+        self._admitted, self.admitted = True, checked.admitted
         return True
 
     def _refuse(self, why: str) -> None:
+        if self._falls_back:
+            self.fell_back = f"OpenVINO refused, the ggml engine instead: {why}"
         if self._falls_back and self.child.state is ChildState.STOPPED and self.device is None:
             # Before any start (its device): ggml at once.
             log.warning("%s: engine auto: OpenVINO refused (%s); the ggml engine instead", self.name, why)
@@ -286,7 +297,7 @@ class LlamaServerProvider:
                 written = await trio.to_thread.run_sync(
                     write_saved_state, path, list(job.tokens), job.layout, list(job.fds)
                 )
-            except (Refused, OSError, ValueError, KeyError) as exc:
+            except (JobRefused, OSError, ValueError, KeyError) as exc:
                 raise ProviderError(f"{self.name}: cannot write the shared region: {exc}") from exc
             return Claim(n_tokens=written, prefill_ms=done.prefill_ms, evaluated=done.evaluated)
         finally:
@@ -302,4 +313,5 @@ class LlamaServerProvider:
             device=self.device,
             refused=self.refused,
             admitted=self.admitted,
+            fell_back=self.fell_back,
         )

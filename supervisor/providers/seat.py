@@ -9,10 +9,10 @@ from that model's one-model config) and is its one owner task:
 
 - at its model's load it takes the seat when nobody wants it (one loaded model: as before);
 - a request of a model whose tenant does not hold the seat asks :meth:`Tenant.claim`: the pure
-  :func:`decide` says whether the seat is handed over (its holder is idle: no job of its own in
+  :func:`decide` says whether the seat swaps to the asker (its holder is idle: no job of its own in
   flight and no request of its model), and the request itself takes the plain route with
-  ``provider-swapping`` (a handover under way) or ``provider-other-model`` (its holder is busy);
-- a handover: the holder's tenant stops its process once its jobs are done, then the new holder's
+  ``provider-swapping`` (a swap under way) or ``provider-other-model`` (its holder is busy);
+- a swap: the holder's tenant stops its process once its jobs are done, then the new holder's
   tenant starts its own; its start time is measured (``start_ms``) and logged.
 
 A model unloaded lets go of the seat, and hands it to another loaded model that names it.
@@ -39,7 +39,7 @@ class Action(enum.Enum):
     USE = "use"  # the seat is the asker's: its provider takes the job if it is ready
     TAKE = "take"  # nobody holds or wants it: the asker's provider starts
     SWAP = "swap"  # its holder is idle: it stops, and the asker's provider starts
-    SWAPPING = "swapping"  # a handover to the asker is under way
+    SWAPPING = "swapping"  # a swap to the asker is under way
     OTHER_MODEL = "other-model"  # another model holds (or is being handed) it and is busy
 
 
@@ -147,6 +147,10 @@ class Tenant:
         return self.inner.child if self.inner is not None else None
 
     @property
+    def admitted(self) -> str | None:
+        return self.last.admitted
+
+    @property
     def holds(self) -> bool:
         return self.seat.holder == self.model and self.seat.wanted == self.model
 
@@ -162,7 +166,7 @@ class Tenant:
         return self._jobs == 0 and self._model_idle()
 
     def claim(self) -> Reason | None:
-        """A request of this model found no ready provider: ask for the seat (the handover starts
+        """A request of this model found no ready provider: ask for the seat (the swap starts
         here when :func:`decide` says so).  The reason for its route line, None when it holds it."""
         seat = self.seat
         action = decide(

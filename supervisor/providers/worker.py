@@ -34,7 +34,7 @@ from typing import Any
 import attrs
 import trio
 
-from ..config import WorkerProvider as WorkerProviderConfig
+from ..config import WorkerProviderConfig
 from ..errors import ProviderError
 from ..supervise.child import Child, ChildState, OnTransition
 from .base import Claim, Gate, Job, JobCounts, ProviderStatistics, ShareJob, log_refusal, parse_claim, verdict
@@ -195,13 +195,13 @@ class WorkerProvider:
                     await supervised.start(self.child.run)
                     task_status.started(self)
                     if self.gate is not None:
-                        why = await verdict(self, self.gate, partial(self.child.wait_state, ChildState.READY))
-                        if why is None:
-                            self._admitted = True
+                        checked = await verdict(self, self.gate, partial(self.child.wait_state, ChildState.READY))
+                        if checked.refused is None:
+                            self._admitted, self.admitted = True, checked.admitted
                         else:
                             # Nothing will be sent to it: its program stops.
-                            self.refused = why
-                            log_refusal(self.name, why)
+                            self.refused = checked.refused
+                            log_refusal(self.name, checked.refused)
                             supervised.cancel_scope.cancel()
                     self._checked.set()
             finally:

@@ -75,7 +75,7 @@ class Completions:
         slots: SlotPool,
         settings: HybridConfig | Callable[[], HybridConfig],
         hybrid: Hybrid | None = None,
-        slot_context: int | None = None,
+        slot_context: int | Callable[[], int | None] | None = None,
         capability: Capability | None = None,
         prompt_cache: bool = False,
     ) -> None:
@@ -89,9 +89,9 @@ class Completions:
         self.slots = slots
         self._settings = source(settings)
         self.hybrid = hybrid
-        # The tokens one decoder slot holds, prompt and reply: model.ctx_size / model.parallel, as
-        # llama-server divides its context (None: not checked here, the decoder still is).
-        self.slot_context = slot_context
+        # The tokens one decoder slot holds, prompt and reply, as its source (the load) knows them at
+        # each request: what llama-server said it got (None: not checked here, the decoder still is).
+        self.slot_context = source(slot_context)
         self.prompt_cache = prompt_cache
         # Requests whose decoder re-evaluated the prompt although the restore (a handoff's, or the
         # prefix store's) succeeded.
@@ -152,7 +152,7 @@ class Completions:
             client=self.client,
             providers=providers,
             stored=self.stored,
-            slot_context=self.slot_context,
+            slot_context=self.slot_context(),
         )
 
     async def _from_store(self, plan: Plan, slot: int, story: Story) -> Entry | None:

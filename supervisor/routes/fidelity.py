@@ -24,9 +24,17 @@ worst prompt (one prompt far off must not hide behind good ones):
     max(d_handoff)  <= FACTOR * max(d_cold)  + FLOOR
 
 A ggml provider runs the decoder's own engine: its d_handoff is 0 (tests hold it to identical
-replies instead).  The pure part (:func:`top_k`, :func:`total_variation`, :func:`judge`) does no I/O;
-:class:`Probe` measures through llama-server's typed calls (supervisor/llama/decoder.py: tokenize,
-next_token, erase) and the file route's own handoff.
+replies instead).
+
+The same prompts time both engines: the decoder's cold prefill and the provider's prefill in the
+handoff, each in ms a prompt token (the median over the prompts, so that one prompt paying a
+compile does not decide).  A provider whose engine was chosen for it (engine "auto") is admitted
+only where it is also faster (:meth:`Verdict.refusal`): an OpenVINO server slower than the decoder's
+own engine on this model costs its memory and its start for nothing, and ggml goes on instead.
+
+The pure part (:func:`top_k`, :func:`total_variation`, :func:`judge`) does no I/O; :class:`Probe`
+measures through llama-server's typed calls (supervisor/llama/decoder.py: tokenize, next_token,
+erase) and the file route's own handoff.
 """
 
 from __future__ import annotations
@@ -115,18 +123,47 @@ class Verdict:
     floor: float = FLOOR
     max_cold: float = 0.0
     worst_bound: float = math.inf  # factor * max_cold + floor
+    # Prefill speed, ms a prompt token (the median over the prompts): the provider's in the
+    # handoff, the decoder's cold; None where a side gave no figure.
+    provider_ms_per_token: float | None = None
+    decoder_ms_per_token: float | None = None
 
     @property
     def ok(self) -> bool:
         return self.mean_handoff <= self.bound and self.max_handoff <= self.worst_bound
+
+    @property
+    def faster(self) -> bool | None:
+        """The provider prefilled faster than the decoder's own engine; None: not measured."""
+        if self.provider_ms_per_token is None or self.decoder_ms_per_token is None:
+            return None
+        return self.provider_ms_per_token < self.decoder_ms_per_token
 
     def summary(self) -> str:
         return (
             f"next-token TV distance over {self.n} prompts: handoff mean {self.mean_handoff:.4f}"
             f" (worst {self.max_handoff:.4f}), the decoder's own cold prefill {self.mean_cold:.4f}"
             f" (worst {self.max_cold:.4f}), bounds {self.bound:.4f} and {self.worst_bound:.4f}"
-            f" ({self.factor:g} x cold + {self.floor:g}); top-1 kept on {self.top1_agree:.0%}"
+            f" ({self.factor:g} x cold + {self.floor:g}); top-1 kept on {self.top1_agree:.0%}; {self.speed()}"
         )
+
+    def speed(self) -> str:
+        def rate(ms: float | None) -> str:
+            return "not measured" if ms is None else f"{ms:.3g} ms a token"
+
+        return (
+            f"prefill {rate(self.provider_ms_per_token)}, the decoder's own engine"
+            f" {rate(self.decoder_ms_per_token)} (medians over the prompts)"
+        )
+
+    def refusal(self, *, must_be_faster: bool) -> str | None:
+        """Why the provider is refused, or None: admitted.  ``must_be_faster``: its engine was
+        chosen for it (engine "auto"), and is kept only where it prefills faster than the decoder's."""
+        if not self.ok:
+            return f"{self.summary()}: over the bound"
+        if must_be_faster and not self.faster:
+            return f"{self.speed()}: not faster than the decoder's own engine on this model"
+        return None
 
 
 def judge(samples: Sequence[Sample], *, factor: float | None = None, floor: float | None = None) -> Verdict:
@@ -137,6 +174,7 @@ def judge(samples: Sequence[Sample], *, factor: float | None = None, floor: floa
     floor = FLOOR if floor is None else floor
     mean_cold = statistics.fmean(s.cold for s in samples)
     max_cold = max(s.cold for s in samples)
+    provider_ms, decoder_ms = _speeds(samples)
     return Verdict(
         n=len(samples),
         mean_handoff=statistics.fmean(s.handoff for s in samples),
@@ -148,6 +186,24 @@ def judge(samples: Sequence[Sample], *, factor: float | None = None, floor: floa
         floor=floor,
         max_cold=max_cold,
         worst_bound=factor * max_cold + floor,
+        provider_ms_per_token=provider_ms,
+        decoder_ms_per_token=decoder_ms,
+    )
+
+
+def _speeds(samples: Sequence[Sample]) -> tuple[float | None, float | None]:
+    """The provider's and the decoder's prefill, ms a prompt token, each the median over the
+    prompts it gave a figure for (the provider's over the tokens it evaluated: its cache may hold
+    the start of a prompt)."""
+    provider = [
+        s.outcome.prefill_ms / (s.outcome.evaluated or s.n_tokens)
+        for s in samples
+        if s.outcome is not None and s.outcome.ok and s.outcome.prefill_ms is not None
+    ]
+    decoder = [s.cold_ms / s.n_tokens for s in samples if s.cold_ms is not None]
+    return (
+        statistics.median(provider) if provider else None,
+        statistics.median(decoder) if decoder else None,
     )
 
 

@@ -48,7 +48,9 @@ MIB = 1 << 20
 
 
 @attrs.frozen
-class Sample:
+class PrefillTiming:
+    """One prefill as measured: the tokens it evaluated, those its cache held, and its time."""
+
     n_new: int
     n_cached: int
     ms: float
@@ -157,11 +159,11 @@ class Prefills:
 
     prior: float
     generation: int = -1
-    long: deque[Sample] = attrs.Factory(lambda: deque(maxlen=WINDOW))
-    short: deque[Sample] = attrs.Factory(lambda: deque(maxlen=SHORT_WINDOW))
+    long: deque[PrefillTiming] = attrs.Factory(lambda: deque(maxlen=WINDOW))
+    short: deque[PrefillTiming] = attrs.Factory(lambda: deque(maxlen=SHORT_WINDOW))
     _fit: PrefillCost | None = None
 
-    def observe(self, sample: Sample, generation: int) -> None:
+    def observe(self, sample: PrefillTiming, generation: int) -> None:
         if generation != self.generation:
             self.generation = generation
             self.long.clear()
@@ -277,14 +279,14 @@ class Rates:
         self, generation: int, prompt_n: int | None, prompt_ms: float | None, cache_n: int | None = None
     ) -> None:
         if prompt_n is not None and prompt_ms is not None and prompt_n > 0:
-            self.decoder.observe(Sample(prompt_n, cache_n or 0, prompt_ms), generation)
+            self.decoder.observe(PrefillTiming(prompt_n, cache_n or 0, prompt_ms), generation)
 
     def observe_provider(
         self, name: str, evaluated: int | None, prefill_ms: float | None, cached: int | None = None
     ) -> None:
         # Providers without a child generation (exec) are one population; 0 stands for it.
         if evaluated is not None and prefill_ms is not None and evaluated > 0:
-            self.provider(name).observe(Sample(evaluated, cached or 0, prefill_ms), 0)
+            self.provider(name).observe(PrefillTiming(evaluated, cached or 0, prefill_ms), 0)
 
     def observe_handoff(self, n_tokens: int, state_bytes: int | None, handoff_ms: float | None) -> None:
         if state_bytes is None or handoff_ms is None or state_bytes <= 0 or n_tokens <= 0:

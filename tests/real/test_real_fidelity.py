@@ -14,8 +14,7 @@ import attrs
 import pytest
 import trio
 
-from supervisor.config import Config
-from supervisor.config import ExecProvider as ExecProviderConfig
+from supervisor.config import Config, ExecProviderConfig
 from supervisor.llama.llama_server import model_args
 from supervisor.providers.llama import LlamaServerProvider
 from supervisor.routes import fidelity

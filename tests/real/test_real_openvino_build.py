@@ -26,7 +26,7 @@ import pytest
 import trio
 
 from supervisor.config import ModelConfig, locate
-from supervisor.llama import statefile
+from supervisor.llama import statediff, statefile
 from supervisor.llama.decoder import DecoderClient
 from supervisor.llama.llama_server import model_args
 from supervisor.llama.openvino import backend_env as openvino_env
@@ -181,7 +181,7 @@ def test_the_static_npu_path_forced_on_the_cpu_serves_them_too(results: Results)
 
 @pytest.mark.parametrize("which", ["openvino_file", "static_file"])
 def test_its_kv_is_the_ggml_decoders_within_a_few_percent_per_layer(results: Results, which: str) -> None:
-    errors = statefile.layer_errors(statefile.read(getattr(results, which)), statefile.read(results.ggml_file))
+    errors = statediff.layer_errors(statefile.read(getattr(results, which)), statefile.read(results.ggml_file))
     assert len(errors) == 30
     worst = max(errors, key=lambda e: e.v)
     assert all(e.k < K_BOUND for e in errors), errors

@@ -341,6 +341,7 @@ class ScriptedProvider:
     supports_share: bool = False
     engine: str | None = None
     device: str | None = None
+    admitted: str | None = None
     ready: bool = True
     busy: int = 0
     jobs: list[PrefillJob] = attrs.Factory(list)

@@ -2,8 +2,8 @@
 
 Readers (:mod:`.readers`, over :mod:`.reading`): :class:`RequestReader` takes the bytes a client sends
 the front; :class:`ResponseReader` the bytes llama-server sends the decoder client.  Both are fed bytes
-as they come (``feed``) and hand out events in stream order (``next_event``): a :class:`Request` or
-:class:`Response` head, ``bytes`` of its body, :data:`END` at the end of each message, and
+as they come (``feed``) and hand out events in stream order (``next_event``): a :class:`RequestHead` or
+:class:`ResponseHead`, ``bytes`` of its body, :data:`END` at the end of each message, and
 :data:`NEED_DATA` when what was fed is used up.  What is not HTTP as onebitd takes it is one error,
 :class:`Malformed`, raised by ``next_event`` where it stands in the stream, after every event before it.
 
@@ -29,8 +29,8 @@ from .reading import (
     MAX_TRAILER_BYTES,
     NEED_DATA,
     Event,
-    Request,
-    Response,
+    RequestHead,
+    ResponseHead,
     tokens,
 )
 
@@ -45,9 +45,9 @@ __all__ = [
     "NEED_DATA",
     "Event",
     "Malformed",
-    "Request",
+    "RequestHead",
     "RequestReader",
-    "Response",
+    "ResponseHead",
     "ResponseReader",
     "tokens",
 ]

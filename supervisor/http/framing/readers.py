@@ -15,8 +15,8 @@ from .reading import (
     _LENGTH,
     MAX_CHUNK_LINE,
     MAX_HEAD_BYTES,
-    Request,
-    Response,
+    RequestHead,
+    ResponseHead,
     _last3,
     _Reader,
     tokens,
@@ -66,7 +66,7 @@ class RequestReader(_Reader):
             raise Malformed(501, "not_implemented", "an Upgrade with a request body is not served")
         path, raw_path, query = _target(self._url, method)
         self._events.append(
-            Request(
+            RequestHead(
                 method=method,
                 path=path,
                 raw_path=raw_path,
@@ -140,7 +140,7 @@ class ResponseReader(_Reader):
         bodiless = self._head_request or status < 200 or status in (204, 304)
         until_eof = not bodiless and not chunked and b"content-length" not in self._special
         self._events.append(
-            Response(
+            ResponseHead(
                 status=status,
                 version=version,
                 headers=self._headers,

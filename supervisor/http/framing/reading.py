@@ -48,7 +48,7 @@ _REASONS = (
 
 
 @attrs.define(slots=True)  # not frozen: its __init__ runs once a request (see docs/benchmarks.md)
-class Request:
+class RequestHead:
     method: str
     path: str  # percent-decoded
     raw_path: bytes
@@ -62,7 +62,7 @@ class Request:
 
 
 @attrs.define(slots=True)
-class Response:
+class ResponseHead:
     status: int
     version: str
     headers: list[tuple[bytes, bytes]]  # names as the server wrote them, in order
@@ -84,7 +84,7 @@ class _NeedData:
 
 END: Final = _End()
 NEED_DATA: Final = _NeedData()
-Event = Request | Response | bytes | _End
+Event = RequestHead | ResponseHead | bytes | _End
 
 _BOUNDARY, _HEAD, _LENGTH, _CHUNKED, _EOF = range(5)
 

@@ -438,7 +438,7 @@ class Draining:
     def start_drain(self) -> None:
         pass
 
-    async def hand_over(self) -> int:
+    async def keep_slots(self) -> int:
         return 1
 
     def resume(self) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import trio
 import trio.testing
 
-from supervisor.http import connection, hangup
+from supervisor.http import connection, watch
 from tests.rigs.helpers import CHAT, assert_envelope, client_for, open_raw, receive_until, request_head
 from tests.rigs.rig import Control, DecoderModes, RouteLines, fake_decoder_config, run_daemon
 
@@ -210,7 +210,7 @@ async def test_a_client_that_hangs_up_mid_stream_has_its_connection_closed(short
 async def test_a_connection_closed_after_its_reply_leaves_no_task_behind(short_dir: Path, control: Control) -> None:
     # A connection's tasks: its own, and the hang-up watcher its first streamed request started.
     # Seen while it is open, so that a rename fails here instead of finding nothing after the close.
-    serving, watching = f"{connection.__name__}.Connection.run", f"{hangup.__name__}.Watched._watcher"
+    serving, watching = f"{connection.__name__}.Connection.run", f"{watch.__name__}.Watched._watcher"
     with trio.fail_after(TIMEOUT):
         async with run_daemon(fake_decoder_config(short_dir)) as running:
             async with await open_raw(running) as raw:

@@ -13,12 +13,13 @@ import re
 import sys
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import trio
 
 import bench.cli
+from bench import agent, hosts
 from tests.rigs.rig import openvino_llama_server, real_llama_server
 from tests.unit.bench.test_bench_plot import svg_texts
 
@@ -158,6 +159,45 @@ async def test_the_hosts_benchmark_in_quick_mode_exits_0_with_both_sides_and_no_
     row = re.search(rf"^2\s+{NUMBER}\s+(\d+)\s+{NUMBER}\s+\d+$", out, re.MULTILINE)
     assert row, out
     assert row.group(1) == "0", out
+
+
+def test_the_hosts_benchmark_refuses_a_shared_store_that_holds_anything_and_starts_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Side (b)'s stores start empty; an earlier run's entries in (a)'s would serve this run's greedy,
+    identical turns, the ones after the drain included."""
+    used = tmp_path / "shared"
+    (used / "prefix-v3").mkdir(parents=True)
+    assert bench.cli.main(["hosts", "--quick", "--shared-dir", str(used)]) == 1
+    out, err = capsys.readouterr()
+    assert err.startswith(f"scripts/bench: --shared-dir {used} holds 1 entries (prefix-v3): each side starts from"), err
+    assert "onebit hosts:" not in out  # refused before anything started
+    assert hosts.used_store(tmp_path / "new") is None  # absent: onebitd makes it
+    (tmp_path / "empty").mkdir()
+    assert hosts.used_store(tmp_path / "empty") is None
+
+
+def test_the_agent_benchmarks_restart_headline_says_what_it_compares(capsys: pytest.CaptureFixture[str]) -> None:
+    """A restore against the cold side's prefill on this machine, not a speed-up: the times, the
+    tokens and the threads, one value each (the medians over the restarts)."""
+    sides: dict[tuple[str, str], agent.Side] = {}
+    for client in agent.CLIENTS:
+        restored = [{"decoder_prompt_n": 1, "prompt_tokens": 3044}]
+        sides["restart", client] = agent.Side(
+            "restart", cast(Any, None), cast(Any, None), first_ms=[130.0], again=[120.0, 140.0], lines=restored
+        )
+        sides["restart", client].again_lines += restored * 2
+        sides["direct'", client] = agent.Side(
+            "direct'", cast(Any, None), cast(Any, None), first_ms=[36000.0], again=[35000.0, 37000.0]
+        )
+    agent.report_restarts(sides, 1)
+    out = capsys.readouterr().out
+    for client in agent.CLIENTS:
+        headline = (
+            f"{client}: the first turn after a restart: restored in 130 ms against a prefill of 3044 tokens in"
+            " 36.0 s on this machine (the decoder's flags, 1 thread)"
+        )
+        assert headline in out.splitlines(), out
 
 
 @pytest.mark.real

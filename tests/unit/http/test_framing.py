@@ -43,9 +43,9 @@ def decide(reader: framing.RequestReader | framing.ResponseReader, pieces: Itera
                 return seen, (exc.status, exc.code)
             if event is NEED_DATA:
                 break
-            if isinstance(event, framing.Request):
+            if isinstance(event, framing.RequestHead):
                 head = (event.method, event.path, event.query, event.version, tuple(event.headers))
-            elif isinstance(event, framing.Response):
+            elif isinstance(event, framing.ResponseHead):
                 head = (event.status, event.version, tuple(event.headers), event.length, event.until_eof)
             elif event is END:
                 assert head is not None
@@ -241,11 +241,11 @@ def test_the_head_s_fields_reach_the_request_with_names_lower_case_and_values_tr
 
 
 def test_keep_alive_and_100_continue_follow_the_version_and_the_fields() -> None:
-    def head(data: bytes) -> framing.Request:
+    def head(data: bytes) -> framing.RequestHead:
         reader = framing.RequestReader()
         reader.feed(data)
         event = reader.next_event()
-        assert isinstance(event, framing.Request)
+        assert isinstance(event, framing.RequestHead)
         return event
 
     assert head(get()).keep_alive
@@ -258,7 +258,7 @@ def test_keep_alive_and_100_continue_follow_the_version_and_the_fields() -> None
 def test_a_refusal_comes_after_the_requests_before_it_and_pending_says_more_came() -> None:
     reader = framing.RequestReader()
     reader.feed(get("/1") + b"GET / HTTP/1.1\nHost: x\n\n")
-    assert isinstance(reader.next_event(), framing.Request)
+    assert isinstance(reader.next_event(), framing.RequestHead)
     assert reader.next_event() is END
     assert reader.pending
     with pytest.raises(Malformed, match="malformed"):
@@ -268,7 +268,7 @@ def test_a_refusal_comes_after_the_requests_before_it_and_pending_says_more_came
 def test_a_client_that_sent_only_what_was_answered_has_nothing_pending() -> None:
     reader = framing.RequestReader()
     reader.feed(get("/1"))
-    assert isinstance(reader.next_event(), framing.Request)
+    assert isinstance(reader.next_event(), framing.RequestHead)
     assert reader.next_event() is END
     assert not reader.pending
     assert reader.next_event() is NEED_DATA
@@ -280,7 +280,7 @@ def test_take_body_hands_out_the_pieces_come_so_far_joined_and_then_the_end() ->
     reader = framing.ResponseReader(65536)
     reader.expect("GET")
     reader.feed(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n")
-    assert isinstance(reader.next_event(), framing.Response)
+    assert isinstance(reader.next_event(), framing.ResponseHead)
     assert reader.take_body() == (b"abcde", False)
     assert reader.take_body() == (b"", False)
     reader.feed(b"1\r\nf\r\n0\r\n\r\n")
@@ -291,12 +291,12 @@ def test_take_body_hands_out_the_pieces_come_so_far_joined_and_then_the_end() ->
 def test_take_body_raises_for_a_body_malformed_before_its_end_but_not_for_the_next_message() -> None:
     reader = framing.RequestReader()
     reader.feed(b"POST / HTTP/1.1\r\n" + H + b"Transfer-Encoding: chunked\r\n\r\n3\r\nabc\r\nzz\r\n")
-    assert isinstance(reader.next_event(), framing.Request)
+    assert isinstance(reader.next_event(), framing.RequestHead)
     with pytest.raises(Malformed, match="chunk"):
         reader.take_body()
     reader = framing.RequestReader()
     reader.feed(b"POST / HTTP/1.1\r\n" + H + b"Content-Length: 2\r\n\r\nokGET / HTTP/1.1\nHost: x\n\n")
-    assert isinstance(reader.next_event(), framing.Request)
+    assert isinstance(reader.next_event(), framing.RequestHead)
     assert reader.take_body() == (b"ok", True)
     with pytest.raises(Malformed, match="malformed"):
         reader.next_event()
@@ -383,7 +383,7 @@ def test_a_reply_without_a_length_runs_to_the_end_of_the_connection() -> None:
     reader = framing.ResponseReader(65536)
     reader.feed(reply(b"X: y\r\n", b"abc"))
     head = reader.next_event()
-    assert isinstance(head, framing.Response)
+    assert isinstance(head, framing.ResponseHead)
     assert (head.until_eof, head.keep_alive, head.length, head.headers) == (True, False, None, [(b"X", b"y")])
     assert reader.next_event() == b"abc"
     assert refusal is None

@@ -832,7 +832,7 @@ async def test_a_watcher_that_fails_hangs_up_on_its_connection_only(
     async def fails(self: object) -> None:
         raise RuntimeError("the watcher broke")
 
-    monkeypatch.setattr("supervisor.http.hangup.Watched._watch_socket", fails)
+    monkeypatch.setattr("supervisor.http.watch.Watched._watch_socket", fails)
     told: list[str] = []
     done = trio.Event()
 

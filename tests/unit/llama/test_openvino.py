@@ -9,7 +9,7 @@ import pytest
 import tomli_w
 
 from supervisor import config as configuration
-from supervisor.config import LlamaServerProvider
+from supervisor.config import LlamaServerProviderConfig
 from supervisor.errors import ConfigError
 from supervisor.llama import openvino
 from supervisor.llama.decoder import DecoderClient
@@ -74,7 +74,7 @@ def test_auto_takes_the_npu_first_and_a_named_device_must_be_listed(
 def test_an_openvino_provider_takes_an_engine_and_a_device(site: dict[str, Any]) -> None:
     config = configuration.loads(tomli_w.dumps({**site, "provider": [ov(site, device="NPU")]}), SOURCE)
     (provider,) = config.provider
-    assert isinstance(provider, LlamaServerProvider)
+    assert isinstance(provider, LlamaServerProviderConfig)
     assert (provider.engine, provider.device, provider.static_shapes) == ("openvino", "NPU", False)
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from supervisor.llama.region import Refused, SlotState, write_rows
+from supervisor.llama.region import JobRefused, StateRows, write_rows
 from supervisor.llama.statefile import MAGIC as STATE_MAGIC
 from supervisor.llama.statefile import VERSION as STATE_VERSION
 
@@ -52,7 +52,7 @@ def layout(n_cells: int) -> dict[str, Any]:
 def test_rows_go_to_their_position_not_their_cell_index() -> None:
     # Cells as a wrapped ring holds them: positions 3, 4, then 0, 1, 2.
     positions = [3, 4, 0, 1, 2]
-    state = SlotState(state_file(positions))
+    state = StateRows(state_file(positions))
     assert state.tokens == [100, 101, 102, 103, 104]
     shape = layout(8)
     region = mmap.mmap(-1, shape["regions"][0]["size"])
@@ -67,11 +67,11 @@ def test_rows_go_to_their_position_not_their_cell_index() -> None:
 
 
 def test_a_plain_token_list_is_read_as_the_tokens() -> None:
-    assert SlotState(state_file([1, 0], packed=False)).tokens == [100, 101]
+    assert StateRows(state_file([1, 0], packed=False)).tokens == [100, 101]
 
 
 def test_the_claim_stops_at_the_first_missing_position() -> None:
-    state = SlotState(state_file([0, 1, 3]))
+    state = StateRows(state_file([0, 1, 3]))
     region = mmap.mmap(-1, layout(8)["regions"][0]["size"])
     assert write_rows(state, layout(8), [region], 4) == 2
 
@@ -87,12 +87,12 @@ def test_the_claim_stops_at_the_first_missing_position() -> None:
     ids=["transposed", "cells-with-extra-data", "truncated", "not-a-state-file"],
 )
 def test_a_state_file_of_another_shape_is_refused(data: bytes, said: str) -> None:
-    with pytest.raises(Refused, match=said):
-        SlotState(data)
+    with pytest.raises(JobRefused, match=said):
+        StateRows(data)
 
 
 def test_a_rotation_that_differs_from_the_decoders_is_refused() -> None:
-    state = SlotState(state_file([0, 1], n_rot=64))
+    state = StateRows(state_file([0, 1], n_rot=64))
     region = mmap.mmap(-1, layout(8)["regions"][0]["size"])
-    with pytest.raises(Refused, match="rotates"):
+    with pytest.raises(JobRefused, match="rotates"):
         write_rows(state, layout(8), [region], 2)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from supervisor.llama import statefile
+from supervisor.llama import statediff, statefile
 from supervisor.llama.statefile import SlotState, StateFileError
 from tests.rigs.rig import make_config, real_llama_server, run_daemon
 
@@ -70,7 +70,7 @@ def test_a_saved_slot_reads_back_as_its_tokens_and_every_layer(slot_files: dict[
 
 @pytest.mark.real
 def test_the_same_prompt_prefilled_twice_differs_nowhere(slot_files: dict[str, Path]) -> None:
-    errors = statefile.layer_errors(statefile.read(slot_files["a"]), statefile.read(slot_files["b"]))
+    errors = statediff.layer_errors(statefile.read(slot_files["a"]), statefile.read(slot_files["b"]))
     assert len(errors) == 30
     assert all(e.k == 0.0 and e.v == 0.0 for e in errors)
 
@@ -79,7 +79,7 @@ def test_the_same_prompt_prefilled_twice_differs_nowhere(slot_files: dict[str, P
 def test_another_prompt_differs_in_every_layer(slot_files: dict[str, Path]) -> None:
     a, other = statefile.read(slot_files["a"]), statefile.read(slot_files["other"])
     assert a.tokens != other.tokens
-    errors = statefile.layer_errors(other, a)
+    errors = statediff.layer_errors(other, a)
     assert all(e.k > 0.01 and e.v > 0.01 for e in errors)
 
 
@@ -142,13 +142,13 @@ def test_cells_with_the_extension_of_m_rope_models_are_read_too() -> None:
 def test_cells_are_compared_by_position() -> None:
     a = statefile.parse(state_bytes(v_trans=0, cells=CELLS))
     b = statefile.parse(state_bytes(v_trans=0, cells=[CELLS[1], (2, [9.0, 9.0], [9.0, 9.0])]))
-    [error] = statefile.layer_errors(a, b)  # position 1 only: equal
+    [error] = statediff.layer_errors(a, b)  # position 1 only: equal
     assert (error.k, error.v) == (0.0, 0.0)
 
 
 def test_the_error_is_relative_to_the_reference() -> None:
-    assert statefile.relative_error([3.0, 5.0], [0.0, 5.0]) == pytest.approx(3 / 5)
-    assert statefile.relative_error([0.0], [0.0]) == 0.0
+    assert statediff.relative_error([3.0, 5.0], [0.0, 5.0]) == pytest.approx(3 / 5)
+    assert statediff.relative_error([0.0], [0.0]) == 0.0
 
 
 @pytest.mark.parametrize(
@@ -163,3 +163,83 @@ def test_the_error_is_relative_to_the_reference() -> None:
 def test_what_is_not_a_slot_file_is_refused(data: bytes, why: str) -> None:
     with pytest.raises(StateFileError, match=why):
         statefile.parse(data)
+
+
+def kv_part(cells: list[tuple[int, list[float], list[float]]]) -> bytes:
+    """One KV cache of one f32 layer, its cells in one stream."""
+    width = len(cells[0][1])
+    out = struct.pack("<II", 1, len(cells))
+    out += b"".join(struct.pack("<iIi", pos, 1, 0) for pos, _, _ in cells)
+    out += struct.pack("<IIII", 0, 1, 0, 0)
+    for rows in ([k for _, k, _ in cells], [v for _, _, v in cells]):
+        out += struct.pack("<iQ", statefile.GGML_F32, 4 * width)
+        out += b"".join(struct.pack(f"<{width}f", *row) for row in rows)
+    return out
+
+
+def recurrent_part(pos: int, r: list[float], s: list[float], *, n_layer: int = 2) -> bytes:
+    """A recurrent memory of one cell and one recurrent layer (of ``n_layer``): its R, then its S."""
+    out = struct.pack("<iIi", 1, pos, 0) + struct.pack("<II", 0, n_layer)
+    for rows in (r, s):
+        out += struct.pack("<iQ", statefile.GGML_F32, 4 * len(rows)) + struct.pack(f"<{len(rows)}f", *rows)
+    return out
+
+
+def state_of(*parts: bytes) -> bytes:
+    return struct.pack("<IIIi", statefile.MAGIC, statefile.VERSION, 1, 7) + b"".join(parts)
+
+
+def test_a_sliding_window_models_two_caches_are_read_as_its_base_and_its_window() -> None:
+    state = statefile.parse(state_of(kv_part(CELLS), kv_part(CELLS[1:])))
+    assert [(c.name, c.positions) for c in state.caches] == [("kv base", (0, 1)), ("kv swa", (1,))]
+    assert state.recurrent is None
+
+
+@pytest.mark.parametrize("swa", [False, True], ids=["hybrid", "hybrid-with-window"])
+def test_a_hybrid_models_recurrent_memory_is_read_after_its_kv_cache(swa: bool) -> None:
+    kv = [kv_part(CELLS), kv_part(CELLS[1:])] if swa else [kv_part(CELLS)]
+    state = statefile.parse(state_of(*kv, recurrent_part(1, [1.0, 2.0, 3.0], [4.0])))
+    assert [c.name for c in state.caches] == (["kv base", "kv swa"] if swa else ["kv"])
+    assert state.recurrent is not None
+    assert state.recurrent.positions == (1,)
+    [r], [s] = state.recurrent.r, state.recurrent.s
+    assert (list(r.values), r.width, list(s.values), s.width) == ([1.0, 2.0, 3.0], 3, [4.0], 1)
+
+
+def test_a_recurrent_memory_one_position_off_is_flagged_by_its_cells_and_its_values() -> None:
+    own = statefile.parse(state_of(kv_part(CELLS), recurrent_part(1, [1.0, 2.0], [3.0])))
+    short = statefile.parse(state_of(kv_part(CELLS[:1]), recurrent_part(0, [2.0, 2.0], [1.0])))
+    comparison = statediff.compare(short, own)
+    assert comparison.differences == (
+        "kv: cells at 0..0 (1) against 0..1 (2)",
+        "recurrent: cells at 0..0 (1) against 1..1 (1)",
+    )
+    assert comparison.worst("K") == comparison.worst("V") == 0.0  # position 0 holds the same in both
+    assert comparison.worst("R") == pytest.approx(statediff.relative_error([2.0, 2.0], [1.0, 2.0]))
+    assert comparison.worst("S") == pytest.approx(2 / 3)
+    same = statediff.compare(own, own)
+    assert (same.differences, same.max_error, len(same.errors)) == ((), 0.0, 4)  # K, V, R, S
+
+
+def test_states_of_two_memories_are_not_compared() -> None:
+    dense = statefile.parse(state_of(kv_part(CELLS)))
+    hybrid = statefile.parse(state_of(kv_part(CELLS), recurrent_part(1, [1.0], [1.0])))
+    with pytest.raises(StateFileError, match="kv against kv \\+ recurrent: not the same memory"):
+        statediff.compare(dense, hybrid)
+
+
+def test_slotdiff_prints_each_part(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a, b = tmp_path / "a.state", tmp_path / "b.state"
+    a.write_bytes(state_of(kv_part(CELLS), recurrent_part(1, [1.0, 2.0], [3.0])))
+    b.write_bytes(state_of(kv_part(CELLS), recurrent_part(2, [1.0, 2.0], [6.0])))
+    assert statediff.main([str(a), str(b)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[1:] == [
+        "layer  K rel err  V rel err",
+        "    0    0.00000    0.00000",
+        "  max    0.00000    0.00000",
+        "recurrent: layer  R rel err  S rel err",
+        "    0    0.00000    0.50000",
+        "  max    0.00000    0.50000",
+        "differ: recurrent: cells at 1..1 (1) against 2..2 (1)",
+    ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.models.schedule import Candidate, Plan, expired, in_the_way, plan, starving, victims
+from supervisor.models.schedule import Candidate, Moves, expired, in_the_way, plan, starving, victims
 
 
 def c(name: str, **kw: object) -> Candidate:
@@ -87,15 +87,17 @@ def test_expired(models: list[Candidate], now: float, expected: tuple[str, ...])
 
 # (the models now, those waited for (oldest first), those wanted, max_loaded, what plan() says)
 PLANS = [
-    pytest.param([c("a"), c("x", resident=False)], ["x"], {"a"}, 0, Plan(load=("x",)), id="room-load-now"),
-    pytest.param([c("a"), c("x", resident=False)], ["x"], {"a"}, 1, Plan(unload=("a",)), id="idle-in-the-way-unloaded"),
-    pytest.param([c("a", users=1), c("x", resident=False)], ["x"], {"a"}, 1, Plan(), id="busy-in-the-way-waits"),
+    pytest.param([c("a"), c("x", resident=False)], ["x"], {"a"}, 0, Moves(load=("x",)), id="room-load-now"),
+    pytest.param(
+        [c("a"), c("x", resident=False)], ["x"], {"a"}, 1, Moves(unload=("a",)), id="idle-in-the-way-unloaded"
+    ),
+    pytest.param([c("a", users=1), c("x", resident=False)], ["x"], {"a"}, 1, Moves(), id="busy-in-the-way-waits"),
     pytest.param(
         [c("a"), c("x", resident=False), c("y", resident=False)],
         ["x", "a"],
         {"a"},
         1,
-        Plan(unload=("a",)),
+        Moves(unload=("a",)),
         id="younger-waiter-for-a-claimed-model-waits",
     ),
     pytest.param(
@@ -103,19 +105,19 @@ PLANS = [
         ["x", "a"],
         set(),
         1,
-        Plan(),
+        Moves(),
         id="a-model-on-its-way-out-is-not-loaded-back-for-a-younger-waiter",
     ),
-    pytest.param([c("a"), c("x")], ["x"], {"a", "x"}, 1, Plan(), id="wanted-already-nothing-to-do"),
+    pytest.param([c("a"), c("x")], ["x"], {"a", "x"}, 1, Moves(), id="wanted-already-nothing-to-do"),
     pytest.param(
-        [c("x", resident=False), c("y", resident=False)], ["x", "y"], set(), 0, Plan(load=("x", "y")), id="both-fit"
+        [c("x", resident=False), c("y", resident=False)], ["x", "y"], set(), 0, Moves(load=("x", "y")), id="both-fit"
     ),
     pytest.param(
         [c("a", last_used=1), c("x", resident=False), c("y", resident=False)],
         ["x", "y"],
         {"a"},
         2,
-        Plan(load=("x",), unload=("a",)),
+        Moves(load=("x",), unload=("a",)),
         id="the-second-makes-room-beside-the-first",
     ),
     pytest.param(
@@ -123,13 +125,13 @@ PLANS = [
         ["x", "y"],
         {"a"},
         2,
-        Plan(load=("x",)),
+        Moves(load=("x",)),
         id="the-second-waits-when-the-room-left-is-busy",
     ),
-    pytest.param([c("a")], ["gone"], {"a"}, 1, Plan(), id="a-removed-model-is-skipped"),
+    pytest.param([c("a")], ["gone"], {"a"}, 1, Moves(), id="a-removed-model-is-skipped"),
 ]
 
 
 @pytest.mark.parametrize(("models", "waiting", "wanted", "max_loaded", "expected"), PLANS)
-def test_plan(models: list[Candidate], waiting: list[str], wanted: set[str], max_loaded: int, expected: Plan) -> None:
+def test_plan(models: list[Candidate], waiting: list[str], wanted: set[str], max_loaded: int, expected: Moves) -> None:
     assert plan(waiting, models, frozenset(wanted), max_loaded=max_loaded, budget_mib=0) == expected

@@ -11,9 +11,10 @@ import pytest
 import trio
 import trio.testing
 
-from supervisor.config import ExecProvider as ExecProviderConfig
+from supervisor.config import ExecProviderConfig
 from supervisor.errors import ProviderError
 from supervisor.providers import Claim, PrefillJob, base, parse_claim
+from supervisor.providers.base import Checked
 from supervisor.providers.exec import ExecProvider
 from tests.fakes.fake_provider import PATH as FAKE_PROVIDER
 from tests.rigs.helpers import gone, reaped, wait_until
@@ -148,24 +149,27 @@ async def run_gated(gate: Any) -> ExecProvider:
     return provider
 
 
-async def test_an_exec_program_the_fidelity_check_admits_is_ready(caplog: pytest.LogCaptureFixture) -> None:
+async def test_an_exec_program_the_fidelity_check_admits_is_ready_and_says_what_admitted_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     measured: list[ExecProvider] = []
+    words = "next-token TV distance over 6 prompts: handoff mean 0.0100"
 
-    async def gate(provider: ExecProvider) -> str | None:
+    async def gate(provider: ExecProvider) -> Checked:
         measured.append(provider)
-        return None
+        return Checked(admitted=words)
 
     with trio.fail_after(DEADLINE_S):
         provider = await run_gated(gate)
     assert measured == [provider]
     assert provider.ready
-    assert provider.statistics().refused is None
+    assert (provider.statistics().refused, provider.statistics().admitted) == (None, words)
     assert [r for r in caplog.records if r.levelname == "ERROR"] == []
 
 
 async def test_an_exec_program_the_fidelity_check_refuses_is_never_ready(caplog: pytest.LogCaptureFixture) -> None:
-    async def gate(provider: ExecProvider) -> str | None:
-        return "the decoder refused its state: a state file of another model"
+    async def gate(provider: ExecProvider) -> Checked:
+        return Checked(refused="the decoder refused its state: a state file of another model")
 
     with trio.fail_after(DEADLINE_S):
         provider = await run_gated(gate)
@@ -182,11 +186,11 @@ async def test_an_exec_program_the_fidelity_check_refuses_is_never_ready(caplog:
 async def test_a_check_that_could_not_finish_is_run_again(autojump_clock: trio.testing.MockClock) -> None:
     tries: list[float] = []
 
-    async def gate(provider: ExecProvider) -> str | None:
+    async def gate(provider: ExecProvider) -> Checked:
         tries.append(trio.current_time())
         if len(tries) == 1:
             raise ProviderError("fidelity: the decoder went away")
-        return None
+        return Checked()
 
     with trio.fail_after(DEADLINE_S):
         provider = await run_gated(gate)

@@ -17,10 +17,10 @@ import pytest
 import trio
 import trio.testing
 
-from supervisor.config import HealthPolicy, RestartPolicy
-from supervisor.config import WorkerProvider as WorkerProviderConfig
+from supervisor.config import HealthPolicy, RestartPolicy, WorkerProviderConfig
 from supervisor.errors import ProviderError
 from supervisor.providers import Claim, PrefillJob
+from supervisor.providers.base import Checked
 from supervisor.providers.worker import WorkerProvider
 from supervisor.supervise.child import Child, ChildState
 from tests.fakes.fake_provider import PATH as FAKE_PROVIDER
@@ -364,12 +364,12 @@ async def test_a_worker_the_fidelity_check_admits_takes_jobs_only_after_the_verd
     verdict_given = trio.Event()
     seen: list[WorkerProvider] = []
 
-    async def gate(provider: WorkerProvider) -> str | None:
+    async def gate(provider: WorkerProvider) -> Checked:
         seen.append(provider)
         assert provider.child.state is ChildState.READY  # measured once healthy
         asked.set()
         await verdict_given.wait()
-        return None
+        return Checked()
 
     provider = gated_worker(gate)
     with trio.fail_after(DEADLINE_S):
@@ -398,8 +398,8 @@ async def test_a_worker_the_fidelity_check_admits_takes_jobs_only_after_the_verd
 async def test_a_worker_the_fidelity_check_refuses_is_stopped_and_takes_no_job(
     tmp_path: Path, control: Control, caplog: pytest.LogCaptureFixture
 ) -> None:
-    async def gate(provider: WorkerProvider) -> str | None:
-        return "next-token TV distance over 6 prompts: ...: over the bound"
+    async def gate(provider: WorkerProvider) -> Checked:
+        return Checked(refused="next-token TV distance over 6 prompts: ...: over the bound")
 
     provider = gated_worker(gate)
     with trio.fail_after(DEADLINE_S):

@@ -39,7 +39,8 @@ TIMEOUT_S = 60
 PARSED = {
     "scripts/bench": "bench",
     "scripts/chaos": "chaos",
-    "scripts/slotdiff": "supervisor.llama.statefile",
+    "scripts/soak": "chaos.soak",
+    "scripts/slotdiff": "supervisor.llama.statediff",
     "bench.engines": "bench.engines",
 }
 # The set-up scripts, with how many words they take: scripts/run FILE (the config); scripts/test's

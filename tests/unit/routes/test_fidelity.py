@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any, cast
 
+import attrs
 import pytest
 import trio
 
@@ -89,10 +90,16 @@ class FakeDecoder:
 
 
 class FakeHandoff:
-    def __init__(self, decoder: FakeDecoder, *, fails: bool = False, refused: bool = False) -> None:
+    """The file route's handoff: the slot restored, the provider's prefill 9 ms, or ``ms_per_token``
+    a prompt token (a provider that prefills slowly: the fake decoder's cold prefill takes 2.5)."""
+
+    def __init__(
+        self, decoder: FakeDecoder, *, fails: bool = False, refused: bool = False, ms_per_token: float | None = None
+    ) -> None:
         self.decoder = decoder
         self.fails = fails
         self.refused = refused
+        self.ms_per_token = ms_per_token
 
     async def run(self, *, req: str, slot: int, tokens: list[int], provider: Provider, timeout_s: float) -> Outcome:
         await trio.lowlevel.checkpoint()
@@ -101,7 +108,8 @@ class FakeHandoff:
         if self.fails:
             return Outcome(Route.FILE, Step.FILE_PREFILL, Reason.PROVIDER_FAILED, "provider failed: boom")
         self.decoder.slot = "restored"
-        return Outcome(Route.FILE, prefill_ms=9.0, evaluated=len(tokens), state_bytes=1 << 20, handoff_ms=3.0)
+        prefill_ms = 9.0 if self.ms_per_token is None else self.ms_per_token * len(tokens)
+        return Outcome(Route.FILE, prefill_ms=prefill_ms, evaluated=len(tokens), state_bytes=1 << 20, handoff_ms=3.0)
 
 
 async def test_the_probe_compares_the_handoff_and_the_cold_prefill_with_the_cached_path() -> None:
@@ -200,3 +208,43 @@ async def test_a_provider_that_answers_its_prefill_with_an_error_is_refused_not_
     with trio.fail_after(5), pytest.raises(ProviderStateRefused, match="it cannot prefill this model: provider failed"):
         await probe.sample(cast(Provider, None), 0, [1, 2, 3])
     assert fake.calls[-1] == "erase"
+
+
+async def test_the_check_times_both_engines_and_a_chosen_engine_no_faster_than_the_decoders_is_refused() -> None:
+    # The handoff as faithful as the cold path; the provider's prefill 4 ms a token against the
+    # decoder's 2.5 (the fake decoder's cold prompt_ms).
+    decoder = FakeDecoder(handoff={1: 0.6, 2: 0.4}, cold={1: 0.6, 2: 0.4}, cached={1: 0.6, 2: 0.4})
+    probe = Probe(client=decoder, handoff=FakeHandoff(decoder, ms_per_token=4.0), timeout_s=5)
+    with trio.fail_after(5):
+        samples = [await probe.sample(ScriptedProvider(), 0, await probe.tokens(text)) for text in ("a b c d", "e f")]
+    verdict = judge(samples)
+    assert verdict.ok
+    assert (verdict.provider_ms_per_token, verdict.decoder_ms_per_token) == (4.0, 2.5)
+    assert verdict.faster is False
+    assert "prefill 4 ms a token, the decoder's own engine 2.5 ms a token" in verdict.summary()
+    # Configured for its engine, it is admitted (the route chooser weighs it per request) ...
+    assert verdict.refusal(must_be_faster=False) is None
+    # ... chosen by engine "auto", it is refused, with its figures.
+    why = verdict.refusal(must_be_faster=True)
+    assert why == (
+        "prefill 4 ms a token, the decoder's own engine 2.5 ms a token (medians over the prompts):"
+        " not faster than the decoder's own engine on this model"
+    )
+    outcomes = [s.outcome for s in samples if s.outcome is not None]
+    fast = judge(
+        [
+            attrs.evolve(s, outcome=attrs.evolve(o, prefill_ms=s.n_tokens * 1.0))
+            for s, o in zip(samples, outcomes, strict=True)
+        ]
+    )
+    assert fast.faster
+    assert fast.refusal(must_be_faster=True) is None
+
+
+def test_a_speed_not_measured_is_not_faster() -> None:
+    verdict = judge([Sample(100, handoff=0.0, cold=0.03, same_top1=True)])
+    assert verdict.faster is None
+    assert verdict.refusal(must_be_faster=False) is None
+    why = verdict.refusal(must_be_faster=True)
+    assert why is not None
+    assert why.startswith("prefill not measured, the decoder's own engine not measured")

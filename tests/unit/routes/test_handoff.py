@@ -18,7 +18,7 @@ import attrs
 import pytest
 import trio
 
-from supervisor.config import ExecProvider as ExecProviderConfig
+from supervisor.config import ExecProviderConfig
 from supervisor.errors import DecoderUnavailable
 from supervisor.providers import Claim, Provider
 from supervisor.providers.exec import ExecProvider

@@ -1,0 +1,37 @@
+"""The slots a model keeps before it goes: before an unload or at a drain's end, each slot whose
+prompt the prefix store would keep (and does not hold yet) is saved into it, awaited, so that the
+conversation restores from the store when its model is back, or on another host (instead of
+prefilling again)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from ..llama.slots import SlotPool
+from ..routes.stored import StoredPrefixes
+
+log = logging.getLogger("onebit.model")
+
+
+async def keep_slots(
+    slots: SlotPool, stored: StoredPrefixes, name: str, go_on: Callable[[], bool] = lambda: True
+) -> int:
+    """Model ``name``'s slots kept in ``stored``; how many it saved.  No request holds a slot now
+    (the scheduler unloads only an unused model; a drain waits for its in-flight requests first, and
+    ``go_on`` says before each slot that it still drains: a resume lets requests in again)."""
+    if not stored.enabled:
+        return 0
+    kept = 0
+    for slot in range(slots.n_slots):
+        if not go_on():
+            break
+        tokens = slots.holds(slot).tokens
+        if not tokens or not stored.store.wants(tokens):
+            continue
+        path = await stored.save(slot, f"unload-{name}-{slot}")
+        if path is not None and await stored.store.put_file(tokens, path):
+            kept += 1
+    if kept:
+        log.info("model %s: %d slot(s) kept in the prefix store", name, kept)
+    return kept
