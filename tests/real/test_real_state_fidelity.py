@@ -35,9 +35,8 @@ from supervisor.llama.decoder import JsonClient
 from supervisor.llama.statediff import Comparison
 from supervisor.providers import PrefillJob
 from supervisor.routes.prefill import prefill
-
-from .rig import HANDOFF_ALWAYS, make_config, openvino_llama_server, real_llama_server, run_daemon
-from .test_real_families import model_file, tiny_models  # noqa: F401  (a fixture, and where each model is)
+from tests.real.test_real_families import model_file, tiny_models  # noqa: F401  (a fixture, and where each model is)
+from tests.rigs.rig import HANDOFF_ALWAYS, make_config, openvino_llama_server, real_llama_server, run_daemon
 
 pytestmark = pytest.mark.real
 

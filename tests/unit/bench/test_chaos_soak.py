@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import trio
 
-from .rig import real_llama_server
+from tests.rigs.rig import real_llama_server
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[3]
 SOAK_MODULE: Any = importlib.import_module("chaos.soak")
 MINUTES = [60.0 * i for i in range(121)]  # two hours sampled each minute
 
