@@ -26,6 +26,7 @@ from ..llama.slots import SlotPool
 from ..prefix.store import Entry
 from ..reasons import Reason
 from ..supervise.child import ChildState, ChildStatistics
+from . import boundary
 from .capability import Capability
 from .decision import Choice, Costs, Offer, Policy, Route, choose, restore_used
 from .handover import Hybrid, Walk, hand_over
@@ -34,7 +35,7 @@ from .rates import Rates
 from .relay import Relayed, Timings, relay
 from .stored import StoredPrefixes
 from .story import Story
-from .usage import ProviderPrefill
+from .usage import Prefill
 
 __all__ = ["STATE_BYTES_PER_TOKEN", "Completions", "Decoder", "Hybrid"]
 
@@ -238,6 +239,7 @@ class Completions:
             story.holds(slot)
             self.check_ready()  # it may have died while we queued
             await self._known(plan)
+            plan = await boundary.bounded(self.client, self.capability, plan, story)
             entry, choice = await self._store_and_choose(plan, slot, story, settings)
             story.chose(choice)
             forwarded = {**body, "id_slot": slot}
@@ -259,12 +261,17 @@ class Completions:
                 )
                 prefilled = walk.prefilled()
             story.reached(route)
-            if route is not Route.PLAIN:
-                # The handed-over cells are only reused by a request that may use its slot's cache.
-                forwarded["cache_prompt"] = True
-            relayed = await self._relay(
-                endpoint, forwarded, out, story, headers, plan=plan, slot=slot, entry=entry, prefilled=prefilled
-            )
+            async with boundary.keeping(self.stored, plan, slot, route, story) as keep:
+                if route is not Route.PLAIN or keep.marked is not None:
+                    forwarded["cache_prompt"] = True  # the cells handed over or up to the boundary: the slot's cache
+                if prefilled is None and keep.marked is not None and keep.marked.prefilled is not None:
+                    # This request's own prefill to the boundary: no cache hit (routes/usage.py).
+                    first = keep.marked.prefilled
+                    prefilled = Prefill(first.prompt_n, first.prompt_ms, provider=False)
+                relayed = await self._relay(
+                    endpoint, forwarded, out, story, headers, plan=plan, slot=slot, entry=entry, prefilled=prefilled
+                )
+                keep.done = out.finished and relayed.error is None
             # After the last byte: this runs whether or not the client is still there (the front
             # cancels a request only while its response is unfinished); the slot is still ours.
             if out.finished and relayed.error is None:
@@ -273,11 +280,11 @@ class Completions:
                     self.decoder.generation, timings.prompt_n, timings.prompt_ms, cache_n=timings.cache_n
                 )
                 if route is not Route.PLAIN:
-                    self._verify_handoff(story, timings, settings)
+                    self._verify_handoff(story, timings, settings, plan)
                 elif entry is not None and self.stored is not None and self.stored.unused(entry, timings.cache_n):
                     self._store_unused(story, entry, timings.cache_n)
-                # Saved after the reply, on every route: the slot then holds the reply's tokens too,
-                # which a conversation's next turn starts with (a handed-over state file lacks them).
+                # Saved after the reply, on every route: the slot then holds the reply's tokens too, which a
+                # conversation's next turn starts with (a hybrid model's was kept at its boundary instead).
                 if self.stored is not None:
                     await self.stored.after(slot, plan.key, self.slots, req=story.req, restored=entry)
 
@@ -292,7 +299,7 @@ class Completions:
         plan: Plan,
         slot: int,
         entry: Entry | None,
-        prefilled: ProviderPrefill | None,
+        prefilled: Prefill | None,
     ) -> Relayed:
         """The decoder's reply relayed, the story told what it did, even when the client hung up;
         ``prefilled``: what a provider spent on the prompt handed over (the reply's usage told with it)."""
@@ -330,10 +337,10 @@ class Completions:
                 "slot %d still busy in the decoder after %gs; handing it out anyway", slot, decoder_api.SETTLE_TIMEOUT_S
             )
 
-    def _verify_handoff(self, story: Story, timings: Timings, settings: HybridConfig) -> None:
+    def _verify_handoff(self, story: Story, timings: Timings, settings: HybridConfig, plan: Plan) -> None:
         """llama.cpp's restore can answer success and still re-prefill everything (#26676): the
         route line says so, and the model's capability is withdrawn for the rest of its load."""
-        if restore_used(timings.prompt_n, settings.restore_check_tokens):
+        if restore_used(timings.prompt_n, settings.restore_check_tokens + plan.beyond_boundary):
             return
         self.restore_unused += 1
         story.fell_back(Reason.RESTORE_UNUSED)

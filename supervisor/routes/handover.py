@@ -20,7 +20,7 @@ from .file import FileHandoff
 from .plan import Plan
 from .rates import Rates
 from .share import ShareHandoff
-from .usage import ProviderPrefill
+from .usage import Prefill
 
 log = logging.getLogger("onebit.hybrid")
 
@@ -73,11 +73,11 @@ class Walk:
         done = self.worked()
         return None if done is None else done.evaluated
 
-    def prefilled(self) -> ProviderPrefill | None:
+    def prefilled(self) -> Prefill | None:
         """What the provider spent on the prompt it handed over, where a handoff worked: the
         reply's usage is told with it (routes/usage.py)."""
         done = self.worked()
-        return None if done is None else ProviderPrefill(done.evaluated, done.prefill_ms)
+        return None if done is None else Prefill(done.evaluated, done.prefill_ms)
 
 
 # How a fallback is worded in the log, by the route the request goes on to.
@@ -160,4 +160,5 @@ async def _attempt(
         tokens=list(plan.tokens or ()),
         provider=provider,
         timeout_s=settings.prefill_timeout_s,
+        end=plan.boundary,
     )

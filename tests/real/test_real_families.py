@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ import trio
 
 from supervisor.config import Config, locate
 from supervisor.daemon import Daemon
+from supervisor.models.model import Model
 from supervisor.routes.capability import Restores
 from supervisor.supervise.child import ChildState
 from tests.rigs.helpers import wait_until
@@ -138,8 +140,7 @@ async def test_a_long_prompt_asked_again_and_after_a_restart_is_never_paid_for_t
             first = await ask(running.url)
             again = await ask(running.url)
             stats = model.statistics()
-            if expected is Restores.WHOLE:
-                await wait_until(lambda: model.store_statistics().stores >= 1)
+            await wait_until(lambda: model.store_statistics().stores >= 1)
         # After a restart: no provider, the prefix store alone spares the prompt, or is off.
         async with run_daemon(config(short_dir, path, store_dir, with_provider=False)) as running:
             after = await ask(running.url)
@@ -151,13 +152,10 @@ async def test_a_long_prompt_asked_again_and_after_a_restart_is_never_paid_for_t
         assert line["decoder_prompt_n"] <= 2, line
         assert line["prompt_tokens"] >= 200
     assert stats.restores == expected.value
-    if expected is Restores.WHOLE:
-        assert (restarted["fallback"], restarted["restored_tokens"]) == ("stored", asked["prompt_tokens"])
-        assert restarted["decoder_prompt_n"] <= 2, restarted
-    else:
-        # Its prefix store is off: nothing kept, nothing restored; the decoder prefilled once.
-        assert (restarted["restored_tokens"], restarted["decoder_prompt_n"]) == (None, restarted["prompt_tokens"])
-        assert kept_files(store_dir) == []
+    # A state that cannot be cut back was kept at the prompt's boundary: a text's, less its last token.
+    kept = asked["prompt_tokens"] - (1 if expected is Restores.PREFIX else 0)
+    assert (restarted["fallback"], restarted["restored_tokens"]) == ("stored", kept)
+    assert restarted["decoder_prompt_n"] <= 2, restarted
 
 
 async def test_a_sliding_window_model_without_swa_full_turns_its_restores_off_and_says_so_everywhere(
@@ -241,7 +239,7 @@ async def ask_model(url: str, model: str) -> None:
 
 @pytest.mark.parametrize(
     ("name", "table", "kept"),
-    [("llama-dense", {}, True), ("qwen35-dense", {}, False), ("gemma3-dense", {"swa_full": False}, False)],
+    [("llama-dense", {}, 0), ("qwen35-dense", {}, 1), ("gemma3-dense", {"swa_full": False}, None)],
     ids=["dense", "hybrid", "swa-without-swa-full"],
 )
 async def test_a_model_swapped_out_and_back_restores_its_prompt_or_was_swapped_without_a_save(
@@ -251,8 +249,10 @@ async def test_a_model_swapped_out_and_back_restores_its_prompt_or_was_swapped_w
     route_lines: RouteLines,
     name: str,
     table: dict[str, Any],
-    kept: bool,
+    kept: int | None,
 ) -> None:
+    """``kept``: how many of the prompt's last tokens its entry leaves out (a hybrid model's ends at
+    its boundary); None: nothing is kept."""
     path = model_file(tiny_models, name)
     with trio.fail_after(DEADLINE_S):
         async with run_daemon(several(short_dir, path, store_dir, **table)) as running:
@@ -263,15 +263,66 @@ async def test_a_model_swapped_out_and_back_restores_its_prompt_or_was_swapped_w
             assert first is not None
             entries = first.store_statistics().entries
     cold, _, back = route_lines.lines
-    if kept:
-        assert back["restored_tokens"] == cold["prompt_tokens"]
+    if kept is not None:
+        assert back["restored_tokens"] == cold["prompt_tokens"] - kept
         assert back["decoder_prompt_n"] <= 2, back
+        assert back["fallback"] == "stored", back
     else:
         # Swapped without a save: no entry, and the prompt prefilled once again, said so.
         assert entries == 0
         assert back["restored_tokens"] is None
         assert back["decoder_prompt_n"] == back["prompt_tokens"]
-        assert back["fallback"] == "restore-unusable" if "swa_full" in table else back["fallback"] is None
+        assert back["fallback"] == "restore-unusable"
+
+
+def stored_more(model: Model, than: int) -> bool:
+    return model.store_statistics().stores > than
+
+
+SYSTEM = "You answer questions about a warehouse inventory. " + PROMPT
+
+
+async def chat_turn(url: str, messages: list[dict[str, str]]) -> str:
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        body = {"messages": messages, "max_tokens": 4, "temperature": 0}
+        reply = await client.post("/v1/chat/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    return str(reply.json()["choices"][0]["message"].get("content") or "")
+
+
+@pytest.mark.parametrize("name", ["qwen35-dense", "lfm2-dense", "granitehybrid-dense", "llama-dense"])
+async def test_a_conversations_third_turn_after_a_restart_restores_it_and_evaluates_only_the_new_turn(
+    short_dir: Path, store_dir: Path, tiny_models: Path, route_lines: RouteLines, name: str
+) -> None:
+    """A chat of three turns on the plain route, onebitd restarted before the third: the store keeps
+    each turn (a hybrid model's before the template's generation prompt, where the next turn still
+    matches it), and the third restores the second's and evaluates the new turn's tokens and the
+    generation prompt, nothing more."""
+    path = model_file(tiny_models, name)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "How heavy is item 7?"}]
+    with trio.fail_after(DEADLINE_S):
+        async with run_daemon(config(short_dir, path, store_dir, with_provider=False)) as running:
+            model = running.daemon.models.default
+            stored = model.parts.completions.stored
+            assert stored is not None
+            assert stored.enabled, model.parts.capability.words  # on for every family that restores
+            for question in ["And item 9?", "And item 12?"]:
+                stores = model.store_statistics().stores
+                messages += [{"role": "assistant", "content": await chat_turn(running.url, messages)}]
+                messages += [{"role": "user", "content": question}]
+                await wait_until(partial(stored_more, model, stores))
+        async with run_daemon(config(short_dir, path, store_dir, with_provider=False)) as running:
+            await chat_turn(running.url, messages)
+    first, second, third = route_lines.lines
+    assert first["restored_tokens"] is None
+    assert third["fallback"] == "stored", third
+    new = third["prompt_tokens"] - second["prompt_tokens"]
+    generation_prompt = 0  # a dense model's entry holds the whole second turn
+    if FAMILIES[name] is Restores.PREFIX:
+        # Restored: the second turn up to its generation prompt ("<|im_start|>assistant\n", a few tokens).
+        generation_prompt = second["prompt_tokens"] - third["restored_tokens"]
+        assert 0 < generation_prompt <= 8, (second, third)
+    assert third["decoder_prompt_n"] <= new + generation_prompt + 2, third
 
 
 def share_config(runtime: Path, model_path: Path, store: Path) -> Config:

@@ -139,7 +139,8 @@ def _serve(core: Core, job: Job, prompt: list[int], shape: Shape) -> Answer:
         if logged:
             return
         logged = True
-        core.release(job.slot, prompt)
+        # A recurrent state holds the reply too, and cannot be cut back to the prompt.
+        core.release(job.slot, prompt + [token_id(w) for w in words[:sent]] if core.modes().recurrent else prompt)
         record = {"event": "completion", "seq": job.seq, "path": job.path, "id_slot": body.get("id_slot")}
         record |= {"slot": job.slot, "slot_busy": claimed.busy, "stream": job.stream, "prompt": job.prompt}
         record |= {"n_predict": job.n_predict, "sent": sent, "finished": finished, "disconnected": disconnected}
@@ -148,7 +149,8 @@ def _serve(core: Core, job: Job, prompt: list[int], shape: Shape) -> Answer:
     try:
         yield Pause(lambda: core.modes().hang)  # no answer at all (a prefill that goes on)
         if not job.stream:
-            yield Pause(lambda: held(core, job))
+            if words:  # a prefill (nothing to send) is never held
+                yield Pause(lambda: held(core, job))
             sent = len(words)
             done(finished=True, disconnected=False)
             yield shape.whole(words, cache_n)

@@ -14,8 +14,8 @@ to a file).
     token_delay_s         seconds between streamed tokens
     hang                  completions never answer (until released, or the client leaves)
     hold                  true: a completion pauses after each streamed token (a whole reply: before
-                          answering) while this holds; a list of strings holds only the requests whose
-                          prompt contains one of them
+                          answering; a prefill, with no token to send, never) while this holds; a list
+                          of strings holds only the requests whose prompt contains one of them
     ignore_sigterm        (the program) ignore SIGTERM, so only SIGKILL stops it
     hold_restore          a restore waits while this holds (logs ``restore-held`` once)
     hold_save             a save waits while this holds (logs ``save-held`` once)
@@ -35,7 +35,8 @@ to a file).
 The slot cache.  Each slot holds the tokens of its KV cells.  A completion on a slot whose cells hold a
 prefix of its prompt evaluates only the rest (``prompt_n`` = prompt - cached, at least 1, as llama-server
 re-evaluates the last token for its logits; ``cache_n`` = cached); afterwards the slot holds the prompt
-(not the reply: a slot saved for the prefix store holds what onebitd counts it to hold).  Cells that
+(not the reply: a slot saved for the prefix store holds what onebitd counts it to hold; under
+``recurrent`` it holds the reply sent too, as a hybrid model's state does).  Cells that
 came from a handoff (a restore or an adopt) are taken as the prompt's, for as many positions as they
 cover, without comparing tokens: a handed-over state's token ids are only labels on its KV, and KV
 computed for other tokens decodes to a wrong answer.  So when they hold other
@@ -112,7 +113,8 @@ def tokenize(text: str) -> list[int]:
     return [token_id(word) for word in text.split()]
 
 
-def chatml(messages: Any) -> str:
+def chatml(messages: Any, *, generation_prompt: bool = True) -> str:
+    """The messages in ChatML; ``generation_prompt``: with the assistant turn's opening after them."""
     if not isinstance(messages, list) or not messages:
         raise HttpError(400, "'messages' is required")
     parts: list[str] = []
@@ -120,7 +122,7 @@ def chatml(messages: Any) -> str:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise HttpError(400, "each message must be an object with a 'role'")
         parts.append(f"<|im_start|>{message['role']}\n{content_text(message.get('content'))}<|im_end|>\n")
-    return "".join(parts) + "<|im_start|>assistant\n"
+    return "".join(parts) + ("<|im_start|>assistant\n" if generation_prompt else "")
 
 
 def content_text(content: Any) -> str:

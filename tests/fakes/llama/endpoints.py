@@ -124,7 +124,9 @@ def detokenize(core: Core, request: Request) -> Answer:
 
 @route("POST", "/apply-template")
 def apply_template(core: Core, request: Request) -> Answer:
-    yield reply(200, {"prompt": chatml(request.json().get("messages"))})
+    body = request.json()
+    generation_prompt = body.get("add_generation_prompt", True) is not False
+    yield reply(200, {"prompt": chatml(body.get("messages"), generation_prompt=generation_prompt)})
 
 
 @route("POST", "/v1/messages/count_tokens")

@@ -1,7 +1,7 @@
 """What a model's restores can do, proven at its load (supervisor/routes/capability.py), and what each
 verdict does to a request's route, against tests/fakes/llama/inprocess.py: a dense model's restore spares the
-whole prompt, a recurrent one's only a state saved a token short, and one that restores nothing
-turns the hybrid routes and the prefix store off with ``fallback=restore-unusable``.  The same on
+whole prompt, a recurrent one's only a state saved short of it (tests/unit/routes/test_hybrid_store.py), and one
+that restores nothing turns the hybrid routes and the prefix store off with ``fallback=restore-unusable``.  The same on
 the real llama-server, per family: tests/real/test_real_families.py."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from supervisor.config import convert, modelspec
 from supervisor.config.live import Settings
 from supervisor.errors import ConfigError
 from supervisor.llama import answers, gguf
+from supervisor.models import layout
 from supervisor.models.model import Model
 from supervisor.reasons import Reason
 from supervisor.routes import capability
@@ -31,6 +32,7 @@ from tests.fakes.llama.core import Modes
 from tests.fakes.llama.inprocess import FakeLlama
 from tests.rigs.rig import ScriptedProvider, fake_decoder_config
 from tests.unit.routes.test_completions import M, body_for, make_rig, state_files
+from tests.unit.routes.test_hybrid_store import hybrid_rig
 
 TIMEOUT = 10
 TOKENS = list(range(3, 43))
@@ -95,7 +97,7 @@ def test_each_verdict_says_what_runs() -> None:
     found = Capability("m")
     assert (found.handoff, found.store, found.short_by) == (True, True, 0)  # unprobed: as before
     found.set(Restores.PREFIX, "recurrent")
-    assert (found.handoff, found.store, found.short_by) == (True, False, 1)
+    assert (found.handoff, found.store, found.short_by, found.at_boundary) == (True, True, 1, True)
     found.set(Restores.NONE, "nothing")
     assert (found.handoff, found.store) == (False, False)
     found.set(Restores.WHOLE, "dense")
@@ -138,13 +140,7 @@ async def test_a_model_whose_restores_spare_nothing_starts_no_provider_job(tmp_p
 
 async def test_a_recurrent_model_hands_over_its_prompt_less_the_last_token(tmp_path: Path) -> None:
     provider = ScriptedProvider()
-    rig = make_rig(tmp_path, provider)
-    rig.fake.modes = Modes(recurrent=True)
-    found = Capability("fake-model")
-    found.set(Restores.PREFIX, "recurrent")
-    rig.completions.capability = found
-    assert rig.completions.hybrid is not None
-    rig.completions.hybrid.file.capability = found
+    rig = hybrid_rig(tmp_path, provider)
     with trio.fail_after(TIMEOUT):
         reply = await rig.post("/completion", body_for(False))
     assert reply.status == 200
@@ -172,7 +168,7 @@ async def test_a_restore_the_decoder_ignored_withdraws_the_capability_for_the_lo
 
 
 @pytest.mark.parametrize(
-    ("restores", "enabled"), [(Restores.WHOLE, True), (Restores.PREFIX, False), (Restores.NONE, False)]
+    ("restores", "enabled"), [(Restores.WHOLE, True), (Restores.PREFIX, True), (Restores.NONE, False)]
 )
 async def test_the_prefix_store_is_off_where_a_restored_prefix_cannot_spare_it(
     tmp_path: Path, restores: Restores, enabled: bool
@@ -352,3 +348,34 @@ async def test_a_later_start_takes_the_first_probes_verdict_and_a_withdrawn_one_
         model.fresh_parts()
         await model.parts.after_start(store_enabled=True)
     assert (len(probes), model.parts.capability.withdrawn, model.parts.capability.store) == (2, None, True)
+
+
+async def test_a_load_whose_sliding_window_layers_are_kept_otherwise_is_probed_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a restore can do rests on ``--swa-full``, which the memory budget can turn on or off at a
+    reload (``model.swa_full = "auto"``): the next load with the other layout probes again."""
+    probes: list[bool] = []
+    swa_full = [False]
+
+    async def probe(*_: object) -> tuple[Restores, str]:
+        probes.append(swa_full[0])
+        return (Restores.WHOLE, "kept whole") if swa_full[0] else (Restores.NONE, "the window only")
+
+    async def tokens(*_: object) -> list[int]:
+        return TOKENS
+
+    monkeypatch.setattr(capability, "prompt_tokens", tokens)
+    monkeypatch.setattr(capability, "probe", probe)
+    monkeypatch.setattr(layout, "swa_full", lambda *_: swa_full[0])
+    (spec,) = modelspec.specs(fake_decoder_config(tmp_path))
+    model = Model(spec, runtime_dir=tmp_path, settings=Settings(spec.config), check_fidelity=False)
+    with trio.fail_after(TIMEOUT):
+        await model.parts.after_start(store_enabled=True)
+        swa_full[0] = True  # a reload gave the budget room for the whole cache
+        model.fresh_parts()
+        await model.parts.after_start(store_enabled=True)
+        assert (probes, model.parts.capability.restores) == ([False, True], Restores.WHOLE)
+        model.fresh_parts()  # the same layout again: the verdict taken unprobed
+        await model.parts.after_start(store_enabled=True)
+    assert (probes, model.parts.capability.restores) == ([False, True], Restores.WHOLE)

@@ -103,11 +103,15 @@ def make_rig(tmp_path: Path, provider: Provider, *, share: bool = False, slot_co
 
 
 @asynccontextmanager
-async def serving_with_store(rig: Rig, tmp_path: Path) -> AsyncIterator[PrefixStore]:
-    """The rig's completions running with a prefix store of their own (``tmp_path/store``) for the
-    block's requests; stopped, and the store closed, when the block ends."""
-    store = await private_store(tmp_path / "store", fingerprint=FINGERPRINT, max_bytes=1 << 20, min_tokens=4)
-    stored = StoredPrefixes(client=rig.completions.client, state_dir=tmp_path, store=store)
+async def serving_with_store(
+    rig: Rig, tmp_path: Path, fingerprint: StateFingerprint = FINGERPRINT
+) -> AsyncIterator[PrefixStore]:
+    """The rig's completions running with a prefix store of their own (``tmp_path/store``, which
+    knows the model's capability) for the block's requests; stopped, and the store closed, when the
+    block ends."""
+    store = await private_store(tmp_path / "store", fingerprint=fingerprint, max_bytes=1 << 20, min_tokens=4)
+    capability = rig.completions.capability
+    stored = StoredPrefixes(client=rig.completions.client, state_dir=tmp_path, store=store, capability=capability)
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(rig.completions.run, stored)

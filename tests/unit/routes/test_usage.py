@@ -14,7 +14,7 @@ import pytest
 import trio
 
 from supervisor.providers.base import Claim
-from supervisor.routes.usage import PROVIDER_PROMPT_MS, PROVIDER_PROMPT_N, ProviderPrefill
+from supervisor.routes.usage import PROVIDER_PROMPT_MS, PROVIDER_PROMPT_N, Prefill
 from tests.rigs.asgi import Reply
 from tests.rigs.helpers import client_for, wait_until
 from tests.rigs.rig import TIMEOUT as PROCESS_TIMEOUT
@@ -176,7 +176,7 @@ async def test_a_prompt_handed_over_on_the_share_route_is_not_told_as_cached(rou
 
 # -- the rewriting itself, on llama-server's bytes ---------------------------------------------------
 
-PREFILL = ProviderPrefill(evaluated=779, prefill_ms=3600.5)
+PREFILL = Prefill(evaluated=779, prefill_ms=3600.5)
 TIMINGS = {"cache_n": 778, "prompt_n": 1, "prompt_ms": 111.2}
 
 
@@ -236,8 +236,8 @@ def test_a_responses_stream_rewrites_response_completed() -> None:
 
 
 def test_a_provider_whose_cache_held_a_prefix_leaves_that_prefix_cached() -> None:
-    assert ProviderPrefill(evaluated=279, prefill_ms=1.0).cached(778) == 499
-    assert ProviderPrefill(evaluated=None, prefill_ms=None).cached(778) == 0
+    assert Prefill(evaluated=279, prefill_ms=1.0).cached(778) == 499
+    assert Prefill(evaluated=None, prefill_ms=None).cached(778) == 0
 
 
 def test_a_last_line_with_no_newline_is_rewritten_when_the_stream_ends() -> None:
