@@ -30,6 +30,7 @@ from .plan import Plan
 from .prompt import Chat, Text, Tokens, template
 from .stored import Marked, StoredPrefixes
 from .story import Story
+from .usage import Prefill
 
 log = logging.getLogger("onebit.hybrid")
 
@@ -94,6 +95,12 @@ class Keeping:
 
     marked: Marked | None
     done: bool = False
+
+    def prefilled(self) -> Prefill | None:
+        """The decoder's own prefill up to the boundary, where the plain route made one: the rest's
+        reply counts it as cached, and it was not (routes/usage.py)."""
+        first = None if self.marked is None else self.marked.prefilled
+        return None if first is None else Prefill(first.prompt_n, first.prompt_ms, provider=False)
 
 
 @asynccontextmanager

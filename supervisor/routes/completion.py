@@ -1,11 +1,11 @@
 """A completion request's story: admission, a slot, the route, the relay, the route line's numbers.
 
-The HTTP front hands over a parsed JSON object; this module has it planned (routes/plan.py: a
-provider, the prompt's tokens), pins it to a slot we own (``id_slot``), lets the prefix store restore a
-prefix into the slot (routes/stored.py), has routes/decision.py's ``choose`` pick the route and the
-reasons, walks ``DEGRADE`` with what the handoffs return (routes/handover.py) and relays the
-decoder's answer (routes/relay.py: whole, or chunk by chunk for ``stream: true``); each step's
-value goes to the request's story (routes/story.py), which builds the route line from them.
+The HTTP front hands over a parsed JSON object; this module has it planned (routes/plan.py: a provider,
+the prompt's tokens), pins it to a slot we own (``id_slot``), lets the prefix store restore a prefix into
+the slot (routes/stored.py), has routes/decision.py's ``choose`` pick the route and the reasons, walks
+``DEGRADE`` with what the handoffs return (routes/handover.py) and relays the decoder's answer
+(routes/relay.py: whole, or chunk by chunk for ``stream: true``); each step's value goes to the
+request's story (routes/story.py), which builds the route line from them.
 """
 
 from __future__ import annotations
@@ -58,8 +58,7 @@ class Decoder(Protocol):
 # f16 cache (30 layers x K and V x 192 values x 2 bytes), about 22 KiB as measured.
 STATE_BYTES_PER_TOKEN = 23_040
 
-# A request that may be handed over waits at most this long for its model's load-time probe
-# (supervisor/routes/capability.py; well under a second on the models we know).
+# How long a request that may be handed over waits for its model's load-time probe (routes/capability.py).
 PROBE_WAIT_S = 30.0
 
 
@@ -264,10 +263,7 @@ class Completions:
             async with boundary.keeping(self.stored, plan, slot, route, story) as keep:
                 if route is not Route.PLAIN or keep.marked is not None:
                     forwarded["cache_prompt"] = True  # the cells handed over or up to the boundary: the slot's cache
-                if prefilled is None and keep.marked is not None and keep.marked.prefilled is not None:
-                    # This request's own prefill to the boundary: no cache hit (routes/usage.py).
-                    first = keep.marked.prefilled
-                    prefilled = Prefill(first.prompt_n, first.prompt_ms, provider=False)
+                prefilled = prefilled or keep.prefilled()  # its own prefill to the boundary: no cache hit
                 relayed = await self._relay(
                     endpoint, forwarded, out, story, headers, plan=plan, slot=slot, entry=entry, prefilled=prefilled
                 )
@@ -302,7 +298,7 @@ class Completions:
         prefilled: Prefill | None,
     ) -> Relayed:
         """The decoder's reply relayed, the story told what it did, even when the client hung up;
-        ``prefilled``: what a provider spent on the prompt handed over (the reply's usage told with it)."""
+        ``prefilled``: what this request prefilled before it (the reply's usage told with it)."""
         timings = Timings()
         relayed: Relayed | None = None
         self.decoding += 1

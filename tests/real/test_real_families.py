@@ -325,6 +325,43 @@ async def test_a_conversations_third_turn_after_a_restart_restores_it_and_evalua
     assert third["decoder_prompt_n"] <= new + generation_prompt + 2, third
 
 
+@pytest.mark.parametrize("name", ["llama-dense", "qwen35-dense", "lfm2-dense", "granitehybrid-dense"])
+async def test_a_conversation_drained_to_a_host_sharing_the_store_restores_there_and_evaluates_only_the_new_turn(
+    short_dir: Path, tiny_models: Path, route_lines: RouteLines, name: str
+) -> None:
+    """Two turns on one host, which then drains and stops; the third on another host sharing its
+    prefix store (``cache.shared_dir``) restores the second turn (a hybrid model's up to its
+    generation prompt) and evaluates only the new turn's tokens and the generation prompt."""
+    path = model_file(tiny_models, name)
+    shared = short_dir / "shared"
+
+    def host(name: str) -> Config:
+        store, cache = short_dir / f"store-{name}", {"shared_dir": str(shared)}
+        return config(short_dir / name, path, store, with_provider=False, cache=cache, server={"host_id": name})
+
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "How heavy is item 7?"}]
+    try:
+        with trio.fail_after(DEADLINE_S):
+            async with run_daemon(host("a")) as running:
+                model = running.daemon.models.default
+                for question in ["And item 9?", "And item 12?"]:
+                    stores = model.store_statistics().stores
+                    messages += [{"role": "assistant", "content": await chat_turn(running.url, messages)}]
+                    messages += [{"role": "user", "content": question}]
+                    await wait_until(partial(stored_more, model, stores))
+            async with run_daemon(host("b")) as running:
+                await chat_turn(running.url, messages)
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+    _, second, third = route_lines.lines
+    assert (third["fallback"], third["origin_host"]) == ("stored", "a"), third
+    generation_prompt = 0  # a dense model's entry holds the whole second turn
+    if FAMILIES[name] is Restores.PREFIX:
+        generation_prompt = second["prompt_tokens"] - third["restored_tokens"]
+        assert 0 < generation_prompt <= 8, (second, third)
+    assert third["decoder_prompt_n"] <= third["prompt_tokens"] - second["prompt_tokens"] + generation_prompt + 2, third
+
+
 def share_config(runtime: Path, model_path: Path, store: Path) -> Config:
     """The share route on, its provider the llama-server one (it writes rows into the lent region)."""
     return config(

@@ -254,6 +254,53 @@ async def test_with_admin_keys_the_page_asks_for_one_and_an_api_key_is_refused(
             await in_browser(running, script)
 
 
+def estimated(n: int, route: str, estimate_ms: float, actual_ms: float) -> RouteLine:
+    """A request the cost decision estimated: on plain the decoder's prefill is the actual, on the
+    file route the provider's prefill and the restore."""
+    if route == "plain":
+        return RouteLine(
+            req=f"est-{n}", endpoint="/v1/chat/completions", est_plain_ms=estimate_ms, decoder_prompt_ms=actual_ms
+        )
+    return RouteLine(
+        route=route,
+        req=f"est-{n}",
+        endpoint="/v1/chat/completions",
+        est_hybrid_ms=estimate_ms,
+        prefill_ms=actual_ms - 10.0,
+        restore_ms=10.0,
+        provider="npu",
+        engine="openvino",
+    )
+
+
+async def test_the_page_shows_the_estimates_against_the_actuals_per_route_and_engine(
+    short_dir: Path, control: Control
+) -> None:
+    with trio.fail_after(DEADLINE_S):
+        async with run_daemon(fake_decoder_config(short_dir)) as running:
+            stats = running.daemon.route_stats
+            # Plain: two within 1.5x (1.2, 0.8), one 3x slower than estimated; the file route: one, 1.0.
+            for n, (route, estimate_ms, actual_ms) in enumerate(
+                [("plain", 100.0, 120.0), ("plain", 100.0, 80.0), ("plain", 100.0, 300.0), ("file", 1000.0, 1000.0)]
+            ):
+                stats.record(estimated(n, route, estimate_ms, actual_ms))
+            rows: list[list[str]] = []
+
+            def script(browser: Browser) -> None:
+                browser.open_live()
+                browser.page.wait_for_selector("#estimates tbody tr:nth-child(2)")
+                rows.extend(
+                    browser.page.evaluate(
+                        """() => [...document.querySelectorAll("#estimates tbody tr")]
+                            .map((row) => [...row.cells].map((cell) => cell.textContent))"""
+                    )
+                )
+                browser.assert_clean()
+
+            await in_browser(running, script)
+    assert rows == [["file", "openvino", "1", "1", "100%"], ["plain", "decoder", "3", "1.2", "67%"]]
+
+
 # Each would run script if the page parsed it as markup: each sets window.pwned.
 HOSTILE = [
     "<script>window.pwned = 1</script>",

@@ -326,3 +326,37 @@ async def test_the_providers_benchmark_in_quick_mode_exits_0_with_both_engines_o
         assert re.search(rf"^  {engine} +plain +{NUMBER} +file route +{NUMBER}$", out, re.MULTILINE), out
         assert re.search(rf"^  {engine} +device CPU  start +{NUMBER} s", out, re.MULTILINE), out
     assert re.search(rf"^  openvino started again on its compile cache: {NUMBER} s$", out, re.MULTILINE), out
+
+
+@pytest.mark.real
+async def test_the_routes_benchmark_in_quick_mode_exits_0_with_every_side_and_the_routes_taken(tmp_path: Path) -> None:
+    real_llama_server()
+    # The shipped config (an OpenVINO provider where one is built: minutes to start on a busy
+    # 2-core machine), two sizes, one round of four sides.
+    picture = tmp_path / "routes.svg"
+    out = await quick_run("routes", "--quick", "--plot", str(picture), timeout_s=1800)
+    assert {"default", "plain", "file", "default again"} <= set(svg_texts(picture))
+    # tokens; default, plain, file (median ms); default over the better of plain and file, over
+    # plain, over itself (A/A); the routes the default side took
+    row = r"^ *(\d+) +\d+ +\d+ +\d+ +\d+\.\d\d +\d+\.\d\d +\d+\.\d\d +((?:plain|file|share) \d+(?:, )?)+$"
+    assert [size for size, _ in re.findall(row, out, re.MULTILINE)] == ["256", "1024"], out
+    assert re.search(r"^default side's estimates within 1\.5x of the actual prefill: (\d+% of \d+|-)$", out, re.M), out
+    assert "machine noise: " in out, out
+
+
+@pytest.mark.real
+async def test_the_fleet_benchmark_in_quick_mode_exits_0_with_both_sides_and_onebitds_route_lines(
+    tmp_path: Path,
+) -> None:
+    real_llama_server()
+    picture = tmp_path / "fleet.svg"
+    out = await quick_run("fleet", "--quick", "--plot", str(picture), timeout_s=1800)
+    assert {"direct", "onebitd"} <= set(svg_texts(picture))
+    for side in ("direct", "onebitd"):
+        assert re.search(rf"^{side} +\d+ ms +\d+ ms +{NUMBER}$", out, re.MULTILINE), out
+    assert re.search(rf"^onebitd / direct: median {NUMBER}x, p90 {NUMBER}x, throughput {NUMBER}x$", out, re.M), out
+    # Every request of onebitd's two blocks logged its route line.
+    found = re.search(r"^onebitd's (\d+) requests: (\d+) handed over, (\d+) restored from the prefix store", out, re.M)
+    assert found is not None, out
+    assert int(found.group(1)) == 24, out
+    assert "machine noise: " in out, out

@@ -147,3 +147,23 @@ def test_prefills_of_a_few_close_sizes_fit_a_line_not_a_curve_that_zeroes_the_ot
     assert provider.ms_per_context == 0.0
     assert provider.ms(1024) < 5 * provider.ms(256)
     assert decoder.ms(1024) > 0.5 * provider.ms(1024) * 5.0 / 2.5  # the decoder's prior, scaled alike
+
+
+def test_an_unmeasured_side_follows_the_measured_sides_curve_not_a_line_at_its_middle_size() -> None:
+    """bench handoff's 1,024-token row on a loaded machine: the provider measured at 256 tokens twice
+    and at 1,022 once, slower a token there (load, or attention), so its fit has a context term; the
+    decoder, served plain only outside onebitd, has no fit.  A straight line for the decoder at the
+    provider's rate at 256 tokens put plain at 0.68x the hybrid estimate at 1,024, and the cost
+    decision took plain for a prompt both sides prefill alike."""
+    r = rates()
+    for n, cached, ms in [(256, 0, 4653.0), (256, 0, 5584.0), (1022, 2, 29643.0)]:
+        r.observe_provider("bench", evaluated=n, prefill_ms=ms, cached=cached)
+    decoder, provider = r.prefill(1, "bench")
+    assert provider.sure(1024)
+    assert not decoder.sure(1024)
+    # The decoder's prior is twice the provider's: at every size the provider's fit holds, the
+    # decoder's estimate is the provider's curve, twice over.
+    for n in (256, 512, 1024):
+        assert decoder.ms(n) == pytest.approx(2 * (provider.ms(n) - provider.fixed_ms), rel=0.001)
+    # Where neither fit holds, the scaled prior's straight line, as before.
+    assert decoder.ms(8000) == pytest.approx(8000 * 5.0 * provider.rate / 2.5)
