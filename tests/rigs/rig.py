@@ -9,6 +9,7 @@ has the HTTP and waiting helpers.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import logging
 import os
@@ -115,6 +116,23 @@ def fake_llama_server(directory: Path) -> Path:
     launcher.write_text(f"#!/bin/sh\n{FAKE_LLAMA_EXEC}\n")
     launcher.chmod(0o755)
     return launcher
+
+
+def _gguf_pair(key: str, kind: int, value: Any) -> bytes:
+    name = _gguf_string(key)
+    if kind == 8:
+        return name + struct.pack("<I", 8) + _gguf_string(str(value))
+    if kind == 9:  # an array of int32
+        return name + struct.pack("<IIQ", 9, 5, len(value)) + struct.pack(f"<{len(value)}i", *value)
+    return name + struct.pack("<I", 4) + struct.pack("<I", value)
+
+
+def gguf_header(arch: str, pairs: list[tuple[str, int, Any]]) -> io.BytesIO:
+    """A GGUF header of ``arch`` with no tensors and the given ``(key, kind, value)`` pairs, each key
+    under the architecture's prefix: kind 8 a string, 9 an int32 array, else a uint32."""
+    items = [("general.architecture", 8, arch), *((f"{arch}.{k}", kind, v) for k, kind, v in pairs)]
+    data = b"GGUF" + struct.pack("<IQQ", 3, 0, len(items)) + b"".join(_gguf_pair(*item) for item in items)
+    return io.BytesIO(data)
 
 
 def fake_decoder_config(runtime_dir: Path, *, model_file: Path | None = None, **sections: Any) -> Config:

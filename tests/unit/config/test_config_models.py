@@ -11,9 +11,11 @@ import tomli_w
 
 from supervisor import config as configuration
 from supervisor.config import Config, locate, modelspec
+from supervisor.config.schema import ModelConfig
 from supervisor.errors import ConfigError
+from supervisor.llama import gguf
 from supervisor.models import memory
-from tests.rigs.rig import FAKE_GGUF, make_config
+from tests.rigs.rig import FAKE_GGUF, gguf_header, make_config
 
 SOURCE = "site.toml"
 
@@ -242,3 +244,30 @@ def locate_size(spec: modelspec.ModelSpec) -> int:
     path = locate.model_path(spec.table.path)
     assert path is not None
     return path.stat().st_size
+
+
+def test_the_caches_are_sized_a_slot_as_llama_cpp_pads_them() -> None:
+    """An LFM2-like header (tests/real/test_real_memory.py checks the same sizes against
+    llama-server's log): 4096 tokens over 2 slots, 2048 cells a slot in the full-attention layer,
+    the 32-token window and a 512-token micro-batch padded to 768 cells a slot in the sliding one
+    (all 2048 with --swa-full), no KV in the convolution layers, and a convolution state a slot."""
+    shape = gguf.read_shape(
+        gguf_header(
+            "lfm2",
+            [
+                ("block_count", 4, 4),
+                ("embedding_length", 4, 256),
+                ("attention.head_count", 4, 2),
+                ("attention.head_count_kv", 9, [2, 0, 2, 0]),
+                ("attention.sliding_window", 4, 32),
+                ("attention.sliding_window_pattern", 9, [1, 0, 0, 0]),
+                ("shortconv.l_cache", 4, 3),
+            ],
+        )
+    )
+    table = ModelConfig(ctx_size=4096, parallel=2, ubatch_size=512)
+    row = 2 * 128 * 2 * 2  # K and V of 2 heads x 128 in f16
+    assert memory.kv_cache_bytes(shape, table, swa_full=False) == row * 2 * (2048 + 768)
+    assert memory.kv_cache_bytes(shape, table, swa_full=True) == row * 2 * (2048 + 2048)
+    assert memory.recurrent_cache_bytes(shape, table) == 2 * 2 * (3 - 1) * 256 * 4
+    assert memory.cache_bytes(shape, table, swa_full=False) == row * 2 * (2048 + 768) + 2 * 2 * 2 * 256 * 4

@@ -5,12 +5,14 @@ from __future__ import annotations
 import io
 import struct
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from supervisor.config import locate
 from supervisor.llama import gguf
 from supervisor.routes.completion import STATE_BYTES_PER_TOKEN
+from tests.rigs.rig import gguf_header
 
 
 def test_the_shipped_model_takes_per_token_what_its_slot_state_files_take() -> None:
@@ -65,3 +67,43 @@ def test_a_model_file_whose_tensors_run_past_its_end_is_a_truncated_file(tmp_pat
 )
 def test_what_llama_cpp_cannot_load_is_named(data: bytes, said: str) -> None:
     assert gguf.problem(io.BytesIO(data), len(data)) == said
+
+
+# Qwen3.5-27B's header as its GGUF gives it: which layers are full attention only by an interval,
+# and heads wider than embedding / heads.
+QWEN35_27B = [
+    ("block_count", 4, 64),
+    ("embedding_length", 4, 5120),
+    ("context_length", 4, 262144),
+    ("attention.head_count", 4, 24),
+    ("attention.head_count_kv", 4, 4),
+    ("attention.key_length", 4, 256),
+    ("attention.value_length", 4, 256),
+    ("ssm.inner_size", 4, 6144),
+    ("ssm.state_size", 4, 128),
+    ("ssm.group_count", 4, 16),
+    ("ssm.conv_kernel", 4, 4),
+]
+
+
+@pytest.mark.parametrize("interval", [[("full_attention_interval", 4, 4)], []], ids=["interval", "default"])
+def test_a_gated_delta_net_models_full_attention_layers_are_each_intervalth(interval: list[Any]) -> None:
+    """As llama.cpp's src/models/qwen35.cpp marks them (every 4th without the key): 48 of the 64
+    layers keep a recurrent state, conv window and SSM state, and only 16 keep KV."""
+    shape = gguf.read_shape(gguf_header("qwen35", QWEN35_27B + interval))
+    assert (shape.attention_layers, shape.recurrent_layers, shape.hybrid) == (16, 48, True)
+    assert shape.kv_bytes_per_token() == 16 * 4 * (256 + 256) * 2  # K and V rows in f16
+    conv, ssm = (4 - 1) * (6144 + 2 * 16 * 128), 128 * 6144
+    assert shape.recurrent_bytes() == 48 * (conv + ssm) * 4  # f32
+
+
+def test_the_next_token_prediction_layers_past_the_trunk_are_attention() -> None:
+    pairs = [*QWEN35_27B[1:], ("block_count", 4, 65), ("nextn_predict_layers", 4, 1)]
+    shape = gguf.read_shape(gguf_header("qwen35", pairs))
+    assert (shape.attention_layers, shape.recurrent_layers) == (17, 48)
+
+
+def test_a_dense_model_of_another_architecture_keeps_no_recurrent_state() -> None:
+    pairs = [(k, kind, v) for k, kind, v in QWEN35_27B if not k.startswith("ssm.")]
+    shape = gguf.read_shape(gguf_header("qwen3", pairs))
+    assert (shape.attention_layers, shape.recurrent_layers, shape.recurrent_bytes()) == (64, 0, 0.0)
