@@ -192,6 +192,8 @@ def _restores(model: ModelStatistics) -> str:
         said += f"; {model.slot_context} tokens a slot"
     if model.swa_full:
         said += "; --swa-full"
+    if model.share_refused:
+        said += f"; share route refused: {model.share_refused}"
     return said
 
 

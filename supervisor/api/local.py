@@ -52,12 +52,14 @@ def health(
     draining: bool,
     stopping: bool,
     unrestorable: dict[str, str] | None = None,
+    share_refused: dict[str, str] | None = None,
 ) -> tuple[int, dict[str, Any]]:
     """``/health``'s status and body: ``ok`` once the decoder is ready and every provider's first
     start is over (the first requests must not quietly take the plain route because a provider is
     still loading); the providers not ready are named, those refused at start with why
     (``providers_refused``), and the models whose restores spare no prompt (``restores_unusable``:
-    their hybrid routes and prefix store are off)."""
+    their hybrid routes and prefix store are off), and those whose decoder refused the share route
+    (``share_refused``: why, and their memory's layout)."""
     if draining:
         return 503, {"status": "draining"}
     named: dict[str, Any] = {"providers_not_ready": list(providers.not_ready)} if providers.not_ready else {}
@@ -65,6 +67,8 @@ def health(
         named["providers_refused"] = dict(providers.refused)
     if unrestorable:
         named["restores_unusable"] = unrestorable
+    if share_refused:
+        named["share_refused"] = share_refused
     if state is ChildState.READY and providers.settled:
         return 200, {"status": "ok", **named}
     if state is ChildState.FAILED:
@@ -90,6 +94,7 @@ class Answers:
             draining=draining,
             stopping=stopping,
             unrestorable=self.router.unrestorable(),
+            share_refused=self.router.share_refused(),
         )
 
     async def answer(self, endpoint: Endpoint, out: Responder, *, draining: bool, stopping: bool) -> None:

@@ -62,6 +62,8 @@ class Router(Protocol):
 
     def unrestorable(self) -> dict[str, str]: ...
 
+    def share_refused(self) -> dict[str, str]: ...
+
     def listing(self) -> dict[str, Any]: ...
 
 
@@ -85,6 +87,9 @@ class One:
         return self.decoder.state
 
     def unrestorable(self) -> dict[str, str]:
+        return {}
+
+    def share_refused(self) -> dict[str, str]:
         return {}
 
     def listing(self) -> dict[str, Any]:

@@ -206,7 +206,15 @@ class Model:
             restores_why=capability.withdrawn or capability.why,
             slot_context=None if self.parts.slot_context is None else self.parts.slot_context.n_ctx,
             swa_full=self.parts.swa_full,
+            share_refused=self.share_refused() or "",
         )
+
+    def share_refused(self) -> str | None:
+        """Why its running decoder refused the share route; None when it has not (or the route is off)."""
+        hybrid = self.parts.hybrid
+        if hybrid is None or hybrid.share is None:
+            return None
+        return hybrid.share.refusal(self.parts.decoder.generation)
 
     def store_statistics(self) -> StoreStatistics:
         return self.store.statistics() if self.store is not None else OFF

@@ -359,6 +359,13 @@ class Models:
             if m.state is ModelState.LOADED and not m.parts.capability.handoff
         }
 
+    def share_refused(self) -> dict[str, str]:
+        """The loaded models whose decoder refused the share route (their handoffs take the file
+        route), with why and their memory's layout: ``/health``'s ``share_refused``."""
+        return {
+            m.name: why for m in self.all if m.state is ModelState.LOADED and (why := m.share_refused()) is not None
+        }
+
     def statistics(self) -> ModelsStatistics:
         settings = self._live().models
         return ModelsStatistics(

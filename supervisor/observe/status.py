@@ -83,6 +83,9 @@ class ModelStatistics:
     restores_why: str = ""
     slot_context: int | None = None  # the tokens each slot got, as llama-server says
     swa_full: bool = False  # its llama-servers run with --swa-full
+    # Why its decoder refused the share route (supervisor/routes/share.py), with its memory's
+    # layout; empty while the route is off or not refused.
+    share_refused: str = ""
 
 
 @attrs.frozen

@@ -171,14 +171,24 @@ class ShareHandoff:
     is ``routes.DEGRADE``'s to say, not this class's.
     """
 
-    def __init__(self, *, client: SlotClient, handshake: ShareHandshake, model: str, n_ctx: int) -> None:
+    def __init__(
+        self, *, client: SlotClient, handshake: ShareHandshake, model: str, n_ctx: int, layout: str | None = None
+    ) -> None:
         self.client = client
         self.handshake = handshake
         self.model = model
         self.n_ctx = n_ctx
-        # The decoder generation that refused to share: until it restarts, do not ask again.
+        # The model's memory layout in words (gguf.Shape.layout), named with a refusal; None: unknown.
+        self.layout = layout
+        # The decoder generation that refused to share, and why: until it restarts, do not ask again.
         self.refused_generation: int | None = None
+        self.refused_why = ""
         self._told_remembered = False
+
+    def refusal(self, generation: int) -> str | None:
+        """Why decoder ``generation`` refused to share (``/health``'s ``share_refused``); None when
+        it has not."""
+        return self.refused_why if self.refused_generation == generation else None
 
     def refused_by(self, generation: int) -> bool:
         if self.refused_generation != generation:
@@ -196,15 +206,11 @@ class ShareHandoff:
         try:
             region = await self.handshake.open(req=req, slot=slot, n_tokens=expected)
         except ShareRefused as exc:
+            memory = f" (its memory: {self.layout})" if self.layout else ""
             self.refused_generation = generation
+            self.refused_why = f"{exc.reason}; this decoder cannot share its KV{memory}"
             self._told_remembered = False
-            return Outcome(
-                Route.SHARE,
-                Step.SHARE_HANDSHAKE,
-                Reason.SHARE_REFUSED,
-                f"{exc.reason}; this decoder cannot share its KV",
-                share_ms=0.0,
-            )
+            return Outcome(Route.SHARE, Step.SHARE_HANDSHAKE, Reason.SHARE_REFUSED, self.refused_why, share_ms=0.0)
         share_ms = (trio.current_time() - started) * 1000
         try:
             if not provider.supports_share:

@@ -392,7 +392,18 @@ async def test_the_share_route_adopts_where_the_decoder_can_lend_that_memory_and
             worker = running.daemon.models.default.parts.providers.all[0]
             await child_of(worker).wait_state(ChildState.READY)
             await ask(running.url)
+            async with httpx.AsyncClient(base_url=running.url, timeout=30) as client:
+                health = (await client.get("/health")).json()
+            model = running.daemon.models.default
+            layout = (
+                model.parts.model_file.shape.layout if model.parts.model_file and model.parts.model_file.shape else ""
+            )
     [line] = route_lines.lines
+    # A refusal is said per model, with the memory layout that the decoder cannot lend.
+    refused = health.get("share_refused", {})
+    assert refused.keys() == (set() if shares else {model.name}), health
+    assert shares or refused[model.name].endswith(f"(its memory: {layout})"), refused
+    assert shares or "recurrent" in layout or "sliding-window" in layout, layout
     if shares:
         assert (line["route"], line["fallback"], line["decoder_prompt_n"]) == ("share", None, 1), line
     else:

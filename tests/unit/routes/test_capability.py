@@ -189,6 +189,12 @@ def test_health_names_the_models_whose_restores_spare_nothing() -> None:
     assert health(ChildState.READY, ready, draining=False, stopping=False)[1] == {"status": "ok"}
 
 
+def test_health_names_the_models_whose_decoder_refused_the_share_route() -> None:
+    refused = {"m": "share: no (its memory: 1 attention layers beside 1 recurrent or convolution ones)"}
+    status, body = health(ChildState.READY, ProviderReadiness(), draining=False, stopping=False, share_refused=refused)
+    assert (status, body) == (200, {"status": "ok", "share_refused": refused})
+
+
 def test_a_slots_real_context_is_read_from_props_and_the_models_list() -> None:
     props = {"default_generation_settings": {"n_ctx": 8192}, "total_slots": 2}
     models = {"data": [{"id": "m", "meta": {"n_ctx_train": 8192}}]}

@@ -23,6 +23,7 @@ import httpx
 import pytest
 import trio
 
+from supervisor.admin import render
 from supervisor.supervise.child import ChildState
 from tests.fakes import fake_share_provider
 from tests.fakes.llama import share as fake_share
@@ -292,6 +293,14 @@ async def test_a_remembered_refusal_asks_the_decoder_no_more_until_it_restarts(r
             assert all(line["decoder_prompt_n"] <= 2 for line in lines)
             told = "hybrid: this decoder refused to share its KV; the state-file route is used until it restarts"
             assert rig.hybrid().count(told) == 1
+            # Said per model while it holds: in /health and in the status onebitctl renders.
+            model = running.daemon.models.default
+            refused = (await client.get("/health")).json()["share_refused"]
+            assert list(refused) == [model.name]
+            assert refused[model.name].endswith("this decoder cannot share its KV")
+            assert model.statistics().share_refused == refused[model.name]
+            said = render.render_status(running.daemon.statistics()).splitlines()
+            assert f"share route refused: {refused[model.name]}" in next(x for x in said if x.startswith("restores "))
 
             pid, generation = decoder.pid, decoder.generation
             assert pid is not None
@@ -300,6 +309,8 @@ async def test_a_remembered_refusal_asks_the_decoder_no_more_until_it_restarts(r
                 await decoder.wait_state(*(s for s in ChildState if s is not decoder.state))
             assert await complete(client) == plain_reply()
             line = (await rig.route_lines.until(4))[3]
+            assert "share_refused" not in (await client.get("/health")).json()
+            assert model.statistics().share_refused == ""
     assert len(rig.decoder("share")) == 2
     assert (line["route"], line["fallback"]) == ("share", None)
 
