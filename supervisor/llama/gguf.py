@@ -89,15 +89,16 @@ class Shape:
         return self.recurrent_layers > 0
 
     @property
-    def layout(self) -> str:
-        """Its memory's layout in words, for what refuses it: ``32 attention layers``, ``16
-        attention layers beside 48 recurrent ones``, ``1 sliding-window of 2 attention layers``."""
-        said = f"{self.attention_layers} attention layers"
-        if self.sliding_window is not None and self.swa_layers:
-            said = f"{min(self.swa_layers, self.attention_layers)} sliding-window of {said}"
-        if self.recurrent_layers:
-            said += f" beside {self.recurrent_layers} recurrent or convolution ones"
-        return said
+    def memory(self) -> str:
+        """Its memory's parts as llama.cpp makes them, ``+``-joined: ``kv`` (attention), ``swa`` (a
+        sliding-window KV cache beside it), ``recurrent`` (recurrent or convolution state): a
+        Qwen3.5's is ``kv+recurrent``.  Only a plain ``kv`` can be lent on the share route."""
+        parts = ["kv"] if self.attention_layers else []
+        if self.sliding_window is not None:
+            parts.append("swa")
+        if self.hybrid:
+            parts.append("recurrent")
+        return "+".join(parts)
 
     def kv_bytes_per_token(self, cache_type_k: str = "f16", cache_type_v: str = "f16") -> float:
         """What one token of context takes in llama.cpp's KV cache: K and V rows of every

@@ -206,15 +206,13 @@ class Model:
             restores_why=capability.withdrawn or capability.why,
             slot_context=None if self.parts.slot_context is None else self.parts.slot_context.n_ctx,
             swa_full=self.parts.swa_full,
-            share_refused=self.share_refused() or "",
+            share_refused=self.share_refused(),
         )
 
-    def share_refused(self) -> str | None:
-        """Why its running decoder refused the share route; None when it has not (or the route is off)."""
-        hybrid = self.parts.hybrid
-        if hybrid is None or hybrid.share is None:
-            return None
-        return hybrid.share.refusal(self.parts.decoder.generation)
+    def share_refused(self) -> str:
+        """Why its running decoder refused the share route; empty where it has not or the route is off."""
+        share = self.parts.hybrid.share if self.parts.hybrid is not None else None
+        return (share.refusal(self.parts.decoder.generation) if share is not None else None) or ""
 
     def store_statistics(self) -> StoreStatistics:
         return self.store.statistics() if self.store is not None else OFF

@@ -351,20 +351,13 @@ class Models:
         return ChildState.READY
 
     def unrestorable(self) -> dict[str, str]:
-        """The loaded models whose restores spare no prompt (their hybrid routes and prefix store
-        are off), with why: ``/health``'s ``restores_unusable``."""
-        return {
-            m.name: m.parts.capability.words
-            for m in self.all
-            if m.state is ModelState.LOADED and not m.parts.capability.handoff
-        }
+        """The loaded models whose restores spare no prompt, with why: ``/health``'s ``restores_unusable``."""
+        loaded = (m for m in self.all if m.state is ModelState.LOADED)
+        return {m.name: m.parts.capability.words for m in loaded if not m.parts.capability.handoff}
 
     def share_refused(self) -> dict[str, str]:
-        """The loaded models whose decoder refused the share route (their handoffs take the file
-        route), with why and their memory's layout: ``/health``'s ``share_refused``."""
-        return {
-            m.name: why for m in self.all if m.state is ModelState.LOADED and (why := m.share_refused()) is not None
-        }
+        """The loaded models whose running decoder refused the share route, with why: ``/health``'s."""
+        return {m.name: why for m in self.all if m.state is ModelState.LOADED and (why := m.share_refused())}
 
     def statistics(self) -> ModelsStatistics:
         settings = self._live().models

@@ -172,31 +172,33 @@ class ShareHandoff:
     """
 
     def __init__(
-        self, *, client: SlotClient, handshake: ShareHandshake, model: str, n_ctx: int, layout: str | None = None
+        self, *, client: SlotClient, handshake: ShareHandshake, model: str, n_ctx: int, memory: str | None = None
     ) -> None:
+        """``memory``: the decoder's memory layout (gguf.Shape.memory; None: its header is unknown),
+        which every request a refusal sends elsewhere names on its route line."""
         self.client = client
         self.handshake = handshake
         self.model = model
         self.n_ctx = n_ctx
-        # The model's memory layout in words (gguf.Shape.layout), named with a refusal; None: unknown.
-        self.layout = layout
+        self.memory = memory or "unknown"
         # The decoder generation that refused to share, and why: until it restarts, do not ask again.
         self.refused_generation: int | None = None
         self.refused_why = ""
         self._told_remembered = False
 
     def refusal(self, generation: int) -> str | None:
-        """Why decoder ``generation`` refused to share (``/health``'s ``share_refused``); None when
-        it has not."""
+        """Why decoder ``generation`` refused to share, with its memory layout (``/health``'s
+        ``share_refused``); None when it has not.  Logs nothing, unlike :meth:`refused_by`."""
         return self.refused_why if self.refused_generation == generation else None
 
-    def refused_by(self, generation: int) -> bool:
+    def refused_by(self, generation: int) -> str | None:
+        """The decoder's memory layout when this decoder process refused to share, else None."""
         if self.refused_generation != generation:
-            return False
+            return None
         if not self._told_remembered:
             self._told_remembered = True
             log.info("hybrid: this decoder refused to share its KV; the state-file route is used until it restarts")
-        return True
+        return self.memory
 
     async def run(
         self, *, req: str, slot: int, tokens: list[int], provider: Provider, generation: int, timeout_s: float
@@ -206,11 +208,17 @@ class ShareHandoff:
         try:
             region = await self.handshake.open(req=req, slot=slot, n_tokens=expected)
         except ShareRefused as exc:
-            memory = f" (its memory: {self.layout})" if self.layout else ""
             self.refused_generation = generation
-            self.refused_why = f"{exc.reason}; this decoder cannot share its KV{memory}"
+            self.refused_why = f"{exc.reason}; this decoder cannot share its KV (memory {self.memory})"
             self._told_remembered = False
-            return Outcome(Route.SHARE, Step.SHARE_HANDSHAKE, Reason.SHARE_REFUSED, self.refused_why, share_ms=0.0)
+            return Outcome(
+                Route.SHARE,
+                Step.SHARE_HANDSHAKE,
+                Reason.SHARE_REFUSED,
+                f"{exc.reason}; this decoder cannot share its KV",
+                share_ms=0.0,
+                memory=self.memory,
+            )
         share_ms = (trio.current_time() - started) * 1000
         try:
             if not provider.supports_share:

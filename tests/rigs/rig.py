@@ -9,7 +9,6 @@ has the HTTP and waiting helpers.
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import logging
 import os
@@ -110,15 +109,7 @@ FAKE_GGUF = (
 ) + _gguf_string("fake")
 
 
-def fake_llama_server(directory: Path) -> Path:
-    """A launcher for the fake llama-server as a program (run by this interpreter): ``decoder.binary``."""
-    launcher = directory / "fake-llama-server"
-    launcher.write_text(f"#!/bin/sh\n{FAKE_LLAMA_EXEC}\n")
-    launcher.chmod(0o755)
-    return launcher
-
-
-def _gguf_pair(key: str, kind: int, value: Any) -> bytes:
+def _gguf_kv(key: str, kind: int, value: Any) -> bytes:
     name = _gguf_string(key)
     if kind == 8:
         return name + struct.pack("<I", 8) + _gguf_string(str(value))
@@ -127,12 +118,35 @@ def _gguf_pair(key: str, kind: int, value: Any) -> bytes:
     return name + struct.pack("<I", 4) + struct.pack("<I", value)
 
 
-def gguf_header(arch: str, pairs: list[tuple[str, int, Any]]) -> io.BytesIO:
-    """A GGUF header of ``arch`` with no tensors and the given ``(key, kind, value)`` pairs, each key
-    under the architecture's prefix: kind 8 a string, 9 an int32 array, else a uint32."""
+def gguf_header(arch: str, pairs: list[tuple[str, int, Any]]) -> bytes:
+    """A GGUF header of ``arch`` with no tensors: its ``<arch>.<key>`` values, each ``(key, kind,
+    value)``: kind 4 a uint32, 8 a string, 9 an array of int32."""
     items = [("general.architecture", 8, arch), *((f"{arch}.{k}", kind, v) for k, kind, v in pairs)]
-    data = b"GGUF" + struct.pack("<IQQ", 3, 0, len(items)) + b"".join(_gguf_pair(*item) for item in items)
-    return io.BytesIO(data)
+    return b"GGUF" + struct.pack("<IQQ", 3, 0, len(items)) + b"".join(_gguf_kv(*item) for item in items)
+
+
+# A Qwen3.5-like hybrid's header: two attention layers beside two gated delta-net ones.
+HYBRID_GGUF = gguf_header(
+    "qwen35",
+    [
+        ("block_count", 4, 4),
+        ("embedding_length", 4, 256),
+        ("attention.head_count", 9, [2, 0, 2, 0]),
+        ("attention.head_count_kv", 9, [2, 0, 2, 0]),
+        ("ssm.conv_kernel", 4, 4),
+        ("ssm.state_size", 4, 16),
+        ("ssm.inner_size", 4, 64),
+        ("ssm.group_count", 4, 2),
+    ],
+)
+
+
+def fake_llama_server(directory: Path) -> Path:
+    """A launcher for the fake llama-server as a program (run by this interpreter): ``decoder.binary``."""
+    launcher = directory / "fake-llama-server"
+    launcher.write_text(f"#!/bin/sh\n{FAKE_LLAMA_EXEC}\n")
+    launcher.chmod(0o755)
+    return launcher
 
 
 def fake_decoder_config(runtime_dir: Path, *, model_file: Path | None = None, **sections: Any) -> Config:

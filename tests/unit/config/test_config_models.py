@@ -3,6 +3,7 @@ the single [model] table keeps working as one model."""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any
 
@@ -252,17 +253,19 @@ def test_the_caches_are_sized_a_slot_as_llama_cpp_pads_them() -> None:
     the 32-token window and a 512-token micro-batch padded to 768 cells a slot in the sliding one
     (all 2048 with --swa-full), no KV in the convolution layers, and a convolution state a slot."""
     shape = gguf.read_shape(
-        gguf_header(
-            "lfm2",
-            [
-                ("block_count", 4, 4),
-                ("embedding_length", 4, 256),
-                ("attention.head_count", 4, 2),
-                ("attention.head_count_kv", 9, [2, 0, 2, 0]),
-                ("attention.sliding_window", 4, 32),
-                ("attention.sliding_window_pattern", 9, [1, 0, 0, 0]),
-                ("shortconv.l_cache", 4, 3),
-            ],
+        io.BytesIO(
+            gguf_header(
+                "lfm2",
+                [
+                    ("block_count", 4, 4),
+                    ("embedding_length", 4, 256),
+                    ("attention.head_count", 4, 2),
+                    ("attention.head_count_kv", 9, [2, 0, 2, 0]),
+                    ("attention.sliding_window", 4, 32),
+                    ("attention.sliding_window_pattern", 9, [1, 0, 0, 0]),
+                    ("shortconv.l_cache", 4, 3),
+                ],
+            )
         )
     )
     table = ModelConfig(ctx_size=4096, parallel=2, ubatch_size=512)

@@ -90,7 +90,7 @@ QWEN35_27B = [
 def test_a_gated_delta_net_models_full_attention_layers_are_each_intervalth(interval: list[Any]) -> None:
     """As llama.cpp's src/models/qwen35.cpp marks them (every 4th without the key): 48 of the 64
     layers keep a recurrent state, conv window and SSM state, and only 16 keep KV."""
-    shape = gguf.read_shape(gguf_header("qwen35", QWEN35_27B + interval))
+    shape = gguf.read_shape(io.BytesIO(gguf_header("qwen35", QWEN35_27B + interval)))
     assert (shape.attention_layers, shape.recurrent_layers, shape.hybrid) == (16, 48, True)
     assert shape.kv_bytes_per_token() == 16 * 4 * (256 + 256) * 2  # K and V rows in f16
     conv, ssm = (4 - 1) * (6144 + 2 * 16 * 128), 128 * 6144
@@ -99,11 +99,30 @@ def test_a_gated_delta_net_models_full_attention_layers_are_each_intervalth(inte
 
 def test_the_next_token_prediction_layers_past_the_trunk_are_attention() -> None:
     pairs = [*QWEN35_27B[1:], ("block_count", 4, 65), ("nextn_predict_layers", 4, 1)]
-    shape = gguf.read_shape(gguf_header("qwen35", pairs))
+    shape = gguf.read_shape(io.BytesIO(gguf_header("qwen35", pairs)))
     assert (shape.attention_layers, shape.recurrent_layers) == (17, 48)
 
 
 def test_a_dense_model_of_another_architecture_keeps_no_recurrent_state() -> None:
     pairs = [(k, kind, v) for k, kind, v in QWEN35_27B if not k.startswith("ssm.")]
-    shape = gguf.read_shape(gguf_header("qwen3", pairs))
+    shape = gguf.read_shape(io.BytesIO(gguf_header("qwen3", pairs)))
     assert (shape.attention_layers, shape.recurrent_layers, shape.recurrent_bytes()) == (64, 0, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("shape", "memory"),
+    [
+        (gguf.Shape(layers=4, embedding=64, heads=4, kv_heads=2), "kv"),
+        (gguf.Shape(layers=4, embedding=64, heads=4, kv_heads=2, sliding_window=32, swa_layers=3), "kv+swa"),
+        (gguf.Shape(layers=4, embedding=64, heads=4, kv_heads=(2, 0, 0, 2), recurrent_layers=2), "kv+recurrent"),
+        (
+            gguf.Shape(layers=4, embedding=64, heads=4, kv_heads=(2, 0, 2, 0), sliding_window=32, recurrent_layers=2),
+            "kv+swa+recurrent",
+        ),
+        (gguf.Shape(layers=4, embedding=64, heads=4, kv_heads=0, recurrent_layers=4), "recurrent"),
+    ],
+    ids=["dense", "sliding-window", "hybrid", "lfm2", "mamba"],
+)
+def test_a_shape_names_the_memory_layout_llama_cpp_makes_of_it(shape: gguf.Shape, memory: str) -> None:
+    # The share route's refusal names it on the route line (docs/operations.md's `memory`).
+    assert shape.memory == memory

@@ -6,9 +6,10 @@ the real llama-server, per family: tests/real/test_real_families.py."""
 
 from __future__ import annotations
 
+import io
 import logging
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import pytest
 import trio
@@ -190,7 +191,7 @@ def test_health_names_the_models_whose_restores_spare_nothing() -> None:
 
 
 def test_health_names_the_models_whose_decoder_refused_the_share_route() -> None:
-    refused = {"m": "share: no (its memory: 1 attention layers beside 1 recurrent or convolution ones)"}
+    refused = {"m": "share: no; this decoder cannot share its KV (memory kv+recurrent)"}
     status, body = health(ChildState.READY, ProviderReadiness(), draining=False, stopping=False, share_refused=refused)
     assert (status, body) == (200, {"status": "ok", "share_refused": refused})
 
@@ -214,9 +215,13 @@ def test_swa_full_names_its_key_when_wrong() -> None:
         convert.loads('[model]\nswa_full = "yes"\n')
 
 
+def _header(arch: str, pairs: list[tuple[str, int, Any]]) -> io.BytesIO:
+    return io.BytesIO(gguf_header(arch, pairs))
+
+
 def test_a_hybrid_models_per_layer_heads_count_only_its_attention_layers() -> None:
     shape = gguf.read_shape(
-        gguf_header(
+        _header(
             "lfm2",
             [
                 ("block_count", 4, 4),
@@ -240,7 +245,7 @@ async def test_a_load_reads_its_models_gguf_header_once(
 ) -> None:
     """The layout choice, its memory estimate and the probe's hint all take the load's one read."""
     path = tmp_path / "gemma3.gguf"
-    header = gguf_header(
+    header = _header(
         "gemma3",
         [
             ("block_count", 4, 2),
