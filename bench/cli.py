@@ -30,7 +30,7 @@ every request succeeded, 1 otherwise, 2 for a set-up problem.
 Adding a subcommand: write an ``arguments(parser)`` function and an ``async run(args) -> int``
 coroutine (use supervisor/testing.py's ``run_daemon`` and ``Running.clients`` for the daemon and its
 two clients) that, given ``--plot``, hands its samples to ``plot.write`` as panels, in a module of
-its own under bench/ that imports only rig.py, workloads.py and plot.py (tests/test_imports.py holds
+its own under bench/ that imports only rig.py, workloads.py and plot.py (tests/unit/repo/test_imports.py holds
 that), and add one :class:`Subcommand` line to ``SUBCOMMANDS`` below.
 """
 

@@ -6,7 +6,7 @@ slot, the prefix store's restore (routes/stored.py's ``Restored``), the route ch
 (routes/decision.py's ``Choice``), the walk down the hybrid routes (routes/handover.py's ``Walk``),
 the relay's timings and how it ended (routes/relay.py's ``Relayed``), the model and its load
 (models/registry.py's hold), and how the client left (api/).  This is the only module that gives a
-:class:`~supervisor.routeline.RouteLine` its fields (tests/test_imports.py holds it so); the line
+:class:`~supervisor.routeline.RouteLine` its fields (tests/unit/repo/test_imports.py holds it so); the line
 itself is frozen.  While the request runs, :attr:`Story.route` and :attr:`Story.slot` say where it
 is (``onebitctl status``'s in-flight requests).
 """
