@@ -291,7 +291,7 @@ async def run(args: argparse.Namespace) -> int:
     noise = Noise.start([])
     rows: dict[str, list[Side]] = {}
     print(
-        f"{'family':<20} {'turn':>4} {'event':<9} {'onebitd ms':>10} {other + ' ms':>10} {'ratio':>7}"
+        f"{'family':<20} {'turn':>4} {'event':<9} {'onebitd ms':>10} {'load':>7} {other + ' ms':>10} {'ratio':>7}"
         f" {'restored':>8} {'onebitd n':>9} {other + ' n':>9}  fallback"
     )
     for family in args.families or list(FAMILIES):
@@ -302,16 +302,19 @@ async def run(args: argparse.Namespace) -> int:
         for t, (x, y) in enumerate(zip(a.samples, b.samples, strict=True), 1):
             print(
                 f"{family:<20} {t:>4} {at.get(t, 'cold' if t == 1 else 'warm'):<9}"
-                f" {x.ttft_ms:>10.0f} {y.ttft_ms:>10.0f}"
-                f" {ratio(y.ttft_ms, x.ttft_ms)} {x.restored if x.restored is not None else '-':>8}"
+                f" {x.ttft_ms:>10.0f} {x.load_ms:>7.0f} {y.ttft_ms:>10.0f}"
+                f" {ratio(y.ms, x.ms)} {x.restored if x.restored is not None else '-':>8}"
                 f" {x.prompt_tokens:>9} {y.prompt_tokens:>9}  {x.fallback or '-'}",
                 flush=True,
             )
     print()
+    print(
+        f"load: onebitd's wait for its model (max_loaded = 1), left out of the ratios ({other} loaded before the turn)"
+    )
     print(f"{other} / onebitd, first token (above 1: onebitd sooner); warm: the median of the warm turns' ratios")
     print(f"{'family':<20} {'model':<24} {'cold':>7} {'warm':>7} {'swap':>7} {'restart':>7} {'session':>7}")
     for family, (a, b) in rows.items():
-        pairs = [(y.ttft_ms, x.ttft_ms) for x, y in zip(a.samples, b.samples, strict=True)]
+        pairs = [(y.ms, x.ms) for x, y in zip(a.samples, b.samples, strict=True)]
         warm = [y / x for t, (y, x) in enumerate(pairs, 1) if t > 1 and t not in at]
         swap, restart = (pairs[t - 1] for t in sorted(at))
         print(
@@ -333,9 +336,7 @@ def turn_figures(rows: dict[str, list[Side]], at: dict[int, str], other: str) ->
             "turn",
             "ratio",
             {
-                family: [
-                    (t, y.ttft_ms / x.ttft_ms) for t, (x, y) in enumerate(zip(a.samples, b.samples, strict=True), 1)
-                ]
+                family: [(t, y.ms / x.ms) for t, (x, y) in enumerate(zip(a.samples, b.samples, strict=True), 1)]
                 for family, (a, b) in rows.items()
             },
             marks=marks,
