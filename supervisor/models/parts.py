@@ -201,6 +201,7 @@ class Parts:
             ),
             model=model_alias(self.config),
             n_ctx=self.config.model.ctx_size,
+            memory=None if self.model_file is None or self.model_file.shape is None else self.model_file.shape.memory,
         )
 
     def _provider(self, spec: ProviderConfig, on_transition: OnTransition | None) -> Provider:

@@ -188,11 +188,11 @@ class Completions:
         """The route and every reason for it (routes.decision.choose), from the plan and the slot."""
         hybrid, provider, tokens = self.hybrid, plan.provider, plan.tokens
         generation = self.decoder.generation
-        costs, share_refused = None, False
+        costs, share_refused = None, None
         # Only a prompt a provider could take is priced, and only for it is the share refusal asked
         # after (the first answer logs it).
         if hybrid is not None and provider is not None and tokens is not None:
-            share_refused = hybrid.share is not None and hybrid.share.refused_by(generation)
+            share_refused = None if hybrid.share is None else hybrid.share.refused_by(generation)
             if settings.route_by == "cost":
                 decoder_cost, provider_cost = self.rates.prefill(generation, provider.name)
                 costs = Costs(

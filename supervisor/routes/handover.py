@@ -64,6 +64,10 @@ class Walk:
             prefill_ms = self.cut_ms
         return prefill_ms, restore_ms, share_ms
 
+    def memory(self) -> str | None:
+        """The memory layout of a decoder that refused to share, where one did."""
+        return next((outcome.memory for outcome in self.outcomes if outcome.memory is not None), None)
+
     def worked(self) -> Outcome | None:
         """The handoff that worked, where one did."""
         return next((outcome for outcome in self.outcomes if outcome.ok), None)

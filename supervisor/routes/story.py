@@ -168,6 +168,13 @@ class Story:
             reasons += walk.reasons()
         return reasons + self._later
 
+    def _refused_memory(self) -> str | None:
+        """The memory layout of the decoder whose refusal to share sent it elsewhere: remembered by
+        the choice (``share-refused-earlier``), or said by the walk (``share-refused``)."""
+        if self._choice is not None and self._choice.memory is not None:
+            return self._choice.memory
+        return None if self._walk is None else self._walk.memory()
+
     def line(self, *, status: int, first_byte_ms: float | None, total_ms: float | None) -> RouteLine:
         """The route line, once the request ended: ``status`` as sent, and its times."""
         restored, choice, walk, relayed = self._restored, self._choice, self._walk, self._relayed
@@ -188,6 +195,7 @@ class Story:
             status=status,
             outcome=self._outcome,
             fallback=fallback_chain(self.reasons()),
+            memory=self._refused_memory(),
             prompt_tokens=self.prompt_tokens,
             prefill_ms=prefill_ms,
             restore_ms=restore_ms,

@@ -373,8 +373,15 @@ def share_config(runtime: Path, model_path: Path, store: Path) -> Config:
 
 
 @pytest.mark.parametrize(
-    ("name", "shares"),
-    [("llama-dense", True), ("qwen3moe-moe", True), ("gemma3-dense", False), ("qwen35-dense", False)],
+    ("name", "memory"),
+    [
+        ("llama-dense", None),
+        ("qwen3moe-moe", None),
+        ("gemma3-dense", "kv+swa"),
+        ("qwen35-dense", "kv+recurrent"),
+        ("granitehybrid-dense", "kv+recurrent"),
+        ("lfm2-dense", "kv+swa+recurrent"),
+    ],
 )
 async def test_the_share_route_adopts_where_the_decoder_can_lend_that_memory_and_else_says_why(
     short_dir: Path,
@@ -383,7 +390,7 @@ async def test_the_share_route_adopts_where_the_decoder_can_lend_that_memory_and
     route_lines: RouteLines,
     monkeypatch: pytest.MonkeyPatch,
     name: str,
-    shares: bool,
+    memory: str | None,
 ) -> None:
     monkeypatch.delenv("ONEBIT_KV_SHARE", raising=False)
     path = model_file(tiny_models, name)
@@ -392,15 +399,18 @@ async def test_the_share_route_adopts_where_the_decoder_can_lend_that_memory_and
             worker = running.daemon.models.default.parts.providers.all[0]
             await child_of(worker).wait_state(ChildState.READY)
             await ask(running.url)
-    [line] = route_lines.lines
-    if shares:
-        assert (line["route"], line["fallback"], line["decoder_prompt_n"]) == ("share", None, 1), line
+            await ask(running.url, "Another conversation altogether. " + PROMPT)
+    first, second = route_lines.lines
+    if memory is None:
+        assert (first["route"], first["fallback"], first["decoder_prompt_n"]) == ("share", None, 1), first
+        assert (first["memory"], second["memory"]) == (None, None), second
     else:
         # The decoder refuses to lend what it cannot (an SWA or recurrent memory): the file route
-        # follows before any prefill, and the decoder still evaluates a token or two.
-        assert line["route"] == "file", line
-        assert line["fallback"].startswith("share-refused"), line
-        assert line["decoder_prompt_n"] <= 2, line
+        # follows before any prefill, and the decoder still evaluates a token or two.  Every request
+        # the refusal sends there says so and names the memory, not only the one that asked.
+        for line, fallback in ((first, "share-refused"), (second, "share-refused-earlier")):
+            assert (line["route"], line["fallback"], line["memory"]) == ("file", fallback, memory), line
+            assert line["decoder_prompt_n"] <= 2, line
 
 
 def _renamed_architecture(source: Path, target: Path) -> None:

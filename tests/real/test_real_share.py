@@ -103,7 +103,7 @@ async def test_share_mode_on_the_embedded_default_takes_the_share_route_with_its
         hybrid={"min_prompt_tokens": 16, **HANDOFF_ALWAYS},
     )
     assert config.hybrid.mode == "share"
-    assert [p.__class__.__name__ for p in config.provider] == ["LlamaServerProvider"]
+    assert [p.__class__.__name__ for p in config.provider] == ["LlamaServerProviderConfig"]
     endpoint = "/v1/chat/completions"
     with trio.fail_after(240):
         async with run_daemon(config) as running:

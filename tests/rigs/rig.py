@@ -109,6 +109,38 @@ FAKE_GGUF = (
 ) + _gguf_string("fake")
 
 
+def _gguf_kv(key: str, kind: int, value: Any) -> bytes:
+    name = _gguf_string(key)
+    if kind == 8:
+        return name + struct.pack("<I", 8) + _gguf_string(str(value))
+    if kind == 9:  # an array of int32
+        return name + struct.pack("<IIQ", 9, 5, len(value)) + struct.pack(f"<{len(value)}i", *value)
+    return name + struct.pack("<I", 4) + struct.pack("<I", value)
+
+
+def gguf_header(arch: str, pairs: list[tuple[str, int, Any]]) -> bytes:
+    """A GGUF header of ``arch`` with no tensors: its ``<arch>.<key>`` values, each ``(key, kind,
+    value)``: kind 4 a uint32, 8 a string, 9 an array of int32."""
+    items = [("general.architecture", 8, arch), *((f"{arch}.{k}", kind, v) for k, kind, v in pairs)]
+    return b"GGUF" + struct.pack("<IQQ", 3, 0, len(items)) + b"".join(_gguf_kv(*item) for item in items)
+
+
+# A Qwen3.5-like hybrid's header: two attention layers beside two gated delta-net ones.
+HYBRID_GGUF = gguf_header(
+    "qwen35",
+    [
+        ("block_count", 4, 4),
+        ("embedding_length", 4, 256),
+        ("attention.head_count", 9, [2, 0, 2, 0]),
+        ("attention.head_count_kv", 9, [2, 0, 2, 0]),
+        ("ssm.conv_kernel", 4, 4),
+        ("ssm.state_size", 4, 16),
+        ("ssm.inner_size", 4, 64),
+        ("ssm.group_count", 4, 2),
+    ],
+)
+
+
 def fake_llama_server(directory: Path) -> Path:
     """A launcher for the fake llama-server as a program (run by this interpreter): ``decoder.binary``."""
     launcher = directory / "fake-llama-server"

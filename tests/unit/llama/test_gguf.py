@@ -65,3 +65,22 @@ def test_a_model_file_whose_tensors_run_past_its_end_is_a_truncated_file(tmp_pat
 )
 def test_what_llama_cpp_cannot_load_is_named(data: bytes, said: str) -> None:
     assert gguf.problem(io.BytesIO(data), len(data)) == said
+
+
+@pytest.mark.parametrize(
+    ("shape", "memory"),
+    [
+        (gguf.Shape(layers=4, embedding=64, heads=4, kv_heads=2), "kv"),
+        (gguf.Shape(layers=4, embedding=64, heads=4, kv_heads=2, sliding_window=32, swa_layers=3), "kv+swa"),
+        (gguf.Shape(layers=4, embedding=64, heads=4, kv_heads=(2, 0, 0, 2), recurrent_layers=2), "kv+recurrent"),
+        (
+            gguf.Shape(layers=4, embedding=64, heads=4, kv_heads=(2, 0, 2, 0), sliding_window=32, recurrent_layers=2),
+            "kv+swa+recurrent",
+        ),
+        (gguf.Shape(layers=4, embedding=64, heads=4, kv_heads=0, recurrent_layers=4), "recurrent"),
+    ],
+    ids=["dense", "sliding-window", "hybrid", "lfm2", "mamba"],
+)
+def test_a_shape_names_the_memory_layout_llama_cpp_makes_of_it(shape: gguf.Shape, memory: str) -> None:
+    # The share route's refusal names it on the route line (docs/operations.md's `memory`).
+    assert shape.memory == memory

@@ -286,3 +286,10 @@ def test_no_module_puts_a_folder_on_sys_path_and_every_import_is_at_the_top() ->
     ]
     assert found == []
     assert sorted(str(path.relative_to(ROOT)) for path in (ROOT / "scripts").glob("*.py")) == []  # entry points only
+
+
+def test_scripts_holds_entry_points_of_at_most_30_lines() -> None:
+    """What a user runs is in scripts/; what it runs (set-up, the build, the benchmarks) lives in
+    tools/ and the packages."""
+    long = {path.name: n for path in (ROOT / "scripts").iterdir() if (n := len(path.read_text().splitlines())) > 30}
+    assert long == {}

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import io
 import logging
-import struct
 from pathlib import Path
 from typing import IO, Any
 
@@ -30,7 +29,7 @@ from supervisor.routes.stored import StoredPrefixes
 from supervisor.supervise.child import ChildState
 from tests.fakes.llama.core import Modes
 from tests.fakes.llama.inprocess import FakeLlama
-from tests.rigs.rig import ScriptedProvider, fake_decoder_config
+from tests.rigs.rig import ScriptedProvider, fake_decoder_config, gguf_header
 from tests.unit.routes.test_completions import M, body_for, make_rig, state_files
 from tests.unit.routes.test_hybrid_store import hybrid_rig
 
@@ -210,20 +209,8 @@ def test_swa_full_names_its_key_when_wrong() -> None:
         convert.loads('[model]\nswa_full = "yes"\n')
 
 
-def _kv(key: str, kind: int, value: Any) -> bytes:
-    name = struct.pack("<Q", len(key)) + key.encode()
-    if kind == 8:
-        text = str(value).encode()
-        return name + struct.pack("<I", 8) + struct.pack("<Q", len(text)) + text
-    if kind == 9:  # an array of int32
-        return name + struct.pack("<IIQ", 9, 5, len(value)) + struct.pack(f"<{len(value)}i", *value)
-    return name + struct.pack("<I", 4) + struct.pack("<I", value)
-
-
 def _header(arch: str, pairs: list[tuple[str, int, Any]]) -> io.BytesIO:
-    items = [("general.architecture", 8, arch), *((f"{arch}.{k}", kind, v) for k, kind, v in pairs)]
-    data = b"GGUF" + struct.pack("<IQQ", 3, 0, len(items)) + b"".join(_kv(*item) for item in items)
-    return io.BytesIO(data)
+    return io.BytesIO(gguf_header(arch, pairs))
 
 
 def test_a_hybrid_models_per_layer_heads_count_only_its_attention_layers() -> None:

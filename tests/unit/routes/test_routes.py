@@ -40,6 +40,10 @@ HYBRID: dict[str, Any] = {
 }
 
 
+# The memory layout of a decoder that refused to share (a Qwen3.5's).
+REFUSED_MEMORY = "kv+recurrent"
+
+
 def choose_from(
     *,
     enabled: bool,
@@ -64,7 +68,8 @@ def choose_from(
     kept = Reason.OVER_CONTEXT if over_context else Reason.UNSUPPORTED if unsupported else None
     unpicked = None if picked else provider_away or Reason.NO_PROVIDER
     ask = Ask(prompt_tokens, kept=kept, unpicked=unpicked, restored=restored)
-    offer = Offer(enabled, share, provider_ready, share_refused, restorable, store)
+    refused = REFUSED_MEMORY if share_refused else None
+    offer = Offer(enabled, share, provider_ready, refused, restorable, store)
     return choose(ask, offer, costs, attrs.evolve(policy or Policy(), min_prompt_tokens=min_prompt_tokens))
 
 
@@ -101,7 +106,8 @@ def test_a_prompt_below_the_minimum_is_plain_and_says_short_prompt() -> None:
 
 
 def test_a_decoder_that_refused_to_share_before_gets_the_file_route() -> None:
-    assert choice(share=True, share_refused=True) == Choice(Route.FILE, Reason.SHARE_REMEMBERED)
+    expected = Choice(Route.FILE, Reason.SHARE_REMEMBERED, memory=REFUSED_MEMORY)
+    assert choice(share=True, share_refused=True) == expected
 
 
 def test_a_remembered_share_refusal_does_not_matter_in_file_mode() -> None:

@@ -30,6 +30,7 @@ from tests.fakes.llama import slots as fake_slots
 from tests.rigs.helpers import client_for, hang_up_when, reaped, with_model
 from tests.rigs.rig import (
     BODY,
+    HYBRID_GGUF,
     PROMPT,
     TAIL,
     TIMEOUT,
@@ -273,8 +274,10 @@ async def test_a_last_line_that_is_not_a_claim_still_adopts_the_region(rig: Rout
 
 async def test_a_remembered_refusal_asks_the_decoder_no_more_until_it_restarts(rig: RouteRig) -> None:
     rig.control.set(decoder=DecoderModes(kvshare_refuse=True))
+    config = rig.config()
+    await trio.Path(config.model.path).write_bytes(HYBRID_GGUF)
     with trio.fail_after(TIMEOUT):
-        async with run_daemon(rig.config()) as running, client_for(running, timeout=TIMEOUT) as client:
+        async with run_daemon(config) as running, client_for(running, timeout=TIMEOUT) as client:
             decoder = running.daemon.models.default.decoder
             assert await complete(client) == plain_reply()
             assert len(rig.decoder("share")) == 1
@@ -284,10 +287,11 @@ async def test_a_remembered_refusal_asks_the_decoder_no_more_until_it_restarts(r
                 assert await complete(client) == plain_reply()
             assert len(rig.decoder("share")) == 1
             lines = await rig.route_lines.until(3)
-            assert [(line["route"], line["fallback"]) for line in lines] == [
-                ("file", "share-refused"),
-                ("file", "share-refused-earlier"),
-                ("file", "share-refused-earlier"),
+            # Every request the refusal sent to the file route names the decoder's memory layout.
+            assert [(line["route"], line["fallback"], line["memory"]) for line in lines] == [
+                ("file", "share-refused", "kv+recurrent"),
+                ("file", "share-refused-earlier", "kv+recurrent"),
+                ("file", "share-refused-earlier", "kv+recurrent"),
             ]
             assert all(line["decoder_prompt_n"] <= 2 for line in lines)
             told = "hybrid: this decoder refused to share its KV; the state-file route is used until it restarts"
@@ -301,7 +305,7 @@ async def test_a_remembered_refusal_asks_the_decoder_no_more_until_it_restarts(r
             assert await complete(client) == plain_reply()
             line = (await rig.route_lines.until(4))[3]
     assert len(rig.decoder("share")) == 2
-    assert (line["route"], line["fallback"]) == ("share", None)
+    assert (line["route"], line["fallback"], line["memory"]) == ("share", None, None)
 
 
 async def test_a_client_gone_during_the_shared_prefill_kills_the_provider_and_leaves_nothing(rig: RouteRig) -> None:
