@@ -35,14 +35,13 @@ the swap-back turn, the restarted turn and the whole session's summed first toke
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import shutil
 import statistics
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
 from pathlib import Path
 
 import attrs
@@ -50,13 +49,12 @@ import httpx
 import trio
 
 from bench import plot
-from bench.rig import BenchError, Noise, machine, open_direct, writes_settled
+from bench.rig import BenchError, Noise, machine, open_direct, open_lines, writes_settled
 from bench.workloads import chat_turn
 from supervisor import config as configuration
 from supervisor.config import Config, locate
 from supervisor.daemon import Daemon
 from supervisor.errors import ConfigError
-from supervisor.observe.logs import ROUTE_LOGGER
 from supervisor.testing import RouteLines, run_daemon, unix_transport
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -207,18 +205,6 @@ def direct_side(lines: RouteLines, first: Side, root: Path) -> Side:
     return side
 
 
-@asynccontextmanager
-async def route_lines() -> AsyncIterator[RouteLines]:
-    lines = RouteLines()
-    logger = logging.getLogger(ROUTE_LOGGER)
-    logger.addHandler(lines)
-    logger.setLevel(logging.INFO)
-    try:
-        yield lines
-    finally:
-        logger.removeHandler(lines)
-
-
 def events(args: argparse.Namespace) -> dict[int, str]:
     """The turn (1-based) each event comes before: the swap half-way, the restart two turns on."""
     swap = max(2, args.turns // 2)
@@ -230,7 +216,7 @@ async def session(family: str, first_path: Path, other_path: Path, args: argpars
     other_chat = [{"role": "user", "content": "Say hello."}]
     conversation = [{"role": "system", "content": system_prompt(args.system_words)}]
     try:
-        async with route_lines() as lines:
+        async with open_lines() as lines:
             a = onebitd_side("onebitd", side_config(root / "a", first_path, other_path), lines, other_chat)
             if args.aa:
                 b = onebitd_side("onebitd A/A", side_config(root / "b", first_path, other_path), lines, other_chat)
