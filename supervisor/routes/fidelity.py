@@ -23,6 +23,10 @@ worst prompt (one prompt far off must not hide behind good ones):
     mean(d_handoff) <= FACTOR * mean(d_cold) + FLOOR
     max(d_handoff)  <= FACTOR * max(d_cold)  + FLOOR
 
+The same handoff's state is compared with the decoder's own for the same tokens
+(supervisor/routes/statecheck.py): a provider is admitted only where that is within STATE_BOUND too
+and no cell differs.  The distance alone admits a wrong state wherever the logits barely move with it.
+
 A ggml provider runs the decoder's own engine: its d_handoff is 0 (tests hold it to identical
 replies instead).
 
@@ -34,22 +38,28 @@ own engine on this model costs its memory and its start for nothing, and ggml go
 
 The pure part (:func:`top_k`, :func:`total_variation`, :func:`judge`) does no I/O; :class:`Probe`
 measures through llama-server's typed calls (supervisor/llama/decoder.py: tokenize, next_token,
-erase) and the file route's own handoff.
+prefill, save, erase) and the file route's own handoff.
 """
 
 from __future__ import annotations
 
 import math
+import secrets
 import statistics
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 import attrs
+import trio
 
 from ..errors import DecoderError, ProviderError, ProviderStateRefused
 from ..llama import decoder
 from ..providers import Provider
 from .decision import Outcome, Step
+from .statecheck import STATE_BOUND, StateCheck, compare_files
+from .statecheck import summary as state_summary
+from .statecheck import worst as worst_state
 
 # The top-k llama-server reports; 20 is the OpenAI API's top_logprobs maximum, and holds all but a
 # few thousandths of the mass of a 135M model's next token on ordinary text.
@@ -109,6 +119,8 @@ class Sample:
     # the prompt, and the handoff's outcome (the provider's prefill, the state moved).
     cold_ms: float | None = None
     outcome: Outcome | None = None
+    # The handed-over state against the decoder's own for the same tokens; None: not compared.
+    state: StateCheck | None = None
 
 
 @attrs.frozen
@@ -127,10 +139,20 @@ class Verdict:
     # handoff, the decoder's cold; None where a side gave no figure.
     provider_ms_per_token: float | None = None
     decoder_ms_per_token: float | None = None
+    # Each prompt's state check, where one ran (statecheck.py: every error <= STATE_BOUND, no cell
+    # differing).
+    states: tuple[StateCheck, ...] = ()
+    state_bound: float = STATE_BOUND
+
+    @property
+    def state(self) -> StateCheck | None:
+        """The state check that decides (the worst), None where none ran."""
+        return worst_state(self.states)
 
     @property
     def ok(self) -> bool:
-        return self.mean_handoff <= self.bound and self.max_handoff <= self.worst_bound
+        state_ok = self.state is None or self.state.ok
+        return self.mean_handoff <= self.bound and self.max_handoff <= self.worst_bound and state_ok
 
     @property
     def faster(self) -> bool | None:
@@ -145,6 +167,7 @@ class Verdict:
             f" (worst {self.max_handoff:.4f}), the decoder's own cold prefill {self.mean_cold:.4f}"
             f" (worst {self.max_cold:.4f}), bounds {self.bound:.4f} and {self.worst_bound:.4f}"
             f" ({self.factor:g} x cold + {self.floor:g}); top-1 kept on {self.top1_agree:.0%}; {self.speed()}"
+            f"; {state_summary(self.states)}"
         )
 
     def speed(self) -> str:
@@ -159,6 +182,8 @@ class Verdict:
     def refusal(self, *, must_be_faster: bool) -> str | None:
         """Why the provider is refused, or None: admitted.  ``must_be_faster``: its engine was
         chosen for it (engine "auto"), and is kept only where it prefills faster than the decoder's."""
+        if self.state is not None and not self.state.ok:
+            return f"{self.state.words()}; {self.summary()}"
         if not self.ok:
             return f"{self.summary()}: over the bound"
         if must_be_faster and not self.faster:
@@ -188,6 +213,7 @@ def judge(samples: Sequence[Sample], *, factor: float | None = None, floor: floa
         worst_bound=factor * max_cold + floor,
         provider_ms_per_token=provider_ms,
         decoder_ms_per_token=decoder_ms,
+        states=tuple(s.state for s in samples if s.state is not None),
     )
 
 
@@ -291,13 +317,27 @@ def prompt_set(n: int) -> list[str]:
 
 
 class Probe:
-    """Measures :class:`Sample` for a provider through the decoder, in a decoder slot the caller holds."""
+    """Measures :class:`Sample` for a provider through the decoder, in a decoder slot the caller holds.
+    ``state_dir``: the decoder's ``--slot-save-path``, where the states are saved to be compared (None:
+    they are not); ``short_by``: how many tokens short of the prompt the file route hands over
+    (supervisor/routes/capability.py)."""
 
-    def __init__(self, *, client: Client, handoff: Handoff, timeout_s: float, k: int = TOP_K) -> None:
+    def __init__(
+        self,
+        *,
+        client: Client,
+        handoff: Handoff,
+        timeout_s: float,
+        k: int = TOP_K,
+        state_dir: Path | None = None,
+        short_by: int = 0,
+    ) -> None:
         self.client = client
         self.handoff = handoff
         self.timeout_s = timeout_s
         self.k = k
+        self.state_dir = state_dir
+        self.short_by = short_by
 
     async def tokens(self, text: str) -> list[int]:
         """``text`` as the decoder's completion path tokenizes it.  Raises ProviderError."""
@@ -306,10 +346,27 @@ class Probe:
         except DecoderError as exc:
             raise ProviderError(f"fidelity: {exc.message}") from exc
 
-    async def sample(self, provider: Provider, slot: int, tokens: list[int], req: str = "fidelity") -> Sample:
-        """The three paths for one prompt; the slot is erased before and after.  Raises ProviderError."""
+    async def sample(
+        self, provider: Provider, slot: int, tokens: list[int], req: str = "fidelity", *, kv_state: bool = True
+    ) -> Sample:
+        """The three paths for one prompt, and the handed-over state against the decoder's own where
+        ``state_dir`` is set (``kv_state``: its KV caches' values too, else only its recurrent parts);
+        the slot is erased before and after, the saved states removed.  Raises ProviderError."""
+        # What the file route hands over (supervisor/routes/file.py): the prompt, or less its end.
+        handed = tokens[: len(tokens) - self.short_by] if 0 < self.short_by < len(tokens) else tokens
+        own = provided = None
+        if self.state_dir is not None:
+            # Our names, random: a check run again must not meet the files of one cut short.
+            name = f"{req}-{secrets.token_hex(4)}"
+            own, provided = self.state_dir / f"{name}-own.state", self.state_dir / f"{name}-provided.state"
+        state = None
         await self._erase(slot)
         try:
+            if own is not None:
+                # The decoder's own state of exactly the handed tokens; the cached path below then
+                # evaluates the rest (a hybrid model's last token) over it.
+                await self._prefill(slot, handed)
+                await self._save(slot, own)
             await self._next(slot, tokens, cache=True)
             cached = await self._next(slot, tokens, cache=True, evaluated=1)
             cold_answer = await self._ask(slot, tokens, cache=False, evaluated=len(tokens))
@@ -325,9 +382,17 @@ class Probe:
                 raise ProviderStateRefused(f"it cannot prefill this model: {outcome.why}")
             if not outcome.ok:
                 raise ProviderError(f"fidelity: the handoff failed: {outcome.why}")
+            if provided is not None:
+                await self._save(slot, provided)  # the restored slot: the provider's state, as handed over
             handoff = await self._next(slot, tokens, cache=True, evaluated=1)
+            if own is not None and provided is not None:
+                state = await trio.to_thread.run_sync(lambda: compare_files(provided, own, kv=kv_state))
         finally:
             await self._erase(slot)
+            for path in (own, provided):
+                if path is not None:
+                    # Synchronous on purpose: an await here could be cancelled and leave the file.
+                    path.unlink(missing_ok=True)
         return Sample(
             n_tokens=len(tokens),
             handoff=total_variation(handoff, cached),
@@ -335,7 +400,18 @@ class Probe:
             same_top1=top1(handoff) == top1(cached),
             cold_ms=cold_answer.prompt_ms,
             outcome=outcome,
+            state=state,
         )
+
+    async def _prefill(self, slot: int, tokens: list[int]) -> None:
+        done = await decoder.prefill(self.client, slot, tokens)
+        if isinstance(done, decoder.Refusal):
+            raise ProviderError(f"fidelity: the decoder's prefill: {done.words}")
+
+    async def _save(self, slot: int, path: Path) -> None:
+        saved = await decoder.save(self.client, slot, path.name)
+        if isinstance(saved, decoder.Refusal):
+            raise ProviderError(f"fidelity: the decoder's save of its slot: {saved.words}")
 
     async def _next(
         self, slot: int, tokens: list[int], *, cache: bool, evaluated: int | None = None
