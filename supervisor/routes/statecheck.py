@@ -76,11 +76,11 @@ def compare_files(provided: Path, own: Path, *, kv: bool) -> StateCheck:
     CPU-bound: run it in a thread."""
     started = time.perf_counter()
     try:
-        reference = statefile.read(own)
+        reference = statefile.read(own, kv_values=kv)
     except (OSError, statefile.StateFileError) as exc:
         return StateCheck(0.0, "", kv=kv, seconds=time.perf_counter() - started, unread=str(exc))
     try:
-        comparison = statediff.compare(statefile.read(provided), reference, kv=kv)
+        comparison = statediff.compare(statefile.read(provided, kv_values=kv), reference, kv=kv)
     except (OSError, statefile.StateFileError) as exc:
         # The decoder's own state reads and the provider's, restored without complaint, does not.
         return StateCheck(math.inf, "", (f"the provider's state: {exc}",), kv, time.perf_counter() - started)
