@@ -304,7 +304,8 @@ async def test_a_handed_over_state_past_the_bound_is_refused_with_its_tensor_and
     assert not verdict.ok
     why = verdict.refusal(must_be_faster=False)
     assert why is not None
-    assert why.startswith("state S off by 49 (bound 0.1); next-token TV distance over 1 prompts")
+    assert why.startswith("state S off by 49 (bound 0.1); per prompt: S 49 (KV+R/S, ")
+    assert "s): over the bound; next-token TV distance over 1 prompts" in why
 
 
 async def test_a_handed_over_state_whose_cells_differ_is_refused(tmp_path: Path) -> None:

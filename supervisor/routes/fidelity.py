@@ -162,12 +162,15 @@ class Verdict:
         return self.provider_ms_per_token < self.decoder_ms_per_token
 
     def summary(self) -> str:
+        return f"{self.distance()}; {state_summary(self.states)}"
+
+    def distance(self) -> str:
+        """The next-token distances and the speeds, in one line."""
         return (
             f"next-token TV distance over {self.n} prompts: handoff mean {self.mean_handoff:.4f}"
             f" (worst {self.max_handoff:.4f}), the decoder's own cold prefill {self.mean_cold:.4f}"
             f" (worst {self.max_cold:.4f}), bounds {self.bound:.4f} and {self.worst_bound:.4f}"
             f" ({self.factor:g} x cold + {self.floor:g}); top-1 kept on {self.top1_agree:.0%}; {self.speed()}"
-            f"; {state_summary(self.states)}"
         )
 
     def speed(self) -> str:
@@ -183,7 +186,7 @@ class Verdict:
         """Why the provider is refused, or None: admitted.  ``must_be_faster``: its engine was
         chosen for it (engine "auto"), and is kept only where it prefills faster than the decoder's."""
         if self.state is not None and not self.state.ok:
-            return f"{self.state.words()}; {self.summary()}"
+            return f"{state_summary(self.states)}: over the bound; {self.distance()}"
         if not self.ok:
             return f"{self.summary()}: over the bound"
         if must_be_faster and not self.faster:
