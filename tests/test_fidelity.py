@@ -324,7 +324,7 @@ async def test_a_handed_over_state_within_the_bound_is_admitted_and_its_figures_
     verdict = judge([sample])
     assert verdict.ok
     assert verdict.refusal(must_be_faster=False) is None
-    assert "state S off by 0.05 (bound 0.1); per prompt: S 0.05 (KV+R/S, " in verdict.summary()
+    assert "state: worst S 0.05 (bound 0.1); per prompt: S 0.05 (KV+R/S, " in verdict.summary()
     # The KV caches' values are measured only where asked (the gate's first prompt): a K far off
     # then goes unseen, the recurrent parts are still measured.
     far_k = hybrid_state(pos=3, k=9.0, s=1.05)
