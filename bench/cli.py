@@ -11,6 +11,9 @@
                                        client: direct, plain, hybrid, and after a full restart
     scripts/bench hosts [--quick]      agents' sessions over three hosts behind HAProxy, one drained half way:
                                        affinity by conversation against the round-robin it replaced
+    scripts/bench routes [--quick]     first token, 256 to 7,600 tokens: the shipped config's choice against
+                                       plain and the file route forced, sides rotating, an A/A pair
+    scripts/bench fleet [--quick]      an agent fleet's shared-prefix workload: onebitd against llama-server direct
 
 Each also takes ``--plot FILE.svg``: its figures drawn as one picture as well (bench/plot.py).
 
@@ -25,7 +28,7 @@ every request succeeded, 1 otherwise, 2 for a set-up problem.
 Adding a subcommand: write an ``arguments(parser)`` function and an ``async run(args) -> int``
 coroutine (use supervisor/testing.py's ``run_daemon`` and ``Running.clients`` for the daemon and its
 two clients) that, given ``--plot``, hands its samples to ``plot.write`` as panels, in a module of
-its own under bench/ that imports only rig.py, workloads.py and plot.py (tests/test_imports.py holds
+its own under bench/ that imports only rig.py, workloads.py and plot.py (tests/unit/repo/test_imports.py holds
 that), and add one :class:`Subcommand` line to ``SUBCOMMANDS`` below.
 """
 
@@ -40,7 +43,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import attrs
 import trio
 
-from bench import agent, families, handoff, hosts, models, multiturn, overhead, plot, prefix, providers, versus
+from bench import agent, families, handoff, hosts, models, multiturn, overhead, plot, prefix, providers, routes, versus
 from bench.rig import BenchError, leaves
 from supervisor.errors import ChildError, ConfigError
 
@@ -107,6 +110,18 @@ SUBCOMMANDS = [
         help="agents' sessions over three hosts behind HAProxy, one drained: affinity against round-robin",
         arguments=hosts.arguments,
         run=hosts.run,
+    ),
+    Subcommand(
+        name="routes",
+        help="first token from 256 to 7,600 tokens: the shipped config's route against plain and file forced, A/A",
+        arguments=routes.routes_arguments,
+        run=routes.routes,
+    ),
+    Subcommand(
+        name="fleet",
+        help="an agent fleet's shared-prefix workload, two at a time: onebitd against llama-server direct, ABBA",
+        arguments=routes.fleet_arguments,
+        run=routes.fleet,
     ),
     Subcommand(
         name="versus",

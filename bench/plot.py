@@ -14,7 +14,7 @@ matplotlib (the ``bench`` extra, pinned in constraints.txt) draws them off-scree
 display), imported only when a picture is asked for: a benchmark runs without it.  The SVG is kept
 as stable as matplotlib allows, so that a re-run changes in git only where a figure did: a fixed
 hash salt for its element ids, no date in its metadata, text kept as text (``svg.fonttype``
-``none``: smaller, and the series' names can be read back out of it, as tests/test_bench.py does).
+``none``: smaller, and the series' names can be read back out of it, as tests/unit/bench/test_bench.py does).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """onebit's chaos suite (docs/reliability.md), run from the checkout as ``python -m chaos`` behind
 scripts/chaos; not part of the onebit wheel.
 
-The layers, lowest first (tests/test_imports.py holds them): traffic.py (what is sent and the verdict
+The layers, lowest first (tests/unit/repo/test_imports.py holds them): traffic.py (what is sent and the verdict
 on what came back) and fuzz.py (the malformed requests hypothesis draws); rig.py (onebitd under
 test and what it left behind); faults.py (what is done to it); one module per kind of scenario
 (decoder.py, providers.py, clients.py, resources.py), which imports only those; cli.py, the command

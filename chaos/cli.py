@@ -4,7 +4,7 @@
 
 Every scenario runs onebitd in this process (port 0, a runtime directory under /tmp) with the real
 llama-server as its decoder, and where it needs one a real provider (a llama-server provider, or
-tests/llama_exec_provider.py / tests/llama_worker_provider.py for the exec and worker kinds); it sends
+tests/rigs/llama_exec_provider.py / tests/rigs/llama_worker_provider.py for the exec and worker kinds); it sends
 a bounded number of requests, injects its fault, and prints one line:
 
     requests sent, answered correctly, answered with a clean error, lost, left behind

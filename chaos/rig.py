@@ -233,11 +233,18 @@ def provider_spec(kind: str, base: Config, work: Path) -> dict[str, Any]:
         raise ChaosError("no llama-server or model: run scripts/setup")
     args = [*model_args(base.model, model), "-t", "1"]
     if kind == "exec":
-        command = [sys.executable, str(TESTS / "llama_exec_provider.py"), str(binary), *args]
+        command = [sys.executable, str(TESTS / "rigs" / "llama_exec_provider.py"), str(binary), *args]
         # The decoder's own build, whose state is exact: admitted unmeasured, as a user would say.
         return {"kind": "exec", "name": "p0", "command": command, "fidelity_check": False}
     state = Path(base.server.runtime_dir) / "state"
-    command = [sys.executable, str(TESTS / "llama_worker_provider.py"), str(binary), str(state), str(work), *args]
+    command = [
+        sys.executable,
+        str(TESTS / "rigs" / "llama_worker_provider.py"),
+        str(binary),
+        str(state),
+        str(work),
+        *args,
+    ]
     return {"kind": "worker", "name": "p0", "command": command, "fidelity_check": False, **health}
 
 

@@ -34,6 +34,10 @@ class Reason(enum.Enum):
     # The model's restores cannot spare a prompt in this llama.cpp (its load's probe found so, or a
     # restore it passed was not used: supervisor/routes/capability.py): plain, no provider job.
     RESTORE_UNUSABLE = "restore-unusable"
+    # A hybrid model's prompt whose state nothing keeps: its chat template renders the messages
+    # otherwise without the generation prompt, so no point of it is one the next turn still matches
+    # (supervisor/routes/boundary.py).  Its next turn, after a restart or a swap back, restores nothing.
+    NO_BOUNDARY = "no-boundary"
     # Plain because it is clearly cheaper: the decoder already holds most of the prompt (``cached``),
     # or the handoff costs more than the prefill it spares (``plain-cheaper``).
     CACHED = "cached"

@@ -156,7 +156,7 @@ async def run_daemon(
 
 class RouteLines(logging.Handler):
     """The fields of every route line onebitd logs (each once its request is over: after the last
-    byte, and after its slot was saved for the prefix store), for a benchmark to read back."""
+    byte, and after its slot was saved for the prefix store), for a benchmark or a test to read back."""
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
@@ -172,8 +172,12 @@ class RouteLines(logging.Handler):
             self._changed.set()
             self._changed = trio.Event()
 
-    async def wait(self, n: int) -> dict[str, Any]:
-        """The n-th line, once it came."""
+    async def until(self, n: int) -> list[dict[str, Any]]:
+        """All the lines, once there are at least ``n``."""
         while len(self.lines) < n:
             await self._changed.wait()
-        return self.lines[n - 1]
+        return self.lines
+
+    async def wait(self, n: int) -> dict[str, Any]:
+        """The n-th line, once it came."""
+        return (await self.until(n))[n - 1]

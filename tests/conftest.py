@@ -1,4 +1,4 @@
-"""Fixtures; what they are made of is in tests/rig.py.
+"""Fixtures; what they are made of is in tests/rigs/rig.py.
 
 Unix socket paths must stay under 108 bytes, and pytest's ``tmp_path`` can be longer than that, so
 runtime directories are short ``mkdtemp`` directories under /tmp, removed after the test.
@@ -21,11 +21,10 @@ import pytest
 from supervisor.observe.logs import ROUTE_LOGGER
 from supervisor.observe.metrics import Metrics
 from supervisor.routeline import RouteLine
-
-from . import fake_control
-from .helpers import gone
-from .rig import Control, RouteLines, RouteRig
-from .skips import pytest_pyfunc_call  # noqa: F401  (the hook: a trio test's skip keeps its reason)
+from tests.fakes import fake_control
+from tests.rigs.helpers import gone
+from tests.rigs.rig import Control, RouteLines, RouteRig
+from tests.rigs.skips import pytest_pyfunc_call  # noqa: F401  (the hook: a trio test's skip keeps its reason)
 
 
 @pytest.fixture(autouse=True)
@@ -103,7 +102,7 @@ def route_rig(
     caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
 ) -> RouteRig:
-    """onebitd's hybrid route with tests/fake_provider.py; set ``provider`` and ``mode`` for another."""
+    """onebitd's hybrid route with tests/fakes/fake_provider.py; set ``provider`` and ``mode`` for another."""
     # The share route is on when this is; a test turns it on itself.
     monkeypatch.delenv("ONEBIT_KV_SHARE", raising=False)
     caplog.set_level(logging.INFO, logger="onebit.hybrid")

@@ -40,7 +40,7 @@ OPENVINO_PATCH = PATCHES / "llama-server-openvino.patch"  # ggml-openvino: GGML_
 TEST_ARCHS_PATCH = PATCHES / "llama-test-archs.patch"  # test-llama-archs loads the loadable backends
 # The recipe (flags, what is installed where) is part of the key: a build made by another recipe is
 # not taken for this one's.
-BUILD_SCRIPT = SOURCE / "scripts" / "build-llama-server"
+BUILD_SCRIPT = SOURCE / "tools" / "build-llama-server"
 ENGINES = ("ggml", "openvino")
 # Where $ONEBIT_LLAMA_SERVER... names a binary instead of the build cache, per engine.
 ENGINE_ENV = {"ggml": "ONEBIT_LLAMA_SERVER", "openvino": "ONEBIT_LLAMA_SERVER_OPENVINO"}

@@ -9,7 +9,7 @@ some for the caller (a stream is relayed as it comes).
   and sends a request again, once, on a new connection when a pooled one was closed before any byte
   of the answer came back (see :meth:`UnixTransport.send`).
 - :class:`Transport` is the seam: ``DecoderClient`` takes any, and the tests hand it an in-process
-  fake llama-server (tests/fake_llama.py) through the same two calls.
+  fake llama-server (tests/fakes/llama/inprocess.py) through the same two calls.
 
 Every failure here is a :class:`~supervisor.errors.DecoderUnavailable`: this module is the seam
 where ``OSError``, trio's stream errors and a reply that is not HTTP (:class:`~supervisor.http.framing.Malformed`)

@@ -8,7 +8,7 @@ were added in, and a template that renders a tool with ``tojson`` sees that orde
 ``/apply-template`` and ``/tokenize`` give onebitd the very tokens the decoder evaluates (no I/O).
 
 A conversion that differs from llama-server's costs reuse, never correctness (the decoder compares
-the tokens it holds with the prompt's); tests/test_real_agent.py holds the two equal on real bodies.
+the tokens it holds with the prompt's); tests/real/test_real_agent.py holds the two equal on real bodies.
 A body llama-server would refuse raises :class:`~supervisor.errors.ChatFormRefused`: the request is
 sent on as it is, and the decoder answers it with its own error.
 """

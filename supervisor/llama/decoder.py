@@ -6,7 +6,7 @@ and keeps the only keep-alive pool and the only resend (of a request a pooled co
 unanswered) onebitd has.
 
 The calls onebitd makes of llama-server's own API are spelled here and nowhere else
-(tests/test_llama_paths.py holds it so): :meth:`DecoderClient.healthy`, :func:`restore`,
+(tests/unit/llama/test_llama_paths.py holds it so): :meth:`DecoderClient.healthy`, :func:`restore`,
 :func:`save`, :func:`erase`, :func:`share`, :func:`adopt`, :func:`prefill`, :func:`next_token`,
 :func:`tokenize` and :func:`apply_template` take any :class:`JsonClient` (a DecoderClient; a fake in
 tests) and return their value, or a :class:`Refusal` carrying llama-server's words (the slot calls
@@ -75,7 +75,7 @@ class DecoderClient:
 
     The bytes go through ``transport``: :class:`~supervisor.http.wire.UnixTransport` on ``socket`` unless
     one is given (httpx's ``MockTransport`` style): the tests hand it an in-process fake llama-server
-    (tests/fake_llama.py) and need no process at all."""
+    (tests/fakes/llama/inprocess.py) and need no process at all."""
 
     def __init__(self, socket: Path, *, max_connections: int = 64, transport: wire.Transport | None = None) -> None:
         self.socket = socket

@@ -84,6 +84,18 @@ class Shape:
         """Some of its memory is recurrent: a state cannot be cut back to an earlier token."""
         return self.recurrent_layers > 0
 
+    @property
+    def memory(self) -> str:
+        """Its memory's parts as llama.cpp makes them, ``+``-joined: ``kv`` (attention), ``swa`` (a
+        sliding-window KV cache beside it), ``recurrent`` (recurrent or convolution state): a
+        Qwen3.5's is ``kv+recurrent``.  Only a plain ``kv`` can be lent on the share route."""
+        parts = ["kv"] if self.attention_layers else []
+        if self.sliding_window is not None:
+            parts.append("swa")
+        if self.hybrid:
+            parts.append("recurrent")
+        return "+".join(parts)
+
     def kv_bytes_per_token(self, cache_type_k: str = "f16", cache_type_v: str = "f16") -> float:
         """What one token of context takes in llama.cpp's KV cache: K and V rows of every
         attention layer."""

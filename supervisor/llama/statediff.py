@@ -5,7 +5,7 @@ part, layer by layer: K and V of each KV cache over the cells at the positions b
 a recurrent memory cell by cell in order (a sequence's recurrent state is one cell, at its last
 token).  It says where the cells differ (the tokens, a part's positions), so that a state one
 position off shows whatever its values; :func:`layer_errors` is the first KV cache alone.  The
-state proof of every family's handoff rests on it (tests/test_real_state_fidelity.py,
+state proof of every family's handoff rests on it (tests/real/test_real_state_fidelity.py,
 docs/reliability.md); ``scripts/slotdiff A.state B.state`` prints it.
 """
 

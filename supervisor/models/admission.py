@@ -35,7 +35,7 @@ log = logging.getLogger("onebit.model")
 # What each verdict means for the model's requests, in its load's log line.
 _VERDICT_WORDS = {
     Restores.WHOLE: "the hybrid routes and the prefix store are on",
-    Restores.PREFIX: "the file route hands over the prompt less its last token; the prefix store is off",
+    Restores.PREFIX: "what the file route hands over and the prefix store keeps ends at the prompt's boundary",
     Restores.NONE: "the hybrid routes and the prefix store are off (fallback=restore-unusable)",
     Restores.UNPROBED: "the routes run unproven, each handoff checked after",
 }

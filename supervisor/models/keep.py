@@ -19,8 +19,10 @@ async def keep_slots(
 ) -> int:
     """Model ``name``'s slots kept in ``stored``; how many it saved.  No request holds a slot now
     (the scheduler unloads only an unused model; a drain waits for its in-flight requests first, and
-    ``go_on`` says before each slot that it still drains: a resume lets requests in again)."""
-    if not stored.enabled:
+    ``go_on`` says before each slot that it still drains: a resume lets requests in again).  None
+    where a state cannot be cut back (a hybrid model's): a slot holds its reply too, and each request
+    kept its prompt's boundary already (supervisor/routes/boundary.py)."""
+    if not stored.enabled or stored.at_boundary:
         return 0
     kept = 0
     for slot in range(slots.n_slots):

@@ -42,14 +42,13 @@ from ..observe.status import ModelStatistics
 from ..prefix.statistics import OFF, StoreStatistics
 from ..prefix.store import PrefixStore
 from ..providers.seat import Seats
-from ..routes.capability import Restores
 from ..routes.completion import Completions
 from ..supervise.child import Child, ChildState
 from ..supervise.states import StateMachine
 from . import keep, layout, memory
 from .layout import Layout
 from .memory import ModelFile, rss_mib
-from .parts import SHARE_CONNECT_TIMEOUT_S, Parts, share_enabled
+from .parts import SHARE_CONNECT_TIMEOUT_S, Parts, Proven, share_enabled
 
 __all__ = ["SHARE_CONNECT_TIMEOUT_S", "TRANSITIONS", "Model", "ModelState", "Parts", "StoreOpener", "share_enabled"]
 
@@ -117,7 +116,7 @@ class Model:
         # Its memory from its GGUF header, which the first load's parts have read (models/memory.py).
         self.estimate_mib = memory.estimate_mib(spec, self.parts.model_file)
 
-    def _parts(self, proven: tuple[Restores, str] | None = None, found: ModelFile | None = None) -> Parts:
+    def _parts(self, proven: Proven | None = None, found: ModelFile | None = None) -> Parts:
         """A load's parts, from its layout; ``found``: the model's file as already read for it (else
         the load reads it, once: a file replaced since is the next load's)."""
         found = found or memory.read_model(self.spec)

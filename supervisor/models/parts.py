@@ -57,6 +57,11 @@ def share_enabled(config: Config) -> bool:
     return config.hybrid.mode == "share"
 
 
+# A load's probe verdict, its words, and whether its llama-servers kept the sliding-window layers
+# whole (--swa-full): what a later load takes again unprobed while the last is the same.
+Proven = tuple[Restores, str, bool]
+
+
 class Parts:
     """One load of a model, built whole from its config and layout (the module's docstring)."""
 
@@ -73,7 +78,7 @@ class Parts:
         on_provider: OnTransition | None = None,
         seats: Seats | None = None,
         model_idle: Callable[[], bool] = lambda: True,
-        proven: tuple[Restores, str] | None = None,
+        proven: Proven | None = None,
     ) -> None:
         """``layout``: the load's KV layout, decided before it (supervisor/models/layout.py);
         ``model_file``: the model's file as the load read it; ``proven``: the restore probe's verdict
@@ -89,8 +94,9 @@ class Parts:
         self.capability = Capability(spec.name)
         # The probe's verdict, once it ran: every later start of the decoder (a swap back, a restart
         # after a crash) runs the same build, flags and file, so it is taken again unprobed; a
-        # capability withdrawn since is probed anew.
-        self._proven = proven
+        # capability withdrawn since, or one found with the sliding-window layers kept otherwise (a
+        # reload moved the memory budget under model.swa_full = "auto"), is probed anew.
+        self._proven = proven if proven is None or proven[2] == layout.swa_full else None
         # The context each decoder slot got, as the decoder's last start said it (after_start).
         self.slot_context: SlotContext | None = None
         # The one client of the decoder: the launcher health-checks through it, and every request,
@@ -195,6 +201,7 @@ class Parts:
             ),
             model=model_alias(self.config),
             n_ctx=self.config.model.ctx_size,
+            memory=None if self.model_file is None or self.model_file.shape is None else self.model_file.shape.memory,
         )
 
     def _provider(self, spec: ProviderConfig, on_transition: OnTransition | None) -> Provider:
@@ -262,17 +269,19 @@ class Parts:
             state_dir=self.state_dir,
             slides=not self.layout.swa_full and self.model_file is not None and bool(self.model_file.sliding_window),
         )
-        admitted = await admission.admit(start, restoring=self.hybrid is not None or store_enabled, proven=self.proven)
+        proven = self.proven
+        restoring = self.hybrid is not None or store_enabled
+        admitted = await admission.admit(start, restoring=restoring, proven=None if proven is None else proven[:2])
         if admitted.slot_context is not None:
             self.slot_context = admitted.slot_context
         if admitted.probed:
             self.capability.withdrawn = None
             if admitted.restores is not Restores.UNPROBED:  # a probe that could not run is tried again
-                self._proven = admitted.restores, admitted.why
+                self._proven = admitted.restores, admitted.why, self.layout.swa_full
         self.capability.set(admitted.restores, admitted.why)
 
     @property
-    def proven(self) -> tuple[Restores, str] | None:
+    def proven(self) -> Proven | None:
         """The probe's verdict for the model's next load to take, unless it was withdrawn since."""
         return self._proven if self.capability.withdrawn is None else None
 

@@ -1,5 +1,5 @@
 """The models scheduler's decisions: pure functions over :class:`Candidate` snapshots, with table tests
-(tests/test_models.py):
+(tests/unit/models/test_models.py):
 
 - :func:`victims`: which loaded models to unload so that another fits within ``max_loaded`` and
   ``memory_budget_mib`` (least recently used first; never a pinned one, never one in use);

@@ -15,7 +15,7 @@ status page's feed (supervisor/observe/routestats.py) shows :func:`redact` of it
   at most :data:`MAX_MESSAGE` characters.
 
 An apostrophe inside a word (``model's``) opens no quote.  The log keeps the whole line: it is the
-operator's, as it always was.  Pure: no I/O, unit-tested in tests/test_redact.py.
+operator's, as it always was.  Pure: no I/O, unit-tested in tests/unit/observe/test_redact.py.
 """
 
 from __future__ import annotations

@@ -12,11 +12,13 @@ in a slot of its own, before the model takes requests (:func:`probe`):
 
 ``whole``: a state restores as saved (dense and MoE models; sliding-window ones under
 ``--swa-full``).  ``prefix``: recurrent memory (Qwen3.5, LFM2, Granite 4) cannot be cut back to an
-earlier token, but a state saved one token short leaves the decoder that token to evaluate: the file
-route hands over the prompt less its last token (:attr:`Capability.short_by`); the prefix store, whose
-entries end where a reply ended, stays off.  ``none``: the hybrid routes and the prefix store are off
-for the model, each request says ``fallback=restore-unusable``.  ``unprobed``: the probe could not
-run (its reason is kept); the routes run as before and the check after each handoff still watches.
+earlier token, but a state saved short of the prompt leaves the decoder the rest to evaluate: what is
+handed over or kept ends where the conversation's next request still matches the prompt
+(:attr:`Capability.at_boundary`; routes/prompt.py's ``boundary``): a chat's before its generation
+prompt, a text's less its last token (:attr:`Capability.short_by`).  ``none``: the hybrid routes
+and the prefix store are off for the model, each request says ``fallback=restore-unusable``.
+``unprobed``: the probe could not run (its reason is kept); the routes run as before and the check
+after each handoff still watches.
 
 A model the probe passed whose decoder still re-evaluates a restored prompt loses the capability for
 the rest of the load (:meth:`Capability.withdraw`), said once at warning.
@@ -94,7 +96,13 @@ class Capability:
     @property
     def store(self) -> bool:
         """A stored prefix, restored, spares the decoder that prefix."""
-        return self.withdrawn is None and self.restores in (Restores.WHOLE, Restores.UNPROBED)
+        return self.handoff
+
+    @property
+    def at_boundary(self) -> bool:
+        """A state cannot be cut back: what is handed over or kept ends at the prompt's boundary
+        (routes/prompt.py), never after it (a slot saved after a reply holds the reply too)."""
+        return self.restores is Restores.PREFIX
 
     @property
     def short_by(self) -> int:

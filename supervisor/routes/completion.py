@@ -1,11 +1,11 @@
 """A completion request's story: admission, a slot, the route, the relay, the route line's numbers.
 
-The HTTP front hands over a parsed JSON object; this module has it planned (routes/plan.py: a
-provider, the prompt's tokens), pins it to a slot we own (``id_slot``), lets the prefix store restore a
-prefix into the slot (routes/stored.py), has routes/decision.py's ``choose`` pick the route and the
-reasons, walks ``DEGRADE`` with what the handoffs return (routes/handover.py) and relays the
-decoder's answer (routes/relay.py: whole, or chunk by chunk for ``stream: true``); each step's
-value goes to the request's story (routes/story.py), which builds the route line from them.
+The HTTP front hands over a parsed JSON object; this module has it planned (routes/plan.py: a provider,
+the prompt's tokens), pins it to a slot we own (``id_slot``), lets the prefix store restore a prefix into
+the slot (routes/stored.py), has routes/decision.py's ``choose`` pick the route and the reasons, walks
+``DEGRADE`` with what the handoffs return (routes/handover.py) and relays the decoder's answer
+(routes/relay.py: whole, or chunk by chunk for ``stream: true``); each step's value goes to the
+request's story (routes/story.py), which builds the route line from them.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from ..llama.slots import SlotPool
 from ..prefix.store import Entry
 from ..reasons import Reason
 from ..supervise.child import ChildState, ChildStatistics
+from . import boundary
 from .capability import Capability
 from .decision import Choice, Costs, Offer, Policy, Route, choose, restore_used
 from .handover import Hybrid, Walk, hand_over
@@ -34,7 +35,7 @@ from .rates import Rates
 from .relay import Relayed, Timings, relay
 from .stored import StoredPrefixes
 from .story import Story
-from .usage import ProviderPrefill
+from .usage import Prefill
 
 __all__ = ["STATE_BYTES_PER_TOKEN", "Completions", "Decoder", "Hybrid"]
 
@@ -57,8 +58,7 @@ class Decoder(Protocol):
 # f16 cache (30 layers x K and V x 192 values x 2 bytes), about 22 KiB as measured.
 STATE_BYTES_PER_TOKEN = 23_040
 
-# A request that may be handed over waits at most this long for its model's load-time probe
-# (supervisor/routes/capability.py; well under a second on the models we know).
+# How long a request that may be handed over waits for its model's load-time probe (routes/capability.py).
 PROBE_WAIT_S = 30.0
 
 
@@ -188,11 +188,11 @@ class Completions:
         """The route and every reason for it (routes.decision.choose), from the plan and the slot."""
         hybrid, provider, tokens = self.hybrid, plan.provider, plan.tokens
         generation = self.decoder.generation
-        costs, share_refused = None, False
+        costs, share_refused = None, None
         # Only a prompt a provider could take is priced, and only for it is the share refusal asked
         # after (the first answer logs it).
         if hybrid is not None and provider is not None and tokens is not None:
-            share_refused = hybrid.share is not None and hybrid.share.refused_by(generation)
+            share_refused = None if hybrid.share is None else hybrid.share.refused_by(generation)
             if settings.route_by == "cost":
                 decoder_cost, provider_cost = self.rates.prefill(generation, provider.name)
                 costs = Costs(
@@ -238,6 +238,7 @@ class Completions:
             story.holds(slot)
             self.check_ready()  # it may have died while we queued
             await self._known(plan)
+            plan = await boundary.bounded(self.client, self.capability, plan, story)
             entry, choice = await self._store_and_choose(plan, slot, story, settings)
             story.chose(choice)
             forwarded = {**body, "id_slot": slot}
@@ -259,12 +260,14 @@ class Completions:
                 )
                 prefilled = walk.prefilled()
             story.reached(route)
-            if route is not Route.PLAIN:
-                # The handed-over cells are only reused by a request that may use its slot's cache.
-                forwarded["cache_prompt"] = True
-            relayed = await self._relay(
-                endpoint, forwarded, out, story, headers, plan=plan, slot=slot, entry=entry, prefilled=prefilled
-            )
+            async with boundary.keeping(self.stored, plan, slot, route, story) as keep:
+                if route is not Route.PLAIN or keep.marked is not None:
+                    forwarded["cache_prompt"] = True  # the cells handed over or up to the boundary: the slot's cache
+                prefilled = prefilled or keep.prefilled()  # its own prefill to the boundary: no cache hit
+                relayed = await self._relay(
+                    endpoint, forwarded, out, story, headers, plan=plan, slot=slot, entry=entry, prefilled=prefilled
+                )
+                keep.done = out.finished and relayed.error is None
             # After the last byte: this runs whether or not the client is still there (the front
             # cancels a request only while its response is unfinished); the slot is still ours.
             if out.finished and relayed.error is None:
@@ -273,11 +276,11 @@ class Completions:
                     self.decoder.generation, timings.prompt_n, timings.prompt_ms, cache_n=timings.cache_n
                 )
                 if route is not Route.PLAIN:
-                    self._verify_handoff(story, timings, settings)
+                    self._verify_handoff(story, timings, settings, plan)
                 elif entry is not None and self.stored is not None and self.stored.unused(entry, timings.cache_n):
                     self._store_unused(story, entry, timings.cache_n)
-                # Saved after the reply, on every route: the slot then holds the reply's tokens too,
-                # which a conversation's next turn starts with (a handed-over state file lacks them).
+                # Saved after the reply, on every route: the slot then holds the reply's tokens too, which a
+                # conversation's next turn starts with (a hybrid model's was kept at its boundary instead).
                 if self.stored is not None:
                     await self.stored.after(slot, plan.key, self.slots, req=story.req, restored=entry)
 
@@ -292,10 +295,10 @@ class Completions:
         plan: Plan,
         slot: int,
         entry: Entry | None,
-        prefilled: ProviderPrefill | None,
+        prefilled: Prefill | None,
     ) -> Relayed:
         """The decoder's reply relayed, the story told what it did, even when the client hung up;
-        ``prefilled``: what a provider spent on the prompt handed over (the reply's usage told with it)."""
+        ``prefilled``: what this request prefilled before it (the reply's usage told with it)."""
         timings = Timings()
         relayed: Relayed | None = None
         self.decoding += 1
@@ -330,10 +333,10 @@ class Completions:
                 "slot %d still busy in the decoder after %gs; handing it out anyway", slot, decoder_api.SETTLE_TIMEOUT_S
             )
 
-    def _verify_handoff(self, story: Story, timings: Timings, settings: HybridConfig) -> None:
+    def _verify_handoff(self, story: Story, timings: Timings, settings: HybridConfig, plan: Plan) -> None:
         """llama.cpp's restore can answer success and still re-prefill everything (#26676): the
         route line says so, and the model's capability is withdrawn for the rest of its load."""
-        if restore_used(timings.prompt_n, settings.restore_check_tokens):
+        if restore_used(timings.prompt_n, settings.restore_check_tokens + plan.beyond_boundary):
             return
         self.restore_unused += 1
         story.fell_back(Reason.RESTORE_UNUSED)

@@ -68,6 +68,7 @@ class Outcome:
     state_bytes: int | None = None  # the state moved (file route)
     handoff_ms: float | None = None  # moving it: the job's time beyond the prefill, plus the restore
     answered: bool = False  # the provider answered its prefill with an error of its own
+    memory: str | None = None  # share-refused: the memory layout of the decoder that refused
 
     @property
     def ok(self) -> bool:
@@ -150,6 +151,7 @@ class Choice:
     # The route line's fallback chain as the request starts, in its order: the reason alone (none
     # for ``disabled``, which is no fallback), or with ``stored`` after it.
     reasons: tuple[Reason, ...] = attrs.field()
+    memory: str | None = None  # share-refused-earlier: the memory layout of the decoder that refused
 
     @reasons.default
     def _reason_alone(self) -> tuple[Reason, ...]:
@@ -175,7 +177,8 @@ class Offer:
     enabled: bool  # the hybrid routes are on
     share: bool = False  # the share route is on
     provider_ready: bool = True  # the provider picked is ready now
-    share_refused: bool = False  # this decoder process refused to share before
+    # This decoder process refused to share before: its memory layout (gguf.Shape.memory), else None.
+    share_refused: str | None = None
     restorable: bool = True  # the model's restores spare a prompt (supervisor/routes/capability.py)
     store: bool = False  # a prefix store is configured
 
@@ -227,9 +230,9 @@ def choose(ask: Ask, offer: Offer, costs: Costs | None = None, policy: Policy = 
         guess, reason = _costs_keep_plain(prompt_tokens, costs, policy, restored=ask.restored)
         if reason is not None:
             return plain(reason, guess)
-    if offer.share and offer.share_refused:
+    if offer.share and offer.share_refused is not None:
         # This decoder process refused to share before: asking again costs a round trip per request.
-        return Choice(Route.FILE, Reason.SHARE_REMEMBERED, guess)
+        return Choice(Route.FILE, Reason.SHARE_REMEMBERED, guess, memory=offer.share_refused)
     return Choice(Route.SHARE if offer.share else Route.FILE, None, guess)
 
 

@@ -69,12 +69,19 @@ class FileHandoff:
         # Our name, never the client's; random so a retried request id cannot collide.
         return self.state_dir / f"{req}-{secrets.token_hex(4)}.state"
 
-    async def run(self, *, req: str, slot: int, tokens: list[int], provider: Provider, timeout_s: float) -> Outcome:
+    async def run(
+        self, *, req: str, slot: int, tokens: list[int], provider: Provider, timeout_s: float, end: int | None = None
+    ) -> Outcome:
+        """``end``: where the state handed over of a model that cannot cut its state back ends (the
+        prompt's boundary, routes/prompt.py), when known; else the capability's ``short_by``."""
         path = self.state_file(req)
         self.sweep()
         handed_over = False
+        at_boundary = self.capability is not None and self.capability.at_boundary
         short_by = self.capability.short_by if self.capability is not None else 0
-        if 0 < short_by < len(tokens):
+        if at_boundary and end is not None and 0 < end < len(tokens):
+            tokens = tokens[:end]
+        elif 0 < short_by < len(tokens):
             tokens = tokens[:-short_by]
         try:
             job = PrefillJob(req, self.model, self.n_ctx, tuple(tokens), path)

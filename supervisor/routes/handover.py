@@ -20,7 +20,7 @@ from .file import FileHandoff
 from .plan import Plan
 from .rates import Rates
 from .share import ShareHandoff
-from .usage import ProviderPrefill
+from .usage import Prefill
 
 log = logging.getLogger("onebit.hybrid")
 
@@ -64,6 +64,10 @@ class Walk:
             prefill_ms = self.cut_ms
         return prefill_ms, restore_ms, share_ms
 
+    def memory(self) -> str | None:
+        """The memory layout of a decoder that refused to share, where one did."""
+        return next((outcome.memory for outcome in self.outcomes if outcome.memory is not None), None)
+
     def worked(self) -> Outcome | None:
         """The handoff that worked, where one did."""
         return next((outcome for outcome in self.outcomes if outcome.ok), None)
@@ -73,11 +77,11 @@ class Walk:
         done = self.worked()
         return None if done is None else done.evaluated
 
-    def prefilled(self) -> ProviderPrefill | None:
+    def prefilled(self) -> Prefill | None:
         """What the provider spent on the prompt it handed over, where a handoff worked: the
         reply's usage is told with it (routes/usage.py)."""
         done = self.worked()
-        return None if done is None else ProviderPrefill(done.evaluated, done.prefill_ms)
+        return None if done is None else Prefill(done.evaluated, done.prefill_ms)
 
 
 # How a fallback is worded in the log, by the route the request goes on to.
@@ -160,4 +164,5 @@ async def _attempt(
         tokens=list(plan.tokens or ()),
         provider=provider,
         timeout_s=settings.prefill_timeout_s,
+        end=plan.boundary,
     )

@@ -17,7 +17,7 @@ from ..llama.slots import PromptKey
 from ..providers import Provider, Providers
 from ..reasons import Reason
 from .decision import Ask
-from .prompt import Prompt, Unsupported, parse, tokens_of
+from .prompt import Chat, Prompt, Text, Tokens, Unsupported, parse, tokens_of
 from .stored import StoredPrefixes
 
 log = logging.getLogger("onebit.hybrid")
@@ -38,10 +38,20 @@ class Plan:
     n_tokens: int | None = None  # the prompt's length where it was tokenized (over a slot's context too)
     # False for a prompt the decoder will refuse (its own 400): its slot keeps the memory of what it holds.
     remember: bool = True
+    prompt: Chat | Text | Tokens | None = None  # the prompt as read, where it was tokenized
+    # For a model whose state cannot be cut back: how many of the tokens a state kept for the
+    # conversation's next request holds (routes/prompt.py's ``boundary``); None: none is kept.
+    boundary: int | None = None
 
     @property
     def tokens(self) -> tuple[int, ...] | None:
         return self.key.tokens
+
+    @property
+    def beyond_boundary(self) -> int:
+        """The prompt's tokens after its boundary: what a decoder given the state up to the boundary
+        evaluates, beyond the token or two of any handoff."""
+        return len(self.tokens) - self.boundary if self.tokens is not None and self.boundary is not None else 0
 
     def ask(self, *, restored: bool) -> Ask:
         """What the plan brings to the decision, ``restored``: the prefix store restored a prefix."""
@@ -109,4 +119,4 @@ async def _plan_with(
             slot_context,
         )
         return Plan(PromptKey(text), provider, Reason.OVER_CONTEXT, n_tokens=len(tokens), remember=False)
-    return Plan(PromptKey(text, tuple(tokens)), provider, n_tokens=len(tokens))
+    return Plan(PromptKey(text, tuple(tokens)), provider, n_tokens=len(tokens), prompt=prompt)

@@ -106,13 +106,16 @@ def _chat(body: dict[str, Any]) -> Chat | Unsupported:
     return Chat(body, text)
 
 
+def template(chat: Chat, **changes: Any) -> dict[str, Any]:
+    """What ``/apply-template`` is given for a chat: its body less what only the completion reads."""
+    kept = {k: v for k, v in chat.body.items() if k not in ("stream", "stream_options", "id_slot", "cache_prompt")}
+    return {**kept, **changes}
+
+
 async def tokens_of(client: JsonClient, prompt: Chat | Text | Tokens) -> list[int]:
     """The prompt's tokens, as the decoder will evaluate them.  Raises DecoderError."""
     if isinstance(prompt, Tokens):
         return list(prompt.tokens)
     if isinstance(prompt, Text):
         return await decoder.tokenize(client, prompt.prompt)
-    template = {
-        k: v for k, v in prompt.body.items() if k not in ("stream", "stream_options", "id_slot", "cache_prompt")
-    }
-    return await decoder.tokenize(client, await decoder.apply_template(client, template))
+    return await decoder.tokenize(client, await decoder.apply_template(client, template(prompt)))

@@ -14,8 +14,10 @@ batch it joins, the streams it is interleaved with) and says little about the pe
 An estimate says whether it is sure: the fitted terms are used only for a size that prefills within
 :data:`NEAR` x of it were measured at (at least :data:`SURE_SAMPLES` of them); otherwise the
 configured prior rate stands in, scaled by the speed the fits show (a loaded machine slows both
-sides: :meth:`Rates.prefill`), and the estimate is unsure.  Short prefills make no fit: a rate
-from 30-token prefills is never extrapolated to 8,000.
+sides: :meth:`Rates.prefill`), and the estimate is unsure.  Where the other side's fit holds at
+that size, the stand-in follows its curve (its context term too), scaled to this side's rate: the
+two sides are compared on one shape, not one side's curve against the other's straight line.
+Short prefills make no fit: a rate from 30-token prefills is never extrapolated to 8,000.
 
 A handoff (a save and a restore, or a share) costs ``fixed + per_MiB x MiB`` of state, fitted the
 same way.  Every fit is forgotten when the child it describes restarts (a new process may run on
@@ -70,6 +72,9 @@ class PrefillCost:
     ms_per_context: float = 0.0  # per token evaluated and token of context before it
     sizes: tuple[int, ...] = ()  # the sizes of the prefills the fit is from
     everywhere: bool = False  # the terms hold at every size (a cost given, not fitted)
+    # The other side's fit, whose curve stands in for the prior where this fit does not hold and
+    # that one does, scaled to the prior's rate (Rates.prefill sets it).
+    shape: PrefillCost | None = None
 
     def sure(self, n_new: int) -> bool:
         """Whether the fitted terms hold at ``n_new`` tokens: enough prefills near that size."""
@@ -81,8 +86,15 @@ class PrefillCost:
     def ms(self, n_new: int, n_cached: int = 0) -> float:
         """The estimated time to prefill ``n_new`` tokens after ``n_cached``."""
         if self.ms_per_token is not None and self.sure(n_new):  # mypy: sure() checks it too
-            return self.fixed_ms + self.ms_per_token * n_new + self.ms_per_context * _context(n_new, n_cached)
+            return self.fixed_ms + self._variable(n_new, n_cached)
+        shape = self.shape
+        if shape is not None and shape.sure(n_new) and shape.rate > 0:
+            return self.fixed_ms + self.prior_ms_per_token / shape.rate * shape._variable(n_new, n_cached)
         return self.fixed_ms + self.prior_ms_per_token * n_new
+
+    def _variable(self, n_new: int, n_cached: int) -> float:
+        """The fitted terms that grow with the prompt: all but the fixed cost."""
+        return (self.ms_per_token or 0.0) * n_new + self.ms_per_context * _context(n_new, n_cached)
 
     @property
     def rate(self) -> float:
@@ -259,7 +271,10 @@ class Rates:
         Where a side's fit does not hold at a size, its prior stands in, scaled by what the fits
         show of this machine's speed: a side with a fit by its own fitted rate over its prior, a
         side without one by the other side's.  A loaded or slow machine slows both, and a measured
-        rate against a bare prior would make whichever side was measured first look the slower."""
+        rate against a bare prior would make whichever side was measured first look the slower.
+        Where the other side's fit holds, the stand-in takes its curve (:attr:`PrefillCost.shape`):
+        a straight line at the rate of the other side's middle size would make that side, its
+        context term counted, look the slower above that size and the faster below it."""
         decoder, other = self.decoder, self.provider(provider)
         d, p = decoder.cost(generation), other.cost(0)
         d_speed = d.rate / decoder.prior if decoder.measured(generation) else None
@@ -267,8 +282,8 @@ class Rates:
         d_scale = d_speed if d_speed is not None else p_speed if p_speed is not None else 1.0
         p_scale = p_speed if p_speed is not None else d_speed if d_speed is not None else 1.0
         return (
-            attrs.evolve(d, prior_ms_per_token=decoder.prior * d_scale),
-            attrs.evolve(p, prior_ms_per_token=other.prior * p_scale),
+            attrs.evolve(d, prior_ms_per_token=decoder.prior * d_scale, shape=p),
+            attrs.evolve(p, prior_ms_per_token=other.prior * p_scale, shape=d),
         )
 
     def decoder_ms_per_token(self, generation: int) -> float:

@@ -24,7 +24,7 @@ from ..http.respond import Responder
 from ..http.wire import Headers
 from ..llama import decoder as decoder_api
 from ..llama.decoder import DecoderClient
-from .usage import ProviderPrefill
+from .usage import Prefill
 
 log = logging.getLogger("onebit.hybrid")
 
@@ -209,7 +209,7 @@ async def relay(
     headers: Headers = (),
     *,
     req: str,
-    prefilled: ProviderPrefill | None = None,
+    prefilled: Prefill | None = None,
 ) -> Relayed:
     """The decoder's reply to ``body``: with ``"stream": true`` relayed chunk by chunk as it comes (its
     last events' ``timings`` into ``timings``, which a request cut short still reads), else read
@@ -244,7 +244,7 @@ async def _relay_error(
 
 
 async def _relay_chunks(
-    chunks: AsyncIterator[bytes], out: Responder, timings: Timings, req: str, prefilled: ProviderPrefill | None
+    chunks: AsyncIterator[bytes], out: Responder, timings: Timings, req: str, prefilled: Prefill | None
 ) -> Relayed:
     """A 200 stream's chunks to the client as they come (a handed-over prompt's usage rewritten); a
     decoder lost mid-stream ends it with an error event."""

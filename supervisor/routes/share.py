@@ -171,22 +171,28 @@ class ShareHandoff:
     is ``routes.DEGRADE``'s to say, not this class's.
     """
 
-    def __init__(self, *, client: SlotClient, handshake: ShareHandshake, model: str, n_ctx: int) -> None:
+    def __init__(
+        self, *, client: SlotClient, handshake: ShareHandshake, model: str, n_ctx: int, memory: str | None = None
+    ) -> None:
+        """``memory``: the decoder's memory layout (gguf.Shape.memory; None: its header is unknown),
+        which every request a refusal sends elsewhere names on its route line."""
         self.client = client
         self.handshake = handshake
         self.model = model
         self.n_ctx = n_ctx
+        self.memory = memory or "unknown"
         # The decoder generation that refused to share: until it restarts, do not ask again.
         self.refused_generation: int | None = None
         self._told_remembered = False
 
-    def refused_by(self, generation: int) -> bool:
+    def refused_by(self, generation: int) -> str | None:
+        """The decoder's memory layout when this decoder process refused to share, else None."""
         if self.refused_generation != generation:
-            return False
+            return None
         if not self._told_remembered:
             self._told_remembered = True
             log.info("hybrid: this decoder refused to share its KV; the state-file route is used until it restarts")
-        return True
+        return self.memory
 
     async def run(
         self, *, req: str, slot: int, tokens: list[int], provider: Provider, generation: int, timeout_s: float
@@ -204,6 +210,7 @@ class ShareHandoff:
                 Reason.SHARE_REFUSED,
                 f"{exc.reason}; this decoder cannot share its KV",
                 share_ms=0.0,
+                memory=self.memory,
             )
         share_ms = (trio.current_time() - started) * 1000
         try:

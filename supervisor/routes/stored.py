@@ -21,6 +21,16 @@ hands the host over, :meth:`StoredPrefixes.wait_writes` waits for the writes in 
 Which tokens an entry is for: a prompt's prefix that another recent prompt shared (the system prompt
 and tool list a chat's users all send: the part the next request will start with too) when one is
 long enough, else the whole prompt (a conversation's next turn starts with it).
+
+A model whose state cannot be cut back (a hybrid one: recurrent or convolution layers beside
+attention, supervisor/routes/capability.py's ``prefix``) has no use for a slot saved after a reply:
+its state holds the reply, and a restore cannot take it back to the prompt.  Its entries end at the
+prompt's boundary (routes/prompt.py's ``boundary``: a chat's before its generation prompt), saved
+before the rest of the prompt is evaluated (:meth:`StoredPrefixes.mark`): on the plain route the
+decoder first prefills up to the boundary alone (``n_predict: 0``), on the file route the slot holds
+the boundary as handed over.  The file is committed once the reply is over (:meth:`~StoredPrefixes.keep`)
+and removed on every other path (:meth:`~StoredPrefixes.discard`), a cancellation included.  A
+stored entry is restored only into a prompt longer than it, and only when it restores exactly.
 """
 
 from __future__ import annotations
@@ -58,6 +68,15 @@ class Restored:
 
 
 NOTHING = Restored(None)
+
+
+@attrs.frozen
+class Marked:
+    """A slot saved at its prompt's boundary (:meth:`StoredPrefixes.mark`), not yet committed."""
+
+    tokens: tuple[int, ...]
+    path: Path
+    prefilled: decoder.Evaluated | None  # the decoder's prefill up to the boundary, where it made one
 
 
 class StoredPrefixes:
@@ -141,7 +160,8 @@ class StoredPrefixes:
         the slot holds."""
         if key.tokens is None or not self.enabled:
             return NOTHING
-        entry = await self.store.find(key.tokens)
+        # A state that cannot be cut back must leave the decoder a token to compute the logits from.
+        entry = await self.store.find(key.tokens[:-1] if self.at_boundary else key.tokens)
         if entry is None:
             return NOTHING
         worth = worth_restoring(
@@ -161,9 +181,46 @@ class StoredPrefixes:
             slots.remember(slot, PromptKey(tokens=entry.tokens))
         return restored
 
+    @property
+    def at_boundary(self) -> bool:
+        """Entries end at the prompt's boundary, saved before the rest (:meth:`mark`), never after
+        a reply (the model's state cannot be cut back)."""
+        return self.capability is not None and self.capability.at_boundary
+
+    async def mark(self, slot: int, tokens: tuple[int, ...], *, prefill: bool, req: str) -> Marked | None:
+        """For a model whose state cannot be cut back: the slot saved at the prompt's boundary
+        (``tokens``, the prompt's first tokens), when the store wants them; ``prefill``: the decoder
+        first evaluates them alone (the plain route), else the slot holds them (a handoff's).  The
+        caller commits it with :meth:`keep_marked` after the reply, or :meth:`discard` s it."""
+        if self._writes is None or not self.enabled or not self.at_boundary or not self.store.wants(tokens):
+            return None
+        prefilled: decoder.Evaluated | None = None
+        if prefill:
+            done = await decoder.prefill(self.client, slot, tokens)
+            if isinstance(done, decoder.Refusal):
+                log.info("prefix store: prefilling slot %d to its boundary answered %s (%s)", slot, done, req)
+                return None
+            prefilled = done
+        path = await self.save(slot, req)
+        return None if path is None else Marked(tokens, path, prefilled)
+
+    def keep_marked(self, marked: Marked) -> None:
+        """Commit a boundary state :meth:`mark` saved, off the request's path."""
+        if self._writes is None:
+            self.discard(marked)
+            return
+        self._writes.start_soon(self.keep, marked.tokens, marked.path)
+
+    @staticmethod
+    def discard(marked: Marked) -> None:
+        """Remove a boundary state that is not committed (synchronous: an await here could be
+        cancelled and leave the file behind)."""
+        marked.path.unlink(missing_ok=True)
+
     async def after(self, slot: int, key: PromptKey, slots: SlotPool, *, req: str, restored: Entry | None) -> None:
-        """Save a request's slot for the store, after its reply, when it holds a prompt worth keeping."""
-        if self._writes is None or key.tokens is None or not self.enabled:
+        """Save a request's slot for the store, after its reply, when it holds a prompt worth keeping
+        (never where a state cannot be cut back: its entry was saved at the boundary, :meth:`mark`)."""
+        if self._writes is None or key.tokens is None or not self.enabled or self.at_boundary:
             return
         shared, extends = slots.shared(key)
         if restored is not None:
@@ -198,7 +255,7 @@ class StoredPrefixes:
         decoder is still ``ready``.  Shielded from the cancellation that brought us here; bounded by
         the settle's and the save's own timeouts."""
         with trio.CancelScope(shield=True):
-            if key.tokens is None or not self.enabled:
+            if key.tokens is None or not self.enabled or self.at_boundary:
                 return
             await settle(slot)
             if ready():
@@ -208,8 +265,10 @@ class StoredPrefixes:
         started = trio.current_time()
         try:
             async with self.store.exposed(entry, self.state_dir) as name:
-                # The slot may hold more than the entry: a saved reply's tokens after its prefix.
-                refused = await decoder.restore(self.client, slot, name, entry.n_tokens, more=True)
+                # The slot may hold more than the entry: a saved reply's tokens after its prefix,
+                # except where a state cannot be cut back (it must hold the entry exactly).
+                more = not self.at_boundary
+                refused = await decoder.restore(self.client, slot, name, entry.n_tokens, more=more)
         except PrefixStoreError as exc:
             return Restored(None, why=str(exc))
         ms = (trio.current_time() - started) * 1000

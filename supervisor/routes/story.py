@@ -6,19 +6,29 @@ slot, the prefix store's restore (routes/stored.py's ``Restored``), the route ch
 (routes/decision.py's ``Choice``), the walk down the hybrid routes (routes/handover.py's ``Walk``),
 the relay's timings and how it ended (routes/relay.py's ``Relayed``), the model and its load
 (models/registry.py's hold), and how the client left (api/).  This is the only module that gives a
-:class:`~supervisor.routeline.RouteLine` its fields (tests/test_imports.py holds it so); the line
+:class:`~supervisor.routeline.RouteLine` its fields (tests/unit/repo/test_imports.py holds it so); the line
 itself is frozen.  While the request runs, :attr:`Story.route` and :attr:`Story.slot` say where it
 is (``onebitctl status``'s in-flight requests).
 """
 
 from __future__ import annotations
 
+from typing import TypeVar
+
+from ..llama.answers import Evaluated
 from ..reasons import Reason
 from ..routeline import RequestOutcome, RouteLine
 from .decision import Choice, Route
 from .handover import Walk
 from .relay import Relayed
-from .stored import Restored
+from .stored import Marked, Restored
+
+N = TypeVar("N", int, float)
+
+
+def _plus(relayed: N | None, before: N | None) -> N | None:
+    """The decoder's count or time for the reply's prompt, with what it evaluated before it."""
+    return relayed if relayed is None or before is None else relayed + before
 
 
 def fallback_chain(reasons: list[Reason]) -> str | None:
@@ -34,6 +44,7 @@ class Story:
         "_error",
         "_held",
         "_later",
+        "_marked",
         "_outcome",
         "_planned",
         "_reached",
@@ -57,6 +68,7 @@ class Story:
         self._reached: Route | None = None
         self._relayed: Relayed | None = None
         self._later: list[Reason] = []  # reasons found after the route was chosen and walked
+        self._marked: Evaluated | None = None
         self._outcome = RequestOutcome.OK
         self._error: str | None = None
 
@@ -89,6 +101,11 @@ class Story:
         """The route the reply is relayed on."""
         self._reached = route
 
+    def marked(self, marked: Marked | None) -> None:
+        """The state kept at the prompt's boundary (routes/boundary.py): what the decoder evaluated
+        up to it before the rest is counted in the decoder's prompt on the line."""
+        self._marked = None if marked is None else marked.prefilled
+
     def relayed(self, relayed: Relayed) -> None:
         """What the decoder said it did, and whether its reply was an error."""
         self._relayed = relayed
@@ -96,8 +113,8 @@ class Story:
             self._outcome, self._error = RequestOutcome.ERROR, relayed.error
 
     def fell_back(self, reason: Reason) -> None:
-        """A reason found after the route was walked (``restore-unused``), or on a request no route
-        takes (``unsupported-request``)."""
+        """A reason found after the route was walked (``restore-unused``), on a request no route
+        takes (``unsupported-request``), or on a prompt nothing of which is kept (``no-boundary``)."""
         self._later.append(reason)
 
     def failed(self, error: str) -> None:
@@ -151,9 +168,17 @@ class Story:
             reasons += walk.reasons()
         return reasons + self._later
 
+    def _refused_memory(self) -> str | None:
+        """The memory layout of the decoder whose refusal to share sent it elsewhere: remembered by
+        the choice (``share-refused-earlier``), or said by the walk (``share-refused``)."""
+        if self._choice is not None and self._choice.memory is not None:
+            return self._choice.memory
+        return None if self._walk is None else self._walk.memory()
+
     def line(self, *, status: int, first_byte_ms: float | None, total_ms: float | None) -> RouteLine:
         """The route line, once the request ended: ``status`` as sent, and its times."""
         restored, choice, walk, relayed = self._restored, self._choice, self._walk, self._relayed
+        marked_n, marked_ms = (None, None) if self._marked is None else (self._marked.prompt_n, self._marked.prompt_ms)
         estimate = None if choice is None else choice.estimate
         timings = None if relayed is None else relayed.timings
         entry = None if restored is None else restored.entry
@@ -170,14 +195,15 @@ class Story:
             status=status,
             outcome=self._outcome,
             fallback=fallback_chain(self.reasons()),
+            memory=self._refused_memory(),
             prompt_tokens=self.prompt_tokens,
             prefill_ms=prefill_ms,
             restore_ms=restore_ms,
             share_ms=share_ms,
             first_byte_ms=first_byte_ms,
             total_ms=total_ms,
-            decoder_prompt_n=None if timings is None else timings.prompt_n,
-            decoder_prompt_ms=None if timings is None else timings.prompt_ms,
+            decoder_prompt_n=_plus(None if timings is None else timings.prompt_n, marked_n),
+            decoder_prompt_ms=_plus(None if timings is None else timings.prompt_ms, marked_ms),
             provider_prompt_n=None if walk is None else walk.evaluated(),
             restored_tokens=None if entry is None else entry.n_tokens,
             origin_host=None if entry is None else entry.origin_host,

@@ -1,11 +1,11 @@
-"""The usage a client is told: a prompt a provider prefilled is not a cache hit.
+"""The usage a client is told: a prompt this request prefilled is not a cache hit.
 
 After a handoff (the file or share route) the decoder's slot holds the state a provider computed
 for the prompt, and llama-server counts every token of it as reused from its cache: ``cache_n`` in
 ``timings``, ``prompt_tokens_details.cached_tokens`` in OpenAI's ``usage``,
 ``input_tokens_details.cached_tokens`` in the Responses API's, ``cache_read_input_tokens`` in
 Anthropic's.  A client that accounts for cache hits (a cost tracker, Claude Code, opencode) would
-book a fresh prefill as one.  :class:`ProviderPrefill` rewrites those counts in the decoder's reply:
+book a fresh prefill as one.  :class:`Prefill` rewrites those counts in the decoder's reply:
 the tokens the provider evaluated for this request are taken out of the cached count (Anthropic's
 ``input_tokens``, which excludes cache reads, gets them back); what stays cached is what a cache
 truly served: the provider's own prompt cache on a handoff (a slot's earlier contents are
@@ -14,8 +14,13 @@ gains onebitd's: ``onebit_provider_prompt_n`` and ``onebit_provider_prompt_ms``,
 spent, from the handoff that worked (routes/handover.py's ``Walk.prefilled``; the route line
 tells them as ``provider_prompt_n`` and ``prefill_ms``).
 
-Only a handed-over request's reply is rewritten; a plain one (a slot that held a prefix, a prefix
-store restore) is relayed as it came, its counts true as llama-server gives them.  Only the JSON that
+A hybrid model's plain request is two calls to the decoder (routes/boundary.py): a prefill up to
+the prompt's boundary, saved for the prefix store, then the rest, whose reply counts the first call's
+tokens as cached.  Its reply is rewritten the same way, the first call's tokens and time folded into
+``timings``' own ``prompt_n``, ``prompt_ms`` and ``cache_n`` (the same decoder did them).
+
+Only those replies are rewritten; any other plain one (a slot that held a prefix, a prefix store
+restore) is relayed as it came, its counts true as llama-server gives them.  Only the JSON that
 can carry the counts is parsed: a whole reply, and in a stream the ``data:`` lines that mention
 ``usage`` or ``timings`` (llama-server's last event or two); every other byte passes as it came.
 """
@@ -52,11 +57,14 @@ def _encode(data: Any) -> bytes:
 
 
 @attrs.frozen
-class ProviderPrefill:
-    """What a provider spent on the prompt it handed over: the reply's usage is rewritten with it."""
+class Prefill:
+    """What this request prefilled before the decoder's reply was asked for: a provider's handoff,
+    or (``provider`` false) the decoder's own prefill to a hybrid model's boundary.  The reply's usage
+    is rewritten with it."""
 
-    evaluated: int | None  # prompt tokens the provider evaluated (its cache held the rest); None: all
-    prefill_ms: float | None  # its prefill's time
+    evaluated: int | None  # prompt tokens evaluated (a cache held the rest); None: all it counted
+    prefill_ms: float | None  # the prefill's time
+    provider: bool = True
 
     def cached(self, counted: int) -> int:
         """Of the ``counted`` prompt tokens the decoder says it reused, those a cache served."""
@@ -75,14 +83,29 @@ class ProviderPrefill:
                 changed |= self._usage(holder["usage"])
         timings = data.get("timings")
         if isinstance(timings, dict):
-            cache_n = timings.get("cache_n")
-            evaluated = self.evaluated if self.evaluated is not None else cache_n
-            if _is_int(evaluated):
-                timings[PROVIDER_PROMPT_N] = evaluated
-            if self.prefill_ms is not None:
-                timings[PROVIDER_PROMPT_MS] = self.prefill_ms
-            changed = True
+            changed |= self._timings(timings) if self.provider else self._decoder_timings(timings)
         return changed
+
+    def _timings(self, timings: dict[str, Any]) -> bool:
+        cache_n = timings.get("cache_n")
+        evaluated = self.evaluated if self.evaluated is not None else cache_n
+        if _is_int(evaluated):
+            timings[PROVIDER_PROMPT_N] = evaluated
+        if self.prefill_ms is not None:
+            timings[PROVIDER_PROMPT_MS] = self.prefill_ms
+        return True
+
+    def _decoder_timings(self, timings: dict[str, Any]) -> bool:
+        """The decoder's first call is its own work: counted in its prompt, out of its cache."""
+        evaluated, cache_n, prompt_n = self.evaluated, timings.get("cache_n"), timings.get("prompt_n")
+        if not (_is_int(evaluated) and _is_int(cache_n) and _is_int(prompt_n)):
+            return False
+        moved = min(evaluated, cache_n)
+        timings["cache_n"], timings["prompt_n"] = cache_n - moved, prompt_n + moved
+        prompt_ms = timings.get("prompt_ms")
+        if self.prefill_ms is not None and isinstance(prompt_ms, (int, float)) and not isinstance(prompt_ms, bool):
+            timings["prompt_ms"] = prompt_ms + self.prefill_ms
+        return True
 
     def _usage(self, usage: dict[str, Any]) -> bool:
         changed = False
@@ -113,7 +136,7 @@ class StreamUsage:
     word passes as it is; otherwise what follows the chunk's last newline is held until the rest of
     its line comes (a line cut between chunks is parsed whole)."""
 
-    def __init__(self, prefill: ProviderPrefill) -> None:
+    def __init__(self, prefill: Prefill) -> None:
         self._prefill = prefill
         self._held = b""
 

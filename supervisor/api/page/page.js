@@ -247,6 +247,15 @@ function renderStatus() {
     cell(row, s.restores);
     cell(row, s.evictions);
   });
+  // The cost decision's estimates against what the route's prefill took (supervisor/observe/
+  // routestats.py): a median far from 1, or few within 1.5x, says the model is wrong here.
+  fill("estimates", status.estimates || [], (row, e) => {
+    cell(row, e.route, "route");
+    cell(row, e.engine);
+    cell(row, e.n);
+    cell(row, e.median_ratio);
+    cell(row, (100 * e.within_1_5).toFixed(0) + "%");
+  });
 }
 
 function mib(bytes) { return (bytes / 1048576).toFixed(1) + " MiB"; }

@@ -1,0 +1,373 @@
+"""``scripts/bench routes`` and ``scripts/bench fleet``: the route chooser against the routes it
+chooses between, and onebitd against the llama-server it fronts.
+
+``routes``: one onebitd with the shipped config (config/onebit.toml; only the context raised, to
+32,768 tokens over its 4 slots, so that one slot holds a 7,600-token prompt).  Per prompt size (256
+to 7,600 tokens, new text every request, so nothing is cached anywhere), four sides in turn, the
+order rotating each round: *default* (the config as shipped: the cost decision), *plain* (every
+prompt kept plain: ``min_prompt_tokens`` out of reach), *file* (every prompt handed over:
+``route_by = "length"``), and *default* again, an A/A pair that shows the noise.  The sides are
+the same processes with other ``[hybrid]`` settings (``Completions.configure``), so all four teach
+the one cost model: the default side decides on rates measured at every size.  Time to the first
+streamed token; medians per size; the routes the default side took; how near its estimates came.
+
+``fleet``: the shared-prefix workload of an agent fleet (the shape of inference-perf's
+shared-prefix one): ``--groups`` (6) system prompts of 600 to 800 tokens, each request one of them
+and a new 20 to 50-token question, 32 to 64 tokens out, streamed, two at a time.  *direct* is a
+llama-server as onebitd starts it (its decoder, reached on its own socket, with hybrid off: its
+own slots and prompt cache do all the reuse); *onebitd* is the shipped config through its front,
+its own processes.  Four blocks ABBA (direct, onebitd, onebitd, direct); each side meets the same
+requests in the same order.  First-token median and p90 and token throughput, onebitd over direct;
+onebitd's route lines: requests handed over after a prefix-store restore, and the share whose
+estimate came within 1.5x of the actual prefill (supervisor/observe/routestats.py's measure).
+
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+import trio
+
+from bench import plot
+from bench.rig import Noise, machine
+from supervisor import config as configuration
+from supervisor.config import Config
+from supervisor.observe.logs import ROUTE_LOGGER
+from supervisor.observe.routestats import accuracy_of
+from supervisor.routeline import RouteLine
+from supervisor.testing import RouteLines, run_daemon
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED = ROOT / "config" / "onebit.toml"
+TIMEOUT_S = 900  # a 7,600-token prefill on one loaded core of a 2-core machine is minutes
+SIZES = (256, 512, 1024, 2048, 4096, 7600)
+QUICK_SIZES = (256, 1024)
+SIDES = ("default", "plain", "file", "default again")
+# A slot of SmolLM2's whole trained context: a 7,600-token prompt, its template and reply fit.
+SLOT_TOKENS = 8192
+
+
+def routes_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--samples", type=int, default=5, help="measured rounds per size, sides rotating (5)")
+    parser.add_argument("--sizes", help=f"prompt sizes in tokens, comma-separated (default {SIZES})")
+    parser.add_argument("--quick", action="store_true", help=f"one round at {QUICK_SIZES} tokens")
+
+
+def fleet_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--groups", type=int, default=6, help="system prompts shared by the requests (6)")
+    parser.add_argument("--requests", type=int, default=32, help="requests per block; four blocks, ABBA (32)")
+    parser.add_argument("--concurrency", type=int, default=2, help="requests in flight at once (2)")
+    parser.add_argument("--quick", action="store_true", help="12 requests per block")
+
+
+def shipped_config(runtime_dir: Path, *, hybrid: bool = True, **model: Any) -> Config:
+    """config/onebit.toml with a port and directories of this run's own (never the user's store);
+    ``hybrid`` False: no provider, the decoder alone."""
+    data = configuration.unstructure(configuration.load(SHIPPED))
+    data["server"].update(port=0, runtime_dir=str(runtime_dir), shutdown_grace_s=10.0)
+    data["cache"]["dir"] = str(runtime_dir / "prefix")
+    data["model"].update(model)
+    if not hybrid:
+        data["hybrid"]["enabled"] = False
+        data["provider"] = []
+    config = configuration.structure(data, str(SHIPPED))
+    configuration.check(config, str(SHIPPED))
+    return config
+
+
+@asynccontextmanager
+async def open_lines() -> AsyncIterator[RouteLines]:
+    """Every route line logged while the block runs."""
+    lines = RouteLines()
+    logger = logging.getLogger(ROUTE_LOGGER)
+    level = logger.level
+    logger.addHandler(lines)
+    logger.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(lines)
+        logger.setLevel(level)
+
+
+async def text_of(decoder: httpx.AsyncClient, n_tokens: int, rng: random.Random) -> str:
+    """New text of about ``n_tokens`` tokens by the decoder's tokenizer: words of ``rng``'s drawing."""
+    words = " ".join(f"{rng.choice(WORDS)} {rng.randrange(1000)}" for _ in range(n_tokens))
+    tokens = (await decoder.post("/tokenize", json={"content": words})).json()["tokens"][:n_tokens]
+    text: str = (await decoder.post("/detokenize", json={"tokens": tokens})).json()["content"]
+    return text
+
+
+WORDS = (
+    "river",
+    "stone",
+    "lamp",
+    "orbit",
+    "cedar",
+    "piano",
+    "violet",
+    "harbor",
+    "copper",
+    "meadow",
+    "signal",
+    "quartz",
+)
+
+
+@attrs.frozen
+class Streamed:
+    first_ms: float  # the request's start to its first content token
+    total_ms: float
+    tokens: int  # content chunks: one token each from llama-server
+
+
+async def stream_chat(client: httpx.AsyncClient, body: dict[str, Any]) -> Streamed:
+    start = time.perf_counter()
+    first: float | None = None
+    tokens = 0
+    async with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as reply:
+        if reply.status_code != 200:
+            raise RuntimeError(f"answered {reply.status_code}: {(await reply.aread())[:300]!r}")
+        async for line in reply.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choices = json.loads(line[6:]).get("choices") or [{}]
+            if choices[0].get("delta", {}).get("content"):
+                tokens += 1
+                first = first if first is not None else time.perf_counter()
+    if first is None:
+        raise RuntimeError("no token came")
+    return Streamed((first - start) * 1000, (time.perf_counter() - start) * 1000, tokens)
+
+
+def within(lines: Sequence[dict[str, Any]]) -> tuple[int, float | None]:
+    """How many of ``lines`` the cost decision estimated, and the share of those within 1.5x."""
+    ratios = [r for fields in lines if (r := accuracy_of(RouteLine(**fields))) is not None]
+    if not ratios:
+        return 0, None
+    return len(ratios), sum(1 for _, _, v in ratios if 1 / 1.5 <= v <= 1.5) / len(ratios)
+
+
+def decided(line: dict[str, Any]) -> str:
+    """A route line's decision in a few words: the route, why, the estimates, the prefill it took."""
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value:.0f}"
+
+    prefill = line["decoder_prompt_ms"] if line["route"] == "plain" else line["prefill_ms"] + line["restore_ms"]
+    return (
+        f"{line['route']} ({line['fallback'] or 'chosen'}), {line['prompt_tokens']} tokens, {line['cached_tokens']}"
+        f" cached; estimated plain {ms(line['est_plain_ms'])} ms, hybrid {ms(line['est_hybrid_ms'])} ms;"
+        f" prefill took {ms(prefill)} ms"
+    )
+
+
+def p90(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))]
+
+
+def share(n: int, of: float | None) -> str:
+    return "-" if of is None else f"{of:.0%} of {n}"
+
+
+# -- routes ----------------------------------------------------------------------------------------
+
+
+def side_settings(side: str, shipped: Any) -> Any:
+    """The ``[hybrid]`` settings a side runs with: the shipped ones, or one route forced."""
+    if side == "plain":
+        return attrs.evolve(shipped, min_prompt_tokens=10**9)
+    if side == "file":
+        return attrs.evolve(shipped, route_by="length", min_prompt_tokens=1)
+    return shipped
+
+
+async def routes(args: argparse.Namespace) -> int:
+    sizes = QUICK_SIZES if args.quick else tuple(int(s) for s in args.sizes.split(",")) if args.sizes else SIZES
+    samples = 1 if args.quick else args.samples
+    print(machine())
+    noise = Noise.start([])
+    rng = random.Random(1)
+    measured: dict[int, dict[str, list[float]]] = {}
+    taken: dict[int, list[str]] = {}
+    default_lines: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="ob-bench-", dir="/tmp") as tmp:
+        config = shipped_config(Path(tmp), ctx_size=SLOT_TOKENS * 4)  # the shipped 4 slots
+        async with (
+            open_lines() as lines,
+            run_daemon(config, providers_ready=True, ready_timeout_s=TIMEOUT_S) as running,
+            running.clients(request_timeout_s=TIMEOUT_S) as clients,
+        ):
+            completions = running.daemon.models.default.completions
+            shipped = completions.settings
+            (provider,) = running.daemon.models.default.parts.providers.all
+            print(f"provider: {provider.name}, engine {provider.engine or '-'}, device {provider.device or '-'}")
+
+            async def one(side: str, size: int) -> tuple[Streamed, dict[str, Any]]:
+                completions.configure(side_settings(side, shipped))
+                text = await text_of(clients.direct, size, rng)
+                before = len(lines.lines)
+                body = {"messages": [{"role": "user", "content": text}], "max_tokens": 4, "temperature": 0}
+                got = await stream_chat(clients.front, body)
+                return got, await lines.wait(before + 1)
+
+            for side in SIDES:  # each side's first request pays for warming up: unmeasured
+                await one(side, sizes[0])
+            for size in sizes:
+                measured[size] = {side: [] for side in SIDES}
+                taken[size] = []
+                for r in range(samples):
+                    for side in SIDES[r % len(SIDES) :] + SIDES[: r % len(SIDES)]:
+                        got, line = await one(side, size)
+                        measured[size][side].append(got.first_ms)
+                        if side.startswith("default"):
+                            taken[size].append(line["route"])
+                            default_lines.append(line)
+                            print(f"    {side}: {decided(line)}, first token {got.first_ms:.0f} ms")
+                print(
+                    f"  {size} tokens: "
+                    + ", ".join(f"{s} {statistics.median(v):.0f} ms" for s, v in measured[size].items())
+                )
+    print()
+    print("first token, median ms            default / best   default / plain  A/A      default took")
+    print("tokens  default  plain    file      of plain, file")
+    for size in sizes:
+        m = {side: statistics.median(v) for side, v in measured[size].items()}
+        best = min(m["plain"], m["file"])
+        routes_taken = ", ".join(f"{route} {taken[size].count(route)}" for route in sorted(set(taken[size])))
+        print(
+            f"{size:>6}  {m['default']:>7.0f}  {m['plain']:>7.0f}  {m['file']:>7.0f}   {m['default'] / best:>6.2f}"
+            f"           {m['default'] / m['plain']:>6.2f}      {m['default'] / m['default again']:>5.2f}"
+            f"    {routes_taken}"
+        )
+    n, good = within(default_lines)
+    print(f"default side's estimates within 1.5x of the actual prefill: {share(n, good)}")
+    print(noise.report([]))
+    if args.plot:
+        series = {side: [(size, ms) for size in sizes for ms in measured[size][side]] for side in SIDES}
+        figures = [plot.XY("first token against prompt length", "prompt tokens", "first token, ms", series)]
+        plot.write(args.plot, "scripts/bench routes", figures, quick=args.quick)
+    return 0
+
+
+# -- fleet -----------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Ask:
+    group: int
+    question: str
+    max_tokens: int
+
+
+@attrs.frozen
+class Block:
+    first_ms: list[float]
+    tokens: int
+    wall_s: float
+
+
+async def run_block(client: httpx.AsyncClient, prefixes: Sequence[str], asks: Sequence[Ask], concurrency: int) -> Block:
+    """``asks`` in order, ``concurrency`` at a time; first tokens, tokens out, the block's wall time."""
+    first: list[float] = []
+    tokens = 0
+    queue = iter(asks)
+    start = time.perf_counter()
+
+    async def worker() -> None:
+        nonlocal tokens
+        for ask in queue:
+            messages = [{"role": "system", "content": prefixes[ask.group]}, {"role": "user", "content": ask.question}]
+            body = {"messages": messages, "max_tokens": ask.max_tokens, "temperature": 0, "ignore_eos": True}
+            got = await stream_chat(client, body)
+            first.append(got.first_ms)
+            tokens += got.tokens
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(concurrency):
+            nursery.start_soon(worker)
+    return Block(first, tokens, time.perf_counter() - start)
+
+
+async def fleet(args: argparse.Namespace) -> int:
+    per_block = 12 if args.quick else args.requests
+    print(machine())
+    noise = Noise.start([])
+    rng = random.Random(2)
+    blocks: dict[str, list[Block]] = {"direct": [], "onebitd": []}
+    with tempfile.TemporaryDirectory(prefix="ob-bench-", dir="/tmp") as tmp:
+        (Path(tmp) / "a").mkdir()
+        (Path(tmp) / "b").mkdir()
+        plain = shipped_config(Path(tmp) / "a", hybrid=False)
+        async with (
+            open_lines() as lines,
+            run_daemon(plain, ready_timeout_s=TIMEOUT_S) as direct_side,
+            direct_side.clients(request_timeout_s=TIMEOUT_S) as direct,
+            run_daemon(shipped_config(Path(tmp) / "b"), providers_ready=True, ready_timeout_s=TIMEOUT_S) as running,
+            running.clients(request_timeout_s=TIMEOUT_S) as onebitd,
+        ):
+            prefixes = [await text_of(direct.direct, rng.randint(600, 800), rng) for _ in range(args.groups)]
+
+            async def asks() -> list[Ask]:
+                return [
+                    Ask(
+                        rng.randrange(args.groups),
+                        await text_of(direct.direct, rng.randint(20, 50), rng),
+                        rng.randint(32, 64),
+                    )
+                    for _ in range(per_block)
+                ]
+
+            first, second = await asks(), await asks()
+            onebitd_lines_from = len(lines.lines)  # the direct side logs none: it bypasses onebitd
+            for side, client, block in [
+                ("direct", direct.direct, first),
+                ("onebitd", onebitd.front, first),
+                ("onebitd", onebitd.front, second),
+                ("direct", direct.direct, second),
+            ]:
+                done = await run_block(client, prefixes, block, args.concurrency)
+                blocks[side].append(done)
+                print(
+                    f"  {side}: {len(done.first_ms)} requests,"
+                    f" median first token {statistics.median(done.first_ms):.0f} ms"
+                )
+            await lines.wait(onebitd_lines_from + 2 * per_block)
+            ours = lines.lines[onebitd_lines_from:]
+    ttft = {side: [ms for b in bs for ms in b.first_ms] for side, bs in blocks.items()}
+    rate = {side: sum(b.tokens for b in bs) / sum(b.wall_s for b in bs) for side, bs in blocks.items()}
+    after_restore = sum(1 for line in ours if line["route"] != "plain" and (line.get("restored_tokens") or 0) > 0)
+    handed = sum(1 for line in ours if line["route"] != "plain")
+    restored = sum(1 for line in ours if (line.get("restored_tokens") or 0) > 0)
+    n, good = within(ours)
+    print()
+    print(f"{'':<9}first token median  p90     tokens/s")
+    for side in ("direct", "onebitd"):
+        print(f"{side:<9}{statistics.median(ttft[side]):>10.0f} ms  {p90(ttft[side]):>6.0f} ms  {rate[side]:>7.1f}")
+    print(
+        f"onebitd / direct: median {statistics.median(ttft['onebitd']) / statistics.median(ttft['direct']):.2f}x,"
+        f" p90 {p90(ttft['onebitd']) / p90(ttft['direct']):.2f}x, throughput {rate['onebitd'] / rate['direct']:.2f}x"
+    )
+    print(
+        f"onebitd's {len(ours)} requests: {handed} handed over, {restored} restored from the prefix store,"
+        f" {after_restore} handed over after a restore; estimates within 1.5x: {share(n, good)}"
+    )
+    print(noise.report([]))
+    if args.plot:
+        figures = [plot.Bars("first token (ms)", "ms", {"first token": ttft})]
+        plot.write(args.plot, "scripts/bench fleet", figures, quick=args.quick)
+    return 0

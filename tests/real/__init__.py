@@ -1,0 +1,1 @@
+"""The tests against the real llama-server and models (marked ``real``)."""
