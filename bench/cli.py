@@ -7,6 +7,8 @@
     scripts/bench prefix [--quick]     a long shared prompt across a decoder crash, with and without the store
     scripts/bench models [--quick]     two models through a one-model budget: swaps, with and without the store
     scripts/bench families [--quick]   per model family and quant: first token plain vs the file route, memory
+    scripts/bench turns [--quick]      per family, an agent's session across a swap and a restart: onebitd
+                                       against llama-server direct
     scripts/bench agent [--quick]      an agent's session through anthropic-python and openai-python's Responses
                                        client: direct, plain, hybrid, and after a full restart
     scripts/bench hosts [--quick]      agents' sessions over three hosts behind HAProxy, one drained half way:
@@ -43,7 +45,21 @@ from collections.abc import Awaitable, Callable, Sequence
 import attrs
 import trio
 
-from bench import agent, families, handoff, hosts, models, multiturn, overhead, plot, prefix, providers, routes, versus
+from bench import (
+    agent,
+    families,
+    handoff,
+    hosts,
+    models,
+    multiturn,
+    overhead,
+    plot,
+    prefix,
+    providers,
+    routes,
+    turns,
+    versus,
+)
 from bench.rig import BenchError, leaves
 from supervisor.errors import ChildError, ConfigError
 
@@ -80,6 +96,12 @@ SUBCOMMANDS = [
         help="per model family and quant: first token plain against the file route, the restore, memory",
         arguments=families.arguments,
         run=families.run,
+    ),
+    Subcommand(
+        name="turns",
+        help="per family, an agent's session of 8 turns across a swap and a restart: onebitd against direct",
+        arguments=turns.arguments,
+        run=turns.run,
     ),
     Subcommand(
         name="multiturn",

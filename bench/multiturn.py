@@ -28,14 +28,12 @@ slot affinity is shown on its own.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shutil
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
@@ -46,7 +44,7 @@ import trio
 
 from bench import plot
 from bench.rig import Noise, machine, open_direct, writes_settled
-from bench.workloads import QUESTIONS, TOPICS
+from bench.workloads import QUESTIONS, TOPICS, chat_turn
 from supervisor import config as configuration
 from supervisor.config import Config
 from supervisor.daemon import Daemon
@@ -123,28 +121,6 @@ async def open_daemon(config: Config) -> AsyncIterator[tuple[Daemon, httpx.Async
         yield running.daemon, clients.front
 
 
-async def turn(client: httpx.AsyncClient, messages: list[dict[str, str]], max_tokens: int) -> tuple[float, str, int]:
-    """Streams one turn: time to the first token, the reply, the decoder's prompt_n."""
-    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    start = time.perf_counter()
-    first: float | None = None
-    text, prompt_n = "", -1
-    async with client.stream("POST", "/v1/chat/completions", json=body) as reply:
-        if reply.status_code != 200:
-            raise RuntimeError(f"{client.base_url} answered {reply.status_code}: {(await reply.aread())[:300]!r}")
-        async for line in reply.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            data = json.loads(line[6:])
-            for choice in data.get("choices", []):
-                piece = choice.get("delta", {}).get("content")
-                if piece:
-                    first = first or time.perf_counter()
-                    text += piece
-            prompt_n = data.get("timings", {}).get("prompt_n", prompt_n)
-    return ((first or time.perf_counter()) - start) * 1000, text, prompt_n
-
-
 def order(sides: list[Side], request: int) -> list[Side]:
     """Request ``request``'s order: rotated by one each request, reversed every other cycle, so that
     over 2 x len(sides) requests each side goes first, in the middle and last alike, and after each
@@ -157,7 +133,7 @@ def order(sides: list[Side], request: int) -> list[Side]:
 async def measure(side: Side, messages: list[dict[str, str]], args: argparse.Namespace, lines: RouteLines) -> Sample:
     """One request on ``side``; on an onebitd side, its route line and the store's write awaited."""
     before = len(lines.lines)
-    ttft, reply, prompt_n = await turn(side.client, messages, args.max_tokens)
+    ttft, reply, prompt_n = await chat_turn(side.client, messages, args.max_tokens)
     messages.append({"role": "assistant", "content": reply})
     if side.daemon is None:
         return Sample(ttft, prompt_n, None, "direct")

@@ -1,5 +1,5 @@
 """The benchmarks' shared rig: onebitd as each benchmark runs it, the clients it measures with, and
-the machine it runs on.
+the machine it runs on, and the route lines onebitd logs meanwhile (:func:`open_lines`).
 
 onebitd runs in a process of its own (:func:`spawn_onebitd`, as in service) or in the benchmark's
 own trio run with a hybrid route and its provider (:func:`open_rig`); :func:`open_direct` starts a
@@ -11,6 +11,7 @@ figures, so that two runs' figures can be compared.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 import platform
@@ -31,9 +32,10 @@ import trio
 from supervisor import config as configuration
 from supervisor.config import Config, locate
 from supervisor.daemon import Daemon
+from supervisor.observe.logs import ROUTE_LOGGER
 from supervisor.providers.llama import LlamaServerProvider
 from supervisor.supervise.process import ChildProcess
-from supervisor.testing import run_daemon, unix_transport
+from supervisor.testing import RouteLines, run_daemon, unix_transport
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -402,3 +404,18 @@ async def writes_settled(daemon: Daemon) -> None:
     stored = daemon.models.default.completions.stored
     while stored is not None and stored.writing:  # noqa: ASYNC110  # no event announces it
         await trio.sleep(0.01)
+
+
+@asynccontextmanager
+async def open_lines() -> AsyncIterator[RouteLines]:
+    """Every route line logged while the block runs."""
+    lines = RouteLines()
+    logger = logging.getLogger(ROUTE_LOGGER)
+    level = logger.level
+    logger.addHandler(lines)
+    logger.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(lines)
+        logger.setLevel(level)

@@ -27,13 +27,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import random
 import statistics
 import tempfile
 import time
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,13 +40,12 @@ import httpx
 import trio
 
 from bench import plot
-from bench.rig import Noise, machine
+from bench.rig import Noise, machine, open_lines
 from supervisor import config as configuration
 from supervisor.config import Config
-from supervisor.observe.logs import ROUTE_LOGGER
 from supervisor.observe.routestats import accuracy_of
 from supervisor.routeline import RouteLine
-from supervisor.testing import RouteLines, run_daemon
+from supervisor.testing import run_daemon
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ROOT / "config" / "onebit.toml"
@@ -86,21 +83,6 @@ def shipped_config(runtime_dir: Path, *, hybrid: bool = True, **model: Any) -> C
     config = configuration.structure(data, str(SHIPPED))
     configuration.check(config, str(SHIPPED))
     return config
-
-
-@asynccontextmanager
-async def open_lines() -> AsyncIterator[RouteLines]:
-    """Every route line logged while the block runs."""
-    lines = RouteLines()
-    logger = logging.getLogger(ROUTE_LOGGER)
-    level = logger.level
-    logger.addHandler(lines)
-    logger.setLevel(logging.INFO)
-    try:
-        yield lines
-    finally:
-        logger.removeHandler(lines)
-        logger.setLevel(level)
 
 
 async def text_of(decoder: httpx.AsyncClient, n_tokens: int, rng: random.Random) -> str:

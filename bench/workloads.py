@@ -86,6 +86,33 @@ class Side:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
+async def chat_turn(
+    client: httpx.AsyncClient, messages: list[dict[str, str]], max_tokens: int, model: str | None = None
+) -> tuple[float, str, int]:
+    """Streams one chat turn (to ``model``, where named): time to the first token (ms), the reply, and
+    the prompt_n of the stream's timings (llama-server's; -1 where none came)."""
+    body: dict[str, Any] = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    if model is not None:
+        body["model"] = model
+    start = time.perf_counter()
+    first: float | None = None
+    text, prompt_n = "", -1
+    async with client.stream("POST", "/v1/chat/completions", json=body) as reply:
+        if reply.status_code != 200:
+            raise RuntimeError(f"{client.base_url} answered {reply.status_code}: {(await reply.aread())[:300]!r}")
+        async for line in reply.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            for choice in data.get("choices", []):
+                piece = choice.get("delta", {}).get("content")
+                if piece:
+                    first = first or time.perf_counter()
+                    text += piece
+            prompt_n = data.get("timings", {}).get("prompt_n", prompt_n)
+    return ((first or time.perf_counter()) - start) * 1000, text, prompt_n
+
+
 async def short_completion(
     client: httpx.AsyncClient,
     body: dict[str, Any],

@@ -296,6 +296,31 @@ async def test_the_multiturn_benchmark_in_quick_mode_exits_0_and_prints_every_tu
     assert "machine noise: " in out, out
 
 
+@pytest.mark.real
+async def test_the_turns_benchmark_in_quick_mode_exits_0_with_every_turn_and_the_restart_restored(
+    tmp_path: Path,
+) -> None:
+    real_llama_server()
+    # Two families, a session of 4 turns each: the swap before turn 2, the restart before turn 4.
+    picture = tmp_path / "turns.svg"
+    out = await quick_run("turns", "--quick", "--plot", str(picture), timeout_s=600)
+    assert {"dense", "hybrid recurrent", "prompt tokens the decoder evaluated per turn"} <= set(svg_texts(picture))
+    # family, turn, event; onebitd's ms and load, direct's ms, the ratio; restored, both sides' prompt_n, fallback
+    row = rf"^(dense|hybrid recurrent) +(\d) (\S+) +\d+ +\d+ +\d+ +{NUMBER}x +(\d+|-) +\d+ +\d+  (\S+)$"
+    rows = re.findall(row, out, re.MULTILINE)
+    events = ["cold", "swap-back", "warm", "restart"]
+    assert [(f, int(t), e) for f, t, e, *_ in rows] == [
+        (family, t, event) for family in ("dense", "hybrid recurrent") for t, event in enumerate(events, 1)
+    ], out
+    # After the full restart onebitd restored the conversation from its prefix store, on either family.
+    assert all(restored != "-" and fallback == "stored" for _, _, e, restored, fallback in rows if e == "restart"), out
+    # cold, warm, swap, restart, session: direct / onebitd
+    summary = r"^(dense|hybrid recurrent) +(llama-dense|qwen35-dense)" + rf" +{NUMBER}x" * 5 + "$"
+    assert [family for family, _ in re.findall(summary, out, re.MULTILINE)] == ["dense", "hybrid recurrent"], out
+    assert re.search(r"^machine: \d+ CPUs \(.*python probe [\d.]+ ms$", out, re.MULTILINE), out
+    assert "machine noise: " in out, out
+
+
 @pytest.fixture
 def openvino_binary() -> Path:
     """A sync fixture, so that a missing binary fails (or skips) with its reason before the trio run starts."""
