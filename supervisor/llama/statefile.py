@@ -62,7 +62,7 @@ class Layer:
     k_type: int
     v_type: int
     k: array.array[float]  # cell-major: cell c's row is k[c * k_width:(c + 1) * k_width]
-    v: array.array[float]  # cell-major too (a transposed V is turned around)
+    v: array.array[float]  # cell-major too (a transposed V is turned around); both empty: read without KV values
     k_width: int
     v_width: int
 
@@ -183,7 +183,7 @@ def _width(ggml_type: int, row_bytes: int) -> int:
     raise StateFileError(f"cache type {ggml_type} is not one this reader decodes ({sorted(TYPE_NAMES.values())})")
 
 
-def _kv_cache(r: Reader, name: str, cell_ext: bool) -> KvCache:
+def _kv_cache(r: Reader, name: str, cell_ext: bool, values: bool) -> KvCache:
     n_stream = r.u32()
     if not 1 <= n_stream <= 4096:
         raise StateFileError(f"implausible stream count {n_stream}: not a KV cache")
@@ -207,21 +207,25 @@ def _kv_cache(r: Reader, name: str, cell_ext: bool) -> KvCache:
         keys: list[tuple[int, int, array.array[float]]] = []
         for _layer in range(n_layer):
             k_type, row_bytes = r.i32(), r.u64()
-            keys.append((k_type, _width(k_type, row_bytes), decode(k_type, r.take(cell_count * row_bytes))))
+            raw = r.take(cell_count * row_bytes)
+            keys.append((k_type, _width(k_type, row_bytes), decode(k_type, raw) if values else array.array("f")))
         layers = []
         for k_type, k_width, k in keys:
             v_type = r.i32()
             if v_trans:
                 element_bytes, n_embd_v = r.u32(), r.u32()
-                columns = decode(v_type, r.take(n_embd_v * cell_count * element_bytes))
-                v = array.array("f", bytes(4 * n_embd_v * cell_count))
-                for j in range(n_embd_v):  # the file holds dimension j of every cell, then j + 1
-                    v[j::n_embd_v] = columns[j * cell_count : (j + 1) * cell_count]
+                raw = r.take(n_embd_v * cell_count * element_bytes)
+                v = array.array("f", bytes(4 * n_embd_v * cell_count) if values else b"")
+                if values:
+                    columns = decode(v_type, raw)
+                    for j in range(n_embd_v):  # the file holds dimension j of every cell, then j + 1
+                        v[j::n_embd_v] = columns[j * cell_count : (j + 1) * cell_count]
                 v_width = n_embd_v
             else:
                 row_bytes = r.u64()
                 v_width = _width(v_type, row_bytes)
-                v = decode(v_type, r.take(cell_count * row_bytes))
+                raw = r.take(cell_count * row_bytes)
+                v = decode(v_type, raw) if values else array.array("f")
             layers.append(Layer(k_type, v_type, k, v, k_width, v_width))
     return KvCache(name, n_stream, tuple(positions), tuple(layers or ()))
 
@@ -261,7 +265,7 @@ LAYOUTS: tuple[tuple[str, ...], ...] = (
 )
 
 
-def _parse(data: bytes, layout: tuple[str, ...], cell_ext: bool) -> SlotState:
+def _parse(data: bytes, layout: tuple[str, ...], cell_ext: bool, values: bool) -> SlotState:
     r = Reader(data)
     if r.u32() != MAGIC:
         raise StateFileError("not a llama.cpp slot state file (no 'ggsq' magic)")
@@ -270,28 +274,29 @@ def _parse(data: bytes, layout: tuple[str, ...], cell_ext: bool) -> SlotState:
         raise StateFileError(f"state file version {version}, this reader knows {VERSION}")
     n_tokens = r.u32()
     tokens = struct.unpack(f"<{n_tokens}i", r.take(4 * n_tokens))
-    caches = tuple(_kv_cache(r, name, cell_ext) for name in layout if name != "recurrent")
+    caches = tuple(_kv_cache(r, name, cell_ext, values) for name in layout if name != "recurrent")
     recurrent = _recurrent(r) if layout[-1] == "recurrent" else None
     if r.at != len(data):
         raise StateFileError(f"{len(data) - r.at} bytes left over after the {' and '.join(layout)}")
     return SlotState(tuple(tokens), caches, recurrent)
 
 
-def parse(data: bytes) -> SlotState:
+def parse(data: bytes, *, kv_values: bool = True) -> SlotState:
     """A slot state file's contents, read (see the module docstring); raises :class:`StateFileError`
-    with why the likeliest reading, a plain KV cache's, failed."""
+    with why the likeliest reading, a plain KV cache's, failed.  ``kv_values`` false: the KV caches'
+    cells and row widths are read, their rows left empty (decoding them is most of the cost)."""
     failed: list[StateFileError] = []
     for cell_ext in (False, True):
         for layout in LAYOUTS:
             try:
-                return _parse(data, layout, cell_ext)
+                return _parse(data, layout, cell_ext, kv_values)
             except StateFileError as exc:
                 failed.append(exc)
     raise failed[0]
 
 
-def read(path: Path) -> SlotState:
-    return parse(path.read_bytes())
+def read(path: Path, *, kv_values: bool = True) -> SlotState:
+    return parse(path.read_bytes(), kv_values=kv_values)
 
 
 def has_magic(path: Path) -> bool:

@@ -135,14 +135,16 @@ async def _probe(start: Start, found: SlotContext | None) -> tuple[Restores, str
 
 @attrs.frozen
 class Gauge:
-    """What a provider's start-time check measures with: the load's decoder, its client and slots,
-    its restore capability, the file handoff it hands over through, the rates its prefills teach,
-    and the prefill timeout and the slot context as they are at the check.  ``must_be_faster``: a
+    """What a provider's start-time check measures with: the load's decoder, its client, slots and
+    ``--slot-save-path`` (where the states it compares are saved), its restore capability, the file
+    handoff it hands over through, the rates its prefills teach, and the prefill timeout and the slot
+    context as they are at the check.  ``must_be_faster``: a
     prefill no faster than the decoder's own engine's is refused too (engine "auto")."""
 
     decoder: Child
     client: DecoderClient
     slots: SlotPool
+    state_dir: Path
     capability: Capability
     handoff: FileHandoff
     rates: Rates
@@ -153,7 +155,10 @@ class Gauge:
 
 async def check(provider: Provider, gauge: Gauge) -> Checked:
     """A provider's start-time check: a few prompts through the decoder's three paths, in a slot
-    held like a request's, once the decoder is ready and its probe said what restores.  Admitted
+    held like a request's, once the decoder is ready and its probe said what restores; each
+    prompt's handed-over state against the decoder's own, its recurrent parts on every prompt (a
+    state may go wrong only after earlier prompts), its KV caches' values on the first (their cost,
+    supervisor/routes/statecheck.py).  Admitted
     unmeasured where nothing restores.  Raises ProviderError when it cannot finish (the decoder or
     the provider went away)."""
     await gauge.decoder.wait_state(ChildState.READY)
@@ -161,13 +166,19 @@ async def check(provider: Provider, gauge: Gauge) -> Checked:
     await gauge.capability.known.wait()
     if not gauge.capability.handoff:
         return Checked()
-    probe = fidelity.Probe(client=gauge.client, handoff=gauge.handoff, timeout_s=gauge.timeout_s)
+    probe = fidelity.Probe(
+        client=gauge.client,
+        handoff=gauge.handoff,
+        timeout_s=gauge.timeout_s,
+        state_dir=gauge.state_dir,
+        short_by=gauge.capability.short_by,
+    )
     prompts = fidelity.fitting([await probe.tokens(text) for text in fidelity.GATE_PROMPTS], gauge.slot_context)
     started = trio.current_time()
     async with gauge.slots.hold() as slot:
         try:
             samples = [
-                await probe.sample(provider, slot, tokens, req=f"fidelity-{provider.name}-{i}")
+                await probe.sample(provider, slot, tokens, req=f"fidelity-{provider.name}-{i}", kv_state=i == 0)
                 for i, tokens in enumerate(prompts)
             ]
         except ProviderStateRefused as exc:

@@ -248,6 +248,7 @@ class Parts:
             decoder=self.decoder,
             client=self.client,
             slots=self.slots,
+            state_dir=self.state_dir,
             capability=self.capability,
             handoff=self.hybrid.file,
             rates=self.completions.rates,

@@ -23,6 +23,10 @@ worst prompt (one prompt far off must not hide behind good ones):
     mean(d_handoff) <= FACTOR * mean(d_cold) + FLOOR
     max(d_handoff)  <= FACTOR * max(d_cold)  + FLOOR
 
+The same handoff's state is compared with the decoder's own for the same tokens
+(supervisor/routes/statecheck.py): a provider is admitted only where that is within STATE_BOUND too
+and no cell differs.  The distance alone admits a wrong state wherever the logits barely move with it.
+
 A ggml provider runs the decoder's own engine: its d_handoff is 0 (tests hold it to identical
 replies instead).
 
@@ -34,22 +38,33 @@ own engine on this model costs its memory and its start for nothing, and ggml go
 
 The pure part (:func:`top_k`, :func:`total_variation`, :func:`judge`) does no I/O; :class:`Probe`
 measures through llama-server's typed calls (supervisor/llama/decoder.py: tokenize, next_token,
-erase) and the file route's own handoff.
+prefill, save, erase) and the file route's own handoff.
 """
 
 from __future__ import annotations
 
 import math
+import secrets
 import statistics
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 import attrs
+import trio
 
 from ..errors import DecoderError, ProviderError, ProviderStateRefused
 from ..llama import decoder
 from ..providers import Provider
 from .decision import Outcome, Step
+from .gate_prompts import GATE_PROMPTS as GATE_PROMPTS
+from .gate_prompts import LONG_PROMPTS as LONG_PROMPTS
+from .gate_prompts import START_PROMPTS as START_PROMPTS
+from .gate_prompts import fitting as fitting
+from .gate_prompts import prompt_set as prompt_set
+from .statecheck import STATE_BOUND, StateCheck, compare_files
+from .statecheck import summary as state_summary
+from .statecheck import worst as worst_state
 
 # The top-k llama-server reports; 20 is the OpenAI API's top_logprobs maximum, and holds all but a
 # few thousandths of the mass of a 135M model's next token on ordinary text.
@@ -109,6 +124,8 @@ class Sample:
     # the prompt, and the handoff's outcome (the provider's prefill, the state moved).
     cold_ms: float | None = None
     outcome: Outcome | None = None
+    # The handed-over state against the decoder's own for the same tokens; None: not compared.
+    state: StateCheck | None = None
 
 
 @attrs.frozen
@@ -127,10 +144,20 @@ class Verdict:
     # handoff, the decoder's cold; None where a side gave no figure.
     provider_ms_per_token: float | None = None
     decoder_ms_per_token: float | None = None
+    # Each prompt's state check, where one ran (statecheck.py: every error <= STATE_BOUND, no cell
+    # differing).
+    states: tuple[StateCheck, ...] = ()
+    state_bound: float = STATE_BOUND
+
+    @property
+    def state(self) -> StateCheck | None:
+        """The state check that decides (the worst), None where none ran."""
+        return worst_state(self.states)
 
     @property
     def ok(self) -> bool:
-        return self.mean_handoff <= self.bound and self.max_handoff <= self.worst_bound
+        state_ok = self.state is None or self.state.ok
+        return self.mean_handoff <= self.bound and self.max_handoff <= self.worst_bound and state_ok
 
     @property
     def faster(self) -> bool | None:
@@ -140,6 +167,10 @@ class Verdict:
         return self.provider_ms_per_token < self.decoder_ms_per_token
 
     def summary(self) -> str:
+        return f"{self.distance()}; {state_summary(self.states)}"
+
+    def distance(self) -> str:
+        """The next-token distances and the speeds, in one line."""
         return (
             f"next-token TV distance over {self.n} prompts: handoff mean {self.mean_handoff:.4f}"
             f" (worst {self.max_handoff:.4f}), the decoder's own cold prefill {self.mean_cold:.4f}"
@@ -159,6 +190,8 @@ class Verdict:
     def refusal(self, *, must_be_faster: bool) -> str | None:
         """Why the provider is refused, or None: admitted.  ``must_be_faster``: its engine was
         chosen for it (engine "auto"), and is kept only where it prefills faster than the decoder's."""
+        if self.state is not None and not self.state.ok:
+            return f"{state_summary(self.states)}: over the bound; {self.distance()}"
         if not self.ok:
             return f"{self.summary()}: over the bound"
         if must_be_faster and not self.faster:
@@ -188,6 +221,7 @@ def judge(samples: Sequence[Sample], *, factor: float | None = None, floor: floa
         worst_bound=factor * max_cold + floor,
         provider_ms_per_token=provider_ms,
         decoder_ms_per_token=decoder_ms,
+        states=tuple(s.state for s in samples if s.state is not None),
     )
 
 
@@ -207,97 +241,28 @@ def _speeds(samples: Sequence[Sample]) -> tuple[float | None, float | None]:
     )
 
 
-# The prompts of the start-time check: a few ordinary sentences of different kinds, each long enough
-# (70-120 tokens with SmolLM2's tokenizer) for the provider's KV to carry the next token.  A few
-# prompts, not thirty: the check runs at every start, on the decoder's time.
-START_PROMPTS = (
-    "The water cycle describes how water evaporates from oceans, lakes and rivers, rises as vapour, "
-    "cools into clouds and falls again as rain or snow. Over land, some of it soaks into the soil and "
-    "feeds the groundwater, some runs off into streams, and plants draw it up through their roots and "
-    "release it from their leaves. Over a year the same molecule may travel thousands of kilometres. "
-    "Explain in two sentences why deserts receive so little of it:",
-    "def merge_sorted(a, b):\n    result = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n"
-    "        if a[i] <= b[j]:\n            result.append(a[i])\n            i += 1\n        else:\n"
-    "            result.append(b[j])\n            j += 1\n    result.extend(a[i:])\n"
-    "    result.extend(b[j:])\n    return result\n\n# Now a function that merges k sorted lists with a heap:\n",
-    "Dear committee, I am writing to apply for the position of junior librarian advertised last week. "
-    "For the past three years I have volunteered at the town library, where I catalogued donations, "
-    "ran a weekly reading hour for children and helped visitors find their way around the archive. "
-    "I enjoy quiet, careful work, and I am at ease with the catalogue software you use. In my "
-    "previous role I also",
-    "A recipe for bread: mix 500 g of flour with 10 g of salt and 7 g of dried yeast. Add 320 ml of "
-    "warm water and knead for ten minutes until the dough is smooth and elastic. Leave it covered in a "
-    "warm place for an hour, until it has doubled in size. Knock it back, shape it into a loaf, and "
-    "let it rise again for half an hour. Bake at 220 degrees for",
-)
-
-
-# Two prompts past the static path's 256-token chunk (about 690 tokens each with SmolLM2's
-# tokenizer): a KV written chunk by chunk, or a long context's rounding, shows only there.
-LONG_PROMPTS = (
-    " ".join(START_PROMPTS[i % 4].rstrip(":") + "." for i in range(7))
-    + " Summarise the seven passages above in one line:",
-    " ".join(START_PROMPTS[(i + 2) % 4].rstrip(":") + "." for i in range(7))
-    + " Which passage above is the odd one out?",
-)
-# The start-time check's prompts: those that fit a slot (:func:`fitting`).
-GATE_PROMPTS = START_PROMPTS + LONG_PROMPTS
-
-
-def fitting(prompts: Sequence[list[int]], slot_context: int | None) -> list[list[int]]:
-    """The prompts (as tokens) that leave a slot room for the one token each probe asks."""
-    if slot_context is None:
-        return list(prompts)
-    return [tokens for tokens in prompts if len(tokens) + 2 <= slot_context]
-
-
-# What the longer prompt sets are made of (the real-parts test's 30, the benchmark's): each of
-# START_PROMPTS' kinds of text on other subjects.
-_SUBJECTS = (
-    "volcanoes",
-    "the printing press",
-    "honey bees",
-    "railway signalling",
-    "the immune system",
-    "glaciers",
-    "medieval castles",
-    "solar panels",
-    "octopuses",
-    "the stock market",
-)
-_FRAMES = (
-    "Here is a short encyclopedia article about {s}. It covers where the idea comes from, how it works "
-    "in practice, what people commonly get wrong about it, and why it still matters today. The first "
-    "section explains the basic mechanism in plain words, with one example that most readers will "
-    "recognise from daily life. The second section, which follows, begins like this:",
-    "Question from a student: my teacher asked us to write a paragraph about {s}, but I do not know "
-    "where to start. Could you list three facts about {s} that are surprising, and say for each one "
-    "why it is true? Please keep the language simple, since the paragraph is for a class of "
-    "twelve-year-olds, and end with a question they could discuss together. Answer:",
-    "Meeting notes, project review. Attendees discussed the exhibition about {s} planned for spring. "
-    "The budget is fixed; the venue is confirmed for four weeks. Open items: the opening talk, the "
-    "printed guide, and whether to add an interactive corner about {s} for children. Action items "
-    "were assigned as follows. First,",
-)
-
-
-def prompt_set(n: int) -> list[str]:
-    """``n`` distinct prompts of 60-120 tokens (SmolLM2's tokenizer): the start prompts, then frames x subjects."""
-    texts = list(START_PROMPTS)
-    texts += [frame.format(s=subject) for subject in _SUBJECTS for frame in _FRAMES]
-    if n > len(texts):
-        raise ValueError(f"at most {len(texts)} prompts")
-    return texts[:n]
-
-
 class Probe:
-    """Measures :class:`Sample` for a provider through the decoder, in a decoder slot the caller holds."""
+    """Measures :class:`Sample` for a provider through the decoder, in a decoder slot the caller holds.
+    ``state_dir``: the decoder's ``--slot-save-path``, where the states are saved to be compared (None:
+    they are not); ``short_by``: how many tokens short of the prompt the file route hands over
+    (supervisor/routes/capability.py)."""
 
-    def __init__(self, *, client: Client, handoff: Handoff, timeout_s: float, k: int = TOP_K) -> None:
+    def __init__(
+        self,
+        *,
+        client: Client,
+        handoff: Handoff,
+        timeout_s: float,
+        k: int = TOP_K,
+        state_dir: Path | None = None,
+        short_by: int = 0,
+    ) -> None:
         self.client = client
         self.handoff = handoff
         self.timeout_s = timeout_s
         self.k = k
+        self.state_dir = state_dir
+        self.short_by = short_by
 
     async def tokens(self, text: str) -> list[int]:
         """``text`` as the decoder's completion path tokenizes it.  Raises ProviderError."""
@@ -306,10 +271,27 @@ class Probe:
         except DecoderError as exc:
             raise ProviderError(f"fidelity: {exc.message}") from exc
 
-    async def sample(self, provider: Provider, slot: int, tokens: list[int], req: str = "fidelity") -> Sample:
-        """The three paths for one prompt; the slot is erased before and after.  Raises ProviderError."""
+    async def sample(
+        self, provider: Provider, slot: int, tokens: list[int], req: str = "fidelity", *, kv_state: bool = True
+    ) -> Sample:
+        """The three paths for one prompt, and the handed-over state against the decoder's own where
+        ``state_dir`` is set (``kv_state``: its KV caches' values too, else only its recurrent parts);
+        the slot is erased before and after, the saved states removed.  Raises ProviderError."""
+        # What the file route hands over (supervisor/routes/file.py): the prompt, or less its end.
+        handed = tokens[: len(tokens) - self.short_by] if 0 < self.short_by < len(tokens) else tokens
+        own = provided = None
+        if self.state_dir is not None:
+            # Our names, random: a check run again must not meet the files of one cut short.
+            name = f"{req}-{secrets.token_hex(4)}"
+            own, provided = self.state_dir / f"{name}-own.state", self.state_dir / f"{name}-provided.state"
+        state = None
         await self._erase(slot)
         try:
+            if own is not None:
+                # The decoder's own state of exactly the handed tokens; the cached path below then
+                # evaluates the rest (a hybrid model's last token) over it.
+                await self._prefill(slot, handed)
+                await self._save(slot, own)
             await self._next(slot, tokens, cache=True)
             cached = await self._next(slot, tokens, cache=True, evaluated=1)
             cold_answer = await self._ask(slot, tokens, cache=False, evaluated=len(tokens))
@@ -325,9 +307,17 @@ class Probe:
                 raise ProviderStateRefused(f"it cannot prefill this model: {outcome.why}")
             if not outcome.ok:
                 raise ProviderError(f"fidelity: the handoff failed: {outcome.why}")
+            if provided is not None:
+                await self._save(slot, provided)  # the restored slot: the provider's state, as handed over
             handoff = await self._next(slot, tokens, cache=True, evaluated=1)
+            if own is not None and provided is not None:
+                state = await trio.to_thread.run_sync(lambda: compare_files(provided, own, kv=kv_state))
         finally:
             await self._erase(slot)
+            for path in (own, provided):
+                if path is not None:
+                    # Synchronous on purpose: an await here could be cancelled and leave the file.
+                    path.unlink(missing_ok=True)
         return Sample(
             n_tokens=len(tokens),
             handoff=total_variation(handoff, cached),
@@ -335,7 +325,18 @@ class Probe:
             same_top1=top1(handoff) == top1(cached),
             cold_ms=cold_answer.prompt_ms,
             outcome=outcome,
+            state=state,
         )
+
+    async def _prefill(self, slot: int, tokens: list[int]) -> None:
+        done = await decoder.prefill(self.client, slot, tokens)
+        if isinstance(done, decoder.Refusal):
+            raise ProviderError(f"fidelity: the decoder's prefill: {done.words}")
+
+    async def _save(self, slot: int, path: Path) -> None:
+        saved = await decoder.save(self.client, slot, path.name)
+        if isinstance(saved, decoder.Refusal):
+            raise ProviderError(f"fidelity: the decoder's save of its slot: {saved.words}")
 
     async def _next(
         self, slot: int, tokens: list[int], *, cache: bool, evaluated: int | None = None

@@ -71,10 +71,15 @@ GGML_LOGITS = 1e-6
 # state, so the bound is relative, a tenth of how far a state one position off moves them.
 OPENVINO_STATE = 0.1
 OPENVINO_LOGITS = 0.1
-# What OpenVINO does with a family otherwise: "refused" at start (its prefill answers "Compute
-# error"), or the tensor whose handed-over state is past the bound (measured: Granite 4's mamba2 SSM
-# state, its norm 50 times the decoder's once the start-time gate's prompts ran before it).
-OPENVINO_OTHERWISE = {"gemma3-dense": "refused", "gpt-oss-moe": "refused", "granitehybrid-dense": "S"}
+# The families OpenVINO is refused for at start, and the words its refusal ends or starts with: its
+# prefill answers "Compute error", or the start-time gate finds its handed-over state past the bound
+# (supervisor/routes/statecheck.py; measured: Granite 4's mamba2 SSM state, all zeros on each of the
+# gate's prompts, its error 1; handed over after them, its norm 50 times the decoder's).
+OPENVINO_REFUSED = {
+    "gemma3-dense": "Compute error.",
+    "gpt-oss-moe": "Compute error.",
+    "granitehybrid-dense": "state S off by",
+}
 
 
 @attrs.frozen
@@ -257,10 +262,11 @@ async def test_the_openvino_providers_state_and_the_decoders_next_token_after_it
     provider = {"engine": "openvino", "device": "CPU", "binary": str(binary)}
     with trio.fail_after(DEADLINE_S):
         proof = await prove(config(short_dir, model_file(tiny_models, name), provider))
-    otherwise = OPENVINO_OTHERWISE.get(name)
-    if otherwise == "refused":
+    refusal = OPENVINO_REFUSED.get(name)
+    if refusal is not None:
         assert isinstance(proof, str), "OpenVINO was admitted"
-        assert proof.endswith("Compute error."), proof
+        log.warning("%s openvino: refused at start: %s", name, proof)
+        assert proof.endswith(refusal) or proof.startswith(refusal), proof
         return
     assert isinstance(proof, Proof), proof
     log.warning("%s", summary(name, "openvino", proof))
@@ -268,11 +274,5 @@ async def test_the_openvino_providers_state_and_the_decoders_next_token_after_it
     # The next token relative to how far a state one position off moves it (OPENVINO_LOGITS).
     logits_bound = OPENVINO_LOGITS * proof.rotated_logits
     assert_one_position_off_is_flagged(proof, state_bound=OPENVINO_STATE, logits_bound=logits_bound)
-    if otherwise is None:
-        assert proof.state.max_error <= OPENVINO_STATE, proof.state
-        assert proof.logits <= logits_bound
-    else:
-        # The proof catches what the start-time gate's next-token distance does not (it admitted it).
-        assert proof.state.worst(otherwise) > OPENVINO_STATE, proof.state
-        assert max(e.error for e in proof.state.errors if e.tensor != otherwise) <= OPENVINO_STATE
-        assert proof.logits > logits_bound
+    assert proof.state.max_error <= OPENVINO_STATE, proof.state
+    assert proof.logits <= logits_bound

@@ -243,3 +243,18 @@ def test_slotdiff_prints_each_part(tmp_path: Path, capsys: pytest.CaptureFixture
         "  max    0.00000    0.50000",
         "differ: recurrent: cells at 1..1 (1) against 2..2 (1)",
     ]
+
+
+@pytest.mark.parametrize("v_trans", [0, 1])
+def test_read_without_the_kv_values_a_state_keeps_its_cells_and_its_recurrent_memory(v_trans: int) -> None:
+    kv = state_bytes(v_trans=v_trans, cells=CELLS)
+    lean = statefile.parse(kv, kv_values=False)
+    assert lean.positions == (0, 1)
+    assert (list(lean.layers[0].k), list(lean.layers[0].v), lean.layers[0].k_width) == ([], [], 2)
+    own = state_of(kv_part(CELLS), recurrent_part(1, [1.0, 2.0], [3.0]))
+    other = state_of(kv_part(CELLS[:1]), recurrent_part(1, [1.0, 2.0], [6.0]))
+    comparison = statediff.compare(
+        statefile.parse(other, kv_values=False), statefile.parse(own, kv_values=False), kv=False
+    )
+    assert comparison.differences == ("kv: cells at 0..0 (1) against 0..1 (2)",)
+    assert [(e.tensor, e.error) for e in comparison.errors] == [("R", 0.0), ("S", 1.0)]

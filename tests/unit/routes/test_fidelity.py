@@ -4,6 +4,7 @@ against an in-process decoder and handoff."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any, cast
 
 import attrs
@@ -19,6 +20,7 @@ from supervisor.routes.fidelity import Probe, Sample, judge, top_k, total_variat
 from supervisor.routes.handover import learn
 from supervisor.routes.rates import Rates
 from tests.rigs.rig import ScriptedProvider
+from tests.unit.llama.test_statefile import kv_part, recurrent_part, state_of
 
 
 def reply(probs: dict[int, float], prompt_n: int = 1) -> dict[str, Any]:
@@ -75,6 +77,9 @@ class FakeDecoder:
             return 200, {}
         if path == "/tokenize":
             return 200, {"tokens": list(range(len(body["content"].split())))}
+        if path.endswith("action=save"):  # no file: the state is not compared (StateDecoder's is)
+            self.calls.append("save")
+            return 200, {"n_saved": 1}
         n = len(body["prompt"])
         if not body["cache_prompt"]:
             self.slot = "own"
@@ -248,3 +253,87 @@ def test_a_speed_not_measured_is_not_faster() -> None:
     why = verdict.refusal(must_be_faster=True)
     assert why is not None
     assert why.startswith("prefill not measured, the decoder's own engine not measured")
+
+
+class StateDecoder(FakeDecoder):
+    """A fake decoder whose slot saves write a state file: the decoder's own after its prefill, the
+    provider's after the handoff's restore (``own`` and ``provided``)."""
+
+    def __init__(self, state_dir: Path, *, own: bytes, provided: bytes) -> None:
+        same = {1: 0.6, 2: 0.4}
+        super().__init__(handoff=same, cold=same, cached=same)
+        self.state_dir = state_dir
+        self.states = {"own": own, "restored": provided}
+        self.prefilled: list[int] = []
+
+    async def post_json(self, path: str, body: Any) -> tuple[int, Any]:
+        if path.endswith("action=save"):
+            await trio.lowlevel.checkpoint()
+            self.calls.append(f"save {self.slot}")
+            (self.state_dir / body["filename"]).write_bytes(self.states[self.slot])
+            return 200, {"n_saved": 1}
+        if body.get("n_predict") == 0:
+            self.prefilled.append(len(body["prompt"]))
+        return await super().post_json(path, body)
+
+
+def hybrid_state(*, pos: int, k: float, s: float) -> bytes:
+    """One KV cell (position 0) and a recurrent memory's one cell at ``pos``."""
+    return state_of(kv_part([(0, [k, 1.0], [1.0, 1.0])]), recurrent_part(pos, [1.0, 1.0], [s]))
+
+
+async def sampled(tmp_path: Path, provided: bytes, *, kv_state: bool = True) -> tuple[Sample, StateDecoder]:
+    decoder = StateDecoder(tmp_path, own=hybrid_state(pos=3, k=1.0, s=1.0), provided=provided)
+    probe = Probe(client=decoder, handoff=FakeHandoff(decoder), timeout_s=5, state_dir=tmp_path, short_by=1)
+    with trio.fail_after(5):
+        sample = await probe.sample(ScriptedProvider(), 0, [1, 2, 3, 4, 5], kv_state=kv_state)
+    # The decoder's own state of the tokens the file route hands over (one short), saved before its
+    # cached path; the provider's saved after the restore, before the decoder evaluates the rest.
+    assert decoder.prefilled == [4]
+    saves = ["save own", "cached", "cached", "cold", "save restored", "handoff"]
+    assert decoder.calls == ["erase", "prefill", *saves, "erase"]
+    assert list(await trio.Path(tmp_path).iterdir()) == [], "a state file left behind"
+    return sample, decoder
+
+
+async def test_a_handed_over_state_past_the_bound_is_refused_with_its_tensor_and_error(tmp_path: Path) -> None:
+    # The next token as the cached path's (the tiny models' near-uniform logits): only the state shows it.
+    sample, _ = await sampled(tmp_path, hybrid_state(pos=3, k=1.0, s=50.0))
+    assert sample.handoff == 0.0
+    assert sample.state is not None
+    assert (sample.state.tensor, sample.state.error, sample.state.differences) == ("S", 49.0, ())
+    verdict = judge([sample])
+    assert not verdict.ok
+    why = verdict.refusal(must_be_faster=False)
+    assert why is not None
+    assert why.startswith("state S off by 49 (bound 0.1); per prompt: S 49 (KV+R/S, ")
+    assert "s): over the bound; next-token TV distance over 1 prompts" in why
+
+
+async def test_a_handed_over_state_whose_cells_differ_is_refused(tmp_path: Path) -> None:
+    # The provider's recurrent cell one position on, its values the decoder's own.
+    sample, _ = await sampled(tmp_path, hybrid_state(pos=4, k=1.0, s=1.0))
+    assert sample.state is not None
+    assert sample.state.error == 0.0
+    assert sample.state.differences == ("recurrent: cells at 4..4 (1) against 3..3 (1)",)
+    why = judge([sample]).refusal(must_be_faster=False)
+    assert why is not None
+    assert why.startswith("state cells differ: recurrent: cells at 4..4 (1) against 3..3 (1);")
+
+
+async def test_a_handed_over_state_within_the_bound_is_admitted_and_its_figures_said(tmp_path: Path) -> None:
+    sample, _ = await sampled(tmp_path, hybrid_state(pos=3, k=1.0, s=1.05))
+    verdict = judge([sample])
+    assert verdict.ok
+    assert verdict.refusal(must_be_faster=False) is None
+    assert "state: worst S 0.05 (bound 0.1); per prompt: S 0.05 (KV+R/S, " in verdict.summary()
+    # The KV caches' values are measured only where asked (the gate's first prompt): a K far off
+    # then goes unseen, the recurrent parts are still measured.
+    far_k = hybrid_state(pos=3, k=9.0, s=1.05)
+    (tmp_path / "kv").mkdir()
+    assert not judge([(await sampled(tmp_path / "kv", far_k))[0]]).ok
+    (tmp_path / "rs").mkdir()
+    recurrent_only, _ = await sampled(tmp_path / "rs", far_k, kv_state=False)
+    assert recurrent_only.state is not None
+    assert (recurrent_only.state.tensor, recurrent_only.state.kv) == ("S", False)
+    assert judge([recurrent_only]).ok
