@@ -134,10 +134,11 @@ async def test_a_provider_of_another_binary_is_measured_at_start_and_refused_whe
             refused, jobs = provider.refused, provider.statistics().jobs
     assert jobs == len(fidelity.GATE_PROMPTS)  # every prompt, the long ones past the chunk included
     if wrong:
-        # Measured: mean 0.098 under its bound 0.099, the worst prompt 0.183 over its 0.154; the
-        # mean alone would have admitted it (docs/benchmarks.md, "Fidelity across engines").
+        # Its state is another quant's KV, past the state bound (routes/statecheck.py), which the
+        # refusal names first; by distance alone, measured: mean 0.098 under its bound 0.099, the
+        # worst prompt 0.183 over its 0.154 (docs/benchmarks.md, "Fidelity across engines").
         assert refused is not None
-        assert refused.endswith(": over the bound")
+        assert ": over the bound" in refused
         log.info("refused: %s", refused)
     else:
         assert refused is None
@@ -173,7 +174,7 @@ async def test_an_exec_program_is_measured_at_start_and_refused_when_it_moves_th
     assert stats.jobs == len(fidelity.GATE_PROMPTS)  # every prompt, the long ones past the chunk included
     if wrong:
         assert stats.refused is not None
-        assert stats.refused.endswith(": over the bound")
+        assert ": over the bound" in stats.refused
         assert not stats.ready
         log.info("refused: %s", stats.refused)
     else:
