@@ -196,7 +196,8 @@ async def from_the_decoders_cache(running: Running, data: dict[str, Any]) -> Ans
     prompt's last token.  Streamed against streamed: llama-server's parser splits reasoning from
     content differently in the two (DeepSeek V4's "<think>" is content whole, reasoning streamed)."""
     async with direct_to(running) as decoder:
-        await fill(decoder, "/v1/chat/completions", {**data, "n_predict": 1})  # the prompt is what it keeps
+        # The prompt is what it keeps; a parser may refuse the one-token reply (functionary's PEG format).
+        await fill(decoder, "/v1/chat/completions", {**data, "n_predict": 1}, answered=False)
         return await answer(decoder, pinned(data))
 
 
