@@ -234,7 +234,8 @@ class Completions:
             self.slots.forget_all()
         plan = await self._plan(endpoint, body, story.req)
         story.planned(plan.n_tokens)
-        async with self.slots.hold(plan.key if plan.remember else None, settle=self._settle) as slot:
+        plan = await boundary.rerendering(self.client, self.capability, plan, story)
+        async with self.slots.hold(plan.held, settle=self._settle) as slot:
             story.holds(slot)
             self.check_ready()  # it may have died while we queued
             await self._known(plan)

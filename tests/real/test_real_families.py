@@ -14,6 +14,7 @@ swap back under ``max_loaded = 1``, the share route, and a GGUF that is broken.
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import subprocess
@@ -213,7 +214,7 @@ async def test_a_context_over_the_training_one_is_warned_once_and_an_over_long_p
     assert slot_context == 256
 
 
-def several(runtime: Path, first: Path, store: Path, **first_table: Any) -> Config:
+def several(runtime: Path, first: Path, store: Path, cache: dict[str, Any] | None = None, **first_table: Any) -> Config:
     real_llama_server()
     other = locate.embedded_model()
     assert other is not None
@@ -226,7 +227,7 @@ def several(runtime: Path, first: Path, store: Path, **first_table: Any) -> Conf
         model=tables,
         models={"max_loaded": 1},
         decoder={"threads": 1},
-        cache={"dir": str(store), "min_tokens": 64, "ram_mib": 0},
+        cache={"dir": str(store), "min_tokens": 64, "ram_mib": 0, **(cache or {})},
     )
 
 
@@ -280,6 +281,52 @@ def stored_more(model: Model, than: int) -> bool:
 
 
 SYSTEM = "You answer questions about a warehouse inventory. " + PROMPT
+
+
+async def streamed_chat_turn(url: str, messages: list[dict[str, str]], model: str) -> str:
+    """One chat turn streamed, as an agent asks: its reply's content."""
+    body = {"model": model, "messages": messages, "max_tokens": 8, "temperature": 0, "stream": True}
+    content: list[str] = []
+    async with (
+        httpx.AsyncClient(base_url=url, timeout=120) as client,
+        client.stream("POST", "/v1/chat/completions", json=body) as reply,
+    ):
+        assert reply.status_code == 200, await reply.aread()
+        async for line in reply.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                content += [c["delta"].get("content") or "" for c in json.loads(line[6:])["choices"]]
+    return "".join(content)
+
+
+@pytest.mark.parametrize("name", ["llama-dense", "qwen35-dense"], ids=["dense", "hybrid"])
+async def test_a_chat_swapped_out_after_its_first_turn_restores_its_second_turn(
+    short_dir: Path, store_dir: Path, tiny_models: Path, route_lines: RouteLines, name: str
+) -> None:
+    """``scripts/bench turns --quick``'s shape on the embedded config's store and prompt cache: a short
+    chat first, a conversation's first turn, the other model asked (``max_loaded = 1`` unloads the
+    first) and the conversation's second turn, which restores the first from the store."""
+    path = model_file(tiny_models, name)
+    bench_like = {"parallel": 2, "ctx_size": 8192}
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "How heavy is item 7?"}]
+    with trio.fail_after(DEADLINE_S):
+        async with run_daemon(
+            several(short_dir, path, store_dir, cache={"min_tokens": 256, "ram_mib": 1024}, **bench_like)
+        ) as running:
+            first = running.daemon.models.get("first")
+            assert first is not None
+            await streamed_chat_turn(running.url, [{"role": "user", "content": "Say hi."}], "first")
+            stores = first.store_statistics().stores
+            messages.append({"role": "assistant", "content": await streamed_chat_turn(running.url, messages, "first")})
+            messages.append({"role": "user", "content": "And item 9?"})
+            await wait_until(partial(stored_more, first, stores))
+            await streamed_chat_turn(running.url, [{"role": "user", "content": "Say hello."}], "other")
+            await streamed_chat_turn(running.url, messages, "first")
+    _, cold, _, back = route_lines.lines
+    assert back["fallback"] == "stored", back
+    # A dense model's entry holds the whole first turn, a hybrid model's up to its generation prompt.
+    generation_prompt = 8 if FAMILIES[name] is Restores.PREFIX else 0
+    assert cold["prompt_tokens"] - generation_prompt <= back["restored_tokens"] <= cold["prompt_tokens"], back
+    assert back["decoder_prompt_n"] <= back["prompt_tokens"] - back["restored_tokens"] + 2, back
 
 
 async def chat_turn(url: str, messages: list[dict[str, str]]) -> str:
