@@ -175,10 +175,11 @@ class SlotPool:
         """The slot holds ``key`` now (a stored prefix was restored into it)."""
         self._held[slot] = key
 
-    def shared(self, key: PromptKey) -> tuple[int, bool]:
+    def shared(self, key: PromptKey, slack: int = 0) -> tuple[int, bool]:
         """The longest token prefix ``key`` shares with what a slot holds, and whether it is all of
         that slot's prompt (``key`` extends it: a conversation's next turn) rather than a branch
-        point (a system prompt, a tool list that other prompts start with too)."""
+        point (a system prompt, a tool list that other prompts start with too); ``slack``: but for
+        so many of its last tokens (a chat's generation prompt, which its next turn re-renders)."""
         best, extends = 0, False
         if key.tokens is None:
             return best, extends
@@ -186,7 +187,7 @@ class SlotPool:
             if held.tokens:
                 n = common_prefix(held.tokens, key.tokens)
                 if n > best:
-                    best, extends = n, n == len(held.tokens)
+                    best, extends = n, n >= len(held.tokens) - slack
         return best, extends
 
     def keeping(self, slot: int, key: PromptKey) -> None:

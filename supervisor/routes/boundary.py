@@ -84,6 +84,22 @@ async def drops_reasoning(client: JsonClient, chat: Chat) -> bool:
     return REASONING_MARK not in await decoder.apply_template(client, probe)
 
 
+async def entry_end(client: JsonClient, plan: Plan) -> int | None:
+    """Where the prefix store's entry for a chat kept after its reply ends, for a model whose state
+    can be cut back: at the chat's boundary (:func:`find`), where its next turn still matches it.  The
+    whole prompt ends with the generation prompt, whose last token the next turn may tokenize merged
+    with the reply after it (measured on the tiny llama model: the "\n" it ends with and the reply's
+    first digits), and an entry holding it is then no prefix of that turn, which restores nothing.
+    None: the whole prompt (no chat, or no boundary found)."""
+    if not isinstance(plan.prompt, Chat) or plan.tokens is None:
+        return None
+    try:
+        return await find(client, plan.prompt, plan.tokens)
+    except DecoderError as exc:
+        log.info("prefix store: the boundary of a chat could not be found (%s); its entry holds it whole", exc.message)
+        return None
+
+
 def _shared(a: Sequence[int], b: Sequence[int]) -> int:
     """How many first tokens ``a`` and ``b`` have in common."""
     n = 0

@@ -278,7 +278,8 @@ class Completions:
                 # Saved after the reply, on every route: the slot then holds the reply's tokens too, which a
                 # conversation's next turn starts with (a hybrid model's was kept at its boundary instead).
                 if self.stored is not None:
-                    await self.stored.after(slot, plan.key, self.slots, req=story.req, restored=entry)
+                    ends = None if self.stored.at_boundary else await boundary.entry_end(self.client, plan)
+                    await self.stored.after(slot, plan.key, self.slots, req=story.req, restored=entry, ends=ends)
 
     async def _relay(
         self,

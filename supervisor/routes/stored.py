@@ -217,17 +217,22 @@ class StoredPrefixes:
         cancelled and leave the file behind)."""
         marked.path.unlink(missing_ok=True)
 
-    async def after(self, slot: int, key: PromptKey, slots: SlotPool, *, req: str, restored: Entry | None) -> None:
+    async def after(
+        self, slot: int, key: PromptKey, slots: SlotPool, *, req: str, restored: Entry | None, ends: int | None = None
+    ) -> None:
         """Save a request's slot for the store, after its reply, when it holds a prompt worth keeping
-        (never where a state cannot be cut back: its entry was saved at the boundary, :meth:`mark`)."""
+        (never where a state cannot be cut back: its entry was saved at the boundary, :meth:`mark`).
+        ``ends``: how many of the prompt's tokens its entry may hold at most (a chat's, up to its
+        boundary: routes/boundary.py's ``entry_end``)."""
         if self._writes is None or key.tokens is None or not self.enabled or self.at_boundary:
             return
-        shared, extends = slots.shared(key)
+        # A chat's next turn matches it up to its generation prompt (``ends``), not always past it.
+        shared, extends = slots.shared(key, slack=len(key.tokens) - ends if ends is not None else 0)
         if restored is not None:
             # It went on from a stored prefix, as a conversation's next turn goes on from the last:
             # kept whole, the next turn finds all of it (the store makes one entry of repeats).
             shared, extends = restored.n_tokens, True
-        tokens = self.candidate(key.tokens, shared, extends)
+        tokens = self.candidate(key.tokens[:ends] if ends is not None else key.tokens, shared, extends)
         if tokens is None:
             return
         slots.keeping(slot, key)  # a next turn sent at once waits for this slot, not a cold one

@@ -304,7 +304,10 @@ async def test_a_chat_swapped_out_after_its_first_turn_restores_its_second_turn(
 ) -> None:
     """``scripts/bench turns --quick``'s shape on the embedded config's store and prompt cache: a short
     chat first, a conversation's first turn, the other model asked (``max_loaded = 1`` unloads the
-    first) and the conversation's second turn, which restores the first from the store."""
+    first) and the conversation's second turn, which restores the first from the store.  Every chat's
+    entry ends before its generation prompt: the tiny llama model tokenizes the "\n" that prompt ends
+    with merged with the reply's first digits when the next turn re-renders it, and an entry holding
+    the whole first prompt was no prefix of the second (it restored nothing and said nothing)."""
     path = model_file(tiny_models, name)
     bench_like = {"parallel": 2, "ctx_size": 8192}
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "How heavy is item 7?"}]
@@ -323,9 +326,8 @@ async def test_a_chat_swapped_out_after_its_first_turn_restores_its_second_turn(
             await streamed_chat_turn(running.url, messages, "first")
     _, cold, _, back = route_lines.lines
     assert back["fallback"] == "stored", back
-    # A dense model's entry holds the whole first turn, a hybrid model's up to its generation prompt.
-    generation_prompt = 8 if FAMILIES[name] is Restores.PREFIX else 0
-    assert cold["prompt_tokens"] - generation_prompt <= back["restored_tokens"] <= cold["prompt_tokens"], back
+    # Restored: the first turn up to its generation prompt ("<|im_start|>assistant\n", a few tokens).
+    assert 0 < cold["prompt_tokens"] - back["restored_tokens"] <= 8, (cold, back)
     assert back["decoder_prompt_n"] <= back["prompt_tokens"] - back["restored_tokens"] + 2, back
 
 
@@ -342,8 +344,8 @@ async def test_a_conversations_third_turn_after_a_restart_restores_it_and_evalua
     short_dir: Path, store_dir: Path, tiny_models: Path, route_lines: RouteLines, name: str
 ) -> None:
     """A chat of three turns on the plain route, onebitd restarted before the third: the store keeps
-    each turn (a hybrid model's before the template's generation prompt, where the next turn still
-    matches it), and the third restores the second's and evaluates the new turn's tokens and the
+    each turn before the template's generation prompt, where the next turn still matches it, and the
+    third restores the second's and evaluates the new turn's tokens and the
     generation prompt, nothing more."""
     path = model_file(tiny_models, name)
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "How heavy is item 7?"}]
@@ -364,11 +366,9 @@ async def test_a_conversations_third_turn_after_a_restart_restores_it_and_evalua
     assert first["restored_tokens"] is None
     assert third["fallback"] == "stored", third
     new = third["prompt_tokens"] - second["prompt_tokens"]
-    generation_prompt = 0  # a dense model's entry holds the whole second turn
-    if FAMILIES[name] is Restores.PREFIX:
-        # Restored: the second turn up to its generation prompt ("<|im_start|>assistant\n", a few tokens).
-        generation_prompt = second["prompt_tokens"] - third["restored_tokens"]
-        assert 0 < generation_prompt <= 8, (second, third)
+    # Restored: the second turn up to its generation prompt ("<|im_start|>assistant\n", a few tokens).
+    generation_prompt = second["prompt_tokens"] - third["restored_tokens"]
+    assert 0 < generation_prompt <= 8, (second, third)
     assert third["decoder_prompt_n"] <= new + generation_prompt + 2, third
 
 
@@ -377,8 +377,8 @@ async def test_a_conversation_drained_to_a_host_sharing_the_store_restores_there
     short_dir: Path, tiny_models: Path, route_lines: RouteLines, name: str
 ) -> None:
     """Two turns on one host, which then drains and stops; the third on another host sharing its
-    prefix store (``cache.shared_dir``) restores the second turn (a hybrid model's up to its
-    generation prompt) and evaluates only the new turn's tokens and the generation prompt."""
+    prefix store (``cache.shared_dir``) restores the second turn up to its generation prompt and
+    evaluates only the new turn's tokens and the generation prompt."""
     path = model_file(tiny_models, name)
     shared = short_dir / "shared"
 
@@ -402,10 +402,8 @@ async def test_a_conversation_drained_to_a_host_sharing_the_store_restores_there
         shutil.rmtree(shared, ignore_errors=True)
     _, second, third = route_lines.lines
     assert (third["fallback"], third["origin_host"]) == ("stored", "a"), third
-    generation_prompt = 0  # a dense model's entry holds the whole second turn
-    if FAMILIES[name] is Restores.PREFIX:
-        generation_prompt = second["prompt_tokens"] - third["restored_tokens"]
-        assert 0 < generation_prompt <= 8, (second, third)
+    generation_prompt = second["prompt_tokens"] - third["restored_tokens"]
+    assert 0 < generation_prompt <= 8, (second, third)
     assert third["decoder_prompt_n"] <= third["prompt_tokens"] - second["prompt_tokens"] + generation_prompt + 2, third
 
 
