@@ -29,7 +29,7 @@ async def keep_slots(
         if not go_on():
             break
         tokens = slots.holds(slot).tokens
-        if not tokens or not stored.store.wants(tokens) or _held_nearly(stored, tokens):
+        if not tokens or not stored.store.wants(tokens):
             continue
         path = await stored.save(slot, f"unload-{name}-{slot}")
         if path is not None and await stored.store.put_file(tokens, path):
@@ -37,10 +37,3 @@ async def keep_slots(
     if kept:
         log.info("model %s: %d slot(s) kept in the prefix store", name, kept)
     return kept
-
-
-def _held_nearly(stored: StoredPrefixes, tokens: tuple[int, ...]) -> bool:
-    """The store holds the prompt but for fewer than ``min_tokens`` of its last (a chat's entry ends
-    before its generation prompt): another entry would spare too little to be worth its file."""
-    found = stored.store.peek(tokens)
-    return found is not None and len(tokens) - found.n_tokens < stored.store.min_tokens

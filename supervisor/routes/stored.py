@@ -20,7 +20,8 @@ hands the host over, :meth:`StoredPrefixes.wait_writes` waits for the writes in 
 
 Which tokens an entry is for: a prompt's prefix that another recent prompt shared (the system prompt
 and tool list a chat's users all send: the part the next request will start with too) when one is
-long enough, else the whole prompt (a conversation's next turn starts with it).
+long enough, else the whole prompt (a conversation's next turn starts with it); a chat's up to its
+generation prompt, which the next turn may tokenize otherwise with the reply after it.
 
 A model whose state cannot be cut back (a hybrid one: recurrent or convolution layers beside
 attention, supervisor/routes/capability.py's ``prefix``) has no use for a slot saved after a reply:
