@@ -135,8 +135,7 @@ class Model:
 
     @property
     def estimate_mib(self) -> float:
-        """Its memory from its GGUF header, which its load's parts have read, in their layout (a
-        sliding-window model's caches and checkpoints with or without ``--swa-full``): models/memory.py."""
+        """Its memory from its GGUF header, as its load's parts read it, in their layout (models/memory.py)."""
         return memory.estimate_mib(self.spec, self.parts.model_file, swa_full=self.parts.swa_full)
 
     def fresh_parts(self) -> None:
