@@ -248,7 +248,7 @@ def locate_size(spec: modelspec.ModelSpec) -> int:
     return path.stat().st_size
 
 
-def lfm2_like(*, window: int | None = 32) -> gguf.Shape:
+def lfm2_header(*, window: int | None = 32) -> bytes:
     """4 layers: 2 of attention (one sliding over ``window``), 2 of short convolution."""
     keys: list[tuple[str, int, Any]] = [
         ("block_count", 4, 4),
@@ -259,7 +259,11 @@ def lfm2_like(*, window: int | None = 32) -> gguf.Shape:
     ]
     if window is not None:
         keys += [("attention.sliding_window", 4, window), ("attention.sliding_window_pattern", 9, [1, 0, 0, 0])]
-    return gguf.read_shape(io.BytesIO(gguf_header("lfm2", keys)))
+    return gguf_header("lfm2", keys)
+
+
+def lfm2_like(*, window: int | None = 32) -> gguf.Shape:
+    return gguf.read_shape(io.BytesIO(lfm2_header(window=window)))
 
 
 def test_the_caches_are_sized_a_slot_as_llama_cpp_pads_them() -> None:
@@ -310,18 +314,7 @@ def test_the_checkpoints_counted_are_those_the_decoders_flags_keep(args: tuple[s
 
 def test_the_estimate_counts_a_hybrid_models_checkpoints_as_its_extra_args_set_them(tmp_path: Path) -> None:
     path = tmp_path / "lfm2.gguf"
-    path.write_bytes(
-        gguf_header(
-            "lfm2",
-            [
-                ("block_count", 4, 4),
-                ("embedding_length", 4, 256),
-                ("attention.head_count", 4, 2),
-                ("attention.head_count_kv", 9, [2, 0, 2, 0]),
-                ("shortconv.l_cache", 4, 3),
-            ],
-        )
-    )
+    path.write_bytes(lfm2_header(window=None))
     model = {"path": str(path), "ctx_size": 4096, "parallel": 2}
     estimated = []
     for extra_args in [[], ["--ctx-checkpoints", "0"]]:
