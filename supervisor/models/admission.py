@@ -56,16 +56,15 @@ class Admission:
 @attrs.frozen
 class Start:
     """One start of a model's decoder, as admission sees it: the model's name and ``[model]`` table,
-    its decoder's client, slots and ``--slot-save-path``, and its file's sliding window where the
-    decoder keeps only that much (``--swa-full`` off; None: it keeps every cell): the probe goes
-    past it, and a probe that finds no restore says what would help."""
+    its decoder's client, slots and ``--slot-save-path``, and whether its file slides with
+    ``--swa-full`` off (a probe that finds no restore says what would help)."""
 
     name: str
     table: ModelConfig
     client: DecoderClient
     slots: SlotPool
     state_dir: Path
-    window: int | None = None
+    slides: bool = False
 
 
 async def admit(start: Start, *, restoring: bool, proven: tuple[Restores, str] | None) -> Admission:
@@ -82,7 +81,7 @@ async def admit(start: Start, *, restoring: bool, proven: tuple[Restores, str] |
         return Admission(found, *proven)
     restores, why = await _probe(start, found)
     hint = ""
-    if restores is Restores.NONE and start.window is not None:
+    if restores is Restores.NONE and start.slides:
         hint = " (a sliding-window model: model.swa_full = true would keep its whole cache)"
     log.log(
         logging.WARNING if restores is Restores.NONE else logging.INFO,
@@ -124,7 +123,7 @@ async def _read_context(start: Start) -> SlotContext | None:
 async def _probe(start: Start, found: SlotContext | None) -> tuple[Restores, str]:
     n_ctx = found.n_ctx if found is not None else None
     try:
-        tokens = await capability.prompt_tokens(start.client, capability.probe_length(n_ctx, start.window))
+        tokens = await capability.prompt_tokens(start.client, capability.probe_length(n_ctx))
     except DecoderError as exc:
         return Restores.UNPROBED, f"the probe could not tokenize: {exc}"
     async with start.slots.hold() as slot:

@@ -267,7 +267,7 @@ class Parts:
             client=self.client,
             slots=self.slots,
             state_dir=self.state_dir,
-            window=None if self.layout.swa_full or self.model_file is None else self.model_file.sliding_window,
+            slides=not self.layout.swa_full and self.model_file is not None and bool(self.model_file.sliding_window),
         )
         proven = self.proven
         restoring = self.hybrid is not None or store_enabled

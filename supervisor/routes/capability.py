@@ -41,8 +41,8 @@ log = logging.getLogger("onebit.model")
 # A re-asked prompt whose restore was used evaluates its last token, or two: llama-server keeps one
 # back to compute the logits from.
 USED_PROMPT_N = 2
-# The probe's prompt, short enough to cost well under a second on a CPU; a sliding-window model's
-# is this much past its window (probe_length).
+# The probe's prompt: past the sliding windows of the families we know (Gemma 3's tiny test models
+# slide over 32 tokens), short enough to cost well under a second on a CPU.
 PROBE_TOKENS = 160
 _PROBE_TEXT = (
     "A probe of whether a saved slot restores: the quick brown fox jumps over the lazy dog, "
@@ -69,17 +69,11 @@ def verdict(whole_prompt_n: int | None, short_prompt_n: int | None) -> Restores:
     return Restores.NONE
 
 
-def probe_length(slot_context: int | None, window: int | None = None) -> int:
-    """The probe prompt's tokens: PROBE_TOKENS, within half a slot.  Where the decoder keeps only a
-    sliding ``window`` of the prompt (``--swa-full`` off), PROBE_TOKENS past it, within the slot: a
-    restore of a prompt shorter than the window is used, and one past it is not, so a probe inside
-    the window would find ``whole`` for a model whose longer prompts never restore."""
-    if window is None:
-        want, room = PROBE_TOKENS, None if slot_context is None else slot_context // 2
-    else:
-        # The re-ask's prompt and the one token it asks for fit the slot.
-        want, room = window + PROBE_TOKENS, None if slot_context is None else slot_context - 2
-    return want if room is None else max(8, min(want, room))
+def probe_length(slot_context: int | None) -> int:
+    """The probe prompt's tokens: PROBE_TOKENS, within half a slot."""
+    if slot_context is None:
+        return PROBE_TOKENS
+    return max(8, min(PROBE_TOKENS, slot_context // 2))
 
 
 class Capability:

@@ -1,14 +1,14 @@
-"""A sliding-window model whose window is wider than the restore probe's old prompt, through onebitd
-on the real llama-server (issue 53): the tiny gemma3 (scripts/tiny-models) with its window raised
-from 32 to 512 tokens.
+"""A sliding-window model whose window is wider than the restore probe's prompt, through onebitd on
+the real llama-server (issue 53): the tiny gemma3 (scripts/tiny-models) with its window raised from
+32 to 512 tokens.
 
-Without ``--swa-full`` the decoder keeps only the window's cells, so a restored prompt inside the
-window is used and one past it is re-evaluated whole: the load's probe must go past the window
-(supervisor/routes/capability.py's ``probe_length``) to judge it ``none``.  Under ``swa_full =
-"auto"`` the decoder keeps every cell, and every route serves a prompt past the window with the
-decoder evaluating a token or two: the file route's handoff, the plain route's restore from the
-prefix store after a restart, and the share route's refusal (an SWA memory is not lent), which
-goes on by the file route.
+Without ``--swa-full`` the decoder keeps only the window's cells, and a restored state is
+re-evaluated whole even for the probe's 160-token prompt, inside the window (measured: 160 of 160):
+the load's probe (supervisor/routes/capability.py) judges it ``none``.  Under ``swa_full = "auto"``
+the decoder keeps every cell, and every route serves a prompt past the window with the decoder
+evaluating a token or two: the file route's handoff, the plain route's restore from the prefix
+store after a restart, and the share route's refusal (an SWA memory is not lent), which goes on by
+the file route.
 """
 
 from __future__ import annotations
@@ -82,7 +82,6 @@ async def test_without_swa_full_a_window_of_512_is_judged_none_by_a_probe_past_i
             assert jobs(running.daemon) == 0
             stats = model.statistics()
     assert model.parts.capability.restores is Restores.NONE, model.parts.capability.why
-    assert f"of {WINDOW + 160} tokens" in model.parts.capability.why  # the probe went past the window
     unusable = said["restores_unusable"]
     assert isinstance(unusable, dict)
     assert unusable[model.name].startswith("none: ")

@@ -92,15 +92,6 @@ async def test_the_probe_prompt_is_the_models_own_tokens_within_half_a_slot(tmp_
     assert capability.probe_length(4096) == capability.PROBE_TOKENS
 
 
-def test_a_sliding_window_models_probe_goes_past_its_window_within_the_slot() -> None:
-    """The decoder keeps only the window's cells (--swa-full off): a probe inside the window would
-    restore and find ``whole`` for a model whose longer prompts never restore."""
-    window = 512
-    assert capability.probe_length(2048, window) == window + capability.PROBE_TOKENS
-    assert capability.probe_length(None, window) == window + capability.PROBE_TOKENS
-    assert capability.probe_length(600, window) == 598  # the re-ask and its one token fit the slot
-
-
 def test_each_verdict_says_what_runs() -> None:
     found = Capability("m")
     assert (found.handoff, found.store, found.short_by) == (True, True, 0)  # unprobed: as before
