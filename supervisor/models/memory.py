@@ -126,15 +126,19 @@ def checkpoint_bytes(shape: gguf.Shape, table: ModelConfig, *, swa_full: bool, c
     up to ``checkpoints`` a slot (tools/server/server-context.cpp's ``create_checkpoint``), each a
     copy of the part of the slot's memory that cannot be cut back to an earlier token
     (``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``): its recurrent or convolution state and its
-    sliding-window layers' cells (a window and a micro-batch, or the slot's context under
-    ``--swa-full``).  It takes them for a hybrid model, and for a sliding-window one without
-    ``--swa-full``; none for an attention-only model whose cells all stay.  Pure."""
+    sliding-window layers' cells (the window's, as measured: tests/real/test_real_memory.py; the
+    slot's context under ``--swa-full``).  It takes them for a hybrid model, and for a
+    sliding-window one without ``--swa-full``; none for an attention-only model whose cells all
+    stay.  Pure."""
     slides = shape.sliding_window is not None and not swa_full
     if not (shape.hybrid or slides):
         return 0.0
-    swa = min(shape.swa_layers, shape.attention_layers) if shape.sliding_window is not None else 0
     slot = _slot_kv(shape, table, swa_full=swa_full)
-    one = shape.recurrent_bytes() + swa * slot.window * slot.per_layer
+    swa, cells = 0, 0
+    if shape.sliding_window is not None:
+        swa = min(shape.swa_layers, shape.attention_layers)
+        cells = slot.per_slot if swa_full else min(slot.per_slot, shape.sliding_window)
+    one = shape.recurrent_bytes() + swa * cells * slot.per_layer
     return one * max(checkpoints, 0) * max(table.parallel, 1)
 
 

@@ -282,17 +282,17 @@ def test_the_caches_are_sized_a_slot_as_llama_cpp_pads_them() -> None:
 
 def test_each_slot_keeps_its_context_checkpoints_of_what_cannot_be_cut_back() -> None:
     """llama-server's checkpoints (tests/real/test_real_memory.py checks one against its log): a
-    copy a checkpoint of the sliding layer's cells (768 a slot, or 2048 under --swa-full) and the
-    convolution state; for the model without a window the state alone, and nothing for a sliding
-    window under --swa-full when no recurrent state needs it, nor for a dense model."""
+    copy a checkpoint of the sliding layer's window (32 cells a slot, or its 2048 under --swa-full)
+    and the convolution state; for the model without a window the state alone, and nothing for a
+    sliding window under --swa-full when no recurrent state needs it, nor for a dense model."""
     table = ModelConfig(ctx_size=4096, parallel=2, ubatch_size=512)
     row = 2 * 128 * 2 * 2  # K and V of 2 heads x 128 in f16, one layer
     state = 2 * (3 - 1) * 256 * 4  # one slot's convolution state: 2 layers of l_cache - 1 rows
-    assert memory.checkpoint_bytes(lfm2_like(), table, swa_full=False, checkpoints=32) == 2 * 32 * (768 * row + state)
+    assert memory.checkpoint_bytes(lfm2_like(), table, swa_full=False, checkpoints=32) == 2 * 32 * (32 * row + state)
     assert memory.checkpoint_bytes(lfm2_like(), table, swa_full=True, checkpoints=32) == 2 * 32 * (2048 * row + state)
     assert memory.checkpoint_bytes(lfm2_like(window=None), table, swa_full=False, checkpoints=4) == 2 * 4 * state
     gemma_like = attrs.evolve(lfm2_like(), recurrent_layers=0, recurrent_values=0)
-    assert memory.checkpoint_bytes(gemma_like, table, swa_full=False, checkpoints=32) == 2 * 32 * 768 * row
+    assert memory.checkpoint_bytes(gemma_like, table, swa_full=False, checkpoints=32) == 2 * 32 * 32 * row
     assert memory.checkpoint_bytes(gemma_like, table, swa_full=True, checkpoints=32) == 0
     dense = attrs.evolve(gemma_like, sliding_window=None, swa_layers=0)
     assert memory.checkpoint_bytes(dense, table, swa_full=False, checkpoints=32) == 0
