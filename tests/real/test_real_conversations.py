@@ -140,7 +140,8 @@ async def test_every_turn_after_the_first_restores_the_conversation_across_a_swa
         # evaluated the new turn's tokens and at most the generation prompt and two more.
         assert line["restored_tokens"], line
         assert line["fallback"] == "stored" or line["route"] == "plain", line
-        generation_prompt = before["prompt_tokens"] - line["restored_tokens"] if hybrid else 0
+        # Restored up to the generation prompt: a hybrid model's state ends there, and every chat's entry.
+        generation_prompt = before["prompt_tokens"] - line["restored_tokens"]
         assert 0 <= generation_prompt <= GENERATION_PROMPT_MAX, (before, line)
         new = line["prompt_tokens"] - before["prompt_tokens"]
         assert line["decoder_prompt_n"] <= new + generation_prompt + 2, line
