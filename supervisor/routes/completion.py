@@ -143,13 +143,17 @@ class Completions:
         words = f"the decoder is {state.words}; try again shortly"
         raise DecoderUnavailable(words, public=words)
 
-    async def _plan(self, endpoint: str, body: dict[str, Any], story: Story) -> Plan:
+    async def _plan(self, endpoint: str, body: dict[str, Any], req: str) -> Plan:
         providers = self.hybrid.providers if self.hybrid is not None else None
-        context = self.slot_context()
-        planned = await plan(
-            endpoint, body, story.req, client=self.client, providers=providers, stored=self.stored, slot_context=context
+        return await plan(
+            endpoint,
+            body,
+            req,
+            client=self.client,
+            providers=providers,
+            stored=self.stored,
+            slot_context=self.slot_context(),
         )
-        return await boundary.rerendering(self.client, self.capability, planned, story)
 
     async def _from_store(self, plan: Plan, slot: int, story: Story) -> Entry | None:
         """The prefix store's longest prefix of the prompt, restored into the slot when worth it."""
@@ -228,8 +232,9 @@ class Completions:
         if self.decoder.generation != self._slots_generation:
             self._slots_generation = self.decoder.generation
             self.slots.forget_all()
-        plan = await self._plan(endpoint, body, story)
+        plan = await self._plan(endpoint, body, story.req)
         story.planned(plan.n_tokens)
+        plan = await boundary.rerendering(self.client, self.capability, plan, story)
         async with self.slots.hold(plan.held, settle=self._settle) as slot:
             story.holds(slot)
             self.check_ready()  # it may have died while we queued
