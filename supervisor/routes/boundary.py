@@ -61,29 +61,6 @@ async def find(client: JsonClient, prompt: Chat | Text | Tokens, tokens: tuple[i
     return whole - 1 if whole > 1 else None
 
 
-# A past assistant turn holding its reasoning as the decoder generated it (before llama-server's parser
-# split it off), between two user turns: a template that drops past reasoning (Qwen3's, Qwen3.5's,
-# DeepSeek-R1's) renders it without the mark.  Given in the content, where a template that knows
-# nothing of reasoning keeps it verbatim (ChatML's, Llama's), as it keeps a reply.
-REASONING_MARK = "onebit-reasoning-probe"
-REASONING_PROBE = (
-    {"role": "user", "content": "Which box is heavier?"},
-    {"role": "assistant", "content": f"<think>\n{REASONING_MARK}\n</think>\n\nBox 7."},
-    {"role": "user", "content": "And the lighter one?"},
-)
-
-
-async def drops_reasoning(client: JsonClient, chat: Chat) -> bool:
-    """Whether the chat's template (with the request's tools and template kwargs) renders a past
-    assistant turn without the reasoning it holds.  Then the decoder's state after a reply holds
-    tokens the next turn does not start with (its reasoning, or the generation prompt's ``<think>``),
-    and a state that cannot be cut back is of no use to that turn past the boundary: the next turn
-    restores the boundary state kept and evaluates the assistant turn as re-rendered.  Rendered, not
-    read from the template's text.  Raises DecoderError."""
-    probe = template(chat, messages=list(REASONING_PROBE), add_generation_prompt=False)
-    return REASONING_MARK not in await decoder.apply_template(client, probe)
-
-
 async def entry_end(client: JsonClient, plan: Plan) -> int | None:
     """Where the prefix store's entry for a chat kept after its reply ends, for a model whose state
     can be cut back: at the chat's boundary (:func:`find`), where its next turn still matches it.  The
@@ -125,21 +102,6 @@ async def bounded(client: JsonClient, capability: Capability | None, plan: Plan,
         story.fell_back(Reason.NO_BOUNDARY)
         log.info("hybrid: %s has no point its next turn still matches; nothing of it is kept", story.req)
     return attrs.evolve(plan, boundary=found)
-
-
-async def rerendering(client: JsonClient, capability: Capability | None, plan: Plan, story: Story) -> Plan:
-    """The plan told whether its chat's template drops past reasoning (:func:`drops_reasoning`), for
-    a model whose state cannot be cut back; the plan as it was for any other, or a prompt that is no
-    chat or not tokenized.  Asked before the slot is held: the slot is then taken to hold less
-    (:attr:`Plan.held`)."""
-    if capability is None or not capability.at_boundary or not isinstance(plan.prompt, Chat):
-        return plan
-    try:
-        drops = await drops_reasoning(client, plan.prompt)
-    except DecoderError as exc:
-        log.warning("hybrid: the template of %s could not be probed for reasoning (%s)", story.req, exc.message)
-        return plan
-    return attrs.evolve(plan, rerendered=True) if drops else plan
 
 
 @attrs.define

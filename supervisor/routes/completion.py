@@ -234,8 +234,7 @@ class Completions:
             self.slots.forget_all()
         plan = await self._plan(endpoint, body, story.req)
         story.planned(plan.n_tokens)
-        plan = await boundary.rerendering(self.client, self.capability, plan, story)
-        async with self.slots.hold(plan.held, settle=self._settle) as slot:
+        async with self.slots.hold(plan.key if plan.remember else None, settle=self._settle) as slot:
             story.holds(slot)
             self.check_ready()  # it may have died while we queued
             await self._known(plan)

@@ -42,24 +42,10 @@ class Plan:
     # For a model whose state cannot be cut back: how many of the tokens a state kept for the
     # conversation's next request holds (routes/prompt.py's ``boundary``); None: none is kept.
     boundary: int | None = None
-    # For such a model: the chat's template renders a past assistant turn otherwise than the decoder
-    # generated it (routes/boundary.py's ``drops_reasoning``).
-    rerendered: bool = False
 
     @property
     def tokens(self) -> tuple[int, ...] | None:
         return self.key.tokens
-
-    @property
-    def held(self) -> PromptKey | None:
-        """What the slot is taken to hold once the request is over: None for a prompt the decoder
-        refuses (the slot keeps the memory of what it held); the text alone where the template
-        re-renders the reply otherwise, since then the decoder's state (the prompt, then the reply as
-        generated, which cannot be cut back) is of no use to the next turn and must not count as its
-        cache: the next turn restores the boundary state kept, and goes to this slot by its text."""
-        if not self.remember:
-            return None
-        return PromptKey(self.key.text) if self.rerendered else self.key
 
     @property
     def beyond_boundary(self) -> int:

@@ -9,7 +9,6 @@ tests/real/test_real_families.py."""
 
 from __future__ import annotations
 
-import itertools
 import json
 from functools import partial
 from pathlib import Path
@@ -22,7 +21,6 @@ import trio
 from supervisor.prefix.store import PrefixStore
 from supervisor.routes import boundary, prompt
 from supervisor.routes.capability import Capability, Restores
-from tests.fakes.llama import completion as fake_completion
 from tests.fakes.llama import endpoints as fake_endpoints
 from tests.fakes.llama.core import Modes, chatml
 from tests.fakes.llama.inprocess import FakeLlama
@@ -100,33 +98,6 @@ async def test_a_chats_boundary_is_before_its_generation_prompt_and_a_texts_its_
     assert other is None
 
 
-def reasoning_dropped(messages: Any, *, generation_prompt: bool = True) -> str:
-    """ChatML the way Qwen3's template renders it: an assistant turn a user turn follows, without the
-    reasoning its content holds."""
-    last_user = max(i for i, m in enumerate(messages) if m.get("role") == "user")
-    return chatml(
-        [
-            {**m, "content": m["content"].split("</think>")[-1]}
-            if m.get("role") == "assistant" and i < last_user and "</think>" in m.get("content", "")
-            else m
-            for i, m in enumerate(messages)
-        ],
-        generation_prompt=generation_prompt,
-    )
-
-
-async def test_a_template_that_drops_past_reasoning_is_told_by_rendering_from_one_that_keeps_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    client = FakeLlama(tmp_path).client()
-    asked = prompt.Chat(chat("how heavy is box 7"), "")
-    with trio.fail_after(TIMEOUT):
-        kept = await boundary.drops_reasoning(client, asked)
-        monkeypatch.setattr(fake_endpoints, "chatml", reasoning_dropped)  # /apply-template's only
-        dropped = await boundary.drops_reasoning(client, asked)
-    assert (kept, dropped) == (False, True)
-
-
 # -- a conversation kept ------------------------------------------------------------------------------
 
 
@@ -177,34 +148,6 @@ async def test_a_hybrid_models_slot_is_never_saved_after_its_reply(tmp_path: Pat
     # Every entry ends at its boundary: none holds a reply's tokens after the prompt.
     prompts = [r.prompt for r in rig.fake.requests if r.path == CHAT]
     assert sorted(e.tokens for e in entries) == sorted(tuple(p[:-1]) for p in prompts)
-
-
-async def test_a_hybrid_chat_whose_template_drops_past_reasoning_restores_each_turn_at_its_boundary(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """After a reply the slot holds the reasoning the next turn's prompt is rendered without, and a
-    recurrent state cannot be cut back to where they part: each next turn restores the boundary kept
-    and evaluates the assistant turn as re-rendered, the new message and the generation prompt."""
-    monkeypatch.setattr(fake_endpoints, "chatml", reasoning_dropped)
-    monkeypatch.setattr(fake_completion, "chatml", reasoning_dropped)
-    rig = hybrid_rig(tmp_path)
-    turns = ["how heavy is box 7 in the store room"]
-    with trio.fail_after(TIMEOUT):
-        async with serving_with_store(rig, tmp_path) as store:
-            for n in range(3):
-                reply = await rig.post(CHAT, chat(*turns))
-                assert reply.status == 200, reply.body
-                thought = reply.json()["choices"][0]["message"]["content"]
-                await wait_until(partial(stores, store, n + 1))
-                turns += [f"<think> {thought} </think> box {n + 7} weighs {n + 2}", f"and box {n + 8} next to it"]
-    assert rig.lines[0].restored_tokens is None
-    for before, line in itertools.pairwise(rig.lines):
-        # Restored: the previous turn up to its generation prompt (one token here).
-        assert (line.fallback, line.restored_tokens) == ("no-provider>stored", count(before.prompt_tokens) - 1)
-        # The assistant turn as re-rendered, the new message and the generation prompt.
-        assert count(line.decoder_prompt_n) == count(line.prompt_tokens) - count(line.restored_tokens)
-    # The slot is not taken to hold the tokens that the decoder cannot use: only its text.
-    assert all(held.tokens is None for held in rig.completions.slots.statistics().each)
 
 
 async def continued(rig: Rig, tmp_path: Path, *, torn: bool = False) -> int:
