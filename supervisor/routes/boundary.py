@@ -62,14 +62,18 @@ async def find(client: JsonClient, prompt: Chat | Text | Tokens, tokens: tuple[i
 
 
 async def entry_end(client: JsonClient, plan: Plan) -> int | None:
-    """Where the prefix store's entry for a chat kept after its reply ends, for a model whose state
+    """Where the prefix store's entry for a prompt kept after its reply ends, for a model whose state
     can be cut back: at the chat's boundary (:func:`find`), where its next turn still matches it.  The
     whole prompt ends with the generation prompt, whose last token the next turn may tokenize merged
     with the reply after it (measured on the tiny llama model: the "\n" it ends with and the reply's
     first digits), and an entry holding it is then no prefix of that turn, which restores nothing.
-    None: the whole prompt (no chat, or no boundary found)."""
-    if not isinstance(plan.prompt, Chat) or plan.tokens is None:
+    A raw prompt's ends a token short: its next turn, the prompt and the reply and more text, may
+    tokenize its last token merged with the reply likewise.  None: the whole prompt (untokenized, or a
+    chat's boundary not found)."""
+    if plan.tokens is None:
         return None
+    if not isinstance(plan.prompt, Chat):
+        return len(plan.tokens) - 1 if len(plan.tokens) > 1 else None
     try:
         return await find(client, plan.prompt, plan.tokens)
     except DecoderError as exc:

@@ -14,6 +14,7 @@ swap back under ``max_loaded = 1``, the share route, and a GGUF that is broken.
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import subprocess
@@ -213,7 +214,7 @@ async def test_a_context_over_the_training_one_is_warned_once_and_an_over_long_p
     assert slot_context == 256
 
 
-def several(runtime: Path, first: Path, store: Path, **first_table: Any) -> Config:
+def several(runtime: Path, first: Path, store: Path, cache: dict[str, Any] | None = None, **first_table: Any) -> Config:
     real_llama_server()
     other = locate.embedded_model()
     assert other is not None
@@ -226,7 +227,7 @@ def several(runtime: Path, first: Path, store: Path, **first_table: Any) -> Conf
         model=tables,
         models={"max_loaded": 1},
         decoder={"threads": 1},
-        cache={"dir": str(store), "min_tokens": 64, "ram_mib": 0},
+        cache={"dir": str(store), "min_tokens": 64, "ram_mib": 0, **(cache or {})},
     )
 
 

@@ -149,10 +149,11 @@ async def test_a_prefix_store_restore_is_told_as_cached(tmp_path: Path, path: st
             reply = await rig.post(path, body(path, stream))
     _, line = rig.lines
     assert line.restored_tokens is not None
-    # A chat's entry ends before its generation prompt (one token here), and its state file holds the
-    # whole prompt: the decoder reuses all but the last token, as from its own cache.
+    # A chat's entry ends before its generation prompt (one token here), a raw prompt's a token short,
+    # and its state file holds the whole prompt: the decoder reuses all but the last token, as from
+    # its own cache.
     assert line.prompt_tokens is not None
-    assert line.restored_tokens == line.prompt_tokens - (1 if path in CHATS else 0)
+    assert line.restored_tokens == line.prompt_tokens - 1
     assert line.cached_tokens == line.prompt_tokens - 1
     said = told(reply)
     if path in COUNTED:
