@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -24,6 +23,7 @@ import trio
 from supervisor.config import Config, locate
 from supervisor.models.model import Model
 from supervisor.routes.capability import Restores
+from supervisor.testing import Running
 from tests.real.test_real_families import FAMILIES, PROMPT, SYSTEM, model_file, tiny_models
 from tests.rigs.helpers import wait_until
 from tests.rigs.rig import RouteLines, make_config, real_llama_server, run_daemon
@@ -101,8 +101,8 @@ def stored_more(model: Model, than: int) -> bool:
     return model.store_statistics().stores > than
 
 
-def first_model(running: Any) -> Model:
-    model = running.daemon.models.get("first")
+def first_model(running: Running) -> Model:
+    model: Model | None = running.daemon.models.get("first")
     assert model is not None
     return model
 
