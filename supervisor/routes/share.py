@@ -35,6 +35,7 @@ from ..llama import decoder
 from ..llama.region import KV_KINDS, STATE_KINDS
 from ..providers import Provider, ShareJob
 from ..reasons import Reason
+from .capability import Capability
 from .decision import Outcome, Route, Step
 from .file import SlotClient, erase_slot
 from .prefill import prefill
@@ -177,11 +178,20 @@ class ShareHandoff:
     """
 
     def __init__(
-        self, *, client: SlotClient, handshake: ShareHandshake, model: str, n_ctx: int, memory: str | None = None
+        self,
+        *,
+        client: SlotClient,
+        handshake: ShareHandshake,
+        model: str,
+        n_ctx: int,
+        memory: str | None = None,
+        capability: Capability | None = None,
     ) -> None:
         """``memory``: the decoder's memory layout (gguf.Shape.memory; None: its header is unknown),
-        which every request a refusal sends elsewhere names on its route line."""
+        which every request a refusal sends elsewhere names on its route line.  ``capability``: where
+        what is handed over ends (a hybrid model's at the prompt's boundary); None: the whole prompt."""
         self.client = client
+        self.capability = capability
         self.handshake = handshake
         self.model = model
         self.n_ctx = n_ctx
@@ -206,8 +216,20 @@ class ShareHandoff:
         return self.memory
 
     async def run(
-        self, *, req: str, slot: int, tokens: list[int], provider: Provider, generation: int, timeout_s: float
+        self,
+        *,
+        req: str,
+        slot: int,
+        tokens: list[int],
+        provider: Provider,
+        generation: int,
+        timeout_s: float,
+        end: int | None = None,
     ) -> Outcome:
+        """``end``: the prompt's boundary, where a state that cannot be cut back ends (as on the
+        file route); the decoder evaluates the tokens after it."""
+        if self.capability is not None:
+            tokens = self.capability.handed_over(tokens, end)
         expected = len(tokens)
         started = trio.current_time()
         try:
