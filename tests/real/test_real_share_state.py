@@ -15,6 +15,7 @@ off).  LFM2 with its sliding window keeps the share route refused, the layout na
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import httpx
@@ -28,6 +29,8 @@ from tests.real.test_real_state_fidelity import GGML_LOGITS, GGML_STATE, PROMPT,
 from tests.rigs.rig import HANDOFF_ALWAYS, RouteLines, make_config, real_llama_server, run_daemon
 
 pytestmark = pytest.mark.real
+
+log = logging.getLogger("tests.share_state")
 
 DEADLINE_S = 300
 # The hybrid families whose memory the decoder lends (a KV cache beside a recurrent memory), and a dense
@@ -101,6 +104,8 @@ async def test_the_adopted_state_and_the_next_token_after_it_are_the_decoders_ow
             first, second = await route_lines.until(2)
 
     comparison = statediff.compare(adopted, own)
+    worst = " ".join(f"{t} {comparison.worst(t):.2e}" for t in "KVRS")
+    log.warning("%s share: state %s, logits %.2e", name, worst, logits_error(after, cached))
     assert comparison.differences == (), comparison
     assert comparison.max_error <= GGML_STATE, comparison
     if name != "llama-dense":
