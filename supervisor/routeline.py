@@ -45,7 +45,7 @@ class RouteLine:
     status: int = 0
     outcome: RequestOutcome = RequestOutcome.OK
     fallback: str | None = None
-    memory: str | None = None  # with share-refused*: the decoder's memory layout (kv+swa, kv+recurrent)
+    memory: str | None = None  # with share-refused*: the decoder's memory layout (kv+swa, kv+swa+recurrent)
     prompt_tokens: int | None = None
     prefill_ms: float = 0.0
     restore_ms: float = 0.0

@@ -92,7 +92,7 @@ class Shape:
     def memory(self) -> str:
         """Its memory's parts as llama.cpp makes them, ``+``-joined: ``kv`` (attention), ``swa`` (a
         sliding-window KV cache beside it), ``recurrent`` (recurrent or convolution state): a
-        Qwen3.5's is ``kv+recurrent``.  Only a plain ``kv`` can be lent on the share route."""
+        Qwen3.5's is ``kv+recurrent``.  A ``kv`` and a ``kv+recurrent`` can be lent on the share route."""
         parts = ["kv"] if self.attention_layers else []
         if self.sliding_window is not None:
             parts.append("swa")

@@ -8,17 +8,24 @@ The slot state file read here is llama.cpp's ``llama_state_seq_save_file`` (``LL
         (llama-server packs its prompt there: -1, 1 (its version), the count, the tokens, the media
         count, which must be 0; a list not starting with -1 is taken as the tokens themselves)
     u32 n_stream; per stream: u32 cell_count, and when cell_count > 0:
-        per cell:  i32 pos, u32 n_seq_id (1), i32 seq_id
+        per cell:  i32 pos, u32 n_seq_id (1), [12 bytes of M-RoPE position and token], i32 seq_id
         u32 v_trans, u32 n_layer, u32 n_rot_k, u32 n_rot_v
         per layer: i32 k_type, u64 k_row_bytes, k_row_bytes * cell_count bytes (the rows, in cell order)
         per layer: i32 v_type, u64 v_row_bytes, v_row_bytes * cell_count bytes
+    and for a hybrid model (a KV cache beside a recurrent memory), its recurrent cell:
+        u32 cell_count (1), i32 pos, u32 n_seq_id (0), u32 s_trans (0), u32 n_layer
+        per recurrent layer: i32 r_type, u64 row_bytes, the R row; [u64 row_bytes, the P row]
+        per recurrent layer: i32 s_type, u64 row_bytes, the S row
 
-A cell's position, not its index, says where its rows go: the row of position p of a tensor is at
-``offset + p * stride`` in its region (the share header, docs/protocol.md).  A job is refused (an
-``error`` answer, so the request goes plain) when the file is not of that shape to the last byte (a
-model whose cells carry extra per-cell data, M-RoPE or PLE, is one such), when the cache is transposed
-(``v_trans``), when the layer count, a row size or the rotation (``n_rot_k``, ``n_rot_v``) differs from
-the header's, or when the file's tokens are not the job's.  The claim is the number of positions 0..k-1
+A cell's position, not its index, says where its K and V rows go: the row of position p of a tensor is
+at ``offset + p * stride`` in its region (the share header, docs/protocol.md).  A recurrent state row
+(kinds ``r``, ``p``, ``s``) goes whole to its ``offset``; the header lists them in the file's order, and
+the state must be the one after the job's last token.  A job is refused (an ``error`` answer, so the
+request goes plain) when the file is not of that shape to the last byte (a model whose cells carry
+per-cell data other than M-RoPE's is one such), when the cache is transposed (``v_trans``), when the
+layer count, a row size or the rotation (``n_rot_k``, ``n_rot_v``) differs from the header's, when the
+header names a kind of row this module does not know, when the recurrent state is not at the job's last
+position, or when the file's tokens are not the job's.  The claim is the number of positions 0..k-1
 written without a gap, so a state that holds fewer than the job's tokens is a short claim.
 """
 
@@ -26,13 +33,13 @@ from __future__ import annotations
 
 import mmap
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from .statefile import CELL_EXT_BYTES, Reader, StateFileError
 from .statefile import MAGIC as STATE_MAGIC
 from .statefile import VERSION as STATE_VERSION
-from .statefile import Reader, StateFileError
 
 
 class JobRefused(Exception):
@@ -70,15 +77,47 @@ def read_prompt(r: StateReader) -> list[int]:
     return unpack_prompt(list(struct.unpack(f"<{n_token}i", r.take(4 * n_token))))
 
 
-class StateRows:
-    """One sequence's cells as a slot state file holds them: positions, and per layer the K and V rows."""
+# The kinds of a share header's rows: K and V per position; a hybrid's recurrent state (R, its PLE
+# convolution P, S), one row each, in the order its state file holds them.
+KV_KINDS = ("k", "v")
+STATE_KINDS = ("r", "p", "s")
 
-    def __init__(self, data: bytes) -> None:
+
+def state_kinds(layout: dict[str, Any]) -> list[str]:
+    """The kinds of the recurrent state rows the decoder lends, in the header's order (none: no
+    recurrent part).  Raises :class:`JobRefused` for a kind that is neither K/V nor a state's."""
+    kinds = []
+    for tensor in layout.get("tensors") or ():
+        kind = tensor.get("kind")
+        if kind not in KV_KINDS + STATE_KINDS:
+            raise JobRefused(f"{tensor.get('name')}: rows of kind {kind!r}, which this worker cannot write")
+        if kind in STATE_KINDS:
+            kinds.append(kind)
+    return kinds
+
+
+class StateRows:
+    """One sequence's cells as a slot state file holds them: positions, per layer the K and V rows, and
+    a hybrid model's recurrent rows (``states``: their kinds, in the share header's order)."""
+
+    def __init__(self, data: bytes, states: Sequence[str] = ()) -> None:
+        try:
+            self._read(data, states, cell_ext=False)
+        except JobRefused as plain:
+            # An M-RoPE model's cells carry their 2D position and token; the file does not say so.
+            try:
+                self._read(data, states, cell_ext=True)
+            except JobRefused:
+                raise plain from None
+
+    def _read(self, data: bytes, states: Sequence[str], *, cell_ext: bool) -> None:
         r = StateReader(data)
         self.tokens = read_prompt(r)
         self.positions: list[int] = []
         self.k_rows: list[tuple[int, memoryview]] = []  # per layer: row bytes, the rows in cell order
         self.v_rows: list[tuple[int, memoryview]] = []
+        self.state_pos = -1  # the position the recurrent state is after (-1: none read)
+        self.state_rows: list[tuple[int, memoryview]] = []  # per entry of ``states``: row bytes, the row
         self.n_rot_k = self.n_rot_v = 0
         view = memoryview(data)
         n_stream = r.u32()
@@ -92,7 +131,7 @@ class StateRows:
                 pos, n_seq_id = r.i32(), r.u32()
                 if n_seq_id != 1:
                     raise JobRefused(f"a cell belongs to {n_seq_id} sequences (cells with extra data?)")
-                r.take(4)  # the saving server's seq id, ours to ignore as the decoder's restore does
+                r.take((CELL_EXT_BYTES if cell_ext else 0) + 4)  # the saving server's seq id, ours to ignore
                 self.positions.append(pos)
             v_trans, n_layer, self.n_rot_k, self.n_rot_v = r.u32(), r.u32(), r.u32(), r.u32()
             if v_trans:
@@ -104,8 +143,28 @@ class StateRows:
                     start = r.at
                     r.take(row_bytes * cell_count)
                     rows.append((row_bytes, view[start : r.at]))
+        if states:
+            self._read_state(r, view, states)
         if r.at != len(data):
             raise JobRefused(f"{len(data) - r.at} bytes after the last field: not the layout this worker parses")
+
+    def _read_state(self, r: StateReader, view: memoryview, states: Sequence[str]) -> None:
+        """The recurrent memory's one cell: the row of each of ``states``, the kinds the decoder lends."""
+        cell_count = r.u32()
+        if cell_count != 1:
+            raise JobRefused(f"the saved recurrent memory holds {cell_count} cells, not the sequence's one")
+        self.state_pos = r.i32()
+        r.take(4 * r.u32())
+        if r.u32() != 0:
+            raise JobRefused("the saved recurrent state is transposed")
+        r.u32()  # every layer's count: which of them are recurrent, the header's rows say
+        for kind in states:
+            if kind != "p":  # the P row travels with its layer's R row, without a type of its own
+                r.i32()
+            row_bytes = r.u64()
+            start = r.at
+            r.take(row_bytes)
+            self.state_rows.append((row_bytes, view[start : r.at]))
 
     def runs(self) -> Iterator[tuple[int, int, int]]:
         """(first cell, first position, length) of each run of cells whose positions go up by one."""
@@ -130,6 +189,25 @@ def write_rows(state: StateRows, layout: dict[str, Any], regions: list[mmap.mmap
             f"the decoder rotates K/V by {layout.get('n_rot_k')}/{layout.get('n_rot_v')}, "
             f"the saved state by {state.n_rot_k}/{state.n_rot_v}"
         )
+    states = [t for t in tensors if t.get("kind") in STATE_KINDS]
+    if len(states) != len(state.state_rows):
+        raise JobRefused(
+            f"the decoder lends {len(states)} recurrent rows, the state file holds {len(state.state_rows)}"
+        )
+    if states and state.state_pos != n_tokens - 1:
+        raise JobRefused(
+            f"the saved recurrent state is after position {state.state_pos}, not the job's last ({n_tokens - 1})"
+        )
+    for tensor, (row_bytes, row) in zip(states, state.state_rows, strict=True):
+        region = regions[int(tensor["region"])]
+        at = int(tensor["offset"])
+        if int(tensor["row_bytes"]) != row_bytes:
+            raise JobRefused(
+                f"{tensor.get('name')}: a row of {tensor['row_bytes']} bytes, the state file's {row_bytes}"
+            )
+        if at + row_bytes > len(region):
+            raise JobRefused(f"{tensor.get('name')}: its row is outside its region")
+        region[at : at + row_bytes] = row
     keys = [t for t in tensors if t.get("kind") == "k"]
     values = [t for t in tensors if t.get("kind") == "v"]
     if len(keys) != len(state.k_rows) or len(values) != len(state.v_rows):
@@ -174,7 +252,7 @@ def write_saved_state(path: Path, tokens: list[int], layout: dict[str, Any], fds
     try:
         for fd, region in zip(fds, layout["regions"], strict=True):
             regions.append(mmap.mmap(fd, int(region["size"])))
-        state = StateRows(path.read_bytes())
+        state = StateRows(path.read_bytes(), state_kinds(layout))
         if state.tokens[: len(tokens)] != tokens:
             raise JobRefused("the saved state is not of the job's tokens")
         return write_rows(state, layout, regions, len(tokens))

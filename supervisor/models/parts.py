@@ -202,6 +202,7 @@ class Parts:
             model=model_alias(self.config),
             n_ctx=self.config.model.ctx_size,
             memory=None if self.model_file is None or self.model_file.shape is None else self.model_file.shape.memory,
+            capability=self.capability,
         )
 
     def _provider(self, spec: ProviderConfig, on_transition: OnTransition | None) -> Provider:

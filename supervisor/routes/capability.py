@@ -109,6 +109,16 @@ class Capability:
         """How many of the prompt's last tokens a handed-over state leaves out."""
         return 1 if self.restores is Restores.PREFIX else 0
 
+    def handed_over(self, tokens: list[int], end: int | None) -> list[int]:
+        """The prompt's tokens a state handed over holds: up to ``end``, the prompt's boundary
+        (routes/boundary.py), where the state cannot be cut back and the boundary is known; else all
+        but the last :attr:`short_by`."""
+        if self.at_boundary and end is not None and 0 < end < len(tokens):
+            return tokens[:end]
+        if 0 < self.short_by < len(tokens):
+            return tokens[: -self.short_by]
+        return tokens
+
     @property
     def words(self) -> str:
         if self.withdrawn is not None:

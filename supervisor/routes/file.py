@@ -77,12 +77,8 @@ class FileHandoff:
         path = self.state_file(req)
         self.sweep()
         handed_over = False
-        at_boundary = self.capability is not None and self.capability.at_boundary
-        short_by = self.capability.short_by if self.capability is not None else 0
-        if at_boundary and end is not None and 0 < end < len(tokens):
-            tokens = tokens[:end]
-        elif 0 < short_by < len(tokens):
-            tokens = tokens[:-short_by]
+        if self.capability is not None:
+            tokens = self.capability.handed_over(tokens, end)
         try:
             job = PrefillJob(req, self.model, self.n_ctx, tuple(tokens), path)
             done = await prefill(provider, job, timeout_s=timeout_s)

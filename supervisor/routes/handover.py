@@ -157,6 +157,7 @@ async def _attempt(
             provider=provider,
             generation=generation,
             timeout_s=settings.prefill_timeout_s,
+            end=plan.boundary,
         )
     return await hybrid.file.run(
         req=req,

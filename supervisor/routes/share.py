@@ -6,7 +6,8 @@ Per request (slot S, M prompt tokens):
 2. ``POST /slots/S?action=share {"socket": <path>, "n_tokens": M}``; the reply must be 2xx JSON with
    a string ``share_id``.
 3. The decoder connects and sends one message: a 4-byte big-endian length, then a UTF-8 JSON header,
-   with the region fds attached (SCM_RIGHTS) in the order of ``regions``.
+   with the region fds attached (SCM_RIGHTS) in the order of ``regions``: the slot's KV, and for a
+   hybrid model a second region staging its recurrent state (rows of kind ``r``, ``p``, ``s``).
 
 Any failure here is a :class:`ShareRefused`: nothing was written into the region yet, so the request
 may still take the file route.  :class:`SharedRegion` owns the received fds; closing it closes them,
@@ -31,8 +32,10 @@ import trio
 
 from ..errors import ShareRefused
 from ..llama import decoder
+from ..llama.region import KV_KINDS, STATE_KINDS
 from ..providers import Provider, ShareJob
 from ..reasons import Reason
+from .capability import Capability
 from .decision import Outcome, Route, Step
 from .file import SlotClient, erase_slot
 from .prefill import prefill
@@ -113,6 +116,9 @@ def parse_header(raw: bytes, fds: list[int]) -> dict[str, Any]:
             raise ShareRefused(f"a share tensor is malformed: {tensor!r:.200}")
         if not 0 <= tensor["region"] < len(regions):
             raise ShareRefused(f"a share tensor names region {tensor['region']} of {len(regions)}")
+        if tensor.get("kind") not in KV_KINDS + STATE_KINDS:
+            # A provider writes the rows it knows: one it skipped would be decoded from as written.
+            raise ShareRefused(f"a share tensor of kind {tensor.get('kind')!r}, which no provider here can write")
     return header
 
 
@@ -172,11 +178,20 @@ class ShareHandoff:
     """
 
     def __init__(
-        self, *, client: SlotClient, handshake: ShareHandshake, model: str, n_ctx: int, memory: str | None = None
+        self,
+        *,
+        client: SlotClient,
+        handshake: ShareHandshake,
+        model: str,
+        n_ctx: int,
+        memory: str | None = None,
+        capability: Capability | None = None,
     ) -> None:
         """``memory``: the decoder's memory layout (gguf.Shape.memory; None: its header is unknown),
-        which every request a refusal sends elsewhere names on its route line."""
+        which every request a refusal sends elsewhere names on its route line.  ``capability``: where
+        what is handed over ends (a hybrid model's at the prompt's boundary); None: the whole prompt."""
         self.client = client
+        self.capability = capability
         self.handshake = handshake
         self.model = model
         self.n_ctx = n_ctx
@@ -201,8 +216,20 @@ class ShareHandoff:
         return self.memory
 
     async def run(
-        self, *, req: str, slot: int, tokens: list[int], provider: Provider, generation: int, timeout_s: float
+        self,
+        *,
+        req: str,
+        slot: int,
+        tokens: list[int],
+        provider: Provider,
+        generation: int,
+        timeout_s: float,
+        end: int | None = None,
     ) -> Outcome:
+        """``end``: the prompt's boundary, where a state that cannot be cut back ends (as on the
+        file route); the decoder evaluates the tokens after it."""
+        if self.capability is not None:
+            tokens = self.capability.handed_over(tokens, end)
         expected = len(tokens)
         started = trio.current_time()
         try:

@@ -423,8 +423,9 @@ def share_config(runtime: Path, model_path: Path, store: Path) -> Config:
         ("llama-dense", None),
         ("qwen3moe-moe", None),
         ("gemma3-dense", "kv+swa"),
-        ("qwen35-dense", "kv+recurrent"),
-        ("granitehybrid-dense", "kv+recurrent"),
+        ("qwen35-dense", None),
+        ("granitehybrid-dense", None),
+        ("lfm2-noswa-dense", None),
         ("lfm2-dense", "kv+swa+recurrent"),
     ],
 )
@@ -453,10 +454,12 @@ async def test_the_share_route_adopts_where_the_decoder_can_lend_that_memory_and
     assert refused.keys() == (set() if memory is None else {model}), refused
     assert memory is None or refused[model].endswith(f"(memory {memory})"), refused
     if memory is None:
+        # A hybrid's recurrent state is lent beside its KV: handed over at the raw prompt's boundary
+        # (less its last token), the decoder evaluates that one.
         assert (first["route"], first["fallback"], first["decoder_prompt_n"]) == ("share", None, 1), first
         assert (first["memory"], second["memory"]) == (None, None), second
     else:
-        # The decoder refuses to lend what it cannot (an SWA or recurrent memory): the file route
+        # The decoder refuses to lend what it cannot (a sliding window's memory): the file route
         # follows before any prefill, and the decoder still evaluates a token or two.  Every request
         # the refusal sends there says so and names the memory, not only the one that asked.
         for line, fallback in ((first, "share-refused"), (second, "share-refused-earlier")):

@@ -55,6 +55,7 @@ class Share:
                 self.tensors.append(
                     {
                         "name": f"cache_{kind}_l{layer}",
+                        "kind": kind,
                         "region": region,
                         "offset": sizes[region],
                         "row_bytes": SHARE_ROW_BYTES,

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from supervisor.llama.region import JobRefused, StateRows, write_rows
+from supervisor.llama.region import JobRefused, StateRows, state_kinds, write_rows
 from supervisor.llama.statefile import MAGIC as STATE_MAGIC
 from supervisor.llama.statefile import VERSION as STATE_VERSION
 
@@ -22,7 +22,13 @@ def row(kind: str, layer: int, pos: int) -> bytes:
 
 
 def state_file(
-    positions: list[int], *, v_trans: int = 0, n_rot: int = 0, tail: bytes = b"", packed: bool = True
+    positions: list[int],
+    *,
+    v_trans: int = 0,
+    n_rot: int = 0,
+    tail: bytes = b"",
+    packed: bool = True,
+    cell_ext: bool = False,
 ) -> bytes:
     tokens = [100 + p for p in sorted(positions)]
     if packed:  # as llama-server writes its prompt: -1, version 1, count, tokens, media count 0
@@ -31,7 +37,10 @@ def state_file(
     out += struct.pack("<II", 2, 0)  # two streams, the first empty
     out += struct.pack("<I", len(positions))
     for pos in positions:
-        out += struct.pack("<iIi", pos, 1, 1)
+        # An M-RoPE model's cell carries its 2D position and token between its count and its seq id.
+        out += (
+            struct.pack("<iI", pos, 1) + (struct.pack("<iii", pos, pos, 100 + pos) if cell_ext else b"") + b"\1\0\0\0"
+        )
     out += struct.pack("<IIII", v_trans, N_LAYER, n_rot, n_rot)
     for kind in "kv":
         for layer in range(N_LAYER):
@@ -96,3 +105,103 @@ def test_a_rotation_that_differs_from_the_decoders_is_refused() -> None:
     region = mmap.mmap(-1, layout(8)["regions"][0]["size"])
     with pytest.raises(JobRefused, match="rotates"):
         write_rows(state, layout(8), [region], 2)
+
+
+def test_an_m_rope_models_cells_are_read_with_their_extension() -> None:
+    state = StateRows(state_file([0, 1, 2], cell_ext=True))
+    assert state.positions == [0, 1, 2]
+    region = mmap.mmap(-1, layout(8)["regions"][0]["size"])
+    assert write_rows(state, layout(8), [region], 3) == 3
+    assert region[ROW : 2 * ROW] == row("k", 0, 1)
+
+
+# A hybrid model: two recurrent layers, each with an R row and an S row, after its KV part.
+STATE_ROW = {"r": 12, "s": 20}
+HYBRID_KINDS = ["r", "r", "s", "s"]
+
+
+def state_row(kind: str, layer: int) -> bytes:
+    return bytes([ord(kind), layer]) * (STATE_ROW[kind] // 2)
+
+
+def hybrid_file(n: int, *, state_pos: int | None = None, cells: int = 1, s_row: int = STATE_ROW["s"]) -> bytes:
+    out = state_file(list(range(n)))
+    out += struct.pack("<I", cells)
+    for _ in range(cells):
+        out += struct.pack("<iI", n - 1 if state_pos is None else state_pos, 0)
+    out += struct.pack("<II", 0, 4)  # s_trans, every layer's count
+    for kind in "rs":
+        for layer in (1, 3):
+            size = s_row if kind == "s" else STATE_ROW[kind]
+            out += struct.pack("<iQ", 0, size) + state_row(kind, layer)[:size] * cells
+    return out
+
+
+def hybrid_layout(n_cells: int) -> dict[str, Any]:
+    shape = layout(n_cells)
+    offset = 0
+    for kind in "rs":
+        for layer in (1, 3):
+            shape["tensors"].append(
+                {
+                    "name": f"cache_{kind}_l{layer}",
+                    "kind": kind,
+                    "region": 1,
+                    "offset": offset,
+                    "row_bytes": STATE_ROW[kind],
+                }
+            )
+            offset += STATE_ROW[kind]
+    shape["regions"].append({"size": 4096, "state": True})
+    return shape
+
+
+def regions_for(shape: dict[str, Any]) -> list[mmap.mmap]:
+    return [mmap.mmap(-1, int(region["size"])) for region in shape["regions"]]
+
+
+def test_a_hybrids_recurrent_rows_go_to_the_staging_region_beside_its_kv() -> None:
+    shape = hybrid_layout(8)
+    assert state_kinds(shape) == HYBRID_KINDS
+    state = StateRows(hybrid_file(5), HYBRID_KINDS)
+    regions = regions_for(shape)
+    assert write_rows(state, shape, regions, 5) == 5
+    for tensor in shape["tensors"]:
+        if tensor["region"] == 1:
+            at = tensor["offset"]
+            assert regions[1][at : at + tensor["row_bytes"]] == state_row(tensor["kind"], int(tensor["name"][-1]))
+    assert regions[0][ROW : 2 * ROW] == row("k", 0, 1)
+
+
+def test_a_recurrent_state_from_another_position_is_refused() -> None:
+    # The state after position 3 of a 5-token job: one token short, the decoder would decode from it.
+    state = StateRows(hybrid_file(5, state_pos=3), HYBRID_KINDS)
+    with pytest.raises(JobRefused, match="after position 3, not the job's last"):
+        write_rows(state, hybrid_layout(8), regions_for(hybrid_layout(8)), 5)
+
+
+@pytest.mark.parametrize(
+    ("data", "said"),
+    [
+        (hybrid_file(3)[:-7], "ends at byte"),
+        (hybrid_file(3, cells=2), "holds 2 cells"),
+        (state_file([0, 1, 2]), "ends at byte"),
+    ],
+    ids=["torn-row", "two-cells", "no-recurrent-part"],
+)
+def test_a_torn_or_missing_recurrent_state_is_refused(data: bytes, said: str) -> None:
+    with pytest.raises(JobRefused, match=said):
+        StateRows(data, HYBRID_KINDS)
+
+
+def test_a_recurrent_row_shorter_than_the_decoders_is_refused() -> None:
+    state = StateRows(hybrid_file(3, s_row=16), HYBRID_KINDS)
+    with pytest.raises(JobRefused, match="cache_s_l1: a row of 20 bytes, the state file's 16"):
+        write_rows(state, hybrid_layout(8), regions_for(hybrid_layout(8)), 3)
+
+
+def test_a_row_kind_the_worker_does_not_know_is_refused_before_anything_is_read() -> None:
+    shape = hybrid_layout(8)
+    shape["tensors"][-1]["kind"] = "q"
+    with pytest.raises(JobRefused, match="kind 'q'"):
+        state_kinds(shape)

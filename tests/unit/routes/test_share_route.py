@@ -24,6 +24,8 @@ import pytest
 import trio
 
 from supervisor.admin import render
+from supervisor.errors import ShareRefused
+from supervisor.routes.share import parse_header
 from supervisor.supervise.child import ChildState
 from tests.fakes import fake_share_provider
 from tests.fakes.llama import share as fake_share
@@ -411,3 +413,14 @@ async def test_two_hundred_share_requests_with_mixed_failures_leave_no_fd_and_no
     assert 1 <= len(pooled(fds_after)) <= 2
     assert files_after == files_before
     assert rig.leftovers() == []
+
+
+def test_a_header_naming_rows_no_provider_can_write_is_refused_at_the_handshake() -> None:
+    # A provider skips the rows it does not know, and the decoder would decode from them unwritten: the
+    # handshake refuses, before any provider runs, so the state-file route may still take the request.
+    tensor = {"name": "cache_x_l0", "kind": "x", "region": 0, "offset": 0, "row_bytes": 16}
+    header = json.dumps({"regions": [{"size": 4096}], "tensors": [tensor]}).encode()
+    with pytest.raises(ShareRefused, match="kind 'x', which no provider here can write"):
+        parse_header(header, [-1])
+    tensor["kind"] = "s"  # a hybrid's recurrent state row is one a provider writes
+    assert parse_header(json.dumps({"regions": [{"size": 4096}], "tensors": [tensor]}).encode(), [-1])

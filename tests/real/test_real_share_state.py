@@ -1,0 +1,119 @@
+"""The share route per family, proven by its state (issue 53, items 3 and 5): the patched llama-server
+lends a slot's KV cache, and a hybrid model's recurrent or convolution state beside it; the llama-server
+provider writes its saved rows into them; the decoder adopts them.  On the tiny models:
+
+    route    a raw prompt and a chat, through onebitd: the share route with no fallback, the decoder
+             evaluating one token of the raw prompt and at most the generation prompt and one of the chat
+    state    the decoder's slot after the adopt, saved, against its own slot after it prefilled the same
+             tokens: every part, every layer, relative error (supervisor/llama/statediff.py)
+    logits   the decoder's next-token log-probabilities after the adopt against its own cached path
+
+The provider runs the decoder's own engine, so both must match within float noise (as on the file route:
+tests/real/test_real_state_fidelity.py, whose comparisons are shown there to catch a state one position
+off).  LFM2 with its sliding window keeps the share route refused, the layout named.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+from supervisor.config import Config
+from supervisor.llama import decoder, statediff, statefile
+from tests.real.test_real_families import model_file, tiny_models  # noqa: F401  (a fixture, and where each model is)
+from tests.real.test_real_state_fidelity import GGML_LOGITS, GGML_STATE, PROMPT, Decoder, logits_error
+from tests.rigs.rig import HANDOFF_ALWAYS, RouteLines, make_config, real_llama_server, run_daemon
+
+pytestmark = pytest.mark.real
+
+log = logging.getLogger("tests.share_state")
+
+DEADLINE_S = 300
+# The hybrid families whose memory the decoder lends (a KV cache beside a recurrent memory), and a dense
+# one beside them.
+LENT = ["qwen35-dense", "granitehybrid-dense", "lfm2-noswa-dense", "llama-dense"]
+# A chat's generation prompt on the tiny models' templates: a handful of tokens (test_real_families.py).
+GENERATION_PROMPT_MAX = 8
+
+
+def config(runtime: Path, model_path: Path) -> Config:
+    real_llama_server()
+    return make_config(
+        runtime,
+        model={"path": str(model_path), "parallel": 1, "ctx_size": 1024},
+        decoder={"threads": 1},
+        cache={"dir": str(runtime / "store"), "ram_mib": 0},
+        hybrid={"enabled": True, "min_prompt_tokens": 16, "mode": "share", **HANDOFF_ALWAYS},
+        provider=[{"kind": "llama-server", "name": "p0", "threads": 1}],
+    )
+
+
+@pytest.mark.parametrize("name", LENT)
+async def test_the_adopted_state_and_the_next_token_after_it_are_the_decoders_own(
+    short_dir: Path,
+    tiny_models: Path,  # noqa: F811
+    route_lines: RouteLines,
+    monkeypatch: pytest.MonkeyPatch,
+    name: str,
+) -> None:
+    monkeypatch.delenv("ONEBIT_KV_SHARE", raising=False)
+    with trio.fail_after(DEADLINE_S):
+        async with run_daemon(config(short_dir, model_file(tiny_models, name)), providers_ready=True) as running:
+            model = running.daemon.models.default
+            (provider,) = model.parts.providers.all
+            await provider.wait_settled()
+            assert model.parts.hybrid is not None
+            share = model.parts.hybrid.share
+            assert share is not None
+            dec = Decoder(model.client, model.parts.state_dir)
+            tokens = await decoder.tokenize(model.client, PROMPT)
+            # What the share route hands over of a raw prompt: all of it, or less its last token where
+            # the state cannot be cut back (a hybrid's).
+            handed = model.parts.capability.handed_over(tokens, None)
+
+            async def adopt() -> None:
+                assert await decoder.erase(model.client, 0) is None
+                generation = model.parts.decoder.generation
+                outcome = await share.run(
+                    req="proof", slot=0, tokens=tokens, provider=provider, generation=generation, timeout_s=120
+                )
+                assert outcome.ok, outcome
+
+            await adopt()
+            saved = await decoder.save(model.client, 0, "adopted.state")
+            assert isinstance(saved, decoder.Saved), saved
+            adopted = statefile.read(model.parts.state_dir / "adopted.state")
+            own = statefile.read(await dec.own_state(handed, "own.state"))
+            cached = await dec.next(tokens, evaluated=len(tokens) - len(handed) or 1)
+            await adopt()
+            after = await dec.next(tokens, evaluated=len(tokens) - len(handed) or 1)
+
+            # Through onebitd: a raw prompt, then a chat.
+            async with httpx.AsyncClient(base_url=running.url, timeout=120) as client:
+                raw = await client.post("/completion", json={"prompt": PROMPT, "n_predict": 2, "temperature": 0})
+                assert raw.status_code == 200, raw.text
+                chat = await client.post(
+                    "/v1/chat/completions",
+                    json={"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2, "temperature": 0},
+                )
+                assert chat.status_code == 200, chat.text
+            first, second = await route_lines.until(2)
+
+    comparison = statediff.compare(adopted, own)
+    worst = " ".join(f"{t} {comparison.worst(t):.2e}" for t in "KVRS")
+    log.warning("%s share: state %s, logits %.2e", name, worst, logits_error(after, cached))
+    assert comparison.differences == (), comparison
+    assert comparison.max_error <= GGML_STATE, comparison
+    if name != "llama-dense":
+        assert adopted.recurrent is not None
+        assert {e.part for e in comparison.errors} >= {"recurrent"}, comparison.errors
+    assert logits_error(after, cached) <= GGML_LOGITS
+    assert after.ranked[0] == cached.ranked[0]
+    for line in (first, second):
+        assert (line["route"], line["fallback"], line["outcome"]) == ("share", None, "ok"), line
+    assert first["decoder_prompt_n"] == 1, first
+    assert 0 < second["decoder_prompt_n"] <= GENERATION_PROMPT_MAX + 1, second
