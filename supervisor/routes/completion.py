@@ -11,6 +11,7 @@ request's story (routes/story.py), which builds the route line from them.
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -31,7 +32,7 @@ from .capability import Capability
 from .decision import Choice, Costs, Offer, Policy, Route, choose, restore_used
 from .handover import Hybrid, Walk, hand_over
 from .plan import Plan, plan
-from .rates import Rates
+from .rates import MIB, Rates
 from .relay import Relayed, Timings, relay
 from .stored import StoredPrefixes
 from .story import Story
@@ -77,12 +78,12 @@ class Completions:
         hybrid: Hybrid | None = None,
         slot_context: int | Callable[[], int | None] | None = None,
         capability: Capability | None = None,
-        prompt_cache: bool = False,
+        prompt_cache_mib: int = 0,
     ) -> None:
         """``capability``: what the model's restores can do (supervisor/routes/capability.py); None:
-        taken to restore whole, and never withdrawn (a test's fakes).  ``prompt_cache``: the
-        decoder keeps its own prompt cache (``cache.ram_mib`` not 0), which a plain request may
-        reuse from too."""
+        taken to restore whole, and never withdrawn (a test's fakes).  ``prompt_cache_mib``: the
+        size of the decoder's own prompt cache (``cache.ram_mib``: 0 off, -1 unbounded), which a
+        plain request may reuse from too."""
         self.decoder = decoder
         self.capability = capability
         self.client = client
@@ -92,7 +93,7 @@ class Completions:
         # The tokens one decoder slot holds, prompt and reply, as its source (the load) knows them at
         # each request: what llama-server said it got (None: not checked here, the decoder still is).
         self.slot_context = source(slot_context)
-        self.prompt_cache = prompt_cache
+        self.prompt_cache_mib = prompt_cache_mib
         # Requests whose decoder re-evaluated the prompt although the restore (a handoff's, or the
         # prefix store's) succeeded.
         self.restore_unused = 0
@@ -184,6 +185,12 @@ class Completions:
         entry = await self._from_store(plan, slot, story)
         return entry, self._choose(plan, slot, entry is not None, settings)
 
+    def _prompt_cache_tokens(self) -> int:
+        """The tokens the decoder's prompt cache holds at most: its size over the state a token takes."""
+        if self.prompt_cache_mib < 0:
+            return sys.maxsize
+        return self.prompt_cache_mib * MIB // max(1, round(self.rates.state_bytes_per_token))
+
     def _choose(self, plan: Plan, slot: int, restored: bool, settings: HybridConfig) -> Choice:
         """The route and every reason for it (routes.decision.choose), from the plan and the slot."""
         hybrid, provider, tokens = self.hybrid, plan.provider, plan.tokens
@@ -197,7 +204,7 @@ class Completions:
                 decoder_cost, provider_cost = self.rates.prefill(generation, provider.name)
                 costs = Costs(
                     # With a restore from the prefix store the slot holds its prefix by now.
-                    decoder_cached=self.slots.reusable(slot, plan.key, prompt_cache=self.prompt_cache),
+                    decoder_cached=self.slots.reusable(slot, plan.key, prompt_cache=self._prompt_cache_tokens()),
                     provider_cached=provider.cached_tokens(tokens),
                     decoder=decoder_cost,
                     provider=provider_cost,
