@@ -11,6 +11,12 @@ the same processes with other ``[hybrid]`` settings (``Completions.configure``),
 the one cost model: the default side decides on rates measured at every size.  Time to the first
 streamed token; medians per size; the routes the default side took; how near its estimates came.
 
+``routes --streams N``: the same with N streams decoding through onebitd the whole time (short
+prompts, replies of 256 tokens, each stream asking again as soon as its reply is over), the slots
+raised to N + 1 so that the measured prompt has one of its own: the long prompt arrives while the
+streams decode on the same cores, where a handoff spares them nothing unless the provider's compute
+is apart from the decoder's.  Only the measured requests' route lines are read.
+
 ``fleet``: the shared-prefix workload of an agent fleet (the shape of inference-perf's
 shared-prefix one): ``--groups`` (6) system prompts of 600 to 800 tokens, each request one of them
 and a new 20 to 50-token question, 32 to 64 tokens out, streamed, two at a time.  *direct* is a
@@ -45,7 +51,7 @@ from supervisor import config as configuration
 from supervisor.config import Config
 from supervisor.observe.routestats import accuracy_of
 from supervisor.routeline import RouteLine
-from supervisor.testing import run_daemon
+from supervisor.testing import RouteLines, run_daemon
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ROOT / "config" / "onebit.toml"
@@ -55,12 +61,15 @@ QUICK_SIZES = (256, 1024)
 SIDES = ("default", "plain", "file", "default again")
 # A slot of SmolLM2's whole trained context: a 7,600-token prompt, its template and reply fit.
 SLOT_TOKENS = 8192
+STREAM_PROMPT_TOKENS = 40  # a decoding stream's prompt: far below every measured size
+STREAM_REPLY_TOKENS = 256
 
 
 def routes_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=int, default=5, help="measured rounds per size, sides rotating (5)")
     parser.add_argument("--sizes", help=f"prompt sizes in tokens, comma-separated (default {SIZES})")
     parser.add_argument("--quick", action="store_true", help=f"one round at {QUICK_SIZES} tokens")
+    parser.add_argument("--streams", type=int, default=0, help="streams decoding while each prompt arrives (0)")
     lines_argument(parser)
 
 
@@ -149,6 +158,25 @@ async def stream_chat(client: httpx.AsyncClient, body: dict[str, Any]) -> Stream
     return Streamed((first - start) * 1000, (time.perf_counter() - start) * 1000, tokens)
 
 
+async def measured_line(lines: RouteLines, before: int) -> dict[str, Any]:
+    """The first route line after the ``before``-th of a measured request (a stream's prompt is short)."""
+    n = before
+    while True:
+        n += 1
+        line = await lines.wait(n)
+        if line["prompt_tokens"] > 2 * STREAM_PROMPT_TOKENS:
+            return line
+
+
+async def decode(clients: Any, rng: random.Random, finished: list[int]) -> None:
+    """One stream decoding through onebitd until cancelled: a short new prompt, a long reply, again."""
+    while True:
+        text = await text_of(clients.direct, STREAM_PROMPT_TOKENS, rng)
+        body = {"messages": [{"role": "user", "content": text}], "max_tokens": STREAM_REPLY_TOKENS}
+        await stream_chat(clients.front, {**body, "temperature": 0, "ignore_eos": True})
+        finished[0] += 1
+
+
 def within(lines: Sequence[dict[str, Any]]) -> tuple[int, float | None]:
     """How many of ``lines`` the cost decision estimated, and the share of those within 1.5x."""
     ratios = [r for fields in lines if (r := accuracy_of(RouteLine(**fields))) is not None]
@@ -205,11 +233,13 @@ async def routes(args: argparse.Namespace) -> int:
     taken: dict[int, list[str]] = {}
     default_lines: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="ob-bench-", dir="/tmp") as tmp:
-        config = shipped_config(Path(tmp), ctx_size=SLOT_TOKENS * 4)  # the shipped 4 slots
+        slots = max(4, args.streams + 1)  # the shipped 4 slots, or one more than the streams
+        config = shipped_config(Path(tmp), ctx_size=SLOT_TOKENS * slots, parallel=slots)
         async with (
             open_lines() as lines,
             run_daemon(config, providers_ready=True, ready_timeout_s=TIMEOUT_S) as running,
             running.clients(request_timeout_s=TIMEOUT_S) as clients,
+            trio.open_nursery() as streams,
         ):
             completions = running.daemon.models.default.completions
             shipped = completions.settings
@@ -222,7 +252,13 @@ async def routes(args: argparse.Namespace) -> int:
                 before = len(lines.lines)
                 body = {"messages": [{"role": "user", "content": text}], "max_tokens": 4, "temperature": 0}
                 got = await stream_chat(clients.front, body)
-                return got, await lines.wait(before + 1)
+                return got, await measured_line(lines, before)
+
+            decoding = [0]  # replies the streams finished
+            for n in range(args.streams):
+                streams.start_soon(decode, clients, random.Random(100 + n), decoding)
+            if args.streams:
+                print(f"{args.streams} streams decoding {STREAM_REPLY_TOKENS}-token replies through onebitd")
 
             for side in SIDES:  # each side's first request pays for warming up: unmeasured
                 await one(side, sizes[0])
@@ -241,6 +277,9 @@ async def routes(args: argparse.Namespace) -> int:
                     f"  {size} tokens: "
                     + ", ".join(f"{s} {statistics.median(v):.0f} ms" for s, v in measured[size].items())
                 )
+            streams.cancel_scope.cancel()
+            if args.streams:
+                print(f"the streams finished {decoding[0]} replies meanwhile")
     print()
     print("first token, median ms            default / best   default / plain  A/A      default took")
     print("tokens  default  plain    file      of plain, file")
@@ -259,7 +298,8 @@ async def routes(args: argparse.Namespace) -> int:
     print(noise.report([]))
     if args.plot:
         series = {side: [(size, ms) for size in sizes for ms in measured[size][side]] for side in SIDES}
-        figures = [plot.XY("first token against prompt length", "prompt tokens", "first token, ms", series)]
+        title = "first token against prompt length" + (f", {args.streams} streams decoding" if args.streams else "")
+        figures = [plot.XY(title, "prompt tokens", "first token, ms", series)]
         plot.write(args.plot, "scripts/bench routes", figures, quick=args.quick)
     return 0
 

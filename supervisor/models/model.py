@@ -113,8 +113,6 @@ class Model:
         # feed (supervisor/observe/routestats.py's publish: onebitctl watch, the status page).
         self.on_event: Callable[[dict[str, Any]], None] = lambda event: None
         self.parts = self._parts()
-        # Its memory from its GGUF header, which the first load's parts have read (models/memory.py).
-        self.estimate_mib = memory.estimate_mib(spec, self.parts.model_file)
 
     def _parts(self, proven: Proven | None = None, found: ModelFile | None = None) -> Parts:
         """A load's parts, from its layout; ``found``: the model's file as already read for it (else
@@ -134,6 +132,11 @@ class Model:
             model_idle=lambda: self.users == 0,
             proven=proven,
         )
+
+    @property
+    def estimate_mib(self) -> float:
+        """Its memory from its GGUF header, as its load's parts read it, in their layout (models/memory.py)."""
+        return memory.estimate_mib(self.spec, self.parts.model_file, swa_full=self.parts.swa_full)
 
     def fresh_parts(self) -> None:
         """After an unload: the next load's parts, with the restore probe's verdict carried over

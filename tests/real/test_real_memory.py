@@ -6,10 +6,13 @@ buffers are compared to the log's 0.01 MiB, not through the process's RSS."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import subprocess
+from collections.abc import AsyncIterator
 from pathlib import Path
 
+import httpx
 import pytest
 import trio
 
@@ -28,11 +31,16 @@ MIB = 1024 * 1024
 # What each cache of llama-server says it takes, in MiB (two decimals).
 _KV = re.compile(r"llama_kv_cache: size =\s*([\d.]+) MiB")
 _RECURRENT = re.compile(r"llama_memory_recurrent: size =\s*([\d.]+) MiB")
+# Each checkpoint it takes of a slot (server-context.cpp's create_checkpoint, at trace level).
+_CHECKPOINT = re.compile(r"created context checkpoint (\d+) of (\d+) \(.*?size = ([\d.]+) MiB\)")
+_LISTENING = re.compile(r"listening on (http://[\d.:]+)")
 
 
-async def loaded(model: Path, table: ModelConfig) -> tuple[str, float]:
-    """Start llama-server on ``model`` with the decoder's model flags for ``table`` (on a port the
-    system picks), read its log until it listens, and return the log and its resident MiB then."""
+@contextlib.asynccontextmanager
+async def serving(model: Path, table: ModelConfig) -> AsyncIterator[tuple[str, bytearray, int]]:
+    """llama-server on ``model`` with the decoder's model flags for ``table`` (on a port the system
+    picks, its log at trace level), once it listens: its URL, its log as it grows, and its pid.
+    Killed and reaped on the way out (nothing of it is kept: no graceful stop to wait for)."""
     args = [str(real_llama_server()), *model_args(table, model), "-t", "1", "--port", "0", "-lv", "4"]
     process = await trio.lowlevel.open_process(
         args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
@@ -48,17 +56,25 @@ async def loaded(model: Path, table: ModelConfig) -> tuple[str, float]:
             if b"listening on" in log:
                 listening.set()
 
-    rss: float | None = None
     async with trio.open_nursery() as nursery:
         nursery.start_soon(read)
         try:
             with trio.fail_after(DEADLINE_S):
                 await listening.wait()
-            rss = memory.rss_mib(process.pid)
+            found = _LISTENING.search(log.decode(errors="replace"))
+            assert found is not None, log.decode(errors="replace")[-2000:]
+            yield found.group(1), log, process.pid
         finally:
-            process.kill()  # nothing of it is kept: no graceful stop to wait for
+            process.kill()
             with trio.fail_after(DEADLINE_S):
                 await process.wait()
+
+
+async def loaded(model: Path, table: ModelConfig) -> tuple[str, float]:
+    """Start llama-server on ``model`` with the decoder's model flags for ``table``, read its log
+    until it listens, and return the log and its resident MiB then."""
+    async with serving(model, table) as (_, log, pid):
+        rss = memory.rss_mib(pid)
     assert rss is not None, log.decode(errors="replace")[-2000:]
     return log.decode(errors="replace"), rss
 
@@ -112,3 +128,40 @@ async def test_what_a_larger_context_adds_to_the_resident_memory_is_its_estimate
     ) / MIB
     assert said(_KV, log) == pytest.approx(memory.kv_cache_bytes(shape, large, swa_full=False) / MIB, abs=0.01)
     assert large_rss - small_rss == pytest.approx(estimated, rel=0.15)
+
+
+@pytest.mark.parametrize(
+    ("name", "kept"),
+    [("qwen35-dense", memory.CTX_CHECKPOINTS - 1), ("gemma3-dense", memory.CTX_CHECKPOINTS - 1), ("lfm2-dense", 1)],
+    ids=["recurrent", "swa", "swa+recurrent"],
+)
+async def test_a_slot_keeps_at_most_the_context_checkpoints_the_estimate_counts_each_within_its_share(
+    tiny_models: Path,  # noqa: F811
+    name: str,
+    kept: int,
+) -> None:
+    """One slot's conversation, a turn longer each time, with the decoder's model flags (onebit
+    passes no --ctx-checkpoints): llama-server takes a checkpoint or two a turn, each of the slot's
+    state that cannot be cut back, and keeps at most as many as the estimate counts.  ``kept``: the
+    most it held (short of the count, it thins those within --checkpoint-min-step of each other
+    before it would make the last; LFM2's sliding window leaves one usable).  Each is the
+    estimate's to the log's 0.001 MiB (and the cells' positions): the recurrent state, the
+    window's cells."""
+    path = model_file(tiny_models, name)
+    shape = shape_of(path)
+    table = ModelConfig(path=str(path), ctx_size=4096, parallel=1)
+    one = memory.checkpoint_bytes(shape, table, swa_full=False, checkpoints=1) / MIB
+    prompt = " ".join(f"item {i} weighs {i * 7 % 13} units" for i in range(40))
+    async with serving(path, table) as (url, log, _), httpx.AsyncClient(base_url=url, timeout=60) as client:
+        for turn in range(memory.CTX_CHECKPOINTS + 3):
+            prompt += f" and turn {turn} asks again"
+            body = {"prompt": prompt, "n_predict": 1, "temperature": 0, "id_slot": 0}
+            with trio.fail_after(DEADLINE_S):
+                reply = await client.post("/completion", json=body)
+            assert reply.status_code == 200, reply.text
+    taken = _CHECKPOINT.findall(log.decode(errors="replace"))
+    assert taken, log.decode(errors="replace")[-3000:]
+    assert {int(of) for _, of, _ in taken} == {memory.ctx_checkpoints([])}
+    assert max(int(n) for n, _, _ in taken) == kept
+    sizes = [float(size) for _, _, size in taken]
+    assert sizes == pytest.approx([one] * len(sizes), abs=0.0015), one

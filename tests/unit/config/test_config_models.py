@@ -7,6 +7,7 @@ import io
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import tomli_w
 
@@ -247,30 +248,78 @@ def locate_size(spec: modelspec.ModelSpec) -> int:
     return path.stat().st_size
 
 
+def lfm2_header(*, window: int | None = 32) -> bytes:
+    """4 layers: 2 of attention (one sliding over ``window``), 2 of short convolution."""
+    keys: list[tuple[str, int, Any]] = [
+        ("block_count", 4, 4),
+        ("embedding_length", 4, 256),
+        ("attention.head_count", 4, 2),
+        ("attention.head_count_kv", 9, [2, 0, 2, 0]),
+        ("shortconv.l_cache", 4, 3),
+    ]
+    if window is not None:
+        keys += [("attention.sliding_window", 4, window), ("attention.sliding_window_pattern", 9, [1, 0, 0, 0])]
+    return gguf_header("lfm2", keys)
+
+
+def lfm2_like(*, window: int | None = 32) -> gguf.Shape:
+    return gguf.read_shape(io.BytesIO(lfm2_header(window=window)))
+
+
 def test_the_caches_are_sized_a_slot_as_llama_cpp_pads_them() -> None:
     """An LFM2-like header (tests/real/test_real_memory.py checks the same sizes against
     llama-server's log): 4096 tokens over 2 slots, 2048 cells a slot in the full-attention layer,
     the 32-token window and a 512-token micro-batch padded to 768 cells a slot in the sliding one
     (all 2048 with --swa-full), no KV in the convolution layers, and a convolution state a slot."""
-    shape = gguf.read_shape(
-        io.BytesIO(
-            gguf_header(
-                "lfm2",
-                [
-                    ("block_count", 4, 4),
-                    ("embedding_length", 4, 256),
-                    ("attention.head_count", 4, 2),
-                    ("attention.head_count_kv", 9, [2, 0, 2, 0]),
-                    ("attention.sliding_window", 4, 32),
-                    ("attention.sliding_window_pattern", 9, [1, 0, 0, 0]),
-                    ("shortconv.l_cache", 4, 3),
-                ],
-            )
-        )
-    )
+    shape = lfm2_like()
     table = ModelConfig(ctx_size=4096, parallel=2, ubatch_size=512)
     row = 2 * 128 * 2 * 2  # K and V of 2 heads x 128 in f16
     assert memory.kv_cache_bytes(shape, table, swa_full=False) == row * 2 * (2048 + 768)
     assert memory.kv_cache_bytes(shape, table, swa_full=True) == row * 2 * (2048 + 2048)
     assert memory.recurrent_cache_bytes(shape, table) == 2 * 2 * (3 - 1) * 256 * 4
     assert memory.cache_bytes(shape, table, swa_full=False) == row * 2 * (2048 + 768) + 2 * 2 * 2 * 256 * 4
+
+
+def test_each_slot_keeps_its_context_checkpoints_of_what_cannot_be_cut_back() -> None:
+    """llama-server's checkpoints (tests/real/test_real_memory.py checks one against its log): a
+    copy a checkpoint of the sliding layer's window (32 cells a slot, or its 2048 under --swa-full)
+    and the convolution state; for the model without a window the state alone, and nothing for a
+    sliding window under --swa-full when no recurrent state needs it, nor for a dense model."""
+    table = ModelConfig(ctx_size=4096, parallel=2, ubatch_size=512)
+    row = 2 * 128 * 2 * 2  # K and V of 2 heads x 128 in f16, one layer
+    state = 2 * (3 - 1) * 256 * 4  # one slot's convolution state: 2 layers of l_cache - 1 rows
+    assert memory.checkpoint_bytes(lfm2_like(), table, swa_full=False, checkpoints=32) == 2 * 32 * (32 * row + state)
+    assert memory.checkpoint_bytes(lfm2_like(), table, swa_full=True, checkpoints=32) == 2 * 32 * (2048 * row + state)
+    assert memory.checkpoint_bytes(lfm2_like(window=None), table, swa_full=False, checkpoints=4) == 2 * 4 * state
+    gemma_like = attrs.evolve(lfm2_like(), recurrent_layers=0, recurrent_values=0)
+    assert memory.checkpoint_bytes(gemma_like, table, swa_full=False, checkpoints=32) == 2 * 32 * 32 * row
+    assert memory.checkpoint_bytes(gemma_like, table, swa_full=True, checkpoints=32) == 0
+    dense = attrs.evolve(gemma_like, sliding_window=None, swa_layers=0)
+    assert memory.checkpoint_bytes(dense, table, swa_full=False, checkpoints=32) == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "checkpoints"),
+    [
+        ((), memory.CTX_CHECKPOINTS),
+        (("-t", "4"), memory.CTX_CHECKPOINTS),
+        (("--ctx-checkpoints", "8"), 8),
+        (("-ctxcp", "8", "--swa-checkpoints", "0"), 0),  # llama-server takes the last
+        (("--ctx-checkpoints",), memory.CTX_CHECKPOINTS),
+    ],
+)
+def test_the_checkpoints_counted_are_those_the_decoders_flags_keep(args: tuple[str, ...], checkpoints: int) -> None:
+    assert memory.ctx_checkpoints(args) == checkpoints
+
+
+def test_the_estimate_counts_a_hybrid_models_checkpoints_as_its_extra_args_set_them(tmp_path: Path) -> None:
+    path = tmp_path / "lfm2.gguf"
+    path.write_bytes(lfm2_header(window=None))
+    model = {"path": str(path), "ctx_size": 4096, "parallel": 2}
+    estimated = []
+    for extra_args in [[], ["--ctx-checkpoints", "0"]]:
+        (spec,) = modelspec.specs(make_config(tmp_path, model={**model, "extra_args": extra_args}))
+        estimated.append(memory.estimate_mib(spec, memory.read_model(spec)))
+    state_mib = 2 * (3 - 1) * 256 * 4 / MIB  # one slot's convolution state
+    taken = estimated[0] - estimated[1]
+    assert taken == pytest.approx(2 * memory.CTX_CHECKPOINTS * state_mib)

@@ -1,0 +1,148 @@
+"""A conversation of three turns per model family, through a swap back and a full restart (issue 53's
+matrix): every turn after the first restores or reuses the conversation, and the decoder evaluates
+only the new turn (its tokens, the template's generation prompt and a token or two), whatever the
+family keeps: a dense or sliding-window model's whole prompt, a hybrid model's state at the point the
+next turn still matches (a chat's before its generation prompt, a raw prompt less its last token).
+
+Per family (dense, sliding-window under ``swa_full = "auto"``, hybrid recurrent, hybrid convolution,
+mamba2 hybrid, MoE) and per endpoint (``/v1/chat/completions``; a raw ``/completion`` whose next
+prompt continues the last one with its reply): the first turn handed over to a provider; the second
+after the model was swapped out for another and back (``max_loaded = 1``); the third after onebitd
+stopped and started again over the same store.  Every route line is read.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from supervisor.config import Config, locate
+from supervisor.models.model import Model
+from supervisor.routes.capability import Restores
+from tests.real.test_real_families import FAMILIES, PROMPT, SYSTEM, model_file, tiny_models
+from tests.rigs.helpers import wait_until
+from tests.rigs.rig import RouteLines, make_config, real_llama_server, run_daemon
+
+pytestmark = pytest.mark.real
+
+__all__ = ["tiny_models"]  # the fixture, imported for this module's tests
+
+DEADLINE_S = 300
+GENERATION_PROMPT_MAX = 8  # "<|im_start|>assistant\n" and its like: a handful of tokens
+QUESTIONS = ["How heavy is item 7?", "And item 9?", "And item 12?"]
+NAMES = ["llama-dense", "gemma3-dense", "qwen35-dense", "lfm2-dense", "granitehybrid-dense", "qwen3moe-moe"]
+
+
+def two_models(runtime: Path, first: Path, store: Path) -> Config:
+    """``first`` (the default, with a provider, the route chosen by cost as shipped) and the
+    embedded model beside it, one loaded at a time."""
+    real_llama_server()
+    other = locate.embedded_model()
+    assert other is not None
+    return make_config(
+        runtime,
+        model=[
+            {"name": "first", "path": str(first), "parallel": 1, "ctx_size": 4096},
+            {"name": "other", "path": str(other), "parallel": 1, "ctx_size": 2048, "preload": False},
+        ],
+        models={"max_loaded": 1},
+        decoder={"threads": 1},
+        cache={"dir": str(store), "min_tokens": 64, "ram_mib": 0},
+        hybrid={"enabled": True, "min_prompt_tokens": 16},
+        provider=[{"kind": "llama-server", "name": "p0", "threads": 1}],
+    )
+
+
+class Conversation:
+    """One conversation's turns on one endpoint: the chat's messages, or the raw prompt so far."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.messages: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
+        self.text = PROMPT
+
+    def ask(self, question: str) -> None:
+        if self.endpoint == "chat":
+            self.messages.append({"role": "user", "content": question})
+        else:
+            self.text += f"\nQ: {question}\nA:"
+
+    async def turn(self, url: str, question: str) -> None:
+        """The question asked, and the reply taken into the conversation."""
+        self.ask(question)
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            if self.endpoint == "chat":
+                body = {"model": "first", "messages": self.messages, "max_tokens": 4, "temperature": 0}
+                reply = await client.post("/v1/chat/completions", json=body)
+                assert reply.status_code == 200, reply.text
+                content = reply.json()["choices"][0]["message"].get("content") or ""
+                self.messages.append({"role": "assistant", "content": content})
+            else:
+                body = {"model": "first", "prompt": self.text, "n_predict": 4, "temperature": 0}
+                reply = await client.post("/completion", json=body)
+                assert reply.status_code == 200, reply.text
+                self.text += reply.json()["content"]
+
+
+async def swap(url: str) -> None:
+    """The other model asked: under ``max_loaded = 1`` the first is unloaded, its slot kept."""
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        body = {"model": "other", "prompt": "Hello", "n_predict": 2, "temperature": 0}
+        reply = await client.post("/completion", json=body)
+    assert reply.status_code == 200, reply.text
+
+
+def stored_more(model: Model, than: int) -> bool:
+    return model.store_statistics().stores > than
+
+
+def first_model(running: Any) -> Model:
+    model = running.daemon.models.get("first")
+    assert model is not None
+    return model
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completion"])
+@pytest.mark.parametrize("name", NAMES)
+async def test_every_turn_after_the_first_restores_the_conversation_across_a_swap_and_a_restart(
+    short_dir: Path, tiny_models: Path, route_lines: RouteLines, name: str, endpoint: str
+) -> None:
+    path = model_file(tiny_models, name)
+    store = short_dir / "store"
+    conversation = Conversation(endpoint)
+    with trio.fail_after(DEADLINE_S):
+        async with run_daemon(two_models(short_dir, path, store), providers_ready=True) as running:
+            model = first_model(running)
+            stores = model.store_statistics().stores
+            await conversation.turn(running.url, QUESTIONS[0])
+            await wait_until(partial(stored_more, model, stores))
+            await swap(running.url)
+            await conversation.turn(running.url, QUESTIONS[1])
+            stores = first_model(running).store_statistics().stores
+            await wait_until(partial(stored_more, first_model(running), stores))
+        async with run_daemon(two_models(short_dir, path, store)) as running:
+            await conversation.turn(running.url, QUESTIONS[2])
+    first, _, second, third = route_lines.lines  # the other model's line between
+    hybrid = FAMILIES[name] is Restores.PREFIX
+    # A first turn handed over: the decoder evaluated a token or two after the restore (a hybrid
+    # chat's the generation prompt too: its state ends before it); kept plain, all of it.
+    if first["route"] == "file":
+        assert first["decoder_prompt_n"] <= (GENERATION_PROMPT_MAX + 1 if hybrid and endpoint == "chat" else 2), first
+    else:
+        assert first["decoder_prompt_n"] == first["prompt_tokens"], first
+    for before, line in [(first, second), (second, third)]:
+        # Restored from the store (the swap back, the restart), never prefilled again: the decoder
+        # evaluated the new turn's tokens and at most the generation prompt and two more.
+        assert line["restored_tokens"], line
+        assert line["fallback"] == "stored" or line["route"] == "plain", line
+        generation_prompt = before["prompt_tokens"] - line["restored_tokens"] if hybrid else 0
+        assert 0 <= generation_prompt <= GENERATION_PROMPT_MAX, (before, line)
+        new = line["prompt_tokens"] - before["prompt_tokens"]
+        assert line["decoder_prompt_n"] <= new + generation_prompt + 2, line
+        # Whatever a provider prefilled is the rest after the restore, not the conversation again.
+        assert line["route"] == "plain" or line["provider_prompt_n"] <= new + GENERATION_PROMPT_MAX, line
