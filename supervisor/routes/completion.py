@@ -11,7 +11,6 @@ request's story (routes/story.py), which builds the route line from them.
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -32,7 +31,7 @@ from .capability import Capability
 from .decision import Choice, Costs, Offer, Policy, Route, choose, restore_used
 from .handover import Hybrid, Walk, hand_over
 from .plan import Plan, plan
-from .rates import MIB, Rates
+from .rates import Rates
 from .relay import Relayed, Timings, relay
 from .stored import StoredPrefixes
 from .story import Story
@@ -82,8 +81,7 @@ class Completions:
     ) -> None:
         """``capability``: what the model's restores can do (supervisor/routes/capability.py); None:
         taken to restore whole, and never withdrawn (a test's fakes).  ``prompt_cache_mib``: the
-        size of the decoder's own prompt cache (``cache.ram_mib``: 0 off, -1 unbounded), which a
-        plain request may reuse from too."""
+        decoder's own prompt cache (``cache.ram_mib``), which a plain request may reuse from too."""
         self.decoder = decoder
         self.capability = capability
         self.client = client
@@ -185,12 +183,6 @@ class Completions:
         entry = await self._from_store(plan, slot, story)
         return entry, self._choose(plan, slot, entry is not None, settings)
 
-    def _prompt_cache_tokens(self) -> int:
-        """The tokens the decoder's prompt cache holds at most: its size over the state a token takes."""
-        if self.prompt_cache_mib < 0:
-            return sys.maxsize
-        return self.prompt_cache_mib * MIB // max(1, round(self.rates.state_bytes_per_token))
-
     def _choose(self, plan: Plan, slot: int, restored: bool, settings: HybridConfig) -> Choice:
         """The route and every reason for it (routes.decision.choose), from the plan and the slot."""
         hybrid, provider, tokens = self.hybrid, plan.provider, plan.tokens
@@ -202,9 +194,10 @@ class Completions:
             share_refused = None if hybrid.share is None else hybrid.share.refused_by(generation)
             if settings.route_by == "cost":
                 decoder_cost, provider_cost = self.rates.prefill(generation, provider.name)
+                ram = self.rates.tokens_in(self.prompt_cache_mib)  # what llama-server's prompt cache holds
                 costs = Costs(
                     # With a restore from the prefix store the slot holds its prefix by now.
-                    decoder_cached=self.slots.reusable(slot, plan.key, prompt_cache=self._prompt_cache_tokens()),
+                    decoder_cached=self.slots.reusable(slot, plan.key, prompt_cache=ram),
                     provider_cached=provider.cached_tokens(tokens),
                     decoder=decoder_cost,
                     provider=provider_cost,
