@@ -25,8 +25,8 @@ median of the newest :data:`RECENT_NEAR` of them, their actual times over the mo
 that became busy (other processes on the cores) slows every prefill, which a fit over a window of
 48 treats as outliers; and a short continuation's cost (its fixed part: the batch it joins, the
 stream it is interleaved with) is what the last ones near its size took.  Only sizes near those
-measured move: a 40-token continuation never scales an 8,000-token prompt, and two slow prefills
-among five do not move the median.
+measured move: a 40-token continuation never scales an 8,000-token prompt, and one slow prefill
+among three does not move the median.
 
 A handoff (a save and a restore, or a share) costs ``fixed + per_MiB x MiB`` of state, fitted the
 same way.  Every fit is forgotten when the child it describes restarts (a new process may run on
@@ -57,11 +57,9 @@ SURE_SAMPLES = 2
 # A sample whose relative error is beyond this many times the median's is dropped before the refit.
 OUTLIER = 3.0
 # The last prefills that say how fast the child is now, and how many of them near a size (within
-# NEAR x) scale its estimate: a median of five is not moved by two prefills that met a burst or
-# shared a batch with another request's prefill (bench fleet, two at a time: a 40-token prefill
-# batched with a 750-token one takes the long one's time).
-RECENT = 12
-RECENT_NEAR = 5
+# NEAR x) scale its estimate: a median of three is not moved by one prefill that met a burst.
+RECENT = 8
+RECENT_NEAR = 3
 MIB = 1 << 20
 
 
