@@ -19,15 +19,6 @@ that size, the stand-in follows its curve (its context term too), scaled to this
 two sides are compared on one shape, not one side's curve against the other's straight line.
 Short prefills make no fit: a rate from 30-token prefills is never extrapolated to 8,000.
 
-The model is then held to what the child does now: where at least :data:`RECENT_NEAR` of its last
-:data:`RECENT` prefills were within :data:`NEAR` x of the size asked, the estimate is scaled by the
-median of the newest :data:`RECENT_NEAR` of them, their actual times over the model's.  A machine
-that became busy (other processes on the cores) slows every prefill, which a fit over a window of
-48 treats as outliers; and a short continuation's cost (its fixed part: the batch it joins, the
-stream it is interleaved with) is what the last ones near its size took.  Only sizes near those
-measured move: a 40-token continuation never scales an 8,000-token prompt, and one slow prefill
-among three does not move the median.
-
 A handoff (a save and a restore, or a share) costs ``fixed + per_MiB x MiB`` of state, fitted the
 same way.  Every fit is forgotten when the child it describes restarts (a new process may run on
 other cores or with other flags); providers without a child generation are one population.
@@ -56,10 +47,6 @@ NEAR = 4.0
 SURE_SAMPLES = 2
 # A sample whose relative error is beyond this many times the median's is dropped before the refit.
 OUTLIER = 3.0
-# The last prefills that say how fast the child is now, and how many of them near a size (within
-# NEAR x) scale its estimate: a median of three is not moved by one prefill that met a burst.
-RECENT = 8
-RECENT_NEAR = 3
 MIB = 1 << 20
 
 
@@ -76,11 +63,6 @@ def _context(n_new: int, n_cached: int) -> float:
     return n_new * (n_cached + n_new / 2)
 
 
-def _near(measured: int, n_new: int) -> bool:
-    """Whether a prefill of ``measured`` tokens says something of one of ``n_new``: within NEAR x."""
-    return measured / NEAR <= max(1, n_new) <= measured * NEAR
-
-
 @attrs.frozen
 class PrefillCost:
     """One child's prefill cost as fitted now: a value an estimate is made from."""
@@ -94,24 +76,16 @@ class PrefillCost:
     # The other side's fit, whose curve stands in for the prior where this fit does not hold and
     # that one does, scaled to the prior's rate (Rates.prefill sets it).
     shape: PrefillCost | None = None
-    recent: tuple[PrefillTiming, ...] = ()  # the child's last prefills, oldest first: how fast it is now
 
     def sure(self, n_new: int) -> bool:
         """Whether the fitted terms hold at ``n_new`` tokens: enough prefills near that size."""
         if self.ms_per_token is None:
             return False
-        near = sum(1 for n in self.sizes if _near(n, n_new))
+        near = sum(1 for n in self.sizes if n / NEAR <= max(1, n_new) <= n * NEAR)
         return self.everywhere or near >= SURE_SAMPLES
 
     def ms(self, n_new: int, n_cached: int = 0) -> float:
-        """The estimated time to prefill ``n_new`` tokens after ``n_cached``: the model, scaled by
-        how the last prefills near that size compared with it (:data:`RECENT_NEAR` of them)."""
-        model = self._model(n_new, n_cached)
-        near = [s.ms / m for s in self.recent if _near(s.n_new, n_new) and (m := self._model(s.n_new, s.n_cached)) > 0]
-        return model * statistics.median(near[-RECENT_NEAR:]) if len(near) >= RECENT_NEAR else model
-
-    def _model(self, n_new: int, n_cached: int) -> float:
-        """The fit where it holds, else the other side's curve or the prior (scaled alike)."""
+        """The estimated time to prefill ``n_new`` tokens after ``n_cached``."""
         if self.ms_per_token is not None and self.sure(n_new):  # mypy: sure() checks it too
             return self.fixed_ms + self._variable(n_new, n_cached)
         shape = self.shape
@@ -200,7 +174,6 @@ class Prefills:
     generation: int = -1
     long: deque[PrefillTiming] = attrs.Factory(lambda: deque(maxlen=WINDOW))
     short: deque[PrefillTiming] = attrs.Factory(lambda: deque(maxlen=SHORT_WINDOW))
-    recent: deque[PrefillTiming] = attrs.Factory(lambda: deque(maxlen=RECENT))
     _fit: PrefillCost | None = None
 
     def observe(self, sample: PrefillTiming, generation: int) -> None:
@@ -208,9 +181,7 @@ class Prefills:
             self.generation = generation
             self.long.clear()
             self.short.clear()
-            self.recent.clear()
         (self.long if sample.n_new >= FLOOR else self.short).append(sample)
-        self.recent.append(sample)
         self._fit = None
 
     @property
@@ -245,11 +216,10 @@ class Prefills:
                 context = 0.0
         left = [s.ms - per_token * s.n_new - context * _context(s.n_new, s.n_cached) for s in (*self.long, *self.short)]
         fixed = max(0.0, statistics.median(left))
-        recent = tuple(self.recent)
         if not self.long:
-            return PrefillCost(self.prior, fixed_ms=fixed, recent=recent)
+            return PrefillCost(self.prior, fixed_ms=fixed)
         sizes = tuple(s.n_new for s in self.long)
-        return PrefillCost(self.prior, fixed, per_token, context, sizes, recent=recent)
+        return PrefillCost(self.prior, fixed, per_token, context, sizes)
 
 
 @attrs.define

@@ -167,30 +167,3 @@ def test_an_unmeasured_side_follows_the_measured_sides_curve_not_a_line_at_its_m
         assert decoder.ms(n) == pytest.approx(2 * (provider.ms(n) - provider.fixed_ms), rel=0.001)
     # Where neither fit holds, the scaled prior's straight line, as before.
     assert decoder.ms(8000) == pytest.approx(8000 * 5.0 * provider.rate / 2.5)
-
-
-def test_a_machine_that_became_busy_is_followed_at_the_sizes_it_was_seen_at_and_only_there() -> None:
-    """bench routes on the quiet VM (2026-12-06 19:10): OpenVINO prefilled 286 to 1,054 tokens at
-    about 3 ms a token and the first 2,078-token prompts in 6.7 to 7.1 s; then another process took
-    the cores, and the next five 2,078-token prefills took 15.4 to 20.3 s against estimates of 7.4
-    to 9.3 s, each a miss of 2.1x: the fit's window of 48 treated them as outliers.  The last three
-    near the size say how fast the provider is now; a 12,000-token estimate, with nothing measured
-    near it since (beyond NEAR x of 2,078), stays the fit's, and so does a 300-token one."""
-    r = rates()
-    for _ in range(3):
-        for n, ms in [(286, 780.0), (542, 1700.0), (1054, 3150.0)]:
-            r.observe_provider("ov", evaluated=n, prefill_ms=ms)
-    for ms in (7070.0, 6733.0):
-        r.observe_provider("ov", evaluated=2078, prefill_ms=ms)
-    _, quiet = r.prefill(1, "ov")
-    for n in (8, 8, 8, 8, 8, 8):  # the decoder's last tokens behind the handoffs: another child
-        r.observe_decoder(1, prompt_n=1, prompt_ms=n)
-    r.observe_provider("ov", evaluated=2078, prefill_ms=16004.0)
-    _, one = r.prefill(1, "ov")
-    assert one.ms(2078) < 1.5 * quiet.ms(2078)  # one slow prefill: a burst, not the machine
-    for ms in (15375.0, 15847.0):
-        r.observe_provider("ov", evaluated=2078, prefill_ms=ms)
-    _, busy = r.prefill(1, "ov")
-    assert busy.ms(2078) == pytest.approx(15800.0, rel=0.15)  # within 1.5x of the next (17420 ms)
-    assert busy.ms(12_000) == pytest.approx(quiet.ms(12_000), rel=0.1)
-    assert busy.ms(300) == pytest.approx(quiet.ms(300), rel=0.1)
