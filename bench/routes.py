@@ -70,6 +70,7 @@ def routes_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", help=f"prompt sizes in tokens, comma-separated (default {SIZES})")
     parser.add_argument("--quick", action="store_true", help=f"one round at {QUICK_SIZES} tokens")
     parser.add_argument("--streams", type=int, default=0, help="streams decoding while each prompt arrives (0)")
+    lines_argument(parser)
 
 
 def fleet_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,6 +78,19 @@ def fleet_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=32, help="requests per block; four blocks, ABBA (32)")
     parser.add_argument("--concurrency", type=int, default=2, help="requests in flight at once (2)")
     parser.add_argument("--quick", action="store_true", help="12 requests per block")
+    lines_argument(parser)
+
+
+def lines_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--lines", type=Path, metavar="FILE", help="also write onebitd's route lines to FILE, one JSON object a line"
+    )
+
+
+def write_lines(path: Path | None, lines: Sequence[dict[str, Any]]) -> None:
+    """The route lines as JSON lines, for a study of the estimates against the actuals."""
+    if path is not None:
+        path.write_text("".join(json.dumps(line, default=str) + "\n" for line in lines))
 
 
 def shipped_config(runtime_dir: Path, *, hybrid: bool = True, **model: Any) -> Config:
@@ -178,10 +192,13 @@ def decided(line: dict[str, Any]) -> str:
         return "-" if value is None else f"{value:.0f}"
 
     prefill = line["decoder_prompt_ms"] if line["route"] == "plain" else line["prefill_ms"] + line["restore_ms"]
+    accuracy = accuracy_of(RouteLine(**line))
+    restored = line.get("restored_tokens")
     return (
         f"{line['route']} ({line['fallback'] or 'chosen'}), {line['prompt_tokens']} tokens, {line['cached_tokens']}"
-        f" cached; estimated plain {ms(line['est_plain_ms'])} ms, hybrid {ms(line['est_hybrid_ms'])} ms;"
-        f" prefill took {ms(prefill)} ms"
+        f" cached{f' ({restored} restored)' if restored else ''}, {line['decoder_prompt_n']} evaluated;"
+        f" estimated plain {ms(line['est_plain_ms'])} ms, hybrid {ms(line['est_hybrid_ms'])} ms;"
+        f" prefill took {ms(prefill)} ms{'' if accuracy is None else f', actual/estimate {accuracy[2]:.2f}'}"
     )
 
 
@@ -275,6 +292,7 @@ async def routes(args: argparse.Namespace) -> int:
             f"           {m['default'] / m['plain']:>6.2f}      {m['default'] / m['default again']:>5.2f}"
             f"    {routes_taken}"
         )
+    write_lines(args.lines, default_lines)
     n, good = within(default_lines)
     print(f"default side's estimates within 1.5x of the actual prefill: {share(n, good)}")
     print(noise.report([]))
@@ -370,6 +388,10 @@ async def fleet(args: argparse.Namespace) -> int:
                 )
             await lines.wait(onebitd_lines_from + 2 * per_block)
             ours = lines.lines[onebitd_lines_from:]
+    write_lines(args.lines, ours)
+    print()
+    for line in ours:
+        print(f"    {decided(line)}")
     ttft = {side: [ms for b in bs for ms in b.first_ms] for side, bs in blocks.items()}
     rate = {side: sum(b.tokens for b in bs) / sum(b.wall_s for b in bs) for side, bs in blocks.items()}
     after_restore = sum(1 for line in ours if line["route"] != "plain" and (line.get("restored_tokens") or 0) > 0)

@@ -9,11 +9,19 @@ Which free slot a request gets: the one whose last prompt shares the longest pre
 new), else the least recently used one, so warm prefixes live longest.  A prompt is known by its
 tokens where onebitd tokenized it, else by its text (the prompt, or the chat's messages as JSON),
 which is free and follows the tokens closely enough to keep a conversation on its slot.
+
+What a request pinned to a slot reuses (:meth:`SlotPool.reusable`): the slot's prefix, and, with
+llama-server's own prompt cache on (``--cache-ram``), whatever that cache holds.  llama-server saves
+its idle slots there as each task starts, and a slot that would keep less than half of what it
+holds is saved there before the best match is loaded into it (server-context.cpp's
+``get_available_slot``, server-task.cpp's ``server_prompt_cache::load``): a prompt a slot held
+stays reusable after the slot moves on, until the cache's memory bound pushes it out.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 
@@ -30,6 +38,14 @@ USEFUL_CHARS = 64
 # How long a request waits for a slot that is only being saved (the prefix store's save after a
 # reply, bounded at 30 s in routes/stored.py): past that it takes a free one.
 KEEP_WAIT_S = 35.0
+# The prompts slots held before they moved on, kept for llama-server's prompt cache: newest first,
+# as many as the cache's size in tokens allows (reusable's ``prompt_cache``), never more than this
+# many (1 GiB holds about 55 prompts of 800 tokens of SmolLM2-135M's 22.5 KiB a token; a larger
+# model holds fewer).
+SAVED_PROMPTS = 64
+# llama-server loads a cached prompt only where the request keeps a quarter of it or more
+# (server_prompt_cache::load: "don't trash large prompts").
+CACHE_KEEP = 0.25
 
 
 @attrs.frozen
@@ -104,6 +120,8 @@ class SlotPool:
         self._semaphore = trio.Semaphore(n_slots)
         self._free = set(range(n_slots))
         self._held = [PromptKey() for _ in range(n_slots)]
+        # What llama-server's prompt cache holds beside the slots, as far as onebitd knows: newest last.
+        self._saved: deque[tuple[int, ...]] = deque(maxlen=SAVED_PROMPTS)
         self._tick = itertools.count(1)
         self._used = [0] * n_slots  # when each slot was last handed out, in hand-outs
         self._hits = 0
@@ -151,29 +169,50 @@ class SlotPool:
         """The most tokens of ``key`` any free slot holds: what a job would find if it came now."""
         return max((self.cached(slot, key) for slot in self._free), default=0)
 
-    def reusable(self, slot: int, key: PromptKey, *, prompt_cache: bool) -> int:
+    def reusable(self, slot: int, key: PromptKey, *, prompt_cache: int) -> int:
         """Tokens of ``key`` llama-server would reuse with the request pinned to ``slot``: the
-        slot's prefix; with its prompt cache on (``--cache-ram``) and the slot keeping less than half
-        of what it holds, the most any free slot holds, as far as onebitd knows.  llama-server then
-        saves the slot into its cache and loads the best match from it, and it saves its idle slots
-        there as each task starts (server-context.cpp's ``get_available_slot``)."""
+        slot's prefix; with its prompt cache on and the slot keeping less than half of what it
+        holds, the longest prefix that cache holds (any free slot's, and the prompts slots held
+        before, the newest ``prompt_cache`` tokens of them: the cache's size in tokens, 0 off).
+        llama-server then saves the slot into its cache and loads the best match from it."""
         own = self.cached(slot, key)
         held = self._held[slot].tokens
-        if not prompt_cache or (held and 2 * own >= len(held)):
+        if prompt_cache <= 0 or key.tokens is None or (held and 2 * own >= len(held)):
             return own
-        return max(own, self.best_cached(key))
+        best, room = max(own, self.best_cached(key)), prompt_cache
+        for tokens in reversed(self._saved):
+            room -= len(tokens)
+            if room < 0:
+                break
+            n = common_prefix(tokens, key.tokens)
+            if n >= CACHE_KEEP * len(tokens):
+                best = max(best, n)
+        return best
+
+    def _moves_on(self, slot: int, key: PromptKey) -> None:
+        """The slot holds ``key`` now; what it held before stays in llama-server's prompt cache."""
+        before = self._held[slot].tokens
+        self._held[slot] = key
+        if not before or (key.tokens is not None and common_prefix(before, key.tokens) == len(before)):
+            return  # nothing, or a prefix of what the slot holds now
+        if any(common_prefix(before, saved) == len(before) for saved in self._saved):
+            return  # the cache holds it already, within a longer prompt (server_prompt_cache::alloc)
+        kept = [saved for saved in self._saved if common_prefix(saved, before) < len(saved)]
+        self._saved.clear()
+        self._saved.extend([*kept, before])
 
     def forget(self, slot: int) -> None:
         """The slot was erased: it holds nothing."""
-        self._held[slot] = PromptKey()
+        self._moves_on(slot, PromptKey())
 
     def forget_all(self) -> None:
-        """The server restarted: its slots hold nothing."""
+        """The server restarted: its slots and its prompt cache hold nothing."""
         self._held = [PromptKey() for _ in range(self.n_slots)]
+        self._saved.clear()
 
     def remember(self, slot: int, key: PromptKey) -> None:
         """The slot holds ``key`` now (a stored prefix was restored into it)."""
-        self._held[slot] = key
+        self._moves_on(slot, key)
 
     def shared(self, key: PromptKey, slack: int = 0) -> tuple[int, bool]:
         """The longest token prefix ``key`` shares with what a slot holds, and whether it is all of
@@ -261,7 +300,7 @@ class SlotPool:
             raise
         finally:
             if key is not None:
-                self._held[slot] = key
+                self._moves_on(slot, key)
             self._free.add(slot)
             self._semaphore.release()
             kept = self._keeping.pop(slot, None)

@@ -167,7 +167,7 @@ class Parts:
             hybrid=self.hybrid,
             slot_context=self._slot_tokens,
             capability=self.capability,
-            prompt_cache=config.cache.ram_mib != 0,
+            prompt_cache_mib=config.cache.ram_mib,
         )
 
     def _slot_tokens(self) -> int:

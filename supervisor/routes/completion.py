@@ -77,12 +77,11 @@ class Completions:
         hybrid: Hybrid | None = None,
         slot_context: int | Callable[[], int | None] | None = None,
         capability: Capability | None = None,
-        prompt_cache: bool = False,
+        prompt_cache_mib: int = 0,
     ) -> None:
         """``capability``: what the model's restores can do (supervisor/routes/capability.py); None:
-        taken to restore whole, and never withdrawn (a test's fakes).  ``prompt_cache``: the
-        decoder keeps its own prompt cache (``cache.ram_mib`` not 0), which a plain request may
-        reuse from too."""
+        taken to restore whole, and never withdrawn (a test's fakes).  ``prompt_cache_mib``: the
+        decoder's own prompt cache (``cache.ram_mib``), which a plain request may reuse from too."""
         self.decoder = decoder
         self.capability = capability
         self.client = client
@@ -92,7 +91,7 @@ class Completions:
         # The tokens one decoder slot holds, prompt and reply, as its source (the load) knows them at
         # each request: what llama-server said it got (None: not checked here, the decoder still is).
         self.slot_context = source(slot_context)
-        self.prompt_cache = prompt_cache
+        self.prompt_cache_mib = prompt_cache_mib
         # Requests whose decoder re-evaluated the prompt although the restore (a handoff's, or the
         # prefix store's) succeeded.
         self.restore_unused = 0
@@ -195,9 +194,10 @@ class Completions:
             share_refused = None if hybrid.share is None else hybrid.share.refused_by(generation)
             if settings.route_by == "cost":
                 decoder_cost, provider_cost = self.rates.prefill(generation, provider.name)
+                ram = self.rates.tokens_in(self.prompt_cache_mib)  # what llama-server's prompt cache holds
                 costs = Costs(
                     # With a restore from the prefix store the slot holds its prefix by now.
-                    decoder_cached=self.slots.reusable(slot, plan.key, prompt_cache=self.prompt_cache),
+                    decoder_cached=self.slots.reusable(slot, plan.key, prompt_cache=ram),
                     provider_cached=provider.cached_tokens(tokens),
                     decoder=decoder_cost,
                     provider=provider_cost,

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import statistics
+import sys
 from collections import deque
 from collections.abc import Sequence
 
@@ -314,6 +315,10 @@ class Rates:
         """The estimated cost of moving ``n_tokens`` tokens' state from a provider to the decoder."""
         fixed, per_mib = self.handoff.fit()
         return fixed + per_mib * n_tokens * self.state_bytes_per_token / MIB
+
+    def tokens_in(self, mib: int) -> int:
+        """The tokens whose state ``mib`` MiB hold (-1: no bound; a prompt cache's size in tokens)."""
+        return sys.maxsize if mib < 0 else mib * MIB // max(1, round(self.state_bytes_per_token))
 
     def restore_ms(self, state_bytes: int) -> float:
         """The estimated cost of restoring ``state_bytes`` of state (a stored prefix)."""

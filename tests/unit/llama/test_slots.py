@@ -1,5 +1,6 @@
 """SlotPool's settle step: a slot left by an exception (a client that hung up) is held until
-``settle`` returns, so the next request takes another slot meanwhile; a slot left normally is not."""
+``settle`` returns, so the next request takes another slot meanwhile; a slot left normally is not.
+And what a pinned request reuses through llama-server's prompt cache (``reusable``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import trio
 import trio.testing
 
 from supervisor.llama.decoder import slot_processing
-from supervisor.llama.slots import SlotPool
+from supervisor.llama.slots import PromptKey, SlotPool
 
 
 async def test_a_slot_left_by_a_cancellation_is_settled_before_anyone_else_gets_it() -> None:
@@ -65,3 +66,51 @@ async def test_a_slot_left_normally_is_not_settled() -> None:
 )
 def test_slot_processing_reads_the_decoders_slots_answer(status: int, slots: object, expected: bool) -> None:
     assert slot_processing(status, slots, 1) is expected
+
+
+def prompt(*tokens: int) -> PromptKey:
+    return PromptKey(tokens=tokens)
+
+
+GROUPS = [tuple(range(1000 * g, 1000 * g + 700)) for g in range(6)]  # an agent fleet's system prompts
+
+
+async def test_a_prompt_a_slot_held_before_it_moved_on_is_reused_from_the_prompt_cache() -> None:
+    # The fleet benchmark: 6 system prompts over 4 slots.  llama-server saved each prompt into its
+    # prompt cache when its slot moved on, and loads it for the group's next request whatever
+    # slot it is pinned to: the decoder evaluates only the question, not 700 tokens.
+    pool = SlotPool(4, queue_limit=8)
+    for group in GROUPS:
+        async with pool.hold(prompt(*group, 1)):
+            pass
+    asked = prompt(*GROUPS[0], 2, 3)
+    async with pool.hold(asked) as slot:
+        assert pool.cached(slot, asked) == 0  # no slot holds group 0 now
+        assert pool.best_cached(asked) == 0
+        assert pool.reusable(slot, asked, prompt_cache=10_000) == len(GROUPS[0])
+        assert pool.reusable(slot, asked, prompt_cache=0) == 0  # no prompt cache
+        # A cache that holds only the newest prompts has lost group 0's (llama-server drops the oldest).
+        assert pool.reusable(slot, asked, prompt_cache=701) == 0
+
+
+async def test_a_prompt_the_cache_would_keep_less_than_a_quarter_of_is_not_loaded() -> None:
+    pool = SlotPool(1, queue_limit=8)
+    async with pool.hold(prompt(*GROUPS[0], *GROUPS[1])):
+        pass
+    async with pool.hold(prompt(*GROUPS[2])):
+        pass
+    # The first prompt is in the cache, but a request sharing 700 of its 1,400 tokens keeps half:
+    # loaded; one sharing 300 keeps under a quarter: llama-server leaves it there.
+    async with pool.hold() as slot:
+        assert pool.reusable(slot, prompt(*GROUPS[0], 5), prompt_cache=10_000) == 700
+        assert pool.reusable(slot, prompt(*GROUPS[0][:300], 5), prompt_cache=10_000) == 0
+
+
+async def test_the_prompt_cache_is_forgotten_with_a_restart() -> None:
+    pool = SlotPool(1, queue_limit=8)
+    for group in GROUPS[:2]:
+        async with pool.hold(prompt(*group)):
+            pass
+    pool.forget_all()
+    async with pool.hold() as slot:
+        assert pool.reusable(slot, prompt(*GROUPS[0], 5), prompt_cache=10_000) == 0

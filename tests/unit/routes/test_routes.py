@@ -420,11 +420,11 @@ async def test_with_its_prompt_cache_the_decoder_reuses_what_another_slot_holds_
         assert slot != other
         pool.remember(slot, key(9, 9, 9, 9))
         assert pool.cached(slot, asked) == 0
-        assert pool.reusable(slot, asked, prompt_cache=False) == 0
-        assert pool.reusable(slot, asked, prompt_cache=True) == len(SYSTEM)
+        assert pool.reusable(slot, asked, prompt_cache=0) == 0
+        assert pool.reusable(slot, asked, prompt_cache=1000) == len(SYSTEM)
         # A slot that keeps half of its prompt or more is used as it is: nothing loaded from the cache.
         pool.remember(slot, key(*SYSTEM[:30], 5, 5))
-        assert pool.reusable(slot, asked, prompt_cache=True) == 30
+        assert pool.reusable(slot, asked, prompt_cache=1000) == 30
 
 
 async def test_a_next_turn_sent_while_its_slot_is_being_saved_waits_for_that_slot_not_a_cold_one() -> None:
