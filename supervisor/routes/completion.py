@@ -279,8 +279,7 @@ class Completions:
                     self._verify_handoff(story, timings, settings, plan)
                 elif entry is not None and self.stored is not None and self.stored.unused(entry, timings.cache_n):
                     self._store_unused(story, entry, timings.cache_n)
-                # Saved after the reply, on every route: the slot then holds the reply's tokens too, which a
-                # conversation's next turn starts with (a hybrid model's was kept at its boundary instead).
+                # Saved after the reply, every route, up to where the next turn matches (routes/boundary.py).
                 if self.stored is not None:
                     ends = None if self.stored.at_boundary else await boundary.entry_end(self.client, plan)
                     await self.stored.after(slot, plan.key, self.slots, req=story.req, restored=entry, ends=ends)
