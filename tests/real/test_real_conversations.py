@@ -13,6 +13,7 @@ stopped and started again over the same store.  Every route line is read.
 
 from __future__ import annotations
 
+import shutil
 from functools import partial
 from pathlib import Path
 
@@ -61,8 +62,9 @@ def two_models(runtime: Path, first: Path, store: Path) -> Config:
 class Conversation:
     """One conversation's turns on one endpoint: the chat's messages, or the raw prompt so far."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, model: str | None = "first") -> None:
         self.endpoint = endpoint
+        self.model = {"model": model} if model is not None else {}
         self.messages: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
         self.text = PROMPT
 
@@ -77,13 +79,13 @@ class Conversation:
         self.ask(question)
         async with httpx.AsyncClient(base_url=url, timeout=120) as client:
             if self.endpoint == "chat":
-                body = {"model": "first", "messages": self.messages, "max_tokens": 4, "temperature": 0}
+                body = {**self.model, "messages": self.messages, "max_tokens": 4, "temperature": 0}
                 reply = await client.post("/v1/chat/completions", json=body)
                 assert reply.status_code == 200, reply.text
                 content = reply.json()["choices"][0]["message"].get("content") or ""
                 self.messages.append({"role": "assistant", "content": content})
             else:
-                body = {"model": "first", "prompt": self.text, "n_predict": 4, "temperature": 0}
+                body = {**self.model, "prompt": self.text, "n_predict": 4, "temperature": 0}
                 reply = await client.post("/completion", json=body)
                 assert reply.status_code == 200, reply.text
                 self.text += reply.json()["content"]
@@ -147,3 +149,45 @@ async def test_every_turn_after_the_first_restores_the_conversation_across_a_swa
         assert line["decoder_prompt_n"] <= new + generation_prompt + 2, line
         # Whatever a provider prefilled is the rest after the restore, not the conversation again.
         assert line["route"] == "plain" or line["provider_prompt_n"] <= new + GENERATION_PROMPT_MAX, line
+
+
+@pytest.mark.parametrize("name", ["llama-dense", "qwen35-dense", "lfm2-dense", "granitehybrid-dense"])
+async def test_a_raw_conversation_drained_to_a_host_sharing_the_store_restores_there(
+    short_dir: Path, tiny_models: Path, route_lines: RouteLines, name: str
+) -> None:
+    """Raw ``/completion`` turns, each prompt the last with its reply and a new question: two on one
+    host, which then drains and stops; the third on another host sharing the prefix store restores
+    the second (a token short: where the third still matches it) and evaluates only the new turn.
+    (The chat's case: tests/real/test_real_families.py.)"""
+    path = model_file(tiny_models, name)
+    shared = short_dir / "shared"
+
+    def host(name: str) -> Config:
+        return make_config(
+            short_dir / name,
+            model={"path": str(path), "parallel": 2, "ctx_size": 4096},
+            decoder={"threads": 1},
+            cache={"dir": str(short_dir / f"store-{name}"), "shared_dir": str(shared), "min_tokens": 64, "ram_mib": 0},
+            server={"host_id": name},
+        )
+
+    conversation = Conversation("completion", model=None)
+    real_llama_server()
+    try:
+        with trio.fail_after(DEADLINE_S):
+            async with run_daemon(host("a")) as running:
+                model = running.daemon.models.default
+                for question in QUESTIONS[:2]:
+                    stores = model.store_statistics().stores
+                    await conversation.turn(running.url, question)
+                    await wait_until(partial(stored_more, model, stores))
+            async with run_daemon(host("b")) as running:
+                await conversation.turn(running.url, QUESTIONS[2])
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+    _, second, third = route_lines.lines
+    assert (third["fallback"], third["origin_host"]) == ("stored", "a"), third
+    # The second turn's entry a token short, or whole where the drain kept its slot and the third
+    # turn's tokens still match it.
+    assert second["prompt_tokens"] - 1 <= third["restored_tokens"] <= second["prompt_tokens"], (second, third)
+    assert third["decoder_prompt_n"] <= third["prompt_tokens"] - second["prompt_tokens"] + 1 + 2, third
