@@ -236,7 +236,7 @@ async def share_against_file(tmp: Path, rounds: int, chosen: tuple[int, ...]) ->
                     region.close()
                     os.close(fds[0])
                     state_path.unlink(missing_ok=True)
-                assert written == len(tokens)
+                assert written.n_tokens == len(tokens)
                 adopted = (
                     await decoder.post(
                         "/slots/0?action=adopt",

@@ -28,6 +28,9 @@ class Reason(enum.Enum):
     SHARE_REMEMBERED = "share-refused-earlier"
     SHARE_UNSUPPORTED = "share-unsupported"  # the provider cannot write a shared region
     ADOPT_REFUSED = "adopt-refused"
+    # A hybrid model's share whose claim does not say it wrote every recurrent state row the decoder
+    # lent (``state_rows``): the staging region may hold another share's state, so nothing is adopted.
+    SHARE_STATE_UNCLAIMED = "share-state-unclaimed"
     # The handoff answered success but the decoder re-evaluated the prompt (ggml-org/llama.cpp#26676):
     # the route stays what it was, and the chain says the work was done twice.
     RESTORE_UNUSED = "restore-unused"

@@ -25,8 +25,9 @@ request goes plain) when the file is not of that shape to the last byte (a model
 per-cell data other than M-RoPE's is one such), when the cache is transposed (``v_trans``), when the
 layer count, a row size or the rotation (``n_rot_k``, ``n_rot_v``) differs from the header's, when the
 header names a kind of row this module does not know, when the recurrent state is not at the job's last
-position, or when the file's tokens are not the job's.  The claim is the number of positions 0..k-1
-written without a gap, so a state that holds fewer than the job's tokens is a short claim.
+position, or when the file's tokens are not the job's.  The claim (:class:`Written`) is the number of
+positions 0..k-1 written without a gap, so a state that holds fewer than the job's tokens is a short
+claim, and the number of recurrent state rows written, which onebitd needs to adopt a hybrid's share.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import mmap
 import struct
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from .statefile import CELL_EXT_BYTES, Reader, StateFileError
 from .statefile import MAGIC as STATE_MAGIC
@@ -177,8 +178,19 @@ class StateRows:
             i = j
 
 
-def write_rows(state: StateRows, layout: dict[str, Any], regions: list[mmap.mmap], n_tokens: int) -> int:
-    """Copy positions 0..n_tokens-1 into the regions; the claim: how many positions from 0 were written."""
+class Written(NamedTuple):
+    """What :func:`write_rows` wrote: the claim's ``n_tokens`` and ``state_rows``."""
+
+    n_tokens: int  # positions from 0 written without a gap
+    state_rows: int  # recurrent state rows written (0: a model without a recurrent part)
+
+    def claim(self) -> dict[str, int]:
+        """The claim's fields (docs/protocol.md, the share route's step 4)."""
+        return {"n_tokens": self.n_tokens, "state_rows": self.state_rows}
+
+
+def write_rows(state: StateRows, layout: dict[str, Any], regions: list[mmap.mmap], n_tokens: int) -> Written:
+    """Copy positions 0..n_tokens-1 and the recurrent state rows into the regions; what was written."""
     tensors = layout.get("tensors")
     if not isinstance(tensors, list):
         raise JobRefused("the share header has no tensors")
@@ -242,10 +254,10 @@ def write_rows(state: StateRows, layout: dict[str, Any], regions: list[mmap.mmap
     claimed = 0
     while claimed < n_tokens and written[claimed]:
         claimed += 1
-    return claimed
+    return Written(claimed, len(states))
 
 
-def write_saved_state(path: Path, tokens: list[int], layout: dict[str, Any], fds: list[int]) -> int:
+def write_saved_state(path: Path, tokens: list[int], layout: dict[str, Any], fds: list[int]) -> Written:
     """Parse the slot state file at ``path`` and copy its rows for ``tokens`` into the lent regions
     (``fds``, in the order of ``layout["regions"]``); the claim.  Raises :class:`JobRefused`."""
     regions: list[mmap.mmap] = []

@@ -135,7 +135,7 @@ class Worker:
             written = write_saved_state(path, job["tokens"], job["layout"], fds)
         finally:
             path.unlink(missing_ok=True)
-        return {"n_tokens": written, "prefill_ms": prefill_ms}
+        return {**written.claim(), "prefill_ms": prefill_ms}
 
 
 def _save_dir(parent: str) -> tempfile.TemporaryDirectory[str]:

@@ -19,6 +19,7 @@ import attrs
 import trio
 
 from ..errors import ProviderError
+from ..llama.region import STATE_KINDS
 from ..reasons import Reason
 from ..supervise.child import Child, ChildStatistics
 
@@ -104,6 +105,12 @@ class ShareJob:
             "fds": list(self.fds if fds is None else fds),
         }
 
+    @property
+    def state_rows(self) -> int:
+        """The recurrent state rows the decoder lends (a hybrid model's; 0: none), each of which the
+        provider must write and claim: the staging region still holds the previous share's."""
+        return sum(1 for tensor in self.layout.get("tensors") or () if tensor.get("kind") in STATE_KINDS)
+
 
 Job = PrefillJob | ShareJob
 
@@ -116,6 +123,13 @@ class Claim:
     prefill_ms: float | None = None
     # Tokens it evaluated (a provider with a prompt cache evaluates only what it lacked); None: all.
     evaluated: int | None = None
+    # A share job's recurrent state rows it wrote (ShareJob.state_rows); None: it did not say, which
+    # for a hybrid model's share means the decoder's staging region is not the job's.
+    state_rows: int | None = None
+
+
+def _integer(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def parse_claim(line: str) -> Claim:
@@ -126,13 +140,13 @@ def parse_claim(line: str) -> Claim:
         return Claim()
     if not isinstance(data, dict):
         return Claim()
-    n_tokens = data.get("n_tokens")
     prefill_ms = data.get("prefill_ms")
     return Claim(
-        n_tokens=n_tokens if isinstance(n_tokens, int) and not isinstance(n_tokens, bool) else None,
+        n_tokens=_integer(data.get("n_tokens")),
         prefill_ms=float(prefill_ms)
         if isinstance(prefill_ms, int | float) and not isinstance(prefill_ms, bool)
         else None,
+        state_rows=_integer(data.get("state_rows")),
     )
 
 

@@ -299,7 +299,12 @@ class LlamaServerProvider:
                 )
             except (JobRefused, OSError, ValueError, KeyError) as exc:
                 raise ProviderError(f"{self.name}: cannot write the shared region: {exc}") from exc
-            return Claim(n_tokens=written, prefill_ms=done.prefill_ms, evaluated=done.evaluated)
+            return Claim(
+                n_tokens=written.n_tokens,
+                prefill_ms=done.prefill_ms,
+                evaluated=done.evaluated,
+                state_rows=written.state_rows,
+            )
         finally:
             path.unlink(missing_ok=True)
 

@@ -277,6 +277,12 @@ def claim_matches(claimed: int | None, expected: int) -> bool:
     return claimed is None or claimed == expected
 
 
+def state_claimed(claimed: int | None, lent: int) -> bool:
+    """A share that lends recurrent state rows needs a claim that it wrote every one: the staging
+    region is reused per slot, so a row left unwritten is another conversation's state."""
+    return lent == 0 or claimed == lent
+
+
 def restore_used(decoder_prompt_n: int | None, check_tokens: int) -> bool:
     """On a hybrid route the decoder should evaluate about one prompt token, not the prompt."""
     return decoder_prompt_n is None or decoder_prompt_n <= check_tokens

@@ -3,7 +3,8 @@
 The result says how long the prefill took (the provider's own figure where it gave one, so both
 routes report the same number for the same work) and, when it failed, the reason and the words for
 the log.  A provider that does not say how many tokens it prefilled is taken at its word (the state
-it wrote is the result); a wrong count is a failure.
+it wrote is the result); a wrong count is a failure, and so is a share job's claim that does not say
+it wrote every recurrent state row the decoder lent (``state_rows``).
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ import attrs
 import trio
 
 from ..errors import ProviderAnswered, ProviderError
-from ..providers import Job, Provider
+from ..providers import Job, Provider, ShareJob
 from ..reasons import Reason
-from .decision import claim_matches
+from .decision import claim_matches, state_claimed
 
 
 @attrs.frozen
@@ -45,5 +46,10 @@ async def prefill(provider: Provider, job: Job, *, timeout_s: float, where: str 
     if not claim_matches(claim.n_tokens, expected):
         why = f"provider prefilled {claim.n_tokens} of {expected} tokens{where}"
         return Prefilled(prefill_ms, Reason.SHORT_CLAIM, why, measured_ms)
+    lent = job.state_rows if isinstance(job, ShareJob) else 0
+    if not state_claimed(claim.state_rows, lent):
+        said = "none" if claim.state_rows is None else claim.state_rows
+        why = f"provider claimed {said} of the {lent} recurrent state rows it had to write{where}"
+        return Prefilled(prefill_ms, Reason.SHARE_STATE_UNCLAIMED, why, measured_ms)
     evaluated = claim.evaluated if claim.evaluated is not None else expected
     return Prefilled(prefill_ms, wall_ms=measured_ms, evaluated=evaluated)

@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import mmap
+import os
 import struct
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from supervisor.llama import share_worker
 from supervisor.llama.region import JobRefused, StateRows, state_kinds, write_rows
 from supervisor.llama.statefile import MAGIC as STATE_MAGIC
 from supervisor.llama.statefile import VERSION as STATE_VERSION
@@ -65,7 +68,7 @@ def test_rows_go_to_their_position_not_their_cell_index() -> None:
     assert state.tokens == [100, 101, 102, 103, 104]
     shape = layout(8)
     region = mmap.mmap(-1, shape["regions"][0]["size"])
-    assert write_rows(state, shape, [region], 5) == 5
+    assert write_rows(state, shape, [region], 5) == (5, 0)
     for tensor in shape["tensors"]:
         layer = int(tensor["name"][-1])
         for pos in range(5):
@@ -82,7 +85,7 @@ def test_a_plain_token_list_is_read_as_the_tokens() -> None:
 def test_the_claim_stops_at_the_first_missing_position() -> None:
     state = StateRows(state_file([0, 1, 3]))
     region = mmap.mmap(-1, layout(8)["regions"][0]["size"])
-    assert write_rows(state, layout(8), [region], 4) == 2
+    assert write_rows(state, layout(8), [region], 4).n_tokens == 2
 
 
 @pytest.mark.parametrize(
@@ -111,7 +114,7 @@ def test_an_m_rope_models_cells_are_read_with_their_extension() -> None:
     state = StateRows(state_file([0, 1, 2], cell_ext=True))
     assert state.positions == [0, 1, 2]
     region = mmap.mmap(-1, layout(8)["regions"][0]["size"])
-    assert write_rows(state, layout(8), [region], 3) == 3
+    assert write_rows(state, layout(8), [region], 3).n_tokens == 3
     assert region[ROW : 2 * ROW] == row("k", 0, 1)
 
 
@@ -165,7 +168,7 @@ def test_a_hybrids_recurrent_rows_go_to_the_staging_region_beside_its_kv() -> No
     assert state_kinds(shape) == HYBRID_KINDS
     state = StateRows(hybrid_file(5), HYBRID_KINDS)
     regions = regions_for(shape)
-    assert write_rows(state, shape, regions, 5) == 5
+    assert write_rows(state, shape, regions, 5).n_tokens == 5
     for tensor in shape["tensors"]:
         if tensor["region"] == 1:
             at = tensor["offset"]
@@ -205,3 +208,29 @@ def test_a_row_kind_the_worker_does_not_know_is_refused_before_anything_is_read(
     shape["tensors"][-1]["kind"] = "q"
     with pytest.raises(JobRefused, match="kind 'q'"):
         state_kinds(shape)
+
+
+@pytest.mark.parametrize(
+    ("data", "shape", "state_rows"),
+    [(hybrid_file(5), hybrid_layout(8), 4), (state_file(list(range(5))), layout(8), 0)],
+    ids=["hybrid", "dense"],
+)
+def test_the_workers_claim_names_the_recurrent_state_rows_it_wrote(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, data: bytes, shape: dict[str, Any], state_rows: int
+) -> None:
+    # onebitd adopts a hybrid's share only when the claim says every lent state row was written.
+    saved = tmp_path / "share.state"
+    saved.write_bytes(data)
+    worker = share_worker.Worker("unused.sock", tmp_path)
+    monkeypatch.setattr(worker, "_prefill_and_save", lambda job, name: (2.5, saved))
+    fds = []
+    try:
+        for i, region in enumerate(shape["regions"]):
+            fds.append(os.memfd_create(f"test-region-{i}", os.MFD_CLOEXEC))
+            os.ftruncate(fds[-1], region["size"])
+        answer = worker.share_job({"tokens": [100 + p for p in range(5)], "layout": shape}, fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert answer == {"n_tokens": 5, "state_rows": state_rows, "prefill_ms": 2.5}
+    assert not saved.exists()

@@ -51,6 +51,23 @@ def test_a_claim_line_is_parsed_and_anything_it_does_not_say_is_none(line: str, 
     assert parse_claim(line) == claim
 
 
+@pytest.mark.parametrize(
+    ("line", "state_rows"),
+    [
+        ('{"n_tokens": 30, "state_rows": 4}', 4),
+        ('{"n_tokens": 30, "state_rows": 0}', 0),
+        ('{"n_tokens": 30}', None),
+        ('{"n_tokens": 30, "state_rows": "4"}', None),
+        ('{"n_tokens": 30, "state_rows": true}', None),
+        ('{"n_tokens": 30, "state_rows": 4.0}', None),
+    ],
+    ids=["four", "zero", "unsaid", "string", "bool", "float"],
+)
+def test_a_claims_state_rows_are_an_integer_or_unsaid(line: str, state_rows: int | None) -> None:
+    # A hybrid's share is adopted only when its claim names every recurrent state row it wrote.
+    assert parse_claim(line) == Claim(30, state_rows=state_rows)
+
+
 async def test_the_job_goes_to_stdin_and_the_last_stdout_line_is_the_claim(tmp_path: Path, control: Control) -> None:
     job = job_in(tmp_path)
     with trio.fail_after(DEADLINE_S):

@@ -15,9 +15,11 @@ import trio
 from supervisor.config import Config, LlamaServerProviderConfig, RestartPolicy, modelspec
 from supervisor.config.live import Settings
 from supervisor.llama import openvino
+from supervisor.llama.region import Written
 from supervisor.models.layout import Layout
 from supervisor.models.model import Model
-from supervisor.providers import Provider, ProviderStatistics
+from supervisor.providers import Claim, PrefillJob, Provider, ProviderStatistics, ShareJob
+from supervisor.providers import llama as llama_provider
 from supervisor.providers.base import Checked, Gate
 from supervisor.providers.llama import LlamaServerProvider
 from supervisor.routes.capability import Restores
@@ -354,3 +356,23 @@ async def test_engine_auto_goes_on_with_ggml_when_openvino_prefills_slower_than_
     )
     (line,) = [r.getMessage() for r in caplog.records if "engine auto" in r.getMessage()]
     assert "prefill 4 ms a token, the decoder's own engine 2.5 ms a token" in line
+
+
+async def test_a_share_jobs_claim_names_the_recurrent_state_rows_it_copied_into_the_region(
+    short_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # onebitd adopts a hybrid's share only when the claim says every lent state row was written.
+    provider, _ = provider_for(short_dir)
+
+    async def prefilled(slot: int, job: PrefillJob) -> Claim:
+        return Claim(n_tokens=len(job.tokens), prefill_ms=2.5, evaluated=len(job.tokens))
+
+    def copied(path: Path, tokens: list[int], layout: object, fds: list[int]) -> Written:
+        return Written(len(tokens), 4)
+
+    monkeypatch.setattr(provider, "_prefill_in", prefilled)
+    monkeypatch.setattr(llama_provider, "write_saved_state", copied)
+    job = ShareJob("req-1", "fake-model", 4096, (1, 2, 3), "s-1", {"tensors": []}, ())
+    with trio.fail_after(5):
+        claim = await provider.prefill(job)
+    assert claim == Claim(n_tokens=3, prefill_ms=2.5, evaluated=3, state_rows=4)
