@@ -9,7 +9,8 @@ job's fds arrive with its line (SCM_RIGHTS), in the order of ``job["fds"]``.
 A share job: it maps the regions (``job["layout"]``, docs/protocol.md) and writes, for each position p
 of the job's tokens and each tensor, the row :func:`expected_row` gives, which the fake llama-server
 (tests/fakes/llama/share.py) checks on ``?action=adopt``.  A file job: it writes ``{"fake_state": true,
-"tokens": [...]}`` to ``state_file``, which the fake decoder restores.  The claim is ``{"n_tokens", "prefill_ms"}``.
+"tokens": [...]}`` to ``state_file``, which the fake decoder restores.  The claim is ``{"n_tokens", "prefill_ms"}``
+(and ``state_rows`` with that mode).
 
 Modes: the fields of :class:`Modes`, read from the ``share`` section of the control file
 (tests/fakes/fake_control.py; tests write it with ``Control.set(share=Modes(...))``) for every job:
@@ -19,6 +20,9 @@ Modes: the fields of :class:`Modes`, read from the ``share`` section of the cont
     garbage     write everything; the last stdout line (worker: the answer) is not a claim; exit 0
     negative    write everything, claim n_tokens -1
     hang        write everything, then never answer (exec: wait to be killed; worker: until a cancel)
+    state_rows  write a hybrid's recurrent state rows (kinds r, p, s: the row for the last token at the
+                last position) and claim them (``state_rows``); without it they are left unwritten and
+                unclaimed, as a provider written before the protocol had them does
     prefill_ms  the claimed prefill_ms (default 3.5)
 
 Beside the control file it writes ``share.log``, one JSON line per event, {"event": "start" | "job" |
@@ -48,7 +52,8 @@ if TYPE_CHECKING or __package__:  # imported by the tests (and so read by mypy)
 else:  # run as a program: Python put this folder first on sys.path
     import fake_control
 
-MODES = ("short", "crash", "garbage", "negative", "hang")
+MODES = ("short", "crash", "garbage", "negative", "hang", "state_rows")
+STATE_KINDS = ("r", "p", "s")
 # Regions per job: the decoder lends one per backend buffer, a handful at most.
 MAX_FDS = 64
 
@@ -70,6 +75,7 @@ class Modes:
     garbage: bool = False
     negative: bool = False
     hang: bool = False
+    state_rows: bool = False
     prefill_ms: float = 3.5
 
     @property
@@ -88,18 +94,27 @@ def log_job(job: dict[str, Any], fds: list[int], modes: Modes) -> None:
     )
 
 
-def write_region(job: dict[str, Any], fds: list[int], tokens: list[int]) -> None:
+def write_region(job: dict[str, Any], fds: list[int], tokens: list[int], modes: Modes) -> int:
+    """Write the K/V rows of ``tokens`` (and with ``state_rows``, the recurrent state rows); the
+    number of state rows written."""
     layout = job["layout"]
     maps = [mmap.mmap(fd, region["size"]) for fd, region in zip(fds, layout["regions"], strict=True)]
+    kv = [t for t in layout["tensors"] if t["kind"] not in STATE_KINDS]
+    states = [t for t in layout["tensors"] if t["kind"] in STATE_KINDS] if modes.state_rows and tokens else []
     try:
         for pos, token in enumerate(tokens):
-            for tensor in layout["tensors"]:
+            for tensor in kv:
                 row_bytes = tensor["row_bytes"]
                 start = tensor["offset"] + pos * row_bytes
                 maps[tensor["region"]][start : start + row_bytes] = expected_row(token, pos, tensor["name"], row_bytes)
+        for tensor in states:
+            row_bytes, start = tensor["row_bytes"], tensor["offset"]
+            row = expected_row(tokens[-1], len(tokens) - 1, tensor["name"], row_bytes)
+            maps[tensor["region"]][start : start + row_bytes] = row
     finally:
         for m in maps:
             m.close()
+    return len(states)
 
 
 def prefill(job: dict[str, Any], fds: list[int], modes: Modes) -> dict[str, Any]:
@@ -107,14 +122,17 @@ def prefill(job: dict[str, Any], fds: list[int], modes: Modes) -> dict[str, Any]
     tokens = list(job["tokens"])
     if modes.short:
         tokens = tokens[:-1]
+    claim: dict[str, Any] = {}
     if job.get("route") == "share":
-        write_region(job, fds, tokens)
+        state_rows = write_region(job, fds, tokens, modes)
+        if modes.state_rows:
+            claim["state_rows"] = state_rows
     else:
         Path(job["state_file"]).write_text(json.dumps({"fake_state": True, "tokens": tokens}))
     marker = fake_control.beside(fake_control.MARKER)
     if marker is not None:
         fake_control.append_line(marker, f"{os.getpid()} {job['id']} {job.get('route')} {len(tokens)}")
-    return {"n_tokens": -1 if modes.negative else len(tokens), "prefill_ms": modes.prefill_ms}
+    return {"n_tokens": -1 if modes.negative else len(tokens), "prefill_ms": modes.prefill_ms, **claim}
 
 
 def close_all(fds: list[int]) -> None:

@@ -31,6 +31,7 @@ to a file).
     kvshare_bad_header    ... sends a header with one fd fewer than regions
     kvshare_adopt_refuse  ?action=adopt answers 400 "Cannot adopt ..."
     kvshare_regions       how many regions a share lends (1 or 2, default 2)
+    kvshare_state         a share lends a hybrid's staging region too (recurrent state rows, kinds r and s)
 
 The slot cache.  Each slot holds the tokens of its KV cells.  A completion on a slot whose cells hold a
 prefix of its prompt evaluates only the rest (``prompt_n`` = prompt - cached, at least 1, as llama-server
@@ -84,6 +85,7 @@ class Modes:
     kvshare_bad_header: bool = False
     kvshare_adopt_refuse: bool = False
     kvshare_regions: int = 2
+    kvshare_state: bool = False
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,10 @@ onebitd's socket with the fds.
 
 The layout: n_layer 2, tensors cache_k_l<L> and cache_v_l<L>, row_bytes 16, align 4096, n_ctx the
 slot's context; one region, or two (K and V apart).  A provider writes, for each of the job's tokens
-and each tensor, the row :func:`expected_row` gives (tests/fakes/fake_share_provider.py writes them).
+and each K/V tensor, the row :func:`expected_row` gives (tests/fakes/fake_share_provider.py writes them).
+With ``state`` the share is a hybrid model's: a last region stages its recurrent state, tensors
+cache_r_l0 and cache_s_l0 (kinds ``r``, ``s``), one row each, which a provider writes as the row
+:func:`expected_row` gives for the last token at the last position.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ def _align(n: int) -> int:
 class Share:
     """A slot's KV lent out: one memfd per region, mapped here so an adopt can read the rows back."""
 
-    def __init__(self, share_id: str, slot: int, n_ctx: int, n_regions: int) -> None:
+    def __init__(self, share_id: str, slot: int, n_ctx: int, n_regions: int, *, state: bool = False) -> None:
         self.share_id = share_id
         self.slot = slot
         self.n_ctx = n_ctx
@@ -62,13 +65,32 @@ class Share:
                     }
                 )
                 sizes[region] += tensor_size
+        self.state_tensors: list[dict[str, Any]] = []
+        if state:
+            sizes.append(0)
+            for kind in ("r", "s"):
+                self.state_tensors.append(
+                    {
+                        "name": f"cache_{kind}_l0",
+                        "kind": kind,
+                        "region": len(sizes) - 1,
+                        "offset": sizes[-1],
+                        "row_bytes": SHARE_ROW_BYTES,
+                        "stride": 0,
+                    }
+                )
+                sizes[-1] += SHARE_ROW_BYTES
+            sizes[-1] = _align(sizes[-1])
+        regions: list[dict[str, Any]] = [{"size": size} for size in sizes]
+        if state:
+            regions[-1]["state"] = True
         self.header = {
             "share_id": share_id,
             "n_ctx": n_ctx,
             "n_layer": SHARE_LAYERS,
             "align": SHARE_ALIGN,
-            "regions": [{"size": size} for size in sizes],
-            "tensors": self.tensors,
+            "regions": regions,
+            "tensors": self.tensors + self.state_tensors,
         }
         self.fds: list[int] = []
         self.maps: list[mmap.mmap] = []
@@ -115,6 +137,17 @@ class Share:
             assert token is not None
             tokens.append(token)
         return tokens
+
+    def state_written(self, tokens: list[int]) -> bool:
+        """Whether every recurrent state row is the one for the last of ``tokens`` (the adopted cells)."""
+        if not tokens:
+            return False
+        pos = len(tokens) - 1
+        return all(
+            self.maps[t["region"]][t["offset"] : t["offset"] + SHARE_ROW_BYTES]
+            == expected_row(tokens[-1], pos, t["name"], SHARE_ROW_BYTES)
+            for t in self.state_tensors
+        )
 
     def close(self) -> None:
         for m in self.maps:

@@ -172,7 +172,7 @@ def slot_share(core: Core, request: Request, slot: int) -> Answer:
     with core.lock:
         core.share_seq += 1
         share_id = f"s-{os.getpid()}-{core.share_seq}"
-    share = Share(share_id, slot, n_ctx, 1 if modes.kvshare_regions == 1 else 2)
+    share = Share(share_id, slot, n_ctx, 1 if modes.kvshare_regions == 1 else 2, state=modes.kvshare_state)
     with core.lock:
         # A slot lends its cells once: a share nobody adopted is dropped by the next.
         replaced = [s for s in core.shares.values() if s.slot == slot]
@@ -211,6 +211,8 @@ def slot_adopt(core: Core, request: Request, slot: int) -> Answer:
         else:
             refusal = None
             tokens = share.valid_tokens(n_tokens)
+            if share.state_tensors:
+                record["state_ok"] = share.state_written(tokens)
     finally:
         if share is not None:
             share.close()

@@ -237,6 +237,47 @@ async def test_a_short_claim_is_named_and_no_cells_are_adopted(rig: RouteRig) ->
     assert rig.decoder("restore") == []
 
 
+@pytest.mark.parametrize("kind", ["exec", "worker"])
+async def test_a_hybrids_share_is_adopted_when_the_claim_names_every_state_row_written(
+    rig: RouteRig, kind: str
+) -> None:
+    rig.control.set(decoder=DecoderModes(kvshare_state=True), share=ShareModes(state_rows=True))
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(rig.config(kind=kind)) as running, client_for(running, timeout=TIMEOUT) as client:
+            await ready(running, kind)
+            assert await complete(client) == plain_reply()
+            [line] = await rig.route_lines.until(1)
+    assert (line["route"], line["fallback"], line["outcome"]) == ("share", None, "ok")
+    [job] = rig.jobs()
+    assert len(job["fds"]) == 3  # K, V, and the staging region of the recurrent state
+    [adopt] = rig.decoder("adopt")
+    assert (adopt["n_adopted"], adopt["state_ok"]) == (M, True)
+    assert rig.warnings() == []
+
+
+@pytest.mark.parametrize("kind", ["exec", "worker"])
+async def test_a_hybrids_share_whose_claim_does_not_name_its_state_rows_is_not_adopted(
+    rig: RouteRig, kind: str
+) -> None:
+    # A provider that writes only K/V (the protocol before state rows) and claims every token: the
+    # staging region holds whatever the slot's previous share left, another conversation's state.
+    rig.control.set(decoder=DecoderModes(kvshare_state=True))
+    with trio.fail_after(TIMEOUT):
+        async with run_daemon(rig.config(kind=kind)) as running, client_for(running, timeout=TIMEOUT) as client:
+            await ready(running, kind)
+            assert await complete(client) == plain_reply()
+            [line] = await rig.route_lines.until(1)
+    why = "hybrid: provider claimed none of the 2 recurrent state rows it had to write into the shared region"
+    assert rig.warnings() == [why + TAIL]
+    assert (line["route"], line["fallback"]) == ("plain", "share-state-unclaimed")
+    assert rig.decoder("adopt") == []
+    [erase] = rig.decoder("erase")
+    assert erase["slot"] == line["slot"]
+    assert line["decoder_prompt_n"] == M
+    assert [job["route"] for job in rig.jobs()] == ["share"]
+    assert rig.decoder("restore") == []
+
+
 @pytest.mark.parametrize(
     ("mode", "fallback", "warning"),
     [
