@@ -29,8 +29,8 @@ class Prefilled:
 
 
 async def prefill(provider: Provider, job: Job, *, timeout_s: float, where: str = "") -> Prefilled:
-    """Run ``job`` on ``provider`` for at most ``timeout_s``; ``where`` completes the short-claim words
-    (" into the shared region").  Cancelling it cancels the job."""
+    """Run ``job`` on ``provider`` for at most ``timeout_s``; ``where`` completes the short-claim and
+    state-unclaimed words (" into the shared region").  Cancelling it cancels the job."""
     expected = len(job.tokens)
     started = trio.current_time()
     try:
