@@ -61,16 +61,17 @@ async def find(client: JsonClient, prompt: Chat | Text | Tokens, tokens: tuple[i
     return whole - 1 if whole > 1 else None
 
 
-async def entry_end(client: JsonClient, plan: Plan) -> int | None:
+async def entry_end(client: JsonClient, plan: Plan, stored: StoredPrefixes) -> int | None:
     """Where the prefix store's entry for a prompt kept after its reply ends, for a model whose state
     can be cut back: at the chat's boundary (:func:`find`), where its next turn still matches it.  The
     whole prompt ends with the generation prompt, whose last token the next turn may tokenize merged
     with the reply after it (measured on the tiny llama model: the "\n" it ends with and the reply's
     first digits), and an entry holding it is then no prefix of that turn, which restores nothing.
     A raw prompt's ends a token short: its next turn, the prompt and the reply and more text, may
-    tokenize its last token merged with the reply likewise.  None: the whole prompt (untokenized, or a
-    chat's boundary not found)."""
-    if plan.tokens is None:
+    tokenize its last token merged with the reply likewise.  None: the whole prompt (untokenized, too
+    short for the store: no render asked, or a chat's boundary not found); a model whose state cannot
+    be cut back keeps its entry at the boundary already (:func:`keeping`)."""
+    if stored.at_boundary or plan.tokens is None or len(plan.tokens) < stored.store.min_tokens:
         return None
     if not isinstance(plan.prompt, Chat):
         return len(plan.tokens) - 1 if len(plan.tokens) > 1 else None

@@ -280,7 +280,7 @@ class Completions:
                     self._store_unused(story, entry, timings.cache_n)
                 # Saved after the reply, every route, up to where the next turn matches (routes/boundary.py).
                 if self.stored is not None:
-                    ends = None if self.stored.at_boundary else await boundary.entry_end(self.client, plan)
+                    ends = await boundary.entry_end(self.client, plan, self.stored)
                     await self.stored.after(slot, plan.key, self.slots, req=story.req, restored=entry, ends=ends)
 
     async def _relay(

@@ -13,12 +13,18 @@ from typing import Any
 import pytest
 import trio
 
+from supervisor.llama.slots import PromptKey
+from supervisor.routes import boundary
+from supervisor.routes.plan import Plan
+from supervisor.routes.prompt import Chat
+from supervisor.routes.stored import StoredPrefixes
 from tests.fakes.llama import completion as fake_completion
 from tests.fakes.llama import endpoints as fake_endpoints
 from tests.fakes.llama.core import chatml
 from tests.rigs.helpers import wait_until
 from tests.rigs.rig import ScriptedProvider
-from tests.unit.routes.test_completions import make_rig, restart_decoder, serving_with_store
+from tests.unit.prefix.test_prefix_store import private_store
+from tests.unit.routes.test_completions import FINGERPRINT, make_rig, restart_decoder, serving_with_store
 from tests.unit.routes.test_hybrid_store import chat, stores
 
 TIMEOUT = 10
@@ -54,3 +60,36 @@ async def test_a_chats_second_turn_after_a_restart_restores_its_first_up_to_its_
     # The entry ends before the generation prompt (one token here): the next turn starts with it.
     assert entry.n_tokens == cold.prompt_tokens - 1
     assert (warm.fallback, warm.restored_tokens) == ("no-provider>stored", entry.n_tokens)
+
+
+class Counting:
+    """A decoder client that only counts what it is asked."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+
+    async def post_json(self, path: str, body: Any) -> tuple[int, Any]:
+        self.asked.append(path)
+        if path == "/apply-template":
+            return 200, {"prompt": "a b"}
+        return 200, {"tokens": [1, 2]}
+
+
+@pytest.mark.parametrize(("n_tokens", "asked"), [(3, 0), (4, 2)], ids=["shorter-than-the-store-keeps", "kept"])
+async def test_a_chat_too_short_for_the_store_costs_no_render_after_its_reply(
+    tmp_path: Path, n_tokens: int, asked: int
+) -> None:
+    """The entry's end is rendered (``/apply-template`` and ``/tokenize``) only for a prompt the store
+    may keep (``min_tokens``, 4 here): a short chat's reply is not held up by two decoder calls."""
+    store = await private_store(tmp_path / "store", fingerprint=FINGERPRINT, max_bytes=1 << 20, min_tokens=4)
+    client = Counting()
+    try:
+        stored = StoredPrefixes(client=client, state_dir=tmp_path, store=store, capability=None)
+        chat_prompt = Chat(body={"messages": [{"role": "user", "content": "hi"}]}, text="hi")
+        planned = Plan(PromptKey("hi", tuple(range(1, n_tokens + 1))), None, prompt=chat_prompt)
+        with trio.fail_after(TIMEOUT):
+            ends = await boundary.entry_end(client, planned, stored)
+    finally:
+        store.close()
+    assert len(client.asked) == asked
+    assert ends == (2 if asked else None)
