@@ -28,6 +28,7 @@ from ..reasons import Reason
 from ..supervise.child import ChildState, ChildStatistics
 from . import boundary
 from .capability import Capability
+from .contention import DECODER, Contention
 from .decision import Choice, Costs, Offer, Policy, Route, choose, restore_used
 from .handover import Hybrid, Walk, hand_over
 from .plan import Plan, plan
@@ -92,21 +93,17 @@ class Completions:
         # each request: what llama-server said it got (None: not checked here, the decoder still is).
         self.slot_context = source(slot_context)
         self.prompt_cache_mib = prompt_cache_mib
-        # Requests whose decoder re-evaluated the prompt although the restore (a handoff's, or the
-        # prefix store's) succeeded.
-        self.restore_unused = 0
+        self.restore_unused = 0  # requests whose decoder re-evaluated the prompt after a restore succeeded
         self.rates = Rates(
             decoder_ms_per_token=self.settings.decoder_ms_per_token,
             provider_ms_per_token=self.settings.provider_ms_per_token,
             handoff_ms_per_mib=self.settings.handoff_ms_per_mib,
             state_bytes_per_token=STATE_BYTES_PER_TOKEN,
         )
-        # Requests whose reply the decoder is generating now: a plain prefill would stall them.
-        self.decoding = 0
-        # The decoder process the slots' memory is about: a restarted decoder holds nothing.
-        self._slots_generation = decoder.generation
-        # The prefix store: set by run().
-        self.stored: StoredPrefixes | None = None
+        self.decoding = 0  # replies the decoder is generating now: a plain prefill would stall them
+        self.contention = Contention()  # the prefills running on each child now: an estimate shares them
+        self._slots_generation = decoder.generation  # the decoder process the slots' memory is about
+        self.stored: StoredPrefixes | None = None  # the prefix store: set by run()
 
     async def run(
         self, stored: StoredPrefixes | None = None, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -204,6 +201,7 @@ class Completions:
                     handoff_ms=self.rates.handoff_ms(len(tokens)),
                     streams_decoding=self.decoding,
                     apart=hybrid.placement.apart(provider),
+                    busy=self.contention.busy(provider.name),
                 )
         offer = Offer(
             enabled=hybrid is not None,
@@ -248,16 +246,17 @@ class Completions:
                 # mid-handoff is logged on the route it was taking.
                 walk = Walk(plan.provider, choice.route)
                 story.walks(walk)
-                route = await hand_over(
-                    self.hybrid,
-                    walk,
-                    slot,
-                    plan,
-                    settings,
-                    req=story.req,
-                    generation=self.decoder.generation,
-                    rates=self.rates,
-                )
+                with self.contention.running(plan.provider.name, *story.job(provider=True)):
+                    route = await hand_over(
+                        self.hybrid,
+                        walk,
+                        slot,
+                        plan,
+                        settings,
+                        req=story.req,
+                        generation=self.decoder.generation,
+                        rates=self.rates,
+                    )
                 prefilled = walk.prefilled()
             story.reached(route)
             async with boundary.keeping(self.stored, plan, slot, route, story) as keep:
@@ -303,9 +302,10 @@ class Completions:
         relayed: Relayed | None = None
         self.decoding += 1
         try:
-            relayed = await relay(
-                self.client, endpoint, forwarded, out, timings, headers, req=story.req, prefilled=prefilled
-            )
+            with self.contention.running(DECODER, *story.job(), over=lambda: timings.began):
+                relayed = await relay(
+                    self.client, endpoint, forwarded, out, timings, headers, req=story.req, prefilled=prefilled
+                )
             return relayed
         except trio.Cancelled:
             # The client hung up mid-stream (a user pressed stop, an agent cancelled).  Once the

@@ -101,6 +101,14 @@ class Story:
         """The route the reply is relayed on."""
         self._reached = route
 
+    def job(self, provider: bool = False) -> tuple[int, float]:
+        """What the route chosen (reached, for the decoder) has the decoder, or the provider, prefill:
+        its tokens and estimated ms (routes/contention.py); (0, 0.0) where the route was not priced."""
+        guess = self._choice.estimate if self._choice is not None else None
+        if guess is None:
+            return 0, 0.0
+        return (guess.provider_n, guess.provider_ms) if provider else guess.decoder_job(self._reached or Route.PLAIN)
+
     def marked(self, marked: Marked | None) -> None:
         """The state kept at the prompt's boundary (routes/boundary.py): what the decoder evaluated
         up to it before the rest is counted in the decoder's prompt on the line."""

@@ -29,6 +29,7 @@ from supervisor.prefix.store import PrefixStore
 from supervisor.providers import Provider, Providers
 from supervisor.routeline import RouteLine
 from supervisor.routes.completion import Completions, Hybrid
+from supervisor.routes.contention import DECODER
 from supervisor.routes.decision import DEGRADE, Step
 from supervisor.routes.file import FileHandoff
 from supervisor.routes.share import ShareHandoff, ShareHandshake
@@ -582,3 +583,37 @@ async def test_with_route_by_length_a_handed_over_prompt_restores_nothing_from_t
     assert [action[0] for action in rig.fake.actions if action[0] == "restore"] == ["restore", "restore"]
     assert store.statistics().restores == 1
     assert (plain_line.route, plain_line.fallback, plain_line.restored_tokens) == ("plain", "short-prompt>stored", KEPT)
+
+
+async def test_a_request_that_comes_while_another_is_prefilled_counts_that_prefill_in_its_estimate(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    # The same prompt twice, the second sent while the provider still prefills the first: the
+    # provider batches or queues the two, so the second's hybrid estimate adds what the first has left.
+    provider = ScriptedProvider(prefill_s=3.0)
+    rig = make_rig(tmp_path, provider)
+    contention = rig.completions.contention
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rig.post, "/completion", body_for(False))
+            await wait_until(lambda: len(provider.jobs) == 1)
+            assert contention.tokens(provider.name) == M
+            await rig.post("/completion", body_for(False))
+    first, second = sorted(rig.lines, key=lambda line: line.req)
+    assert first.est_hybrid_ms is not None
+    assert second.est_hybrid_ms is not None
+    assert second.est_hybrid_ms > first.est_hybrid_ms
+    assert (contention.tokens(provider.name), contention.tokens(DECODER)) == (0, 0)
+
+
+async def test_a_request_cancelled_during_its_prefill_leaves_nothing_in_flight(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    provider = ScriptedProvider(prefill_s=10.0)
+    rig = make_rig(tmp_path, provider)
+    with trio.fail_after(TIMEOUT):
+        reply = await asgi.call(rig.front, "POST", "/completion", body_for(False), hang_up_after_s=1.0)
+    assert reply.status == 0
+    [line] = rig.lines
+    assert (line.route, line.outcome) == ("file", "cancelled")
+    assert (rig.completions.contention.tokens(provider.name), rig.completions.contention.tokens(DECODER)) == (0, 0)
