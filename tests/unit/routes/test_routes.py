@@ -26,6 +26,7 @@ from supervisor.routes.decision import (
     choose,
     claim_matches,
     restore_used,
+    state_claimed,
 )
 from supervisor.routes.rates import PrefillCost, linear
 
@@ -149,6 +150,17 @@ def test_a_claim_of_every_token_matches() -> None:
 @pytest.mark.parametrize("claimed", [29, 31, 0, -1])
 def test_a_wrong_or_negative_claim_does_not_match(claimed: int) -> None:
     assert not claim_matches(claimed, 30)
+
+
+@pytest.mark.parametrize(
+    ("claimed", "lent", "adopt"),
+    [(None, 0, True), (3, 0, True), (4, 4, True), (None, 4, False), (3, 4, False), (5, 4, False), (0, 4, False)],
+    ids=["dense-unsaid", "dense-said", "every-row", "hybrid-unsaid", "a-row-short", "a-row-over", "none"],
+)
+def test_a_share_lending_state_rows_is_adopted_only_when_the_claim_names_every_one(
+    claimed: int | None, lent: int, adopt: bool
+) -> None:
+    assert state_claimed(claimed, lent) is adopt
 
 
 def test_a_decoder_that_evaluated_at_most_the_check_tokens_used_the_restore() -> None:
