@@ -12,6 +12,9 @@ from ..llama.slots import SlotPool
 from ..routes.stored import StoredPrefixes
 
 log = logging.getLogger("onebit.model")
+# The most tokens an entry kept after a reply leaves out of its prompt: a chat's generation prompt
+# ("<|im_start|>assistant\n" and its like), a raw prompt's last token (routes/boundary.py's entry_end).
+GENERATION_PROMPT_MAX = 8
 
 
 async def keep_slots(
@@ -29,7 +32,7 @@ async def keep_slots(
         if not go_on():
             break
         tokens = slots.holds(slot).tokens
-        if not tokens or not stored.store.wants(tokens):
+        if not tokens or not stored.store.wants(tokens) or _kept_after_reply(stored, tokens):
             continue
         path = await stored.save(slot, f"unload-{name}-{slot}")
         if path is not None and await stored.store.put_file(tokens, path):
@@ -37,3 +40,11 @@ async def keep_slots(
     if kept:
         log.info("model %s: %d slot(s) kept in the prefix store", name, kept)
     return kept
+
+
+def _kept_after_reply(stored: StoredPrefixes, tokens: tuple[int, ...]) -> bool:
+    """The store holds the slot's prompt up to where its next turn matches it (its entry after the
+    reply): the whole prompt again would be a file the next turn cannot use (its last tokens may
+    tokenize otherwise once the reply follows them).  A branch that parted earlier is still kept."""
+    found = stored.store.peek(tokens)
+    return found is not None and len(tokens) - found.n_tokens <= GENERATION_PROMPT_MAX
