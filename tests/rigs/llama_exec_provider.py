@@ -52,6 +52,10 @@ def stop(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
+def unblock_sigterm() -> None:
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+
+
 def main() -> int:
     signal.signal(signal.SIGTERM, stop)
     binary, *model_args = sys.argv[1:]
@@ -59,12 +63,17 @@ def main() -> int:
     state_file = Path(job["state_file"])
     with tempfile.TemporaryDirectory(prefix="ob-exec-", dir="/tmp") as tmp:
         sock = os.path.join(tmp, "p.sock")
+        # SIGTERM held back until ``server`` is known: one that came while Popen ran (after the child
+        # started, before Popen returned) would unwind past the finally that stops it.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         server = subprocess.Popen(
             [binary, *model_args, "--host", sock, "--slot-save-path", str(state_file.parent), "--no-webui"],
             stdout=sys.stderr,
             stderr=sys.stderr,
+            preexec_fn=unblock_sigterm,  # the child's own SIGTERM as usual
         )
         try:
+            unblock_sigterm()
             deadline = time.monotonic() + 120
             while True:  # a provider program polling its own child's health: not a test wait
                 try:
