@@ -59,13 +59,22 @@ class PromptKey:
 def common_prefix(a: Sequence[object], b: Sequence[object]) -> int:
     """The length of the prefix ``a`` and ``b`` share.
 
-    By bisection over slice comparisons (each one a C-level compare), not element by element: a
-    request compares its prompt with every free slot's before it reaches the decoder, and a
-    Python loop over a long chat's characters costs milliseconds of that request's first token."""
-    low, high = 0, min(len(a), len(b))
-    if a[:high] == b[:high]:
-        return high
-    # Invariant: a[:low] == b[:low] and a[:high] != b[:high].
+    By slice comparisons (each one a C-level compare), not element by element: a request compares
+    its prompt with every free slot's, and with the prompts llama-server's cache holds, before it
+    reaches the decoder, and a Python loop over a long chat's tokens costs milliseconds of that
+    request's first token.  Blocks that double from the front while they match, then bisection in
+    the block that differs: the cost follows the shared prefix, not the sequences' length (two
+    unrelated 30k-token prompts part within the first block)."""
+    n = min(len(a), len(b))
+    low, step = 0, 64
+    while True:
+        high = min(n, low + step)
+        if a[low:high] != b[low:high]:
+            break
+        if high == n:
+            return n
+        low, step = high, 2 * step
+    # Invariant: a[:low] == b[:low] and a[low:high] != b[low:high].
     while high - low > 1:
         middle = (low + high) // 2
         if a[low:middle] == b[low:middle]:
