@@ -210,7 +210,7 @@ class StoredPrefixes:
         if self._writes is None:
             self.discard(marked)
             return
-        self._writes.start_soon(self.keep, marked.tokens, marked.path)
+        self._start_keep(marked.tokens, marked.path)
 
     @staticmethod
     def discard(marked: Marked) -> None:
@@ -243,7 +243,7 @@ class StoredPrefixes:
         if self._writes is None:
             path.unlink(missing_ok=True)
             return
-        self._writes.start_soon(self.keep, tokens, path)
+        self._start_keep(tokens, path)
 
     async def after_hang_up(
         self,
@@ -317,9 +317,16 @@ class StoredPrefixes:
         path.unlink(missing_ok=True)
         return None
 
-    async def keep(self, tokens: Sequence[int], path: Path) -> None:
-        """Off the request's path: the store takes the file (and always consumes it)."""
+    def _start_keep(self, tokens: Sequence[int], path: Path) -> None:
+        """Hand the file to the store off the request's path, counted as in progress from now: a
+        drain's :meth:`wait_writes` that comes before the write's task has run still waits for it
+        (else it would find nothing in progress, and the drain would save the slot whole again)."""
+        assert self._writes is not None
         self._pending_writes += 1
+        self._writes.start_soon(self._keep, tokens, path)
+
+    async def _keep(self, tokens: Sequence[int], path: Path) -> None:
+        """The store takes the file (and always consumes it)."""
         try:
             await self.store.put_file(tokens, path)
         finally:

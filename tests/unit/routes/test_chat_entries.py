@@ -14,10 +14,11 @@ import pytest
 import trio
 
 from supervisor.llama.slots import PromptKey
+from supervisor.llama.statefile import MAGIC_BYTES as STATE_MAGIC
 from supervisor.routes import boundary
 from supervisor.routes.plan import Plan
 from supervisor.routes.prompt import Chat
-from supervisor.routes.stored import StoredPrefixes
+from supervisor.routes.stored import Marked, StoredPrefixes
 from tests.fakes.llama import completion as fake_completion
 from tests.fakes.llama import endpoints as fake_endpoints
 from tests.fakes.llama.core import chatml
@@ -93,3 +94,24 @@ async def test_a_chat_too_short_for_the_store_costs_no_render_after_its_reply(
         store.close()
     assert len(client.asked) == asked
     assert ends == (2 if asked else None)
+
+
+async def test_a_drain_that_comes_right_after_a_reply_waits_for_its_entry(tmp_path: Path) -> None:
+    """A write handed to the store counts as in progress from the moment it is handed over: a drain's
+    ``wait_writes`` that runs before the write's task has started still waits for it (it found nothing
+    in progress, returned, and the drain saved the slot whole as a second entry: test_real_store
+    counted 4 entries for 3 in CI)."""
+    store = await private_store(tmp_path / "store", fingerprint=FINGERPRINT, max_bytes=1 << 20, min_tokens=4)
+    try:
+        stored = StoredPrefixes(client=Counting(), state_dir=tmp_path, store=store, capability=None)
+        path = tmp_path / "marked.keep"
+        path.write_bytes(STATE_MAGIC + b"\0" * 1024)
+        with trio.fail_after(TIMEOUT):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(stored.run)
+                stored.keep_marked(Marked((1, 2, 3, 4, 5), path, None))
+                await stored.wait_writes()  # no checkpoint between: the write's task has not run yet
+                assert [entry.n_tokens for entry in store.list()] == [5]
+                nursery.cancel_scope.cancel()
+    finally:
+        store.close()
