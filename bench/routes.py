@@ -137,25 +137,30 @@ class Streamed:
     first_ms: float  # the request's start to its first content token
     total_ms: float
     tokens: int  # content chunks: one token each from llama-server
+    # The decoder's own ``timings`` from the last chunk: prompt_n, prompt_ms, cache_n (empty: none came).
+    timings: dict[str, Any] = attrs.field(factory=dict)
 
 
 async def stream_chat(client: httpx.AsyncClient, body: dict[str, Any]) -> Streamed:
     start = time.perf_counter()
     first: float | None = None
     tokens = 0
+    timings: dict[str, Any] = {}
     async with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as reply:
         if reply.status_code != 200:
             raise RuntimeError(f"answered {reply.status_code}: {(await reply.aread())[:300]!r}")
         async for line in reply.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            choices = json.loads(line[6:]).get("choices") or [{}]
+            chunk = json.loads(line[6:])
+            timings = chunk.get("timings") or timings
+            choices = chunk.get("choices") or [{}]
             if choices[0].get("delta", {}).get("content"):
                 tokens += 1
                 first = first if first is not None else time.perf_counter()
     if first is None:
         raise RuntimeError("no token came")
-    return Streamed((first - start) * 1000, (time.perf_counter() - start) * 1000, tokens)
+    return Streamed((first - start) * 1000, (time.perf_counter() - start) * 1000, tokens, timings)
 
 
 async def measured_line(lines: RouteLines, before: int) -> dict[str, Any]:
@@ -319,11 +324,13 @@ class Block:
     first_ms: list[float]
     tokens: int
     wall_s: float
+    timings: list[dict[str, Any]]  # the decoder's, per request
 
 
 async def run_block(client: httpx.AsyncClient, prefixes: Sequence[str], asks: Sequence[Ask], concurrency: int) -> Block:
     """``asks`` in order, ``concurrency`` at a time; first tokens, tokens out, the block's wall time."""
     first: list[float] = []
+    timings: list[dict[str, Any]] = []
     tokens = 0
     queue = iter(asks)
     start = time.perf_counter()
@@ -335,12 +342,13 @@ async def run_block(client: httpx.AsyncClient, prefixes: Sequence[str], asks: Se
             body = {"messages": messages, "max_tokens": ask.max_tokens, "temperature": 0, "ignore_eos": True}
             got = await stream_chat(client, body)
             first.append(got.first_ms)
+            timings.append(got.timings)
             tokens += got.tokens
 
     async with trio.open_nursery() as nursery:
         for _ in range(concurrency):
             nursery.start_soon(worker)
-    return Block(first, tokens, time.perf_counter() - start)
+    return Block(first, tokens, time.perf_counter() - start, timings)
 
 
 async def fleet(args: argparse.Namespace) -> int:
@@ -410,6 +418,18 @@ async def fleet(args: argparse.Namespace) -> int:
         f"onebitd's {len(ours)} requests: {handed} handed over, {restored} restored from the prefix store,"
         f" {after_restore} handed over after a restore; estimates within 1.5x: {share(n, good)}"
     )
+    print("the decoder's own timings, median per request (llama-server's last chunk):")
+    for side in ("direct", "onebitd"):
+        pairs = [(ms, t) for b in blocks[side] for ms, t in zip(b.first_ms, b.timings, strict=True) if t]
+        if pairs:
+            told = [t for _, t in pairs]
+            print(
+                f"  {side:<9}prompt_n {statistics.median(t.get('prompt_n', 0) for t in told):.0f},"
+                f" prompt_ms {statistics.median(t.get('prompt_ms', 0.0) for t in told):.0f},"
+                f" cache_n {statistics.median(t.get('cache_n', 0) for t in told):.0f},"
+                f" first token less prompt_ms {statistics.median(ms - t.get('prompt_ms', 0.0) for ms, t in pairs):.0f}"
+                f" ({len(told)} requests said)"
+            )
     print(noise.report([]))
     if args.plot:
         figures = [plot.Bars("first token (ms)", "ms", {"first token": ttft})]

@@ -183,10 +183,12 @@ class SlotPool:
         slot's prefix; with its prompt cache on and the slot keeping less than half of what it
         holds, the longest prefix that cache holds (any free slot's, and the prompts slots held
         before, the newest ``prompt_cache`` tokens of them: the cache's size in tokens, 0 off).
-        llama-server then saves the slot into its cache and loads the best match from it."""
+        llama-server then saves the slot into its cache and loads the best match from it.  An empty
+        slot loads nothing: llama-server's share of it kept is 0/0 there, which is no less than half
+        (server_context's get_available_slot, for a request pinned to its slot)."""
         own = self.cached(slot, key)
         held = self._held[slot].tokens
-        if prompt_cache <= 0 or key.tokens is None or (held and 2 * own >= len(held)):
+        if prompt_cache <= 0 or key.tokens is None or not held or 2 * own >= len(held):
             return own
         best, room = max(own, self.best_cached(key)), prompt_cache
         for tokens in reversed(self._saved):
@@ -224,18 +226,21 @@ class SlotPool:
         self._moves_on(slot, key)
 
     def shared(self, key: PromptKey, slack: int = 0) -> tuple[int, bool]:
-        """The longest token prefix ``key`` shares with what a slot holds, and whether it is all of
-        that slot's prompt (``key`` extends it: a conversation's next turn) rather than a branch
-        point (a system prompt, a tool list that other prompts start with too); ``slack``: but for
-        so many of its last tokens (a chat's generation prompt, which its next turn re-renders)."""
+        """The longest token prefix ``key`` shares with a recent prompt (what a slot holds, or held
+        before it moved on), and whether it is all of that prompt (``key`` extends it: a
+        conversation's next turn) rather than a branch point (a system prompt, a tool list that
+        other prompts start with too); ``slack``: but for so many of its last tokens (a chat's
+        generation prompt, which its next turn re-renders).  The prompts slots held before count:
+        an agent fleet's groups outnumber the slots, and a question on a system prompt no slot holds
+        now is still a branch off the questions asked on it before, not a new conversation."""
         best, extends = 0, False
         if key.tokens is None:
             return best, extends
-        for held in self._held:
-            if held.tokens:
-                n = common_prefix(held.tokens, key.tokens)
-                if n > best:
-                    best, extends = n, n >= len(held.tokens) - slack
+        recent = [held.tokens for held in self._held if held.tokens]
+        for tokens in (*recent, *reversed(self._saved)):
+            n = common_prefix(tokens, key.tokens)
+            if n > best:
+                best, extends = n, n >= len(tokens) - slack
         return best, extends
 
     def keeping(self, slot: int, key: PromptKey) -> None:

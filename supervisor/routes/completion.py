@@ -162,6 +162,7 @@ class Completions:
             decoder_ms_per_token=self.rates.decoder_ms_per_token(self.decoder.generation),
             restore_ms=self.rates.restore_ms,
             req=story.req,
+            prompt_cache=self.rates.tokens_in(self.prompt_cache_mib),
         )
         story.restored(restored)
         return restored.entry

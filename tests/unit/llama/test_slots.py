@@ -114,3 +114,27 @@ async def test_the_prompt_cache_is_forgotten_with_a_restart() -> None:
     pool.forget_all()
     async with pool.hold() as slot:
         assert pool.reusable(slot, prompt(*GROUPS[0], 5), prompt_cache=10_000) == 0
+
+
+async def test_an_empty_slot_loads_nothing_from_the_prompt_cache() -> None:
+    # llama-server consults its cache for a pinned slot that would keep less than half of what it
+    # holds; for an empty one that share is 0/0 (NaN), never below a half: it prefills from scratch.
+    pool = SlotPool(2, queue_limit=8)
+    pool.remember(0, prompt(*GROUPS[0], 1))
+    pool.remember(0, prompt(*GROUPS[2], 1))  # group 0's prompt moves to the cache
+    asked = prompt(*GROUPS[0], 2)
+    assert pool.reusable(0, asked, prompt_cache=10_000) == len(GROUPS[0])
+    assert pool.holds(1) == PromptKey()
+    assert pool.reusable(1, asked, prompt_cache=10_000) == 0
+
+
+async def test_a_question_on_a_system_prompt_no_slot_holds_now_branches_off_the_questions_before_it() -> None:
+    # More system prompts than slots (the fleet benchmark's 6 over 4): the prompts slots held before
+    # count as recent, so a new question on group 0 keeps only group 0's prompt, not itself whole.
+    pool = SlotPool(2, queue_limit=8)
+    pool.remember(0, prompt(*GROUPS[0], 1))
+    pool.remember(0, prompt(*GROUPS[2], 1))
+    pool.remember(1, prompt(*GROUPS[1], 1))
+    assert pool.shared(prompt(*GROUPS[0], 2)) == (len(GROUPS[0]), False)
+    assert pool.shared(prompt(*GROUPS[0], 1, 5)) == (len(GROUPS[0]) + 1, True)  # it goes on from it
+    assert pool.shared(prompt(*GROUPS[3], 1)) == (0, False)

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import trio
 
-from supervisor.llama.slots import PromptKey
+from supervisor.llama.slots import PromptKey, SlotPool
 from supervisor.llama.statefile import MAGIC_BYTES as STATE_MAGIC
 from supervisor.routes import boundary
 from supervisor.routes.plan import Plan
@@ -115,3 +115,53 @@ async def test_a_drain_that_comes_right_after_a_reply_waits_for_its_entry(tmp_pa
                 nursery.cancel_scope.cancel()
     finally:
         store.close()
+
+
+class Refusing:
+    """A decoder client that must not be asked anything."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+
+    async def post_json(self, path: str, body: Any) -> tuple[int, Any]:
+        self.asked.append(path)
+        return 500, {"error": {"message": "not expected"}}
+
+
+async def test_a_branch_point_is_kept_at_a_whole_block_so_every_question_meets_the_same_entry(tmp_path: Path) -> None:
+    """Two questions on one system prompt part where their first words stop matching: the entry ends
+    at the multiple of BRANCH_TOKENS below that, the same for every question."""
+    store = await private_store(tmp_path / "store", fingerprint=FINGERPRINT, max_bytes=1 << 20, min_tokens=64)
+    try:
+        stored = StoredPrefixes(client=Refusing(), state_dir=tmp_path, store=store, capability=None)
+        tokens = tuple(range(1, 300))
+        assert stored.candidate(tokens, 203, extends=False) == tokens[:192]
+        assert stored.candidate(tokens, 205, extends=False) == tokens[:192]
+        assert stored.candidate(tokens, 203, extends=True) == tokens  # a conversation's next turn: whole
+    finally:
+        store.close()
+
+
+async def test_a_prefix_the_decoders_prompt_cache_would_load_is_not_restored_from_the_disk(tmp_path: Path) -> None:
+    """The fleet benchmark: 6 system prompts over 4 slots.  A question on a system prompt that no slot
+    holds, but llama-server's prompt cache does, is served from memory: a restore from the store
+    would read a file for what the cache loads in a copy (it cost 50 ms a request there, median)."""
+    store = await private_store(tmp_path / "store", fingerprint=FINGERPRINT, max_bytes=1 << 26, min_tokens=64)
+    client = Refusing()
+    system = tuple(range(1, 701))
+    try:
+        state = tmp_path / "saved.keep"
+        state.write_bytes(STATE_MAGIC + b"\0" * 1024)
+        assert await store.put_file(system, state)
+        stored = StoredPrefixes(client=client, state_dir=tmp_path, store=store, capability=None)
+        slots = SlotPool(2, queue_limit=8)
+        slots.remember(0, PromptKey(tokens=(*system, 1)))
+        slots.remember(0, PromptKey(tokens=tuple(range(5000, 5700))))  # the first moves to the cache
+        asked = PromptKey(tokens=(*system, 2, 3))
+        with trio.fail_after(TIMEOUT):
+            restored = await stored.before(
+                0, asked, slots, decoder_ms_per_token=5.0, restore_ms=lambda _: 1.0, req="r", prompt_cache=10_000
+            )
+    finally:
+        store.close()
+    assert (restored.entry, client.asked) == (None, [])
