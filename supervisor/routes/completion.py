@@ -194,8 +194,7 @@ class Completions:
                 decoder_cost, provider_cost = self.rates.prefill(generation, provider.name)
                 ram = self.rates.tokens_in(self.prompt_cache_mib)  # what llama-server's prompt cache holds
                 costs = Costs(
-                    # With a restore from the prefix store the slot holds its prefix by now.
-                    decoder_cached=self.slots.reusable(slot, plan.key, prompt_cache=ram),
+                    decoder_cached=self.slots.reusable(slot, plan.key, prompt_cache=ram),  # a restore's included
                     provider_cached=provider.cached_tokens(tokens),
                     decoder=decoder_cost,
                     provider=provider_cost,
