@@ -167,7 +167,9 @@ class StoredPrefixes:
         prefill than it costs (``restore_ms``: of so many bytes of state); ``slots`` then knows what
         the slot holds.  What the decoder would reuse without it counts as spared already: its slot's
         prefix and, with its prompt cache on (``prompt_cache``: its size in tokens), what that cache
-        would load from memory (SlotPool.reusable), which costs less than a file from the disk."""
+        would load from memory (SlotPool.reusable), which costs less than a file from the disk.  Not
+        where a state cannot be cut back: a cached prompt that goes on past where this one parts
+        spares it nothing there, and only the store holds the state at the boundary."""
         if key.tokens is None or not self.enabled:
             return NOTHING
         # A state that cannot be cut back must leave the decoder a token to compute the logits from.
@@ -176,7 +178,7 @@ class StoredPrefixes:
             return NOTHING
         worth = worth_restoring(
             entry_tokens=entry.n_tokens,
-            decoder_cached=slots.reusable(slot, key, prompt_cache=prompt_cache),
+            decoder_cached=slots.reusable(slot, key, prompt_cache=0 if self.at_boundary else prompt_cache),
             decoder_ms_per_token=decoder_ms_per_token,
             restore_ms=restore_ms(entry.state_bytes),
         )

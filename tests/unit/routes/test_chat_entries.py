@@ -16,6 +16,7 @@ import trio
 from supervisor.llama.slots import PromptKey, SlotPool
 from supervisor.llama.statefile import MAGIC_BYTES as STATE_MAGIC
 from supervisor.routes import boundary
+from supervisor.routes.capability import Capability, Restores
 from supervisor.routes.plan import Plan
 from supervisor.routes.prompt import Chat
 from supervisor.routes.stored import Marked, StoredPrefixes
@@ -165,3 +166,32 @@ async def test_a_prefix_the_decoders_prompt_cache_would_load_is_not_restored_fro
     finally:
         store.close()
     assert (restored.entry, client.asked) == (None, [])
+
+
+async def test_where_a_state_cannot_be_cut_back_the_store_restores_what_the_prompt_cache_holds_past_it(
+    tmp_path: Path,
+) -> None:
+    """A hybrid model's cached prompt goes on past where the next one parts (its reply, another
+    question): llama-server cannot cut its recurrent state back to there, so the store's entry at the
+    boundary is restored whatever the prompt cache holds."""
+    store = await private_store(tmp_path / "store", fingerprint=FINGERPRINT, max_bytes=1 << 26, min_tokens=64)
+    client = Refusing()
+    system = tuple(range(1, 701))
+    capability = Capability("hybrid")
+    capability.restores = Restores.PREFIX
+    try:
+        state = tmp_path / "saved.keep"
+        state.write_bytes(STATE_MAGIC + b"\0" * 1024)
+        assert await store.put_file(system, state)
+        stored = StoredPrefixes(client=client, state_dir=tmp_path, store=store, capability=capability)
+        slots = SlotPool(2, queue_limit=8)
+        slots.remember(0, PromptKey(tokens=(*system, 1)))
+        slots.remember(0, PromptKey(tokens=tuple(range(5000, 5700))))
+        asked = PromptKey(tokens=(*system, 2, 3))
+        with trio.fail_after(TIMEOUT):
+            await stored.before(
+                0, asked, slots, decoder_ms_per_token=5.0, restore_ms=lambda _: 1.0, req="r", prompt_cache=10_000
+            )
+    finally:
+        store.close()
+    assert client.asked  # the restore was asked for (this client refuses it)
