@@ -23,9 +23,15 @@ at ``offset + p * stride`` in its region (the share header, docs/protocol.md).  
 the state must be the one after the job's last token.  A job is refused (an ``error`` answer, so the
 request goes plain) when the file is not of that shape to the last byte (a model whose cells carry
 per-cell data other than M-RoPE's is one such), when the cache is transposed (``v_trans``), when the
-layer count, a row size or the rotation (``n_rot_k``, ``n_rot_v``) differs from the header's, when the
-header names a kind of row this module does not know, when the recurrent state is not at the job's last
-position, or when the file's tokens are not the job's.  The claim (:class:`Written`) is the number of
+layer count, a row's type or size or the rotation (``n_rot_k``, ``n_rot_v``) differs from the header's,
+when the header names a kind of row this module does not know, when the recurrent state is not at the
+job's last position, or when the file's tokens are not the job's.  Row sizes alone do not tell one
+type from another (an f32 row of 64 values is as long as an f16 row of 128), and the decoder's adopt
+stamps the staged rows with its own types (patches/llama-server-share.patch), so the types are
+compared here: each tensor's ``type`` in the header (a ggml type name) against the file's
+row type, and the header's ``n_layer`` (its K tensors) against the file's KV layer count.  The header
+carries no count of the model's layers, which the recurrent part's ``n_layer`` is: there every
+tensor's ``layer`` must be below it.  The claim (:class:`Written`) is the number of
 positions 0..k-1 written without a gap, so a state that holds fewer than the job's tokens is a short
 claim, and the number of recurrent state rows written, which onebitd needs to adopt a hybrid's share.
 """
@@ -78,6 +84,19 @@ def read_prompt(r: StateReader) -> list[int]:
     return unpack_prompt(list(struct.unpack(f"<{n_token}i", r.take(4 * n_token))))
 
 
+# ggml_type numbers (ggml/include/ggml.h) and ggml_type_name's names of the types a cache row can have:
+# llama-server's -ctk/-ctv choices (common/arg.cpp's kv_cache_types); a recurrent state's are f32.
+TYPE_NAMES = {0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 8: "q8_0", 20: "iq4_nl", 30: "bf16"}
+
+
+def type_name(ggml_type: int) -> str:
+    """A row type's ggml name; :class:`JobRefused` for a number this worker does not know."""
+    name = TYPE_NAMES.get(ggml_type)
+    if name is None:
+        raise JobRefused(f"the state file holds rows of ggml type {ggml_type}, which this worker does not know")
+    return name
+
+
 # The kinds of a share header's rows: K and V per position; a hybrid's recurrent state (R, its PLE
 # convolution P, S), one row each, in the order its state file holds them.
 KV_KINDS = ("k", "v")
@@ -117,8 +136,13 @@ class StateRows:
         self.positions: list[int] = []
         self.k_rows: list[tuple[int, memoryview]] = []  # per layer: row bytes, the rows in cell order
         self.v_rows: list[tuple[int, memoryview]] = []
+        self.k_types: list[int] = []  # per layer: the ggml type of its K rows
+        self.v_types: list[int] = []
+        self.n_layer = 0  # the KV cache's layers (0: no cells read)
         self.state_pos = -1  # the position the recurrent state is after (-1: none read)
         self.state_rows: list[tuple[int, memoryview]] = []  # per entry of ``states``: row bytes, the row
+        self.state_types: list[int | None] = []  # per entry of ``states``: its type (None: a P row has none)
+        self.state_n_layer = 0  # the model's layers, as the recurrent part counts them
         self.n_rot_k = self.n_rot_v = 0
         view = memoryview(data)
         n_stream = r.u32()
@@ -134,12 +158,12 @@ class StateRows:
                     raise JobRefused(f"a cell belongs to {n_seq_id} sequences (cells with extra data?)")
                 r.take((CELL_EXT_BYTES if cell_ext else 0) + 4)  # the saving server's seq id, ours to ignore
                 self.positions.append(pos)
-            v_trans, n_layer, self.n_rot_k, self.n_rot_v = r.u32(), r.u32(), r.u32(), r.u32()
+            v_trans, self.n_layer, self.n_rot_k, self.n_rot_v = r.u32(), r.u32(), r.u32(), r.u32()
             if v_trans:
                 raise JobRefused("the saved V cache is transposed (flash attention off)")
-            for rows in (self.k_rows, self.v_rows):
-                for _ in range(n_layer):
-                    r.i32()  # the type: the header's row sizes are what must agree
+            for rows, types in ((self.k_rows, self.k_types), (self.v_rows, self.v_types)):
+                for _ in range(self.n_layer):
+                    types.append(r.i32())
                     row_bytes = r.u64()
                     start = r.at
                     r.take(row_bytes * cell_count)
@@ -158,10 +182,10 @@ class StateRows:
         r.take(4 * r.u32())
         if r.u32() != 0:
             raise JobRefused("the saved recurrent state is transposed")
-        r.u32()  # every layer's count: which of them are recurrent, the header's rows say
+        self.state_n_layer = r.u32()  # every layer's count: which of them are recurrent, the header's rows say
         for kind in states:
-            if kind != "p":  # the P row travels with its layer's R row, without a type of its own
-                r.i32()
+            # The P row travels with its layer's R row, without a type of its own.
+            self.state_types.append(None if kind == "p" else r.i32())
             row_bytes = r.u64()
             start = r.at
             r.take(row_bytes)
@@ -189,11 +213,35 @@ class Written(NamedTuple):
         return {"n_tokens": self.n_tokens, "state_rows": self.state_rows}
 
 
+def check_types(state: StateRows, layout: dict[str, Any], tensors: list[dict[str, Any]]) -> None:
+    """Refuse a state file whose layer count or row types are not the header's (where it says them)."""
+    if state.positions and "n_layer" in layout and int(layout["n_layer"]) != state.n_layer:
+        raise JobRefused(f"the decoder's KV cache has {layout['n_layer']} layers, the state file's {state.n_layer}")
+    if state.state_rows:
+        for tensor in tensors:
+            if "layer" in tensor and int(tensor["layer"]) >= state.state_n_layer:
+                raise JobRefused(
+                    f"{tensor.get('name')}: layer {tensor['layer']} of a model the state file says has"
+                    f" {state.state_n_layer} layers"
+                )
+    keys = [t for t in tensors if t.get("kind") == "k"]
+    values = [t for t in tensors if t.get("kind") == "v"]
+    states = [t for t in tensors if t.get("kind") in STATE_KINDS]
+    typed = [*zip(keys, state.k_types, strict=False), *zip(values, state.v_types, strict=False)]
+    typed += [(t, ggml_type) for t, ggml_type in zip(states, state.state_types, strict=False) if ggml_type is not None]
+    for tensor, ggml_type in typed:
+        if "type" in tensor and tensor["type"] != type_name(ggml_type):
+            raise JobRefused(
+                f"{tensor.get('name')}: rows of type {tensor['type']}, the state file's {type_name(ggml_type)}"
+            )
+
+
 def write_rows(state: StateRows, layout: dict[str, Any], regions: list[mmap.mmap], n_tokens: int) -> Written:
     """Copy positions 0..n_tokens-1 and the recurrent state rows into the regions; what was written."""
     tensors = layout.get("tensors")
     if not isinstance(tensors, list):
         raise JobRefused("the share header has no tensors")
+    check_types(state, layout, tensors)
     if layout.get("v_trans"):
         raise JobRefused("the decoder's V cache is transposed")
     if (layout.get("n_rot_k", 0), layout.get("n_rot_v", 0)) != (state.n_rot_k, state.n_rot_v):

@@ -18,6 +18,7 @@ from supervisor.llama.statefile import VERSION as STATE_VERSION
 
 ROW = 8
 N_LAYER = 2
+GGML_F32, GGML_F16, GGML_Q8_0 = 0, 1, 8  # ggml/include/ggml.h
 
 
 def row(kind: str, layer: int, pos: int) -> bytes:
@@ -32,6 +33,8 @@ def state_file(
     tail: bytes = b"",
     packed: bool = True,
     cell_ext: bool = False,
+    n_layer: int = N_LAYER,
+    v_type: int = GGML_F16,
 ) -> bytes:
     tokens = [100 + p for p in sorted(positions)]
     if packed:  # as llama-server writes its prompt: -1, version 1, count, tokens, media count 0
@@ -44,21 +47,37 @@ def state_file(
         out += (
             struct.pack("<iI", pos, 1) + (struct.pack("<iii", pos, pos, 100 + pos) if cell_ext else b"") + b"\1\0\0\0"
         )
-    out += struct.pack("<IIII", v_trans, N_LAYER, n_rot, n_rot)
-    for kind in "kv":
-        for layer in range(N_LAYER):
-            out += struct.pack("<iQ", 1, ROW)
+    out += struct.pack("<IIII", v_trans, n_layer, n_rot, n_rot)
+    for kind, ggml_type in (("k", GGML_F16), ("v", v_type)):
+        for layer in range(n_layer):
+            out += struct.pack("<iQ", ggml_type, ROW)
             out += b"".join(row(kind, layer, pos) for pos in positions)
     return out + tail
 
 
 def layout(n_cells: int) -> dict[str, Any]:
+    """The patched llama-server's header for an f16 cache of N_LAYER layers (docs/protocol.md)."""
     size = n_cells * ROW
     tensors = [
-        {"name": f"cache_{kind}_l{layer}", "kind": kind, "region": 0, "offset": i * size, "row_bytes": ROW}
+        {
+            "name": f"cache_{kind}_l{layer}",
+            "layer": layer,
+            "kind": kind,
+            "type": "f16",
+            "region": 0,
+            "offset": i * size,
+            "row_bytes": ROW,
+        }
         for i, (layer, kind) in enumerate((layer, kind) for layer in range(N_LAYER) for kind in "kv")
     ]
-    return {"regions": [{"size": 4 * size}], "tensors": tensors, "n_rot_k": 0, "n_rot_v": 0, "v_trans": False}
+    return {
+        "n_layer": N_LAYER,
+        "regions": [{"size": 4 * size}],
+        "tensors": tensors,
+        "n_rot_k": 0,
+        "n_rot_v": 0,
+        "v_trans": False,
+    }
 
 
 def test_rows_go_to_their_position_not_their_cell_index() -> None:
@@ -110,6 +129,38 @@ def test_a_rotation_that_differs_from_the_decoders_is_refused() -> None:
         write_rows(state, layout(8), [region], 2)
 
 
+def test_a_header_without_types_or_layer_count_is_held_to_its_row_sizes_alone() -> None:
+    # An older decoder's header (the fake llama-server's): nothing to compare the file's types with.
+    shape = layout(8)
+    del shape["n_layer"]
+    for tensor in shape["tensors"]:
+        del tensor["type"]
+    state = StateRows(state_file([0, 1], v_type=GGML_Q8_0))
+    assert write_rows(state, shape, [mmap.mmap(-1, shape["regions"][0]["size"])], 2) == (2, 0)
+
+
+def test_rows_of_another_type_than_the_decoders_are_refused_though_as_long() -> None:
+    # A q8_0 V row where the decoder's cache is f16: the same bytes a row, other values.
+    state = StateRows(state_file([0, 1], v_type=GGML_Q8_0))
+    region = mmap.mmap(-1, layout(8)["regions"][0]["size"])
+    with pytest.raises(JobRefused, match="cache_v_l0: rows of type f16, the state file's q8_0"):
+        write_rows(state, layout(8), [region], 2)
+    assert region[:] == bytes(len(region))  # refused before a row was written
+
+
+def test_a_row_type_the_worker_does_not_know_is_refused() -> None:
+    state = StateRows(state_file([0, 1], v_type=41))
+    with pytest.raises(JobRefused, match="ggml type 41, which this worker does not know"):
+        write_rows(state, layout(8), [mmap.mmap(-1, layout(8)["regions"][0]["size"])], 2)
+
+
+def test_a_kv_cache_of_another_layer_count_than_the_decoders_is_refused() -> None:
+    # Three layers where the decoder lends two: the header's n_layer says so before its tensors are counted.
+    state = StateRows(state_file([0, 1], n_layer=3))
+    with pytest.raises(JobRefused, match="the decoder's KV cache has 2 layers, the state file's 3"):
+        write_rows(state, layout(8), [mmap.mmap(-1, layout(8)["regions"][0]["size"])], 2)
+
+
 def test_an_m_rope_models_cells_are_read_with_their_extension() -> None:
     state = StateRows(state_file([0, 1, 2], cell_ext=True))
     assert state.positions == [0, 1, 2]
@@ -127,16 +178,25 @@ def state_row(kind: str, layer: int) -> bytes:
     return bytes([ord(kind), layer]) * (STATE_ROW[kind] // 2)
 
 
-def hybrid_file(n: int, *, state_pos: int | None = None, cells: int = 1, s_row: int = STATE_ROW["s"]) -> bytes:
+def hybrid_file(
+    n: int,
+    *,
+    state_pos: int | None = None,
+    cells: int = 1,
+    s_row: int = STATE_ROW["s"],
+    s_type: int = GGML_F32,
+    n_layer: int = 4,
+) -> bytes:
     out = state_file(list(range(n)))
     out += struct.pack("<I", cells)
     for _ in range(cells):
         out += struct.pack("<iI", n - 1 if state_pos is None else state_pos, 0)
-    out += struct.pack("<II", 0, 4)  # s_trans, every layer's count
+    out += struct.pack("<II", 0, n_layer)  # s_trans, every layer's count
     for kind in "rs":
         for layer in (1, 3):
             size = s_row if kind == "s" else STATE_ROW[kind]
-            out += struct.pack("<iQ", 0, size) + state_row(kind, layer)[:size] * cells
+            ggml_type = s_type if kind == "s" else GGML_F32
+            out += struct.pack("<iQ", ggml_type, size) + state_row(kind, layer)[:size] * cells
     return out
 
 
@@ -148,7 +208,9 @@ def hybrid_layout(n_cells: int) -> dict[str, Any]:
             shape["tensors"].append(
                 {
                     "name": f"cache_{kind}_l{layer}",
+                    "layer": layer,
                     "kind": kind,
+                    "type": "f32",
                     "region": 1,
                     "offset": offset,
                     "row_bytes": STATE_ROW[kind],
@@ -200,6 +262,22 @@ def test_a_torn_or_missing_recurrent_state_is_refused(data: bytes, said: str) ->
 def test_a_recurrent_row_shorter_than_the_decoders_is_refused() -> None:
     state = StateRows(hybrid_file(3, s_row=16), HYBRID_KINDS)
     with pytest.raises(JobRefused, match="cache_s_l1: a row of 20 bytes, the state file's 16"):
+        write_rows(state, hybrid_layout(8), regions_for(hybrid_layout(8)), 3)
+
+
+def test_a_recurrent_row_of_another_type_than_the_decoders_is_refused() -> None:
+    # An f16 S row (half the values) where the decoder keeps f32: refused by its type, not only its size.
+    state = StateRows(hybrid_file(3, s_type=GGML_F16), HYBRID_KINDS)
+    regions = regions_for(hybrid_layout(8))
+    with pytest.raises(JobRefused, match="cache_s_l1: rows of type f32, the state file's f16"):
+        write_rows(state, hybrid_layout(8), regions, 3)
+    assert regions[1][:] == bytes(len(regions[1]))  # refused before a row was written
+
+
+def test_a_recurrent_state_of_a_model_with_fewer_layers_than_the_decoders_rows_is_refused() -> None:
+    # The state file's model has 3 layers; the decoder lends rows of its layer 3.
+    state = StateRows(hybrid_file(3, n_layer=3), HYBRID_KINDS)
+    with pytest.raises(JobRefused, match="cache_r_l3: layer 3 of a model the state file says has 3 layers"):
         write_rows(state, hybrid_layout(8), regions_for(hybrid_layout(8)), 3)
 
 
