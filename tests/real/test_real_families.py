@@ -30,6 +30,8 @@ import trio
 
 from supervisor.config import Config, locate
 from supervisor.daemon import Daemon
+from supervisor.llama import decoder
+from supervisor.llama.decoder import JsonClient
 from supervisor.models.model import Model
 from supervisor.routes.capability import Restores
 from supervisor.supervise.child import ChildState
@@ -118,6 +120,37 @@ def jobs(daemon: Daemon) -> int:
 def kept_files(store: Path) -> list[Path]:
     """The prefix store's entries on disk (none where the store is off)."""
     return sorted(store.rglob("*.state")) if store.exists() else []
+
+
+async def generation_prompt_n(client: JsonClient, messages: list[dict[str, str]]) -> int:
+    """The tokens the chat template's generation prompt adds to ``messages``, as the decoder renders
+    and tokenizes them with it and without it (routes/boundary.py's find)."""
+    counts = []
+    for add in (True, False):
+        text = await decoder.apply_template(client, {"messages": messages, "add_generation_prompt": add})
+        counts.append(len(await decoder.tokenize(client, text)))
+    return counts[0] - counts[1]
+
+
+def assert_cold(line: dict[str, Any], fallback: str | None = None) -> None:
+    """A conversation's first request, nothing of it anywhere: the decoder prefilled all of it."""
+    assert (line["route"], line["fallback"], line["outcome"]) == ("plain", fallback, "ok"), line
+    assert line["restored_tokens"] is None, line
+    assert line["decoder_prompt_n"] == line["prompt_tokens"], line
+
+
+def assert_went_on(before: dict[str, Any], line: dict[str, Any], generation_prompt: int) -> None:
+    """A conversation's next request, in the same onebitd: restored from the store (a hybrid's slot
+    holds its state past where this turn parts) or reused from the slot (a dense model's), and the
+    decoder evaluated the new turn's tokens and at most the generation prompt and two more."""
+    assert (line["route"], line["outcome"]) == ("plain", "ok"), line
+    if line["restored_tokens"] is not None:
+        assert line["fallback"] == "stored", line
+    else:
+        assert line["fallback"] is None, line
+        assert line["cached_tokens"] >= before["prompt_tokens"] - generation_prompt - 2, line
+    new = line["prompt_tokens"] - before["prompt_tokens"]
+    assert line["decoder_prompt_n"] <= new + generation_prompt + 2, (before, line)
 
 
 def model_file(tiny_models: Path, name: str) -> Path:
@@ -264,7 +297,14 @@ async def test_a_model_swapped_out_and_back_restores_its_prompt_or_was_swapped_w
             first = running.daemon.models.get("first")
             assert first is not None
             entries = first.store_statistics().entries
-    cold, _, back = route_lines.lines
+    cold, other, back = route_lines.lines
+    assert_cold(cold, None if kept is not None else "restore-unusable")
+    # The other model, loaded in its place: its own cold prefill.
+    assert (other["model"], other["route"], other["restored_tokens"]) == ("other", "plain", None), other
+    assert other["load_ms"] is not None, other
+    assert other["decoder_prompt_n"] == other["prompt_tokens"], other
+    assert (cold["model"], back["model"]) == ("first", "first")
+    assert back["load_ms"] is not None, back  # loaded back
     if kept is not None:
         assert back["restored_tokens"] == cold["prompt_tokens"] - kept
         assert back["decoder_prompt_n"] <= 2, back
@@ -325,7 +365,11 @@ async def test_a_chat_swapped_out_after_its_first_turn_restores_its_second_turn(
             await wait_until(partial(stored_more, first, stores))
             await streamed_chat_turn(running.url, [{"role": "user", "content": "Say hello."}], "other")
             await streamed_chat_turn(running.url, messages, "first")
-    _, cold, _, back = route_lines.lines
+    hi, cold, other, back = route_lines.lines
+    for line in (hi, cold):
+        assert_cold(line)
+    assert (other["model"], other["route"], other["restored_tokens"]) == ("other", "plain", None), other
+    assert other["decoder_prompt_n"] == other["prompt_tokens"], other
     assert back["fallback"] == "stored", back
     # Restored: the first turn up to its generation prompt ("<|im_start|>assistant\n", a few tokens).
     assert 0 < cold["prompt_tokens"] - back["restored_tokens"] <= 8, (cold, back)
@@ -356,6 +400,7 @@ async def test_a_conversations_third_turn_after_a_restart_restores_it_and_evalua
             stored = model.parts.completions.stored
             assert stored is not None
             assert stored.enabled, model.parts.capability.words  # on for every family that restores
+            generation_prompt = await generation_prompt_n(model.client, messages)
             for question in ["And item 9?", "And item 12?"]:
                 stores = model.store_statistics().stores
                 messages += [{"role": "assistant", "content": await chat_turn(running.url, messages)}]
@@ -364,7 +409,8 @@ async def test_a_conversations_third_turn_after_a_restart_restores_it_and_evalua
         async with run_daemon(config(short_dir, path, store_dir, with_provider=False)) as running:
             await chat_turn(running.url, messages)
     first, second, third = route_lines.lines
-    assert first["restored_tokens"] is None
+    assert_cold(first)
+    assert_went_on(first, second, generation_prompt)
     assert third["fallback"] == "stored", third
     new = third["prompt_tokens"] - second["prompt_tokens"]
     # Restored: the second turn up to its generation prompt ("<|im_start|>assistant\n", a few tokens).
@@ -392,6 +438,7 @@ async def test_a_conversation_drained_to_a_host_sharing_the_store_restores_there
         with trio.fail_after(DEADLINE_S):
             async with run_daemon(host("a")) as running:
                 model = running.daemon.models.default
+                generation_prompt = await generation_prompt_n(model.client, messages)
                 for question in ["And item 9?", "And item 12?"]:
                     stores = model.store_statistics().stores
                     messages += [{"role": "assistant", "content": await chat_turn(running.url, messages)}]
@@ -401,10 +448,13 @@ async def test_a_conversation_drained_to_a_host_sharing_the_store_restores_there
                 await chat_turn(running.url, messages)
     finally:
         shutil.rmtree(shared, ignore_errors=True)
-    _, second, third = route_lines.lines
+    first, second, third = route_lines.lines
+    assert_cold(first)
+    assert_went_on(first, second, generation_prompt)
     assert (third["fallback"], third["origin_host"]) == ("stored", "a"), third
-    generation_prompt = second["prompt_tokens"] - third["restored_tokens"]
-    assert 0 < generation_prompt <= 8, (second, third)
+    # Restored up to the second turn's generation prompt (its entry ends there, where the third parts),
+    # a token more where the messages' last token merges with it (routes/boundary.py's find).
+    assert generation_prompt <= second["prompt_tokens"] - third["restored_tokens"] <= generation_prompt + 1, third
     assert third["decoder_prompt_n"] <= third["prompt_tokens"] - second["prompt_tokens"] + generation_prompt + 2, third
 
 
