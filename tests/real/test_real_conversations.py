@@ -25,9 +25,18 @@ from supervisor.config import Config, locate
 from supervisor.models.model import Model
 from supervisor.routes.capability import Restores
 from supervisor.testing import Running
-from tests.real.test_real_families import FAMILIES, PROMPT, SYSTEM, model_file, tiny_models
+from tests.real.test_real_families import (
+    FAMILIES,
+    PROMPT,
+    SYSTEM,
+    assert_cold,
+    assert_went_on,
+    generation_prompt_n,
+    model_file,
+    tiny_models,
+)
 from tests.rigs.helpers import wait_until
-from tests.rigs.rig import RouteLines, make_config, real_llama_server, run_daemon
+from tests.rigs.rig import HANDOFF_ALWAYS, RouteLines, make_config, real_llama_server, run_daemon
 
 pytestmark = pytest.mark.real
 
@@ -55,6 +64,19 @@ def two_models(runtime: Path, first: Path, store: Path) -> Config:
         decoder={"threads": 1},
         cache={"dir": str(store), "min_tokens": 64, "ram_mib": 0},
         hybrid={"enabled": True, "min_prompt_tokens": 16},
+        provider=[{"kind": "llama-server", "name": "p0", "threads": 1}],
+    )
+
+
+def handing_over(runtime: Path, path: Path) -> Config:
+    """The model alone, every prompt of 16 tokens or more handed over to its provider."""
+    real_llama_server()
+    return make_config(
+        runtime,
+        model={"path": str(path), "parallel": 1, "ctx_size": 4096},
+        decoder={"threads": 1},
+        cache={"dir": str(runtime / "store"), "min_tokens": 64, "ram_mib": 0},
+        hybrid={"enabled": True, "min_prompt_tokens": 16, **HANDOFF_ALWAYS},
         provider=[{"kind": "llama-server", "name": "p0", "threads": 1}],
     )
 
@@ -129,8 +151,13 @@ async def test_every_turn_after_the_first_restores_the_conversation_across_a_swa
             await wait_until(partial(stored_more, first_model(running), stores))
         async with run_daemon(two_models(short_dir, path, store)) as running:
             await conversation.turn(running.url, QUESTIONS[2])
-    first, _, second, third = route_lines.lines  # the other model's line between
+    first, other, second, third = route_lines.lines  # the other model's line between
     hybrid = FAMILIES[name] is Restores.PREFIX
+    assert [line["model"] for line in route_lines.lines] == ["first", "other", "first", "first"]
+    # The other model, loaded in the first's place: its own cold prefill.
+    assert (other["route"], other["outcome"], other["restored_tokens"]) == ("plain", "ok", None), other
+    assert other["load_ms"] is not None, other
+    assert other["decoder_prompt_n"] == other["prompt_tokens"], other
     # A first turn handed over: the decoder evaluated a token or two after the restore (a hybrid
     # chat's the generation prompt too: its state ends before it); kept plain, all of it.
     if first["route"] == "file":
@@ -149,6 +176,32 @@ async def test_every_turn_after_the_first_restores_the_conversation_across_a_swa
         assert line["decoder_prompt_n"] <= new + generation_prompt + 2, line
         # Whatever a provider prefilled is the rest after the restore, not the conversation again.
         assert line["route"] == "plain" or line["provider_prompt_n"] <= new + GENERATION_PROMPT_MAX, line
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completion"])
+@pytest.mark.parametrize("name", NAMES)
+async def test_a_first_turn_handed_over_leaves_the_decoder_one_token_or_a_hybrid_chat_its_generation_prompt(
+    short_dir: Path, tiny_models: Path, route_lines: RouteLines, name: str, endpoint: str
+) -> None:
+    """The conversation's first turn on the file route (``route_by = "length"``: the shipped cost
+    decision may keep a tiny prompt plain).  A dense or sliding-window model's state holds the whole
+    prompt: the decoder evaluates its last token again, for the logits.  A hybrid model's ends at the
+    boundary (routes/boundary.py): a raw prompt less its last token, which the decoder evaluates; a
+    chat before the template's generation prompt, which the decoder evaluates, and a token more where
+    the messages' last token merges with it (measured here: the decoder's render with and without it)."""
+    conversation = Conversation(endpoint, model=None)
+    with trio.fail_after(DEADLINE_S):
+        async with run_daemon(handing_over(short_dir, model_file(tiny_models, name)), providers_ready=True) as running:
+            await conversation.turn(running.url, QUESTIONS[0])
+            asked = conversation.messages[:-1]  # the reply taken off again
+            client = running.daemon.models.default.client
+            generation_prompt = await generation_prompt_n(client, asked) if endpoint == "chat" else 0
+    [line] = route_lines.lines
+    assert (line["route"], line["fallback"], line["outcome"]) == ("file", None, "ok"), line
+    if FAMILIES[name] is Restores.PREFIX and endpoint == "chat":
+        assert 0 < generation_prompt <= line["decoder_prompt_n"] <= generation_prompt + 1, (generation_prompt, line)
+    else:
+        assert line["decoder_prompt_n"] == 1, line
 
 
 @pytest.mark.parametrize("name", ["llama-dense", "qwen35-dense", "lfm2-dense", "granitehybrid-dense"])
@@ -185,7 +238,9 @@ async def test_a_raw_conversation_drained_to_a_host_sharing_the_store_restores_t
                 await conversation.turn(running.url, QUESTIONS[2])
     finally:
         shutil.rmtree(shared, ignore_errors=True)
-    _, second, third = route_lines.lines
+    first, second, third = route_lines.lines
+    assert_cold(first)
+    assert_went_on(first, second, generation_prompt=0)  # a raw prompt's continuation: no template
     assert (third["fallback"], third["origin_host"]) == ("stored", "a"), third
     # The second turn's entry a token short, or whole where the drain kept its slot and the third
     # turn's tokens still match it.
