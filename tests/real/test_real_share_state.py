@@ -9,8 +9,11 @@ provider writes its saved rows into them; the decoder adopts them.  On the tiny 
     logits   the decoder's next-token log-probabilities after the adopt against its own cached path
 
 The provider runs the decoder's own engine, so both must match within float noise (as on the file route:
-tests/real/test_real_state_fidelity.py, whose comparisons are shown there to catch a state one position
-off).  LFM2 with its sliding window keeps the share route refused, the layout named.
+tests/real/test_real_state_fidelity.py).  Both comparisons are shown to catch a state one position off,
+handed over through the share route itself: the tokens less one, and the tokens rotated by one (each
+position its neighbour's token), flag, and so do the next-token logits after restoring the rotated
+state under the real tokens' names (that file's ``assert_one_position_off_is_flagged``).  LFM2 with its
+sliding window keeps the share route refused, the layout named.
 """
 
 from __future__ import annotations
@@ -25,7 +28,16 @@ import trio
 from supervisor.config import Config
 from supervisor.llama import decoder, statediff, statefile
 from tests.real.test_real_families import model_file, tiny_models  # noqa: F401  (a fixture, and where each model is)
-from tests.real.test_real_state_fidelity import GGML_LOGITS, GGML_STATE, PROMPT, Decoder, logits_error
+from tests.real.test_real_state_fidelity import (
+    GGML_LOGITS,
+    GGML_STATE,
+    PROMPT,
+    Decoder,
+    Proof,
+    assert_one_position_off_is_flagged,
+    logits_error,
+    relabelled,
+)
 from tests.rigs.rig import HANDOFF_ALWAYS, RouteLines, make_config, real_llama_server, run_daemon
 
 pytestmark = pytest.mark.real
@@ -73,24 +85,40 @@ async def test_the_adopted_state_and_the_next_token_after_it_are_the_decoders_ow
             tokens = await decoder.tokenize(model.client, PROMPT)
             # What the share route hands over of a raw prompt: all of it, or less its last token where
             # the state cannot be cut back (a hybrid's).
-            handed = model.parts.capability.handed_over(tokens, None)
+            capability = model.parts.capability
+            handed = capability.handed_over(tokens, None)
 
-            async def adopt() -> None:
+            async def adopt(over: list[int]) -> None:
+                """``over`` handed over through the share route into the emptied slot and adopted (the
+                job, a hybrid's with the token after them that the share route leaves out)."""
                 assert await decoder.erase(model.client, 0) is None
+                job = over + tokens[len(over) :][: capability.short_by]
+                assert capability.handed_over(job, None) == over
                 generation = model.parts.decoder.generation
                 outcome = await share.run(
-                    req="proof", slot=0, tokens=tokens, provider=provider, generation=generation, timeout_s=120
+                    req="proof", slot=0, tokens=job, provider=provider, generation=generation, timeout_s=120
                 )
                 assert outcome.ok, outcome
 
-            await adopt()
-            saved = await decoder.save(model.client, 0, "adopted.state")
-            assert isinstance(saved, decoder.Saved), saved
-            adopted = statefile.read(model.parts.state_dir / "adopted.state")
-            own = statefile.read(await dec.own_state(handed, "own.state"))
+            async def adopted_as(over: list[int], name: str) -> Path:
+                """The slot's state after ``over`` was adopted, saved as ``name``."""
+                await adopt(over)
+                saved = await decoder.save(model.client, 0, name)
+                assert isinstance(saved, decoder.Saved), saved
+                return model.parts.state_dir / name
+
+            adopted = statefile.read(await adopted_as(handed, "adopted.state"))
+            own_path = await dec.own_state(handed, "own.state")
+            own = statefile.read(own_path)
             cached = await dec.next(tokens, evaluated=len(tokens) - len(handed) or 1)
-            await adopt()
+            await adopt(handed)
             after = await dec.next(tokens, evaluated=len(tokens) - len(handed) or 1)
+            # One position off, handed over through the share route: short by one, and rotated by one.
+            short = statefile.read(await adopted_as(handed[:-1], "short.state"))
+            rotated_path = await adopted_as(handed[1:] + handed[:1], "rotated.state")
+            rotated = statefile.read(rotated_path)
+            forged = relabelled(rotated_path, own_path, model.parts.state_dir / "forged.state")
+            after_forged = await dec.next_after_restore(forged, len(handed), tokens)
 
             # Through onebitd: a raw prompt, then a chat.
             async with httpx.AsyncClient(base_url=running.url, timeout=120) as client:
@@ -113,6 +141,15 @@ async def test_the_adopted_state_and_the_next_token_after_it_are_the_decoders_ow
         assert {e.part for e in comparison.errors} >= {"recurrent"}, comparison.errors
     assert logits_error(after, cached) <= GGML_LOGITS
     assert after.ranked[0] == cached.ranked[0]
+    proof = Proof(
+        state=comparison,
+        logits=logits_error(after, cached),
+        same_top1=after.ranked[0] == cached.ranked[0],
+        short=statediff.compare(short, own),
+        rotated=statediff.compare(rotated, own),
+        rotated_logits=logits_error(after_forged, cached),
+    )
+    assert_one_position_off_is_flagged(proof, state_bound=GGML_STATE, logits_bound=GGML_LOGITS)
     for line in (first, second):
         assert (line["route"], line["fallback"], line["outcome"]) == ("share", None, "ok"), line
     assert first["decoder_prompt_n"] == 1, first
