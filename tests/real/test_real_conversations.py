@@ -6,9 +6,10 @@ next turn still matches (a chat's before its generation prompt, a raw prompt les
 
 Per family (dense, sliding-window under ``swa_full = "auto"``, hybrid recurrent, hybrid convolution,
 mamba2 hybrid, MoE) and per endpoint (``/v1/chat/completions``; a raw ``/completion`` whose next
-prompt continues the last one with its reply): the first turn handed over to a provider; the second
-after the model was swapped out for another and back (``max_loaded = 1``); the third after onebitd
-stopped and started again over the same store.  Every route line is read.
+prompt continues the last one with its reply): the first turn, kept plain by the shipped cost
+decision, and on its own handed over to a provider (``route_by = "length"``); the second after the
+model was swapped out for another and back (``max_loaded = 1``); the third after onebitd stopped and
+started again over the same store.  Every route line is read.
 """
 
 from __future__ import annotations
@@ -152,18 +153,15 @@ async def test_every_turn_after_the_first_restores_the_conversation_across_a_swa
         async with run_daemon(two_models(short_dir, path, store)) as running:
             await conversation.turn(running.url, QUESTIONS[2])
     first, other, second, third = route_lines.lines  # the other model's line between
-    hybrid = FAMILIES[name] is Restores.PREFIX
     assert [line["model"] for line in route_lines.lines] == ["first", "other", "first", "first"]
     # The other model, loaded in the first's place: its own cold prefill.
     assert (other["route"], other["outcome"], other["restored_tokens"]) == ("plain", "ok", None), other
     assert other["load_ms"] is not None, other
     assert other["decoder_prompt_n"] == other["prompt_tokens"], other
-    # A first turn handed over: the decoder evaluated a token or two after the restore (a hybrid
-    # chat's the generation prompt too: its state ends before it); kept plain, all of it.
-    if first["route"] == "file":
-        assert first["decoder_prompt_n"] <= (GENERATION_PROMPT_MAX + 1 if hybrid and endpoint == "chat" else 2), first
-    else:
-        assert first["decoder_prompt_n"] == first["prompt_tokens"], first
+    # The first turn, a tiny prompt, kept plain by the shipped cost decision (the priors price both
+    # prefills alike and a handoff on top): the decoder prefilled all of it.  A first turn handed
+    # over: test_a_first_turn_handed_over_leaves_the_decoder_one_token_or_a_hybrid_chat_its_generation_prompt.
+    assert_cold(first, "plain-cheaper")
     for before, line in [(first, second), (second, third)]:
         # Restored from the store (the swap back, the restart), never prefilled again: the decoder
         # evaluated the new turn's tokens and at most the generation prompt and two more.
