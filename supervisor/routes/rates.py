@@ -275,10 +275,16 @@ class Slowdown:
 
 @attrs.frozen
 class RateStatistics:
+    """What the cost decision believes now (``onebitctl status``'s costs line): each child's
+    per-token prefill rate where measured (its prior where not), a handoff's cost per MiB of state,
+    and the slowdown on shared cores with the prefills it was measured from (0: the prior)."""
+
     decoder_ms_per_token: float
     providers_ms_per_token: dict[str, float]
     handoff_ms_per_mib: float
     state_bytes_per_token: float
+    shared: float = SHARED
+    shared_samples: int = 0
 
 
 class Rates:
@@ -376,4 +382,6 @@ class Rates:
             providers_ms_per_token={name: p.cost(0).rate for name, p in self.providers.items()},
             handoff_ms_per_mib=self.handoff.fit()[1],
             state_bytes_per_token=self.state_bytes_per_token,
+            shared=self.slowdown.factor,
+            shared_samples=len(self.slowdown.window),
         )
