@@ -3,7 +3,10 @@ route on a ggml and an OpenVINO provider, what the decoder evaluated after the r
 engine's fidelity distances and the memory each used.
 
 The models: the tiny random-weight ones of each architecture that scripts/tiny-models makes (dense,
-sliding-window, hybrid recurrent and convolution, MoE) and SmolLM2 in every quant set-up makes.  Per
+sliding-window, hybrid recurrent and convolution, MoE) and SmolLM2 in every quant set-up makes
+(re-quantized from its shipped Q4_1: a real model's timings per tensor type, not a quant's quality;
+the tiny dense model's quants, each quantized once from its F32, are named ``llama-dense.<TYPE>``
+for ``--models``, and tests/real/test_real_state_fidelity.py proves each by its state).  Per
 model two onebitd side by side, each on the embedded default config with ``model.path`` changed and
 the file route forced (``route_by = "length"``), the decoder on one core and its one provider on the
 other: one with a ggml provider, one with an OpenVINO provider on its CPU device (which runs its

@@ -13,6 +13,7 @@ from ..observe.routestats import EstimateAccuracy
 from ..observe.status import DaemonStatistics, ModelStatistics
 from ..prefix.store import StoreStatistics
 from ..routeline import RouteLine
+from ..routes.rates import RateStatistics
 
 
 def duration(seconds: float) -> str:
@@ -62,6 +63,19 @@ def _estimates(estimates: Sequence[EstimateAccuracy]) -> str:
         f"{e.route}/{e.engine} actual {e.median_ratio:.2f}x the estimate (median), "
         f"{e.within_1_5:.0%} within 1.5x, over {e.n}"
         for e in estimates
+    )
+
+
+def _costs(costs: RateStatistics | None) -> str:
+    """What the cost decision believes now: the prefill rates, the handoff's, the shared-cores slowdown."""
+    if costs is None:
+        return "not reported (an older onebitd)"
+    providers = "".join(f", {name} {rate:.2f}" for name, rate in sorted(costs.providers_ms_per_token.items()))
+    measured = f"measured over {costs.shared_samples}" if costs.shared_samples else "the prior, none measured yet"
+    return (
+        f"prefill ms a token: decoder {costs.decoder_ms_per_token:.2f}{providers}; handoff"
+        f" {costs.handoff_ms_per_mib:.1f} ms a MiB; beside the other child's prefill on shared cores a"
+        f" prefill takes {costs.shared:.2f} of the overlap more ({measured})"
     )
 
 
@@ -128,6 +142,7 @@ def render_status(stats: DaemonStatistics) -> str:
         f"fallbacks: {_counts(stats.fallbacks) or 'none'}",
         f"first byte: {first_byte}",
         f"estimates: {_estimates(stats.estimates)}",
+        f"costs: {_costs(stats.costs)}",
     ]
     if stats.models is not None:
         lines += [_restores(m) for m in stats.models.models if m.state == "loaded"]

@@ -173,6 +173,7 @@ class Daemon:
             binds=tuple(self._binds),
         )
         routes = self.route_stats.snapshot()
+        completions = self.models.default.completions
         return DaemonStatistics(
             daemon=info,
             children=tuple(child.statistics() for child in self.children()),
@@ -190,6 +191,7 @@ class Daemon:
             store=self.models.default.store_statistics(),
             models=self.models.statistics(),
             estimates=routes.estimates,
+            costs=completions.rates.statistics(completions.decoder.generation),
         )
 
     def _metrics_snapshot(self) -> LiveStatistics:

@@ -22,6 +22,7 @@ from ..errors import AdminUnavailable
 from ..llama.slots import SlotStatistics
 from ..prefix.store import StoreStatistics
 from ..providers.base import ProviderStatistics
+from ..routes.rates import RateStatistics
 from ..supervise.child import ChildStatistics
 from .routestats import EstimateAccuracy, FirstByte
 
@@ -123,6 +124,8 @@ class DaemonStatistics:
     # The cost decision's estimates against the actual prefills, per route and engine, over the last
     # requests (none from a daemon that predates them).
     estimates: tuple[EstimateAccuracy, ...] = ()
+    # What the default model's cost decision believes now (None from a daemon that predates it).
+    costs: RateStatistics | None = None
 
 
 def merged_slots(pools: list[SlotStatistics]) -> SlotStatistics:

@@ -80,9 +80,8 @@ class Completions:
         capability: Capability | None = None,
         prompt_cache_mib: int = 0,
     ) -> None:
-        """``capability``: what the model's restores can do (supervisor/routes/capability.py); None:
-        taken to restore whole, and never withdrawn (a test's fakes).  ``prompt_cache_mib``: the
-        decoder's own prompt cache (``cache.ram_mib``), which a plain request may reuse from too."""
+        """``capability``: what the model's restores can do (routes/capability.py); None: whole, never
+        withdrawn (a test's fakes).  ``prompt_cache_mib``: the decoder's own cache (``cache.ram_mib``)."""
         self.decoder = decoder
         self.capability = capability
         self.client = client
@@ -202,6 +201,7 @@ class Completions:
                     streams_decoding=self.decoding,
                     apart=hybrid.placement.apart(provider),
                     busy=self.contention.busy(provider.name),
+                    shared=self.rates.shared(),
                 )
         offer = Offer(
             enabled=hybrid is not None,
@@ -267,13 +267,13 @@ class Completions:
                     endpoint, forwarded, out, story, headers, plan=plan, slot=slot, entry=entry, prefilled=prefilled
                 )
                 keep.done = out.finished and relayed.error is None
-            # After the last byte: this runs whether or not the client is still there (the front
-            # cancels a request only while its response is unfinished); the slot is still ours.
+            # After the last byte, the client there or not (the front cancels only an unfinished reply).
             if out.finished and relayed.error is None:
                 timings = relayed.timings
                 self.rates.observe_decoder(
                     self.decoder.generation, timings.prompt_n, timings.prompt_ms, cache_n=timings.cache_n
                 )
+                self.rates.observe_shared(story.shared_sample(timings.prompt_ms))
                 if route is not Route.PLAIN:
                     self._verify_handoff(story, timings, settings, plan)
                 elif entry is not None and self.stored is not None and self.stored.unused(entry, timings.cache_n):

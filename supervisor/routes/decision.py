@@ -21,7 +21,7 @@ import attrs
 
 from ..reasons import Reason
 from .contention import Busy
-from .rates import PrefillCost
+from .rates import SHARED, PrefillCost
 
 
 class Route(enum.Enum):
@@ -100,13 +100,9 @@ class Costs:
     apart: bool = False
     # The prefills running on the decoder and the provider now (routes/contention.py): a new one shares them.
     busy: Busy = attrs.field(factory=Busy)
-
-
-# On shared cores, the share of the other child's prefill that slows this one while both run: on the
-# fleet workload (two requests at a time, decoder and provider on the same two cores) two decoder
-# continuations run beside a provider's prefill took 16% and 24% longer than alone; 0.5 and 1 fitted
-# the recorded runs worse.
-SHARED = 0.2
+    # On shared cores, the share of the other child's prefill that slows a child's while both run
+    # (routes/rates.py's ``Slowdown``: measured, else the prior).
+    shared: float = SHARED
 
 
 @attrs.frozen
@@ -135,6 +131,12 @@ class Estimate:
     plain_n: int = attrs.field(default=0, eq=False)
     provider_n: int = attrs.field(default=0, eq=False)
     provider_ms: float = attrs.field(default=0.0, eq=False)
+    # Each side's prefill estimated as if the other child were idle, and how long the other child's
+    # work overlaps it (0 on compute apart): what Rates.observe_shared learns the slowdown from.
+    plain_alone: float = attrs.field(default=0.0, eq=False)
+    plain_overlap: float = attrs.field(default=0.0, eq=False)
+    provider_alone: float = attrs.field(default=0.0, eq=False)
+    provider_overlap: float = attrs.field(default=0.0, eq=False)
 
     def decoder_job(self, route: Route) -> tuple[int, float]:
         """What ``route`` has the decoder evaluate when it is sent there: tokens, estimated ms."""
@@ -149,18 +151,34 @@ def estimate(prompt_tokens: int, costs: Costs) -> Estimate:
     Plain: the decoder evaluates what it would not reuse.  Hybrid: the provider prefills what its
     cache lacks, the state moves, the decoder evaluates the last token.  Each waits for what already
     runs on its child (``costs.busy``: batched or queued with it), and on shared cores is slowed by
-    :data:`SHARED` of what runs on the other child while both run; the restore waits for what is
-    left of the decoder's.  With nothing in flight these terms are 0."""
+    its share (``costs.shared``) of what runs on the other child while
+    both run; the restore waits for what is left of the decoder's.  With nothing in flight these
+    terms are 0."""
     plain_n = max(1, prompt_tokens - costs.decoder_cached)
     provider_n = max(1, prompt_tokens - costs.provider_cached)
-    busy, shared = costs.busy, 0.0 if costs.apart else SHARED
-    plain = costs.decoder.ms(plain_n, prompt_tokens - plain_n)
-    plain += busy.decoder_ms + shared * min(plain, busy.provider_ms)
-    prefill = costs.provider.ms(provider_n, prompt_tokens - provider_n)
-    prefill += busy.provider_ms + shared * min(prefill, busy.decoder_ms)
+    busy, apart = costs.busy, costs.apart
+    own_plain = costs.decoder.ms(plain_n, prompt_tokens - plain_n)
+    plain_overlap = 0.0 if apart else min(own_plain, busy.provider_ms)
+    plain_alone = own_plain + busy.decoder_ms
+    plain = plain_alone + costs.shared * plain_overlap
+    own_prefill = costs.provider.ms(provider_n, prompt_tokens - provider_n)
+    provider_overlap = 0.0 if apart else min(own_prefill, busy.decoder_ms)
+    provider_alone = own_prefill + busy.provider_ms
+    prefill = provider_alone + costs.shared * provider_overlap
     hybrid = prefill + costs.handoff_ms + max(0.0, busy.decoder_ms - prefill) + costs.decoder.ms(1, prompt_tokens - 1)
     sure = costs.decoder.sure(plain_n) and costs.provider.sure(provider_n)
-    return Estimate(plain, hybrid, sure, plain_n=plain_n, provider_n=provider_n, provider_ms=prefill)
+    return Estimate(
+        plain,
+        hybrid,
+        sure,
+        plain_n=plain_n,
+        provider_n=provider_n,
+        provider_ms=prefill,
+        plain_alone=plain_alone,
+        plain_overlap=plain_overlap,
+        provider_alone=provider_alone,
+        provider_overlap=provider_overlap,
+    )
 
 
 def _alone(reason: Reason | None) -> tuple[Reason, ...]:

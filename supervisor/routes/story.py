@@ -109,6 +109,23 @@ class Story:
             return 0, 0.0
         return (guess.provider_n, guess.provider_ms) if provider else guess.decoder_job(self._reached or Route.PLAIN)
 
+    def shared_sample(self, prompt_ms: float | None) -> tuple[float, float, float] | None:
+        """What this prefill says of the slowdown on shared cores (routes/rates.py's ``Slowdown``):
+        ``(its estimate alone, the overlap, its actual ms)`` on the route it was
+        estimated for, the decoder's ``prompt_ms`` or the provider's prefill; None where the
+        estimate counted no overlap or the route was not the one priced."""
+        choice = self._choice
+        guess = None if choice is None else choice.estimate
+        if choice is None or guess is None or self._reached is not choice.route:
+            return None
+        if self._reached is Route.PLAIN:
+            if prompt_ms is None or self._marked is not None:
+                return None
+            return guess.plain_alone, guess.plain_overlap, prompt_ms
+        if self._walk is None:
+            return None
+        return guess.provider_alone, guess.provider_overlap, self._walk.ms()[0]
+
     def marked(self, marked: Marked | None) -> None:
         """The state kept at the prompt's boundary (routes/boundary.py): what the decoder evaluated
         up to it before the rest is counted in the decoder's prompt on the line."""

@@ -1,6 +1,7 @@
 """Every model family and quant a user brings, through onebitd on the real llama-server (issue 32):
 the tiny random-weight models of each architecture (scripts/tiny-models: dense, sliding-window,
-hybrid recurrent and convolution, MoE) and the shipped SmolLM2 in the common quants.
+hybrid recurrent and convolution, MoE), the dense one in the common quants (each quantized once from
+its F32) and the shipped SmolLM2 (Q4_1).
 
 Per model, on the embedded default config with ``model.path`` changed (and a provider, the file
 route forced): what its load's probe found (supervisor/routes/capability.py); a long prompt asked,
@@ -64,7 +65,11 @@ FAMILIES = {
     "lfm2-dense": Restores.PREFIX,
     "lfm2-noswa-dense": Restores.PREFIX,
 }
-QUANTS = {f"SmolLM2-135M-Instruct.{q}": Restores.WHOLE for q in ("Q4_0", "Q4_1", "Q4_K_M", "Q6_K", "Q8_0", "F16")}
+# The quant matrix: the tiny dense model quantized once from its F32 (scripts/tiny-models), and SmolLM2
+# as shipped (Q4_1, the embedded default).  SmolLM2's other quants are re-quantized from that Q4_1,
+# so not here: a quant's routes do not hang on a real model's reply (scripts/bench families times them).
+QUANTS = {f"llama-dense.{q}": Restores.WHOLE for q in ("F16", "Q8_0", "Q6_K", "Q4_K_M", "Q4_1", "Q4_0")}
+QUANTS["SmolLM2-135M-Instruct.Q4_1"] = Restores.WHOLE
 MODELS = {**FAMILIES, **QUANTS}
 # About 300 tokens of the tiny models' vocabulary (5 bytes a token), 600 of SmolLM2's.
 PROMPT = " ".join(f"item {i} weighs {i * 7 % 13} units" for i in range(80))

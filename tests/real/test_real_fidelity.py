@@ -114,6 +114,10 @@ async def test_a_provider_of_another_binary_is_measured_at_start_and_refused_whe
 ) -> None:
     # The decoder on SmolLM2 Q8_0; the provider a binary of its own, on the same file or on Q4_0:
     # its state restores (same shapes), but its KV is another quant's.  Under the real constants.
+    # SmolLM2's Q8_0 and Q4_0 are re-quantized from its shipped Q4_1, and a real model's are what
+    # the gate must tell apart: the tiny llama's quants hand over a KV within 0.02 of its F32's, under
+    # the state bound, and a next-token distance of 0.0000 (tests/real/test_real_state_fidelity.py
+    # proves those by their state).
     tiny = Path(__file__).parents[2] / "scripts" / "tiny-models"
     models = Path((await trio.run_process([str(tiny), "--print-path"], capture_stdout=True)).stdout.decode().strip())
     q8, q4 = models / "SmolLM2-135M-Instruct.Q8_0.gguf", models / "SmolLM2-135M-Instruct.Q4_0.gguf"

@@ -6,6 +6,8 @@ takes the fallback docs/protocol.md gives, and its reply is then a plain prefill
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import logging
 import os
@@ -221,14 +223,36 @@ class Decoder:
         return header, fds
 
 
-async def open_decoder(directory: Path, *, ttl_s: str = "") -> tuple[trio.Process, Path]:
-    model = locate.model_path(make_config(directory).model.path)
+# What the decoder seals each region it lends with before sending it (patches/llama-server-share.patch).
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+def assert_sealed(fd: int) -> None:
+    """A lent region as a provider receives it: it can write, and cannot resize the memfd (a shrink
+    would leave the decoder's mapping past the new end unbacked: its next access, a SIGBUS)."""
+    size = os.fstat(fd).st_size
+    assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) == SEALS
+    for smaller_or_larger in (0, size // 2, size + 4096):
+        with pytest.raises(PermissionError) as raised:
+            os.ftruncate(fd, smaller_or_larger)
+        assert raised.value.errno == errno.EPERM
+    with pytest.raises(PermissionError):
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)  # nor can it seal the decoder's writes away
+    assert os.pwrite(fd, b"\0", size - 1) == 1
+    assert os.fstat(fd).st_size == size
+
+
+async def open_decoder(
+    directory: Path, *, ttl_s: str = "", model: Path | None = None, args: tuple[str, ...] = ()
+) -> tuple[trio.Process, Path]:
+    """The patched llama-server with the share switch: the default model, or ``model``, with ``args``."""
+    model = model or locate.model_path(make_config(directory).model.path)
     assert model is not None
     sock = directory / "d.sock"
     env = {**os.environ, "LLAMA_KV_SHARE": "1"}
     if ttl_s:
         env["LLAMA_KV_SHARE_TTL_S"] = ttl_s
-    argv = [str(real_llama_server()), "-m", str(model), "-c", "1024", "-np", "2", "-t", "1", "--host", str(sock)]
+    argv = [str(real_llama_server()), "-m", str(model), "-c", "1024", "-np", "2", "-t", "1", *args, "--host", str(sock)]
     process = await trio.lowlevel.open_process(
         [*argv, "--slot-save-path", str(directory), "--no-webui"],
         env=env,
@@ -262,6 +286,7 @@ async def test_the_decoder_lends_one_slots_region_keeps_it_out_of_its_slot_choic
                     # One fd, one slot's region: each of the 2 slots has its own, so it is half the cache.
                     assert len(fds) == len(header["regions"]) == 1
                     assert os.fstat(fds[0]).st_size == header["regions"][0]["size"]
+                    assert_sealed(fds[0])
                     assert header["id_slot"] == 0
                     assert (header["type_k"], header["type_v"], header["v_trans"]) == ("f16", "f16", False)
                     assert len(header["tensors"]) == 2 * header["n_layer"]

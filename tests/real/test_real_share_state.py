@@ -13,12 +13,15 @@ tests/real/test_real_state_fidelity.py).  Both comparisons are shown to catch a 
 handed over through the share route itself: the tokens less one, and the tokens rotated by one (each
 position its neighbour's token), flag, and so do the next-token logits after restoring the rotated
 state under the real tokens' names (that file's ``assert_one_position_off_is_flagged``).  LFM2 with its
-sliding window keeps the share route refused, the layout named.
+sliding window keeps the share route refused, the layout named.  Both regions a hybrid decoder lends
+arrive sealed against resizing; one that keeps rollback snapshots for speculative decoding
+(``--spec-type draft-eagle3``, which needs no draft model to set them) refuses to lend at all.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import httpx
@@ -27,7 +30,10 @@ import trio
 
 from supervisor.config import Config
 from supervisor.llama import decoder, statediff, statefile
+from supervisor.testing import unix_transport
 from tests.real.test_real_families import model_file, tiny_models  # noqa: F401  (a fixture, and where each model is)
+from tests.real.test_real_share import Decoder as ShareDecoder
+from tests.real.test_real_share import assert_sealed, open_decoder
 from tests.real.test_real_state_fidelity import (
     GGML_LOGITS,
     GGML_STATE,
@@ -52,12 +58,17 @@ LENT = ["qwen35-dense", "granitehybrid-dense", "lfm2-noswa-dense", "llama-dense"
 GENERATION_PROMPT_MAX = 8
 
 
-def config(runtime: Path, model_path: Path) -> Config:
+# llama.cpp's common sets n_rs_seq (rollback snapshots of the recurrent state per sequence) from these
+# speculative types alone; draft-eagle3 asks for no model of its own where none is given.
+ROLLBACK_ARGS = ("--spec-type", "draft-eagle3")
+
+
+def config(runtime: Path, model_path: Path, *, decoder_args: tuple[str, ...] = ()) -> Config:
     real_llama_server()
     return make_config(
         runtime,
         model={"path": str(model_path), "parallel": 1, "ctx_size": 1024},
-        decoder={"threads": 1},
+        decoder={"threads": 1, "extra_args": list(decoder_args)},
         cache={"dir": str(runtime / "store"), "ram_mib": 0},
         hybrid={"enabled": True, "min_prompt_tokens": 16, "mode": "share", **HANDOFF_ALWAYS},
         provider=[{"kind": "llama-server", "name": "p0", "threads": 1}],
@@ -154,3 +165,61 @@ async def test_the_adopted_state_and_the_next_token_after_it_are_the_decoders_ow
         assert (line["route"], line["fallback"], line["outcome"]) == ("share", None, "ok"), line
     assert first["decoder_prompt_n"] == 1, first
     assert 0 < second["decoder_prompt_n"] <= GENERATION_PROMPT_MAX + 1, second
+
+
+async def test_a_hybrid_decoder_lends_both_regions_sealed_and_none_beside_rollback_snapshots(
+    short_dir: Path,
+    tiny_models: Path,  # noqa: F811
+) -> None:
+    path = model_file(tiny_models, "qwen35-dense")
+    with trio.fail_after(DEADLINE_S):
+        process, sock = await open_decoder(short_dir, model=path)
+        try:
+            async with httpx.AsyncClient(transport=unix_transport(sock), base_url="http://d", timeout=60) as client:
+                header, fds = await ShareDecoder(short_dir, client).share(0, 4)
+                try:
+                    assert [region.get("state", False) for region in header["regions"]] == [False, True]
+                    assert len(fds) == 2
+                    for fd in fds:
+                        assert_sealed(fd)
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+        finally:
+            process.kill()
+            await process.wait()
+
+        again = short_dir / "r"  # a directory of its own: the first server's socket file is still there
+        again.mkdir()
+        process, sock = await open_decoder(again, model=path, args=ROLLBACK_ARGS)
+        try:
+            async with httpx.AsyncClient(transport=unix_transport(sock), base_url="http://d", timeout=60) as client:
+                status, data = await ShareDecoder(again, client).post(
+                    "/slots/0?action=share", {"socket": str(again / "nobody.sock"), "n_tokens": 4}
+                )
+        finally:
+            process.kill()
+            await process.wait()
+    assert status == 400, data
+    assert data["error"]["message"].startswith("This server cannot share its KV: the recurrent memory keeps ")
+    assert "rollback snapshots per sequence for speculative decoding" in data["error"]["message"]
+
+
+async def test_a_hybrid_decoder_with_rollback_snapshots_sends_requests_to_the_file_route_saying_why(
+    short_dir: Path,
+    tiny_models: Path,  # noqa: F811
+    route_lines: RouteLines,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("ONEBIT_KV_SHARE", raising=False)
+    path = model_file(tiny_models, "qwen35-dense")
+    with trio.fail_after(DEADLINE_S):
+        async with run_daemon(config(short_dir, path, decoder_args=ROLLBACK_ARGS), providers_ready=True) as running:
+            async with httpx.AsyncClient(base_url=running.url, timeout=120) as client:
+                raw = await client.post("/completion", json={"prompt": PROMPT, "n_predict": 2, "temperature": 0})
+                assert raw.status_code == 200, raw.text
+                refused = (await client.get("/health")).json().get("share_refused", {})
+            (line,) = await route_lines.until(1)
+            model = running.daemon.models.default.name
+    assert (line["route"], line["fallback"], line["memory"]) == ("file", "share-refused", "kv+recurrent"), line
+    assert "rollback snapshots" in refused[model], refused

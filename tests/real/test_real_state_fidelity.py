@@ -1,6 +1,7 @@
-"""Each family's handoff proven by its state, whatever its weights (issue 53, item 5): on every tiny
-model (scripts/tiny-models) and SmolLM2, on the ggml provider and the OpenVINO one where it takes the
-family, through onebitd's own parts on the real llama-server:
+"""Each family's and quant's handoff proven by its state, whatever its weights (issue 53, item 5): on
+every tiny model (scripts/tiny-models), the tiny dense one's quants (each quantized once from its
+F32) and SmolLM2 as shipped (Q4_1), on the ggml provider and the OpenVINO one where it takes the
+model, through onebitd's own parts on the real llama-server:
 
     state    the state file the provider writes for the file route, against the decoder's own slot
              saved after it prefilled the same tokens: every part (each KV cache, the recurrent or
@@ -15,7 +16,8 @@ must match within float noise; OpenVINO computes otherwise, within OPENVINO_STAT
 OPENVINO_LOGITS.  Each comparison is shown to catch a state one position off: the decoder's own
 state of the tokens less one, and of the tokens rotated by one (each position its neighbour's
 token), flag, and so do the next-token logits after restoring the rotated state under the real
-tokens' names.
+tokens' names; and a ggml provider on a quant of the decoder's F32 model (same cells, other values)
+is not taken for the decoder's own.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from supervisor.llama.statediff import Comparison
 from supervisor.providers import PrefillJob
 from supervisor.routes.prefill import prefill
 from tests.real.test_real_families import model_file, tiny_models  # noqa: F401  (a fixture, and where each model is)
+from tests.real.test_real_fidelity import other_binary
 from tests.rigs.rig import HANDOFF_ALWAYS, make_config, openvino_llama_server, real_llama_server, run_daemon
 
 pytestmark = pytest.mark.real
@@ -51,8 +54,13 @@ FAMILIES = [
     "qwen35-dense",
     "lfm2-dense",
     "granitehybrid-dense",
-    "SmolLM2-135M-Instruct.Q4_1",
+    "SmolLM2-135M-Instruct.Q4_1",  # as shipped: a real model's state
 ]
+# The quant matrix, from a full-precision source: scripts/tiny-models quantizes the F32 llama-dense
+# once into each of these, so each proof holds for that quant's kernels on true quantized weights
+# (SmolLM2's quants are re-quantized from its Q4_1, so not here: scripts/bench families times them).
+SOURCE = "llama-dense"
+QUANTS = [f"{SOURCE}.{q}" for q in ("F16", "Q8_0", "Q6_K", "Q4_K_M", "Q4_1", "Q4_0")]
 # About 100 tokens of the tiny models' vocabulary (5 bytes a token), 130 of SmolLM2's; no token
 # repeats its neighbour, so a state one position off differs at every position.
 PROMPT = " ".join(f"crate {i} holds {i * 7 % 13} pears and {i * 5 % 11} figs;" for i in range(14))
@@ -167,9 +175,10 @@ def relabelled(memory_of: Path, named_as: Path, target: Path) -> Path:
     return target
 
 
-async def prove(config: Config) -> Proof | str:
-    """The proof, or why onebitd refused the provider at start (its fidelity gate)."""
-    async with run_daemon(config, providers_ready=True) as running:
+async def prove(config: Config, *, check_fidelity: bool = True) -> Proof | str:
+    """The proof, or why onebitd refused the provider at start (its fidelity gate, which
+    ``check_fidelity`` false skips)."""
+    async with run_daemon(config, providers_ready=True, check_fidelity=check_fidelity) as running:
         model = running.daemon.models.default
         (provider,) = model.parts.providers.all
         await provider.wait_settled()
@@ -235,7 +244,7 @@ def assert_one_position_off_is_flagged(proof: Proof, *, state_bound: float, logi
     assert proof.rotated_logits > logits_bound  # OpenVINO's bound is relative to it: the ggml one is not
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", FAMILIES + QUANTS)
 async def test_the_ggml_providers_state_and_the_decoders_next_token_after_it_are_the_decoders_own(
     short_dir: Path,
     tiny_models: Path,  # noqa: F811
@@ -276,3 +285,24 @@ async def test_the_openvino_providers_state_and_the_decoders_next_token_after_it
     assert_one_position_off_is_flagged(proof, state_bound=OPENVINO_STATE, logits_bound=logits_bound)
     assert proof.state.max_error <= OPENVINO_STATE, proof.state
     assert proof.logits <= logits_bound
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+async def test_a_provider_on_a_quant_of_the_decoders_model_hands_over_a_state_the_proof_does_not_pass(
+    short_dir: Path,
+    tiny_models: Path,  # noqa: F811
+    quant: str,
+) -> None:
+    # The decoder on the F32 source; its ggml provider the same binary through a wrapper that loads
+    # the quant instead (llama-server takes the last -m): the same cells and shapes, so its state
+    # restores, but every value is the quant's.  No start-time gate (check_fidelity=False), so that
+    # the proof itself is what must tell: the identity the ggml test asserts does not hold.
+    binary = other_binary(short_dir, "-m", str(model_file(tiny_models, quant)))
+    provider = {"binary": binary}
+    with trio.fail_after(DEADLINE_S):
+        proof = await prove(config(short_dir, model_file(tiny_models, SOURCE), provider), check_fidelity=False)
+    assert isinstance(proof, Proof), proof
+    log.warning("%s", summary(f"{quant} into {SOURCE}", "ggml", proof))
+    assert proof.state.differences == ()  # the same cells: only the values tell
+    assert proof.state.max_error > GGML_STATE, proof.state
+    assert proof.logits > GGML_LOGITS

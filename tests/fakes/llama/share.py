@@ -3,8 +3,9 @@ region, mapped here so an adopt can read back the rows a provider wrote, and the
 onebitd's socket with the fds.
 
 The layout: n_layer 2, tensors cache_k_l<L> and cache_v_l<L>, row_bytes 16, align 4096, n_ctx the
-slot's context; one region, or two (K and V apart).  A provider writes, for each of the job's tokens
-and each K/V tensor, the row :func:`expected_row` gives (tests/fakes/fake_share_provider.py writes them).
+slot's context; one region, or two (K and V apart), each a memfd sealed against resizing.  A provider
+writes, for each of the job's tokens and each K/V tensor, the row :func:`expected_row` gives
+(tests/fakes/fake_share_provider.py writes them).
 With ``state`` the share is a hybrid model's: a last region stages its recurrent state, tensors
 cache_r_l0 and cache_s_l0 (kinds ``r``, ``s``), one row each, which a provider writes as the row
 :func:`expected_row` gives for the last token at the last position.
@@ -13,6 +14,7 @@ cache_r_l0 and cache_s_l0 (kinds ``r``, ``s``), one row each, which a provider w
 from __future__ import annotations
 
 import array
+import fcntl
 import hashlib
 import json
 import mmap
@@ -36,6 +38,9 @@ def expected_row(token: int, pos: int, tensor: str, row_bytes: int) -> bytes:
 SHARE_LAYERS = 2
 SHARE_ROW_BYTES = 16
 SHARE_ALIGN = 4096
+# Each region sized once and sealed before it is sent, as the patched llama-server's are: no provider
+# can resize it under the decoder's mapping.
+REGION_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 def _align(n: int) -> int:
@@ -96,9 +101,10 @@ class Share:
         self.maps: list[mmap.mmap] = []
         try:
             for i, size in enumerate(sizes):
-                fd = os.memfd_create(f"fake-kv-{share_id}-{i}", os.MFD_CLOEXEC)
+                fd = os.memfd_create(f"fake-kv-{share_id}-{i}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
                 self.fds.append(fd)
                 os.ftruncate(fd, size)
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, REGION_SEALS)
                 self.maps.append(mmap.mmap(fd, size))
         except BaseException:
             self.close()

@@ -10,6 +10,7 @@ import attrs
 from supervisor.admin import render
 from supervisor.observe.routestats import EstimateAccuracy, RouteStats
 from supervisor.routeline import RequestOutcome, RouteLine
+from supervisor.routes.rates import Rates
 from tests.unit.admin.test_ctl_admin import busy_statistics
 
 
@@ -58,3 +59,23 @@ async def test_onebitctl_status_shows_the_estimates_against_the_actuals(short_di
     assert "estimates: plain/decoder actual 0.93x the estimate (median), 88% within 1.5x, over 40" in lines
     idle = render.render_status(busy_statistics(short_dir)).splitlines()
     assert "estimates: none yet (no request was routed by cost)" in idle
+
+
+async def test_onebitctl_status_shows_what_the_cost_decision_believes(short_dir: Path) -> None:
+    """The rates the estimates are made from, beside how they held: a wrong rate is seen there."""
+    rates = Rates(decoder_ms_per_token=4.0, provider_ms_per_token=3.0, handoff_ms_per_mib=6.0, state_bytes_per_token=1)
+    prior = attrs.evolve(busy_statistics(short_dir), costs=rates.statistics(0))
+    assert (
+        "costs: prefill ms a token: decoder 4.00; handoff 6.0 ms a MiB; beside the other child's prefill on shared"
+        " cores a prefill takes 0.20 of the overlap more (the prior, none measured yet)"
+    ) in render.render_status(prior).splitlines()
+    rates.observe_provider("prefill0", 1000, 2500.0)
+    for actual in (600.0, 500.0, 550.0):
+        rates.observe_shared((200.0, 200.0, actual))
+    measured = attrs.evolve(busy_statistics(short_dir), costs=rates.statistics(0))
+    assert (
+        "costs: prefill ms a token: decoder 4.00, prefill0 2.50; handoff 6.0 ms a MiB; beside the other child's"
+        " prefill on shared cores a prefill takes 1.75 of the overlap more (measured over 3)"
+    ) in render.render_status(measured).splitlines()
+    older = attrs.evolve(busy_statistics(short_dir), costs=None)
+    assert "costs: not reported (an older onebitd)" in render.render_status(older).splitlines()
