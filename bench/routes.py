@@ -26,6 +26,8 @@ its own processes.  Four blocks ABBA (direct, onebitd, onebitd, direct); each si
 requests in the same order.  First-token median and p90 and token throughput, onebitd over direct;
 onebitd's route lines: requests handed over after a prefix-store restore, and the share whose
 estimate came within 1.5x of the actual prefill (supervisor/observe/routestats.py's measure).
+``fleet --aa``: the onebitd side is a second llama-server direct, started as the first: the ratios
+it prints are the method's noise, against which onebitd's are read.
 
 """
 
@@ -78,6 +80,7 @@ def fleet_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=32, help="requests per block; four blocks, ABBA (32)")
     parser.add_argument("--concurrency", type=int, default=2, help="requests in flight at once (2)")
     parser.add_argument("--quick", action="store_true", help="12 requests per block")
+    parser.add_argument("--aa", action="store_true", help="A/A: the onebitd side is a second llama-server direct")
     lines_argument(parser)
 
 
@@ -365,9 +368,14 @@ async def fleet(args: argparse.Namespace) -> int:
             open_lines() as lines,
             run_daemon(plain, ready_timeout_s=TIMEOUT_S) as direct_side,
             direct_side.clients(request_timeout_s=TIMEOUT_S) as direct,
-            run_daemon(shipped_config(Path(tmp) / "b"), providers_ready=True, ready_timeout_s=TIMEOUT_S) as running,
+            run_daemon(
+                shipped_config(Path(tmp) / "b", hybrid=not args.aa),
+                providers_ready=not args.aa,
+                ready_timeout_s=TIMEOUT_S,
+            ) as running,
             running.clients(request_timeout_s=TIMEOUT_S) as onebitd,
         ):
+            other = onebitd.direct if args.aa else onebitd.front
             prefixes = [await text_of(direct.direct, rng.randint(600, 800), rng) for _ in range(args.groups)]
 
             async def asks() -> list[Ask]:
@@ -384,8 +392,8 @@ async def fleet(args: argparse.Namespace) -> int:
             onebitd_lines_from = len(lines.lines)  # the direct side logs none: it bypasses onebitd
             for side, client, block in [
                 ("direct", direct.direct, first),
-                ("onebitd", onebitd.front, first),
-                ("onebitd", onebitd.front, second),
+                ("onebitd", other, first),
+                ("onebitd", other, second),
                 ("direct", direct.direct, second),
             ]:
                 done = await run_block(client, prefixes, block, args.concurrency)
@@ -394,7 +402,8 @@ async def fleet(args: argparse.Namespace) -> int:
                     f"  {side}: {len(done.first_ms)} requests,"
                     f" median first token {statistics.median(done.first_ms):.0f} ms"
                 )
-            await lines.wait(onebitd_lines_from + 2 * per_block)
+            if not args.aa:  # a direct side logs none: it bypasses onebitd
+                await lines.wait(onebitd_lines_from + 2 * per_block)
             ours = lines.lines[onebitd_lines_from:]
     write_lines(args.lines, ours)
     print()
@@ -407,6 +416,8 @@ async def fleet(args: argparse.Namespace) -> int:
     restored = sum(1 for line in ours if (line.get("restored_tokens") or 0) > 0)
     n, good = within(ours)
     print()
+    if args.aa:
+        print("A/A: the onebitd side is a second llama-server direct; its ratios are the method's noise")
     print(f"{'':<9}first token median  p90     tokens/s")
     for side in ("direct", "onebitd"):
         print(f"{side:<9}{statistics.median(ttft[side]):>10.0f} ms  {p90(ttft[side]):>6.0f} ms  {rate[side]:>7.1f}")

@@ -23,6 +23,8 @@ import attrs
 from ..errors import DecoderError
 from ..llama import decoder
 from ..llama.decoder import JsonClient
+from ..llama.slots import SlotPool
+from ..prefix.store import Entry
 from ..reasons import Reason
 from .capability import Capability
 from .decision import Route
@@ -76,10 +78,33 @@ async def entry_end(client: JsonClient, plan: Plan, stored: StoredPrefixes) -> i
     if not isinstance(plan.prompt, Chat):
         return len(plan.tokens) - 1 if len(plan.tokens) > 1 else None
     try:
-        return await find(client, plan.prompt, plan.tokens)
+        found = await find(client, plan.prompt, plan.tokens)
     except DecoderError as exc:
         log.info("prefix store: the boundary of a chat could not be found (%s); its entry holds it whole", exc.message)
         return None
+    stored.learn_slack(len(plan.tokens), found)
+    return found
+
+
+async def keep_after(
+    client: JsonClient,
+    plan: Plan,
+    stored: StoredPrefixes | None,
+    slot: int,
+    slots: SlotPool,
+    *,
+    req: str,
+    restored: Entry | None,
+) -> None:
+    """After a reply, on every route: the slot saved for the prefix store up to where the next turn
+    still matches (:func:`entry_end`), when the store keeps anything of it.  A chat's end is two calls
+    to the decoder while the slot is held: not asked where nothing would be kept wherever it ended
+    (``StoredPrefixes.may_keep``: an agent fleet's questions on a stored system prompt).  ``stored``
+    None: no store."""
+    if stored is None or (isinstance(plan.prompt, Chat) and not stored.may_keep(plan.key, slots, restored=restored)):
+        return
+    ends = await entry_end(client, plan, stored)
+    await stored.after(slot, plan.key, slots, req=req, restored=restored, ends=ends)
 
 
 def _shared(a: Sequence[int], b: Sequence[int]) -> int:

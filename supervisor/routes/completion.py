@@ -279,9 +279,9 @@ class Completions:
                 elif entry is not None and self.stored is not None and self.stored.unused(entry, timings.cache_n):
                     self._store_unused(story, entry, timings.cache_n)
                 # Saved after the reply, every route, up to where the next turn matches (routes/boundary.py).
-                if self.stored is not None:
-                    ends = await boundary.entry_end(self.client, plan, self.stored)
-                    await self.stored.after(slot, plan.key, self.slots, req=story.req, restored=entry, ends=ends)
+                await boundary.keep_after(
+                    self.client, plan, self.stored, slot, self.slots, req=story.req, restored=entry
+                )
 
     async def _relay(
         self,

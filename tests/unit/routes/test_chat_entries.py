@@ -195,3 +195,38 @@ async def test_where_a_state_cannot_be_cut_back_the_store_restores_what_the_prom
     finally:
         store.close()
     assert client.asked  # the restore was asked for (this client refuses it)
+
+
+async def test_a_question_on_a_stored_system_prompt_asks_the_decoder_nothing_after_its_reply(tmp_path: Path) -> None:
+    """The fleet benchmark: most requests are a new question on one of a few system prompts the store
+    holds already.  Wherever such a chat's entry ended, what would be kept is that system prompt
+    (rounded to BRANCH_TOKENS), which is stored: once a chat's generation prompt has been measured,
+    its end is not asked for (``/apply-template`` and ``/tokenize`` while the slot is held).  Before
+    that, and for a conversation's next turn (kept whole up to its end), it is."""
+    store = await private_store(tmp_path / "store", fingerprint=FINGERPRINT, max_bytes=1 << 26, min_tokens=64)
+    system = tuple(range(1, 701))
+    chat_prompt = Chat(body={"messages": [{"role": "user", "content": "hi"}]}, text="hi")
+    try:
+        state = tmp_path / "saved.keep"
+        state.write_bytes(STATE_MAGIC + b"\0" * 1024)
+        assert await store.put_file(system[:640], state)  # the system prompt, as a branch point keeps it
+        client = Refusing()
+        stored = StoredPrefixes(client=client, state_dir=tmp_path, store=store, capability=None)
+        slots = SlotPool(2, queue_limit=8)
+        slots.remember(0, PromptKey(tokens=(*system, *range(9000, 9010))))  # another question on it
+        question = Plan(PromptKey("q", (*system, *range(2000, 2006))), None, prompt=chat_prompt)
+        turn = Plan(PromptKey("t", (*system, *range(9000, 9010), *range(3000, 3020))), None, prompt=chat_prompt)
+        with trio.fail_after(TIMEOUT):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(stored.run)
+                unmeasured = stored.may_keep(question.key, slots, restored=None)
+                stored.learn_slack(n_tokens=706, ends=703)  # a chat's generation prompt: 3 tokens
+                await boundary.keep_after(client, question, stored, 1, slots, req="r", restored=None)
+                asked_after_question = list(client.asked)
+                next_turn = stored.may_keep(turn.key, slots, restored=None)
+                nursery.cancel_scope.cancel()
+    finally:
+        store.close()
+    assert unmeasured  # the slack not yet measured: the end is asked for
+    assert asked_after_question == []
+    assert next_turn  # a conversation's next turn is kept whole up to its end: asked for
