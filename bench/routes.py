@@ -53,7 +53,7 @@ from supervisor import config as configuration
 from supervisor.config import Config
 from supervisor.observe.routestats import accuracy_of
 from supervisor.routeline import RouteLine
-from supervisor.testing import RouteLines, run_daemon
+from supervisor.testing import RouteLines, Running, run_daemon
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ROOT / "config" / "onebit.toml"
@@ -210,6 +210,19 @@ def decided(line: dict[str, Any]) -> str:
     )
 
 
+def costs_of(running: Running) -> str:
+    """What onebitd's cost model believes at the end of the run (``onebitctl status``'s costs line)."""
+    completions = running.daemon.models.default.completions
+    costs = completions.rates.statistics(completions.decoder.generation)
+    providers = ", ".join(f"{name} {ms:.2f}" for name, ms in sorted(costs.providers_ms_per_token.items()))
+    measured = f"from {costs.shared_samples} prefills" if costs.shared_samples else "the prior"
+    return (
+        f"onebitd's costs at the end: decoder {costs.decoder_ms_per_token:.2f} ms a token,"
+        f" providers {providers or '-'};"
+        f" slowdown on shared cores {costs.shared:.2f} of the overlap ({measured})"
+    )
+
+
 def p90(values: Sequence[float]) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))]
@@ -286,6 +299,7 @@ async def routes(args: argparse.Namespace) -> int:
                     + ", ".join(f"{s} {statistics.median(v):.0f} ms" for s, v in measured[size].items())
                 )
             streams.cancel_scope.cancel()
+            print(costs_of(running))
             if args.streams:
                 print(f"the streams finished {decoding[0]} replies meanwhile")
     print()
@@ -404,6 +418,7 @@ async def fleet(args: argparse.Namespace) -> int:
                 )
             if not args.aa:  # a direct side logs none: it bypasses onebitd
                 await lines.wait(onebitd_lines_from + 2 * per_block)
+                print(costs_of(running))
             ours = lines.lines[onebitd_lines_from:]
     write_lines(args.lines, ours)
     print()

@@ -353,6 +353,10 @@ async def test_the_providers_benchmark_in_quick_mode_exits_0_with_both_engines_o
     assert re.search(rf"^  openvino started again on its compile cache: {NUMBER} s$", out, re.MULTILINE), out
 
 
+# What onebitd's cost model believed at the end of a run: its rates and the slowdown on shared cores.
+COSTS = r"^onebitd's costs at the end: decoder \d+\.\d\d ms a token, providers .*; slowdown on shared cores \d+\.\d\d"
+
+
 @pytest.mark.real
 async def test_the_routes_benchmark_in_quick_mode_exits_0_with_every_side_and_the_routes_taken(tmp_path: Path) -> None:
     real_llama_server()
@@ -366,6 +370,7 @@ async def test_the_routes_benchmark_in_quick_mode_exits_0_with_every_side_and_th
     row = r"^ *(\d+) +\d+ +\d+ +\d+ +\d+\.\d\d +\d+\.\d\d +\d+\.\d\d +((?:plain|file|share) \d+(?:, )?)+$"
     assert [size for size, _ in re.findall(row, out, re.MULTILINE)] == ["256", "1024"], out
     assert re.search(r"^default side's estimates within 1\.5x of the actual prefill: (\d+% of \d+|-)$", out, re.M), out
+    assert re.search(COSTS, out, re.M), out
     assert "machine noise: " in out, out
 
 
@@ -384,4 +389,16 @@ async def test_the_fleet_benchmark_in_quick_mode_exits_0_with_both_sides_and_one
     found = re.search(r"^onebitd's (\d+) requests: (\d+) handed over, (\d+) restored from the prefix store", out, re.M)
     assert found is not None, out
     assert int(found.group(1)) == 24, out
+    assert re.search(COSTS, out, re.M), out
     assert "machine noise: " in out, out
+
+
+@pytest.mark.real
+async def test_the_fleet_benchmarks_a_a_runs_a_second_direct_side_in_onebitds_place(tmp_path: Path) -> None:
+    real_llama_server()
+    out = await quick_run("fleet", "--quick", "--aa", timeout_s=1800)
+    assert "A/A: the onebitd side is a second llama-server direct" in out, out
+    assert re.search(rf"^onebitd / direct: median {NUMBER}x, p90 {NUMBER}x, throughput {NUMBER}x$", out, re.M), out
+    # No request went through an onebitd front: no route line, no cost model.
+    assert re.search(r"^onebitd's 0 requests: 0 handed over", out, re.M), out
+    assert not re.search(COSTS, out, re.M), out
