@@ -9,12 +9,9 @@ import logging
 from collections.abc import Callable
 
 from ..llama.slots import SlotPool
-from ..routes.stored import StoredPrefixes
+from ..routes.stored import GENERATION_PROMPT_MAX, StoredPrefixes
 
 log = logging.getLogger("onebit.model")
-# The most tokens an entry kept after a reply leaves out of its prompt: a chat's generation prompt
-# ("<|im_start|>assistant\n" and its like), a raw prompt's last token (routes/boundary.py's entry_end).
-GENERATION_PROMPT_MAX = 8
 
 
 async def keep_slots(

@@ -82,7 +82,10 @@ async def entry_end(client: JsonClient, plan: Plan, stored: StoredPrefixes) -> i
     except DecoderError as exc:
         log.info("prefix store: the boundary of a chat could not be found (%s); its entry holds it whole", exc.message)
         return None
-    stored.learn_slack(len(plan.tokens), found)
+    if found is not None and found < len(plan.tokens) - 1:
+        # Its messages part from the prompt before the generation prompt's end: a measure of it.  (A
+        # chat rendered alike with and without one, a continued assistant message, measures nothing.)
+        stored.learn_slack(len(plan.tokens), found)
     return found
 
 

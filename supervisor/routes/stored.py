@@ -65,9 +65,13 @@ SAVE_TIMEOUT_S = 30.0
 # after a reply were one of 6 system prompts and 1 to 7 tokens more), each a save that holds up the
 # decoder's loop.  Rounded down, every question on one system prompt meets the same entry.
 BRANCH_TOKENS = 64
-# A chat's generation prompt is the same tokens at every turn of one template, but the text before it
-# may end in a token merged with its first (routes/boundary.py's ``find``): how far past the most
-# tokens a chat's entry has ended short of its prompt another chat's entry may still end.
+# The most tokens an entry kept after a reply leaves out of its prompt, as far as templates go: a
+# chat's generation prompt ("<|im_start|>assistant\n", Qwen3's with its empty think block when
+# thinking is off, and their like), a raw prompt's last token (routes/boundary.py's entry_end).
+GENERATION_PROMPT_MAX = 8
+# A chat's generation prompt is the same tokens at every turn of one template and its settings, but
+# the text before it may end in a token merged with its first (routes/boundary.py's ``find``): how
+# far past the longest generation prompt measured another chat's entry may still end.
 SLACK_MARGIN = 2
 
 
@@ -236,23 +240,25 @@ class StoredPrefixes:
         cancelled and leave the file behind)."""
         marked.path.unlink(missing_ok=True)
 
-    def learn_slack(self, n_tokens: int, ends: int | None) -> None:
-        """A chat of ``n_tokens`` whose entry would end at ``ends`` (its boundary, found by the decoder)."""
-        if ends is not None:
-            self.chat_slack = max(self.chat_slack or 0, n_tokens - ends)
+    def learn_slack(self, n_tokens: int, ends: int) -> None:
+        """A chat of ``n_tokens`` whose messages, rendered without the generation prompt, part from
+        it at ``ends`` (its boundary, found by the decoder)."""
+        self.chat_slack = max(self.chat_slack or 0, n_tokens - ends)
 
     def may_keep(self, key: PromptKey, slots: SlotPool, *, restored: Entry | None) -> bool:
         """Whether :meth:`after` may keep anything of a chat's prompt, wherever its entry ends (at the
         boundary the decoder is asked for: two calls to it): False only where it would keep nothing
-        at any end within the learnt slack.  An agent fleet's question on a system prompt already
-        stored is such a chat: what would be kept is that prompt, rounded (:meth:`candidate`), and
-        the store holds it; the question itself is no conversation's turn (no recent prompt is all
-        of it but its last tokens).  Pure."""
+        at any end within the slack (the longest generation prompt measured on this load, at least
+        :data:`GENERATION_PROMPT_MAX`, and :data:`SLACK_MARGIN`).  An agent fleet's question on a
+        system prompt already stored is such a chat: what would be kept is that prompt, rounded
+        (:meth:`candidate`), and the store holds it; the question itself is no conversation's turn
+        (no recent prompt is all of it but its last tokens).  Until one chat's boundary has been
+        measured the end is always asked.  Pure."""
         if self._writes is None or key.tokens is None or not self.enabled or self.at_boundary:
             return False
         if restored is not None or self.chat_slack is None:
-            return True  # kept whole up to its end, or the slack not yet measured: where it ends matters
-        slack = self.chat_slack + SLACK_MARGIN
+            return True  # kept whole up to its end, or no generation prompt measured: where it ends matters
+        slack = max(self.chat_slack, GENERATION_PROMPT_MAX) + SLACK_MARGIN
         # Whether the prompt extends a recent one grows with the slack: at the most slack it does not.
         shared, extends = slots.shared(key, slack=slack)
         if extends or shared < self.store.min_tokens or shared > len(key.tokens) - slack:

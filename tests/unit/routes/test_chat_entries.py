@@ -213,14 +213,14 @@ async def test_a_question_on_a_stored_system_prompt_asks_the_decoder_nothing_aft
         client = Refusing()
         stored = StoredPrefixes(client=client, state_dir=tmp_path, store=store, capability=None)
         slots = SlotPool(2, queue_limit=8)
-        slots.remember(0, PromptKey(tokens=(*system, *range(9000, 9010))))  # another question on it
-        question = Plan(PromptKey("q", (*system, *range(2000, 2006))), None, prompt=chat_prompt)
-        turn = Plan(PromptKey("t", (*system, *range(9000, 9010), *range(3000, 3020))), None, prompt=chat_prompt)
+        slots.remember(0, PromptKey(tokens=(*system, *range(9000, 9030))))  # another question on it
+        question = Plan(PromptKey("q", (*system, *range(2000, 2020))), None, prompt=chat_prompt)
+        turn = Plan(PromptKey("t", (*system, *range(9000, 9030), *range(3000, 3020))), None, prompt=chat_prompt)
         with trio.fail_after(TIMEOUT):
             async with trio.open_nursery() as nursery:
                 await nursery.start(stored.run)
                 unmeasured = stored.may_keep(question.key, slots, restored=None)
-                stored.learn_slack(n_tokens=706, ends=703)  # a chat's generation prompt: 3 tokens
+                stored.learn_slack(n_tokens=720, ends=717)  # a chat's generation prompt: 3 tokens
                 await boundary.keep_after(client, question, stored, 1, slots, req="r", restored=None)
                 asked_after_question = list(client.asked)
                 next_turn = stored.may_keep(turn.key, slots, restored=None)
@@ -230,3 +230,38 @@ async def test_a_question_on_a_stored_system_prompt_asks_the_decoder_nothing_aft
     assert unmeasured  # the slack not yet measured: the end is asked for
     assert asked_after_question == []
     assert next_turn  # a conversation's next turn is kept whole up to its end: asked for
+
+
+class Rendering:
+    """A decoder client whose template renders a chat alike with and without the generation prompt
+    (a continued assistant message): its tokens are ``tokens`` either way."""
+
+    def __init__(self, tokens: tuple[int, ...]) -> None:
+        self.tokens = tokens
+
+    async def post_json(self, path: str, body: Any) -> tuple[int, Any]:
+        if path == "/apply-template":
+            return 200, {"prompt": "the same"}
+        return 200, {"tokens": list(self.tokens)}
+
+
+@pytest.mark.parametrize(
+    ("rendered", "learnt"), [((1, 2, 3), 97), (tuple(range(1, 101)), None)], ids=["parts", "alike"]
+)
+async def test_only_a_chat_whose_messages_part_before_its_end_measures_the_generation_prompt(
+    tmp_path: Path, rendered: tuple[int, ...], learnt: int | None
+) -> None:
+    """A chat rendered alike with and without a generation prompt (its last message the assistant's,
+    continued) ends a token short by rule, which says nothing of the template's generation prompt: a
+    slack learnt from it (1) let a conversation's next turn under a longer one go unkept."""
+    store = await private_store(tmp_path / "store", fingerprint=FINGERPRINT, max_bytes=1 << 20, min_tokens=4)
+    tokens = tuple(range(1, 101))
+    try:
+        stored = StoredPrefixes(client=Rendering(rendered), state_dir=tmp_path, store=store, capability=None)
+        chat_prompt = Chat(body={"messages": [{"role": "user", "content": "hi"}]}, text="hi")
+        planned = Plan(PromptKey("hi", tokens), None, prompt=chat_prompt)
+        with trio.fail_after(TIMEOUT):
+            await boundary.entry_end(Rendering(rendered), planned, stored)
+    finally:
+        store.close()
+    assert stored.chat_slack == learnt
