@@ -1,7 +1,7 @@
 """The route line: exactly one structured line per request, the same fields on every route.
 
     route=plain req=7f3a status=200 outcome=ok fallback=- memory=- prompt_tokens=47 prefill_ms=0 restore_ms=0
-    share_ms=0.000 first_byte_ms=12.4 total_ms=388.0 decoder_prompt_n=47 decoder_prompt_ms=31.2
+    share_ms=0.000 wait_ms=0 first_byte_ms=12.4 total_ms=388.0 decoder_prompt_n=47 decoder_prompt_ms=31.2
     cached_tokens=0 decoded_n=16 decode_ms=340.2 est_plain_ms=235.0 est_hybrid_ms=290.1 slot=0 provider=-
     engine=- device=-
 
@@ -50,6 +50,7 @@ class RouteLine:
     prefill_ms: float = 0.0
     restore_ms: float = 0.0
     share_ms: float = 0.0
+    wait_ms: float = 0.0  # on shared cores: the handoff's wait for the decoder's prefills in flight
     first_byte_ms: float | None = None
     total_ms: float | None = None
     decoder_prompt_n: int | None = None

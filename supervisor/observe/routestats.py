@@ -65,7 +65,7 @@ def accuracy_of(line: RouteLine) -> tuple[str, str, float] | None:
         estimate, actual, engine = line.est_plain_ms, line.decoder_prompt_ms, "decoder"
     else:
         estimate, engine = line.est_hybrid_ms, line.engine or line.provider or "?"
-        actual = line.prefill_ms + line.restore_ms + line.share_ms + (line.decoder_prompt_ms or 0.0)
+        actual = line.wait_ms + line.prefill_ms + line.restore_ms + line.share_ms + (line.decoder_prompt_ms or 0.0)
     if estimate is None or actual is None or estimate <= 0 or actual <= 0:
         return None
     return line.route, engine, actual / estimate

@@ -185,8 +185,7 @@ class Completions:
         hybrid, provider, tokens = self.hybrid, plan.provider, plan.tokens
         generation = self.decoder.generation
         costs, share_refused = None, None
-        # Only a prompt a provider could take is priced, and only for it is the share refusal asked
-        # after (the first answer logs it).
+        # Only a prompt a provider could take is priced and has the share refusal asked (logged once).
         if hybrid is not None and provider is not None and tokens is not None:
             share_refused = None if hybrid.share is None else hybrid.share.refused_by(generation)
             if settings.route_by == "cost":
@@ -243,9 +242,12 @@ class Completions:
             route, prefilled = Route.PLAIN, None
             if choice.route is not Route.PLAIN and plan.provider is not None:
                 # The walk says the route attempted until it is over: a request cancelled
-                # mid-handoff is logged on the route it was taking.
+                # mid-handoff is logged on the route it was taking.  On shared cores the decoder's
+                # prefills in flight go first (routes/contention.py).
                 walk = Walk(plan.provider, choice.route)
                 story.walks(walk)
+                if choice.estimate is not None and choice.estimate.wait_ms:
+                    await self.contention.settle(DECODER, choice.estimate.wait_ms, told=story.waited)
                 with self.contention.running(plan.provider.name, *story.job(provider=True)):
                     route = await hand_over(
                         self.hybrid,
@@ -298,8 +300,7 @@ class Completions:
     ) -> Relayed:
         """The decoder's reply relayed, the story told what it did, even when the client hung up;
         ``prefilled``: what this request prefilled before it (the reply's usage told with it)."""
-        timings = Timings()
-        relayed: Relayed | None = None
+        timings, relayed = Timings(on_began=self.contention.poke), None
         self.decoding += 1
         try:
             with self.contention.running(DECODER, *story.job(), over=lambda: timings.began):

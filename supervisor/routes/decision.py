@@ -137,12 +137,15 @@ class Estimate:
     plain_overlap: float = attrs.field(default=0.0, eq=False)
     provider_alone: float = attrs.field(default=0.0, eq=False)
     provider_overlap: float = attrs.field(default=0.0, eq=False)
+    # On shared cores: how long the handoff waits for the decoder's prefills in flight before its
+    # provider is asked (routes/contention.py's ``settle``), part of ``hybrid_ms``.
+    wait_ms: float = attrs.field(default=0.0, eq=False)
 
     def decoder_job(self, route: Route) -> tuple[int, float]:
         """What ``route`` has the decoder evaluate when it is sent there: tokens, estimated ms."""
         if route is Route.PLAIN:
             return self.plain_n, self.plain_ms
-        return 1, self.hybrid_ms - self.provider_ms
+        return 1, self.hybrid_ms - self.wait_ms - self.provider_ms
 
 
 def estimate(prompt_tokens: int, costs: Costs) -> Estimate:
@@ -153,19 +156,37 @@ def estimate(prompt_tokens: int, costs: Costs) -> Estimate:
     runs on its child (``costs.busy``: batched or queued with it), and on shared cores is slowed by
     its share (``costs.shared``) of what runs on the other child while
     both run; the restore waits for what is left of the decoder's.  With nothing in flight these
-    terms are 0."""
+    terms are 0.
+
+    On shared cores a handoff may first wait for the decoder's prefills in flight (``wait_ms``,
+    routes/contention.py's ``settle``), its provider then running beside none of them: it waits where
+    that costs its own first token less than the slowdown it spares the decoder's requests (the
+    overlap times ``shared``), so that the first tokens sum no more (a tie waits: the decoder's
+    requests then run as they were estimated).  With the provider's prefill P outlasting the
+    decoder's rest d, from a share of 0.5 on; with d longer, the restore waits for d anyway, and
+    waiting would add P."""
     plain_n = max(1, prompt_tokens - costs.decoder_cached)
     provider_n = max(1, prompt_tokens - costs.provider_cached)
-    busy, apart = costs.busy, costs.apart
+    busy, apart, shared = costs.busy, costs.apart, costs.shared
     own_plain = costs.decoder.ms(plain_n, prompt_tokens - plain_n)
     plain_overlap = 0.0 if apart else min(own_plain, busy.provider_ms)
     plain_alone = own_plain + busy.decoder_ms
-    plain = plain_alone + costs.shared * plain_overlap
+    plain = plain_alone + shared * plain_overlap
     own_prefill = costs.provider.ms(provider_n, prompt_tokens - provider_n)
+    last = costs.handoff_ms + costs.decoder.ms(1, prompt_tokens - 1)
+    # Beside the decoder's prefills in flight: slowed by them, and the restore waits for their rest.
     provider_overlap = 0.0 if apart else min(own_prefill, busy.decoder_ms)
     provider_alone = own_prefill + busy.provider_ms
-    prefill = provider_alone + costs.shared * provider_overlap
-    hybrid = prefill + costs.handoff_ms + max(0.0, busy.decoder_ms - prefill) + costs.decoder.ms(1, prompt_tokens - 1)
+    prefill = provider_alone + shared * provider_overlap
+    hybrid = prefill + max(0.0, busy.decoder_ms - prefill) + last
+    wait = 0.0
+    if provider_overlap:
+        # After them: the provider asked once they are over, its own queue run meanwhile.
+        waited_alone = own_prefill + max(0.0, busy.provider_ms - busy.decoder_ms)
+        if busy.decoder_ms + waited_alone + last <= hybrid + shared * provider_overlap:
+            wait, provider_alone, provider_overlap = busy.decoder_ms, waited_alone, 0.0
+            prefill = waited_alone
+            hybrid = wait + prefill + last
     sure = costs.decoder.sure(plain_n) and costs.provider.sure(provider_n)
     return Estimate(
         plain,
@@ -178,6 +199,7 @@ def estimate(prompt_tokens: int, costs: Costs) -> Estimate:
         plain_overlap=plain_overlap,
         provider_alone=provider_alone,
         provider_overlap=provider_overlap,
+        wait_ms=wait,
     )
 
 

@@ -49,10 +49,12 @@ SURE_SAMPLES = 2
 OUTLIER = 3.0
 MIB = 1 << 20
 # On shared cores, the share of the other child's prefill that slows one child's while both run, before
-# any is measured (then Slowdown's): on the fleet workload on one 2-core VM (AVX2), two decoder
-# continuations run beside a provider's prefill took 16% and 24% longer than alone; on a 2-core Zen 4
-# VM 30 to 60 token continuations beside an OpenVINO prefill took 2.2x to 2.7x the estimate alone.
-SHARED = 0.2
+# any is measured (then Slowdown's): two prefills that each take every core they share run at half
+# speed at best, which is 0.5 of the overlap where this one outlasts the other's (1 where the other
+# outlasts it).  Measured on the fleet workload: on one 2-core VM (AVX2) two decoder continuations
+# beside a provider's prefill took 16% and 24% longer than alone; on a 2-core Zen 4 VM 30 to 60
+# token continuations beside an OpenVINO prefill took 2.2x to 2.7x the estimate alone.
+SHARED = 0.5
 # A prefill whose estimate overlapped the other child's work by less than this says little of the slowdown.
 OVERLAP_MS = 50.0
 # Slowdowns measured before the measured one replaces the prior, and the most one may say.

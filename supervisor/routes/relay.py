@@ -14,7 +14,7 @@ import contextlib
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import attrs
@@ -58,6 +58,15 @@ class Timings:
     # evaluated, so the slot holds all of it from here on, whatever becomes of the reply.
     began: bool = False
     _timed: bool = False  # prompt_n and cache_n came from ``timings``
+    # Told once, when the stream's first bytes come (routes/contention.py's ``poke``).
+    on_began: Callable[[], None] | None = attrs.field(default=None, eq=False, repr=False)
+
+    def begin(self) -> None:
+        """The decoder sent the stream's first bytes."""
+        if not self.began:
+            self.began = True
+            if self.on_began is not None:
+                self.on_began()
 
     def read(self, data: Any) -> None:
         if not isinstance(data, dict):
@@ -254,7 +263,7 @@ async def _relay_chunks(
     error = None
     try:
         async for chunk in chunks:
-            timings.began = True
+            timings.begin()
             scanner.feed(chunk)
             if usage is not None:
                 chunk = usage.feed(chunk)

@@ -51,6 +51,7 @@ class Story:
         "_relayed",
         "_restored",
         "_slot",
+        "_waited",
         "_walk",
         "endpoint",
         "req",
@@ -65,6 +66,7 @@ class Story:
         self._restored: Restored | None = None
         self._choice: Choice | None = None
         self._walk: Walk | None = None
+        self._waited = 0.0
         self._reached: Route | None = None
         self._relayed: Relayed | None = None
         self._later: list[Reason] = []  # reasons found after the route was chosen and walked
@@ -96,6 +98,10 @@ class Story:
     def walks(self, walk: Walk) -> None:
         """The walk down the hybrid routes, as it goes (routes/handover.py is its one writer)."""
         self._walk = walk
+
+    def waited(self, ms: float) -> None:
+        """How long the handoff waited for the decoder's prefills in flight (shared cores)."""
+        self._waited = ms
 
     def reached(self, route: Route) -> None:
         """The route the reply is relayed on."""
@@ -225,6 +231,7 @@ class Story:
             prefill_ms=prefill_ms,
             restore_ms=restore_ms,
             share_ms=share_ms,
+            wait_ms=self._waited,
             first_byte_ms=first_byte_ms,
             total_ms=total_ms,
             decoder_prompt_n=_plus(None if timings is None else timings.prompt_n, marked_n),

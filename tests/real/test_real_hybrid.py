@@ -19,9 +19,12 @@ import trio
 from supervisor.config import Config, locate
 from supervisor.llama.llama_server import model_args
 from supervisor.routes import fidelity
+from supervisor.routes.contention import DECODER
+from supervisor.routes.rates import Rates, Slowdown
 from supervisor.supervise.child import ChildState
 from supervisor.testing import unix_transport
 from tests.rigs import reference
+from tests.rigs.helpers import wait_until
 from tests.rigs.rig import HANDOFF_ALWAYS, TESTS, RouteLines, child_of, make_config, real_llama_server, run_daemon
 
 pytestmark = pytest.mark.real
@@ -290,3 +293,55 @@ async def test_with_kv_share_on_a_stock_llama_server_refuses_and_every_request_t
     assert "Invalid action" in refusals[0]
     assert list((short_dir / "state").iterdir()) == []
     assert [n for n in os.listdir(short_dir) if n.startswith("share-")] == []
+
+
+async def test_on_shared_cores_a_handoff_waits_for_the_decoders_prefill_in_flight(
+    short_dir: Path, route_lines: RouteLines
+) -> None:
+    """Decoder and provider unpinned on one machine share its cores: a handoff priced while the
+    decoder evaluates another request's prompt, whose own prefill is the longer, waits for that
+    prompt's first bytes before its provider begins, and its route line says how long."""
+    config = make_config(
+        short_dir,
+        model={"parallel": 2, "ctx_size": 8192},
+        decoder={"threads": 1},
+        hybrid={"enabled": True, "min_prompt_tokens": 8},
+        provider=[{"kind": "llama-server", "name": "p0", "threads": 1}],
+    )
+
+    def lines(n: int) -> str:
+        return " ".join(f"Line {i}: the river carries stone number {i} down to the sea." for i in range(n))
+
+    with trio.fail_after(300):
+        async with run_daemon(config, providers_ready=True) as running:
+            completions = running.daemon.models.default.completions
+
+            def believe(decoder_ms: float, provider_ms: float) -> None:
+                completions.rates = Rates(
+                    decoder_ms_per_token=decoder_ms,
+                    provider_ms_per_token=provider_ms,
+                    handoff_ms_per_mib=1.0,
+                    state_bytes_per_token=1,
+                )
+                # Beside the decoder's prefill a provider's would take twice as long.
+                completions.rates.slowdown = Slowdown(1.0)
+
+            believe(20.0, 500.0)  # about 300 tokens, kept plain: 6 s believed, a second or two taken
+            async with httpx.AsyncClient(base_url=running.url, timeout=240) as client:
+
+                async def first() -> None:
+                    body = {"prompt": lines(20), "n_predict": 4, "stream": True}
+                    async with client.stream("POST", "/completion", json=body) as reply:
+                        async for _ in reply.aiter_bytes():
+                            pass
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(first)
+                    await wait_until(lambda: completions.contention.tokens(DECODER) > 0)  # its prefill runs
+                    believe(50.0, 5.0)  # about 1,500 tokens, handed over: 7.5 s believed
+                    second = await client.post("/completion", json={"prompt": lines(100), "n_predict": 4})
+    assert second.status_code == 200
+    plain, handed = sorted(route_lines.lines, key=lambda line: line["route"] != "plain")
+    assert (plain["route"], handed["route"], handed["fallback"]) == ("plain", "file", None), route_lines.lines
+    # Woken when the first prompt's reply began, long before its believed 6 s were up.
+    assert 0 < handed["wait_ms"] < 6000, handed

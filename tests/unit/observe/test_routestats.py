@@ -67,7 +67,7 @@ async def test_onebitctl_status_shows_what_the_cost_decision_believes(short_dir:
     prior = attrs.evolve(busy_statistics(short_dir), costs=rates.statistics(0))
     assert (
         "costs: prefill ms a token: decoder 4.00; handoff 6.0 ms a MiB; beside the other child's prefill on shared"
-        " cores a prefill takes 0.20 of the overlap more (the prior, none measured yet)"
+        " cores a prefill takes 0.50 of the overlap more (the prior, none measured yet)"
     ) in render.render_status(prior).splitlines()
     rates.observe_provider("prefill0", 1000, 2500.0)
     for actual in (600.0, 500.0, 550.0):
