@@ -130,7 +130,8 @@ def test_a_handoff_does_not_wait_for_a_decoders_prefill_that_outlasts_its_own() 
 async def test_a_wait_for_prefills_in_flight_ends_when_they_are_answered_or_at_its_bound(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    contention, answered, told = Contention(), [False], []
+    contention, answered = Contention(), [False]
+    told: list[float] = []
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
 
