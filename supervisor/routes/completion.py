@@ -241,9 +241,8 @@ class Completions:
             forwarded = {**body, "id_slot": slot}
             route, prefilled = Route.PLAIN, None
             if choice.route is not Route.PLAIN and plan.provider is not None:
-                # The walk says the route attempted until it is over: a request cancelled
-                # mid-handoff is logged on the route it was taking.  On shared cores the decoder's
-                # prefills in flight go first (routes/contention.py).
+                # The walk says the route attempted until it is over (a request cancelled mid-handoff
+                # is logged on it).  On shared cores the decoder's prefills may go first (contention.py).
                 walk = Walk(plan.provider, choice.route)
                 story.walks(walk)
                 if choice.estimate is not None and choice.estimate.wait_ms:
