@@ -50,6 +50,7 @@ import trio
 from bench import plot
 from bench.rig import Noise, machine, open_lines
 from supervisor import config as configuration
+from supervisor.admin.render import costs_line
 from supervisor.config import Config
 from supervisor.observe.routestats import accuracy_of
 from supervisor.routeline import RouteLine
@@ -213,14 +214,7 @@ def decided(line: dict[str, Any]) -> str:
 def costs_of(running: Running) -> str:
     """What onebitd's cost model believes at the end of the run (``onebitctl status``'s costs line)."""
     completions = running.daemon.models.default.completions
-    costs = completions.rates.statistics(completions.decoder.generation)
-    providers = ", ".join(f"{name} {ms:.2f}" for name, ms in sorted(costs.providers_ms_per_token.items()))
-    measured = f"from {costs.shared_samples} prefills" if costs.shared_samples else "the prior"
-    return (
-        f"onebitd's costs at the end: decoder {costs.decoder_ms_per_token:.2f} ms a token,"
-        f" providers {providers or '-'};"
-        f" slowdown on shared cores {costs.shared:.2f} of the overlap ({measured})"
-    )
+    return f"onebitd's costs at the end: {costs_line(completions.rates.statistics(completions.decoder.generation))}"
 
 
 def p90(values: Sequence[float]) -> float:

@@ -66,17 +66,22 @@ def _estimates(estimates: Sequence[EstimateAccuracy]) -> str:
     )
 
 
-def _costs(costs: RateStatistics | None) -> str:
-    """What the cost decision believes now: the prefill rates, the handoff's, the shared-cores slowdown."""
+def costs_line(costs: RateStatistics | None) -> str:
+    """What the cost decision believes now: the prefill rates, the handoff's, the shared-cores slowdowns
+    (the status page's costs line, and what ``scripts/bench`` prints at the end of a run)."""
     if costs is None:
         return "not reported (an older onebitd)"
     providers = "".join(f", {name} {rate:.2f}" for name, rate in sorted(costs.providers_ms_per_token.items()))
-    measured = f"measured over {costs.shared_samples}" if costs.shared_samples else "the prior, none measured yet"
     return (
         f"prefill ms a token: decoder {costs.decoder_ms_per_token:.2f}{providers}; handoff"
-        f" {costs.handoff_ms_per_mib:.1f} ms a MiB; beside the other child's prefill on shared cores a"
-        f" prefill takes {costs.shared:.2f} of the overlap more ({measured})"
+        f" {costs.handoff_ms_per_mib:.1f} ms a MiB; on shared cores a prefill takes {costs.shared:.2f} of"
+        f" its overlap with the other child's prefill more ({_measured(costs.shared_samples)}), a provider's"
+        f" {costs.decode:.2f} of its overlap with the decoder's replies ({_measured(costs.decode_samples)})"
     )
+
+
+def _measured(samples: int) -> str:
+    return f"measured over {samples}" if samples else "the prior, none measured yet"
 
 
 def _counts(counts: Mapping[str, int]) -> str:
@@ -142,7 +147,7 @@ def render_status(stats: DaemonStatistics) -> str:
         f"fallbacks: {_counts(stats.fallbacks) or 'none'}",
         f"first byte: {first_byte}",
         f"estimates: {_estimates(stats.estimates)}",
-        f"costs: {_costs(stats.costs)}",
+        f"costs: {costs_line(stats.costs)}",
     ]
     if stats.models is not None:
         lines += [_restores(m) for m in stats.models.models if m.state == "loaded"]

@@ -21,7 +21,8 @@ import attrs
 
 from ..reasons import Reason
 from .contention import Busy
-from .rates import SHARED, PrefillCost
+from .rates import PrefillCost
+from .slowdown import Shared
 
 
 class Route(enum.Enum):
@@ -94,15 +95,15 @@ class Costs:
     decoder: PrefillCost
     provider: PrefillCost
     handoff_ms: float  # saving and restoring (or sharing) the whole prompt's state
-    streams_decoding: int  # other requests the decoder is generating for right now
+    streams_decoding: int  # other requests the decoder is prefilling or generating for right now
     # The provider computes apart from the decoder (supervisor/routes/compute.py): only then does
     # moving a prefill off the decoder spare the streams it decodes.
     apart: bool = False
     # The prefills running on the decoder and the provider now (routes/contention.py): a new one shares them.
     busy: Busy = attrs.field(factory=Busy)
-    # On shared cores, the share of the other child's prefill that slows a child's while both run
-    # (routes/rates.py's ``Slowdown``: measured, else the prior).
-    shared: float = SHARED
+    # On shared cores, the share of the other child's prefill that slows a child's while both run, and
+    # of the decoder's replies that slows a provider's prefill (routes/slowdown.py's ``Shared``).
+    shared: Shared = attrs.field(factory=Shared)
 
 
 @attrs.frozen
@@ -132,11 +133,13 @@ class Estimate:
     provider_n: int = attrs.field(default=0, eq=False)
     provider_ms: float = attrs.field(default=0.0, eq=False)
     # Each side's prefill estimated as if the other child were idle, and how long the other child's
-    # work overlaps it (0 on compute apart): what Rates.observe_shared learns the slowdown from.
+    # prefills overlap it, and the decoder's replies the provider's (0 on compute apart): what
+    # Rates.observe_shared learns the slowdowns from.
     plain_alone: float = attrs.field(default=0.0, eq=False)
     plain_overlap: float = attrs.field(default=0.0, eq=False)
     provider_alone: float = attrs.field(default=0.0, eq=False)
     provider_overlap: float = attrs.field(default=0.0, eq=False)
+    provider_decoding: float = attrs.field(default=0.0, eq=False)
     # On shared cores: how long the handoff waits for the decoder's prefills in flight before its
     # provider is asked (routes/contention.py's ``settle``), part of ``hybrid_ms``.
     wait_ms: float = attrs.field(default=0.0, eq=False)
@@ -154,38 +157,45 @@ def estimate(prompt_tokens: int, costs: Costs) -> Estimate:
     Plain: the decoder evaluates what it would not reuse.  Hybrid: the provider prefills what its
     cache lacks, the state moves, the decoder evaluates the last token.  Each waits for what already
     runs on its child (``costs.busy``: batched or queued with it), and on shared cores is slowed by
-    its share (``costs.shared``) of what runs on the other child while
-    both run; the restore waits for what is left of the decoder's.  With nothing in flight these
-    terms are 0.
+    its share (``costs.shared.prefill``) of what runs on the other child while both run; the restore
+    waits for what is left of the decoder's.  On shared cores a provider's prefill is slowed too by
+    the decoder's replies in flight (``costs.shared.decode``): they decode beside the rest of it, and
+    an agent's next request follows its reply.  A plain prefill is batched with them in the
+    decoder's own steps.  With nothing in flight these terms are 0.
 
     On shared cores a handoff may first wait for the decoder's prefills in flight (``wait_ms``,
     routes/contention.py's ``settle``), its provider then running beside none of them: it waits where
     that costs its own first token less than the slowdown it spares the decoder's requests (the
-    overlap times ``shared``), so that the first tokens sum no more (a tie waits: the decoder's
-    requests then run as they were estimated).  With the provider's prefill P outlasting the
-    decoder's rest d, from a share of 0.5 on; with d longer, the restore waits for d anyway, and
-    waiting would add P."""
+    overlap times ``shared.prefill``), so that the first tokens sum no more (a tie waits: the
+    decoder's requests then run as they were estimated).  Their replies still decode beside it.
+    With the provider's prefill P outlasting the decoder's rest d and nothing decoding, from a share
+    of 0.5 on; with d longer, the restore waits for d anyway, and waiting would add P."""
     plain_n = max(1, prompt_tokens - costs.decoder_cached)
     provider_n = max(1, prompt_tokens - costs.provider_cached)
     busy, apart, shared = costs.busy, costs.apart, costs.shared
     own_plain = costs.decoder.ms(plain_n, prompt_tokens - plain_n)
     plain_overlap = 0.0 if apart else min(own_plain, busy.provider_ms)
     plain_alone = own_plain + busy.decoder_ms
-    plain = plain_alone + shared * plain_overlap
+    plain = plain_alone + shared.prefill * plain_overlap
     own_prefill = costs.provider.ms(provider_n, prompt_tokens - provider_n)
     last = costs.handoff_ms + costs.decoder.ms(1, prompt_tokens - 1)
-    # Beside the decoder's prefills in flight: slowed by them, and the restore waits for their rest.
+    # Beside the decoder's prefills in flight: slowed by them, and the restore waits for their rest;
+    # beside its replies for the rest of the prefill.
+    decodes = not apart and costs.streams_decoding > 0
     provider_overlap = 0.0 if apart else min(own_prefill, busy.decoder_ms)
+    decoding = own_prefill - provider_overlap if decodes else 0.0
     provider_alone = own_prefill + busy.provider_ms
-    prefill = provider_alone + shared * provider_overlap
+    prefill = provider_alone + shared.prefill * provider_overlap + shared.decode * decoding
     hybrid = prefill + max(0.0, busy.decoder_ms - prefill) + last
     wait = 0.0
     if provider_overlap:
         # After them: the provider asked once they are over, its own queue run meanwhile.
         waited_alone = own_prefill + max(0.0, busy.provider_ms - busy.decoder_ms)
-        if busy.decoder_ms + waited_alone + last <= hybrid + shared * provider_overlap:
-            wait, provider_alone, provider_overlap = busy.decoder_ms, waited_alone, 0.0
-            prefill = waited_alone
+        waited_decoding = own_prefill if decodes else 0.0
+        waited = waited_alone + shared.decode * waited_decoding
+        if busy.decoder_ms + waited + last <= hybrid + shared.prefill * provider_overlap:
+            wait, provider_alone, provider_overlap, decoding = busy.decoder_ms, waited_alone, 0.0, waited_decoding
+            prefill = waited
             hybrid = wait + prefill + last
     sure = costs.decoder.sure(plain_n) and costs.provider.sure(provider_n)
     return Estimate(
@@ -199,6 +209,7 @@ def estimate(prompt_tokens: int, costs: Costs) -> Estimate:
         plain_overlap=plain_overlap,
         provider_alone=provider_alone,
         provider_overlap=provider_overlap,
+        provider_decoding=decoding,
         wait_ms=wait,
     )
 

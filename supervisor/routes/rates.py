@@ -34,6 +34,8 @@ from collections.abc import Sequence
 
 import attrs
 
+from .slowdown import DECODING, OVERLAP_MS, SHARED, Shared, Slowdown
+
 # Prefills kept per child for the fit: enough to span several sizes, few enough to follow the load.
 WINDOW = 48
 # Short prefills kept for the fixed cost (every request behind a handoff adds a 1-token one).
@@ -48,18 +50,6 @@ SURE_SAMPLES = 2
 # A sample whose relative error is beyond this many times the median's is dropped before the refit.
 OUTLIER = 3.0
 MIB = 1 << 20
-# On shared cores, the share of the other child's prefill that slows one child's while both run, before
-# any is measured (then Slowdown's): two prefills that each take every core they share run at half
-# speed at best, which is 0.5 of the overlap where this one outlasts the other's (1 where the other
-# outlasts it).  Measured on the fleet workload: on one 2-core VM (AVX2) two decoder continuations
-# beside a provider's prefill took 16% and 24% longer than alone; on a 2-core Zen 4 VM 30 to 60
-# token continuations beside an OpenVINO prefill took 2.2x to 2.7x the estimate alone.
-SHARED = 0.5
-# A prefill whose estimate overlapped the other child's work by less than this says little of the slowdown.
-OVERLAP_MS = 50.0
-# Slowdowns measured before the measured one replaces the prior, and the most one may say.
-SHARED_SAMPLES = 3
-SHARED_MAX = 3.0
 
 
 @attrs.frozen
@@ -252,34 +242,11 @@ class Handoffs:
         return fixed, per_mib
 
 
-@attrs.define
-class Slowdown:
-    """How much the other child's prefill slows a child's on shared cores: each sample is
-    ``(actual - alone) / overlap`` of one prefill (its estimate without the other child's work, and
-    how long that work overlapped it); the median of the last :data:`WINDOW`, else the prior.  One
-    figure for both sides: the two contend for the same cores with the same kind of work, and a
-    figure learnt for one side alone would make the other look the cheaper for as long as it was not
-    measured (every request sent there, which loads the cores more).  Two llama.cpp processes whose
-    threads outnumber the cores slow each other by far more than their share of the work: a thread
-    that waits at a barrier for one descheduled holds the whole step back."""
-
-    prior: float
-    window: deque[float] = attrs.Factory(lambda: deque(maxlen=WINDOW))
-
-    def observe(self, alone_ms: float, overlap_ms: float, actual_ms: float) -> None:
-        if overlap_ms >= OVERLAP_MS and actual_ms > 0:
-            self.window.append(min(SHARED_MAX, max(0.0, (actual_ms - alone_ms) / overlap_ms)))
-
-    @property
-    def factor(self) -> float:
-        return statistics.median(self.window) if len(self.window) >= SHARED_SAMPLES else self.prior
-
-
 @attrs.frozen
 class RateStatistics:
     """What the cost decision believes now (``onebitctl status``'s costs line): each child's
     per-token prefill rate where measured (its prior where not), a handoff's cost per MiB of state,
-    and the slowdown on shared cores with the prefills it was measured from (0: the prior)."""
+    and the slowdowns on shared cores with the prefills each was measured from (0: the prior)."""
 
     decoder_ms_per_token: float
     providers_ms_per_token: dict[str, float]
@@ -287,6 +254,8 @@ class RateStatistics:
     state_bytes_per_token: float
     shared: float = SHARED
     shared_samples: int = 0
+    decode: float = DECODING
+    decode_samples: int = 0
 
 
 class Rates:
@@ -303,8 +272,10 @@ class Rates:
         self.providers: dict[str, Prefills] = {}
         self.handoff = Handoffs(handoff_ms_per_mib)
         self.state_bytes_per_token = state_bytes_per_token
-        # How much the other child's prefill slows a child's on shared cores.
+        # How much the other child's prefill slows a child's on shared cores, and the decoder's
+        # replies decoding a provider's.
         self.slowdown = Slowdown(SHARED)
+        self.decode_slowdown = Slowdown(DECODING)
 
     def provider(self, name: str) -> Prefills:
         return self.providers.setdefault(name, Prefills(self._provider_prior))
@@ -347,15 +318,22 @@ class Rates:
         if evaluated is not None and prefill_ms is not None and evaluated > 0:
             self.provider(name).observe(PrefillTiming(evaluated, cached or 0, prefill_ms), 0)
 
-    def shared(self) -> float:
-        """The slowdown on shared cores now (routes/decision.py's ``Costs.shared``)."""
-        return self.slowdown.factor
+    def shared(self) -> Shared:
+        """The slowdowns on shared cores now (routes/decision.py's ``Costs.shared``)."""
+        return Shared(self.slowdown.factor, self.decode_slowdown.factor)
 
-    def observe_shared(self, sample: tuple[float, float, float] | None) -> None:
-        """A prefill that ran beside the other child's on shared cores: ``(its estimate alone, the
-        overlap, its actual ms)`` (routes/story.py's ``Story.shared_sample``)."""
-        if sample is not None:
-            self.slowdown.observe(*sample)
+    def observe_shared(self, sample: tuple[float, float, float, float] | None) -> None:
+        """A prefill that ran beside the other child's work on shared cores: ``(its estimate alone,
+        its overlap with the other child's prefills, with the decoder's replies decoding, its actual
+        ms)`` (routes/story.py's ``Story.shared_sample``).  A sample that overlapped only one kind
+        says what that kind costs; one that overlapped both cannot tell them apart and is left."""
+        if sample is None:
+            return
+        alone, prefills, decoding, actual = sample
+        if not decoding:
+            self.slowdown.observe(alone, prefills, actual)
+        elif prefills < OVERLAP_MS:
+            self.decode_slowdown.observe(alone, decoding, actual)
 
     def observe_handoff(self, n_tokens: int, state_bytes: int | None, handoff_ms: float | None) -> None:
         if state_bytes is None or handoff_ms is None or state_bytes <= 0 or n_tokens <= 0:
@@ -386,4 +364,6 @@ class Rates:
             state_bytes_per_token=self.state_bytes_per_token,
             shared=self.slowdown.factor,
             shared_samples=len(self.slowdown.window),
+            decode=self.decode_slowdown.factor,
+            decode_samples=len(self.decode_slowdown.window),
         )

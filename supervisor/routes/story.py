@@ -115,11 +115,11 @@ class Story:
             return 0, 0.0
         return (guess.provider_n, guess.provider_ms) if provider else guess.decoder_job(self._reached or Route.PLAIN)
 
-    def shared_sample(self, prompt_ms: float | None) -> tuple[float, float, float] | None:
-        """What this prefill says of the slowdown on shared cores (routes/rates.py's ``Slowdown``):
-        ``(its estimate alone, the overlap, its actual ms)`` on the route it was
-        estimated for, the decoder's ``prompt_ms`` or the provider's prefill; None where the
-        estimate counted no overlap or the route was not the one priced."""
+    def shared_sample(self, prompt_ms: float | None) -> tuple[float, float, float, float] | None:
+        """What this prefill says of the slowdowns on shared cores (routes/slowdown.py's ``Shared``):
+        ``(its estimate alone, its overlap with the other child's prefills, with the decoder's
+        replies, its actual ms)`` on the route it was estimated for, the decoder's ``prompt_ms`` or
+        the provider's prefill; None where the route was not the one priced."""
         choice = self._choice
         guess = None if choice is None else choice.estimate
         if choice is None or guess is None or self._reached is not choice.route:
@@ -127,10 +127,10 @@ class Story:
         if self._reached is Route.PLAIN:
             if prompt_ms is None or self._marked is not None:
                 return None
-            return guess.plain_alone, guess.plain_overlap, prompt_ms
+            return guess.plain_alone, guess.plain_overlap, 0.0, prompt_ms
         if self._walk is None:
             return None
-        return guess.provider_alone, guess.provider_overlap, self._walk.ms()[0]
+        return guess.provider_alone, guess.provider_overlap, guess.provider_decoding, self._walk.ms()[0]
 
     def marked(self, marked: Marked | None) -> None:
         """The state kept at the prompt's boundary (routes/boundary.py): what the decoder evaluated

@@ -20,7 +20,8 @@ from supervisor.config import Config, locate
 from supervisor.llama.llama_server import model_args
 from supervisor.routes import fidelity
 from supervisor.routes.contention import DECODER
-from supervisor.routes.rates import Rates, Slowdown
+from supervisor.routes.rates import Rates
+from supervisor.routes.slowdown import Slowdown
 from supervisor.supervise.child import ChildState
 from supervisor.testing import unix_transport
 from tests.rigs import reference
@@ -323,8 +324,10 @@ async def test_on_shared_cores_a_handoff_waits_for_the_decoders_prefill_in_fligh
                     handoff_ms_per_mib=1.0,
                     state_bytes_per_token=1,
                 )
-                # Beside the decoder's prefill a provider's would take twice as long.
+                # Beside the decoder's prefill a provider's would take twice as long, beside its
+                # replies (the first's is 4 tokens) a fifth longer.
                 completions.rates.slowdown = Slowdown(1.0)
+                completions.rates.decode_slowdown = Slowdown(0.2)
 
             believe(20.0, 500.0)  # about 300 tokens, kept plain: 6 s believed, a second or two taken
             async with httpx.AsyncClient(base_url=running.url, timeout=240) as client:

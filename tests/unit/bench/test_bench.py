@@ -354,7 +354,9 @@ async def test_the_providers_benchmark_in_quick_mode_exits_0_with_both_engines_o
 
 
 # What onebitd's cost model believed at the end of a run: its rates and the slowdown on shared cores.
-COSTS = r"^onebitd's costs at the end: decoder \d+\.\d\d ms a token, providers .*; slowdown on shared cores \d+\.\d\d"
+COSTS = (
+    r"^onebitd's costs at the end: prefill ms a token: decoder \d+\.\d\d.*; on shared cores a prefill takes \d\.\d\d"
+)
 
 
 @pytest.mark.real

@@ -66,16 +66,21 @@ async def test_onebitctl_status_shows_what_the_cost_decision_believes(short_dir:
     rates = Rates(decoder_ms_per_token=4.0, provider_ms_per_token=3.0, handoff_ms_per_mib=6.0, state_bytes_per_token=1)
     prior = attrs.evolve(busy_statistics(short_dir), costs=rates.statistics(0))
     assert (
-        "costs: prefill ms a token: decoder 4.00; handoff 6.0 ms a MiB; beside the other child's prefill on shared"
-        " cores a prefill takes 0.50 of the overlap more (the prior, none measured yet)"
+        "costs: prefill ms a token: decoder 4.00; handoff 6.0 ms a MiB; on shared cores a prefill takes 0.50 of"
+        " its overlap with the other child's prefill more (the prior, none measured yet), a provider's 1.00 of"
+        " its overlap with the decoder's replies (the prior, none measured yet)"
     ) in render.render_status(prior).splitlines()
     rates.observe_provider("prefill0", 1000, 2500.0)
     for actual in (600.0, 500.0, 550.0):
-        rates.observe_shared((200.0, 200.0, actual))
+        rates.observe_shared((200.0, 200.0, 0.0, actual))
+    for actual in (800.0, 700.0, 750.0):
+        rates.observe_shared((200.0, 0.0, 200.0, actual))
+    rates.observe_shared((200.0, 200.0, 200.0, 2000.0))  # beside both: says neither
     measured = attrs.evolve(busy_statistics(short_dir), costs=rates.statistics(0))
     assert (
-        "costs: prefill ms a token: decoder 4.00, prefill0 2.50; handoff 6.0 ms a MiB; beside the other child's"
-        " prefill on shared cores a prefill takes 1.75 of the overlap more (measured over 3)"
+        "costs: prefill ms a token: decoder 4.00, prefill0 2.50; handoff 6.0 ms a MiB; on shared cores a prefill"
+        " takes 1.75 of its overlap with the other child's prefill more (measured over 3), a provider's 2.75 of"
+        " its overlap with the decoder's replies (measured over 3)"
     ) in render.render_status(measured).splitlines()
     older = attrs.evolve(busy_statistics(short_dir), costs=None)
     assert "costs: not reported (an older onebitd)" in render.render_status(older).splitlines()

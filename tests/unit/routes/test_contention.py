@@ -12,10 +12,12 @@ import trio.lowlevel
 import trio.testing
 
 from supervisor.observe.routestats import accuracy_of
+from supervisor.reasons import Reason
 from supervisor.routes.compute import Placement
 from supervisor.routes.contention import DECODER, OVERDUE, SETTLE_SLACK_S, Busy, Contention
-from supervisor.routes.decision import Choice, Costs, Route, estimate
-from supervisor.routes.rates import OVERLAP_MS, SHARED, SHARED_MAX, Rates, Slowdown, linear
+from supervisor.routes.decision import Ask, Choice, Costs, Offer, Route, choose, estimate
+from supervisor.routes.rates import Rates, linear
+from supervisor.routes.slowdown import DECODING, OVERLAP_MS, SHARED, SHARED_MAX, Shared, Slowdown
 from supervisor.routes.story import Story
 from tests.fakes.llama.core import Modes
 from tests.rigs import asgi
@@ -77,11 +79,11 @@ def test_with_nothing_in_flight_the_estimate_is_the_idle_one() -> None:
 
 def test_a_prefill_waits_for_what_its_own_child_runs_and_shares_the_other_childs_cores() -> None:
     # A slowdown under WAIT_SHARED: the handoff's provider runs beside the decoder's prefill.
-    busy = estimate(600, attrs.evolve(COSTS, busy=Busy(decoder_ms=1000.0, provider_ms=2000.0), shared=LIGHT))
+    busy = estimate(600, attrs.evolve(COSTS, busy=Busy(decoder_ms=1000.0, provider_ms=2000.0), shared=Shared(LIGHT)))
     assert busy.plain_ms == 3000.0 + 1000.0 + LIGHT * 2000.0
     # The provider's queue outlasts the decoder's prefill: waiting for that costs the handoff nothing.
     assert (busy.wait_ms, busy.provider_ms, busy.hybrid_ms) == (1000.0, 3000.0 + 1000.0, 1000.0 + 4000.0 + 65.0)
-    beside = estimate(600, attrs.evolve(COSTS, busy=Busy(decoder_ms=1000.0), shared=LIGHT))
+    beside = estimate(600, attrs.evolve(COSTS, busy=Busy(decoder_ms=1000.0), shared=Shared(LIGHT)))
     # The provider's prefill outlasts the decoder's work: the restore does not wait for it.
     assert beside.provider_ms == 3000.0 + LIGHT * 1000.0
     assert (beside.hybrid_ms, beside.wait_ms) == (beside.provider_ms + 60.0 + 5.0, 0.0)
@@ -106,7 +108,7 @@ def test_on_shared_cores_a_handoff_waits_for_the_decoders_prefills_where_the_fir
     long beside a provider's cold prefill begun after it.  A handoff whose provider's prefill outlasts
     the decoder's rest waits for it where the slowdown is half the overlap or more; its provider then
     runs beside none of it."""
-    beside = attrs.evolve(COSTS, busy=Busy(decoder_ms=1000.0, provider_ms=400.0), shared=1.0)
+    beside = attrs.evolve(COSTS, busy=Busy(decoder_ms=1000.0, provider_ms=400.0), shared=Shared(1.0))
     waits = estimate(600, beside)
     assert waits.wait_ms == 1000.0
     assert (waits.provider_alone, waits.provider_overlap, waits.provider_ms) == (3000.0, 0.0, 3000.0)
@@ -114,8 +116,8 @@ def test_on_shared_cores_a_handoff_waits_for_the_decoders_prefills_where_the_fir
     assert waits.decoder_job(Route.FILE) == (1, 60.0 + 5.0)
     assert waits.plain_ms == 3000.0 + 1000.0 + 1.0 * 400.0  # plain's side is as before
     # Beside it: 3,000 + 400 + 0.5 x 1,000; the wait costs 1,000 - 400 - 500 more and spares 500: a tie.
-    assert estimate(600, attrs.evolve(beside, shared=0.5)).wait_ms == 1000.0
-    light = estimate(600, attrs.evolve(beside, shared=LIGHT))
+    assert estimate(600, attrs.evolve(beside, shared=Shared(0.5))).wait_ms == 1000.0
+    light = estimate(600, attrs.evolve(beside, shared=Shared(LIGHT)))
     assert (light.wait_ms, light.hybrid_ms) == (0.0, 3000.0 + 400.0 + LIGHT * 1000.0 + 60.0 + 5.0)
     assert estimate(600, attrs.evolve(beside, apart=True)).wait_ms == 0.0
     assert estimate(600, attrs.evolve(beside, busy=Busy(provider_ms=400.0))).wait_ms == 0.0  # nothing to wait for
@@ -123,7 +125,7 @@ def test_on_shared_cores_a_handoff_waits_for_the_decoders_prefills_where_the_fir
 
 def test_a_handoff_does_not_wait_for_a_decoders_prefill_that_outlasts_its_own() -> None:
     """The restore waits for the decoder's rest anyway: waiting first would add the provider's prefill."""
-    short = estimate(600, attrs.evolve(COSTS, provider_cached=560, busy=Busy(decoder_ms=5000.0), shared=0.5))
+    short = estimate(600, attrs.evolve(COSTS, provider_cached=560, busy=Busy(decoder_ms=5000.0), shared=Shared(0.5)))
     assert (short.wait_ms, short.hybrid_ms) == (0.0, 5000.0 + 60.0 + 5.0)
 
 
@@ -181,7 +183,7 @@ def test_the_slowdown_is_the_prior_until_measured_then_the_median_of_what_prefil
 
 def test_each_side_is_slowed_by_the_measured_share_and_the_estimate_says_its_parts() -> None:
     busy_both = Busy(decoder_ms=1000.0, provider_ms=2000.0)
-    costs = attrs.evolve(COSTS, busy=busy_both, shared=0.4)
+    costs = attrs.evolve(COSTS, busy=busy_both, shared=Shared(0.4))
     busy = estimate(600, costs)
     assert (busy.plain_alone, busy.plain_overlap) == (3000.0 + 1000.0, 2000.0)
     assert busy.plain_ms == 3000.0 + 1000.0 + 0.4 * 2000.0
@@ -202,7 +204,7 @@ def test_continuations_beside_a_providers_prefill_are_estimated_within_1_5x_once
     before = estimate(600, attrs.evolve(continuation, shared=rates.shared()))
     assert not 1 / 1.5 <= 490.0 / before.plain_ms <= 1.5  # the prior misses
     for alone, actual in [(189.0, 501.0), (248.0, 570.0), (277.0, 604.0)]:  # measured (alone, prompt_ms)
-        rates.observe_shared((alone, alone, actual))
+        rates.observe_shared((alone, alone, 0.0, actual))
     after = estimate(600, attrs.evolve(continuation, shared=rates.shared()))
     assert 1 / 1.5 <= 490.0 / after.plain_ms <= 1.5
     # A handoff would be slowed alike beside the decoder's prefill (same cores, same kind of work): it
@@ -210,7 +212,7 @@ def test_continuations_beside_a_providers_prefill_are_estimated_within_1_5x_once
     beside = attrs.evolve(COSTS, busy=Busy(decoder_ms=1000.0))
     waits = estimate(600, attrs.evolve(beside, shared=rates.shared()))
     assert (waits.wait_ms, waits.provider_ms) == (1000.0, 3000.0)
-    assert rates.shared() > 1.0
+    assert rates.shared().prefill > 1.0
 
 
 def test_a_request_tells_the_slowdown_only_on_the_route_it_was_priced_for() -> None:
@@ -218,7 +220,7 @@ def test_a_request_tells_the_slowdown_only_on_the_route_it_was_priced_for() -> N
     story = Story("1a-1", "/completion")
     story.chose(Choice(Route.PLAIN, estimate=guess))
     story.reached(Route.PLAIN)
-    assert story.shared_sample(3400.0) == (3000.0, 2000.0, 3400.0)
+    assert story.shared_sample(3400.0) == (3000.0, 2000.0, 0.0, 3400.0)
     assert story.shared_sample(None) is None
     handed = Story("1a-2", "/completion")
     handed.chose(Choice(Route.FILE, estimate=guess))
@@ -230,8 +232,53 @@ def test_a_request_tells_the_slowdown_only_on_the_route_it_was_priced_for() -> N
     assert unpriced.shared_sample(3400.0) is None
 
 
+def test_on_shared_cores_the_decoders_replies_slow_a_providers_prefill_for_all_of_it() -> None:
+    """A 2-core Zen 4 VM: one reply decoding beside an OpenVINO provider's 800-token prefill made it
+    3.4x as long (2.4 of the overlap), a decoder's prefill of the same size beside it 2.0x.  The fleet
+    benchmark's cold system prompts, handed over while the other session's reply decoded, took 2x to
+    3x their estimate, and the continuations beside them 2x to 5x theirs."""
+    decoding = attrs.evolve(COSTS, streams_decoding=1, shared=Shared(prefill=1.0, decode=2.4))
+    beside = estimate(600, decoding)
+    assert (beside.provider_alone, beside.provider_overlap, beside.provider_decoding) == (3000.0, 0.0, 3000.0)
+    assert beside.hybrid_ms == 3000.0 + 2.4 * 3000.0 + 60.0 + 5.0
+    assert beside.plain_ms == estimate(600, COSTS).plain_ms  # batched with them in the decoder's own steps
+    # A prefill on the decoder in flight overlaps the first second; its reply, and the other's, the rest.
+    prefilling = estimate(600, attrs.evolve(decoding, busy=Busy(decoder_ms=1000.0)))
+    assert (prefilling.provider_overlap, prefilling.provider_decoding) == (1000.0, 2000.0)
+    assert prefilling.provider_ms == 3000.0 + 1.0 * 1000.0 + 2.4 * 2000.0
+    # Waiting for it would leave the provider beside its reply all along, which costs more here.
+    assert prefilling.wait_ms == 0.0
+    apart = estimate(600, attrs.evolve(decoding, apart=True))
+    assert (apart.provider_decoding, apart.hybrid_ms) == (0.0, 3000.0 + 60.0 + 5.0)
+
+
+def test_a_cold_prompt_stays_plain_on_shared_cores_while_the_decoder_has_a_reply_in_flight() -> None:
+    """The fleet case: a provider 1.4x the decoder's speed on the decoder's cores wins a cold prompt
+    alone, and not beside a reply being decoded, even at the prior (two jobs taking turns)."""
+    cold = attrs.evolve(COSTS, decoder=linear(2.8), provider=linear(2.0), handoff_ms=50.0)
+    offer, ask = Offer(enabled=True), Ask(prompt_tokens=700)
+    assert choose(ask, offer, cold).route is Route.FILE
+    busy = choose(ask, offer, attrs.evolve(cold, streams_decoding=1))
+    assert (busy.route, busy.reason) == (Route.PLAIN, Reason.PLAIN_CHEAPER)
+    assert busy.estimate is not None
+    assert busy.estimate.hybrid_ms == 1400.0 * (1 + DECODING) + 50.0 + 2.8
+    # Apart from the decoder its replies cost the provider nothing: the stream-sparing rule stands.
+    assert choose(ask, offer, attrs.evolve(cold, streams_decoding=1, apart=True)).route is Route.FILE
+
+
+def test_a_handoff_tells_the_slowdown_it_met_beside_the_decoders_replies() -> None:
+    guess = estimate(600, attrs.evolve(COSTS, streams_decoding=1, busy=Busy(decoder_ms=1000.0)))
+    rates = Rates(decoder_ms_per_token=5.0, provider_ms_per_token=5.0, handoff_ms_per_mib=10.0, state_bytes_per_token=1)
+    for actual in (9000.0, 10_000.0, 11_000.0):
+        rates.observe_shared((3000.0, 0.0, 3000.0, actual))  # beside replies alone: 2, 2.33, 2.67
+    rates.observe_shared((3000.0, 1000.0, 2000.0, 30_000.0))  # beside both: neither is told
+    assert rates.shared().prefill == SHARED
+    assert rates.shared().decode == pytest.approx(7000.0 / 3000.0)
+    assert (guess.provider_overlap, guess.provider_decoding) == (1000.0, 2000.0)
+
+
 def test_the_route_line_says_the_handoffs_wait_and_its_actual_counts_it() -> None:
-    waits = estimate(600, attrs.evolve(COSTS, busy=Busy(decoder_ms=1000.0), shared=1.0))
+    waits = estimate(600, attrs.evolve(COSTS, busy=Busy(decoder_ms=1000.0), shared=Shared(1.0)))
     story = Story("1a-4", "/completion")
     story.chose(Choice(Route.FILE, estimate=waits))
     story.waited(950.0)
