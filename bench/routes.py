@@ -336,30 +336,50 @@ class Block:
     tokens: int
     wall_s: float
     timings: list[dict[str, Any]]  # the decoder's, per request
+    asked: list[int]  # each request's place in the block's asks (they finish out of order)
 
 
 async def run_block(client: httpx.AsyncClient, prefixes: Sequence[str], asks: Sequence[Ask], concurrency: int) -> Block:
     """``asks`` in order, ``concurrency`` at a time; first tokens, tokens out, the block's wall time."""
     first: list[float] = []
     timings: list[dict[str, Any]] = []
+    asked: list[int] = []
     tokens = 0
-    queue = iter(asks)
+    queue = iter(enumerate(asks))
     start = time.perf_counter()
 
     async def worker() -> None:
         nonlocal tokens
-        for ask in queue:
+        for index, ask in queue:
             messages = [{"role": "system", "content": prefixes[ask.group]}, {"role": "user", "content": ask.question}]
             body = {"messages": messages, "max_tokens": ask.max_tokens, "temperature": 0, "ignore_eos": True}
             got = await stream_chat(client, body)
             first.append(got.first_ms)
             timings.append(got.timings)
+            asked.append(index)
             tokens += got.tokens
 
     async with trio.open_nursery() as nursery:
         for _ in range(concurrency):
             nursery.start_soon(worker)
-    return Block(first, tokens, time.perf_counter() - start, timings)
+    return Block(first, tokens, time.perf_counter() - start, timings, asked)
+
+
+def requests_of(blocks: dict[str, list[Block]]) -> list[dict[str, Any]]:
+    """Each side's requests, block by block in the order they finished: the ask, the first token, and
+    what the decoder said of its prompt."""
+    return [
+        {
+            "side": side,
+            "block": n,
+            "ask": index,
+            "first_ms": ms,
+            **{key: timings.get(key) for key in ("prompt_n", "prompt_ms", "cache_n")},
+        }
+        for side, done in blocks.items()
+        for n, block in enumerate(done)
+        for index, ms, timings in zip(block.asked, block.first_ms, block.timings, strict=True)
+    ]
 
 
 async def fleet(args: argparse.Namespace) -> int:
@@ -415,6 +435,8 @@ async def fleet(args: argparse.Namespace) -> int:
                 print(costs_of(running))
             ours = lines.lines[onebitd_lines_from:]
     write_lines(args.lines, ours)
+    if args.lines is not None:  # both sides' requests, for a study of where their first tokens part
+        write_lines(args.lines.with_suffix(".requests"), requests_of(blocks))
     print()
     for line in ours:
         print(f"    {decided(line)}")

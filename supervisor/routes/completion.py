@@ -139,13 +139,12 @@ class Completions:
         raise DecoderUnavailable(words, public=words)
 
     async def _plan(self, endpoint: str, body: dict[str, Any], req: str) -> Plan:
-        providers = self.hybrid.providers if self.hybrid is not None else None
         return await plan(
             endpoint,
             body,
             req,
             client=self.client,
-            providers=providers,
+            providers=self.hybrid.providers if self.hybrid is not None else None,
             stored=self.stored,
             slot_context=self.slot_context(),
         )
@@ -198,6 +197,7 @@ class Completions:
                     provider=provider_cost,
                     handoff_ms=self.rates.handoff_ms(len(tokens)),
                     streams_decoding=self.decoding,
+                    others=self.slots.held - 1,
                     apart=hybrid.placement.apart(provider),
                     busy=self.contention.busy(provider.name),
                     shared=self.rates.shared(),

@@ -95,12 +95,15 @@ class Costs:
     decoder: PrefillCost
     provider: PrefillCost
     handoff_ms: float  # saving and restoring (or sharing) the whole prompt's state
-    streams_decoding: int  # other requests the decoder is prefilling or generating for right now
+    streams_decoding: int  # other requests the decoder is generating for right now
     # The provider computes apart from the decoder (supervisor/routes/compute.py): only then does
     # moving a prefill off the decoder spare the streams it decodes.
     apart: bool = False
     # The prefills running on the decoder and the provider now (routes/contention.py): a new one shares them.
     busy: Busy = attrs.field(factory=Busy)
+    # Other requests holding a decoder slot now: each prefills (there or on a provider) and then
+    # decodes, beside a provider's prefill on the decoder's cores.
+    others: int = 0
     # On shared cores, the share of the other child's prefill that slows a child's while both run, and
     # of the decoder's replies that slows a provider's prefill (routes/slowdown.py's ``Shared``).
     shared: Shared = attrs.field(factory=Shared)
@@ -159,8 +162,9 @@ def estimate(prompt_tokens: int, costs: Costs) -> Estimate:
     runs on its child (``costs.busy``: batched or queued with it), and on shared cores is slowed by
     its share (``costs.shared.prefill``) of what runs on the other child while both run; the restore
     waits for what is left of the decoder's.  On shared cores a provider's prefill is slowed too by
-    the decoder's replies in flight (``costs.shared.decode``): they decode beside the rest of it, and
-    an agent's next request follows its reply.  A plain prefill is batched with them in the
+    the other requests holding the decoder's slots (``costs.shared.decode``): they decode beside the
+    rest of it (one prefilling or handed over decodes after; an agent's next request follows its
+    reply).  A plain prefill is batched with them in the
     decoder's own steps.  With nothing in flight these terms are 0.
 
     On shared cores a handoff may first wait for the decoder's prefills in flight (``wait_ms``,
@@ -181,7 +185,7 @@ def estimate(prompt_tokens: int, costs: Costs) -> Estimate:
     last = costs.handoff_ms + costs.decoder.ms(1, prompt_tokens - 1)
     # Beside the decoder's prefills in flight: slowed by them, and the restore waits for their rest;
     # beside its replies for the rest of the prefill.
-    decodes = not apart and costs.streams_decoding > 0
+    decodes = not apart and costs.others > 0
     provider_overlap = 0.0 if apart else min(own_prefill, busy.decoder_ms)
     decoding = own_prefill - provider_overlap if decodes else 0.0
     provider_alone = own_prefill + busy.provider_ms

@@ -9,6 +9,8 @@ its picture parses as SVG and names the routes and sides it measured.
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
 import re
 import sys
 import tomllib
@@ -381,9 +383,16 @@ async def test_the_fleet_benchmark_in_quick_mode_exits_0_with_both_sides_and_one
     tmp_path: Path,
 ) -> None:
     real_llama_server()
-    picture = tmp_path / "fleet.svg"
-    out = await quick_run("fleet", "--quick", "--plot", str(picture), timeout_s=1800)
+    picture, lines = tmp_path / "fleet.svg", tmp_path / "fleet.lines"
+    out = await quick_run("fleet", "--quick", "--plot", str(picture), "--lines", str(lines), timeout_s=1800)
     assert {"direct", "onebitd"} <= set(svg_texts(picture))
+    assert len(lines.read_text().splitlines()) == 24
+    # Both sides' requests, each block's asks each once, with what the decoder said of its prompt.
+    requests = [json.loads(line) for line in lines.with_suffix(".requests").read_text().splitlines()]
+    for side, block in itertools.product(("direct", "onebitd"), (0, 1)):
+        asks = sorted(r["ask"] for r in requests if (r["side"], r["block"]) == (side, block))
+        assert asks == list(range(12)), requests
+    assert all(r["first_ms"] > 0 and r["prompt_n"] is not None for r in requests), requests
     for side in ("direct", "onebitd"):
         assert re.search(rf"^{side} +\d+ ms +\d+ ms +{NUMBER}$", out, re.MULTILINE), out
     assert re.search(rf"^onebitd / direct: median {NUMBER}x, p90 {NUMBER}x, throughput {NUMBER}x$", out, re.M), out

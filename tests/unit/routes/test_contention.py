@@ -237,7 +237,7 @@ def test_on_shared_cores_the_decoders_replies_slow_a_providers_prefill_for_all_o
     3.4x as long (2.4 of the overlap), a decoder's prefill of the same size beside it 2.0x.  The fleet
     benchmark's cold system prompts, handed over while the other session's reply decoded, took 2x to
     3x their estimate, and the continuations beside them 2x to 5x theirs."""
-    decoding = attrs.evolve(COSTS, streams_decoding=1, shared=Shared(prefill=1.0, decode=2.4))
+    decoding = attrs.evolve(COSTS, others=1, shared=Shared(prefill=1.0, decode=2.4))
     beside = estimate(600, decoding)
     assert (beside.provider_alone, beside.provider_overlap, beside.provider_decoding) == (3000.0, 0.0, 3000.0)
     assert beside.hybrid_ms == 3000.0 + 2.4 * 3000.0 + 60.0 + 5.0
@@ -252,22 +252,24 @@ def test_on_shared_cores_the_decoders_replies_slow_a_providers_prefill_for_all_o
     assert (apart.provider_decoding, apart.hybrid_ms) == (0.0, 3000.0 + 60.0 + 5.0)
 
 
-def test_a_cold_prompt_stays_plain_on_shared_cores_while_the_decoder_has_a_reply_in_flight() -> None:
+def test_a_cold_prompt_stays_plain_on_shared_cores_while_another_request_holds_a_decoder_slot() -> None:
     """The fleet case: a provider 1.4x the decoder's speed on the decoder's cores wins a cold prompt
-    alone, and not beside a reply being decoded, even at the prior (two jobs taking turns)."""
+    alone, and not beside another request, whose reply decodes beside it, even at the prior (two jobs
+    taking turns).  On the fleet benchmark, handoffs priced while the other session's request was
+    itself handed over or queued took 1.5x to 2x their estimates."""
     cold = attrs.evolve(COSTS, decoder=linear(2.8), provider=linear(2.0), handoff_ms=50.0)
     offer, ask = Offer(enabled=True), Ask(prompt_tokens=700)
     assert choose(ask, offer, cold).route is Route.FILE
-    busy = choose(ask, offer, attrs.evolve(cold, streams_decoding=1))
+    busy = choose(ask, offer, attrs.evolve(cold, others=1))
     assert (busy.route, busy.reason) == (Route.PLAIN, Reason.PLAIN_CHEAPER)
     assert busy.estimate is not None
     assert busy.estimate.hybrid_ms == 1400.0 * (1 + DECODING) + 50.0 + 2.8
     # Apart from the decoder its replies cost the provider nothing: the stream-sparing rule stands.
-    assert choose(ask, offer, attrs.evolve(cold, streams_decoding=1, apart=True)).route is Route.FILE
+    assert choose(ask, offer, attrs.evolve(cold, others=1, apart=True)).route is Route.FILE
 
 
 def test_a_handoff_tells_the_slowdown_it_met_beside_the_decoders_replies() -> None:
-    guess = estimate(600, attrs.evolve(COSTS, streams_decoding=1, busy=Busy(decoder_ms=1000.0)))
+    guess = estimate(600, attrs.evolve(COSTS, others=1, busy=Busy(decoder_ms=1000.0)))
     rates = Rates(decoder_ms_per_token=5.0, provider_ms_per_token=5.0, handoff_ms_per_mib=10.0, state_bytes_per_token=1)
     for actual in (9000.0, 10_000.0, 11_000.0):
         rates.observe_shared((3000.0, 0.0, 3000.0, actual))  # beside replies alone: 2, 2.33, 2.67
