@@ -15,10 +15,7 @@ llama-server's own prompt cache on (``--cache-ram``), whatever that cache holds.
 its idle slots there as each task starts, and a slot that would keep less than half of what it
 holds is saved there before the best match is loaded into it (server-context.cpp's
 ``get_available_slot``, server-task.cpp's ``server_prompt_cache::load``): a prompt a slot held
-stays reusable after the slot moves on, until the cache's memory bound pushes it out.  The prompt
-loaded is moved, not copied: until that slot moves on, no other request finds it there (on the
-fleet benchmark two questions on one system prompt came together, and the second evaluated all
-680 tokens, direct and through onebitd alike).
+stays reusable after the slot moves on, until the cache's memory bound pushes it out.
 """
 
 from __future__ import annotations
@@ -138,10 +135,6 @@ class SlotPool:
         self._used = [0] * n_slots  # when each slot was last handed out, in hand-outs
         self._hits = 0
         self._misses = 0
-        # What llama-server's prompt cache lent each busy slot's request: it moves a cached prompt
-        # into the slot that loads it (server_prompt_cache::load erases the entry), so until the
-        # slot moves on no other request finds it there.
-        self._loading: dict[int, tuple[int, ...]] = {}
         # Slots whose request has answered and holds on only to save the slot: what each will hold.
         self._keeping: dict[int, tuple[PromptKey, trio.Event]] = {}
         self._keep_waits = 0
@@ -204,29 +197,14 @@ class SlotPool:
         if prompt_cache <= 0 or key.tokens is None or not held or 2 * own >= len(held):
             return own
         best, room = max(own, self.best_cached(key)), prompt_cache
-        lent = [tokens for other, tokens in self._loading.items() if other != slot]
         for tokens in reversed(self._saved):
             room -= len(tokens)
             if room < 0:
                 break
             n = common_prefix(tokens, key.tokens)
-            if n >= CACHE_KEEP * len(tokens) and tokens not in lent:
+            if n >= CACHE_KEEP * len(tokens):
                 best = max(best, n)
         return best
-
-    def _loads(self, slot: int, key: PromptKey) -> tuple[int, ...] | None:
-        """The prompt llama-server's cache would move into ``slot`` for ``key`` (``reusable``'s rule,
-        less what it lent the other busy slots), or None."""
-        held = self._held[slot].tokens
-        if key.tokens is None or not held or 2 * common_prefix(held, key.tokens) >= len(held):
-            return None
-        lent = list(self._loading.values())
-        best, loads = 0, None
-        for tokens in reversed(self._saved):
-            n = common_prefix(tokens, key.tokens)
-            if n >= CACHE_KEEP * len(tokens) and n > best and tokens not in lent:
-                best, loads = n, tokens
-        return loads
 
     def _moves_on(self, slot: int, key: PromptKey) -> None:
         """The slot holds ``key`` now; what it held before stays in llama-server's prompt cache."""
@@ -334,9 +312,6 @@ class SlotPool:
         slot = self._pick(key)
         self._free.discard(slot)
         self._used[slot] = next(self._tick)
-        loads = None if key is None else self._loads(slot, key)
-        if loads is not None:
-            self._loading[slot] = loads
         try:
             yield slot
         except BaseException:
@@ -344,9 +319,6 @@ class SlotPool:
                 await settle(slot)
             raise
         finally:
-            self._loading.pop(slot, None)
-            if loads is not None and loads in self._saved:
-                self._saved.remove(loads)  # in the slot now, and in what it holds next
             if key is not None:
                 self._moves_on(slot, key)
             self._free.add(slot)

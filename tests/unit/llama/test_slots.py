@@ -93,26 +93,6 @@ async def test_a_prompt_a_slot_held_before_it_moved_on_is_reused_from_the_prompt
         assert pool.reusable(slot, asked, prompt_cache=701) == 0
 
 
-async def test_a_prompt_the_cache_moved_into_a_busy_slot_is_not_reused_by_another_request_meanwhile() -> None:
-    """The fleet benchmark, ask 25 of 64: two questions on one system prompt came together, and the
-    second evaluated all 680 tokens, direct and through onebitd alike (llama-server's cache moves the
-    prompt it loads into the slot, server_prompt_cache::load).  onebitd had estimated 220 ms for it,
-    reusing the prompt from the cache, against 1,962 taken."""
-    pool = SlotPool(4, queue_limit=8)
-    for group in GROUPS:
-        async with pool.hold(prompt(*group, 1)):
-            pass
-    first, second = prompt(*GROUPS[0], 2, 3), prompt(*GROUPS[0], 4, 5)
-    async with pool.hold(first) as loading:
-        assert pool.reusable(loading, first, prompt_cache=10_000) == len(GROUPS[0])
-        async with pool.hold(second) as other:
-            assert pool.reusable(other, second, prompt_cache=10_000) == 0
-    # Once the first slot moved on, what it holds now has the system prompt: it is found there.
-    async with pool.hold(prompt(*GROUPS[0], 6)) as again:
-        assert again == loading
-        assert pool.reusable(again, prompt(*GROUPS[0], 6), prompt_cache=10_000) == len(GROUPS[0])
-
-
 async def test_a_prompt_the_cache_would_keep_less_than_a_quarter_of_is_not_loaded() -> None:
     pool = SlotPool(1, queue_limit=8)
     async with pool.hold(prompt(*GROUPS[0], *GROUPS[1])):
