@@ -76,7 +76,7 @@ def costs_line(costs: RateStatistics | None) -> str:
         f"prefill ms a token: decoder {costs.decoder_ms_per_token:.2f}{providers}; handoff"
         f" {costs.handoff_ms_per_mib:.1f} ms a MiB; on shared cores a prefill takes {costs.shared:.2f} of"
         f" its overlap with the other child's prefill more ({_measured(costs.shared_samples)}), a provider's"
-        f" {costs.decode:.2f} of its overlap with the decoder's replies ({_measured(costs.decode_samples)})"
+        f" {costs.decode:.2f} of its overlap with the decoder's other requests ({_measured(costs.decode_samples)})"
     )
 
 

@@ -95,7 +95,7 @@ class Costs:
     decoder: PrefillCost
     provider: PrefillCost
     handoff_ms: float  # saving and restoring (or sharing) the whole prompt's state
-    streams_decoding: int  # other requests the decoder is generating for right now
+    streams_decoding: int  # other requests the decoder is prefilling or generating for right now
     # The provider computes apart from the decoder (supervisor/routes/compute.py): only then does
     # moving a prefill off the decoder spare the streams it decodes.
     apart: bool = False

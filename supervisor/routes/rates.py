@@ -326,11 +326,12 @@ class Rates:
         """A prefill that ran beside the other child's work on shared cores: ``(its estimate alone,
         its overlap with the other child's prefills, with the decoder's replies decoding, its actual
         ms)`` (routes/story.py's ``Story.shared_sample``).  A sample that overlapped only one kind
-        says what that kind costs; one that overlapped both cannot tell them apart and is left."""
+        says what that kind costs (less than :data:`OVERLAP_MS` of the other is none); one that
+        overlapped both cannot tell them apart and is left."""
         if sample is None:
             return
         alone, prefills, decoding, actual = sample
-        if not decoding:
+        if decoding < OVERLAP_MS:
             self.slowdown.observe(alone, prefills, actual)
         elif prefills < OVERLAP_MS:
             self.decode_slowdown.observe(alone, decoding, actual)

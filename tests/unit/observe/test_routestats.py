@@ -68,7 +68,7 @@ async def test_onebitctl_status_shows_what_the_cost_decision_believes(short_dir:
     assert (
         "costs: prefill ms a token: decoder 4.00; handoff 6.0 ms a MiB; on shared cores a prefill takes 0.50 of"
         " its overlap with the other child's prefill more (the prior, none measured yet), a provider's 1.00 of"
-        " its overlap with the decoder's replies (the prior, none measured yet)"
+        " its overlap with the decoder's other requests (the prior, none measured yet)"
     ) in render.render_status(prior).splitlines()
     rates.observe_provider("prefill0", 1000, 2500.0)
     for actual in (600.0, 500.0, 550.0):
@@ -80,7 +80,7 @@ async def test_onebitctl_status_shows_what_the_cost_decision_believes(short_dir:
     assert (
         "costs: prefill ms a token: decoder 4.00, prefill0 2.50; handoff 6.0 ms a MiB; on shared cores a prefill"
         " takes 1.75 of its overlap with the other child's prefill more (measured over 3), a provider's 2.75 of"
-        " its overlap with the decoder's replies (measured over 3)"
+        " its overlap with the decoder's other requests (measured over 3)"
     ) in render.render_status(measured).splitlines()
     older = attrs.evolve(busy_statistics(short_dir), costs=None)
     assert "costs: not reported (an older onebitd)" in render.render_status(older).splitlines()

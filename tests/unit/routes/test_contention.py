@@ -248,6 +248,11 @@ def test_on_shared_cores_the_decoders_replies_slow_a_providers_prefill_for_all_o
     assert prefilling.provider_ms == 3000.0 + 1.0 * 1000.0 + 2.4 * 2000.0
     # Waiting for it would leave the provider beside its reply all along, which costs more here.
     assert prefilling.wait_ms == 0.0
+    # Where a prefill beside it costs far more than a reply, it waits, and is then beside replies all along.
+    waits = estimate(600, attrs.evolve(decoding, busy=Busy(decoder_ms=1000.0), shared=Shared(prefill=2.0, decode=2.5)))
+    assert (waits.wait_ms, waits.provider_overlap, waits.provider_decoding) == (1000.0, 0.0, 3000.0)
+    assert waits.provider_ms == 3000.0 + 2.5 * 3000.0
+    assert waits.hybrid_ms == 1000.0 + waits.provider_ms + 60.0 + 5.0
     apart = estimate(600, attrs.evolve(decoding, apart=True))
     assert (apart.provider_decoding, apart.hybrid_ms) == (0.0, 3000.0 + 60.0 + 5.0)
 
@@ -275,6 +280,9 @@ def test_a_handoff_tells_the_slowdown_it_met_beside_the_decoders_replies() -> No
         rates.observe_shared((3000.0, 0.0, 3000.0, actual))  # beside replies alone: 2, 2.33, 2.67
     rates.observe_shared((3000.0, 1000.0, 2000.0, 30_000.0))  # beside both: neither is told
     assert rates.shared().prefill == SHARED
+    for actual in (4000.0, 4000.0, 4000.0):  # beside a prefill, and 30 ms of replies: a prefill's sample
+        rates.observe_shared((3000.0, 1000.0, OVERLAP_MS - 20.0, actual))
+    assert rates.shared().prefill == 1.0
     assert rates.shared().decode == pytest.approx(7000.0 / 3000.0)
     assert (guess.provider_overlap, guess.provider_decoding) == (1000.0, 2000.0)
 
