@@ -120,6 +120,7 @@ class Request:
         self.declared: int | None = None
         self.sent = 0
         self.bodiless = False
+        self._out = trio.Event()  # the response is out (its last byte sent), or the app returned
 
     @property
     def keep(self) -> bool:
@@ -149,26 +150,41 @@ class Request:
             "extensions": connection.extensions,
         }
 
-    async def serve(self) -> bool:
-        """Run the app on this request; whether the connection may carry another."""
-        try:
-            await self.connection.server.app(self.scope(), self.receive, self.send)
-        except Exception as exc:
-            self.closes(Close.APP_FAILED)
-            if isinstance(exc, ClientError):
-                await self._answer(exc.status, exc.code, exc.message)
-            else:
-                log.error("the app failed on %s %s", self.method, self.path, exc_info=True)
-                await self._answer(500, "internal", "onebitd failed on this request")
-        if not self.status:
-            self.closes(Close.NO_RESPONSE)
-            await self._answer(500, "internal", "onebitd sent no response")
-        elif not self.finished:
-            self.closes(Close.CUT)
+    async def serve(self, apps: trio.Nursery) -> bool:
+        """Run the app on this request, in ``apps`` (the connection's), until its response is out;
+        whether the connection may carry another.
+
+        The app may go on past its response's last byte: a completion's work after its reply (the
+        prefix store's save of the slot) is the request's own, but the client has all it asked
+        for.  The connection takes the client's next request meanwhile, as hypercorn recycles a
+        connection at its response's end, so that request does not wait for that work."""
+        apps.start_soon(self._run_app)
+        await self._out.wait()
         connection = self.connection
         if self.keep and not self.body_done:
             await self._discard()
         return self.keep and not connection.gone and not connection.broken and not connection.server.stopping
+
+    async def _run_app(self) -> None:
+        """The app on this request, its failures answered where nothing was sent yet, and logged
+        (never raised: the connection's next request may be running beside it)."""
+        try:
+            try:
+                await self.connection.server.app(self.scope(), self.receive, self.send)
+            except Exception as exc:
+                self.closes(Close.APP_FAILED)
+                if isinstance(exc, ClientError):
+                    await self._answer(exc.status, exc.code, exc.message)
+                else:
+                    log.error("the app failed on %s %s", self.method, self.path, exc_info=True)
+                    await self._answer(500, "internal", "onebitd failed on this request")
+            if not self.status:
+                self.closes(Close.NO_RESPONSE)
+                await self._answer(500, "internal", "onebitd sent no response")
+            elif not self.finished:
+                self.closes(Close.CUT)
+        finally:
+            self._out.set()
 
     async def _answer(self, status: int, code: str, message: str) -> None:
         """The server's own answer, where the app's never began: the one error writer's, in the
@@ -193,6 +209,8 @@ class Request:
     # -- the request body ---------------------------------------------------------------------------
 
     async def receive(self) -> Message:
+        if self.finished:
+            return self._disconnect()  # the connection may be reading its next request
         if not self.body_given:
             chunk = b""
             if not self.body_done:
@@ -295,6 +313,8 @@ class Request:
                 self.closes(Close.WRONG_LENGTH)
         if data:
             await self.connection.write(data)
+        if not more:
+            self._out.set()
 
     def _response_head(self) -> bytes:
         """The response's head; it also settles the body's framing and whether the connection is kept."""

@@ -1,6 +1,6 @@
-"""One client connection's loop: read a head, run the app on it in this same task, write what the
-app sends straight to the socket, and read the next head (keep-alive, pipelined requests answered in
-order).
+"""One client connection's loop: read a head, run the app on it, write what the app sends straight
+to the socket, and read the next head once the response is out (keep-alive, pipelined requests
+answered in order), while the app may still run.
 
 - A connection is idle from the end of a response to the end of the next head: it is closed after
   ``idle_timeout_s`` then, and at once when the server stops; a busy one is closed when its response
@@ -69,6 +69,18 @@ class Connection(Watched):
             self._idle.cancel()
 
     async def run(self) -> None:
+        try:
+            # A request's app may go on past its response (asgi.Request.serve): the connection
+            # closes once the last one has returned.
+            async with trio.open_nursery() as apps:
+                await self._requests(apps)
+        finally:
+            self.server._gone(self)
+            self._close_watch()
+            trio.lowlevel.notify_closing(self.sock)
+            self.sock.close()
+
+    async def _requests(self, apps: trio.Nursery) -> None:
         linger = False
         try:
             while not self.server.stopping:
@@ -85,18 +97,13 @@ class Connection(Watched):
                     break
                 if request is None:
                     break
-                if not await request.serve():
+                if not await request.serve(apps):
                     linger = not self.gone
                     break
             if linger:
                 await self._linger()
         except Exception:
             log.warning("a client connection failed; it was closed", exc_info=True)
-        finally:
-            self.server._gone(self)
-            self._close_watch()
-            trio.lowlevel.notify_closing(self.sock)
-            self.sock.close()
 
     async def _next_request(self) -> Request | None:
         """The next request's head, parsed; None when the client closed, or the connection was idle

@@ -253,8 +253,9 @@ class SlotPool:
         """The request holding ``slot`` has sent its last byte and holds on only to save the slot
         (routes/stored.py): until it lets go, a request that continues ``key`` (a conversation's next
         turn, sent the moment the reply ended) waits for this slot rather than take a cold free one.
-        llama-server reached directly has no such gap: it saves between two tasks of its own."""
-        self._keeping[slot] = (key, trio.Event())
+        llama-server reached directly has no such gap: it saves between two tasks of its own.
+        Told again, it changes nothing (a request waiting for the slot stays woken by its release)."""
+        self._keeping.setdefault(slot, (key, trio.Event()))
 
     async def _wait_for_kept(self, key: PromptKey) -> None:
         """Wait (bounded) for a slot being saved when it holds more of ``key`` than every free slot."""

@@ -106,6 +106,9 @@ async def keep_after(
     None: no store."""
     if stored is None or (isinstance(plan.prompt, Chat) and not stored.may_keep(plan.key, slots, restored=restored)):
         return
+    # The client has its whole reply and its connection takes its next request meanwhile (the front
+    # runs this past the response, supervisor/http/asgi.py): a next turn waits for this slot.
+    slots.keeping(slot, plan.key)
     ends = await entry_end(client, plan, stored)
     await stored.after(slot, plan.key, slots, req=req, restored=restored, ends=ends)
 

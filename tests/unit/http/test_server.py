@@ -401,6 +401,59 @@ async def test_pipelined_requests_sent_in_one_write_are_answered_in_order() -> N
     assert [(s["path"], s["body"]) for s in seen] == [("/1", "abc"), ("/2", ""), ("/3", "de")]
 
 
+async def test_the_next_request_on_a_connection_is_answered_while_the_last_ones_app_goes_on_past_its_response() -> None:
+    # A completion's work after its reply (the prefix store's save of the slot) is its app's own: the
+    # client, which has the whole response, sends its next request on the connection, and is answered
+    # meanwhile.  Run in the connection's task, the app would hold the next request until it returned.
+    go = trio.Event()
+    returned: list[str] = []
+
+    async def app(scope: Message, receive: Receive, send: Send) -> None:
+        await answer(send, 200, scope["path"].encode())
+        if scope["path"] == "/1":
+            await go.wait()
+            assert await receive() == DISCONNECT  # the response is out: the next request's bytes are not its
+        returned.append(scope["path"])
+
+    async with serving(app) as served, connected(served.port) as client:
+        await client.send(b"GET /1 HTTP/1.1\r\nHost: x\r\n\r\n")
+        first = await client.response()
+        await client.send(b"GET /2 HTTP/1.1\r\nHost: x\r\n\r\n")
+        second = await client.response()
+        await trio.testing.wait_all_tasks_blocked()
+        assert returned == ["/2"]  # /1's app still runs
+        go.set()
+        await trio.testing.wait_all_tasks_blocked()
+        await client.send(b"GET /3 HTTP/1.1\r\nHost: x\r\n\r\n")
+        third = await client.response()
+    assert [first.body, second.body, third.body] == [b"/1", b"/2", b"/3"]
+    assert returned == ["/2", "/1", "/3"]
+
+
+async def test_shutdown_waits_for_an_app_that_goes_on_after_its_response() -> None:
+    # Its work after the response is the request's: it is not cut short by the stop, which waits for it
+    # within the graceful timeout (the connection itself closes once the app returns).
+    go = trio.Event()
+    after: list[str] = []
+
+    async def app(scope: Message, receive: Receive, send: Send) -> None:
+        await answer(send, 200, b"done")
+        await go.wait()
+        after.append("done")
+
+    async with serving(app, graceful_timeout_s=FOREVER) as served:
+        async with connected(served.port) as client:
+            await client.send(GET)
+            response = await client.response()
+            served.stop.set()
+            await trio.testing.wait_all_tasks_blocked()
+            assert not served.returned.is_set()  # the server waits for the app
+            go.set()
+            rest = await client.rest()
+        await served.returned.wait()
+    assert (response.status, rest, after) == (200, b"", ["done"])
+
+
 async def test_a_client_that_pipelines_without_pause_lets_other_tasks_run_between_its_requests() -> None:
     # Every request here is in the buffer before the first is answered, and the app never waits: a
     # connection that yielded only when its socket would block would hold the whole front.

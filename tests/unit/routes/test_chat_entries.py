@@ -232,6 +232,53 @@ async def test_a_question_on_a_stored_system_prompt_asks_the_decoder_nothing_aft
     assert next_turn  # a conversation's next turn is kept whole up to its end: asked for
 
 
+class Waiting:
+    """A decoder client that renders and tokenizes a chat as ``tokens`` once ``go`` is set."""
+
+    def __init__(self, tokens: tuple[int, ...]) -> None:
+        self.tokens = tokens
+        self.asked = trio.Event()
+        self.go = trio.Event()
+
+    async def post_json(self, path: str, body: Any) -> tuple[int, Any]:
+        self.asked.set()
+        await self.go.wait()
+        if path == "/apply-template":
+            return 200, {"prompt": "rendered"}
+        return 200, {"tokens": list(self.tokens[:-3])}
+
+
+async def test_a_chats_slot_waits_for_its_next_turn_from_the_start_of_the_work_after_its_reply(tmp_path: Path) -> None:
+    """The front takes a client's next request while the last one's work after its reply goes on
+    (supervisor/http/asgi.py's ``serve``): a next turn that comes while the chat's end is still asked
+    (two calls to the decoder, before the save) waits for the slot that holds its prefix, not a cold one."""
+    store = await private_store(tmp_path / "store", fingerprint=FINGERPRINT, max_bytes=1 << 20, min_tokens=4)
+    tokens = tuple(range(1, 101))
+    chat_prompt = Chat(body={"messages": [{"role": "user", "content": "hi"}]}, text="hi")
+    planned = Plan(PromptKey("hi", tokens), None, prompt=chat_prompt)
+    client = Waiting(tokens)
+    slots = SlotPool(2, queue_limit=8)
+    seen: list[str] = []
+
+    async def asked_meanwhile(slot: int) -> None:
+        await client.asked.wait()
+        seen.append(slots.statistics().each[slot].state)
+        client.go.set()
+
+    try:
+        stored = StoredPrefixes(client=client, state_dir=tmp_path, store=store, capability=None)
+        with trio.fail_after(TIMEOUT):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(stored.run)
+                async with slots.hold(planned.key) as slot:
+                    nursery.start_soon(asked_meanwhile, slot)
+                    await boundary.keep_after(client, planned, stored, slot, slots, req="r", restored=None)
+                nursery.cancel_scope.cancel()
+    finally:
+        store.close()
+    assert seen == ["kept"]
+
+
 class Rendering:
     """A decoder client whose template renders a chat alike with and without the generation prompt
     (a continued assistant message): its tokens are ``tokens`` either way."""

@@ -460,6 +460,29 @@ async def test_a_next_turn_sent_while_its_slot_is_being_saved_waits_for_that_slo
     assert (pool.statistics().keep_waits, pool.statistics().keep_waiting) == (1, 0)
 
 
+async def test_a_slot_told_twice_it_is_being_saved_wakes_the_next_turn_when_it_is_let_go() -> None:
+    # keep_after tells it before the chat's end is asked, StoredPrefixes.after again before its save:
+    # the turn that waits from the first must be woken by the release, not by its wait's bound.
+    pool = SlotPool(2, queue_limit=8)
+    turn1 = key(*SYSTEM, 1, 2, 3)
+    got: list[int] = []
+
+    async def next_turn(prompt: PromptKey) -> None:
+        async with pool.hold(prompt) as slot:
+            got.append(slot)
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            async with pool.hold(turn1) as first:
+                pool.keeping(first, turn1)
+                nursery.start_soon(next_turn, key(*SYSTEM, 1, 2, 3, 4, 5))
+                await trio.testing.wait_all_tasks_blocked()
+                pool.keeping(first, turn1)
+                assert got == []
+            await trio.testing.wait_all_tasks_blocked()
+            assert got == [first]  # at once (the bound is KEEP_WAIT_S)
+
+
 async def test_a_request_that_does_not_continue_the_slot_being_saved_takes_a_free_slot_at_once() -> None:
     pool = SlotPool(2, queue_limit=8)
     async with pool.hold(key(*SYSTEM, 5)) as warm:
