@@ -38,6 +38,7 @@ import trio
 from ..errors import PrefixStoreError
 from ..llama.llama_server import StateFingerprint
 from . import files as prefix_files
+from .background import Background
 from .directory import Directory, Listing
 from .files import Entry
 from .index import token_key
@@ -85,6 +86,7 @@ class PrefixStore:
         self._held = Ledger()
         self._counts = Counts()
         self._write_lock = trio.Lock()
+        self._background = Background()  # a put's hash and copy, at nice 19
         self._pending: set[str] = set()  # token keys of puts in progress, written or waiting their turn
         self._failing = False  # within a burst of failed writes: logged once
         self._listed_at = trio.current_time()  # trio clock of the last listing
@@ -101,6 +103,7 @@ class PrefixStore:
     def close(self) -> None:
         """Let go of the directory (a private one's lock: another onebitd may then open it)."""
         self.io.close()
+        self._background.close()
 
     @property
     def directory(self) -> Path:
@@ -291,7 +294,7 @@ class PrefixStore:
         created = time.time()
         try:
             state_bytes = os.stat(path).st_size  # in the state directory, a tmpfs: no need for a thread
-            blake2b = await trio.to_thread.run_sync(prefix_files.digest, path)
+            blake2b = await self._background.run(prefix_files.digest, path)  # both at nice 19 (background.py)
         except OSError as exc:
             self._failed(key, exc)
             return False
@@ -308,7 +311,7 @@ class PrefixStore:
             return False
         name = self.io.name(key)
         try:
-            await trio.to_thread.run_sync(self.io.write, name, path, sidecar, state_bytes)
+            await self._background.run(self.io.write, name, path, sidecar, state_bytes)
         except OSError as exc:
             self._failed(key, exc)
             return False

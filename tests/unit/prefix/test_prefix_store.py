@@ -34,6 +34,7 @@ from supervisor.llama.llama_server import LlamaServerLauncher, StateFingerprint
 from supervisor.llama.statefile import MAGIC_BYTES as STATE_MAGIC
 from supervisor.prefix import files as prefix_files
 from supervisor.prefix import index as prefix_index
+from supervisor.prefix.background import NICE, Background
 from supervisor.prefix.files import Disk
 from supervisor.prefix.index import BLOCK, PrefixIndex, token_key
 from supervisor.prefix.opening import open_prefix_store, open_private
@@ -789,6 +790,62 @@ async def test_a_put_cancelled_by_its_caller_still_finishes_and_is_accounted(rig
     assert store.statistics().entries == 1
     assert store.statistics().bytes == rig.disk_bytes()
     store.close()
+
+
+class PriorityDisk(Disk):
+    """Records the nice value of the thread that copies a state file in."""
+
+    def __init__(self) -> None:
+        self.nice: list[int] = []
+
+    def move_in(self, source: Path, target: Path) -> None:
+        self.nice.append(os.getpriority(os.PRIO_PROCESS, 0))
+        super().move_in(source, target)
+
+
+async def test_a_puts_hash_and_copy_run_at_nice_19_and_other_threads_keep_their_priority(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On cores it shares with the decoder, a put's tens of ms of CPU would slow the request beside it
+    # (supervisor/prefix/background.py).  The event loop's thread and trio's worker threads keep theirs.
+    hashed: list[int] = []
+    digest = prefix_files.digest
+
+    def recording(path: Path) -> str:
+        hashed.append(os.getpriority(os.PRIO_PROCESS, 0))
+        return digest(path)
+
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    if ours >= NICE:
+        pytest.skip(f"the tests run at nice {ours} already")
+    monkeypatch.setattr(prefix_files, "digest", recording)
+    disk = PriorityDisk()
+    store = await rig.open(disk=disk)
+    try:
+        with trio.fail_after(30):
+            assert await store.put_file(tokens(100), rig.state_file())
+            assert await store.put_file(tokens(200), rig.state_file())
+            worker = await trio.to_thread.run_sync(os.getpriority, os.PRIO_PROCESS, 0)
+    finally:
+        store.close()
+    assert hashed == disk.nice == [NICE] * 2
+    assert os.getpriority(os.PRIO_PROCESS, 0) == worker == ours
+    assert store.statistics().entries == 2
+
+
+async def test_a_background_jobs_exception_is_raised_to_its_caller_and_the_thread_goes_on() -> None:
+    background = Background()
+
+    def fails() -> None:
+        raise OSError(errno.ENOSPC, "full")
+
+    try:
+        with trio.fail_after(30):
+            with pytest.raises(OSError, match="full"):
+                await background.run(fails)
+            assert await background.run(lambda a, b: a + b, 2, 3) == 5
+    finally:
+        background.close()
 
 
 # -- statistics, list, clear ------------------------------------------------------------------------
