@@ -163,12 +163,6 @@ class SlotPool:
         tokens = self._held[slot].tokens
         return SlotHolding(slot, state, None if tokens is None else len(tokens))
 
-    @property
-    def held(self) -> int:
-        """The slots handed out now to requests that have not answered yet (one kept only for its
-        save after the reply is not counted): each prefills, hands over or decodes."""
-        return self.n_slots - len(self._free) - len(self._keeping)
-
     def holds(self, slot: int) -> PromptKey:
         """The prompt the slot was last given (what its cache holds, as far as we know)."""
         return self._held[slot]

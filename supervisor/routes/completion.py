@@ -100,6 +100,9 @@ class Completions:
             state_bytes_per_token=STATE_BYTES_PER_TOKEN,
         )
         self.decoding = 0  # replies the decoder is generating now: a plain prefill would stall them
+        # Requests here whose reply is not over (planned, queued for a slot, handed over, prefilling
+        # or decoding), by id: what a provider's prefill on the decoder's cores will run beside.
+        self.answering: set[str] = set()
         self.contention = Contention()  # the prefills running on each child now: an estimate shares them
         self._slots_generation = decoder.generation  # the decoder process the slots' memory is about
         self.stored: StoredPrefixes | None = None  # the prefix store: set by run()
@@ -197,7 +200,7 @@ class Completions:
                     provider=provider_cost,
                     handoff_ms=self.rates.handoff_ms(len(tokens)),
                     streams_decoding=self.decoding,
-                    others=self.slots.held - 1,
+                    others=len(self.answering) - 1,
                     apart=hybrid.placement.apart(provider),
                     busy=self.contention.busy(provider.name),
                     shared=self.rates.shared(),
@@ -229,6 +232,21 @@ class Completions:
         if self.decoder.generation != self._slots_generation:
             self._slots_generation = self.decoder.generation
             self.slots.forget_all()
+        self.answering.add(story.req)
+        try:
+            await self._serve(endpoint, body, out, story, headers, settings)
+        finally:
+            self.answering.discard(story.req)
+
+    async def _serve(
+        self,
+        endpoint: str,
+        body: dict[str, Any],
+        out: Responder,
+        story: Story,
+        headers: Headers,
+        settings: HybridConfig,
+    ) -> None:
         plan = await self._plan(endpoint, body, story.req)
         story.planned(plan.n_tokens)
         async with self.slots.hold(plan.key if plan.remember else None, settle=self._settle) as slot:
@@ -268,6 +286,7 @@ class Completions:
                     endpoint, forwarded, out, story, headers, plan=plan, slot=slot, entry=entry, prefilled=prefilled
                 )
                 keep.done = out.finished and relayed.error is None
+            self.answering.discard(story.req)  # what follows is no work the other requests run beside
             # After the last byte, the client there or not (the front cancels only an unfinished reply).
             if out.finished and relayed.error is None:
                 timings = relayed.timings
@@ -391,9 +410,11 @@ class Completions:
             if pinned:
                 story.holds(slot)
                 forwarded = {**body, "id_slot": slot}
+            self.answering.add(story.req)
             try:
                 relayed = await relay(self.client, endpoint, forwarded, out, timings, headers, req=story.req)
             finally:
+                self.answering.discard(story.req)
                 if pinned:
                     # Its cache now holds a prompt onebitd did not key: nothing to match a next one on.
                     self.slots.forget(slot)

@@ -101,8 +101,9 @@ class Costs:
     apart: bool = False
     # The prefills running on the decoder and the provider now (routes/contention.py): a new one shares them.
     busy: Busy = attrs.field(factory=Busy)
-    # Other requests holding a decoder slot now: each prefills (there or on a provider) and then
-    # decodes, beside a provider's prefill on the decoder's cores.
+    # Other requests the decoder has to answer now, a slot held or not yet (routes/completion.py's
+    # ``answering``): each prefills (there or on a provider) and then decodes, beside a provider's
+    # prefill on the decoder's cores.
     others: int = 0
     # On shared cores, the share of the other child's prefill that slows a child's while both run, and
     # of the decoder's replies that slows a provider's prefill (routes/slowdown.py's ``Shared``).

@@ -138,17 +138,3 @@ async def test_a_question_on_a_system_prompt_no_slot_holds_now_branches_off_the_
     assert pool.shared(prompt(*GROUPS[0], 2)) == (len(GROUPS[0]), False)
     assert pool.shared(prompt(*GROUPS[0], 1, 5)) == (len(GROUPS[0]) + 1, True)  # it goes on from it
     assert pool.shared(prompt(*GROUPS[3], 1)) == (0, False)
-
-
-async def test_held_counts_the_requests_that_have_not_answered_yet() -> None:
-    """What a handoff on shared cores is priced beside (routes/decision.py's ``Costs.others``): a slot
-    kept only for its save after the reply does not decode any more."""
-    pool = SlotPool(3, queue_limit=4)
-    with trio.fail_after(5):
-        async with pool.hold(PromptKey("a")):
-            assert pool.held == 1
-            async with pool.hold(PromptKey("b")) as answered:
-                assert pool.held == 2
-                pool.keeping(answered, PromptKey("b"))
-                assert pool.held == 1
-        assert pool.held == 0

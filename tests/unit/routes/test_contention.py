@@ -22,7 +22,7 @@ from supervisor.routes.story import Story
 from tests.fakes.llama.core import Modes
 from tests.rigs import asgi
 from tests.rigs.rig import ScriptedProvider
-from tests.unit.routes.test_completions import PROMPT, TIMEOUT, make_rig
+from tests.unit.routes.test_completions import PROMPT, TIMEOUT, M, make_rig
 
 # A 600-token prompt, decoder and provider at 5 ms a token, the provider on the decoder's cores.
 COSTS = Costs(0, 0, linear(5.0), linear(5.0), handoff_ms=60.0, streams_decoding=0, apart=False)
@@ -271,6 +271,48 @@ def test_a_cold_prompt_stays_plain_on_shared_cores_while_another_request_holds_a
     assert busy.estimate.hybrid_ms == 1400.0 * (1 + DECODING) + 50.0 + 2.8
     # Apart from the decoder its replies cost the provider nothing: the stream-sparing rule stands.
     assert choose(ask, offer, attrs.evolve(cold, others=1, apart=True)).route is Route.FILE
+
+
+@pytest.mark.parametrize("beside", [False, True], ids=["alone", "another-being-planned"])
+async def test_a_request_still_being_planned_is_work_a_cold_handoff_on_shared_cores_would_run_beside(
+    tmp_path: Path, beside: bool
+) -> None:
+    """The fleet's sessions send their requests in pairs: one that has not reached a decoder slot yet
+    (planned, or queued) will decode within the provider's prefill all the same.  Counted only once
+    it held a slot, a cold prompt arriving with it was handed over, and took 2x to 3x its estimate."""
+    rig = make_rig(tmp_path, ScriptedProvider())
+    completions = rig.completions
+    assert completions.hybrid is not None
+    completions.hybrid = attrs.evolve(completions.hybrid, placement=Placement())  # unpinned: shared cores
+    # The provider twice the faster: alone, the prompt is handed over.
+    completions.rates = Rates(
+        decoder_ms_per_token=500.0, provider_ms_per_token=250.0, handoff_ms_per_mib=1.0, state_bytes_per_token=1
+    )
+    completions.rates.decode_slowdown = Slowdown(2.4)
+    planning, go = trio.Event(), trio.Event()
+    plan = completions._plan
+
+    async def held_in_planning(endpoint: str, body: dict[str, object], req: str) -> object:
+        if body["prompt"] == "another":
+            planning.set()
+            await go.wait()
+        return await plan(endpoint, body, req)
+
+    completions._plan = held_in_planning  # type: ignore[method-assign,assignment]
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            if beside:
+                nursery.start_soon(rig.post, "/completion", {"prompt": "another", "n_predict": 1})
+                await planning.wait()
+            reply = await rig.post("/completion", {"prompt": PROMPT, "n_predict": 3})
+            go.set()
+    [line] = [line for line in rig.lines if line.prompt_tokens == M]
+    assert reply.status == 200
+    if beside:
+        assert (line.route, line.fallback) == ("plain", "plain-cheaper")
+        assert (line.est_hybrid_ms or 0.0) > (line.est_plain_ms or float("inf"))
+    else:
+        assert (line.route, line.fallback) == ("file", None)
 
 
 def test_a_handoff_tells_the_slowdown_it_met_beside_the_decoders_replies() -> None:
