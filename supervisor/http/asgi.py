@@ -183,6 +183,14 @@ class Request:
                 await self._answer(500, "internal", "onebitd sent no response")
             elif not self.finished:
                 self.closes(Close.CUT)
+        except Exception:  # answering the failure failed: this connection only, never the front
+            log.warning(
+                "answering a failed request on %s %s failed; its connection closes",
+                self.method,
+                self.path,
+                exc_info=True,
+            )
+            self.closes(Close.APP_FAILED)
         finally:
             self._out.set()
 

@@ -2,9 +2,10 @@
 to the socket, and read the next head once the response is out (keep-alive, pipelined requests
 answered in order), while the app may still run.
 
-- A connection is idle from the end of a response to the end of the next head: it is closed after
-  ``idle_timeout_s`` then, and at once when the server stops; a busy one is closed when its response
-  is out.
+- A connection is idle from the end of a response to the end of the next head: it stops reading
+  after ``idle_timeout_s`` then, and at once when the server stops; a busy one once its response is
+  out.  Its socket closes once the last app run on it has returned (a completion's save after its
+  reply, within the server's graceful timeout at a stop).
 - A head onebitd does not take (:class:`~supervisor.errors.Malformed`: 400, 431, 501, 505) is answered
   by the one error writer (respond.py's, with ``X-Onebit-Source``) and the connection closes.
 - Writes have a deadline: a client that takes no byte of a response for ``write_timeout_s`` loses its

@@ -35,8 +35,8 @@ from ..errors import Overloaded
 # same template tokens, every chat's JSON with the same characters): below it, the LRU slot is taken.
 USEFUL_TOKENS = 16
 USEFUL_CHARS = 64
-# How long a request waits for a slot that is only being saved (the prefix store's save after a
-# reply, bounded at 30 s in routes/stored.py): past that it takes a free one.
+# How long a request waits for a slot that is only being saved (the chat's end asked, then the prefix
+# store's save after a reply, bounded at 30 s in routes/stored.py): past that it takes a free one.
 KEEP_WAIT_S = 35.0
 # The prompts slots held before they moved on, kept for llama-server's prompt cache: newest first,
 # as many as the cache's size in tokens allows (reusable's ``prompt_cache``), never more than this

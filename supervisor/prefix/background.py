@@ -4,7 +4,7 @@ file's hash and its copy into the store take little of the cores the decoder and
 A state file is tens of MiB: its hash and its copy are tens of ms of CPU each put, and they start
 the moment a reply ends, when the request beside it is prefilling.  The decoder's threads wait for
 each other at every step, so one that loses its core holds all of them back.  Measured on the
-reference machine (docs/benchmarks.md, "the prefix store's writes at nice 19"), 16 MiB puts one
+reference machine (docs/benchmarks.md, "Figures the code cites"), 16 MiB puts one
 after another slowed a reply beside them from 11.6 to 16.5 ms a token at normal priority, and not
 measurably at nice 19 (11.7), which still got 0.4 to 0.6 puts a second done beside the busy decoder
 (``SCHED_IDLE`` slowed it no less and got 0 to 0.2 done: a store under steady load would keep
@@ -61,6 +61,7 @@ class Background:
         return future.result()
 
     def close(self) -> None:
+        """Let the thread go once its job in progress is done (a later job starts another)."""
         if self._executor is not None:
             self._executor.shutdown(wait=False)
             self._executor = None

@@ -15,7 +15,7 @@ and removed on every other path.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 
 import attrs
@@ -98,19 +98,20 @@ async def keep_after(
     *,
     req: str,
     restored: Entry | None,
+    settle: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """After a reply, on every route: the slot saved for the prefix store up to where the next turn
     still matches (:func:`entry_end`), when the store keeps anything of it.  A chat's end is two calls
     to the decoder while the slot is held: not asked where nothing would be kept wherever it ended
     (``StoredPrefixes.may_keep``: an agent fleet's questions on a stored system prompt).  ``stored``
-    None: no store."""
+    None: no store.  ``settle``: awaited before a save (StoredPrefixes.after)."""
     if stored is None or (isinstance(plan.prompt, Chat) and not stored.may_keep(plan.key, slots, restored=restored)):
         return
     # The client has its whole reply and its connection takes its next request meanwhile (the front
     # runs this past the response, supervisor/http/asgi.py): a next turn waits for this slot.
     slots.keeping(slot, plan.key)
     ends = await entry_end(client, plan, stored)
-    await stored.after(slot, plan.key, slots, req=req, restored=restored, ends=ends)
+    await stored.after(slot, plan.key, slots, req=req, restored=restored, ends=ends, settle=settle)
 
 
 def _shared(a: Sequence[int], b: Sequence[int]) -> int:

@@ -163,10 +163,10 @@ def estimate(prompt_tokens: int, costs: Costs) -> Estimate:
     runs on its child (``costs.busy``: batched or queued with it), and on shared cores is slowed by
     its share (``costs.shared.prefill``) of what runs on the other child while both run; the restore
     waits for what is left of the decoder's.  On shared cores a provider's prefill is slowed too by
-    the other requests holding the decoder's slots (``costs.shared.decode``): they decode beside the
-    rest of it (one prefilling or handed over decodes after; an agent's next request follows its
-    reply).  A plain prefill is priced as paying nothing for them: it is batched with them in the
-    decoder's own steps.  With nothing in flight these terms are 0.
+    the other requests the decoder has to answer (``costs.others``; ``costs.shared.decode``): they
+    decode beside the rest of it (one planned, queued, prefilling or handed over decodes after; an
+    agent's next request follows its reply).  A plain prefill is priced as paying nothing for them:
+    it is batched with them in the decoder's own steps.  With nothing in flight these terms are 0.
 
     On shared cores a handoff may first wait for the decoder's prefills in flight (``wait_ms``,
     routes/contention.py's ``settle``), its provider then running beside none of them: it waits where

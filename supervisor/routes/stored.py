@@ -266,12 +266,22 @@ class StoredPrefixes:
         return self.candidate(key.tokens, shared, extends) is not None
 
     async def after(
-        self, slot: int, key: PromptKey, slots: SlotPool, *, req: str, restored: Entry | None, ends: int | None = None
+        self,
+        slot: int,
+        key: PromptKey,
+        slots: SlotPool,
+        *,
+        req: str,
+        restored: Entry | None,
+        ends: int | None = None,
+        settle: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         """Save a request's slot for the store, after its reply, when it holds a prompt worth keeping
         (never where a state cannot be cut back: its entry was saved at the boundary, :meth:`mark`).
         ``ends``: how many of the prompt's tokens its entry may hold at most (a chat's, up to its
-        boundary: routes/boundary.py's ``entry_end``)."""
+        boundary: routes/boundary.py's ``entry_end``).  ``settle``: awaited before the save, the slot
+        kept meanwhile (routes/completion.py's: until the decoder's prefills in flight are answered;
+        the save, on the decoder's loop, would hold them back)."""
         if self._writes is None or key.tokens is None or not self.enabled or self.at_boundary:
             return
         # A chat's next turn matches it up to its generation prompt (``ends``), not always past it.
@@ -284,6 +294,8 @@ class StoredPrefixes:
         if tokens is None:
             return
         slots.keeping(slot, key)  # a next turn sent at once waits for this slot, not a cold one
+        if settle is not None:
+            await settle()
         path = await self.save(slot, req)
         if path is None:
             return

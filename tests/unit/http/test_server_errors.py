@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
 import trio
 
 from supervisor.errors import ClientError
+from supervisor.http import asgi
 from supervisor.http.respond import Message, Receive, Send
-from tests.unit.http.test_server import IDLE, connected, echo, serving
+from tests.unit.http.test_server import GET, IDLE, connected, echo, serving
 
 DATE = re.compile(rb"\r\nDate: [^\r]+\r\n")
 
@@ -84,3 +86,20 @@ async def test_a_body_past_its_deadline_on_anthropic_s_path_is_anthropic_s_timeo
         reply = await raw_reply(echo, request, body_timeout_s=IDLE)
     message = "request body not received within server.body_timeout_s (0.2)"
     assert reply == expected(b"408 Request Timeout", anthropic("timeout_error", message))
+
+
+async def test_a_failure_the_server_cannot_answer_closes_that_connection_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The app runs beside the connection's next request (asgi.Request.serve): what escapes it would
+    # end the server's whole nursery, every client's connection with it.
+    async def unanswerable(self: asgi.Request, status: int, code: str, message: str) -> None:
+        raise RuntimeError("cannot answer")
+
+    monkeypatch.setattr(asgi.Request, "_answer", unanswerable)
+    async with serving(boom) as served:
+        async with connected(served.port) as client:
+            await client.send(GET)
+            assert await client.rest() == b""
+        monkeypatch.undo()
+        async with connected(served.port) as client:
+            await client.send(GET)
+            assert (await client.response()).status == 500

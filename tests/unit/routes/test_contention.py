@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import attrs
@@ -21,8 +22,10 @@ from supervisor.routes.slowdown import DECODING, OVERLAP_MS, SHARED, SHARED_MAX,
 from supervisor.routes.story import Story
 from tests.fakes.llama.core import Modes
 from tests.rigs import asgi
+from tests.rigs.helpers import wait_until
 from tests.rigs.rig import ScriptedProvider
-from tests.unit.routes.test_completions import PROMPT, TIMEOUT, M, make_rig
+from tests.unit.routes.test_completions import PROMPT, TIMEOUT, M, make_rig, serving_with_store
+from tests.unit.routes.test_hybrid_store import stores
 
 # A 600-token prompt, decoder and provider at 5 ms a token, the provider on the decoder's cores.
 COSTS = Costs(0, 0, linear(5.0), linear(5.0), handoff_ms=60.0, streams_decoding=0, apart=False)
@@ -370,6 +373,52 @@ async def test_a_handoff_on_shared_cores_asks_its_provider_once_the_decoders_pre
     assert (reply.status, line.route, line.fallback) == (200, "file", None)
     assert line.wait_ms == pytest.approx(150.0)  # woken when it was answered, before its bound (550 ms)
     assert answered[0]
+
+
+@pytest.mark.parametrize("answered_after", [0.15, None], ids=["answered", "never"])
+async def test_a_save_after_a_reply_waits_for_the_decoders_prefills_in_flight_bounded(
+    tmp_path: Path, answered_after: float | None
+) -> None:
+    """A slot save runs on the decoder's loop between its batches: a request sent meanwhile waited
+    for it (on the fleet benchmark's first blocks, 110 ms at the median beyond its own prefill against
+    22).  The save goes once the decoder's prefills in flight are answered, or at the wait's bound."""
+    rig = make_rig(tmp_path, ScriptedProvider(ready=False))  # plain
+    completions = rig.completions
+    answered = [False]
+    seen: list[tuple[bool, float]] = []
+
+    async def answer_after(seconds: float) -> None:
+        await trio.sleep(seconds)
+        answered[0] = True
+        completions.contention.poke()
+
+    with trio.fail_after(TIMEOUT):
+        async with serving_with_store(rig, tmp_path) as store:
+            stored = completions.stored
+            assert stored is not None
+            save = stored.save
+
+            async def recording(slot: int, req: str) -> Path | None:
+                seen.append((answered[0], trio.current_time() - start))
+                return await save(slot, req)
+
+            stored.save = recording  # type: ignore[method-assign]
+            # Another request's prefill in flight on the decoder, 200 ms to go.
+            with completions.contention.running(DECODER, 40, 200.0, over=lambda: answered[0]):
+                async with trio.open_nursery() as nursery:
+                    start = trio.current_time()
+                    if answered_after is not None:
+                        nursery.start_soon(answer_after, answered_after)
+                    reply = await rig.post("/completion", {"prompt": PROMPT, "n_predict": 3})
+            await wait_until(partial(stores, store, 1))
+    assert reply.status == 200
+    [(was_answered, at)] = seen
+    if answered_after is not None:
+        assert was_answered
+        assert at >= answered_after
+    else:  # the bound: 1.5 times the estimated rest, and SETTLE_SLACK_S (the store's thread: a real clock)
+        assert not was_answered
+        assert at >= 1.5 * 0.2 + SETTLE_SLACK_S
 
 
 async def test_the_decoders_first_bytes_tell_a_wait_for_its_prefill(tmp_path: Path) -> None:
