@@ -13,7 +13,9 @@ On cores the two children share, a handoff waits for the decoder's prefills in f
 provider begins (:meth:`Contention.settle`): run together, each slows the other (two processes'
 threads on the same cores), and a short continuation on the decoder took 2x to 3x as long beside a
 provider's cold prefill on the fleet benchmark, while the wait costs the handoff about what that
-slowdown cost it (routes/decision.py's ``estimate``).
+slowdown cost it (routes/decision.py's ``estimate``).  A slot save for the prefix store after a
+reply waits the same way (routes/completion.py's ``_out_of_the_way``): it runs on the decoder's loop,
+and the requests sent while it waited there held back.
 """
 
 from __future__ import annotations
