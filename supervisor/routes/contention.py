@@ -15,7 +15,7 @@ threads on the same cores), and a short continuation on the decoder took 2x to 3
 provider's cold prefill on the fleet benchmark, while the wait costs the handoff about what that
 slowdown cost it (routes/decision.py's ``estimate``).  A slot save for the prefix store after a
 reply waits the same way (routes/completion.py's ``_out_of_the_way``): it runs on the decoder's loop,
-and the requests sent while it waited there held back.
+between its batches, and held back the requests sent while it waited there for one.
 """
 
 from __future__ import annotations
