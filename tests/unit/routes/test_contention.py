@@ -24,12 +24,28 @@ from tests.fakes.llama.core import Modes
 from tests.rigs import asgi
 from tests.rigs.helpers import wait_until
 from tests.rigs.rig import ScriptedProvider
-from tests.unit.routes.test_completions import PROMPT, TIMEOUT, M, make_rig, serving_with_store
+from tests.unit.routes.test_completions import PROMPT, TIMEOUT, M, Rig, make_rig, serving_with_store
 from tests.unit.routes.test_hybrid_store import stores
 
 # A 600-token prompt, decoder and provider at 5 ms a token, the provider on the decoder's cores.
 COSTS = Costs(0, 0, linear(5.0), linear(5.0), handoff_ms=60.0, streams_decoding=0, apart=False)
 LIGHT = 0.2  # a slowdown under WAIT_SHARED: a handoff runs beside the decoder's prefills
+
+
+def shared_cores_rig(tmp_path: Path, *, provider_ms_per_token: float) -> Rig:
+    """The completions rig with its provider on the decoder's cores (unpinned), the decoder believed
+    at 500 ms a prompt token and the provider at ``provider_ms_per_token``."""
+    rig = make_rig(tmp_path, ScriptedProvider())
+    completions = rig.completions
+    assert completions.hybrid is not None
+    completions.hybrid = attrs.evolve(completions.hybrid, placement=Placement())
+    completions.rates = Rates(
+        decoder_ms_per_token=500.0,
+        provider_ms_per_token=provider_ms_per_token,
+        handoff_ms_per_mib=1.0,
+        state_bytes_per_token=1,
+    )
+    return rig
 
 
 class Clock:
@@ -283,14 +299,9 @@ async def test_a_request_still_being_planned_is_work_a_cold_handoff_on_shared_co
     """The fleet's sessions send their requests in pairs: one that has not reached a decoder slot yet
     (planned, or queued) will decode within the provider's prefill all the same.  Counted only once
     it held a slot, a cold prompt arriving with it was handed over, and took 2x to 3x its estimate."""
-    rig = make_rig(tmp_path, ScriptedProvider())
-    completions = rig.completions
-    assert completions.hybrid is not None
-    completions.hybrid = attrs.evolve(completions.hybrid, placement=Placement())  # unpinned: shared cores
     # The provider twice the faster: alone, the prompt is handed over.
-    completions.rates = Rates(
-        decoder_ms_per_token=500.0, provider_ms_per_token=250.0, handoff_ms_per_mib=1.0, state_bytes_per_token=1
-    )
+    rig = shared_cores_rig(tmp_path, provider_ms_per_token=250.0)
+    completions = rig.completions
     completions.rates.decode_slowdown = Slowdown(2.4)
     planning, go = trio.Event(), trio.Event()
     plan = completions._plan
@@ -348,14 +359,9 @@ def test_the_route_line_says_the_handoffs_wait_and_its_actual_counts_it() -> Non
 async def test_a_handoff_on_shared_cores_asks_its_provider_once_the_decoders_prefill_in_flight_is_answered(
     tmp_path: Path, autojump_clock: trio.testing.MockClock
 ) -> None:
-    rig = make_rig(tmp_path, ScriptedProvider())
-    completions = rig.completions
-    assert completions.hybrid is not None
-    completions.hybrid = attrs.evolve(completions.hybrid, placement=Placement())  # unpinned: shared cores
     # The provider believed ten times the faster: the prompt is handed over whatever the wait.
-    completions.rates = Rates(
-        decoder_ms_per_token=500.0, provider_ms_per_token=50.0, handoff_ms_per_mib=1.0, state_bytes_per_token=1
-    )
+    rig = shared_cores_rig(tmp_path, provider_ms_per_token=50.0)
+    completions = rig.completions
     completions.rates.slowdown = Slowdown(1.0)  # beside the decoder's prefill the provider's would take 2x
     answered = [False]
 

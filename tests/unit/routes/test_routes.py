@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import attrs
@@ -439,14 +440,17 @@ async def test_with_its_prompt_cache_the_decoder_reuses_what_another_slot_holds_
         assert pool.reusable(slot, asked, prompt_cache=1000) == 30
 
 
+async def hold_and_say(pool: SlotPool, got: list[int], prompt: PromptKey) -> None:
+    """A request for ``prompt``: the slot it is given goes into ``got``."""
+    async with pool.hold(prompt) as slot:
+        got.append(slot)
+
+
 async def test_a_next_turn_sent_while_its_slot_is_being_saved_waits_for_that_slot_not_a_cold_one() -> None:
     pool = SlotPool(2, queue_limit=8)
     turn1 = key(*SYSTEM, 1, 2, 3)
     got: list[int] = []
-
-    async def next_turn(prompt: PromptKey) -> None:
-        async with pool.hold(prompt) as slot:
-            got.append(slot)
+    next_turn = partial(hold_and_say, pool, got)
 
     with trio.fail_after(5):
         async with trio.open_nursery() as nursery, pool.hold(turn1) as first:
@@ -466,10 +470,7 @@ async def test_a_slot_told_twice_it_is_being_saved_wakes_the_next_turn_when_it_i
     pool = SlotPool(2, queue_limit=8)
     turn1 = key(*SYSTEM, 1, 2, 3)
     got: list[int] = []
-
-    async def next_turn(prompt: PromptKey) -> None:
-        async with pool.hold(prompt) as slot:
-            got.append(slot)
+    next_turn = partial(hold_and_say, pool, got)
 
     with trio.fail_after(5):
         async with trio.open_nursery() as nursery:
