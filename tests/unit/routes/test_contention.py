@@ -390,6 +390,7 @@ async def test_a_save_after_a_reply_waits_for_the_decoders_prefills_in_flight_bo
     22).  The save goes once the decoder's prefills in flight are answered, or at the wait's bound."""
     rig = make_rig(tmp_path, ScriptedProvider(ready=False))  # plain
     completions = rig.completions
+    completions.contention = Contention(clock=Clock())  # its clock stopped: 200 ms to go all along
     answered = [False]
     seen: list[tuple[bool, float]] = []
 
