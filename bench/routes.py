@@ -22,8 +22,10 @@ shared-prefix one): ``--groups`` (6) system prompts of 600 to 800 tokens, each r
 and a new 20 to 50-token question, 32 to 64 tokens out, streamed, two at a time.  *direct* is a
 llama-server as onebitd starts it (its decoder, reached on its own socket, with hybrid off: its
 own slots and prompt cache do all the reuse); *onebitd* is the shipped config through its front,
-its own processes.  Four blocks ABBA (direct, onebitd, onebitd, direct); each side meets the same
-requests in the same order.  First-token median and p90 and token throughput, onebitd over direct;
+its own processes.  First a warm-up, not counted: ``--warmup`` requests a side (a block's worth) on
+system prompts of their own, so that neither side's first block runs on a freshly started decoder
+(:func:`warm_up`).  Then four blocks ABBA (direct, onebitd, onebitd, direct); each side meets the
+same requests in the same order.  First-token median and p90 and token throughput, onebitd over direct;
 onebitd's route lines: requests handed over after a prefix-store restore, and the share whose
 estimate came within 1.5x of the actual prefill (supervisor/observe/routestats.py's measure).
 ``fleet --aa``: the onebitd side is a second llama-server direct, started as the first: the ratios
@@ -82,6 +84,9 @@ def fleet_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=2, help="requests in flight at once (2)")
     parser.add_argument("--quick", action="store_true", help="12 requests per block")
     parser.add_argument("--aa", action="store_true", help="A/A: the onebitd side is a second llama-server direct")
+    parser.add_argument(
+        "--warmup", type=int, help="requests a side before the blocks, on system prompts of their own (a block, or 4)"
+    )
     lines_argument(parser)
 
 
@@ -382,6 +387,35 @@ def requests_of(blocks: dict[str, list[Block]]) -> list[dict[str, Any]]:
     ]
 
 
+async def warm_up(
+    args: argparse.Namespace, direct: httpx.AsyncClient, other: httpx.AsyncClient, lines: RouteLines
+) -> None:
+    """Both sides' decoders brought to a steady state before any block is timed: requests on system
+    prompts of their own (their own draw, so the blocks' asks are the same with or without), direct's
+    first, not counted, onebitd's route lines waited for so that none is counted with the blocks.
+
+    Without it the first block is direct's on a fresh llama-server, whose prompt cache's saves (one
+    at most tasks' start: its idle slots, 15 to 20 MiB each) take 2 to 12 ms on memory the run's
+    start freed, where onebitd's decoder, past its load's probe, and every later block take 40 to
+    60 ms on memory first touched (the kernel's page clearing: docs/benchmarks.md, fleet)."""
+    per_block = 12 if args.quick else args.requests
+    n = args.warmup if args.warmup is not None else 4 if args.quick else per_block
+    if n <= 0:
+        return
+    rng = random.Random(3)
+    prefixes = [await text_of(direct, rng.randint(600, 800), rng) for _ in range(args.groups)]
+    asks = [
+        Ask(rng.randrange(args.groups), await text_of(direct, rng.randint(20, 50), rng), rng.randint(32, 64))
+        for _ in range(n)
+    ]
+    before = len(lines.lines)
+    for client in (direct, other):
+        await run_block(client, prefixes, asks, args.concurrency)
+    if not args.aa:  # a direct side logs none: it bypasses onebitd
+        await lines.wait(before + n)
+    print(f"  warm-up: {n} requests a side on system prompts of their own, not counted")
+
+
 async def fleet(args: argparse.Namespace) -> int:
     per_block = 12 if args.quick else args.requests
     print(machine())
@@ -417,6 +451,7 @@ async def fleet(args: argparse.Namespace) -> int:
                 ]
 
             first, second = await asks(), await asks()
+            await warm_up(args, direct.direct, other, lines)
             onebitd_lines_from = len(lines.lines)  # the direct side logs none: it bypasses onebitd
             for side, client, block in [
                 ("direct", direct.direct, first),

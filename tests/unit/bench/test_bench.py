@@ -386,6 +386,8 @@ async def test_the_fleet_benchmark_in_quick_mode_exits_0_with_both_sides_and_one
     picture, lines = tmp_path / "fleet.svg", tmp_path / "fleet.lines"
     out = await quick_run("fleet", "--quick", "--plot", str(picture), "--lines", str(lines), timeout_s=1800)
     assert {"direct", "onebitd"} <= set(svg_texts(picture))
+    # The warm-up's 4 requests a side come first and are not counted: 24 route lines, not 28.
+    assert "  warm-up: 4 requests a side on system prompts of their own, not counted" in out, out
     assert len(lines.read_text().splitlines()) == 24
     # Both sides' requests, each block's asks each once, with what the decoder said of its prompt.
     requests = [json.loads(line) for line in lines.with_suffix(".requests").read_text().splitlines()]
