@@ -370,6 +370,14 @@ async def run_block(client: httpx.AsyncClient, prefixes: Sequence[str], asks: Se
     return Block(first, tokens, time.perf_counter() - start, timings, asked)
 
 
+def paired(direct: Block, onebitd: Block) -> float:
+    """The median over a block's asks of onebitd's first token less direct's for the same ask: the
+    sides' difference with the asks' own spread (cold or cached, short or long) taken out, which
+    the ratio of the two medians keeps."""
+    theirs = dict(zip(direct.asked, direct.first_ms, strict=True))
+    return statistics.median(ms - theirs[ask] for ask, ms in zip(onebitd.asked, onebitd.first_ms, strict=True))
+
+
 def requests_of(blocks: dict[str, list[Block]]) -> list[dict[str, Any]]:
     """Each side's requests, block by block in the order they finished: the ask, the first token, and
     what the decoder said of its prompt."""
@@ -491,6 +499,9 @@ async def fleet(args: argparse.Namespace) -> int:
         f"onebitd / direct: median {statistics.median(ttft['onebitd']) / statistics.median(ttft['direct']):.2f}x,"
         f" p90 {p90(ttft['onebitd']) / p90(ttft['direct']):.2f}x, throughput {rate['onebitd'] / rate['direct']:.2f}x"
     )
+    each = zip(("first", "second"), blocks["direct"], blocks["onebitd"], strict=True)
+    gaps = ", ".join(f"{n} blocks {paired(d, o):+.0f} ms" for n, d, o in each)
+    print(f"onebitd less direct, the same ask, median: {gaps}")
     print(
         f"onebitd's {len(ours)} requests: {handed} handed over, {restored} restored from the prefix store,"
         f" {after_restore} handed over after a restore; estimates within 1.5x: {share(n, good)}"

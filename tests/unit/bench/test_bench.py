@@ -22,6 +22,7 @@ import trio
 
 import bench.cli
 from bench import agent, hosts
+from bench.routes import Block, paired
 from tests.rigs.rig import openvino_llama_server, real_llama_server
 from tests.unit.bench.test_bench_plot import svg_texts
 
@@ -398,12 +399,21 @@ async def test_the_fleet_benchmark_in_quick_mode_exits_0_with_both_sides_and_one
     for side in ("direct", "onebitd"):
         assert re.search(rf"^{side} +\d+ ms +\d+ ms +{NUMBER}$", out, re.MULTILINE), out
     assert re.search(rf"^onebitd / direct: median {NUMBER}x, p90 {NUMBER}x, throughput {NUMBER}x$", out, re.M), out
+    paired = r"^onebitd less direct, the same ask, median: first blocks [+-]\d+ ms, second blocks [+-]\d+ ms$"
+    assert re.search(paired, out, re.M), out
     # Every request of onebitd's two blocks logged its route line.
     found = re.search(r"^onebitd's (\d+) requests: (\d+) handed over, (\d+) restored from the prefix store", out, re.M)
     assert found is not None, out
     assert int(found.group(1)) == 24, out
     assert re.search(COSTS, out, re.M), out
     assert "machine noise: " in out, out
+
+
+def test_the_fleets_paired_figure_takes_each_ask_against_the_same_ask_on_the_other_side() -> None:
+    """The blocks finish out of order: each side's asks are matched by ask, not by place."""
+    direct = Block([100.0, 300.0, 200.0], 0, 1.0, [{}, {}, {}], asked=[0, 2, 1])
+    onebitd = Block([210.0, 90.0, 305.0], 0, 1.0, [{}, {}, {}], asked=[1, 0, 2])
+    assert paired(direct, onebitd) == 5.0  # +10, -10, +5 (by place: +110, -210, +105)
 
 
 @pytest.mark.real
