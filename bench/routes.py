@@ -22,12 +22,13 @@ shared-prefix one): ``--groups`` (6) system prompts of 600 to 800 tokens, each r
 and a new 20 to 50-token question, 32 to 64 tokens out, streamed, two at a time.  *direct* is a
 llama-server as onebitd starts it (its decoder, reached on its own socket, with hybrid off: its
 own slots and prompt cache do all the reuse); *onebitd* is the shipped config through its front,
-its own processes.  First a warm-up, not counted: ``--warmup`` requests a side (a block's worth) on
-system prompts of their own, so that neither side's first block runs on a freshly started decoder
-(:func:`warm_up`).  Then four blocks ABBA (direct, onebitd, onebitd, direct); each side meets the
-same requests in the same order.  First-token median and p90 and token throughput, onebitd over direct;
-onebitd's route lines: requests handed over after a prefix-store restore, and the share whose
-estimate came within 1.5x of the actual prefill (supervisor/observe/routestats.py's measure).
+its own processes.  First a warm-up, not counted: ``--warmup`` requests a side (a block's worth; 4
+with ``--quick``) on system prompts of their own, so that neither side's first block runs on a
+freshly started decoder (:func:`warm_up`).  Then four blocks ABBA (direct, onebitd, onebitd,
+direct); each side meets the same requests in the same order.  First-token median and p90 and
+token throughput, onebitd over direct, and the paired figure (:func:`paired`) for each pair of
+blocks; onebitd's route lines: requests handed over after a prefix-store restore, and the share
+whose estimate came within 1.5x of the actual prefill (supervisor/observe/routestats.py's measure).
 ``fleet --aa``: the onebitd side is a second llama-server direct, started as the first: the ratios
 it prints are the method's noise, against which onebitd's are read.
 
@@ -85,9 +86,19 @@ def fleet_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="12 requests per block")
     parser.add_argument("--aa", action="store_true", help="A/A: the onebitd side is a second llama-server direct")
     parser.add_argument(
-        "--warmup", type=int, help="requests a side before the blocks, on system prompts of their own (a block, or 4)"
+        "--warmup",
+        type=count,
+        help="requests a side first, on prompts of their own (a block; quick 4; 0 none)",
     )
     lines_argument(parser)
+
+
+def count(text: str) -> int:
+    """A number of requests: 0 or more (argparse's ``type``)."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text}: not a count of requests (0 or more)")
+    return value
 
 
 def lines_argument(parser: argparse.ArgumentParser) -> None:
@@ -396,19 +407,18 @@ def requests_of(blocks: dict[str, list[Block]]) -> list[dict[str, Any]]:
 
 
 async def warm_up(
-    args: argparse.Namespace, direct: httpx.AsyncClient, other: httpx.AsyncClient, lines: RouteLines
+    args: argparse.Namespace, per_block: int, direct: httpx.AsyncClient, other: httpx.AsyncClient, lines: RouteLines
 ) -> None:
-    """Both sides' decoders brought to a steady state before any block is timed: requests on system
-    prompts of their own (their own draw, so the blocks' asks are the same with or without), direct's
-    first, not counted, onebitd's route lines waited for so that none is counted with the blocks.
+    """Requests on system prompts of their own before any block is timed (their own draw, so the
+    blocks' asks are the same with or without), direct's first, not counted; onebitd's route lines
+    (and so its saves after them) waited for, so that none is counted with the blocks.
 
-    Without it the first block is direct's on a fresh llama-server, whose prompt cache's saves (one
-    at most tasks' start: its idle slots, 15 to 20 MiB each) take 2 to 12 ms on memory the run's
-    start freed, where onebitd's decoder, past its load's probe, and every later block take 40 to
-    60 ms on memory first touched (the kernel's page clearing: docs/benchmarks.md, fleet)."""
-    per_block = 12 if args.quick else args.requests
+    Without it direct's first block runs on a freshly started llama-server, whose prompt-cache saves
+    are quicker than they are anywhere later in the run (docs/benchmarks.md, "the first blocks'
+    memory").  It also teaches onebitd's cost model and fills its prefix store, as any earlier
+    traffic would."""
     n = args.warmup if args.warmup is not None else 4 if args.quick else per_block
-    if n <= 0:
+    if n == 0:
         return
     rng = random.Random(3)
     prefixes = [await text_of(direct, rng.randint(600, 800), rng) for _ in range(args.groups)]
@@ -459,7 +469,7 @@ async def fleet(args: argparse.Namespace) -> int:
                 ]
 
             first, second = await asks(), await asks()
-            await warm_up(args, direct.direct, other, lines)
+            await warm_up(args, per_block, direct.direct, other, lines)
             onebitd_lines_from = len(lines.lines)  # the direct side logs none: it bypasses onebitd
             for side, client, block in [
                 ("direct", direct.direct, first),
@@ -500,7 +510,7 @@ async def fleet(args: argparse.Namespace) -> int:
         f" p90 {p90(ttft['onebitd']) / p90(ttft['direct']):.2f}x, throughput {rate['onebitd'] / rate['direct']:.2f}x"
     )
     each = zip(("first", "second"), blocks["direct"], blocks["onebitd"], strict=True)
-    gaps = ", ".join(f"{n} blocks {paired(d, o):+.0f} ms" for n, d, o in each)
+    gaps = ", ".join(f"{which} blocks {paired(d, o):+.0f} ms" for which, d, o in each)
     print(f"onebitd less direct, the same ask, median: {gaps}")
     print(
         f"onebitd's {len(ours)} requests: {handed} handed over, {restored} restored from the prefix store,"

@@ -21,7 +21,7 @@ import pytest
 import trio
 
 import bench.cli
-from bench import agent, hosts
+from bench import agent, hosts, routes
 from bench.routes import Block, paired
 from tests.rigs.rig import openvino_llama_server, real_llama_server
 from tests.unit.bench.test_bench_plot import svg_texts
@@ -416,11 +416,21 @@ def test_the_fleets_paired_figure_takes_each_ask_against_the_same_ask_on_the_oth
     assert paired(direct, onebitd) == 5.0  # +10, -10, +5 (by place: +110, -210, +105)
 
 
+def test_the_fleets_warm_up_takes_a_count_of_requests() -> None:
+    parser = argparse.ArgumentParser()
+    routes.fleet_arguments(parser)
+    assert parser.parse_args(["--warmup", "0"]).warmup == 0
+    assert parser.parse_args([]).warmup is None  # a block's worth, or 4 with --quick
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--warmup", "-3"])
+
+
 @pytest.mark.real
 async def test_the_fleet_benchmarks_a_a_runs_a_second_direct_side_in_onebitds_place(tmp_path: Path) -> None:
     real_llama_server()
     out = await quick_run("fleet", "--quick", "--aa", timeout_s=1800)
     assert "A/A: the onebitd side is a second llama-server direct" in out, out
+    assert "  warm-up: 4 requests a side on system prompts of their own, not counted" in out, out
     assert re.search(rf"^onebitd / direct: median {NUMBER}x, p90 {NUMBER}x, throughput {NUMBER}x$", out, re.M), out
     # No request went through an onebitd front: no route line, no cost model.
     assert re.search(r"^onebitd's 0 requests: 0 handed over", out, re.M), out
