@@ -38,11 +38,10 @@ USEFUL_CHARS = 64
 # How long a request waits for a slot that is only being saved (the chat's end asked, then the prefix
 # store's save after a reply, bounded at 30 s in routes/stored.py): past that it takes a free one.
 KEEP_WAIT_S = 35.0
-# The prompts llama-server's prompt cache holds, as far as onebitd knows (those slots held before
-# they moved on, and those it saved from idle slots, a slot's that is busy now included): newest
-# last, read newest first as many as the cache's size in tokens allows (reusable's
-# ``prompt_cache``), never more than this many (1 GiB holds about 55 prompts of 800 tokens of
-# SmolLM2-135M's 22.5 KiB a token; a larger model holds fewer).
+# The prompts slots held before they moved on, kept for llama-server's prompt cache: newest first,
+# as many as the cache's size in tokens allows (reusable's ``prompt_cache``), never more than this
+# many (1 GiB holds about 55 prompts of 800 tokens of SmolLM2-135M's 22.5 KiB a token; a larger
+# model holds fewer).
 SAVED_PROMPTS = 64
 # llama-server loads a cached prompt only where the request keeps a quarter of it or more
 # (server_prompt_cache::load: "don't trash large prompts").
@@ -187,9 +186,8 @@ class SlotPool:
     def reusable(self, slot: int, key: PromptKey, *, prompt_cache: int) -> int:
         """Tokens of ``key`` llama-server would reuse with the request pinned to ``slot``: the
         slot's prefix; with its prompt cache on and the slot keeping less than half of what it
-        holds, the longest prefix that cache holds (any free slot's, the prompts slots held before
-        and those it saved from idle slots, the newest ``prompt_cache`` tokens of them: the cache's
-        size in tokens, 0 off).
+        holds, the longest prefix that cache holds (any free slot's, and the prompts slots held
+        before, the newest ``prompt_cache`` tokens of them: the cache's size in tokens, 0 off).
         llama-server then saves the slot into its cache and loads the best match from it.  An empty
         slot loads nothing: llama-server's share of it kept is 0/0 there, which is no less than half
         (server_context's get_available_slot, for a request pinned to its slot)."""
@@ -219,9 +217,9 @@ class SlotPool:
     def _save(self, tokens: tuple[int, ...]) -> None:
         """llama-server's prompt cache takes ``tokens`` (server_prompt_cache::alloc): not where it
         holds them already, within a longer prompt; the prompts they contain go."""
-        if any(common_prefix(tokens, saved) == len(tokens) for saved in self._saved):
+        if any(len(saved) >= len(tokens) and saved[: len(tokens)] == tokens for saved in self._saved):
             return
-        kept = [saved for saved in self._saved if common_prefix(saved, tokens) < len(saved)]
+        kept = [saved for saved in self._saved if not (len(saved) <= len(tokens) and tokens[: len(saved)] == saved)]
         self._saved.clear()
         self._saved.extend([*kept, tokens])
 
