@@ -121,21 +121,16 @@ class SlotStatistics:
 
 
 class SlotPool:
-    def __init__(self, n_slots: int, queue_limit: int | Callable[[], int], *, idle_saves: bool = True) -> None:
+    def __init__(self, n_slots: int, queue_limit: int | Callable[[], int]) -> None:
         """``queue_limit``: a number, or where to read it at each request (``server.queue_limit``,
-        which a reload changes: waiters already queued stay queued).  ``idle_saves``: llama-server
-        saves its idle slots into its prompt cache as each task starts (its ``--cache-idle-slots``,
-        off where the KV is unified: supervisor/llama/openvino.py's UNIFIED_ARGS)."""
+        which a reload changes: waiters already queued stay queued)."""
         self.n_slots = n_slots
-        self.idle_saves = idle_saves
         self._queue_limit = source(queue_limit)
         self._semaphore = trio.Semaphore(n_slots)
         self._free = set(range(n_slots))
         self._held = [PromptKey() for _ in range(n_slots)]
         # What llama-server's prompt cache holds beside the slots, as far as onebitd knows: newest last.
         self._saved: deque[tuple[int, ...]] = deque(maxlen=SAVED_PROMPTS)
-        # Slots whose prompt that cache may not hold yet: saved there once idle at a task's start.
-        self._unsaved: set[int] = set()
         self._tick = itertools.count(1)
         self._used = [0] * n_slots  # when each slot was last handed out, in hand-outs
         self._hits = 0
@@ -209,30 +204,13 @@ class SlotPool:
         """The slot holds ``key`` now; what it held before stays in llama-server's prompt cache."""
         before = self._held[slot].tokens
         self._held[slot] = key
-        self._unsaved.add(slot)
         if not before or (key.tokens is not None and common_prefix(before, key.tokens) == len(before)):
             return  # nothing, or a prefix of what the slot holds now
-        self._save(before)
-
-    def _save(self, tokens: tuple[int, ...]) -> None:
-        """llama-server's prompt cache takes ``tokens`` (server_prompt_cache::alloc): not where it
-        holds them already, within a longer prompt; the prompts they contain go."""
-        if any(len(saved) >= len(tokens) and saved[: len(tokens)] == tokens for saved in self._saved):
-            return
-        kept = [saved for saved in self._saved if not (len(saved) <= len(tokens) and tokens[: len(saved)] == saved)]
+        if any(common_prefix(before, saved) == len(before) for saved in self._saved):
+            return  # the cache holds it already, within a longer prompt (server_prompt_cache::alloc)
+        kept = [saved for saved in self._saved if common_prefix(saved, before) < len(saved)]
         self._saved.clear()
-        self._saved.extend([*kept, tokens])
-
-    def _idle_saved(self) -> None:
-        """A task starts: llama-server saves each idle slot whose prompt its cache does not hold yet
-        (server-context.cpp, "saving idle slot to prompt cache"), so a busy slot's last prompt stays
-        reusable from the cache by a request pinned elsewhere: an agent fleet's next question on the
-        system prompt of a reply still streaming."""
-        for slot in sorted(self._unsaved & self._free):
-            self._unsaved.discard(slot)
-            tokens = self._held[slot].tokens
-            if tokens:
-                self._save(tokens)
+        self._saved.extend([*kept, before])
 
     def forget(self, slot: int) -> None:
         """The slot was erased: it holds nothing."""
@@ -242,7 +220,6 @@ class SlotPool:
         """The server restarted: its slots and its prompt cache hold nothing."""
         self._held = [PromptKey() for _ in range(self.n_slots)]
         self._saved.clear()
-        self._unsaved.clear()
 
     def remember(self, slot: int, key: PromptKey) -> None:
         """The slot holds ``key`` now (a stored prefix was restored into it)."""
@@ -330,8 +307,6 @@ class SlotPool:
         slot = self._pick(key)
         self._free.discard(slot)
         self._used[slot] = next(self._tick)
-        if self.idle_saves:
-            self._idle_saved()
         try:
             yield slot
         except BaseException:

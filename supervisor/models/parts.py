@@ -112,7 +112,7 @@ class Parts:
             cpu_affinity=config.decoder.cpu_affinity,
             on_transition=on_decoder,
         )
-        self.slots = SlotPool(config.model.parallel, settings.queue_limit, idle_saves=not layout.kv_unified)
+        self.slots = SlotPool(config.model.parallel, settings.queue_limit)
         self.providers = self._providers(settings, seats, model_idle, on_provider)
         self.hybrid = self._hybrid() if config.hybrid.enabled and self.providers.all else None
         self.completions = self._completions()

@@ -93,30 +93,6 @@ async def test_a_prompt_a_slot_held_before_it_moved_on_is_reused_from_the_prompt
         assert pool.reusable(slot, asked, prompt_cache=701) == 0
 
 
-@pytest.mark.parametrize("idle_saves", [True, False])
-async def test_a_busy_slots_last_prompt_is_reused_from_the_cache_its_idle_slot_was_saved_into(idle_saves: bool) -> None:
-    # The fleet benchmark's ask 18: group 0's question is asked while another question on group 0
-    # streams in the slot that held group 0.  llama-server saved that slot's prompt into its cache
-    # when a task started while it was idle, so the new question, pinned to another slot, loads it
-    # from there: 700 tokens reused, not a cold prompt (a cold estimate sent the request after it
-    # to the provider).  Where the KV is unified onebitd turns those saves off (idle_saves False).
-    pool = SlotPool(3, queue_limit=8, idle_saves=idle_saves)
-    async with pool.hold(prompt(*GROUPS[2], 1)):
-        pass
-    async with pool.hold(prompt(*GROUPS[0], 1)) as first:
-        pass
-    async with pool.hold(prompt(*GROUPS[1], 1)):  # a task starts while group 0's slot is idle
-        pass
-    async with pool.hold(prompt(*GROUPS[0], 2)) as streaming:
-        assert streaming == first  # its slot, by affinity
-        asked = prompt(*GROUPS[0], 3)
-        async with pool.hold(asked) as slot:
-            assert pool.holds(slot) == prompt(*GROUPS[2], 1)  # the least recently used
-            assert pool.best_cached(asked) == 0  # no free slot holds group 0
-            reused = pool.reusable(slot, asked, prompt_cache=10_000)
-            assert reused == (len(GROUPS[0]) if idle_saves else 0)
-
-
 async def test_a_prompt_the_cache_would_keep_less_than_a_quarter_of_is_not_loaded() -> None:
     pool = SlotPool(1, queue_limit=8)
     async with pool.hold(prompt(*GROUPS[0], *GROUPS[1])):

@@ -236,9 +236,6 @@ async def test_a_models_layout_is_chosen_before_its_first_start_and_every_load_i
         assert (provider.device, provider.parallel, provider.static) == ("NPU", 1, True)
         assert "--kv-unified" in parts.launcher.argv()
         assert "--kv-unified" in provider.launcher.argv()
-        # --no-cache-idle-slots with it: the decoder's slots are not saved into its prompt cache when idle.
-        assert not parts.slots.idle_saves
-    assert asking.slots.idle_saves  # the load before the layout: llama-server's default
 
 
 def auto_provider(
