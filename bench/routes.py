@@ -381,6 +381,20 @@ async def run_block(client: httpx.AsyncClient, prefixes: Sequence[str], asks: Se
     return Block(first, tokens, time.perf_counter() - start, timings, asked)
 
 
+async def system_prompts(decoder: httpx.AsyncClient, groups: int, rng: random.Random) -> list[str]:
+    """The fleet's ``groups`` system prompts, 600 to 800 tokens each."""
+    return [await text_of(decoder, rng.randint(600, 800), rng) for _ in range(groups)]
+
+
+async def questions(decoder: httpx.AsyncClient, groups: int, n: int, rng: random.Random) -> list[Ask]:
+    """``n`` requests: each a system prompt of ``groups``, a new 20 to 50-token question, 32 to 64
+    tokens out."""
+    return [
+        Ask(rng.randrange(groups), await text_of(decoder, rng.randint(20, 50), rng), rng.randint(32, 64))
+        for _ in range(n)
+    ]
+
+
 def paired(direct: Block, onebitd: Block) -> float:
     """The median over a block's asks of onebitd's first token less direct's for the same ask: the
     sides' difference with the asks' own spread (cold or cached, short or long) taken out, which
@@ -421,11 +435,8 @@ async def warm_up(
     if n == 0:
         return
     rng = random.Random(3)
-    prefixes = [await text_of(direct, rng.randint(600, 800), rng) for _ in range(args.groups)]
-    asks = [
-        Ask(rng.randrange(args.groups), await text_of(direct, rng.randint(20, 50), rng), rng.randint(32, 64))
-        for _ in range(n)
-    ]
+    prefixes = await system_prompts(direct, args.groups, rng)
+    asks = await questions(direct, args.groups, n, rng)
     before = len(lines.lines)
     for client in (direct, other):
         await run_block(client, prefixes, asks, args.concurrency)
@@ -456,19 +467,9 @@ async def fleet(args: argparse.Namespace) -> int:
             running.clients(request_timeout_s=TIMEOUT_S) as onebitd,
         ):
             other = onebitd.direct if args.aa else onebitd.front
-            prefixes = [await text_of(direct.direct, rng.randint(600, 800), rng) for _ in range(args.groups)]
-
-            async def asks() -> list[Ask]:
-                return [
-                    Ask(
-                        rng.randrange(args.groups),
-                        await text_of(direct.direct, rng.randint(20, 50), rng),
-                        rng.randint(32, 64),
-                    )
-                    for _ in range(per_block)
-                ]
-
-            first, second = await asks(), await asks()
+            prefixes = await system_prompts(direct.direct, args.groups, rng)
+            first = await questions(direct.direct, args.groups, per_block, rng)
+            second = await questions(direct.direct, args.groups, per_block, rng)
             await warm_up(args, per_block, direct.direct, other, lines)
             onebitd_lines_from = len(lines.lines)  # the direct side logs none: it bypasses onebitd
             for side, client, block in [
