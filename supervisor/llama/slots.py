@@ -139,6 +139,8 @@ class SlotPool:
         self._keeping: dict[int, tuple[PromptKey, trio.Event]] = {}
         self._keep_waits = 0
         self._keep_waiting = 0
+        # What each held slot will hold once its request lets go (hold's key, or what will_hold said).
+        self._will_hold: dict[int, PromptKey | None] = {}
 
     @property
     def queue_limit(self) -> int:
@@ -245,16 +247,18 @@ class SlotPool:
 
     def keeping(self, slot: int, key: PromptKey) -> None:
         """The request holding ``slot`` has sent its last byte and holds on only to save the slot
-        (routes/stored.py): until it lets go, a request that continues ``key`` (a conversation's next
+        (routes/stored.py), or to tokenize a prompt it sent before it was planned
+        (routes/completion.py): until it lets go, a request that continues ``key`` (a conversation's next
         turn, sent the moment the reply ended) waits for this slot rather than take a cold free one.
         llama-server reached directly has no such gap: it saves between two tasks of its own.
-        Told again, it changes nothing (a request waiting for the slot stays woken by its release)."""
-        self._keeping.setdefault(slot, (key, trio.Event()))
+        Told again, only the key changes (a request waiting for the slot stays woken by its release)."""
+        kept = self._keeping.get(slot)
+        self._keeping[slot] = (key, trio.Event() if kept is None else kept[1])
 
-    async def _wait_for_kept(self, key: PromptKey) -> None:
-        """Wait (bounded) for a slot being saved when it holds more of ``key`` than every free slot."""
+    def _kept_for(self, key: PromptKey) -> trio.Event | None:
+        """The release of the slot being saved that holds more of ``key`` than every free slot."""
         if not self._keeping:
-            return
+            return None
         best_free = 0
         for slot in self._free:
             n, useful = shared(self._held[slot], key)
@@ -266,6 +270,11 @@ class SlotPool:
             n, useful = shared(kept, key)
             if useful and n > best:
                 wanted, best = event, n
+        return wanted
+
+    async def _wait_for_kept(self, key: PromptKey) -> None:
+        """Wait (bounded) for a slot being saved when it holds more of ``key`` than every free slot."""
+        wanted = self._kept_for(key)
         if wanted is None:
             return
         self._keep_waits += 1
@@ -276,20 +285,41 @@ class SlotPool:
         finally:
             self._keep_waiting -= 1
 
-    def _pick(self, key: PromptKey | None) -> int:
+    def _best(self, key: PromptKey | None) -> tuple[int, int]:
+        """The free slot for ``key`` and how much of it that slot holds: the longest useful match,
+        else the least recently used slot (0)."""
         lru = min(self._free, key=lambda s: self._used[s])
         if key is None:
-            return lru
+            return lru, 0
         best, best_n = lru, 0
         for slot in sorted(self._free, key=lambda s: self._used[s]):
             n, useful = shared(self._held[slot], key)
             if useful and n > best_n:
                 best, best_n = slot, n
-        if best_n:
+        return best, best_n
+
+    def _pick(self, key: PromptKey | None) -> int:
+        best, best_n = self._best(key)
+        if key is not None and best_n:
             self._hits += 1
-        else:
+        elif key is not None:
             self._misses += 1
         return best
+
+    def peek(self, key: PromptKey) -> int | None:
+        """The slot :meth:`hold` would give ``key`` now, where one is free with no request queued
+        and no slot being saved that ``key`` would wait for: None otherwise.  Nothing is taken: a
+        caller that then holds a slot checks it got this one."""
+        # A slot freed with a request queued is that request's already (trio hands the permit over).
+        if not self._semaphore.value or self._semaphore.statistics().tasks_waiting or self._kept_for(key) is not None:
+            return None
+        return self._best(key)[0]
+
+    def will_hold(self, slot: int, key: PromptKey | None) -> None:
+        """The held ``slot`` will hold ``key`` once its request lets go, in place of the key it was
+        held for (a prompt held by its text, tokenized since); None: what it held before."""
+        if slot in self._will_hold:
+            self._will_hold[slot] = key
 
     @asynccontextmanager
     async def hold(
@@ -307,6 +337,7 @@ class SlotPool:
         slot = self._pick(key)
         self._free.discard(slot)
         self._used[slot] = next(self._tick)
+        self._will_hold[slot] = key
         try:
             yield slot
         except BaseException:
@@ -314,8 +345,9 @@ class SlotPool:
                 await settle(slot)
             raise
         finally:
-            if key is not None:
-                self._moves_on(slot, key)
+            held = self._will_hold.pop(slot, None)
+            if held is not None:
+                self._moves_on(slot, held)
             self._free.add(slot)
             self._semaphore.release()
             kept = self._keeping.pop(slot, None)

@@ -6,6 +6,12 @@ the slot (routes/stored.py), has routes/decision.py's ``choose`` pick the route 
 ``DEGRADE`` with what the handoffs return (routes/handover.py) and relays the decoder's answer
 (routes/relay.py: whole, or chunk by chunk for ``stream: true``); each step's value goes to the
 request's story (routes/story.py), which builds the route line from them.
+
+A prompt whose free slot holds most of it by its text (a chat's next turn, a question on a system
+prompt a slot holds), where the route chosen on its text's guess (routes/guess.py) is plain, is
+sent at once and planned once its reply is over: its tokens then key the slot, feed the prefix
+store's keep and price the route line's estimates.  Such a request looks up no stored prefix: it
+goes at once only where none can hold more of it than its slot (routes/guess.py's ``unstored``).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import attrs
 import trio
 
 from ..config import HybridConfig, source
@@ -22,16 +29,19 @@ from ..http.respond import Responder
 from ..http.wire import Headers
 from ..llama import decoder as decoder_api
 from ..llama.decoder import DecoderClient
-from ..llama.slots import SlotPool
+from ..llama.slots import PromptKey, SlotPool
 from ..prefix.store import Entry
+from ..providers import Provider
 from ..reasons import Reason
 from ..supervise.child import ChildState, ChildStatistics
 from . import boundary
 from .capability import Capability
 from .contention import DECODER, Contention
-from .decision import Choice, Costs, Offer, Policy, Route, choose, restore_used
+from .decision import Ask, Choice, Costs, Offer, Policy, Route, choose, estimate, restore_used
+from .guess import guess, readable, unstored, within
 from .handover import Hybrid, Walk, hand_over
-from .plan import Plan, plan
+from .plan import Plan, plan_prompt, plan_with
+from .prompt import Chat, Prompt, Text, parse
 from .rates import Rates
 from .relay import Relayed, Timings, relay
 from .stored import StoredPrefixes
@@ -61,6 +71,23 @@ STATE_BYTES_PER_TOKEN = 23_040
 
 # How long a request that may be handed over waits for its model's load-time probe (routes/capability.py).
 PROBE_WAIT_S = 30.0
+# How long a request sent at once waits for its planning after its reply (two calls to the decoder,
+# a few ms), its slot held meanwhile.
+LATE_PLAN_S = 5.0
+
+
+@attrs.frozen
+class Early:
+    """A request sent to the decoder before it is planned (routes/guess.py): the slot it was guessed
+    against, its key there (its text), the plain route chosen on the guess, and the costs that
+    guess was priced with, the tokens' counts left to fill in once it is tokenized."""
+
+    key: PromptKey
+    slot: int
+    held: PromptKey  # what the slot held when guessed against: a slot that holds anything else now is not it
+    provider: Provider | None  # picked when guessed: planned with it (no other is asked for, no seat claimed)
+    choice: Choice
+    costs: Costs | None
 
 
 class Completions:
@@ -141,10 +168,9 @@ class Completions:
         words = f"the decoder is {state.words}; try again shortly"
         raise DecoderUnavailable(words, public=words)
 
-    async def _plan(self, endpoint: str, body: dict[str, Any], req: str) -> Plan:
-        return await plan(
-            endpoint,
-            body,
+    async def _plan_prompt(self, prompt: Prompt, req: str) -> Plan:
+        return await plan_prompt(
+            prompt,
             req,
             client=self.client,
             providers=self.hybrid.providers if self.hybrid is not None else None,
@@ -184,27 +210,46 @@ class Completions:
 
     def _choose(self, plan: Plan, slot: int, restored: bool, settings: HybridConfig) -> Choice:
         """The route and every reason for it (routes.decision.choose), from the plan and the slot."""
-        hybrid, provider, tokens = self.hybrid, plan.provider, plan.tokens
-        generation = self.decoder.generation
-        costs, share_refused = None, None
-        # Only a prompt a provider could take is priced and has the share refusal asked (logged once).
-        if hybrid is not None and provider is not None and tokens is not None:
-            share_refused = None if hybrid.share is None else hybrid.share.refused_by(generation)
-            if settings.route_by == "cost":
-                decoder_cost, provider_cost = self.rates.prefill(generation, provider.name)
-                ram = self.rates.tokens_in(self.prompt_cache_mib)  # what llama-server's prompt cache holds
-                costs = Costs(
-                    decoder_cached=self.slots.reusable(slot, plan.key, prompt_cache=ram),  # a restore's included
-                    provider_cached=provider.cached_tokens(tokens),
-                    decoder=decoder_cost,
-                    provider=provider_cost,
-                    handoff_ms=self.rates.handoff_ms(len(tokens)),
-                    streams_decoding=self.decoding,
-                    others=len(self.answering) - 1,
-                    apart=hybrid.placement.apart(provider),
-                    busy=self.contention.busy(provider.name),
-                    shared=self.rates.shared(),
-                )
+        provider, tokens, costs = plan.provider, plan.tokens, None
+        # Only a prompt a provider could take is priced, and only where the cost decides.
+        if provider is not None and tokens is not None and self.hybrid is not None and settings.route_by == "cost":
+            ram = self.rates.tokens_in(self.prompt_cache_mib)  # what llama-server's prompt cache holds
+            costs = self._costs(
+                provider,
+                settings,
+                len(tokens),
+                decoder_cached=self.slots.reusable(slot, plan.key, prompt_cache=ram),  # a restore's included
+                provider_cached=provider.cached_tokens(tokens),
+            )
+        return self._decide(plan.ask(restored=restored), provider, costs, settings)
+
+    def _costs(
+        self, provider: Provider, settings: HybridConfig, tokens: int, *, decoder_cached: int, provider_cached: int
+    ) -> Costs | None:
+        """What each route costs a prompt of ``tokens`` now; None where the route is not chosen by cost."""
+        hybrid = self.hybrid
+        if hybrid is None or settings.route_by != "cost":
+            return None
+        decoder_cost, provider_cost = self.rates.prefill(self.decoder.generation, provider.name)
+        return Costs(
+            decoder_cached=decoder_cached,
+            provider_cached=provider_cached,
+            decoder=decoder_cost,
+            provider=provider_cost,
+            handoff_ms=self.rates.handoff_ms(tokens),
+            streams_decoding=self.decoding,
+            others=len(self.answering) - 1,
+            apart=hybrid.placement.apart(provider),
+            busy=self.contention.busy(provider.name),
+            shared=self.rates.shared(),
+        )
+
+    def _decide(self, ask: Ask, provider: Provider | None, costs: Costs | None, settings: HybridConfig) -> Choice:
+        hybrid = self.hybrid
+        share_refused = None
+        # The share refusal is asked (logged once) only for a prompt a provider could take.
+        if hybrid is not None and hybrid.share is not None and provider is not None and ask.prompt_tokens is not None:
+            share_refused = hybrid.share.refused_by(self.decoder.generation)
         offer = Offer(
             enabled=hybrid is not None,
             share=hybrid is not None and hybrid.share is not None,
@@ -214,7 +259,46 @@ class Completions:
             store=self.stored is not None,
         )
         policy = Policy(settings.prefer_margin, settings.max_stall_ms, settings.min_prompt_tokens)
-        return choose(plan.ask(restored=restored), offer, costs, policy)
+        return choose(ask, offer, costs, policy)
+
+    def _early(self, prompt: Prompt, settings: HybridConfig) -> Early | None:
+        """The request sent before it is planned, where the route chosen on its text's guess
+        (routes/guess.py) is plain with its slot holding half of it or more; None: planned first."""
+        capability, hybrid, stored = self.capability, self.hybrid, self.stored
+        if not isinstance(prompt, Chat | Text) or not readable(prompt):
+            return None
+        if capability is not None and (capability.at_boundary or not capability.known.is_set()):
+            return None  # a hybrid model's plain route prefills to the prompt's boundary first
+        provider = hybrid.providers.pick() if hybrid is not None else None
+        if hybrid is not None and provider is None:
+            return None  # planned: why no provider goes with it is the plan's to say
+        if provider is None and (stored is None or not stored.may_hold(prompt.text)):
+            return None  # planned without a round trip: nothing to spare
+        key = PromptKey(prompt.text)
+        slot = self.slots.peek(key)
+        held = None if slot is None else self.slots.holds(slot)
+        guessed = None if held is None else guess(held, prompt.text)
+        if slot is None or held is None or guessed is None or not guessed.holds_most:
+            return None
+        if not within(guessed, prompt.text, self.slot_context()):
+            return None  # the decoder may refuse it: planned, so its slot keeps its memory
+        if stored is not None and stored.enabled and not unstored(prompt, guessed):
+            return None  # the prefix store may hold more of it than the slot: planned, and looked up
+        costs = None
+        if provider is not None:
+            provider_cached = provider.cached_tokens(guessed.held)
+            costs = self._costs(
+                provider, settings, guessed.tokens, decoder_cached=guessed.cached, provider_cached=provider_cached
+            )
+        choice = self._decide(Ask(guessed.tokens), provider, costs, settings)
+        if choice.route is not Route.PLAIN:
+            return None
+        if costs is not None:
+            # Decided on the counts that lean to plain's cost; priced at the likelier ones (the
+            # prefill it puts in flight, for the requests beside it) until its tokens are known.
+            likely = attrs.evolve(costs, decoder_cached=guessed.likely_cached)
+            choice = attrs.evolve(choice, estimate=estimate(guessed.likely_tokens, likely))
+        return Early(key, slot, held, provider, choice, costs)
 
     async def _known(self, plan: Plan) -> None:
         """A request that may be handed over waits for its model's probe (a load's first second)."""
@@ -247,68 +331,223 @@ class Completions:
         headers: Headers,
         settings: HybridConfig,
     ) -> None:
-        plan = await self._plan(endpoint, body, story.req)
+        prompt = parse(endpoint, body)
+        early = self._early(prompt, settings)
+        if early is not None:
+            async with self.slots.hold(early.key, settle=self._settle) as slot:
+                if slot == early.slot and self.slots.holds(slot) is early.held:
+                    await self._at_once(prompt, early, endpoint, body, out, story, headers, settings)
+                    return
+                # Another request took the slot meanwhile: planned now, in the slot it got, which
+                # holds what it held until this request reaches the decoder.
+                self.slots.will_hold(slot, None)
+                plan = await self._plan_prompt(prompt, story.req)
+                story.planned(plan.n_tokens)
+                self.slots.will_hold(slot, plan.key if plan.remember else None)
+                await self._in_slot(plan, slot, endpoint, body, out, story, headers, settings)
+            return
+        plan = await self._plan_prompt(prompt, story.req)
         story.planned(plan.n_tokens)
         async with self.slots.hold(plan.key if plan.remember else None, settle=self._settle) as slot:
-            story.holds(slot)
-            self.check_ready()  # it may have died while we queued
-            await self._known(plan)
-            plan = await boundary.bounded(self.client, self.capability, plan, story)
-            entry, choice = await self._store_and_choose(plan, slot, story, settings)
-            story.chose(choice)
-            forwarded = {**body, "id_slot": slot}
-            route, prefilled = Route.PLAIN, None
-            if choice.route is not Route.PLAIN and plan.provider is not None:
-                # The walk says the route attempted until it is over (a request cancelled mid-handoff
-                # is logged on it).  On shared cores the decoder's prefills may go first (contention.py).
-                walk = Walk(plan.provider, choice.route)
-                story.walks(walk)
-                if choice.estimate is not None and choice.estimate.wait_ms:
-                    await self.contention.settle(DECODER, choice.estimate.wait_ms, told=story.waited)
-                with self.contention.running(plan.provider.name, *story.job(provider=True)):
-                    route = await hand_over(
-                        self.hybrid,
-                        walk,
-                        slot,
-                        plan,
-                        settings,
-                        req=story.req,
-                        generation=self.decoder.generation,
-                        rates=self.rates,
-                    )
-                prefilled = walk.prefilled()
-            story.reached(route)
-            async with boundary.keeping(self.stored, plan, slot, route, story) as keep:
-                if route is not Route.PLAIN or keep.marked is not None:
-                    forwarded["cache_prompt"] = True  # the cells handed over or up to the boundary: the slot's cache
-                prefilled = prefilled or keep.prefilled()  # its own prefill to the boundary: no cache hit
-                relayed = await self._relay(
-                    endpoint, forwarded, out, story, headers, plan=plan, slot=slot, entry=entry, prefilled=prefilled
-                )
-                keep.done = out.finished and relayed.error is None
-            self.answering.discard(story.req)  # what follows is no work the other requests run beside
-            # After the last byte, the client there or not (the front cancels only an unfinished reply).
-            if out.finished and relayed.error is None:
-                timings = relayed.timings
-                self.rates.observe_decoder(
-                    self.decoder.generation, timings.prompt_n, timings.prompt_ms, cache_n=timings.cache_n
-                )
-                self.rates.observe_shared(story.shared_sample(timings.prompt_ms))
-                if route is not Route.PLAIN:
-                    self._verify_handoff(story, timings, settings, plan)
-                elif entry is not None and self.stored is not None and self.stored.unused(entry, timings.cache_n):
-                    self._store_unused(story, entry, timings.cache_n)
-                # Saved after the reply, every route, up to where the next turn matches (routes/boundary.py).
-                await boundary.keep_after(
-                    self.client,
-                    plan,
-                    self.stored,
+            await self._in_slot(plan, slot, endpoint, body, out, story, headers, settings)
+
+    async def _in_slot(
+        self,
+        plan: Plan,
+        slot: int,
+        endpoint: str,
+        body: dict[str, Any],
+        out: Responder,
+        story: Story,
+        headers: Headers,
+        settings: HybridConfig,
+    ) -> None:
+        """A planned request in its slot: the store's restore, the route, the handoff, the relay,
+        and what follows the reply."""
+        story.holds(slot)
+        self.check_ready()  # it may have died while we queued
+        await self._known(plan)
+        plan = await boundary.bounded(self.client, self.capability, plan, story)
+        entry, choice = await self._store_and_choose(plan, slot, story, settings)
+        story.chose(choice)
+        forwarded = {**body, "id_slot": slot}
+        route, prefilled = Route.PLAIN, None
+        if choice.route is not Route.PLAIN and plan.provider is not None:
+            # The walk says the route attempted until it is over (a request cancelled mid-handoff
+            # is logged on it).  On shared cores the decoder's prefills may go first (contention.py).
+            walk = Walk(plan.provider, choice.route)
+            story.walks(walk)
+            if choice.estimate is not None and choice.estimate.wait_ms:
+                await self.contention.settle(DECODER, choice.estimate.wait_ms, told=story.waited)
+            with self.contention.running(plan.provider.name, *story.job(provider=True)):
+                route = await hand_over(
+                    self.hybrid,
+                    walk,
                     slot,
-                    self.slots,
+                    plan,
+                    settings,
                     req=story.req,
-                    restored=entry,
-                    settle=self._out_of_the_way,
+                    generation=self.decoder.generation,
+                    rates=self.rates,
                 )
+            prefilled = walk.prefilled()
+        story.reached(route)
+        async with boundary.keeping(self.stored, plan, slot, route, story) as keep:
+            if route is not Route.PLAIN or keep.marked is not None:
+                forwarded["cache_prompt"] = True  # the cells handed over or up to the boundary: the slot's cache
+            prefilled = prefilled or keep.prefilled()  # its own prefill to the boundary: no cache hit
+            relayed = await self._relay(
+                endpoint, forwarded, out, story, headers, plan=plan, slot=slot, entry=entry, prefilled=prefilled
+            )
+            keep.done = out.finished and relayed.error is None
+        self.answering.discard(story.req)  # what follows is no work the other requests run beside
+        # After the last byte, the client there or not (the front cancels only an unfinished reply).
+        if out.finished and relayed.error is None:
+            await self._after_reply(plan, slot, story, relayed, route, settings, entry=entry)
+
+    async def _at_once(
+        self,
+        prompt: Prompt,
+        early: Early,
+        endpoint: str,
+        body: dict[str, Any],
+        out: Responder,
+        story: Story,
+        headers: Headers,
+        settings: HybridConfig,
+    ) -> None:
+        """A request sent before it is planned (routes/guess.py): relayed plain, then planned once
+        its reply is over, the client's connection free meanwhile; its tokens then key the slot,
+        price the route line's estimates and feed the prefix store's keep.  A reply cut short or
+        refused is planned all the same: its slot keyed as a planned request's would be, a hang-up's
+        kept for the store."""
+        slot = early.slot
+        story.holds(slot)
+        self.check_ready()  # it may have died while we queued
+        story.chose(early.choice)
+        story.reached(Route.PLAIN)
+        forwarded = {**body, "id_slot": slot}
+        try:
+            relayed = await self._relay(
+                endpoint,
+                forwarded,
+                out,
+                story,
+                headers,
+                plan=Plan(early.key, None),
+                slot=slot,
+                entry=None,
+                prefilled=None,
+            )
+        except trio.Cancelled:
+            # Keyed and kept as a planned request would have been (its own save needs the tokens);
+            # a decoder that is stopping forgets its slots anyway.
+            with trio.CancelScope(shield=True):
+                plan = await self._plan_late(prompt, early, story) if self._ready() else None
+                if plan is not None and story.began and self.stored is not None:
+                    await self.stored.after_hang_up(
+                        slot, plan.key, self.slots, req=story.req, restored=None, settle=self._settle, ready=self._ready
+                    )
+            raise
+        self.answering.discard(story.req)
+        if not out.finished or relayed.error is not None:
+            plan = await self._plan_late(prompt, early, story)
+            if plan is not None:
+                story.chose(self._priced(plan, early, settings, story.req))
+            return
+        # A next turn sent the moment the reply ended waits for this slot meanwhile, as it does
+        # while the slot is saved for the prefix store (SlotPool.keeping).
+        self.slots.keeping(slot, early.key)
+        plan = await self._plan_late(prompt, early, story)
+        if plan is None:
+            return
+        self.slots.keeping(slot, plan.key)  # matched by its tokens now
+        story.chose(self._priced(plan, early, settings, story.req))
+        await self._after_reply(plan, slot, story, relayed, Route.PLAIN, settings, entry=None)
+
+    async def _plan_late(self, prompt: Prompt, early: Early, story: Story) -> Plan | None:
+        """A request sent at once, planned after its reply (bounded): its slot keyed by its tokens,
+        or left with what it held where the decoder refused it; None where the planning did not
+        answer in time (the slot stays known by the prompt's text)."""
+        with trio.move_on_after(LATE_PLAN_S):
+            plan = await plan_with(
+                early.provider,
+                prompt,
+                story.req,
+                client=self.client,
+                stored=self.stored,
+                slot_context=self.slot_context(),
+            )
+            story.planned(plan.n_tokens)
+            self.slots.will_hold(early.slot, plan.key if plan.remember else None)
+            return plan
+        log.warning(
+            "hybrid: planning %s after its reply took over %gs; its slot is known by its text", story.req, LATE_PLAN_S
+        )
+        return None
+
+    def _priced(self, plan: Plan, early: Early, settings: HybridConfig, req: str) -> Choice:
+        """The choice a request sent at once would have had from its tokens, with the load it was
+        sent under (``early.costs``): its estimates are the route line's.  Where its tokens would
+        have chosen a handoff, the plain route and reasons stay and that is logged."""
+        provider, tokens, costs = plan.provider, plan.tokens, early.costs
+        if plan.kept is not None:
+            return self._decide(plan.ask(restored=False), provider, None, settings)  # over-context, most likely
+        if provider is None or tokens is None or costs is None:
+            return early.choice
+        costs = attrs.evolve(
+            costs,
+            decoder_cached=self.slots.reusable(
+                early.slot, plan.key, prompt_cache=self.rates.tokens_in(self.prompt_cache_mib)
+            ),
+            provider_cached=provider.cached_tokens(tokens),
+            handoff_ms=self.rates.handoff_ms(len(tokens)),
+        )
+        choice = self._decide(plan.ask(restored=False), provider, costs, settings)
+        if choice.route is Route.PLAIN:
+            return choice
+        log.info(
+            "hybrid: %s went plain at once on its text (slot %d); its %d tokens would have gone %s",
+            req,
+            early.slot,
+            len(tokens),
+            choice.route.value,
+        )
+        return attrs.evolve(early.choice, estimate=choice.estimate)
+
+    async def _after_reply(
+        self,
+        plan: Plan,
+        slot: int,
+        story: Story,
+        relayed: Relayed,
+        route: Route,
+        settings: HybridConfig,
+        *,
+        entry: Entry | None,
+    ) -> None:
+        """Once a reply ended whole: the rates told what it cost, the handoff or the restore checked,
+        and the slot kept for the prefix store."""
+        timings = relayed.timings
+        self.rates.observe_decoder(
+            self.decoder.generation, timings.prompt_n, timings.prompt_ms, cache_n=timings.cache_n
+        )
+        self.rates.observe_shared(story.shared_sample(timings.prompt_ms))
+        if route is not Route.PLAIN:
+            self._verify_handoff(story, timings, settings, plan)
+        elif entry is not None and self.stored is not None and self.stored.unused(entry, timings.cache_n):
+            self._store_unused(story, entry, timings.cache_n)
+        # Saved after the reply, every route, up to where the next turn matches (routes/boundary.py).
+        await boundary.keep_after(
+            self.client,
+            plan,
+            self.stored,
+            slot,
+            self.slots,
+            req=story.req,
+            restored=entry,
+            settle=self._out_of_the_way,
+        )
 
     async def _relay(
         self,

@@ -7,7 +7,6 @@ prompt from any provider whatever the costs.  The route itself is chosen once th
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import attrs
 
@@ -17,7 +16,7 @@ from ..llama.slots import PromptKey
 from ..providers import Provider, Providers
 from ..reasons import Reason
 from .decision import Ask
-from .prompt import Chat, Prompt, Text, Tokens, Unsupported, parse, tokens_of
+from .prompt import Chat, Prompt, Text, Tokens, Unsupported, tokens_of
 from .stored import StoredPrefixes
 
 log = logging.getLogger("onebit.hybrid")
@@ -60,9 +59,8 @@ class Plan:
         return Ask(tokens, kept=self.kept, unpicked=unpicked, restored=restored)
 
 
-async def plan(
-    endpoint: str,
-    body: dict[str, Any],
+async def plan_prompt(
+    prompt: Prompt,
     req: str,
     *,
     client: DecoderClient,
@@ -70,20 +68,20 @@ async def plan(
     stored: StoredPrefixes | None,
     slot_context: int | None,
 ) -> Plan:
-    """Pick a provider, and tokenize the prompt when one can take it, or the prefix store may
-    hold or keep it; the route is chosen once the request has its slot (what the slot holds is a
-    cost).  A Messages or Responses request is read in the chat form llama-server converts it into."""
+    """Pick a provider, and tokenize the prompt (read once by routes/prompt.py's ``parse``) when one
+    can take it, or the prefix store may hold or keep it; the route is chosen once the request has
+    its slot (what the slot holds is a cost).  A Messages or Responses request is read in the chat
+    form llama-server converts it into."""
     provider = providers.pick() if providers is not None else None
     away = providers.away() if providers is not None and provider is None else None
-    prompt = parse(endpoint, body)
     if away is not None:
-        planned = await _plan_with(None, prompt, req, client=client, stored=stored, slot_context=slot_context)
+        planned = await plan_with(None, prompt, req, client=client, stored=stored, slot_context=slot_context)
         log.info("hybrid: %s goes without its provider (%s); the backend prefills it", req, away.value)
         return attrs.evolve(planned, away=away)
-    return await _plan_with(provider, prompt, req, client=client, stored=stored, slot_context=slot_context)
+    return await plan_with(provider, prompt, req, client=client, stored=stored, slot_context=slot_context)
 
 
-async def _plan_with(
+async def plan_with(
     provider: Provider | None,
     prompt: Prompt,
     req: str,
@@ -92,6 +90,7 @@ async def _plan_with(
     stored: StoredPrefixes | None,
     slot_context: int | None,
 ) -> Plan:
+    """:func:`plan_prompt` with the provider already picked (or none): no other is asked for."""
     text = prompt.text
     if isinstance(prompt, Unsupported):
         if prompt.refused:

@@ -184,6 +184,11 @@ class Story:
         return self._slot
 
     @property
+    def began(self) -> bool:
+        """The decoder began its reply (its first token came): the slot holds the whole prompt."""
+        return self._relayed is not None and self._relayed.timings.began
+
+    @property
     def prompt_tokens(self) -> int | None:
         """The prompt's length: onebitd's count, else the decoder's."""
         if self._planned is not None:

@@ -138,3 +138,58 @@ async def test_a_question_on_a_system_prompt_no_slot_holds_now_branches_off_the_
     assert pool.shared(prompt(*GROUPS[0], 2)) == (len(GROUPS[0]), False)
     assert pool.shared(prompt(*GROUPS[0], 1, 5)) == (len(GROUPS[0]) + 1, True)  # it goes on from it
     assert pool.shared(prompt(*GROUPS[3], 1)) == (0, False)
+
+
+async def test_peek_names_the_slot_hold_gives_and_takes_nothing() -> None:
+    pool = SlotPool(2, queue_limit=8)
+    system = "a system prompt long enough to be worth matching by its text alone, then "
+    chat = PromptKey(system + "a first question", (1, 2, 3))
+    async with pool.hold(chat) as first:
+        pass
+    asked = PromptKey(system + "a second question")
+    peeked = pool.peek(asked)
+    assert peeked == first
+    assert pool.statistics().free == 2  # nothing taken
+    async with pool.hold(asked) as slot:
+        assert slot == peeked
+        assert pool.peek(asked) == 1 - first  # the other slot, the only one free
+        async with pool.hold():
+            assert pool.peek(asked) is None  # none free
+
+
+async def test_will_hold_replaces_the_key_a_slot_is_held_for() -> None:
+    # A prompt held by its text and tokenized after its reply: the slot is known by its tokens.
+    pool = SlotPool(1, queue_limit=8)
+    text = PromptKey("a prompt known by its text")
+    tokens = PromptKey(text.text, (5, 6, 7))
+    async with pool.hold(text) as slot:
+        pool.will_hold(slot, tokens)
+    assert pool.holds(slot) == tokens
+    # None: the slot keeps what it held before (a prompt the decoder refused).
+    async with pool.hold(PromptKey("another prompt altogether")) as slot:
+        pool.will_hold(slot, None)
+    assert pool.holds(slot) == tokens
+    pool.will_hold(slot, PromptKey("not held now"))  # a slot not held: nothing changes
+    assert pool.holds(slot) == tokens
+
+
+async def test_peek_names_no_slot_while_a_request_is_queued_or_every_slot_is_held() -> None:
+    # A slot released with a request waiting is that request's: trio hands the permit over.
+    pool = SlotPool(1, queue_limit=8)
+    key = PromptKey("a prompt")
+    released = trio.Event()
+    async with trio.open_nursery() as nursery:
+        async with pool.hold(key):
+            assert pool.peek(key) is None  # every slot held
+
+            async def waiter() -> None:
+                async with pool.hold(key):
+                    assert pool.peek(key) is None
+                    await released.wait()
+
+            nursery.start_soon(waiter)
+            await trio.testing.wait_all_tasks_blocked()
+        # Released: the waiter's now, though it has not run yet.
+        assert pool.peek(key) is None
+        released.set()
+    assert pool.peek(key) == 0

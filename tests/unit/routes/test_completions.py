@@ -24,7 +24,7 @@ from supervisor.api.front import Front
 from supervisor.api.serving import One
 from supervisor.config import HybridConfig, ServerConfig
 from supervisor.llama.llama_server import StateFingerprint
-from supervisor.llama.slots import SlotPool
+from supervisor.llama.slots import PromptKey, SlotPool
 from supervisor.prefix.store import PrefixStore
 from supervisor.providers import Provider, Providers
 from supervisor.routeline import RouteLine
@@ -32,6 +32,8 @@ from supervisor.routes.completion import Completions, Hybrid
 from supervisor.routes.contention import DECODER
 from supervisor.routes.decision import DEGRADE, Step
 from supervisor.routes.file import FileHandoff
+from supervisor.routes.plan import Plan, plan_with
+from supervisor.routes.prompt import Prompt
 from supervisor.routes.share import ShareHandoff, ShareHandshake
 from supervisor.routes.stored import StoredPrefixes
 from supervisor.supervise.child import ChildState
@@ -617,3 +619,185 @@ async def test_a_request_cancelled_during_its_prefill_leaves_nothing_in_flight(
     [line] = rig.lines
     assert (line.route, line.outcome) == ("file", "cancelled")
     assert (rig.completions.contention.tokens(provider.name), rig.completions.contention.tokens(DECODER)) == (0, 0)
+
+
+# A prompt long enough that a question on it leaves its slot holding most of it by its text.
+LONG = " ".join(f"w{i:04d}" for i in range(200))
+
+
+def sent(rig: Rig, path: str, text: str) -> int:
+    """Where, among the requests the decoder got, the first to ``path`` for ``text`` came."""
+    for n, (seen_path, _, body) in enumerate(rig.fake.seen):
+        if seen_path == path and text in (body.get("prompt"), body.get("content")):
+            return n
+    raise AssertionError(f"no {path} for {text!r}")
+
+
+async def test_a_prompt_its_slot_holds_most_of_by_its_text_goes_to_the_decoder_before_it_is_tokenized(
+    tmp_path: Path,
+) -> None:
+    # The fleet's second question on a system prompt: planning it first (a tokenize here, a template
+    # and a tokenize for a chat) is time before its first token that llama-server direct never spends.
+    rig = make_rig(tmp_path, ScriptedProvider())
+    question = f"{LONG} and a question on it"
+    with trio.fail_after(TIMEOUT):
+        first = await rig.post("/completion", {"prompt": LONG, "n_predict": 2})
+        second = await rig.post("/completion", {"prompt": question, "n_predict": 2})
+    assert first.status == second.status == 200
+    assert sent(rig, "/tokenize", LONG) < sent(rig, "/completion", LONG)  # a cold prompt: planned first
+    assert sent(rig, "/completion", question) < sent(rig, "/tokenize", question)  # sent at once
+    cold, line = rig.lines
+    assert line.slot == cold.slot
+    # Planned after its reply: the line holds its tokens' count and estimates priced on them.
+    assert (line.route, line.fallback, line.prompt_tokens) == ("plain", "cached", 205)
+    assert line.est_plain_ms is not None
+    assert line.est_hybrid_ms is not None
+    assert line.est_plain_ms < line.est_hybrid_ms
+    # The slot is known by the prompt's tokens again: what a next request's estimate reads.
+    assert rig.completions.slots.holds(line.slot or 0).tokens == tuple(rig.fake.tokenize(question))
+
+
+@pytest.mark.parametrize("tools", [False, True], ids=["messages", "tools"])
+async def test_a_chat_goes_at_once_only_where_its_messages_are_all_the_template_reads(
+    tmp_path: Path, tools: bool
+) -> None:
+    rig = make_rig(tmp_path, ScriptedProvider())
+    system = {"role": "system", "content": LONG}
+    extra: dict[str, Any] = {}
+    if tools:  # rendered into the prompt by most templates, and not in the messages' text
+        extra = {"tools": [{"type": "function", "function": {"name": "look", "parameters": {"type": "object"}}}]}
+    with trio.fail_after(TIMEOUT):
+        for question in ("a first question", "a second question"):
+            messages = [system, {"role": "user", "content": question}]
+            reply = await rig.post("/v1/chat/completions", {"messages": messages, "max_tokens": 2, **extra})
+            assert reply.status == 200
+    paths = [path for path, _, _ in rig.fake.seen if path in ("/apply-template", "/v1/chat/completions")]
+    planned_first = ["/apply-template", "/v1/chat/completions"]
+    assert paths[:2] == planned_first  # a slot that holds nothing: planned first
+    assert paths[2:] == (planned_first if tools else ["/v1/chat/completions", "/apply-template"])
+    assert rig.lines[1].prompt_tokens == rig.lines[0].prompt_tokens  # the same length, one word changed
+
+
+async def test_a_prompt_whose_slot_was_taken_before_it_held_one_is_planned_in_the_slot_it_got(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rig = make_rig(tmp_path, ScriptedProvider())
+    question = f"{LONG} and a question on it"
+    completions = rig.completions
+    slots = completions.slots
+    with trio.fail_after(TIMEOUT):
+        await rig.post("/completion", {"prompt": LONG, "n_predict": 2})
+        held = rig.lines[0].slot or 0
+        early, hold = completions._early, slots.hold
+        guessed: list[object] = []
+
+        def guessing(prompt: Prompt, settings: HybridConfig) -> object:
+            guessed.append(early(prompt, settings))
+            return guessed[-1]
+
+        def hold_after_another(key: PromptKey | None = None, *, settle: Any = None) -> Any:
+            # Between the guess and the hold another request held the slot and let it go: it holds
+            # an equal prompt, a new one all the same (its own reply is in the cache now).
+            slots._held[held] = attrs.evolve(slots._held[held])
+            return hold(key, settle=settle)
+
+        async def not_at_once(*args: object) -> None:
+            raise AssertionError("sent at once on a slot that changed since it was guessed")
+
+        monkeypatch.setattr(completions, "_early", guessing)
+        monkeypatch.setattr(slots, "hold", hold_after_another)
+        monkeypatch.setattr(completions, "_at_once", not_at_once)
+        reply = await rig.post("/completion", {"prompt": question, "n_predict": 2})
+    assert reply.status == 200
+    assert guessed[-1] is not None  # guessed at once, on the slot it then held
+    assert sent(rig, "/tokenize", question) < sent(rig, "/completion", question)
+    line = rig.lines[1]
+    assert line.slot == held  # planned in the slot it got
+    assert line.prompt_tokens == 205
+    assert slots.holds(held).tokens == tuple(rig.fake.tokenize(question))
+
+
+async def test_a_next_turn_sent_while_a_request_sent_at_once_is_planned_waits_for_its_slot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An agent sends its next turn the moment a reply ends; the request before it still holds its
+    # slot, being tokenized: the next turn waits for that slot rather than take the other one.
+    rig = make_rig(tmp_path, ScriptedProvider())
+    turn2 = f"{LONG} and a question on it"
+    turn3 = f"{turn2} and then another"
+    planning, go = trio.Event(), trio.Event()
+
+    async def held_in_planning(provider: Provider | None, prompt: Prompt, req: str, **kwargs: Any) -> Plan:
+        if prompt.text == turn2:
+            planning.set()
+            await go.wait()
+        return await plan_with(provider, prompt, req, **kwargs)
+
+    monkeypatch.setattr("supervisor.routes.completion.plan_with", held_in_planning)
+    slots = rig.completions.slots
+    with trio.fail_after(TIMEOUT):
+        await rig.post("/completion", {"prompt": LONG, "n_predict": 2})
+        async with trio.open_nursery() as turns:
+            turns.start_soon(rig.post, "/completion", {"prompt": turn2, "n_predict": 2})
+            await planning.wait()
+            turns.start_soon(rig.post, "/completion", {"prompt": turn3, "n_predict": 2})
+            await wait_until(lambda: slots.statistics().keep_waiting == 1)
+            go.set()
+    assert len({line.slot for line in rig.lines}) == 1
+    assert slots.statistics().keep_waits == 1
+
+
+async def test_a_stream_sent_at_once_and_hung_up_is_keyed_by_its_tokens_and_kept_in_the_prefix_store(
+    tmp_path: Path,
+) -> None:
+    # A user pressed stop on a question sent at once: the slot is known by its tokens (else the
+    # request after it would be priced as if the slot held nothing) and the store saves the slot.
+    rig = make_rig(tmp_path, ScriptedProvider())
+    system = {"role": "system", "content": LONG}
+    one = [system, {"role": "user", "content": "a first question"}]
+    two = [system, {"role": "user", "content": "a second question"}]
+    with trio.fail_after(TIMEOUT):
+        async with serving_with_store(rig, tmp_path):
+            await rig.post("/v1/chat/completions", {"messages": one, "max_tokens": 2})
+            await wait_until(lambda: len(rig.lines) == 1)  # its slot saved for the store, and let go
+            saves = rig.fake.actions.count(("save", rig.lines[0].slot or 0))
+            rig.fake.modes = Modes(hold=True)  # the reply pauses after its first token: the client leaves then
+            body = {"messages": two, "max_tokens": 3, "stream": True}
+            await asgi.call(rig.front, "POST", "/v1/chat/completions", body, hang_up_on=b"data: ")
+            await wait_until(lambda: len(rig.lines) == 2)
+    line = rig.lines[1]
+    assert line.outcome == "cancelled"
+    sent_at = [n for n, (path, _, body) in enumerate(rig.fake.seen) if body.get("messages") == two]
+    assert rig.fake.seen[sent_at[0]][0] == "/v1/chat/completions"  # it went at once
+    held = rig.completions.slots.holds(line.slot or 0)
+    assert held.tokens is not None
+    assert len(held.tokens) == line.prompt_tokens
+    assert rig.fake.actions.count(("save", line.slot or 0)) == saves + 1  # saved for the store
+
+
+async def test_with_the_prefix_store_only_a_slot_holding_every_message_but_the_last_takes_a_chat_at_once(
+    tmp_path: Path,
+) -> None:
+    # A fleet's question on a system prompt goes at once: no stored prefix can hold more of it than
+    # the slot.  A conversation whose slot holds only its system prompt (another took the slot) is
+    # planned: the store may hold its earlier turns.
+    rig = make_rig(tmp_path, ScriptedProvider())
+    system = {"role": "system", "content": LONG}
+    one = [system, {"role": "user", "content": "a first question"}]
+    two = [system, {"role": "user", "content": "a second question"}]
+    # Another conversation's turn on the same system prompt, its history short beside it.
+    other = [system, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    other.append({"role": "user", "content": "and now"})
+    with trio.fail_after(TIMEOUT):
+        async with serving_with_store(rig, tmp_path):
+            for messages in (one, two, other):
+                reply = await rig.post("/v1/chat/completions", {"messages": messages, "max_tokens": 2})
+                assert reply.status == 200
+
+    def first(path: str, messages: list[dict[str, str]]) -> int:
+        return next(n for n, (p, _, body) in enumerate(rig.fake.seen) if p == path and body["messages"] == messages)
+
+    def went_at_once(messages: list[dict[str, str]]) -> bool:
+        return first("/v1/chat/completions", messages) < first("/apply-template", messages)
+
+    assert [went_at_once(messages) for messages in (one, two, other)] == [False, True, False]

@@ -17,6 +17,8 @@ from supervisor.reasons import Reason
 from supervisor.routes.compute import Placement
 from supervisor.routes.contention import DECODER, OVERDUE, SETTLE_SLACK_S, Busy, Contention
 from supervisor.routes.decision import Ask, Choice, Costs, Offer, Route, choose, estimate
+from supervisor.routes.plan import Plan
+from supervisor.routes.prompt import Prompt
 from supervisor.routes.rates import Rates, linear
 from supervisor.routes.slowdown import DECODING, OVERLAP_MS, SHARED, SHARED_MAX, Shared, Slowdown
 from supervisor.routes.story import Story
@@ -304,15 +306,15 @@ async def test_a_request_still_being_planned_is_work_a_cold_handoff_on_shared_co
     completions = rig.completions
     completions.rates.decode_slowdown = Slowdown(2.4)
     planning, go = trio.Event(), trio.Event()
-    plan = completions._plan
+    plan = completions._plan_prompt
 
-    async def held_in_planning(endpoint: str, body: dict[str, object], req: str) -> object:
-        if body["prompt"] == "another":
+    async def held_in_planning(prompt: Prompt, req: str) -> Plan:
+        if prompt.text == "another":
             planning.set()
             await go.wait()
-        return await plan(endpoint, body, req)
+        return await plan(prompt, req)
 
-    completions._plan = held_in_planning  # type: ignore[method-assign,assignment]
+    completions._plan_prompt = held_in_planning  # type: ignore[method-assign]
     with trio.fail_after(TIMEOUT):
         async with trio.open_nursery() as nursery:
             if beside:
