@@ -212,24 +212,24 @@ class Completions:
         """The route and every reason for it (routes.decision.choose), from the plan and the slot."""
         provider, tokens, costs = plan.provider, plan.tokens, None
         # Only a prompt a provider could take is priced, and only where the cost decides.
-        if provider is not None and tokens is not None and self.hybrid is not None and settings.route_by == "cost":
+        if provider is not None and tokens is not None and self._by_cost(settings):
             ram = self.rates.tokens_in(self.prompt_cache_mib)  # what llama-server's prompt cache holds
             costs = self._costs(
                 provider,
-                settings,
                 len(tokens),
                 decoder_cached=self.slots.reusable(slot, plan.key, prompt_cache=ram),  # a restore's included
                 provider_cached=provider.cached_tokens(tokens),
             )
         return self._decide(plan.ask(restored=restored), provider, costs, settings)
 
-    def _costs(
-        self, provider: Provider, settings: HybridConfig, tokens: int, *, decoder_cached: int, provider_cached: int
-    ) -> Costs | None:
-        """What each route costs a prompt of ``tokens`` now; None where the route is not chosen by cost."""
+    def _by_cost(self, settings: HybridConfig) -> bool:
+        """The route is chosen by cost (else by length, or the hybrid routes are off: nothing priced)."""
+        return self.hybrid is not None and settings.route_by == "cost"
+
+    def _costs(self, provider: Provider, tokens: int, *, decoder_cached: int, provider_cached: int) -> Costs:
+        """What each route costs a prompt of ``tokens`` now (the hybrid routes on)."""
         hybrid = self.hybrid
-        if hybrid is None or settings.route_by != "cost":
-            return None
+        assert hybrid is not None
         decoder_cost, provider_cost = self.rates.prefill(self.decoder.generation, provider.name)
         return Costs(
             decoder_cached=decoder_cached,
@@ -276,19 +276,21 @@ class Completions:
             return None  # planned without a round trip: nothing to spare
         key = PromptKey(prompt.text)
         slot = self.slots.peek(key)
-        held = None if slot is None else self.slots.holds(slot)
-        guessed = None if held is None else guess(held, prompt.text)
-        if slot is None or held is None or guessed is None or not guessed.holds_most:
+        if slot is None:
+            return None
+        held = self.slots.holds(slot)
+        guessed = guess(held, prompt.text)
+        if guessed is None or not guessed.holds_most:
             return None
         if not within(guessed, prompt.text, self.slot_context()):
             return None  # the decoder may refuse it: planned, so its slot keeps its memory
         if stored is not None and stored.enabled and not unstored(prompt, guessed):
             return None  # the prefix store may hold more of it than the slot: planned, and looked up
         costs = None
-        if provider is not None:
+        if provider is not None and self._by_cost(settings):
             provider_cached = provider.cached_tokens(guessed.held)
             costs = self._costs(
-                provider, settings, guessed.tokens, decoder_cached=guessed.cached, provider_cached=provider_cached
+                provider, guessed.tokens, decoder_cached=guessed.cached, provider_cached=provider_cached
             )
         choice = self._decide(Ask(guessed.tokens), provider, costs, settings)
         if choice.route is not Route.PLAIN:

@@ -10,8 +10,9 @@ prompt, matches the text its slot last held (routes/prompt.py: the messages as J
 end.  That slot's prompt says how many tokens a character of such text made, so the tokens the slot
 keeps and the prompt's length can be guessed from characters: the matched part at that rate less a
 twentieth, the tail at twice that rate, and a few tokens more for the generation prompt.  The guess
-leans toward plain's cost, so a plain route chosen on it is one the tokens would choose too, or one
-close to it.
+leans toward plain's cost: it counts no fewer tokens than the prompt has for a tail of up to twice
+the slot's tokens per character (tests/unit/routes/test_guess.py), and a plain route it chose that
+the tokens would not have is logged (routes/completion.py's ``_priced``).
 
 Only a prompt its text describes whole is guessed: a text, or a chat whose body carries nothing the
 template reads beside its messages (tools, template kwargs are not in the text, so a match of the
@@ -137,7 +138,8 @@ def guess(held: PromptKey, text: str) -> Guess | None:
     cached = math.floor(CACHED_SHARE * shared)
     rest = text[matched:]
     # A character outside ASCII (CJK, an emoji) is a token or more whatever the slot's rate was.
-    tail = max(math.ceil(len(rest) * per_char), sum(1 for c in rest if c > "\x7f"))
+    outside_ascii = len(rest) - len(rest.encode("ascii", "ignore"))  # counted in C: a tail may be long
+    tail = max(math.ceil(len(rest) * per_char), outside_ascii)
     tokens = shared + TAIL_FACTOR * tail + GENERATION_TOKENS
     likely = shared + tail + LIKELY_GENERATION_TOKENS
     return Guess(cached, tokens, held.tokens[:cached], matched, likely_cached=shared, likely_tokens=likely)

@@ -34,9 +34,14 @@ class Chat:
 
     body: dict[str, Any]
     text: str  # its messages as JSON: the slot affinity key's text
-    # Where its last message begins in ``text`` (0: none): a prefix the prefix store keeps of a chat
-    # ends where some earlier request's messages ended (routes/boundary.py), before this point.
-    last: int = 0
+
+    @property
+    def last(self) -> int:
+        """Where its last message begins in ``text`` (0: none): a prefix the prefix store keeps of a
+        chat ends where some earlier request's messages ended (routes/boundary.py), before this
+        point.  The list's JSON is "[", its messages' joined by ",", then "]"."""
+        messages = self.body["messages"]
+        return len(self.text) - 1 - len(_json(messages[-1])) if messages else 0
 
 
 @attrs.frozen
@@ -106,9 +111,7 @@ def _chat(body: dict[str, Any]) -> Chat | Unsupported:
             not (isinstance(part, dict) and part.get("type") == "text") for part in content
         ):
             return Unsupported("non-text message content", text)
-    # The list's JSON is "[" + its messages' joined by "," + "]": the last one's starts where it ends less its own.
-    last = len(text) - 1 - len(_json(messages[-1])) if messages else 0
-    return Chat(body, text, last)
+    return Chat(body, text)
 
 
 def template(chat: Chat, **changes: Any) -> dict[str, Any]:

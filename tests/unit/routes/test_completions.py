@@ -623,6 +623,12 @@ async def test_a_request_cancelled_during_its_prefill_leaves_nothing_in_flight(
 
 # A prompt long enough that a question on it leaves its slot holding most of it by its text.
 LONG = " ".join(f"w{i:04d}" for i in range(200))
+SYSTEM = {"role": "system", "content": LONG}
+
+
+def asking(question: str) -> list[dict[str, str]]:
+    """A question on the long system prompt: what an agent fleet sends."""
+    return [SYSTEM, {"role": "user", "content": question}]
 
 
 def sent(rig: Rig, path: str, text: str) -> int:
@@ -662,14 +668,12 @@ async def test_a_chat_goes_at_once_only_where_its_messages_are_all_the_template_
     tmp_path: Path, tools: bool
 ) -> None:
     rig = make_rig(tmp_path, ScriptedProvider())
-    system = {"role": "system", "content": LONG}
     extra: dict[str, Any] = {}
     if tools:  # rendered into the prompt by most templates, and not in the messages' text
         extra = {"tools": [{"type": "function", "function": {"name": "look", "parameters": {"type": "object"}}}]}
     with trio.fail_after(TIMEOUT):
         for question in ("a first question", "a second question"):
-            messages = [system, {"role": "user", "content": question}]
-            reply = await rig.post("/v1/chat/completions", {"messages": messages, "max_tokens": 2, **extra})
+            reply = await rig.post("/v1/chat/completions", {"messages": asking(question), "max_tokens": 2, **extra})
             assert reply.status == 200
     paths = [path for path, _, _ in rig.fake.seen if path in ("/apply-template", "/v1/chat/completions")]
     planned_first = ["/apply-template", "/v1/chat/completions"]
@@ -753,9 +757,7 @@ async def test_a_stream_sent_at_once_and_hung_up_is_keyed_by_its_tokens_and_kept
     # A user pressed stop on a question sent at once: the slot is known by its tokens (else the
     # request after it would be priced as if the slot held nothing) and the store saves the slot.
     rig = make_rig(tmp_path, ScriptedProvider())
-    system = {"role": "system", "content": LONG}
-    one = [system, {"role": "user", "content": "a first question"}]
-    two = [system, {"role": "user", "content": "a second question"}]
+    one, two = asking("a first question"), asking("a second question")
     with trio.fail_after(TIMEOUT):
         async with serving_with_store(rig, tmp_path):
             await rig.post("/v1/chat/completions", {"messages": one, "max_tokens": 2})
@@ -782,11 +784,9 @@ async def test_with_the_prefix_store_only_a_slot_holding_every_message_but_the_l
     # the slot.  A conversation whose slot holds only its system prompt (another took the slot) is
     # planned: the store may hold its earlier turns.
     rig = make_rig(tmp_path, ScriptedProvider())
-    system = {"role": "system", "content": LONG}
-    one = [system, {"role": "user", "content": "a first question"}]
-    two = [system, {"role": "user", "content": "a second question"}]
+    one, two = asking("a first question"), asking("a second question")
     # Another conversation's turn on the same system prompt, its history short beside it.
-    other = [system, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    other = [SYSTEM, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     other.append({"role": "user", "content": "and now"})
     with trio.fail_after(TIMEOUT):
         async with serving_with_store(rig, tmp_path):
