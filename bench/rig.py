@@ -11,6 +11,7 @@ figures, so that two runs' figures can be compared.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import math
 import os
@@ -419,3 +420,39 @@ async def open_lines() -> AsyncIterator[RouteLines]:
     finally:
         logger.removeHandler(lines)
         logger.setLevel(level)
+
+
+@asynccontextmanager
+async def piped_lines(keep: TextIO) -> AsyncIterator[tuple[TextIO, RouteLines]]:
+    """A pipe to give :func:`spawn_onebitd` as its log (its config's ``log.format`` ``"json"``), and
+    the route lines that onebitd logs into it, read as they come: what :func:`open_lines` is for an
+    onebitd in this process.  Every line is copied to ``keep``.
+
+    Enter it before ``spawn_onebitd``: the pipe is read until onebitd has stopped, so that neither
+    its last lines are lost nor its writes block on a pipe nobody reads."""
+    lines = RouteLines()
+    read_fd, write_fd = os.pipe()
+    with os.fdopen(write_fd, "w") as writer:
+        async with trio.lowlevel.FdStream(read_fd) as reader, trio.open_nursery() as nursery:
+            nursery.start_soon(_read_log, reader, keep, lines)
+            try:
+                yield writer, lines
+            finally:
+                nursery.cancel_scope.cancel()
+
+
+async def _read_log(reader: trio.lowlevel.FdStream, keep: TextIO, lines: RouteLines) -> None:
+    pending = b""
+    async for chunk in reader:
+        *whole, pending = (pending + chunk).split(b"\n")
+        for raw in whole:
+            text = raw.decode(errors="replace")
+            keep.write(text + "\n")
+            try:
+                record = json.loads(text)
+            except ValueError:
+                continue  # a line not of the JSON log: a child's own output, a traceback's
+            if isinstance(record, dict) and record.pop("logger", None) == ROUTE_LOGGER:
+                record.pop("ts", None)
+                record.pop("level", None)
+                lines.add(record)

@@ -21,8 +21,9 @@ is apart from the decoder's.  Only the measured requests' route lines are read.
 shared-prefix one): ``--groups`` (6) system prompts of 600 to 800 tokens, each request one of them
 and a new 20 to 50-token question, 32 to 64 tokens out, streamed, two at a time.  *direct* is a
 llama-server as onebitd starts it (its decoder, reached on its own socket, with hybrid off: its
-own slots and prompt cache do all the reuse); *onebitd* is the shipped config through its front,
-its own processes.  First a warm-up, not counted: ``--warmup`` requests a side (a block's worth; 4
+own slots and prompt cache do all the reuse); *onebitd* is the shipped config through its front, in
+a process of its own as in service (:func:`bench.rig.spawn_onebitd`; its route lines read back from
+its JSON log): in this process it would share its event loop with the clients that time it.  First a warm-up, not counted: ``--warmup`` requests a side (a block's worth; 4
 with ``--quick``) on system prompts of their own, so that neither side's first block runs on a
 freshly started decoder (:func:`warm_up`).  Then four blocks ABBA (direct, onebitd, onebitd,
 direct); each side meets the same requests in the same order.  First-token median and p90 and
@@ -51,11 +52,12 @@ import httpx
 import trio
 
 from bench import plot
-from bench.rig import Noise, machine, open_lines
+from bench.rig import Noise, machine, open_lines, piped_lines, spawn_onebitd
 from supervisor import config as configuration
 from supervisor.admin.render import costs_line
 from supervisor.config import Config
 from supervisor.observe.routestats import accuracy_of
+from supervisor.observe.status import from_wire
 from supervisor.routeline import RouteLine
 from supervisor.testing import RouteLines, Running, run_daemon
 
@@ -231,6 +233,12 @@ def costs_of(running: Running) -> str:
     """What onebitd's cost model believes at the end of the run (``onebitctl status``'s costs line)."""
     completions = running.daemon.models.default.completions
     return f"onebitd's costs at the end: {costs_line(completions.rates.statistics(completions.decoder.generation))}"
+
+
+async def spawned_costs(front: httpx.AsyncClient) -> str:
+    """:func:`costs_of` for an onebitd in a process of its own: from its ``/onebit/status``."""
+    stats = from_wire((await front.get("/onebit/status")).raise_for_status().json())
+    return f"onebitd's costs at the end: {costs_line(stats.costs)}"
 
 
 def p90(values: Sequence[float]) -> float:
@@ -455,39 +463,37 @@ async def fleet(args: argparse.Namespace) -> int:
         (Path(tmp) / "a").mkdir()
         (Path(tmp) / "b").mkdir()
         plain = shipped_config(Path(tmp) / "a", hybrid=False)
-        async with (
-            open_lines() as lines,
-            run_daemon(plain, ready_timeout_s=TIMEOUT_S) as direct_side,
-            direct_side.clients(request_timeout_s=TIMEOUT_S) as direct,
-            run_daemon(
-                shipped_config(Path(tmp) / "b", hybrid=not args.aa),
-                providers_ready=not args.aa,
-                ready_timeout_s=TIMEOUT_S,
-            ) as running,
-            running.clients(request_timeout_s=TIMEOUT_S) as onebitd,
-        ):
-            other = onebitd.direct if args.aa else onebitd.front
-            prefixes = await system_prompts(direct.direct, args.groups, rng)
-            first = await questions(direct.direct, args.groups, per_block, rng)
-            second = await questions(direct.direct, args.groups, per_block, rng)
-            await warm_up(args, per_block, direct.direct, other, lines)
-            onebitd_lines_from = len(lines.lines)  # the direct side logs none: it bypasses onebitd
-            for side, client, block in [
-                ("direct", direct.direct, first),
-                ("onebitd", other, first),
-                ("onebitd", other, second),
-                ("direct", direct.direct, second),
-            ]:
-                done = await run_block(client, prefixes, block, args.concurrency)
-                blocks[side].append(done)
-                print(
-                    f"  {side}: {len(done.first_ms)} requests,"
-                    f" median first token {statistics.median(done.first_ms):.0f} ms"
-                )
-            if not args.aa:  # a direct side logs none: it bypasses onebitd
-                await lines.wait(onebitd_lines_from + 2 * per_block)
-                print(costs_of(running))
-            ours = lines.lines[onebitd_lines_from:]
+        mine = shipped_config(Path(tmp) / "b", hybrid=not args.aa)
+        mine = attrs.evolve(mine, log=attrs.evolve(mine.log, format="json"))  # its route lines, read back
+        with (Path(tmp) / "onebitd.log").open("w") as log:
+            async with (
+                run_daemon(plain, ready_timeout_s=TIMEOUT_S) as direct_side,
+                direct_side.clients(request_timeout_s=TIMEOUT_S) as direct,
+                piped_lines(log) as (pipe, lines),
+                spawn_onebitd(mine, Path(tmp) / "b", pipe) as onebitd,  # READY=1: its providers started
+            ):
+                other = onebitd.direct if args.aa else onebitd.front
+                prefixes = await system_prompts(direct.direct, args.groups, rng)
+                first = await questions(direct.direct, args.groups, per_block, rng)
+                second = await questions(direct.direct, args.groups, per_block, rng)
+                await warm_up(args, per_block, direct.direct, other, lines)
+                onebitd_lines_from = len(lines.lines)  # the direct side logs none: it bypasses onebitd
+                for side, client, block in [
+                    ("direct", direct.direct, first),
+                    ("onebitd", other, first),
+                    ("onebitd", other, second),
+                    ("direct", direct.direct, second),
+                ]:
+                    done = await run_block(client, prefixes, block, args.concurrency)
+                    blocks[side].append(done)
+                    print(
+                        f"  {side}: {len(done.first_ms)} requests,"
+                        f" median first token {statistics.median(done.first_ms):.0f} ms"
+                    )
+                if not args.aa:  # a direct side logs none: it bypasses onebitd
+                    await lines.wait(onebitd_lines_from + 2 * per_block)
+                    print(await spawned_costs(onebitd.front))
+                ours = lines.lines[onebitd_lines_from:]
     write_lines(args.lines, ours)
     if args.lines is not None:  # both sides' requests, for a study of where their first tokens part
         write_lines(args.lines.with_suffix(".requests"), requests_of(blocks))

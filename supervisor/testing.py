@@ -167,10 +167,14 @@ class RouteLines(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         fields = getattr(record, "route_fields", None)
         if isinstance(fields, dict):
-            self.lines.append(fields)
-            self.at.append(time.perf_counter())
-            self._changed.set()
-            self._changed = trio.Event()
+            self.add(fields)
+
+    def add(self, fields: dict[str, Any]) -> None:
+        """One route line's fields: a record of this process's, or a line an onebitd process logged."""
+        self.lines.append(fields)
+        self.at.append(time.perf_counter())
+        self._changed.set()
+        self._changed = trio.Event()
 
     async def until(self, n: int) -> list[dict[str, Any]]:
         """All the lines, once there are at least ``n``."""

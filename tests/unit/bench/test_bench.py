@@ -19,9 +19,10 @@ from typing import Any, cast
 
 import pytest
 import trio
+import trio.testing
 
 import bench.cli
-from bench import agent, hosts, routes
+from bench import agent, hosts, rig, routes
 from bench.routes import Block, paired
 from tests.rigs.rig import openvino_llama_server, real_llama_server
 from tests.unit.bench.test_bench_plot import svg_texts
@@ -414,6 +415,27 @@ def test_the_fleets_paired_figure_takes_each_ask_against_the_same_ask_on_the_oth
     direct = Block([100.0, 300.0, 200.0], 0, 1.0, [{}, {}, {}], asked=[0, 2, 1])
     onebitd = Block([210.0, 90.0, 305.0], 0, 1.0, [{}, {}, {}], asked=[1, 0, 2])
     assert paired(direct, onebitd) == 5.0  # +10, -10, +5 (by place: +110, -210, +105)
+
+
+async def test_a_spawned_onebitds_route_lines_are_read_from_its_json_log_as_they_come(tmp_path: Path) -> None:
+    """The fleet's onebitd runs in a process of its own (as in service): its route lines come back
+    through the pipe it logs into, each once its line is whole, and every line is kept."""
+    line = {"route": "plain", "req": "ab-1", "prompt_tokens": 42}
+    with (tmp_path / "onebitd.log").open("w") as keep, trio.fail_after(10):
+        async with rig.piped_lines(keep) as (pipe, lines):
+            record = json.dumps({"ts": 1.5, "level": "info", "logger": "onebit.route", **line})
+            other = json.dumps({"ts": 1.6, "level": "info", "logger": "onebit.daemon", "msg": "ready"})
+            written = f"{other}\nnot json\n{record}"
+            cut = written.index(record) + 20
+            pipe.write(written[:cut])  # the route line in two writes: read once it is whole
+            pipe.flush()
+            await trio.testing.wait_all_tasks_blocked()
+            assert lines.lines == []
+            pipe.write(written[cut:] + "\n")
+            pipe.flush()
+            assert await lines.wait(1) == line
+            assert lines.lines == [line]
+    assert (tmp_path / "onebitd.log").read_text() == written + "\n"
 
 
 def test_the_fleets_warm_up_takes_a_count_of_requests() -> None:
