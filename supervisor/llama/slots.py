@@ -202,6 +202,34 @@ class SlotPool:
                 best = max(best, n)
         return best
 
+    def loads(self, slot: int, key: PromptKey, *, prompt_cache: int) -> None:
+        """``key``'s prompt is sent to ``slot`` for the decoder to evaluate: where the slot keeps
+        less than half of what it holds, llama-server loads the best match from its prompt cache
+        and takes it out of the cache (server_prompt_cache::load erases the entry it loads; the
+        slot's prompt goes back there once the slot moves on).  A request on the same prefix pinned
+        to another slot meanwhile finds nothing there: the fleet's second question on a system
+        prompt, sent while the first one loaded from the cache still runs, evaluates all of it.
+        The match is llama-server's: of the cached prompts it keeps a quarter or more of, the first
+        that beats the slot and every one before it at both its share kept and the prompt's share."""
+        own = self.cached(slot, key)
+        held = self._held[slot].tokens
+        if prompt_cache <= 0 or key.tokens is None or not held or 2 * own >= len(held):
+            return
+        window, room = [], prompt_cache
+        for index in range(len(self._saved) - 1, -1, -1):
+            room -= len(self._saved[index])
+            if room < 0:
+                break
+            window.append(index)
+        keep, share, best = own / len(held), own / len(key.tokens), None
+        for index in reversed(window):  # oldest first, as llama-server walks its cache
+            tokens = self._saved[index]
+            n = common_prefix(tokens, key.tokens)
+            if n >= CACHE_KEEP * len(tokens) and n / len(tokens) > keep and n / len(key.tokens) > share:
+                keep, share, best = n / len(tokens), n / len(key.tokens), index
+        if best is not None:
+            del self._saved[best]
+
     def _moves_on(self, slot: int, key: PromptKey) -> None:
         """The slot holds ``key`` now; what it held before stays in llama-server's prompt cache."""
         before = self._held[slot].tokens

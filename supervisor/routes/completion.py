@@ -394,6 +394,8 @@ class Completions:
                 )
             prefilled = walk.prefilled()
         story.reached(route)
+        if route is Route.PLAIN:  # llama-server moves what it loads from its prompt cache into the slot
+            self.slots.loads(slot, plan.key, prompt_cache=self.rates.tokens_in(self.prompt_cache_mib))
         async with boundary.keeping(self.stored, plan, slot, route, story) as keep:
             if route is not Route.PLAIN or keep.marked is not None:
                 forwarded["cache_prompt"] = True  # the cells handed over or up to the boundary: the slot's cache

@@ -93,6 +93,40 @@ async def test_a_prompt_a_slot_held_before_it_moved_on_is_reused_from_the_prompt
         assert pool.reusable(slot, asked, prompt_cache=701) == 0
 
 
+async def test_a_prompt_loaded_from_the_prompt_cache_leaves_it_until_its_slot_moves_on() -> None:
+    # llama-server's cache hands the prompt it loads to the slot (server_prompt_cache::load erases
+    # it): a question on the same system prompt pinned to another slot meanwhile finds nothing.
+    pool = SlotPool(4, queue_limit=8)
+    for group in GROUPS:
+        async with pool.hold(prompt(*group, 1)):
+            pass
+    first, second = prompt(*GROUPS[0], 2), prompt(*GROUPS[0], 3)
+    async with pool.hold(first) as one:
+        assert pool.reusable(one, first, prompt_cache=10_000) == len(GROUPS[0])
+        pool.loads(one, first, prompt_cache=10_000)
+        async with pool.hold(second) as two:
+            assert pool.reusable(two, second, prompt_cache=10_000) == 0
+            pool.loads(two, second, prompt_cache=10_000)  # nothing to load: nothing changes
+        assert pool.reusable(one, first, prompt_cache=10_000) == 0  # its own request's estimate is made
+    # Both moved on from what they held, and hold the system prompt now.
+    third = prompt(*GROUPS[0], 4)
+    async with pool.hold(third) as slot:
+        assert pool.reusable(slot, third, prompt_cache=10_000) == len(GROUPS[0])
+    # Group 1's prompt is still in the cache: a load of group 0's took nothing else.
+    async with pool.hold(prompt(*GROUPS[2], 9)) as slot:
+        assert pool.reusable(slot, prompt(*GROUPS[1], 5), prompt_cache=10_000) == len(GROUPS[1])
+
+
+async def test_a_slot_that_keeps_half_of_its_prompt_loads_nothing_from_the_prompt_cache() -> None:
+    pool = SlotPool(2, queue_limit=8)
+    pool.remember(0, prompt(*GROUPS[0], 1))
+    pool.remember(0, prompt(*GROUPS[1], 1))  # group 0's prompt to the cache
+    pool.remember(1, prompt(*GROUPS[2], 1))
+    asked = prompt(*GROUPS[1], 2)
+    pool.loads(0, asked, prompt_cache=10_000)  # slot 0 keeps its own: llama-server loads nothing
+    assert pool.reusable(1, prompt(*GROUPS[0], 2), prompt_cache=10_000) == len(GROUPS[0])
+
+
 async def test_a_prompt_the_cache_would_keep_less_than_a_quarter_of_is_not_loaded() -> None:
     pool = SlotPool(1, queue_limit=8)
     async with pool.hold(prompt(*GROUPS[0], *GROUPS[1])):

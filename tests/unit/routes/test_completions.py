@@ -801,3 +801,28 @@ async def test_with_the_prefix_store_only_a_slot_holding_every_message_but_the_l
         return first("/v1/chat/completions", messages) < first("/apply-template", messages)
 
     assert [went_at_once(messages) for messages in (one, two, other)] == [False, True, False]
+
+
+async def test_a_prompt_the_decoder_loads_from_its_prompt_cache_is_not_counted_there_for_a_request_beside_it(
+    tmp_path: Path,
+) -> None:
+    # The fleet's ask 58: two questions on a system prompt no slot holds, the second sent while the
+    # first still runs.  llama-server loaded the prompt from its cache into the first one's slot,
+    # which takes it out of the cache: the second, pinned to the other slot, evaluates all of it.
+    rig = make_rig(tmp_path, ScriptedProvider())
+    slots = rig.completions.slots
+    slots.remember(0, PromptKey(tokens=tuple(rig.fake.tokenize(LONG))))
+    slots.remember(0, PromptKey(tokens=tuple(rig.fake.tokenize("another prompt " * 100))))  # to the cache
+    slots.remember(1, PromptKey(tokens=tuple(rig.fake.tokenize("a third prompt " * 100))))
+    rig.fake.modes = Modes(hold=["first"])
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rig.post, "/completion", {"prompt": f"{LONG} first", "n_predict": 2})
+            await trio.testing.wait_all_tasks_blocked()  # the first one's reply held at the decoder
+            await rig.post("/completion", {"prompt": f"{LONG} second", "n_predict": 2})
+            rig.fake.release.set()
+    second, first = rig.lines
+    assert first.slot != second.slot
+    assert first.est_plain_ms is not None
+    assert second.est_plain_ms is not None
+    assert second.est_plain_ms > 10 * first.est_plain_ms, (first, second)
