@@ -35,6 +35,7 @@ from supervisor.config import Config, locate
 from supervisor.daemon import Daemon
 from supervisor.observe.logs import ROUTE_LOGGER
 from supervisor.providers.llama import LlamaServerProvider
+from supervisor.routeline import FIELDS
 from supervisor.supervise.process import ChildProcess
 from supervisor.testing import RouteLines, run_daemon, unix_transport
 
@@ -44,6 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 300
 # One request never takes this long on this model; past it, something is stuck, not slow.
 REQUEST_TIMEOUT_S = 300
+READ_REST_S = 5.0  # what a spawned onebitd wrote last, read after it stopped
 # The hybrid rig's start and requests: one 2k-token prefill on a loaded 2-core machine is seconds, not minutes.
 HYBRID_TIMEOUT_S = 600
 # The direct llama-server's start (its model loading beside a daemon's own).
@@ -91,10 +93,17 @@ def _within(data: dict[str, Any], shape: dict[str, Any]) -> dict[str, Any]:
 
 @asynccontextmanager
 async def spawn_onebitd(
-    config: Config, runtime_dir: Path, log: TextIO, *, root: Path = ROOT, shape: dict[str, Any] | None = None
+    config: Config,
+    runtime_dir: Path,
+    log: TextIO,
+    *,
+    root: Path = ROOT,
+    shape: dict[str, Any] | None = None,
+    ready_timeout_s: float = READY_TIMEOUT_S,
 ) -> AsyncIterator[Spawned]:
-    """onebitd in a process of its own, ready (its sd_notify READY=1), and the two clients; ``root``:
-    the checkout whose onebitd it is (``versus`` runs another's beside this one).
+    """onebitd in a process of its own, ready (its sd_notify READY=1, every provider started: one
+    that is not is a BenchError), and the two clients; ``root``: the checkout whose onebitd it is
+    (``versus`` runs another's beside this one).
 
     The benchmark's clients then share neither onebitd's event loop nor its CPU time, as an
     OpenAI client and onebitd do in service.  The process is stopped (SIGTERM) and reaped when the
@@ -128,15 +137,19 @@ async def spawn_onebitd(
                 )
             )
             try:
-                url = ""
-                with trio.move_on_after(READY_TIMEOUT_S):
+                url, not_ready = "", ""
+                with trio.move_on_after(ready_timeout_s):
                     while not url:
                         message = (await notify.recv(4096)).decode()
                         fields = dict(line.split("=", 1) for line in message.splitlines() if "=" in line)
                         if fields.get("READY") == "1":
-                            url = fields.get("STATUS", "").removeprefix("serving on ").split(",")[0].strip()
+                            # "serving on URL[, URL...][; providers not ready: NAME, ...]"
+                            serving, _, not_ready = fields.get("STATUS", "").partition("; ")
+                            url = serving.removeprefix("serving on ").split(",")[0].strip()
                 if not url:
-                    raise BenchError(f"onebitd (pid {process.pid}) did not say READY=1 in {READY_TIMEOUT_S} s")
+                    raise BenchError(f"onebitd (pid {process.pid}) did not say READY=1 in {ready_timeout_s:.0f} s")
+                if not_ready:
+                    raise BenchError(f"onebitd (pid {process.pid}) is ready with {not_ready}: its log says why")
                 # Keep reading what onebitd says (STATUS= every few seconds), as systemd does.
                 nursery.start_soon(drain, notify)
                 timeout = httpx.Timeout(REQUEST_TIMEOUT_S)
@@ -426,22 +439,27 @@ async def open_lines() -> AsyncIterator[RouteLines]:
 async def piped_lines(keep: TextIO) -> AsyncIterator[tuple[TextIO, RouteLines]]:
     """A pipe to give :func:`spawn_onebitd` as its log (its config's ``log.format`` ``"json"``), and
     the route lines that onebitd logs into it, read as they come: what :func:`open_lines` is for an
-    onebitd in this process.  Every line is copied to ``keep``.
+    onebitd in this process.  Every line is copied to ``keep``, and its warnings and errors to this
+    process's standard error, as an onebitd in this process logs them.
 
-    Enter it before ``spawn_onebitd``: the pipe is read until onebitd has stopped, so that neither
-    its last lines are lost nor its writes block on a pipe nobody reads."""
+    Enter it before ``spawn_onebitd``: the pipe is read until onebitd has stopped (and what it
+    wrote last, for at most :data:`READ_REST_S`), so its writes never block on a pipe nobody reads."""
     lines = RouteLines()
+    finished = trio.Event()
     read_fd, write_fd = os.pipe()
     with os.fdopen(write_fd, "w") as writer:
         async with trio.lowlevel.FdStream(read_fd) as reader, trio.open_nursery() as nursery:
-            nursery.start_soon(_read_log, reader, keep, lines)
+            nursery.start_soon(_read_log, reader, keep, lines, finished)
             try:
                 yield writer, lines
             finally:
+                writer.close()  # onebitd has stopped: the pipe ends once what it wrote is read
+                with trio.move_on_after(READ_REST_S, shield=True):
+                    await finished.wait()
                 nursery.cancel_scope.cancel()
 
 
-async def _read_log(reader: trio.lowlevel.FdStream, keep: TextIO, lines: RouteLines) -> None:
+async def _read_log(reader: trio.lowlevel.FdStream, keep: TextIO, lines: RouteLines, finished: trio.Event) -> None:
     pending = b""
     async for chunk in reader:
         *whole, pending = (pending + chunk).split(b"\n")
@@ -452,7 +470,10 @@ async def _read_log(reader: trio.lowlevel.FdStream, keep: TextIO, lines: RouteLi
                 record = json.loads(text)
             except ValueError:
                 continue  # a line not of the JSON log: a child's own output, a traceback's
-            if isinstance(record, dict) and record.pop("logger", None) == ROUTE_LOGGER:
-                record.pop("ts", None)
-                record.pop("level", None)
-                lines.add(record)
+            if not isinstance(record, dict):
+                continue
+            if record.get("logger") == ROUTE_LOGGER:
+                lines.add({key: record[key] for key in FIELDS if key in record})
+            elif record.get("level") in ("warning", "error", "critical"):
+                print(text, file=sys.stderr)
+    finished.set()

@@ -7,7 +7,8 @@ to 7,600 tokens, new text every request, so nothing is cached anywhere), four si
 order rotating each round: *default* (the config as shipped: the cost decision), *plain* (every
 prompt kept plain: ``min_prompt_tokens`` out of reach), *file* (every prompt handed over:
 ``route_by = "length"``), and *default* again, an A/A pair that shows the noise.  The sides are
-the same processes with other ``[hybrid]`` settings (``Completions.configure``), so all four teach
+the same processes with other ``[hybrid]`` settings (``Completions.configure``, so onebitd runs in
+this process: its clients share its event loop, on every side alike), and all four teach
 the one cost model: the default side decides on rates measured at every size.  Time to the first
 streamed token; medians per size; the routes the default side took; how near its estimates came.
 
@@ -21,11 +22,12 @@ is apart from the decoder's.  Only the measured requests' route lines are read.
 shared-prefix one): ``--groups`` (6) system prompts of 600 to 800 tokens, each request one of them
 and a new 20 to 50-token question, 32 to 64 tokens out, streamed, two at a time.  *direct* is a
 llama-server as onebitd starts it (its decoder, reached on its own socket, with hybrid off: its
-own slots and prompt cache do all the reuse); *onebitd* is the shipped config through its front, in
-a process of its own as in service (:func:`bench.rig.spawn_onebitd`; its route lines read back from
-its JSON log): in this process it would share its event loop with the clients that time it.  First a warm-up, not counted: ``--warmup`` requests a side (a block's worth; 4
-with ``--quick``) on system prompts of their own, so that neither side's first block runs on a
-freshly started decoder (:func:`warm_up`).  Then four blocks ABBA (direct, onebitd, onebitd,
+own slots and prompt cache do all the reuse); *onebitd* is the shipped config through its front,
+in a process of its own as in service (:func:`bench.rig.spawn_onebitd`; its route lines read back
+from its JSON log): in this process it would share its event loop with the clients that time it.
+First a warm-up, not counted: ``--warmup`` requests a side (a block's worth; 4 with ``--quick``)
+on system prompts of their own, so that neither side's first block runs on a freshly started
+decoder (:func:`warm_up`).  Then four blocks ABBA (direct, onebitd, onebitd,
 direct); each side meets the same requests in the same order.  First-token median and p90 and
 token throughput, onebitd over direct, and the paired figure (:func:`paired`) for each pair of
 blocks; onebitd's route lines: requests handed over after a prefix-store restore, and the share
@@ -449,7 +451,8 @@ async def warm_up(
     for client in (direct, other):
         await run_block(client, prefixes, asks, args.concurrency)
     if not args.aa:  # a direct side logs none: it bypasses onebitd
-        await lines.wait(before + n)
+        with trio.fail_after(TIMEOUT_S):  # onebitd's process may have died meanwhile
+            await lines.wait(before + n)
     print(f"  warm-up: {n} requests a side on system prompts of their own, not counted")
 
 
@@ -464,13 +467,14 @@ async def fleet(args: argparse.Namespace) -> int:
         (Path(tmp) / "b").mkdir()
         plain = shipped_config(Path(tmp) / "a", hybrid=False)
         mine = shipped_config(Path(tmp) / "b", hybrid=not args.aa)
-        mine = attrs.evolve(mine, log=attrs.evolve(mine.log, format="json"))  # its route lines, read back
+        mine = attrs.evolve(mine, log=attrs.evolve(mine.log, format="json", level="info"))  # its route lines
         with (Path(tmp) / "onebitd.log").open("w") as log:
             async with (
                 run_daemon(plain, ready_timeout_s=TIMEOUT_S) as direct_side,
                 direct_side.clients(request_timeout_s=TIMEOUT_S) as direct,
                 piped_lines(log) as (pipe, lines),
-                spawn_onebitd(mine, Path(tmp) / "b", pipe) as onebitd,  # READY=1: its providers started
+                # READY=1: its providers started (a provider not ready is the benchmark's error)
+                spawn_onebitd(mine, Path(tmp) / "b", pipe, ready_timeout_s=TIMEOUT_S) as onebitd,
             ):
                 other = onebitd.direct if args.aa else onebitd.front
                 prefixes = await system_prompts(direct.direct, args.groups, rng)
@@ -491,7 +495,8 @@ async def fleet(args: argparse.Namespace) -> int:
                         f" median first token {statistics.median(done.first_ms):.0f} ms"
                     )
                 if not args.aa:  # a direct side logs none: it bypasses onebitd
-                    await lines.wait(onebitd_lines_from + 2 * per_block)
+                    with trio.fail_after(TIMEOUT_S):  # onebitd's process may have died meanwhile
+                        await lines.wait(onebitd_lines_from + 2 * per_block)
                     print(await spawned_costs(onebitd.front))
                 ours = lines.lines[onebitd_lines_from:]
     write_lines(args.lines, ours)

@@ -15,7 +15,8 @@ llama-server's own prompt cache on (``--cache-ram``), whatever that cache holds.
 its idle slots there as each task starts, and a slot that would keep less than half of what it
 holds is saved there before the best match is loaded into it (server-context.cpp's
 ``get_available_slot``, server-task.cpp's ``server_prompt_cache::load``): a prompt a slot held
-stays reusable after the slot moves on, until the cache's memory bound pushes it out.
+stays reusable after the slot moves on, until the cache's memory bound pushes it out or a slot
+loads it (the cache gives up what it loads: :meth:`SlotPool.loads`).
 """
 
 from __future__ import annotations
@@ -210,11 +211,13 @@ class SlotPool:
         to another slot meanwhile finds nothing there: the fleet's second question on a system
         prompt, sent while the first one loaded from the cache still runs, evaluates all of it.
         The match is llama-server's: of the cached prompts it keeps a quarter or more of, the first
-        that beats the slot and every one before it at both its share kept and the prompt's share."""
+        that beats the slot and every one before it at both its share kept and the prompt's share.
+        The slot's own prompt goes into the cache first, as llama-server saves it before the load."""
         own = self.cached(slot, key)
         held = self._held[slot].tokens
         if prompt_cache <= 0 or key.tokens is None or not held or 2 * own >= len(held):
             return
+        self._save(held)  # saved first (server_context's get_available_slot): a request beside it may load it
         window, room = [], prompt_cache
         for index in range(len(self._saved) - 1, -1, -1):
             room -= len(self._saved[index])
@@ -236,11 +239,16 @@ class SlotPool:
         self._held[slot] = key
         if not before or (key.tokens is not None and common_prefix(before, key.tokens) == len(before)):
             return  # nothing, or a prefix of what the slot holds now
-        if any(common_prefix(before, saved) == len(before) for saved in self._saved):
-            return  # the cache holds it already, within a longer prompt (server_prompt_cache::alloc)
-        kept = [saved for saved in self._saved if common_prefix(saved, before) < len(saved)]
+        self._save(before)
+
+    def _save(self, tokens: tuple[int, ...]) -> None:
+        """llama-server's prompt cache takes ``tokens`` (server_prompt_cache::alloc): not where it
+        holds them already, within a longer prompt; the prompts they contain go."""
+        if any(common_prefix(tokens, saved) == len(tokens) for saved in self._saved):
+            return
+        kept = [saved for saved in self._saved if common_prefix(saved, tokens) < len(saved)]
         self._saved.clear()
-        self._saved.extend([*kept, before])
+        self._saved.extend([*kept, tokens])
 
     def forget(self, slot: int) -> None:
         """The slot was erased: it holds nothing."""

@@ -112,10 +112,14 @@ class Guess:
     # few.  What the request is priced at until its tokens are known (the prefill it puts in flight).
     likely_cached: int = 0
     likely_tokens: int = 0
+    whole: int = 0  # the tokens the slot holds
 
     @property
     def holds_most(self) -> bool:
-        return 2 * self.cached >= self.tokens
+        """Half the prompt or more is the slot's, and the slot keeps half or more of what it holds:
+        below that llama-server loads the best match from its prompt cache instead, which only a
+        plan prices (llama/slots.py's ``reusable``)."""
+        return 2 * self.cached >= self.tokens and 2 * self.cached >= self.whole
 
 
 def readable(prompt: Prompt) -> bool:
@@ -142,7 +146,15 @@ def guess(held: PromptKey, text: str) -> Guess | None:
     tail = max(math.ceil(len(rest) * per_char), outside_ascii)
     tokens = shared + TAIL_FACTOR * tail + GENERATION_TOKENS
     likely = shared + tail + LIKELY_GENERATION_TOKENS
-    return Guess(cached, tokens, held.tokens[:cached], matched, likely_cached=shared, likely_tokens=likely)
+    return Guess(
+        cached,
+        tokens,
+        held.tokens[:cached],
+        matched,
+        likely_cached=shared,
+        likely_tokens=likely,
+        whole=len(held.tokens),
+    )
 
 
 def unstored(prompt: Chat | Text, guessed: Guess) -> bool:

@@ -417,15 +417,19 @@ def test_the_fleets_paired_figure_takes_each_ask_against_the_same_ask_on_the_oth
     assert paired(direct, onebitd) == 5.0  # +10, -10, +5 (by place: +110, -210, +105)
 
 
-async def test_a_spawned_onebitds_route_lines_are_read_from_its_json_log_as_they_come(tmp_path: Path) -> None:
+async def test_a_spawned_onebitds_route_lines_are_read_from_its_json_log_as_they_come(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The fleet's onebitd runs in a process of its own (as in service): its route lines come back
-    through the pipe it logs into, each once its line is whole, and every line is kept."""
+    through the pipe it logs into, each once its line is whole, every line is kept, and its
+    warnings reach the benchmark's standard error."""
     line = {"route": "plain", "req": "ab-1", "prompt_tokens": 42}
     with (tmp_path / "onebitd.log").open("w") as keep, trio.fail_after(10):
         async with rig.piped_lines(keep) as (pipe, lines):
             record = json.dumps({"ts": 1.5, "level": "info", "logger": "onebit.route", **line})
             other = json.dumps({"ts": 1.6, "level": "info", "logger": "onebit.daemon", "msg": "ready"})
-            written = f"{other}\nnot json\n{record}"
+            warned = json.dumps({"ts": 1.7, "level": "warning", "logger": "onebit.daemon", "msg": "a warning"})
+            written = f"{other}\nnot json\n{warned}\n{record}"
             cut = written.index(record) + 20
             pipe.write(written[:cut])  # the route line in two writes: read once it is whole
             pipe.flush()
@@ -436,6 +440,7 @@ async def test_a_spawned_onebitds_route_lines_are_read_from_its_json_log_as_they
             assert await lines.wait(1) == line
             assert lines.lines == [line]
     assert (tmp_path / "onebitd.log").read_text() == written + "\n"
+    assert capsys.readouterr().err == warned + "\n"
 
 
 def test_the_fleets_warm_up_takes_a_count_of_requests() -> None:

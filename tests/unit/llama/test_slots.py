@@ -107,7 +107,6 @@ async def test_a_prompt_loaded_from_the_prompt_cache_leaves_it_until_its_slot_mo
         async with pool.hold(second) as two:
             assert pool.reusable(two, second, prompt_cache=10_000) == 0
             pool.loads(two, second, prompt_cache=10_000)  # nothing to load: nothing changes
-        assert pool.reusable(one, first, prompt_cache=10_000) == 0  # its own request's estimate is made
     # Both moved on from what they held, and hold the system prompt now.
     third = prompt(*GROUPS[0], 4)
     async with pool.hold(third) as slot:
@@ -115,6 +114,22 @@ async def test_a_prompt_loaded_from_the_prompt_cache_leaves_it_until_its_slot_mo
     # Group 1's prompt is still in the cache: a load of group 0's took nothing else.
     async with pool.hold(prompt(*GROUPS[2], 9)) as slot:
         assert pool.reusable(slot, prompt(*GROUPS[1], 5), prompt_cache=10_000) == len(GROUPS[1])
+
+
+async def test_a_slot_that_loads_from_the_prompt_cache_saves_its_own_prompt_there_first() -> None:
+    # llama-server saves the slot before it loads into it: a request on the slot's old prompt,
+    # pinned elsewhere while the first one runs, loads that prompt from the cache.
+    pool = SlotPool(2, queue_limit=8)
+    pool.remember(0, prompt(*GROUPS[0], 1))
+    pool.remember(0, prompt(*GROUPS[1], 1))  # group 0's prompt to the cache; slot 0 holds group 1's
+    pool.remember(1, prompt(*GROUPS[2], 1))
+    asked = prompt(*GROUPS[0], 2)
+    async with pool.hold(asked) as slot:
+        assert slot == 0
+        pool.loads(slot, asked, prompt_cache=10_000)
+        again = prompt(*GROUPS[1], 5)
+        async with pool.hold(again) as other:
+            assert pool.reusable(other, again, prompt_cache=10_000) == len(GROUPS[1])
 
 
 async def test_a_slot_that_keeps_half_of_its_prompt_loads_nothing_from_the_prompt_cache() -> None:

@@ -79,7 +79,14 @@ class Rig:
         return await asgi.call(self.front, "POST", path, body)
 
 
-def make_rig(tmp_path: Path, provider: Provider, *, share: bool = False, slot_context: int | None = None) -> Rig:
+def make_rig(
+    tmp_path: Path,
+    provider: Provider,
+    *,
+    share: bool = False,
+    slot_context: int | None = None,
+    prompt_cache_mib: int = 0,
+) -> Rig:
     fake = FakeLlama(tmp_path)
     client = fake.client()
     share_handoff = None
@@ -100,6 +107,7 @@ def make_rig(tmp_path: Path, provider: Provider, *, share: bool = False, slot_co
         settings=SETTINGS,
         hybrid=hybrid,
         slot_context=slot_context,
+        prompt_cache_mib=prompt_cache_mib,
     )
     lines: list[RouteLine] = []
     front = Front(ServerConfig(), One(completions, client, decoder), emit=lines.append)
@@ -809,7 +817,7 @@ async def test_a_prompt_the_decoder_loads_from_its_prompt_cache_is_not_counted_t
     # The fleet's ask 58: two questions on a system prompt no slot holds, the second sent while the
     # first still runs.  llama-server loaded the prompt from its cache into the first one's slot,
     # which takes it out of the cache: the second, pinned to the other slot, evaluates all of it.
-    rig = make_rig(tmp_path, ScriptedProvider())
+    rig = make_rig(tmp_path, ScriptedProvider(), prompt_cache_mib=-1)  # llama-server's cache, unbounded
     slots = rig.completions.slots
     slots.remember(0, PromptKey(tokens=tuple(rig.fake.tokenize(LONG))))
     slots.remember(0, PromptKey(tokens=tuple(rig.fake.tokenize("another prompt " * 100))))  # to the cache

@@ -47,6 +47,21 @@ def test_a_prompt_that_parts_early_holds_little_and_one_sharing_nothing_is_not_g
     assert guess(PromptKey(WORDS), WORDS) is None  # the slot's tokens are not known
 
 
+def test_a_slot_that_would_keep_under_half_of_what_it_holds_is_not_taken_at_once() -> None:
+    # A long chat in the slot, then a short prompt on its first half: the slot holds all of the
+    # prompt but keeps under half of itself, so llama-server loads from its prompt cache instead
+    # (and takes the entry it loads out of the cache), which only a plan prices.
+    long_chat = WORDS + " and the rest of a long conversation" * 60
+    held = PromptKey(long_chat, tokens(long_chat))
+    short = guess(held, WORDS + " a question")
+    assert short is not None
+    assert 2 * short.cached >= short.tokens  # the prompt is mostly the slot's
+    assert not short.holds_most
+    half = guess(PromptKey(WORDS, tokens(WORDS)), WORDS + " a question")
+    assert half is not None
+    assert half.holds_most
+
+
 def test_only_a_text_or_a_chat_with_nothing_templated_beside_its_messages_is_readable() -> None:
     messages = [{"role": "user", "content": "hello"}]
     assert readable(parse("/completion", {"prompt": "hello", "n_predict": 4}))
