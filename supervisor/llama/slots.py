@@ -185,51 +185,60 @@ class SlotPool:
         """Tokens of ``key`` llama-server would reuse with the request pinned to ``slot``: the
         slot's prefix; with its prompt cache on and the slot keeping less than half of what it
         holds, the longest prefix that cache holds (any free slot's, and the prompts slots held
-        before, the newest ``prompt_cache`` tokens of them: the cache's size in tokens, 0 off).
-        llama-server then saves the slot into its cache and loads the best match from it.  An empty
-        slot loads nothing: llama-server's share of it kept is 0/0 there, which is no less than half
-        (server_context's get_available_slot, for a request pinned to its slot)."""
+        before, the newest ``prompt_cache`` tokens of them: the cache's size in tokens, 0 off), which
+        llama-server then loads into the slot (server_context's get_available_slot; :meth:`loads`)."""
         own = self.cached(slot, key)
-        held = self._held[slot].tokens
-        if prompt_cache <= 0 or key.tokens is None or not held or 2 * own >= len(held):
+        consulted = self._consults_cache(slot, own, key, prompt_cache)
+        if consulted is None:
             return own
-        best, room = max(own, self.best_cached(key)), prompt_cache
-        for tokens in reversed(self._saved):
-            room -= len(tokens)
-            if room < 0:
-                break
-            n = common_prefix(tokens, key.tokens)
+        best, (_, asked) = max(own, self.best_cached(key)), consulted
+        for index in self._cache_window(prompt_cache):
+            tokens = self._saved[index]
+            n = common_prefix(tokens, asked)
             if n >= CACHE_KEEP * len(tokens):
                 best = max(best, n)
         return best
 
-    def loads(self, slot: int, key: PromptKey, *, prompt_cache: int) -> None:
-        """``key``'s prompt is sent to ``slot`` for the decoder to evaluate: where the slot keeps
-        less than half of what it holds, llama-server loads the best match from its prompt cache
-        and takes it out of the cache (server_prompt_cache::load erases the entry it loads; the
-        slot's prompt goes back there once the slot moves on).  A request on the same prefix pinned
-        to another slot meanwhile finds nothing there: the fleet's second question on a system
-        prompt, sent while the first one loaded from the cache still runs, evaluates all of it.
-        The match is llama-server's: of the cached prompts it keeps a quarter or more of, the first
-        that beats the slot and every one before it at both its share kept and the prompt's share.
-        The slot's own prompt goes into the cache first, as llama-server saves it before the load."""
-        own = self.cached(slot, key)
+    def _consults_cache(
+        self, slot: int, own: int, key: PromptKey, prompt_cache: int
+    ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """What the slot holds and ``key``'s tokens, where llama-server consults its prompt cache for
+        ``key`` in ``slot``, keeping ``own`` of it: the cache on, the slot keeping less than half
+        (an empty slot keeps 0/0, never less); else None."""
         held = self._held[slot].tokens
         if prompt_cache <= 0 or key.tokens is None or not held or 2 * own >= len(held):
-            return
-        self._save(held)  # saved first (server_context's get_available_slot): a request beside it may load it
+            return None
+        return held, key.tokens
+
+    def _cache_window(self, prompt_cache: int) -> list[int]:
+        """The places in ``_saved`` of the prompts the cache still holds, newest first: as many as
+        ``prompt_cache`` tokens hold (llama-server drops the oldest past its size)."""
         window, room = [], prompt_cache
         for index in range(len(self._saved) - 1, -1, -1):
             room -= len(self._saved[index])
             if room < 0:
                 break
             window.append(index)
-        keep, share, best = own / len(held), own / len(key.tokens), None
-        for index in reversed(window):  # oldest first, as llama-server walks its cache
+        return window
+
+    def loads(self, slot: int, key: PromptKey, *, prompt_cache: int) -> None:
+        """``key``'s prompt is sent to ``slot`` for the decoder to evaluate: where llama-server
+        consults its prompt cache, it first saves the slot there, then loads the best match and
+        takes it out of the cache (server_prompt_cache::load), so a request on the same prefix
+        pinned to another slot meanwhile evaluates all of it (the fleet's ask 58).  The match is
+        llama-server's: oldest first, a quarter kept at least, each better at both shares."""
+        own = self.cached(slot, key)
+        consulted = self._consults_cache(slot, own, key, prompt_cache)
+        if consulted is None:
+            return
+        held, asked = consulted
+        self._save(held)  # saved first (server_context's get_available_slot): a request beside it may load it
+        keep, share, best = own / len(held), own / len(asked), None
+        for index in reversed(self._cache_window(prompt_cache)):  # oldest first, as llama-server walks it
             tokens = self._saved[index]
-            n = common_prefix(tokens, key.tokens)
-            if n >= CACHE_KEEP * len(tokens) and n / len(tokens) > keep and n / len(key.tokens) > share:
-                keep, share, best = n / len(tokens), n / len(key.tokens), index
+            n = common_prefix(tokens, asked)
+            if n >= CACHE_KEEP * len(tokens) and n / len(tokens) > keep and n / len(asked) > share:
+                keep, share, best = n / len(tokens), n / len(asked), index
         if best is not None:
             del self._saved[best]
 
